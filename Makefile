@@ -1,0 +1,39 @@
+# fltff quickstart. Two commands on a fresh machine with Python 3.11:
+#   make quickstart   # set up .venv (once) and run gin_configs/quickstart.gin offline
+#   make test         # set up .venv (once) and run the test suite
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.fltff-installed
+OUTPUT_DIR ?= runs/quickstart
+PYTEST_ARGS ?=
+
+.PHONY: setup quickstart test bench clean-venv
+setup: $(STAMP)
+
+# TFF 0.87.0 pins jax/jaxlib 0.4.14, for which no Python 3.11 wheel exists. We install the
+# rest of the pinned set (with jax/jaxlib 0.4.13) and then TFF itself with --no-deps.
+# jax 0.4.13 is an sdist whose setup.py imports pkg_resources: build it without isolation
+# against setuptools<70.
+$(STAMP): requirements.txt
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "fltff needs Python 3.11 (TFF 0.87 supports <=3.11); found " + sys.version.split()[0]'
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --disable-pip-version-check "setuptools<70" wheel
+	$(VPY) -m pip install -q --disable-pip-version-check --no-build-isolation $$(grep -E '^jax(lib)?==' requirements.txt)
+	$(VPY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(VPY) -m pip install -q --disable-pip-version-check --no-deps tensorflow-federated==0.87.0
+	$(VPY) -c 'import tensorflow_federated, tensorflow_datasets, gin; print("fltff environment ready")'
+	@touch $(STAMP)
+
+quickstart: setup
+	$(VPY) -m pipelines.run --gin_file=gin_configs/quickstart.gin --output_dir=$(OUTPUT_DIR)
+
+test: setup
+	$(VPY) -m pytest -q $(PYTEST_ARGS) tests
+
+bench: setup
+	$(VPY) -m pipelines.bench
+
+clean-venv:
+	rm -rf $(VENV)

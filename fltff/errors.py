@@ -1,0 +1,26 @@
+"""Error types that the pipeline turns into one readable message and a non-zero exit.
+
+Library code raises these for bad input (impossible partitions, unknown names, missing data,
+shape mismatches, divergence). `pipelines.run` catches `FltffError` and prints
+`error: <message>` without a traceback; anything else is a bug and keeps its traceback.
+"""
+
+
+class FltffError(Exception):
+  """Base class for errors caused by the user's input or environment, not by a bug."""
+
+
+class ConfigError(FltffError, ValueError):
+  """An experiment's configuration is invalid (unknown name, impossible value)."""
+
+
+class DataError(FltffError):
+  """A data source is missing, unprepared or unusable (e.g. TFDS data offline)."""
+
+
+class DivergenceError(FltffError):
+  """Training produced a non-finite loss or weights; the last good round is checkpointed."""
+
+
+class RuntimeUnavailableError(FltffError):
+  """The TFF runtime (local worker_binary or a remote worker) cannot be reached."""

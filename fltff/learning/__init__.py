@@ -1,0 +1,22 @@
+"""Client work and process builders, one module per method.
+
+Every builder takes a `ModelSpec` and returns an `Algorithm` (a TFF learning process plus its
+per-client communication sizes). Gin names: `fedavg`, `fedprox`, `sgdm`.
+"""
+
+from fltff.learning.client_work import CLIENT_INFO_SPEC
+from fltff.learning.client_work import LocalRegularizer
+from fltff.learning.client_work import build_client_work
+from fltff.learning.client_work import build_local_training
+from fltff.learning.client_work import client_input
+from fltff.learning.fedavg import fedavg
+from fltff.learning.fedprox import fedprox
+from fltff.learning.model_spec import ModelSpec
+from fltff.learning.model_spec import type_num_bytes
+from fltff.learning.optimizers import client_optimizer
+from fltff.learning.optimizers import server_optimizer
+from fltff.learning.process import Algorithm
+from fltff.learning.process import build_algorithm
+from fltff.learning.regularizers import ProximalRegularizer
+from fltff.learning.regularizers import proximal_penalty
+from fltff.learning.sgdm import sgdm

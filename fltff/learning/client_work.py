@@ -1,0 +1,167 @@
+"""Client work shared by every method: local training with an optional regulariser.
+
+Each participant receives the global `ModelWeights` and its client input
+
+    OrderedDict(batches=<batched tf.data.Dataset of OrderedDict(x, y)>,
+                info=<one-element dataset of OrderedDict(client_index, epochs)>)
+
+and runs `epochs` passes over `batches` with a `tff.learning.optimizers.Optimizer`, minimising
+`loss(batch) + regulariser(local, global)`. The per-client `info` travels as a one-element
+dataset because `compose_learning_process` accepts only sequence-valued client data
+(shared/notes/environment.md); it carries the client's slot (for stateful aggregators) and its
+number of local epochs (stragglers do fewer).
+
+The dataset is iterated with `Dataset.reduce`, the loop TFF's own `model_delta_client_work`
+uses (measured faster than `for batch in dataset`). Unlike TFF, non-finite updates are *not*
+silently zeroed: divergence must surface so the round driver can stop and keep the last good
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Any, Optional, Protocol
+
+import numpy as np
+import tensorflow as tf
+
+from fltff.learning.model_spec import ModelSpec
+
+CLIENT_INFO_SPEC = collections.OrderedDict(
+    client_index=tf.TensorSpec([], tf.int32),
+    epochs=tf.TensorSpec([], tf.int32),
+)
+
+
+class LocalRegularizer(Protocol):
+  """A term added to the client's local objective that depends on the global weights.
+
+  `epoch_start` runs at the start of every local epoch and returns a context held fixed for
+  that epoch (FedLap's λ); `penalty` is differentiated with the data loss at every step.
+  """
+
+  def epoch_start(self, local: Sequence[tf.Tensor], global_: Sequence[tf.Tensor]) -> Any:
+    ...
+
+  def penalty(self, local: Sequence[tf.Variable], global_: Sequence[tf.Tensor],
+              context: Any) -> tf.Tensor:
+    ...
+
+
+def client_input(batches: tf.data.Dataset, client_index: int, epochs: int):
+  """Packs one participant's batches and info in the layout `build_client_work` expects."""
+  info = tf.data.Dataset.from_tensors(
+      collections.OrderedDict(client_index=np.int32(client_index), epochs=np.int32(epochs)))
+  return collections.OrderedDict(batches=batches, info=info)
+
+
+def build_local_training(model, optimizer, regularizer: Optional[LocalRegularizer] = None):
+  """Returns a `tf.function` running the local epochs on `model` (a `VariableModel`).
+
+  The function maps `(initial_weights, batches, info)` to
+  `(trainable_after, examples_per_epoch)`, leaving metrics in the model's metric variables.
+  """
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  @tf.function
+  def train(initial_weights, batches, info):
+    info = info.reduce(
+        collections.OrderedDict(client_index=tf.constant(0, tf.int32),
+                                epochs=tf.constant(0, tf.int32)),
+        lambda _, x: x)
+    epochs = info['epochs']
+    model_weights = tff.learning.models.ModelWeights.from_model(model)
+    tf.nest.map_structure(lambda v, t: v.assign(t), model_weights, initial_weights)
+    variables = tuple(tf.nest.flatten(model_weights.trainable))
+    global_trainable = tuple(tf.nest.flatten(initial_weights.trainable))
+    optimizer_state = optimizer.initialize(
+        tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables))
+
+    def run_epoch(examples, optimizer_state):
+      context = ()
+      if regularizer is not None:
+        context = regularizer.epoch_start(
+            tuple(v.read_value() for v in variables), global_trainable)
+
+      def reduce_fn(state, batch):
+        examples, optimizer_state = state
+        with tf.GradientTape() as tape:
+          output = model.forward_pass(batch, training=True)
+          loss = output.loss
+          if regularizer is not None:
+            loss += regularizer.penalty(variables, global_trainable, context)
+        gradients = tape.gradient(loss, variables)
+        optimizer_state, updated = optimizer.next(
+            optimizer_state, tuple(v.read_value() for v in variables), tuple(gradients))
+        for v, u in zip(variables, updated):
+          v.assign(u)
+        return examples + tf.cast(output.num_examples, tf.int64), optimizer_state
+
+      return batches.reduce((examples, optimizer_state), reduce_fn)
+
+    examples = tf.constant(0, tf.int64)
+    for _ in tf.range(epochs):
+      examples, optimizer_state = run_epoch(examples, optimizer_state)
+    examples_per_epoch = examples // tf.cast(tf.maximum(epochs, 1), tf.int64)
+    return tuple(v.read_value() for v in variables), examples_per_epoch
+
+  return train
+
+
+def build_client_work(model_spec: ModelSpec,
+                      optimizer,
+                      regularizer: Optional[LocalRegularizer] = None,
+                      metrics_aggregator=None):
+  """A `tff.learning.templates.ClientWorkProcess` doing local training from the global model.
+
+  The update is `initial − trained` (TFF's model-delta convention, so TFF's finalizers apply
+  it with the server optimizer) and its weight is the client's number of training examples
+  n_k (examples per epoch), the FedAvg weighting of McMahan et al. (2017), eq. (1).
+
+  Args:
+    model_spec: The model.
+    optimizer: A `tff.learning.optimizers.Optimizer` for local steps.
+    regularizer: Optional `LocalRegularizer` (FedProx's proximal term, FedLap's, ...).
+    metrics_aggregator: As in TFF; defaults to `tff.learning.metrics.sum_then_finalize`.
+  """
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  if metrics_aggregator is None:
+    metrics_aggregator = tff.learning.metrics.sum_then_finalize
+  with tf.Graph().as_default():
+    model = model_spec.tff_model()
+    metrics_aggregation_fn = metrics_aggregator(model.metric_finalizers())
+    element_type = tff.types.tensorflow_to_type(model.input_spec)
+    weights_type = tff.learning.models.weights_type_from_model(model)
+  data_type = tff.StructWithPythonType(
+      [('batches', tff.SequenceType(element_type)),
+       ('info', tff.SequenceType(tff.types.tensorflow_to_type(CLIENT_INFO_SPEC)))],
+      collections.OrderedDict)
+
+  @tff.tensorflow.computation(weights_type, data_type)
+  def client_update(initial_weights, data):
+    local_model = model_spec.tff_model()
+    train = build_local_training(local_model, optimizer, regularizer)
+    trained, examples = train(initial_weights, data['batches'], data['info'])
+    update = tf.nest.map_structure(
+        tf.subtract, tuple(tf.nest.flatten(initial_weights.trainable)), trained)
+    update = tf.nest.pack_sequence_as(initial_weights.trainable, update)
+    return (tff.learning.templates.ClientResult(
+        update=update, update_weight=tf.cast(examples, tf.float32)),
+            local_model.report_local_unfinalized_metrics())
+
+  @tff.federated_computation
+  def init_fn():
+    return tff.federated_value((), tff.SERVER)
+
+  @tff.federated_computation(init_fn.type_signature.result,
+                             tff.FederatedType(weights_type, tff.CLIENTS),
+                             tff.FederatedType(data_type, tff.CLIENTS))
+  def next_fn(state, weights, client_data):
+    client_result, model_outputs = tff.federated_map(client_update, (weights, client_data))
+    train_metrics = metrics_aggregation_fn(model_outputs)
+    measurements = tff.federated_zip(collections.OrderedDict(train=train_metrics))
+    return tff.templates.MeasuredProcessOutput(state, client_result, measurements)
+
+  return tff.learning.templates.ClientWorkProcess(init_fn, next_fn)

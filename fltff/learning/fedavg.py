@@ -1,0 +1,23 @@
+"""FedAvg (McMahan et al., AISTATS 2017): local SGD, sample-weighted mean of the models."""
+
+from __future__ import annotations
+
+import gin
+
+from fltff.learning import optimizers
+from fltff.learning.model_spec import ModelSpec
+from fltff.learning.process import Algorithm
+from fltff.learning.process import build_algorithm
+
+
+@gin.configurable('fedavg')
+def fedavg(model_spec: ModelSpec, client_optimizer=None, server_learning_rate: float = 1.0
+          ) -> Algorithm:
+  """FedAvg: `w^{t+1} = w^t − η_s Σ_k (n_k/n) (w^t − w_k^{t+1})` with η_s = 1 by default.
+
+  Equals `tff.learning.algorithms.build_weighted_fed_avg` for the same client optimizer.
+  """
+  return build_algorithm(
+      'fedavg', model_spec,
+      client_optimizer or optimizers.client_optimizer(),
+      optimizers.server_optimizer(name='sgd', learning_rate=server_learning_rate))

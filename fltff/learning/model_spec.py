@@ -1,0 +1,89 @@
+"""Bridge from a Keras model builder to TFF's `VariableModel` and back.
+
+A `ModelSpec` is what every process builder receives: a deterministic Keras builder (so that
+every `tff.tensorflow.computation` that rebuilds the model gets the same architecture and seeded
+initial weights) plus the input spec of one *batch* after preprocessing.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """A Keras model builder and the element spec of the batches it trains on.
+
+  Attributes:
+    keras_fn: No-arg callable returning a fresh, deterministically initialised Keras model
+      whose outputs are logits.
+    input_shape: Shape of one example after preprocessing (float32).
+    num_classes: Number of output classes.
+    name: The zoo name, for logs.
+  """
+
+  keras_fn: Callable[[], tf.keras.Model]
+  input_shape: Sequence[int]
+  num_classes: int
+  name: str = 'model'
+
+  @property
+  def input_spec(self) -> collections.OrderedDict:
+    return collections.OrderedDict(
+        x=tf.TensorSpec([None, *self.input_shape], tf.float32),
+        y=tf.TensorSpec([None], tf.int32),
+    )
+
+  def loss(self) -> tf.keras.losses.Loss:
+    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def tff_model(self):
+    """A fresh `tff.learning.models.VariableModel` wrapping `keras_fn()`."""
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+    return tff.learning.models.from_keras_model(
+        self.keras_fn(),
+        loss=self.loss(),
+        input_spec=self.input_spec,
+        metrics=[tf.keras.metrics.SparseCategoricalAccuracy(name='accuracy')],
+    )
+
+  def weights_type(self):
+    """TFF type of `tff.learning.models.ModelWeights` for this model."""
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+    with tf.Graph().as_default():
+      return tff.learning.models.weights_type_from_model(self.tff_model)
+
+  def initial_weights(self):
+    """`ModelWeights` (NumPy) of a fresh `keras_fn()` model: identical on every call."""
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+    model = self.keras_fn()
+    return tff.learning.models.ModelWeights(
+        trainable=[np.asarray(w) for w in model.trainable_weights],
+        non_trainable=[np.asarray(w) for w in model.non_trainable_weights],
+    )
+
+
+def type_num_bytes(tff_type) -> int:
+  """Bytes of one value of `tff_type` as exchanged (sum over its tensors; placements ignored).
+
+  Used for communication accounting from the actual types a process sends, not estimates.
+  """
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  if isinstance(tff_type, tff.FederatedType):
+    return type_num_bytes(tff_type.member)
+  if isinstance(tff_type, tff.TensorType):
+    if not tff.types.is_shape_fully_defined(tff_type.shape):
+      raise ValueError(f'Cannot count bytes of a tensor with unknown shape: {tff_type}')
+    return int(np.prod(tff_type.shape, dtype=np.int64)) * np.dtype(tff_type.dtype).itemsize
+  if isinstance(tff_type, tff.StructType):
+    return sum(type_num_bytes(t) for _, t in tff.structure.iter_elements(tff_type))
+  raise ValueError(f'Cannot count bytes of type {tff_type}')

@@ -1,0 +1,83 @@
+"""Composing a method's learning process from TFF templates, and the `Algorithm` record.
+
+Every global method of the library is `compose_learning_process(initial weights, broadcast,
+client work, aggregator, optimizer finalizer)`; a method changes only the piece that defines
+it (a regulariser in the client work, an aggregation factory, the server optimizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from fltff.learning import client_work as client_work_lib
+from fltff.learning.model_spec import ModelSpec
+from fltff.learning.model_spec import type_num_bytes
+
+
+@dataclasses.dataclass
+class Algorithm:
+  """A built method, as the round driver uses it.
+
+  Attributes:
+    name: Method name for logs and reports.
+    process: A `tff.learning.templates.LearningProcess` whose client data is
+      `client_work.client_input(...)` per participant.
+    model_spec: The model it trains.
+    bytes_down_per_client: Bytes the server sends one participant per round (from the TFF type
+      of the broadcast value).
+    bytes_up_per_client: Bytes one participant sends the server per round (from the TFF type of
+      the client work's result: update and weight).
+  """
+
+  name: str
+  process: Any
+  model_spec: ModelSpec
+  bytes_down_per_client: int
+  bytes_up_per_client: int
+
+
+def build_algorithm(name: str,
+                    model_spec: ModelSpec,
+                    client_optimizer,
+                    server_optimizer,
+                    regularizer: Optional[client_work_lib.LocalRegularizer] = None,
+                    model_aggregator=None) -> Algorithm:
+  """Builds a FedAvg-family method as a composed `tff.learning` LearningProcess.
+
+  Args:
+    name: Method name.
+    model_spec: The model.
+    client_optimizer: `tff.learning.optimizers.Optimizer` for local steps.
+    server_optimizer: `tff.learning.optimizers.Optimizer` applying the aggregated delta.
+    regularizer: Optional local regulariser (see `client_work.LocalRegularizer`).
+    model_aggregator: A weighted `tff.aggregators` factory; default `MeanFactory()`, the
+      sample-weighted mean of FedAvg.
+  """
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  weights_type = model_spec.weights_type()
+
+  @tff.tensorflow.computation
+  def initial_model_weights_fn():
+    return tff.learning.models.ModelWeights.from_model(model_spec.tff_model())
+
+  distributor = tff.learning.templates.build_broadcast_process(weights_type)
+  client_work = client_work_lib.build_client_work(model_spec, client_optimizer, regularizer)
+  result_type = client_work.next.type_signature.result.result.member
+  if model_aggregator is None:
+    model_aggregator = tff.aggregators.MeanFactory()
+  aggregator = model_aggregator.create(result_type.update, result_type.update_weight)
+  finalizer = tff.learning.templates.build_apply_optimizer_finalizer(server_optimizer,
+                                                                     weights_type)
+  process = tff.learning.templates.compose_learning_process(
+      initial_model_weights_fn, distributor, client_work, aggregator, finalizer)
+  return Algorithm(
+      name=name,
+      process=process,
+      model_spec=model_spec,
+      # The distributor broadcasts the full ModelWeights; each client uploads its
+      # ClientResult (update and weight) to the aggregator.
+      bytes_down_per_client=type_num_bytes(weights_type),
+      bytes_up_per_client=type_num_bytes(result_type),
+  )

@@ -1,0 +1,21 @@
+"""SGDM / FedAvgM (Hsu et al., 2019): FedAvg with server-side momentum."""
+
+from __future__ import annotations
+
+import gin
+
+from fltff.learning import optimizers
+from fltff.learning.model_spec import ModelSpec
+from fltff.learning.process import Algorithm
+from fltff.learning.process import build_algorithm
+
+
+@gin.configurable('sgdm')
+def sgdm(model_spec: ModelSpec, server_learning_rate: float = 1.0, server_momentum: float = 0.9,
+         client_optimizer=None) -> Algorithm:
+  """Server momentum: `v ← β v + Δ^t`, `w^{t+1} = w^t − η_s v` with Δ^t the mean client delta."""
+  return build_algorithm(
+      'sgdm', model_spec,
+      client_optimizer or optimizers.client_optimizer(),
+      optimizers.server_optimizer(name='sgdm', learning_rate=server_learning_rate,
+                                  momentum=server_momentum))
