@@ -2,7 +2,7 @@
 
 import os
 
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 

@@ -60,7 +60,9 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
   """Returns a `tf.function` running the local epochs on `model` (a `VariableModel`).
 
   The function maps `(initial_weights, batches, info)` to
-  `(trainable_after, examples_per_epoch)`, leaving metrics in the model's metric variables.
+  `(trainable_after, examples_per_epoch, unfinalized_metrics)`. Metrics are read inside the
+  function: read outside, in a graph-mode `tff.tensorflow.computation`, they would not be
+  ordered after the training loop.
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -104,7 +106,8 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
     for _ in tf.range(epochs):
       examples, optimizer_state = run_epoch(examples, optimizer_state)
     examples_per_epoch = examples // tf.cast(tf.maximum(epochs, 1), tf.int64)
-    return tuple(v.read_value() for v in variables), examples_per_epoch
+    return (tuple(v.read_value() for v in variables), examples_per_epoch,
+            model.report_local_unfinalized_metrics())
 
   return train
 
@@ -143,13 +146,13 @@ def build_client_work(model_spec: ModelSpec,
   def client_update(initial_weights, data):
     local_model = model_spec.tff_model()
     train = build_local_training(local_model, optimizer, regularizer)
-    trained, examples = train(initial_weights, data['batches'], data['info'])
+    trained, examples, metrics = train(initial_weights, data['batches'], data['info'])
     update = tf.nest.map_structure(
         tf.subtract, tuple(tf.nest.flatten(initial_weights.trainable)), trained)
     update = tf.nest.pack_sequence_as(initial_weights.trainable, update)
     return (tff.learning.templates.ClientResult(
         update=update, update_weight=tf.cast(examples, tf.float32)),
-            local_model.report_local_unfinalized_metrics())
+            metrics)
 
   @tff.federated_computation
   def init_fn():

@@ -207,8 +207,9 @@ class TffRuntime:
           _sync_context_for_stub(stub=None))
     except Exception:  # pylint: disable=broad-except
       pass
-    for channel in self._channels:
-      channel.close()
+    # Channels are not closed explicitly: the stub's connectivity-polling thread would raise
+    # 'Channel closed!' in the background. They go with the process; the worker is stopped.
+    self._channels = []
     for worker in self._owned:
       worker.stop()
     self._owned = []

@@ -1,0 +1,1 @@
+"""TFF aggregation factories used by fltff's methods (single-pass, see DESIGN.md)."""

@@ -1,0 +1,38 @@
+"""fltff data layer: sources -> partitioners -> per-client data (TFF `ClientData`).
+
+Sources (`tfds_source`, `npz_source`, `synthetic_source`) return an `ArrayDataset` of NumPy
+arrays; partitioners (`iid_partition`, `shard_partition`, `dirichlet_partition`,
+`mixed_partition`, `natural_partition`) split its training labels into per-client index
+arrays; `build_federated_data` (gin name `federated_data`) combines both into a
+`FederatedData`, whose `client_data()` is a `tff.simulation.datasets.ClientData`.
+"""
+
+from fltff.data.federated import build_federated_data
+from fltff.data.federated import FederatedData
+from fltff.data.partition import dirichlet_partition
+from fltff.data.partition import iid_partition
+from fltff.data.partition import label_histograms
+from fltff.data.partition import local_test_split
+from fltff.data.partition import mixed_partition
+from fltff.data.partition import natural_partition
+from fltff.data.partition import shard_partition
+from fltff.data.sources import ArrayDataset
+from fltff.data.sources import npz_source
+from fltff.data.sources import synthetic_source
+from fltff.data.sources import tfds_source
+
+__all__ = [
+    'ArrayDataset',
+    'FederatedData',
+    'build_federated_data',
+    'dirichlet_partition',
+    'iid_partition',
+    'label_histograms',
+    'local_test_split',
+    'mixed_partition',
+    'natural_partition',
+    'npz_source',
+    'shard_partition',
+    'synthetic_source',
+    'tfds_source',
+]

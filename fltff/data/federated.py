@@ -1,0 +1,201 @@
+"""A dataset split into clients, and its conversion to TFF `ClientData`."""
+
+import collections
+import dataclasses
+import inspect
+from typing import Any, Callable, Optional
+
+import gin
+import numpy as np
+
+from fltff.data import partition as partition_lib
+from fltff.data.sources import ArrayDataset
+from fltff.errors import ConfigError
+
+
+@dataclasses.dataclass
+class FederatedData:
+  """A dataset split into clients.
+
+  Attributes:
+    dataset: The underlying arrays.
+    client_ids: One id per client, e.g. 'client_000'.
+    train_indices: Per client, indices into `dataset.x_train`, aligned with `client_ids`.
+    local_test_indices: Optional per-client indices into `dataset.x_test` for personalised
+      evaluation.
+  """
+  dataset: ArrayDataset
+  client_ids: list[str]
+  train_indices: list[np.ndarray]
+  local_test_indices: Optional[list[np.ndarray]] = None
+
+  def num_clients(self) -> int:
+    return len(self.client_ids)
+
+  def client_arrays(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of client i's training data."""
+    idx = self.train_indices[i]
+    return self.dataset.x_train[idx], self.dataset.y_train[idx]
+
+  def local_test_arrays(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of client i's local test data."""
+    if self.local_test_indices is None:
+      raise ConfigError('this FederatedData has no local test splits; set '
+                        'federated_data.local_test_examples to a positive number.')
+    idx = self.local_test_indices[i]
+    return self.dataset.x_test[idx], self.dataset.y_test[idx]
+
+  def central_test(self) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of the central test set."""
+    return self.dataset.x_test, self.dataset.y_test
+
+  def label_histograms(self) -> np.ndarray:
+    """Training label counts, int64 `[num_clients, num_classes]`."""
+    return partition_lib.label_histograms(self.dataset.y_train, self.train_indices,
+                                          self.dataset.num_classes)
+
+  def summary(self) -> dict[str, Any]:
+    """A JSON-able description: sizes and label histograms per client."""
+    out = {
+        'dataset': self.dataset.name,
+        'num_clients': self.num_clients(),
+        'num_classes': int(self.dataset.num_classes),
+        'num_train_examples': int(len(self.dataset.y_train)),
+        'num_test_examples': int(len(self.dataset.y_test)),
+        'client_ids': list(self.client_ids),
+        'train_sizes': [int(len(idx)) for idx in self.train_indices],
+        'label_histograms': self.label_histograms().tolist(),
+    }
+    if self.local_test_indices is not None:
+      out['local_test_sizes'] = [int(len(idx)) for idx in self.local_test_indices]
+    return out
+
+  def client_data(self):
+    """The training split as `tff.simulation.datasets.ClientData`.
+
+    Elements are `OrderedDict(x=..., y=...)` with the arrays' own dtypes (uint8 images,
+    float32 features, int32 labels); scaling, shuffling and batching are the caller's
+    preprocessing. `create_tf_dataset_for_client` slices the client's arrays in NumPy; the
+    serialisable form (`dataset_computation`) embeds the training arrays as constants.
+    """
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+    x_all, y_all = self.dataset.x_train, self.dataset.y_train
+    position = {cid: i for i, cid in enumerate(self.client_ids)}
+    flat = np.concatenate(self.train_indices).astype(np.int64)
+    bounds = np.concatenate([[0], np.cumsum([len(idx) for idx in self.train_indices])])
+    ids = list(self.client_ids)
+
+    def from_arrays(x, y):
+      return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y))
+
+    def dataset_fn(client_id):
+      if isinstance(client_id, bytes):
+        client_id = client_id.decode()
+      if tf.is_tensor(client_id) and tf.executing_eagerly():
+        client_id = client_id.numpy().decode()
+      if isinstance(client_id, str):
+        if client_id not in position:
+          raise ConfigError(f'unknown client id {client_id!r}; ids are {ids[0]!r} .. '
+                            f'{ids[-1]!r}.')
+        idx = self.train_indices[position[client_id]]
+        return from_arrays(x_all[idx], y_all[idx])
+      # Symbolic id (inside a tf.function / tff.tensorflow.computation): look it up in-graph.
+      # An unknown id leaves `match` empty and `match[0]` fails at run time.
+      i = tf.where(tf.equal(tf.constant(ids), client_id))[0, 0]
+      b = tf.constant(bounds, dtype=tf.int64)
+      idx = tf.constant(flat)[b[i]:b[i + 1]]
+      return from_arrays(tf.gather(tf.constant(x_all), idx), tf.gather(tf.constant(y_all), idx))
+
+    return tff.simulation.datasets.ClientData.from_clients_and_tf_fn(ids, dataset_fn)
+
+
+def _call_partitioner(partitioner: Callable[..., Any], dataset: ArrayDataset,
+                      num_clients: int, seed: int) -> Any:
+  kwargs = dict(labels=dataset.y_train, num_clients=num_clients, seed=seed)
+  try:
+    params = inspect.signature(partitioner).parameters
+  except (TypeError, ValueError):
+    params = {}
+  if 'dataset' in params:
+    kwargs['dataset'] = dataset
+  return partitioner(**kwargs)
+
+
+def _validate_partition(parts: Any, num_clients: int, num_examples: int) -> list[np.ndarray]:
+  if not isinstance(parts, (list, tuple)):
+    raise ConfigError(f'the partitioner must return a list of index arrays, got '
+                      f'{type(parts).__name__}.')
+  parts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]
+  if len(parts) != num_clients:
+    raise ConfigError(f'the partitioner returned {len(parts)} clients but num_clients is '
+                      f'{num_clients}; make federated_data.num_clients match the partition.')
+  for i, p in enumerate(parts):
+    if p.size == 0:
+      raise ConfigError(f'client {i} of {num_clients} has no training examples; use fewer '
+                        'clients or a less skewed partition.')
+    if p.min() < 0 or p.max() >= num_examples:
+      raise ConfigError(f'client {i} has indices outside [0, {num_examples}); the '
+                        'partitioner is broken.')
+  flat = np.concatenate(parts)
+  if len(np.unique(flat)) != len(flat):
+    raise ConfigError('the partitioner assigned some examples to more than one client; '
+                      'clients must be disjoint.')
+  return parts
+
+
+@gin.configurable('federated_data')
+def build_federated_data(source: Callable[[], ArrayDataset] = gin.REQUIRED,
+                         partitioner: Callable[..., list[np.ndarray]] = gin.REQUIRED,
+                         num_clients: int = 10,
+                         seed: int = 0,
+                         local_test_examples: int = 0) -> FederatedData:
+  """Loads a source, partitions its training set and (optionally) makes local test splits.
+
+  Args:
+    source: A callable returning an `ArrayDataset` (in gin: `@npz_source`).
+    partitioner: A callable `(labels=, num_clients=, seed=)` returning the partition (in gin:
+      `@shard_partition`); one that also takes `dataset=` receives the dataset.
+    num_clients: Number of clients.
+    seed: Seed of the partition and of the local test splits.
+    local_test_examples: Per-client local test examples; 0 for none. With the natural
+      partition of a source that has per-client held-out data (synthetic), each client's
+      own held-out examples are used (at most this many); otherwise they are drawn from the
+      central test set with the client's training label distribution (`local_test_split`).
+
+  Returns:
+    A `FederatedData`.
+  """
+  if source is gin.REQUIRED or partitioner is gin.REQUIRED:
+    raise ConfigError('federated_data needs a source and a partitioner, e.g. '
+                      'federated_data.source = @npz_source and '
+                      'federated_data.partitioner = @shard_partition.')
+  if num_clients < 1:
+    raise ConfigError(f'federated_data.num_clients must be >= 1, got {num_clients}.')
+  if local_test_examples < 0:
+    raise ConfigError(f'federated_data.local_test_examples must be >= 0, got '
+                      f'{local_test_examples}.')
+  dataset = source()
+  if not isinstance(dataset, ArrayDataset):
+    raise ConfigError(f'federated_data.source must return an ArrayDataset, got '
+                      f'{type(dataset).__name__}; use e.g. @npz_source or @tfds_source.')
+  parts = _validate_partition(_call_partitioner(partitioner, dataset, num_clients, seed),
+                              num_clients, len(dataset.y_train))
+  width = max(3, len(str(num_clients - 1)))
+  client_ids = [f'client_{i:0{width}d}' for i in range(num_clients)]
+
+  local_test = None
+  if local_test_examples > 0:
+    natural, natural_test = dataset.natural_partition, dataset.natural_test_partition
+    is_natural = natural is not None and len(natural) == len(parts) and all(
+        np.array_equal(np.sort(a), b) for a, b in zip(natural, parts))
+    if is_natural and natural_test is not None:
+      local_test = [np.sort(np.asarray(t, dtype=np.int64))[:local_test_examples]
+                    for t in natural_test]
+    else:
+      hist = partition_lib.label_histograms(dataset.y_train, parts, dataset.num_classes)
+      local_test = partition_lib.local_test_split(dataset.y_test, hist, local_test_examples,
+                                                  seed)
+  return FederatedData(dataset=dataset, client_ids=client_ids, train_indices=parts,
+                       local_test_indices=local_test)

@@ -1,0 +1,360 @@
+"""Partitioners: split a labelled training set into per-client index arrays.
+
+Every partitioner takes `labels` (1-D integer array) plus `num_clients` and `seed`, and
+returns a list with one sorted int64 index array per client. The result is a deterministic
+function of the arguments; clients are disjoint; and every index is used exactly once,
+except in `mixed_partition`, which draws fixed-size clients and leaves the rest unused.
+"""
+
+from typing import Any, Optional, Sequence
+
+import gin
+import numpy as np
+
+from fltff.errors import ConfigError
+
+Partition = list[np.ndarray]
+
+
+def _check_labels(labels: np.ndarray) -> np.ndarray:
+  labels = np.asarray(labels)
+  if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+    raise ConfigError(f'labels must be a 1-D integer array, got dtype {labels.dtype} and '
+                      f'shape {labels.shape}.')
+  if labels.size and labels.min() < 0:
+    raise ConfigError(f'labels must be non-negative class indices, got {labels.min()}.')
+  return labels
+
+
+def _check_num_clients(num_examples: int, num_clients: int, min_per_client: int = 1) -> None:
+  if num_clients < 1:
+    raise ConfigError(f'num_clients must be >= 1, got {num_clients}.')
+  if num_examples < num_clients * min_per_client:
+    raise ConfigError(
+        f'cannot split {num_examples} examples into {num_clients} clients with at least '
+        f'{min_per_client} example(s) each; use at most '
+        f'{num_examples // max(min_per_client, 1)} clients or more data.')
+
+
+def _finish(parts: Sequence[np.ndarray]) -> Partition:
+  return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+
+
+@gin.configurable('iid_partition')
+def iid_partition(labels: np.ndarray, num_clients: int, seed: int = 0) -> Partition:
+  """Shuffles the examples and splits them as evenly as possible (sizes differ by <= 1)."""
+  labels = _check_labels(labels)
+  _check_num_clients(len(labels), num_clients)
+  perm = np.random.default_rng(seed).permutation(len(labels))
+  return _finish(np.array_split(perm, num_clients))
+
+
+@gin.configurable('shard_partition')
+def shard_partition(labels: np.ndarray,
+                    num_clients: int,
+                    num_shards: Optional[int] = None,
+                    shards_per_client: int = 2,
+                    seed: int = 0) -> Partition:
+  """Pathological non-IID shards of McMahan et al. (AISTATS 2017, Sec. 3).
+
+  The examples are sorted by label (stable, so ties keep index order) and cut into
+  `num_shards` contiguous shards; each client gets `shards_per_client` random shards. When
+  `num_shards` does not divide the number of examples, the first `n % num_shards` shards
+  are one example longer (`np.array_split`), so the partition stays complete.
+
+  Args:
+    labels: 1-D integer labels.
+    num_clients: Number of clients.
+    num_shards: Total number of shards; must equal `num_clients * shards_per_client`.
+      `None` (the default) means exactly that (the paper: 100 clients, 200 shards).
+    shards_per_client: Shards per client (the paper: 2).
+    seed: Seed for the shard assignment.
+
+  Returns:
+    One sorted int64 index array per client.
+  """
+  labels = _check_labels(labels)
+  if shards_per_client < 1:
+    raise ConfigError(f'shard_partition.shards_per_client must be >= 1, got '
+                      f'{shards_per_client}.')
+  if num_clients < 1:
+    raise ConfigError(f'num_clients must be >= 1, got {num_clients}.')
+  needed = num_clients * shards_per_client
+  if num_shards is None:
+    num_shards = needed
+  if num_shards != needed:
+    raise ConfigError(
+        f'shard_partition needs num_shards == num_clients * shards_per_client, got '
+        f'num_shards={num_shards}, num_clients={num_clients}, '
+        f'shards_per_client={shards_per_client}; set shard_partition.num_shards = {needed} '
+        'or leave it unset.')
+  if len(labels) < num_shards:
+    raise ConfigError(f'cannot cut {len(labels)} examples into {num_shards} shards '
+                      f'({num_clients} clients x {shards_per_client}); use fewer clients or '
+                      'shards.')
+  order = np.argsort(labels, kind='stable')
+  shards = np.array_split(order, num_shards)
+  assignment = np.random.default_rng(seed).permutation(num_shards)
+  assignment = assignment.reshape(num_clients, shards_per_client)
+  return _finish([np.concatenate([shards[s] for s in row]) for row in assignment])
+
+
+@gin.configurable('dirichlet_partition')
+def dirichlet_partition(labels: np.ndarray,
+                        num_clients: int,
+                        alpha: float = 0.5,
+                        seed: int = 0,
+                        min_samples_per_client: int = 1,
+                        max_tries: int = 100) -> Partition:
+  """Label-skewed partition with Dirichlet class proportions (Hsu et al., 2019).
+
+  For every class c, draws p_c ~ Dir(alpha * 1_N) over the N clients and splits the shuffled
+  examples of class c by p_c. The whole draw is repeated (up to `max_tries` times) until
+  every client has at least `min_samples_per_client` examples. Small alpha (0.1) is very
+  skewed, large alpha approaches IID; the papers use alpha = 0.1, 0.3, 0.5.
+
+  Args:
+    labels: 1-D integer labels.
+    num_clients: Number of clients.
+    alpha: Dirichlet concentration, > 0.
+    seed: Seed.
+    min_samples_per_client: Smallest acceptable client size.
+    max_tries: How many draws to try before giving up.
+
+  Returns:
+    One sorted int64 index array per client.
+  """
+  labels = _check_labels(labels)
+  if not alpha > 0:
+    raise ConfigError(f'dirichlet_partition.alpha must be > 0, got {alpha}; the papers use '
+                      '0.1, 0.3 or 0.5.')
+  if min_samples_per_client < 0 or max_tries < 1:
+    raise ConfigError(f'dirichlet_partition needs min_samples_per_client >= 0 and max_tries '
+                      f'>= 1, got {min_samples_per_client} and {max_tries}.')
+  _check_num_clients(len(labels), num_clients, max(min_samples_per_client, 1))
+  rng = np.random.default_rng(seed)
+  class_indices = [np.flatnonzero(labels == c) for c in np.unique(labels)]
+  smallest = 0
+  for _ in range(max_tries):
+    parts = [[] for _ in range(num_clients)]
+    for idx in class_indices:
+      idx = rng.permutation(idx)
+      p = rng.dirichlet(np.full(num_clients, float(alpha)))
+      cuts = (np.cumsum(p)[:-1] * len(idx)).astype(np.int64)
+      for client, chunk in enumerate(np.split(idx, cuts)):
+        parts[client].append(chunk)
+    sizes = [sum(len(c) for c in part) for part in parts]
+    smallest = min(sizes)
+    if smallest >= min_samples_per_client:
+      return _finish([np.concatenate(part) for part in parts])
+  raise ConfigError(
+      f'dirichlet_partition could not give each of {num_clients} clients at least '
+      f'{min_samples_per_client} examples (of {len(labels)}) with alpha={alpha} in '
+      f'{max_tries} draws (last smallest client: {smallest}); lower min_samples_per_client, '
+      'raise alpha, or use fewer clients.')
+
+
+def _largest_remainder(weights: np.ndarray, total: int) -> np.ndarray:
+  """Integer counts proportional to `weights` summing to `total` (largest remainder).
+
+  Ties in the fractional parts go to the lower index.
+  """
+  weights = np.asarray(weights, dtype=np.float64)
+  exact = weights / weights.sum() * total
+  counts = np.floor(exact).astype(np.int64)
+  short = int(total - counts.sum())
+  if short > 0:
+    counts[np.argsort(-(exact - counts), kind='stable')[:short]] += 1
+  return counts
+
+
+@gin.configurable('mixed_partition')
+def mixed_partition(labels: np.ndarray,
+                    num_clients: Optional[int] = None,
+                    num_iid: Optional[int] = None,
+                    num_noniid: Optional[int] = None,
+                    samples_per_client: int = 600,
+                    classes_per_noniid_client: int = 2,
+                    seed: int = 0) -> Partition:
+  """FedLayerWise's "k IID + m non-IID clients" partition (settings 5+5 and 2+8, 600 each).
+
+  Clients 0..num_iid-1 are IID: `samples_per_client` examples stratified over all classes
+  present (equal counts per class; the remainder goes to randomly chosen classes). The
+  other `num_noniid` clients each draw `samples_per_client` examples from
+  `classes_per_noniid_client` classes, split evenly between them; each non-IID client takes
+  the classes least used so far by earlier non-IID clients (ties broken at random), so
+  class demand is spread. Clients are disjoint and have exactly `samples_per_client`
+  examples; unlike the other partitioners the examples left over are not used.
+
+  Args:
+    labels: 1-D integer labels.
+    num_clients: Optional; if given it must equal `num_iid + num_noniid`, and either of
+      those may be left unset and is then derived from it.
+    num_iid: Number of IID clients.
+    num_noniid: Number of non-IID clients.
+    samples_per_client: Examples per client.
+    classes_per_noniid_client: Classes per non-IID client.
+    seed: Seed.
+
+  Returns:
+    One sorted int64 index array per client, IID clients first.
+  """
+  labels = _check_labels(labels)
+  if num_iid is None and num_noniid is None:
+    raise ConfigError('mixed_partition needs num_iid and num_noniid, e.g. '
+                      'mixed_partition.num_iid = 5 and mixed_partition.num_noniid = 5.')
+  if num_iid is None:
+    num_iid = (num_clients or 0) - num_noniid
+  if num_noniid is None:
+    num_noniid = (num_clients or 0) - num_iid
+  if num_iid < 0 or num_noniid < 0 or num_iid + num_noniid < 1:
+    raise ConfigError(f'mixed_partition needs num_iid >= 0, num_noniid >= 0 and at least '
+                      f'one client, got num_iid={num_iid}, num_noniid={num_noniid}.')
+  if num_clients is not None and num_iid + num_noniid != num_clients:
+    raise ConfigError(f'mixed_partition has num_iid + num_noniid = {num_iid} + {num_noniid} '
+                      f'= {num_iid + num_noniid} clients but num_clients is {num_clients}; '
+                      'make them agree.')
+  if samples_per_client < 1:
+    raise ConfigError(f'mixed_partition.samples_per_client must be >= 1, got '
+                      f'{samples_per_client}.')
+  classes = np.unique(labels)
+  if not 1 <= classes_per_noniid_client <= len(classes):
+    raise ConfigError(f'mixed_partition.classes_per_noniid_client must be in [1, '
+                      f'{len(classes)}] (the number of classes present), got '
+                      f'{classes_per_noniid_client}.')
+  total = (num_iid + num_noniid) * samples_per_client
+  if total > len(labels):
+    raise ConfigError(
+        f'mixed_partition needs {total} examples ({num_iid} IID + {num_noniid} non-IID '
+        f'clients x {samples_per_client}) but only {len(labels)} are available; lower '
+        'samples_per_client or the number of clients.')
+
+  rng = np.random.default_rng(seed)
+  num_classes = len(classes)
+  # Per client: how many examples of each class (positions in `classes`).
+  demand = np.zeros((num_iid + num_noniid, num_classes), dtype=np.int64)
+  for i in range(num_iid):
+    demand[i] = samples_per_client // num_classes
+    extra = samples_per_client % num_classes
+    demand[i, rng.choice(num_classes, extra, replace=False)] += 1
+  usage = np.zeros(num_classes, dtype=np.int64)
+  for j in range(num_noniid):
+    tiebreak = rng.permutation(num_classes)
+    chosen = np.lexsort((tiebreak, usage))[:classes_per_noniid_client]
+    usage[chosen] += 1
+    counts = np.full(classes_per_noniid_client,
+                     samples_per_client // classes_per_noniid_client, dtype=np.int64)
+    counts[:samples_per_client % classes_per_noniid_client] += 1
+    demand[num_iid + j, chosen] = counts
+
+  pools = [rng.permutation(np.flatnonzero(labels == c)) for c in classes]
+  needed = demand.sum(axis=0)
+  for c, (need, pool) in enumerate(zip(needed, pools)):
+    if need > len(pool):
+      raise ConfigError(
+          f'mixed_partition needs {need} examples of class {classes[c]} but only {len(pool)} '
+          f'are available (seed {seed}); lower samples_per_client or the number of clients, '
+          'or change the seed.')
+  offsets = np.zeros(num_classes, dtype=np.int64)
+  parts = []
+  for row in demand:
+    chunks = []
+    for c, k in enumerate(row):
+      chunks.append(pools[c][offsets[c]:offsets[c] + k])
+      offsets[c] += k
+    parts.append(np.concatenate(chunks))
+  return _finish(parts)
+
+
+@gin.configurable('natural_partition')
+def natural_partition(labels: np.ndarray,
+                      num_clients: Optional[int] = None,
+                      seed: int = 0,
+                      dataset: Any = None) -> Partition:
+  """The dataset's own clients (e.g. the synthetic source's generated clients).
+
+  Args:
+    labels: 1-D integer labels of `dataset.x_train`.
+    num_clients: Optional; if given it must equal the number of natural clients.
+    seed: Unused (the natural partition is fixed by the source).
+    dataset: The `ArrayDataset`; `build_federated_data` passes it.
+
+  Returns:
+    The source's partition as sorted int64 index arrays.
+  """
+  del seed  # The natural partition does not depend on it.
+  labels = _check_labels(labels)
+  parts = getattr(dataset, 'natural_partition', None)
+  if parts is None:
+    name = getattr(dataset, 'name', None)
+    raise ConfigError(f'natural_partition needs a source with natural clients (e.g. '
+                      f'synthetic_source), but dataset {name!r} has none; use another '
+                      'partitioner such as dirichlet_partition.')
+  if num_clients is not None and num_clients != len(parts):
+    raise ConfigError(f'dataset {dataset.name!r} has {len(parts)} natural clients but '
+                      f'num_clients is {num_clients}; set federated_data.num_clients = '
+                      f'{len(parts)}.')
+  parts = _finish(parts)
+  flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+  if flat.size and (flat.min() < 0 or flat.max() >= len(labels)):
+    raise ConfigError(f'the natural partition of {dataset.name!r} has indices outside '
+                      f'[0, {len(labels)}); the source is inconsistent.')
+  return parts
+
+
+def label_histograms(labels: np.ndarray, partition: Sequence[np.ndarray],
+                     num_classes: int) -> np.ndarray:
+  """Per-client label counts, int64 `[num_clients, num_classes]`."""
+  labels = _check_labels(labels)
+  if labels.size and labels.max() >= num_classes:
+    raise ConfigError(f'label {labels.max()} is out of range for num_classes={num_classes}.')
+  hist = np.zeros((len(partition), num_classes), dtype=np.int64)
+  for i, idx in enumerate(partition):
+    hist[i] = np.bincount(labels[np.asarray(idx, dtype=np.int64)], minlength=num_classes)
+  return hist
+
+
+def local_test_split(test_labels: np.ndarray,
+                     train_label_histogram_per_client: np.ndarray,
+                     examples_per_client: int,
+                     seed: int = 0) -> Partition:
+  """Per-client local test sets with each client's training label distribution.
+
+  Used for personalised evaluation. For client i, `examples_per_client` test examples are
+  split over the classes in proportion to row i of the histogram (largest-remainder
+  rounding) and drawn from the central test set, without replacement within a client unless
+  a class has fewer test examples than needed (then with replacement). Classes that have no
+  test examples at all are dropped from the proportions. Different clients draw
+  independently, so two clients may share test examples.
+
+  Args:
+    test_labels: 1-D integer labels of the central test set.
+    train_label_histogram_per_client: `[num_clients, num_classes]` training label counts.
+    examples_per_client: Local test examples per client.
+    seed: Seed.
+
+  Returns:
+    One sorted int64 index array (into the test set) per client.
+  """
+  test_labels = _check_labels(test_labels)
+  hist = np.asarray(train_label_histogram_per_client)
+  if hist.ndim != 2:
+    raise ConfigError(f'train_label_histogram_per_client must be [num_clients, num_classes], '
+                      f'got shape {hist.shape}.')
+  if examples_per_client < 1:
+    raise ConfigError(f'examples_per_client must be >= 1, got {examples_per_client}.')
+  num_classes = hist.shape[1]
+  pools = [np.flatnonzero(test_labels == c) for c in range(num_classes)]
+  available = np.array([len(p) > 0 for p in pools])
+  rng = np.random.default_rng(seed)
+  parts = []
+  for i, row in enumerate(hist):
+    weights = np.where(available, row, 0).astype(np.float64)
+    if weights.sum() <= 0:
+      raise ConfigError(f'client {i} has no training examples of any class present in the '
+                        'test set, so its local test split is undefined.')
+    counts = _largest_remainder(weights, examples_per_client)
+    chunks = [rng.choice(pools[c], k, replace=k > len(pools[c]))
+              for c, k in enumerate(counts) if k > 0]
+    parts.append(np.concatenate(chunks))
+  return _finish(parts)

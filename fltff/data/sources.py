@@ -1,0 +1,335 @@
+"""Data sources: each returns the whole dataset as in-memory NumPy arrays.
+
+Three sources, all gin-configurable and none of which downloads anything unless asked to:
+
+* `tfds_source`: MNIST, Fashion-MNIST, CIFAR-10/100 through `tfds.load` from a prepared
+  `data_dir` (or with `download=True`).
+* `npz_source`: a Keras-layout `.npz` file (`x_train, y_train, x_test, y_test`).
+* `synthetic_source`: the Synthetic(alpha, beta) generator of FedProx (Li et al., "Federated
+  Optimization in Heterogeneous Networks", MLSys 2020, Sec. 5.1), itself from LEAF. It needs
+  nothing on disk and is the offline default.
+"""
+
+import dataclasses
+import os
+import pathlib
+from typing import Optional
+
+import gin
+import numpy as np
+
+from fltff.errors import ConfigError
+from fltff.errors import DataError
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayDataset:
+  """A whole dataset in memory.
+
+  Attributes:
+    name: A short name, e.g. 'mnist' or 'synthetic_1_1'.
+    x_train: Images as uint8 `[n, H, W, C]`; feature vectors as float32 `[n, d]`.
+    y_train: int32 labels `[n]` in `[0, num_classes)`.
+    x_test: Like `x_train`, the central test set.
+    y_test: Like `y_train`.
+    num_classes: The number of classes.
+    natural_partition: Optional per-client index arrays into `x_train` for datasets that come
+      with clients (the synthetic source: one array per generated client).
+    natural_test_partition: Optional per-client index arrays into `x_test`, aligned with
+      `natural_partition`: each client's own held-out examples.
+  """
+  name: str
+  x_train: np.ndarray
+  y_train: np.ndarray
+  x_test: np.ndarray
+  y_test: np.ndarray
+  num_classes: int
+  natural_partition: Optional[list[np.ndarray]] = None
+  natural_test_partition: Optional[list[np.ndarray]] = None
+
+
+_TFDS_NUM_CLASSES = {
+    'mnist': 10,
+    'fashion_mnist': 10,
+    'cifar10': 10,
+    'cifar100': 100,
+}
+
+# Split once into batches of this size when materialising a TFDS split as arrays.
+_TFDS_BATCH = 8192
+
+
+def _tfds_data_dir(data_dir: Optional[str]) -> str:
+  """The directory `tfds.load` reads from: `data_dir`, $TFDS_DATA_DIR or TFDS's default."""
+  if data_dir:
+    return os.path.abspath(os.path.expanduser(data_dir))
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  default = os.environ.get('TFDS_DATA_DIR') or tfds.core.constants.DATA_DIR
+  return os.path.abspath(os.path.expanduser(default))
+
+
+def _images(x: np.ndarray) -> np.ndarray:
+  """Adds a channel axis to `[n, H, W]` images."""
+  return x[..., np.newaxis] if x.ndim == 3 else x
+
+
+@gin.configurable('tfds_source')
+def tfds_source(name: str,
+                data_dir: Optional[str] = None,
+                download: bool = False) -> ArrayDataset:
+  """Loads a TFDS image classification dataset as arrays.
+
+  Args:
+    name: One of 'mnist', 'fashion_mnist', 'cifar10', 'cifar100'.
+    data_dir: The TFDS data directory; `None` means $TFDS_DATA_DIR or `~/tensorflow_datasets`.
+    download: Whether TFDS may download and prepare the data if it is not in `data_dir`.
+
+  Returns:
+    An `ArrayDataset` with uint8 images `[n, H, W, C]` and int32 labels.
+
+  Raises:
+    ConfigError: For an unsupported `name`.
+    DataError: If the data is not prepared in `data_dir` and `download` is False.
+  """
+  if name not in _TFDS_NUM_CLASSES:
+    raise ConfigError(
+        f'tfds_source does not support dataset {name!r}; supported names are '
+        f'{sorted(_TFDS_NUM_CLASSES)}, or use npz_source for other data.')
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  try:
+    # Not `batch_size=-1`: TFDS then batches by the split size from the metadata, which
+    # `tfds.testing.mock_data` reports as 0, and the process aborts (batch of sys.maxsize).
+    splits = tfds.load(name, split=['train', 'test'], as_supervised=True,
+                       data_dir=data_dir, download=download)
+  except Exception as e:  # pylint: disable=broad-except
+    not_prepared = isinstance(e, (AssertionError, FileNotFoundError)) or (
+        'NotFound' in type(e).__name__)
+    if not not_prepared:
+      raise
+    resolved = _tfds_data_dir(data_dir)
+    raise DataError(
+        f'TFDS dataset {name!r} is not prepared in {resolved} and downloading is off '
+        f'({type(e).__name__}); prepare it on a machine with network access with '
+        f'`python -c "import tensorflow_datasets as tfds; tfds.load(\'{name}\', '
+        f'data_dir=\'{resolved}\')"` and copy that directory here, or set '
+        f'`tfds_source.download = True`.') from e
+
+  arrays = []
+  for ds in splits:
+    xs, ys = [], []
+    for x, y in tfds.as_numpy(ds.batch(_TFDS_BATCH)):
+      xs.append(x)
+      ys.append(y)
+    if not xs:
+      raise DataError(f'TFDS dataset {name!r} in {_tfds_data_dir(data_dir)} has an empty '
+                      'split; re-prepare it with tfds.load(..., download=True).')
+    arrays.append((_images(np.concatenate(xs)).astype(np.uint8),
+                   np.concatenate(ys).astype(np.int32).reshape(-1)))
+  (x_train, y_train), (x_test, y_test) = arrays
+  return ArrayDataset(name=name, x_train=x_train, y_train=y_train, x_test=x_test,
+                      y_test=y_test, num_classes=_TFDS_NUM_CLASSES[name])
+
+
+def _repo_root() -> pathlib.Path:
+  """The directory that contains the `fltff` package."""
+  return pathlib.Path(__file__).resolve().parents[2]
+
+
+def _resolve_path(path: str) -> pathlib.Path:
+  """Resolves `path` against the current directory, then against the repository root."""
+  p = pathlib.Path(os.path.expanduser(path))
+  candidates = [p] if p.is_absolute() else [pathlib.Path.cwd() / p, _repo_root() / p]
+  for c in candidates:
+    if c.is_file():
+      return c
+  tried = ', '.join(str(c.resolve()) for c in candidates)
+  raise DataError(f'npz file {path!r} not found (tried {tried}); check npz_source.path, '
+                  'relative paths are resolved against the current directory and then '
+                  'the repository root.')
+
+
+_NPZ_KEYS = ('x_train', 'y_train', 'x_test', 'y_test')
+
+
+def _labels(y: np.ndarray, key: str, path: pathlib.Path) -> np.ndarray:
+  """Checks that labels are integers and flattens `[n, 1]` labels to `[n]`."""
+  if y.ndim == 2 and y.shape[1] == 1:
+    y = y[:, 0]
+  if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+    raise DataError(f'{key} in {path} must be integer class labels of shape [n] or [n, 1], '
+                    f'got dtype {y.dtype} and shape {y.shape}; store class indices, not '
+                    'one-hot vectors.')
+  return y.astype(np.int32)
+
+
+def _features(x: np.ndarray) -> np.ndarray:
+  """uint8 images get a channel axis if needed; other inputs become float32."""
+  if x.dtype == np.uint8:
+    return _images(x)
+  return _images(x).astype(np.float32) if x.ndim == 3 else x.astype(np.float32)
+
+
+@gin.configurable('npz_source')
+def npz_source(path: str,
+               name: Optional[str] = None,
+               num_classes: Optional[int] = None) -> ArrayDataset:
+  """Loads a Keras-layout `.npz` file (`x_train, y_train, x_test, y_test`).
+
+  Args:
+    path: The file; a relative path is looked up in the current directory, then relative to
+      the repository root (the parent of the `fltff` package).
+    name: The dataset name; defaults to the file name without extension.
+    num_classes: Defaults to `max(label) + 1` over both splits.
+
+  Returns:
+    An `ArrayDataset`; uint8 `[n, H, W]` images get a channel axis, non-uint8 inputs become
+    float32.
+
+  Raises:
+    DataError: If the file or one of its arrays is missing or inconsistent.
+  """
+  resolved = _resolve_path(path)
+  try:
+    with np.load(resolved, allow_pickle=False) as f:
+      missing = [k for k in _NPZ_KEYS if k not in f.files]
+      if missing:
+        raise DataError(f'npz file {resolved} lacks arrays {missing} (it has {f.files}); '
+                        f'a Keras-layout file needs {list(_NPZ_KEYS)}.')
+      raw = {k: f[k] for k in _NPZ_KEYS}
+  except (OSError, ValueError) as e:
+    raise DataError(f'cannot read {resolved} as an .npz file ({e}); write it with '
+                    'np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...).') from e
+  x_train, x_test = _features(raw['x_train']), _features(raw['x_test'])
+  y_train = _labels(raw['y_train'], 'y_train', resolved)
+  y_test = _labels(raw['y_test'], 'y_test', resolved)
+  for split, x, y in (('train', x_train, y_train), ('test', x_test, y_test)):
+    if len(x) != len(y):
+      raise DataError(f'{resolved}: x_{split} has {len(x)} examples but y_{split} has '
+                      f'{len(y)}; both must have the same length.')
+  if x_train.shape[1:] != x_test.shape[1:]:
+    raise DataError(f'{resolved}: x_train examples have shape {x_train.shape[1:]} but x_test '
+                    f'examples have shape {x_test.shape[1:]}; they must match.')
+  all_labels = np.concatenate([y_train, y_test])
+  if all_labels.size and all_labels.min() < 0:
+    raise DataError(f'{resolved} has negative label {all_labels.min()}; labels must be class '
+                    'indices in [0, num_classes).')
+  inferred = int(all_labels.max()) + 1 if all_labels.size else 0
+  if num_classes is None:
+    num_classes = inferred
+  elif inferred > num_classes:
+    raise ConfigError(f'npz_source.num_classes is {num_classes} but {resolved} has label '
+                      f'{inferred - 1}; set num_classes to at least {inferred} or leave it '
+                      'unset.')
+  return ArrayDataset(name=name or resolved.stem, x_train=x_train, y_train=y_train,
+                      x_test=x_test, y_test=y_test, num_classes=int(num_classes))
+
+
+@gin.configurable('synthetic_source')
+def synthetic_source(alpha: float = 1.0,
+                     beta: float = 1.0,
+                     num_clients: int = 30,
+                     dimension: int = 60,
+                     num_classes: int = 10,
+                     iid: bool = False,
+                     min_samples: int = 50,
+                     max_samples: int = 1000,
+                     test_fraction: float = 0.2,
+                     seed: int = 0) -> ArrayDataset:
+  """Synthetic(alpha, beta) of FedProx (Li et al., MLSys 2020, Sec. 5.1) / LEAF.
+
+  Per client k: u_k ~ N(0, alpha), B_k ~ N(0, beta); W_k[j, c] ~ N(u_k, 1),
+  b_k[c] ~ N(u_k, 1); v_k[j] ~ N(B_k, 1); x ~ N(v_k, Sigma) with diagonal
+  Sigma_jj = j^-1.2; y = argmax(softmax(W_k x + b_k)). As in the FedProx reference
+  generator, alpha and beta are used as standard deviations (`np.random.normal(0, alpha)`).
+  `iid=True` is FedProx's Synthetic-IID: one W, b ~ N(0, 1) shared by all clients and
+  v_k = B_k (all zeros for beta = 0, the setting of the paper).
+
+  Client sizes follow the reference generator's power law, `int(lognormal(4, 2)) + 50`,
+  here `min_samples + int(lognormal(4, 2))`, clipped to `max_samples` (the unclipped
+  lognormal has a heavy tail: a few clients would get tens of thousands of examples).
+  Each client keeps a random `test_fraction` of its examples (at least one) as held-out
+  test data; these form the central test set and `natural_test_partition`.
+
+  Args:
+    alpha: How much the clients' models differ (>= 0).
+    beta: How much the clients' input distributions differ (>= 0).
+    num_clients: The number of generated clients.
+    dimension: Input dimension.
+    num_classes: Number of classes.
+    iid: Generate Synthetic-IID instead.
+    min_samples: Smallest number of examples per client (train + test).
+    max_samples: Largest number of examples per client (train + test).
+    test_fraction: Fraction of each client's examples held out for testing, in [0, 1).
+    seed: Seed of the generator; the output is a deterministic function of all arguments.
+
+  Returns:
+    An `ArrayDataset` with float32 `x` `[n, dimension]`, int32 `y`, and the natural
+    partition (one train index array per client, contiguous).
+
+  Raises:
+    ConfigError: For negative alpha/beta, fewer than one client, or inconsistent sizes.
+  """
+  if alpha < 0 or beta < 0:
+    raise ConfigError(f'synthetic_source needs alpha >= 0 and beta >= 0, got alpha={alpha} '
+                      f'and beta={beta}; use e.g. alpha = beta = 1 (Synthetic(1, 1)).')
+  if num_clients < 1:
+    raise ConfigError(f'synthetic_source needs num_clients >= 1, got {num_clients}.')
+  if dimension < 1 or num_classes < 2:
+    raise ConfigError(f'synthetic_source needs dimension >= 1 and num_classes >= 2, got '
+                      f'dimension={dimension} and num_classes={num_classes}.')
+  if not 0 <= test_fraction < 1:
+    raise ConfigError(f'synthetic_source.test_fraction must be in [0, 1), got '
+                      f'{test_fraction}.')
+  smallest = 2 if test_fraction > 0 else 1
+  if min_samples < smallest or max_samples < min_samples:
+    raise ConfigError(f'synthetic_source needs {smallest} <= min_samples <= max_samples, got '
+                      f'min_samples={min_samples} and max_samples={max_samples}.')
+
+  rng = np.random.default_rng(seed)
+  sizes = np.minimum(min_samples + rng.lognormal(4, 2, num_clients).astype(np.int64),
+                     max_samples)
+  mean_w = rng.normal(0, alpha, num_clients)  # u_k; the reference uses it for b_k too.
+  big_b = rng.normal(0, beta, num_clients)
+  if iid:
+    mean_x = np.repeat(big_b[:, None], dimension, axis=1)
+    w_global = rng.normal(0, 1, (dimension, num_classes))
+    b_global = rng.normal(0, 1, num_classes)
+  else:
+    mean_x = rng.normal(big_b[:, None], 1, (num_clients, dimension))
+  std_x = np.power(np.arange(1, dimension + 1, dtype=np.float64), -1.2) ** 0.5
+
+  train_x, train_y, test_x, test_y = [], [], [], []
+  train_part, test_part = [], []
+  n_train_total = n_test_total = 0
+  for k in range(num_clients):
+    if iid:
+      w, b = w_global, b_global
+    else:
+      w = rng.normal(mean_w[k], 1, (dimension, num_classes))
+      b = rng.normal(mean_w[k], 1, num_classes)
+    n = int(sizes[k])
+    x = mean_x[k] + std_x * rng.standard_normal((n, dimension))
+    y = np.argmax(x @ w + b, axis=1)  # softmax is monotone: argmax of the logits.
+    n_test = max(1, int(round(test_fraction * n))) if test_fraction > 0 else 0
+    perm = rng.permutation(n)
+    test_idx, train_idx = np.sort(perm[:n_test]), np.sort(perm[n_test:])
+    train_x.append(x[train_idx])
+    train_y.append(y[train_idx])
+    test_x.append(x[test_idx])
+    test_y.append(y[test_idx])
+    train_part.append(np.arange(n_train_total, n_train_total + len(train_idx),
+                                dtype=np.int64))
+    test_part.append(np.arange(n_test_total, n_test_total + n_test, dtype=np.int64))
+    n_train_total += len(train_idx)
+    n_test_total += n_test
+
+  name = 'synthetic_iid' if iid else f'synthetic_{alpha:g}_{beta:g}'
+  return ArrayDataset(
+      name=name,
+      x_train=np.concatenate(train_x).astype(np.float32),
+      y_train=np.concatenate(train_y).astype(np.int32),
+      x_test=np.concatenate(test_x).astype(np.float32).reshape(-1, dimension),
+      y_test=np.concatenate(test_y).astype(np.int32),
+      num_classes=num_classes,
+      natural_partition=train_part,
+      natural_test_partition=test_part)

@@ -1,0 +1,272 @@
+"""The round driver: sampling, local epochs, evaluation, metrics, checkpoints, resume.
+
+Data flows one way (DESIGN.md): gin → pipeline → (data, model, process, runtime) → this driver
+→ metrics/checkpoints → report. Every random choice (participants, data order) is a function of
+`(seed, round, client)`, so a run resumed from a checkpoint ends with exactly the metrics of an
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+from absl import logging
+import gin
+import numpy as np
+import tensorflow as tf
+
+from fltff.data.pipeline import client_batches
+from fltff.data.pipeline import example_shape
+from fltff.errors import ConfigError
+from fltff.errors import DivergenceError
+from fltff.learning.client_work import client_input
+from fltff.learning.model_spec import ModelSpec
+from fltff.simulation import sampling
+from fltff.simulation.checkpoint import Checkpointer
+from fltff.simulation.evaluation import Evaluator
+from fltff.simulation.outputs import RunOutputs
+from fltff.simulation.outputs import rounds_to_targets
+from fltff.simulation.state_store import ClientStateStore
+
+
+@dataclasses.dataclass
+class RoundConfig:
+  """What a round does; all of it comes from gin's `experiment` configurable."""
+
+  rounds: int = 10
+  clients_per_round: Optional[int] = None
+  client_fraction: Optional[float] = None
+  local_epochs: int = 1
+  batch_size: int = 10
+  eval_every: int = 1
+  checkpoint_every: int = 5
+  target_accuracies: Sequence[float] = ()
+  seed: int = 0
+
+  def validate(self) -> None:
+    for name in ('rounds', 'local_epochs', 'batch_size', 'eval_every', 'checkpoint_every'):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ConfigError(f'experiment.{name} must be a positive integer, got {value!r}.')
+
+
+def _finite_tree(structure) -> bool:
+  return all(np.all(np.isfinite(np.asarray(x))) for x in tf.nest.flatten(structure)
+             if np.asarray(x).dtype.kind == 'f')
+
+
+class RoundDriver:
+  """Runs an `Algorithm` on `FederatedData` for `config.rounds` rounds."""
+
+  def __init__(self, algorithm, data, config: RoundConfig, output_dir: str,
+               progress: Callable[[str], None] = print):
+    config.validate()
+    self.algorithm = algorithm
+    self.process = algorithm.process
+    self.data = data
+    self.config = config
+    self.output_dir = output_dir
+    self.progress = progress
+    self.num_clients = data.num_clients()
+    self.participants = sampling.num_participants(self.num_clients, config.clients_per_round,
+                                                  config.client_fraction)
+    self.client_states = ClientStateStore()
+    self.outputs = RunOutputs(output_dir)
+    self.checkpointer = Checkpointer(output_dir)
+    self.evaluator = Evaluator(algorithm.model_spec)
+    self.rows: list[dict] = []
+
+  # -- one round ---------------------------------------------------------------------------
+  def client_inputs(self, round_num: int, clients: np.ndarray) -> list:
+    inputs = []
+    for k in clients:
+      x, y = self.data.client_arrays(int(k))
+      ds = client_batches(x, y, self.config.batch_size,
+                          sampling.shuffle_seed(self.config.seed, round_num, int(k)))
+      inputs.append(client_input(ds, int(k), self.config.local_epochs))
+    return inputs
+
+  def run_round(self, state, round_num: int):
+    clients = sampling.sample_clients(self.num_clients, self.participants, self.config.seed,
+                                      round_num)
+    start = time.perf_counter()
+    output = self.process.next(state, self.client_inputs(round_num, clients))
+    seconds = time.perf_counter() - start
+    train = output.metrics['client_work']['train']
+    row = {
+        'round': round_num,
+        'train_loss': float(train['loss']),
+        'train_accuracy': float(train['accuracy']),
+        'examples': int(train['num_examples']),
+        'clients': len(clients),
+        'bytes_down': self.algorithm.bytes_down_per_client * len(clients),
+        'bytes_up': self.algorithm.bytes_up_per_client * len(clients),
+        'round_seconds': seconds,
+    }
+    return output.state, row
+
+  def evaluate(self, state) -> dict[str, float]:
+    self.evaluator.set_weights(self.process.get_model_weights(state))
+    x, y = self.data.central_test()
+    result = self.evaluator.evaluate(x, y)
+    return {'test_loss': result['loss'], 'test_accuracy': result['accuracy']}
+
+  # -- checkpoints -------------------------------------------------------------------------
+  def save(self, round_num: int, state) -> None:
+    self.checkpointer.save(round_num, state, {'rows': self.rows},
+                           self.client_states.to_arrays())
+
+  def restore(self, template_state):
+    round_num, state, meta, arrays = self.checkpointer.restore(template_state)
+    self.rows = [r for r in meta['rows'] if r['round'] <= round_num]
+    if arrays:
+      self.client_states.load_arrays(arrays, template_fn=self.client_state_template)
+    return round_num, state
+
+  def client_state_template(self, client_index: int):
+    raise ConfigError('This checkpoint holds per-client state but the method keeps none.')
+
+  # -- the loop ----------------------------------------------------------------------------
+  def run(self, resume: bool = False) -> dict:
+    cfg = self.config
+    state = self.process.initialize()
+    state = self.process.set_model_weights(state, self.algorithm.model_spec.initial_weights())
+    start_round = 1
+    if resume:
+      if self.checkpointer.latest_round() is None:
+        self.progress(f'No checkpoint in {self.checkpointer.directory}; starting from round 1.')
+      else:
+        last, state = self.restore(state)
+        start_round = last + 1
+        self.progress(f'Resumed from the checkpoint of round {last}.')
+    elif self.checkpointer.latest_round() is not None:
+      raise ConfigError(
+          f'{self.output_dir} already holds checkpoints of an earlier run; pass --resume to '
+          'continue it or choose another --output_dir.')
+
+    last_saved = start_round - 1
+    last_good = (start_round - 1, state)
+    t0 = time.perf_counter()
+    try:
+      for r in range(start_round, cfg.rounds + 1):
+        new_state, row = self.run_round(state, r)
+        if not math.isfinite(row['train_loss']) or not _finite_tree(
+            self.process.get_model_weights(new_state).trainable):
+          raise DivergenceError(
+              f'Training diverged in round {r}: the loss or the model weights became NaN/inf. '
+              f'Rounds 1-{r - 1} are kept in the checkpoint under {self.checkpointer.directory}; '
+              'lower client_optimizer.learning_rate (or the server learning rate) and rerun.')
+        state = new_state
+        if r % cfg.eval_every == 0 or r == cfg.rounds:
+          row.update(self.evaluate(state))
+        self.rows.append(row)
+        last_good = (r, state)
+        self.outputs.log_scalars(row)
+        self.outputs.write_rows(self.rows)
+        if r % cfg.checkpoint_every == 0 or r == cfg.rounds:
+          self.save(r, state)
+          last_saved = r
+        done = r - start_round + 1
+        eta = (time.perf_counter() - t0) / done * (cfg.rounds - r)
+        acc = row.get('test_accuracy')
+        self.progress(
+            f'round {r:4d}/{cfg.rounds} | test acc '
+            f'{"  -   " if acc is None else f"{acc:.4f}"} | train loss {row["train_loss"]:.4f} '
+            f'| {row["round_seconds"]:.2f} s | ETA {eta:.0f} s')
+    finally:
+      # Whatever stopped the loop (divergence, a dead worker, Ctrl-C), completed rounds stay.
+      if last_good[0] > last_saved:
+        self.save(*last_good)
+      if self.rows:
+        self.outputs.write_json('summary.json', self.summary())
+        self.outputs.plot(self.rows, f'{self.algorithm.name} on {self.data.dataset.name}')
+      self.outputs.close()
+    return self.summary()
+
+  def summary(self) -> dict:
+    evals = [r for r in self.rows if 'test_accuracy' in r]
+    best = max(evals, key=lambda r: r['test_accuracy']) if evals else None
+    return {
+        'method': self.algorithm.name,
+        'dataset': self.data.dataset.name,
+        'model': self.algorithm.model_spec.name,
+        'rounds_completed': self.rows[-1]['round'] if self.rows else 0,
+        'final_accuracy': evals[-1]['test_accuracy'] if evals else None,
+        'best_accuracy': best['test_accuracy'] if best else None,
+        'best_round': best['round'] if best else None,
+        'rounds_to_target': rounds_to_targets(self.rows, self.config.target_accuracies),
+        'examples_processed': int(sum(r['examples'] for r in self.rows)),
+        'bytes_down_per_round': [r['bytes_down'] for r in self.rows],
+        'bytes_up_per_round': [r['bytes_up'] for r in self.rows],
+        'bytes_down_total': int(sum(r['bytes_down'] for r in self.rows)),
+        'bytes_up_total': int(sum(r['bytes_up'] for r in self.rows)),
+        'train_seconds_total': float(sum(r['round_seconds'] for r in self.rows)),
+    }
+
+
+def build_model_spec(data, model: str, seed: int) -> ModelSpec:
+  """The zoo model `model` sized for `data`'s examples and classes."""
+  import functools  # pylint: disable=g-import-not-at-top
+  from fltff.models import build_model  # pylint: disable=g-import-not-at-top
+
+  shape = example_shape(data.dataset.x_train)
+  keras_fn = functools.partial(build_model, name=model, input_shape=shape,
+                               num_classes=data.dataset.num_classes, seed=seed)
+  keras_fn()  # Fail fast (unknown name, incompatible shape) before TFF traces it.
+  return ModelSpec(keras_fn=keras_fn, input_shape=shape, num_classes=data.dataset.num_classes,
+                   name=model)
+
+
+@gin.configurable('experiment', denylist=['output_dir', 'resume'])
+def run_experiment(output_dir: str,
+                   resume: bool = False,
+                   method: Callable[..., Any] = gin.REQUIRED,
+                   model: str = gin.REQUIRED,
+                   model_seed: int = 0,
+                   rounds: int = 10,
+                   clients_per_round: Optional[int] = None,
+                   client_fraction: Optional[float] = None,
+                   local_epochs: int = 1,
+                   batch_size: int = 10,
+                   eval_every: int = 1,
+                   checkpoint_every: int = 5,
+                   target_accuracies: Sequence[float] = (),
+                   seed: int = 0,
+                   progress: Callable[[str], None] = print) -> dict:
+  """Runs one experiment end to end and returns its summary (also in summary.json).
+
+  Args:
+    output_dir: Where config.gin, metrics.csv, summary.json, TensorBoard events, the plot,
+      partition.json and checkpoints go.
+    resume: Continue from the latest checkpoint in `output_dir`.
+    method: A method builder taking a `ModelSpec` (gin: `@fedavg`, `@fedprox`, `@sgdm`).
+    model: Model zoo name (see `fltff.models.MODEL_NAMES`).
+    model_seed: Seed of the initial weights.
+    rounds, clients_per_round, client_fraction, local_epochs, batch_size, eval_every,
+    checkpoint_every, target_accuracies, seed: See `RoundConfig`.
+    progress: Where progress lines go.
+  """
+  from fltff.data import build_federated_data  # pylint: disable=g-import-not-at-top
+
+  os.makedirs(output_dir, exist_ok=True)
+  config = RoundConfig(rounds=rounds, clients_per_round=clients_per_round,
+                       client_fraction=client_fraction, local_epochs=local_epochs,
+                       batch_size=batch_size, eval_every=eval_every,
+                       checkpoint_every=checkpoint_every,
+                       target_accuracies=tuple(target_accuracies), seed=seed)
+  config.validate()
+  data = build_federated_data()
+  model_spec = build_model_spec(data, model, model_seed)
+  algorithm = method(model_spec)
+  driver = RoundDriver(algorithm, data, config, output_dir, progress=progress)
+  driver.outputs.write_json('partition.json', data.summary())
+  with open(os.path.join(output_dir, 'config.gin'), 'w') as f:
+    f.write(gin.operative_config_str())
+  logging.info('%s: %d clients, %d per round, %d rounds.', algorithm.name, data.num_clients(),
+               driver.participants, rounds)
+  return driver.run(resume=resume)

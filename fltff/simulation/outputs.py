@@ -1,0 +1,94 @@
+"""Run outputs: metrics.csv, TensorBoard events, summary.json and PNG plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+import tensorflow as tf
+
+
+def rounds_to_targets(rows: Sequence[dict], targets: Sequence[float],
+                      key: str = 'test_accuracy') -> dict[str, Optional[int]]:
+  """First round whose `key` reaches each target (None if never)."""
+  out = {}
+  for target in targets:
+    hit = next((r['round'] for r in rows
+                if _finite(r.get(key)) and r[key] >= target), None)
+    out[f'{target:g}'] = hit
+  return out
+
+
+def _finite(value) -> bool:
+  return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+class RunOutputs:
+  """Writes one row per round to CSV and TensorBoard; summary and plots on demand."""
+
+  def __init__(self, output_dir: str):
+    self.output_dir = output_dir
+    os.makedirs(output_dir, exist_ok=True)
+    self.csv_path = os.path.join(output_dir, 'metrics.csv')
+    self._writer = tf.summary.create_file_writer(os.path.join(output_dir, 'tensorboard'))
+
+  def write_rows(self, rows: Sequence[dict]) -> None:
+    """Rewrites metrics.csv from all rows (cheap; keeps it exact after a resume)."""
+    fields = []
+    for row in rows:
+      fields.extend(k for k in row if k not in fields)
+    tmp = self.csv_path + '.tmp'
+    with open(tmp, 'w', newline='') as f:
+      w = csv.DictWriter(f, fieldnames=fields)
+      w.writeheader()
+      for row in rows:
+        w.writerow({k: row.get(k, '') for k in fields})
+    os.replace(tmp, self.csv_path)
+
+  def log_scalars(self, row: dict) -> None:
+    with self._writer.as_default(step=int(row['round'])):
+      for key, value in row.items():
+        if key != 'round' and _finite(value):
+          tf.summary.scalar(key, value)
+    self._writer.flush()
+
+  def write_json(self, name: str, payload: dict) -> None:
+    path = os.path.join(self.output_dir, name)
+    with open(path + '.tmp', 'w') as f:
+      json.dump(payload, f, indent=1, sort_keys=True)
+    os.replace(path + '.tmp', path)
+
+  def plot(self, rows: Sequence[dict], title: str) -> str:
+    """accuracy_loss.png: test accuracy and training loss per round."""
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ev = [r for r in rows if _finite(r.get('test_accuracy'))]
+    ax1.plot([r['round'] for r in ev], [r['test_accuracy'] for r in ev], marker='.',
+             label='test (central)')
+    ax1.plot([r['round'] for r in rows], [r.get('train_accuracy') for r in rows], alpha=0.6,
+             label='train (participants)')
+    ax1.set_xlabel('round')
+    ax1.set_ylabel('accuracy')
+    ax1.legend()
+    ax2.plot([r['round'] for r in rows], [r.get('train_loss') for r in rows], label='train')
+    ax2.plot([r['round'] for r in ev], [r.get('test_loss') for r in ev], marker='.',
+             label='test')
+    ax2.set_xlabel('round')
+    ax2.set_ylabel('loss')
+    ax2.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = os.path.join(self.output_dir, 'accuracy_loss.png')
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+  def close(self) -> None:
+    self._writer.close()

@@ -1,0 +1,1 @@
+"""Command-line pipelines: `run` (one experiment from gin) and `bench` (speed ratios)."""
