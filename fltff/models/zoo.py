@@ -1,0 +1,301 @@
+"""Keras model zoo of the layer-aware FL papers fltff reproduces.
+
+Every model is a functional `tf.keras.Model` that maps float32 inputs (images in [0, 1] of shape
+`input_shape`, or a flat feature vector such as Synthetic(α, β)'s `(60,)`) to LOGITS (no softmax;
+train with `SparseCategoricalCrossentropy(from_logits=True)`).
+
+Contracts shared by all models:
+
+*   Determinism: every kernel initializer is `glorot_uniform` with the explicit seed
+    `seed * 1000 + i` (i = index of the layer with a kernel, input → output); biases and
+    BatchNorm parameters start at constants. The same `(name, input_shape, num_classes, seed)`
+    therefore always yields identical initial weights, in any process.
+*   Every layer has an explicit, stable name (independent of Keras' global name counters).
+*   The layer whose output feeds the final classifier is named `LATENT_LAYER` (`'latent'`);
+    `latent_model` exposes it (CCN's mean latent representation, MOON's representation).
+"""
+
+from collections.abc import Callable, Sequence
+import math
+
+import gin
+import tensorflow as tf
+
+from fltff.errors import ConfigError
+
+LATENT_LAYER = 'latent'
+
+# Seeds of layer i are `seed * _SEED_STRIDE + i`; no zoo model has this many kernels.
+_SEED_STRIDE = 1000
+
+# PyTorch-equivalent BatchNorm settings (momentum 0.1 there == 0.9 here), as used by the
+# reference CIFAR implementations of ResNet-18 and VGG-16; Keras' default 0.99 adapts too
+# slowly for a few local epochs per round.
+_BN_MOMENTUM = 0.9
+_BN_EPSILON = 1e-5
+
+
+class _Init:
+  """Hands out seeded kernel initializers, one fresh seed per layer (input → output)."""
+
+  def __init__(self, seed: int):
+    self._seed = int(seed)
+    self._count = 0
+
+  def __call__(self) -> tf.keras.initializers.Initializer:
+    if self._count >= _SEED_STRIDE:
+      raise ConfigError(f'Model has more than {_SEED_STRIDE} seeded layers.')
+    init = tf.keras.initializers.GlorotUniform(
+        seed=self._seed * _SEED_STRIDE + self._count)
+    self._count += 1
+    return init
+
+
+def _dense(units: int, init: _Init, name: str,
+           activation: str | None = None) -> tf.keras.layers.Dense:
+  return tf.keras.layers.Dense(
+      units, activation=activation, kernel_initializer=init(),
+      bias_initializer='zeros', name=name)
+
+
+def _conv(filters: int, kernel_size: int, init: _Init, name: str, *,
+          strides: int = 1, padding: str = 'valid', activation: str | None = None,
+          use_bias: bool = True) -> tf.keras.layers.Conv2D:
+  return tf.keras.layers.Conv2D(
+      filters, kernel_size, strides=strides, padding=padding, activation=activation,
+      use_bias=use_bias, kernel_initializer=init(), bias_initializer='zeros', name=name)
+
+
+def _bn(name: str) -> tf.keras.layers.BatchNormalization:
+  return tf.keras.layers.BatchNormalization(
+      momentum=_BN_MOMENTUM, epsilon=_BN_EPSILON, name=name)
+
+
+def _image_input(name: str, input_shape: tuple[int, ...], min_hw: int):
+  """Returns (keras Input, HxWxC tensor); accepts [H, W] (adds a channel) or [H, W, C]."""
+  if len(input_shape) not in (2, 3):
+    raise ConfigError(
+        f'Model {name!r} needs an image input_shape (H, W) or (H, W, C); got {input_shape}.')
+  if min(input_shape[:2]) < min_hw:
+    raise ConfigError(
+        f'Model {name!r} needs images of at least {min_hw}x{min_hw}; got {input_shape}.')
+  inputs = tf.keras.Input(shape=input_shape, dtype=tf.float32, name='input')
+  x = inputs
+  if len(input_shape) == 2:
+    x = tf.keras.layers.Reshape((*input_shape, 1), name='add_channel')(x)
+  return inputs, x
+
+
+def _logistic(name, input_shape, num_classes, init):
+  """Multinomial logistic regression: FedProx's Synthetic(α, β) model (Li et al., 2020).
+
+  It has no hidden layer, so its 'latent' layer is the Flatten layer: the latent
+  representation is the flattened input itself.
+  """
+  inputs = tf.keras.Input(shape=input_shape, dtype=tf.float32, name='input')
+  x = tf.keras.layers.Flatten(name=LATENT_LAYER)(inputs)
+  logits = _dense(num_classes, init, 'logits')(x)
+  return tf.keras.Model(inputs, logits, name=name)
+
+
+def _mlp2(name, input_shape, num_classes, init):
+  """784-200-10 MLP with one hidden layer of 200 ReLU units (FedLap's MNIST/FMNIST model).
+
+  Note: McMahan et al.'s (2017) "2NN" has two hidden layers (784-200-200-10); this is FedLap's
+  single-hidden-layer network, 159,010 parameters on 28x28 inputs.
+  """
+  inputs = tf.keras.Input(shape=input_shape, dtype=tf.float32, name='input')
+  x = tf.keras.layers.Flatten(name='flatten')(inputs)
+  x = _dense(200, init, LATENT_LAYER, 'relu')(x)
+  logits = _dense(num_classes, init, 'logits')(x)
+  return tf.keras.Model(inputs, logits, name=name)
+
+
+def _cnn_cifar_tutorial(name, input_shape, num_classes, init):
+  """TensorFlow's CIFAR-10 CNN tutorial model (122,570 parameters on 32x32x3)."""
+  inputs, x = _image_input(name, input_shape, min_hw=18)
+  x = _conv(32, 3, init, 'conv1', activation='relu')(x)
+  x = tf.keras.layers.MaxPool2D(2, name='pool1')(x)
+  x = _conv(64, 3, init, 'conv2', activation='relu')(x)
+  x = tf.keras.layers.MaxPool2D(2, name='pool2')(x)
+  x = _conv(64, 3, init, 'conv3', activation='relu')(x)
+  x = tf.keras.layers.Flatten(name='flatten')(x)
+  x = _dense(64, init, LATENT_LAYER, 'relu')(x)
+  logits = _dense(num_classes, init, 'logits')(x)
+  return tf.keras.Model(inputs, logits, name=name)
+
+
+def _cnn_mnist_582k(name, input_shape, num_classes, init):
+  """McMahan et al.'s (2017) MNIST CNN with 'valid' padding: 582,026 parameters on 28x28x1.
+
+  conv5x5·32 → pool2 → conv5x5·64 → pool2 → flatten (4·4·64 = 1024) → dense 512 → classifier.
+  """
+  inputs, x = _image_input(name, input_shape, min_hw=16)
+  x = _conv(32, 5, init, 'conv1', activation='relu')(x)
+  x = tf.keras.layers.MaxPool2D(2, name='pool1')(x)
+  x = _conv(64, 5, init, 'conv2', activation='relu')(x)
+  x = tf.keras.layers.MaxPool2D(2, name='pool2')(x)
+  x = tf.keras.layers.Flatten(name='flatten')(x)
+  x = _dense(512, init, LATENT_LAYER, 'relu')(x)
+  logits = _dense(num_classes, init, 'logits')(x)
+  return tf.keras.Model(inputs, logits, name=name)
+
+
+def _cnn2(name, input_shape, num_classes, init):
+  """KAPC's MNIST/FMNIST CNN: two 5x5 convs (32, 64 filters) + dense 512 + dense 128.
+
+  The convolutions use 'same' padding, as in McMahan et al.'s (2017) CNN, so 28x28 inputs
+  give 7·7·64 = 3136 features after the two 2x2 max-pools (1,725,194 parameters for 10
+  classes). The 128-unit layer is the latent layer.
+  """
+  inputs, x = _image_input(name, input_shape, min_hw=4)
+  x = _conv(32, 5, init, 'conv1', padding='same', activation='relu')(x)
+  x = tf.keras.layers.MaxPool2D(2, name='pool1')(x)
+  x = _conv(64, 5, init, 'conv2', padding='same', activation='relu')(x)
+  x = tf.keras.layers.MaxPool2D(2, name='pool2')(x)
+  x = tf.keras.layers.Flatten(name='flatten')(x)
+  x = _dense(512, init, 'dense1', 'relu')(x)
+  x = _dense(128, init, LATENT_LAYER, 'relu')(x)
+  logits = _dense(num_classes, init, 'logits')(x)
+  return tf.keras.Model(inputs, logits, name=name)
+
+
+def _basic_block(x: tf.Tensor, filters: int, strides: int, init: _Init,
+                 prefix: str) -> tf.Tensor:
+  """ResNet BasicBlock (He et al., 2016): two 3x3 conv-BN, identity or 1x1-conv-BN shortcut."""
+  shortcut = x
+  y = _conv(filters, 3, init, f'{prefix}_conv1', strides=strides, padding='same',
+            use_bias=False)(x)
+  y = _bn(f'{prefix}_bn1')(y)
+  y = tf.keras.layers.ReLU(name=f'{prefix}_relu1')(y)
+  y = _conv(filters, 3, init, f'{prefix}_conv2', padding='same', use_bias=False)(y)
+  y = _bn(f'{prefix}_bn2')(y)
+  if strides != 1 or x.shape[-1] != filters:
+    shortcut = _conv(filters, 1, init, f'{prefix}_proj_conv', strides=strides,
+                     use_bias=False)(x)
+    shortcut = _bn(f'{prefix}_proj_bn')(shortcut)
+  y = tf.keras.layers.Add(name=f'{prefix}_add')([y, shortcut])
+  return tf.keras.layers.ReLU(name=f'{prefix}_relu2')(y)
+
+
+def _resnet18(name, input_shape, num_classes, init):
+  """CIFAR ResNet-18 (He et al., 2016; the common CIFAR variant).
+
+  3x3 stem conv (64) + BN, no initial max-pool, four stages of two BasicBlocks with
+  64/128/256/512 filters and strides 1/2/2/2, 1x1 projection shortcuts, global average pool
+  (named 'latent', 512-d) and the classifier. Convolutions have no bias (each is followed by
+  BN): 11,173,962 trainable parameters for 10 classes, plus 9,600 BN moving statistics.
+  """
+  inputs, x = _image_input(name, input_shape, min_hw=1)
+  x = _conv(64, 3, init, 'stem_conv', padding='same', use_bias=False)(x)
+  x = _bn('stem_bn')(x)
+  x = tf.keras.layers.ReLU(name='stem_relu')(x)
+  for stage, (filters, strides) in enumerate(((64, 1), (128, 2), (256, 2), (512, 2)), 1):
+    x = _basic_block(x, filters, strides, init, f'stage{stage}_block1')
+    x = _basic_block(x, filters, 1, init, f'stage{stage}_block2')
+  x = tf.keras.layers.GlobalAveragePooling2D(name=LATENT_LAYER)(x)
+  logits = _dense(num_classes, init, 'logits')(x)
+  return tf.keras.Model(inputs, logits, name=name)
+
+
+_VGG16_CFG = (64, 64, 'M', 128, 128, 'M', 256, 256, 256, 'M', 512, 512, 512, 'M',
+              512, 512, 512, 'M')
+
+
+def _vgg16(name, input_shape, num_classes, init):
+  """VGG-16 (Simonyan & Zisserman, 2015) with BatchNorm, as used by the CCN paper on CIFAR.
+
+  The 13 3x3 'same' conv layers (with bias) are each followed by BatchNorm and ReLU (the
+  VGG-16-BN variant, which trains from scratch); five 2x2 max-pools take 32x32 inputs to
+  1x1x512. Then flatten → dense 128 ReLU ('latent', CCN's 128-d latent layer) → classifier.
+  """
+  inputs, x = _image_input(name, input_shape, min_hw=32)
+  conv_i, pool_i = 0, 0
+  for v in _VGG16_CFG:
+    if v == 'M':
+      pool_i += 1
+      x = tf.keras.layers.MaxPool2D(2, name=f'pool{pool_i}')(x)
+    else:
+      conv_i += 1
+      x = _conv(v, 3, init, f'conv{conv_i}', padding='same')(x)
+      x = _bn(f'bn{conv_i}')(x)
+      x = tf.keras.layers.ReLU(name=f'relu{conv_i}')(x)
+  x = tf.keras.layers.Flatten(name='flatten')(x)
+  x = _dense(128, init, LATENT_LAYER, 'relu')(x)
+  logits = _dense(num_classes, init, 'logits')(x)
+  return tf.keras.Model(inputs, logits, name=name)
+
+
+_Builder = Callable[[str, tuple[int, ...], int, _Init], tf.keras.Model]
+
+_REGISTRY: dict[str, _Builder] = {
+    'logistic': _logistic,
+    'mlp2': _mlp2,
+    'cnn_cifar_tutorial': _cnn_cifar_tutorial,
+    'cnn_mnist_582k': _cnn_mnist_582k,
+    'cnn2': _cnn2,
+    'resnet18': _resnet18,
+    'vgg16': _vgg16,
+}
+
+MODEL_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+
+
+@gin.configurable('model')
+def build_model(name: str = gin.REQUIRED,
+                input_shape: Sequence[int] = (28, 28, 1),
+                num_classes: int = 10,
+                seed: int = 0) -> tf.keras.Model:
+  """Builds zoo model `name`, outputting logits of shape [batch, num_classes].
+
+  Args:
+    name: One of `MODEL_NAMES`.
+    input_shape: Shape of one example without the batch dimension: (H, W, C) or (H, W) for
+      the CNNs, any shape for 'logistic' and 'mlp2' (they flatten it).
+    num_classes: Number of output logits (>= 2).
+    seed: Seed of all initializers; equal arguments give identical initial weights.
+
+  Raises:
+    ConfigError: Unknown name, or a shape / class count the model cannot take.
+  """
+  if name not in _REGISTRY:
+    raise ConfigError(
+        f'Unknown model {name!r}; known models: {", ".join(MODEL_NAMES)}.')
+  try:
+    shape = tuple(int(d) for d in input_shape)
+  except (TypeError, ValueError):
+    raise ConfigError(
+        f'input_shape must be a sequence of positive ints; got {input_shape!r}.') from None
+  if not shape or any(d <= 0 for d in shape):
+    raise ConfigError(f'input_shape must be a sequence of positive ints; got {input_shape!r}.')
+  if int(num_classes) < 2:
+    raise ConfigError(f'num_classes must be at least 2; got {num_classes}.')
+  return _REGISTRY[name](name, shape, int(num_classes), _Init(seed))
+
+
+def latent_model(model: tf.keras.Model) -> tf.keras.Model:
+  """Maps `model`'s input to its latent (last hidden) layer's output, sharing its weights.
+
+  This is the representation CCN averages per client and MOON contrasts.
+
+  Raises:
+    ConfigError: `model` has no layer named `LATENT_LAYER`.
+  """
+  try:
+    latent = model.get_layer(LATENT_LAYER)
+  except ValueError:
+    raise ConfigError(
+        f'Model {model.name!r} has no layer named {LATENT_LAYER!r}; zoo models all do.'
+    ) from None
+  return tf.keras.Model(model.inputs, latent.output, name=f'{model.name}_latent')
+
+
+def latent_dim(model: tf.keras.Model) -> int:
+  """Size of the (flattened) latent representation of `model`."""
+  try:
+    shape = model.get_layer(LATENT_LAYER).output.shape[1:]
+  except ValueError:
+    raise ConfigError(
+        f'Model {model.name!r} has no layer named {LATENT_LAYER!r}; zoo models all do.'
+    ) from None
+  return int(math.prod(shape))

@@ -1,0 +1,429 @@
+"""Tests for fltff.models: zoo (shapes, parameter counts, determinism) and layer grouping."""
+
+import gin
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from fltff.errors import ConfigError
+from fltff import models
+from fltff.models import layers as layers_lib
+from fltff.models import zoo
+
+# Default input shape used for each model in these tests.
+SHAPES = {
+    'logistic': (60,),
+    'mlp2': (28, 28, 1),
+    'cnn_cifar_tutorial': (32, 32, 3),
+    'cnn_mnist_582k': (28, 28, 1),
+    'cnn2': (28, 28, 1),
+    'resnet18': (32, 32, 3),
+    'vgg16': (32, 32, 3),
+}
+LATENT_DIMS = {
+    'logistic': 60,
+    'mlp2': 200,
+    'cnn_cifar_tutorial': 64,
+    'cnn_mnist_582k': 512,
+    'cnn2': 128,
+    'resnet18': 512,
+    'vgg16': 128,
+}
+# Expected (number of layer groups, number of them of kind 'norm').
+GROUP_COUNTS = {
+    'logistic': (1, 0),
+    'mlp2': (2, 0),
+    'cnn_cifar_tutorial': (5, 0),
+    'cnn_mnist_582k': (4, 0),
+    'cnn2': (5, 0),
+    # stem conv + 16 block convs + 3 projection convs, each with a BN, + classifier.
+    'resnet18': (41, 20),
+    # 13 conv + 13 BN + latent + classifier.
+    'vgg16': (28, 13),
+}
+
+
+@pytest.fixture(scope='module')
+def built():
+  """Each zoo model built once per module (seed 0, 10 classes)."""
+  return {name: models.build_model(name, SHAPES[name], 10, seed=0)
+          for name in models.MODEL_NAMES}
+
+
+def test_model_names_cover_the_zoo():
+  assert set(models.MODEL_NAMES) == set(SHAPES)
+
+
+# --- Parameter counts, derived independently from the architectures. ---
+
+
+def _conv(k, cin, cout, bias=True):
+  return k * k * cin * cout + (cout if bias else 0)
+
+
+def _dense(n_in, n_out):
+  return n_in * n_out + n_out
+
+
+def _resnet18_trainable(num_classes):
+  total = _conv(3, 3, 64, bias=False) + 2 * 64  # stem conv + BN (gamma, beta)
+  cin = 64
+  for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+    for block in range(2):
+      total += _conv(3, cin, cout, bias=False) + 2 * cout
+      total += _conv(3, cout, cout, bias=False) + 2 * cout
+      if block == 0 and (stride != 1 or cin != cout):
+        total += _conv(1, cin, cout, bias=False) + 2 * cout
+      cin = cout
+  return total + _dense(512, num_classes)
+
+
+def _resnet18_bn_channels():
+  channels = 64
+  for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+    channels += 2 * 2 * cout + (cout if stride != 1 else 0)
+  return channels
+
+
+def _vgg16_trainable(num_classes):
+  total, cin = 0, 3
+  for cout in (64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512):
+    total += _conv(3, cin, cout) + 2 * cout
+    cin = cout
+  return total + _dense(512, 128) + _dense(128, num_classes)
+
+
+@pytest.mark.parametrize('name, expected', [
+    ('logistic', _dense(60, 10)),
+    ('mlp2', 784 * 200 + 200 + 200 * 10 + 10),
+    ('cnn_cifar_tutorial', 122_570),
+    ('cnn_mnist_582k', 582_026),
+    ('cnn2', _conv(5, 1, 32) + _conv(5, 32, 64) + _dense(7 * 7 * 64, 512)
+     + _dense(512, 128) + _dense(128, 10)),
+])
+def test_param_count_small_models(built, name, expected):
+  assert built[name].count_params() == expected
+  assert not built[name].non_trainable_weights
+
+
+def test_param_count_known_values():
+  assert 784 * 200 + 200 + 200 * 10 + 10 == 159_010
+  assert (_conv(3, 3, 32) + _conv(3, 32, 64) + _conv(3, 64, 64) + _dense(1024, 64)
+          + _dense(64, 10)) == 122_570
+  assert _conv(5, 1, 32) + _conv(5, 32, 64) + _dense(1024, 512) + _dense(512, 10) == 582_026
+
+
+def _num_params(variables):
+  return sum(int(v.shape.num_elements()) for v in variables)
+
+
+def test_param_count_resnet18(built):
+  model = built['resnet18']
+  trainable = _resnet18_trainable(10)
+  assert 11_100_000 < trainable < 11_200_000  # the well-known ~11.17M
+  assert _num_params(model.trainable_weights) == trainable
+  # BN moving mean and variance are non-trainable.
+  assert _num_params(model.non_trainable_weights) == 2 * _resnet18_bn_channels()
+  assert model.count_params() == trainable + 2 * _resnet18_bn_channels()
+
+
+def test_param_count_vgg16(built):
+  model = built['vgg16']
+  assert _num_params(model.trainable_weights) == _vgg16_trainable(10)
+  assert _num_params(model.non_trainable_weights) == 2 * (2 * 64 + 2 * 128 + 3 * 256 + 6 * 512)
+
+
+# --- Forward pass, latent layer, determinism. ---
+
+
+@pytest.mark.parametrize('name', list(SHAPES))
+def test_logits_shape(built, name):
+  model = built[name]
+  x = tf.random.stateless_uniform((3, *SHAPES[name]), seed=(1, 2))
+  logits = model(x, training=False)
+  assert logits.shape == (3, 10)
+  assert logits.dtype == tf.float32
+  assert np.all(np.isfinite(logits.numpy()))
+  # Logits, not probabilities: no softmax at the output.
+  assert not np.allclose(np.sum(logits.numpy(), axis=1), 1.0)
+
+
+@pytest.mark.parametrize('name', list(SHAPES))
+def test_latent_model(built, name):
+  model = built[name]
+  latent = models.latent_model(model)
+  x = tf.random.stateless_uniform((2, *SHAPES[name]), seed=(3, 4))
+  assert latent(x, training=False).shape == (2, LATENT_DIMS[name])
+  assert models.latent_dim(model) == LATENT_DIMS[name]
+  assert model.get_layer(models.LATENT_LAYER) is latent.layers[-1]
+  # The classifier is the last layer and consumes the latent output.
+  assert model.layers[-1].input_shape == (None, LATENT_DIMS[name])
+
+
+def test_latent_model_requires_latent_layer():
+  inputs = tf.keras.Input((4,))
+  model = tf.keras.Model(inputs, tf.keras.layers.Dense(2)(inputs))
+  with pytest.raises(ConfigError, match='latent'):
+    models.latent_model(model)
+
+
+@pytest.mark.parametrize('name', list(SHAPES))
+def test_determinism(built, name):
+  same = models.build_model(name, SHAPES[name], 10, seed=0)
+  for a, b in zip(built[name].get_weights(), same.get_weights(), strict=True):
+    np.testing.assert_array_equal(a, b)
+  other = models.build_model(name, SHAPES[name], 10, seed=1)
+  kernels = [(a, b) for a, b in zip(built[name].get_weights(), other.get_weights())
+             if a.ndim >= 2]
+  assert kernels and all(not np.array_equal(a, b) for a, b in kernels)
+
+
+def test_graph_mode_matches_eager(built):
+  # TFF builds models inside graph-mode computations: initial weights must not depend on it.
+  eager_weights = [w.numpy() for w in built['cnn2'].weights]
+  with tf.Graph().as_default():
+    model = models.build_model('cnn2', SHAPES['cnn2'], 10, seed=0)
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      graph_weights = sess.run(model.weights)
+  for a, b in zip(eager_weights, graph_weights, strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_layers_have_distinct_seeds(built):
+  # Same-shaped kernels drawn with one seed would be equal: check the seed advances per layer.
+  resnet = built['resnet18']
+  kernels = [resnet.get_layer(f'stage1_block{b}_conv{c}').kernel.numpy()
+             for b in (1, 2) for c in (1, 2)]
+  assert all(k.shape == (3, 3, 64, 64) for k in kernels)
+  for i in range(len(kernels)):
+    for j in range(i):
+      assert not np.array_equal(kernels[i], kernels[j])
+
+
+def test_num_classes_and_flat_inputs():
+  model = models.build_model('mlp2', (60,), num_classes=3)
+  assert model(tf.zeros((2, 60))).shape == (2, 3)
+  model = models.build_model('cnn2', (28, 28), num_classes=62)  # channel-less images
+  assert model(tf.zeros((2, 28, 28))).shape == (2, 62)
+
+
+def test_gin_configurable():
+  try:
+    gin.parse_config("""
+        model.name = 'cnn_mnist_582k'
+        model.num_classes = 47
+    """)
+    model = zoo.build_model()
+  finally:
+    gin.clear_config()
+  assert model.output_shape == (None, 47)
+
+
+# --- Errors. ---
+
+
+def test_unknown_name_lists_known_names():
+  with pytest.raises(ConfigError) as info:
+    models.build_model('resnet50')
+  assert isinstance(info.value, ValueError)
+  for name in models.MODEL_NAMES:
+    assert name in str(info.value)
+
+
+@pytest.mark.parametrize('name, shape', [
+    ('cnn2', (60,)),
+    ('vgg16', (28, 28, 1)),
+    ('cnn_mnist_582k', (8, 8, 1)),
+    ('mlp2', (0, 28)),
+    ('resnet18', (32, 32, 3, 1)),
+])
+def test_bad_shape(name, shape):
+  with pytest.raises(ConfigError):
+    models.build_model(name, shape)
+
+
+def test_bad_num_classes():
+  with pytest.raises(ConfigError):
+    models.build_model('mlp2', num_classes=1)
+
+
+# --- Layer grouping. ---
+
+
+def _assert_partition(model, groups):
+  t = [i for g in groups for i in g.trainable_indices]
+  n = [i for g in groups for i in g.non_trainable_indices]
+  assert t == list(range(len(model.trainable_weights)))
+  assert n == list(range(len(model.non_trainable_weights)))
+
+
+@pytest.mark.parametrize('name', list(SHAPES))
+def test_layer_groups_partition(built, name):
+  model = built[name]
+  groups = models.layer_groups(model)
+  _assert_partition(model, groups)
+  num, num_norm = GROUP_COUNTS[name]
+  assert len(groups) == num
+  assert sum(g.kind == 'norm' for g in groups) == num_norm
+  assert len({g.name for g in groups}) == len(groups)
+  assert groups[-1].name == 'logits' and groups[-1].kind == 'dense'
+  for g in groups:
+    assert g.kind in ('dense', 'conv', 'norm')
+    ws = [model.trainable_weights[i] for i in g.trainable_indices]
+    if g.kind in ('dense', 'conv'):
+      assert ws[0].shape.rank == (2 if g.kind == 'dense' else 4)  # kernel first
+      assert all(w.shape.rank == 1 for w in ws[1:])  # then bias
+      assert not g.non_trainable_indices
+    else:
+      assert [w.shape.rank for w in ws] == [1, 1]  # gamma, beta
+      assert len(g.non_trainable_indices) == 2  # moving mean, variance
+
+
+def test_layer_groups_small_models(built):
+  groups = models.layer_groups(built['mlp2'])
+  assert [(g.name, g.kind, g.trainable_indices) for g in groups] == [
+      ('latent', 'dense', (0, 1)), ('logits', 'dense', (2, 3))]
+  kinds = [g.kind for g in models.layer_groups(built['cnn_mnist_582k'])]
+  assert kinds == ['conv', 'conv', 'dense', 'dense']
+  resnet = models.layer_groups(built['resnet18'])
+  assert [g.name for g in resnet[:2]] == ['stem_conv', 'stem_bn']
+
+
+def test_layer_groups_nested_models():
+  block = tf.keras.Sequential([
+      tf.keras.layers.Conv2D(4, 3, name='inner_conv'),
+      tf.keras.layers.BatchNormalization(name='inner_bn'),
+      tf.keras.layers.ReLU(),
+  ], name='block')
+
+  class Head(tf.keras.layers.Layer):
+
+    def __init__(self):
+      super().__init__(name='head')
+      self.hidden = tf.keras.layers.Dense(5, name='head_hidden')
+      self.out = tf.keras.layers.Dense(2, use_bias=False, name='head_out')
+
+    def call(self, x):
+      return self.out(self.hidden(x))
+
+  inputs = tf.keras.Input((8, 8, 1))
+  x = tf.keras.layers.Conv2D(3, 3, name='outer_conv')(inputs)
+  x = block(x)
+  x = tf.keras.layers.GlobalAveragePooling2D()(x)
+  model = tf.keras.Model(inputs, Head()(x))
+  groups = models.layer_groups(model)
+  assert [(g.name, g.kind) for g in groups] == [
+      ('outer_conv', 'conv'), ('inner_conv', 'conv'), ('inner_bn', 'norm'),
+      ('head_hidden', 'dense'), ('head_out', 'dense')]
+  _assert_partition(model, groups)
+  assert groups[-1].trainable_indices == (len(model.trainable_weights) - 1,)
+
+
+def test_layer_groups_frozen_layer():
+  inputs = tf.keras.Input((4,))
+  hidden = tf.keras.layers.Dense(3, name='body')
+  head = tf.keras.layers.Dense(2, name='head')
+  model = tf.keras.Model(inputs, head(hidden(inputs)))
+  head.trainable = False  # e.g. FedBABU's fixed head
+  groups = models.layer_groups(model)
+  assert [(g.name, g.trainable_indices, g.non_trainable_indices) for g in groups] == [
+      ('body', (0, 1), ()), ('head', (), (0, 1))]
+
+
+def test_layer_groups_requires_built_model():
+  model = tf.keras.Sequential([tf.keras.layers.Dense(2)])
+  with pytest.raises(ConfigError):
+    models.layer_groups(model)
+
+
+def test_group_weights(built):
+  model = built['resnet18']
+  groups = models.layer_groups(model)
+  per_layer = models.group_weights(model.trainable_weights, groups)
+  assert len(per_layer) == len(groups)
+  assert [w.name for ws in per_layer for w in ws] == [w.name for w in model.trainable_weights]
+  stats = models.group_weights(model.non_trainable_weights, groups, trainable=False)
+  assert [len(s) for s in stats] == [2 if g.kind == 'norm' else 0 for g in groups]
+  with pytest.raises(ConfigError):
+    models.group_weights(model.trainable_weights[:-1], groups)
+
+
+# --- Per-neuron rows. ---
+
+
+@pytest.mark.parametrize('shape, rows_shape', [
+    ((), (1, 1)),
+    ((7,), (1, 7)),
+    ((5, 3), (5, 3)),
+    ((3, 3, 2, 4), (18, 4)),
+    ((5, 5, 1, 32), (25, 32)),
+    ((2, 3, 4, 5, 6), (120, 6)),
+])
+def test_to_rows_shapes(shape, rows_shape):
+  x = tf.reshape(tf.range(int(np.prod(shape)), dtype=tf.float32), shape)
+  rows = layers_lib.to_rows(x)
+  assert tuple(rows.shape) == rows_shape
+  # Row-major: row r of a conv kernel is kernel[i, j, c, :] with r = (i*kw + j)*cin + c.
+  if len(shape) == 4:
+    kh, kw, cin, _ = shape
+    i, j, c = kh - 1, kw - 2, cin - 1
+    np.testing.assert_array_equal(rows[(i * kw + j) * cin + c], x[i, j, c])
+
+
+def _np_rows(x):
+  x = np.asarray(x)
+  if x.ndim == 0:
+    return x.reshape(1, 1)
+  if x.ndim == 1:
+    return x.reshape(1, -1)
+  return x.reshape(-1, x.shape[-1])
+
+
+@pytest.mark.parametrize('shape', [(), (6,), (5, 4), (3, 3, 2, 4)])
+def test_row_functions_match_numpy(shape):
+  rng = np.random.default_rng(len(shape))
+  a = rng.normal(size=shape).astype(np.float32)
+  b = rng.normal(size=shape).astype(np.float32)
+  ra, rb = _np_rows(a), _np_rows(b)
+  cos = np.sum(ra * rb, 1) / (np.linalg.norm(ra, axis=1) * np.linalg.norm(rb, axis=1))
+  dist = np.sum((ra - rb)**2, 1)
+  np.testing.assert_allclose(models.row_cosine(a, b).numpy(), cos, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(models.row_squared_distance(a, b).numpy(), dist, rtol=1e-5)
+  np.testing.assert_allclose(models.row_cosine(a, a).numpy(), 1.0, rtol=1e-5)
+  np.testing.assert_allclose(models.row_cosine(a, np.float32(-2) * a).numpy(), -1.0, rtol=1e-5)
+
+
+def test_row_cosine_zero_rows_finite_with_finite_gradients():
+  a = tf.Variable([[0.0, 0.0, 0.0], [1.0, 2.0, 3.0], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+  b = tf.Variable([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+  with tf.GradientTape() as tape:
+    cos = models.row_cosine(a, b)
+    dist = models.row_squared_distance(a, b)
+    loss = tf.reduce_sum((1.0 - cos) * dist)  # FedLap's per-neuron penalty form
+  np.testing.assert_allclose(cos.numpy(), [1.0, 1.0, 1.0, 1.0])
+  grads = tape.gradient([tf.reduce_sum(cos), loss], [a, b])
+  for g in grads:
+    assert np.all(np.isfinite(g.numpy()))
+  # Zero rows contribute no gradient through the cosine.
+  with tf.GradientTape() as tape:
+    cos = models.row_cosine(a, b)
+  ga, gb = tape.gradient(cos, [a, b])
+  np.testing.assert_array_equal(ga.numpy()[[0, 1, 3]], 0.0)
+  np.testing.assert_array_equal(gb.numpy()[[0, 1, 3]], 0.0)
+  assert np.all(np.isfinite(ga.numpy())) and np.all(np.isfinite(gb.numpy()))
+
+
+def test_row_cosine_on_model_weights(built):
+  model = built['cnn_mnist_582k']
+  other = models.build_model('cnn_mnist_582k', seed=1)
+  groups = models.layer_groups(model)
+  ours = models.group_weights(model.trainable_weights, groups)
+  theirs = models.group_weights(other.trainable_weights, groups)
+  for ws, vs in zip(ours, theirs, strict=True):
+    kernel_cos = models.row_cosine(ws[0], vs[0])
+    # Dense kernel [in, out] has one row per input neuron.
+    assert kernel_cos.shape == (layers_lib.to_rows(ws[0]).shape[0],)
+    assert np.all(np.abs(kernel_cos.numpy()) <= 1.0)
+    # Biases start at zero: zero rows, cosine defined as 1.
+    np.testing.assert_array_equal(models.row_cosine(ws[1], vs[1]).numpy(), [1.0])
