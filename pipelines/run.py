@@ -41,7 +41,8 @@ EXIT_USER_ERROR = 2
 
 def _short_gin_message(exc: BaseException) -> str:
   """Gin appends 'In call to configurable ...' / 'In file ...' context lines: keep them short."""
-  lines = [l.strip() for l in str(exc).strip().splitlines() if l.strip()]
+  lines = [l.strip() for l in str(exc).strip().splitlines()
+           if l.strip() and not l.strip().startswith('In call to configurable')]
   return ' '.join(lines[:3])
 
 

@@ -1,0 +1,208 @@
+"""End-to-end tests of `python -m pipelines.run`: outputs, resume, clear errors, no leaks.
+
+Each test starts the pipeline as a real subprocess, as a user would.
+"""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = [
+    '--gin_file=gin_configs/foundation/mnist1003_shards_fedavg.gin',
+    '--gin_bindings=experiment.rounds = 3',
+    '--gin_bindings=experiment.clients_per_round = 3',
+    '--gin_bindings=experiment.local_epochs = 1',
+    '--gin_bindings=experiment.checkpoint_every = 1',
+]
+
+
+def _env():
+  return dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3', PYTHONUNBUFFERED='1')
+
+
+def run_pipeline(*args, timeout=600):
+  return subprocess.run([sys.executable, '-m', 'pipelines.run', *args], cwd=REPO, env=_env(),
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def _worker_pids():
+  """PIDs of running worker_binary processes started from this repository's environment."""
+  out = subprocess.run(['ps', '-eo', 'pid,stat,args'], capture_output=True, text=True).stdout
+  pids = []
+  for line in out.splitlines():
+    parts = line.split(None, 2)
+    if len(parts) == 3 and 'worker_binary' in parts[2] and not parts[1].startswith('Z'):
+      pids.append(int(parts[0]))
+  return set(pids)
+
+
+def _read_csv(path):
+  with open(path) as f:
+    return list(csv.DictReader(f))
+
+
+def _assert_one_line_error(result, *fragments):
+  assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+  assert 'Traceback' not in result.stderr, result.stderr[-3000:]
+  error_lines = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
+  assert len(error_lines) == 1, result.stderr[-3000:]
+  for fragment in fragments:
+    assert fragment in error_lines[0], error_lines[0]
+  return error_lines[0]
+
+
+@pytest.fixture(scope='module')
+def small_run(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp('small') / 'run')
+  before = _worker_pids()
+  result = run_pipeline(*SMALL, f'--output_dir={out}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  leaked = _worker_pids() - before
+  return out, result, leaked
+
+
+def test_outputs_are_complete(small_run):
+  out, result, leaked = small_run
+  assert not leaked, f'worker_binary processes outlived the pipeline: {leaked}'
+  assert 'round    3/3' in result.stdout
+  rows = _read_csv(os.path.join(out, 'metrics.csv'))
+  assert [int(r['round']) for r in rows] == [1, 2, 3]
+  for r in rows:
+    assert 0.0 <= float(r['test_accuracy']) <= 1.0
+    assert np.isfinite(float(r['train_loss']))
+  summary = json.load(open(os.path.join(out, 'summary.json')))
+  assert summary['rounds_completed'] == 3
+  assert summary['final_accuracy'] == pytest.approx(float(rows[-1]['test_accuracy']))
+  assert summary['best_accuracy'] == pytest.approx(max(float(r['test_accuracy']) for r in rows))
+  assert set(summary['rounds_to_target']) == {'0.6', '0.7', '0.8'}
+  # mlp2 has 159,010 float32 parameters; 3 clients per round receive the model and send an
+  # update of the same size plus a float32 weight.
+  assert summary['bytes_down_per_round'] == [3 * 159010 * 4] * 3
+  assert summary['bytes_up_per_round'] == [3 * (159010 * 4 + 4)] * 3
+  assert summary['examples_processed'] == sum(int(r['examples']) for r in rows)
+  partition = json.load(open(os.path.join(out, 'partition.json')))
+  hist = np.array(partition['label_histograms'])
+  assert hist.shape == (10, 10) and hist.sum() == 1003
+  config = open(os.path.join(out, 'config.gin')).read()
+  assert 'experiment.rounds = 3' in config and 'shard_partition' in config
+  assert any(f.startswith('events.out.tfevents')
+             for f in os.listdir(os.path.join(out, 'tensorboard')))
+  assert os.path.getsize(os.path.join(out, 'accuracy_loss.png')) > 1000
+  assert os.path.exists(os.path.join(out, 'checkpoints', 'latest.json'))
+
+
+def test_resume_after_kill_matches_uninterrupted_run(small_run, tmp_path):
+  reference_dir, _, _ = small_run
+  out = str(tmp_path / 'killed')
+  before = _worker_pids()
+  proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *SMALL, f'--output_dir={out}'],
+                          cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  latest = os.path.join(out, 'checkpoints', 'latest.json')
+  deadline = time.monotonic() + 300
+  while time.monotonic() < deadline and proc.poll() is None:
+    if os.path.exists(latest) and json.load(open(latest))['round'] >= 1:
+      break
+    time.sleep(0.05)
+  assert proc.poll() is None, 'run finished before it could be killed'
+  proc.kill()  # SIGKILL: no Python cleanup at all.
+  proc.wait()
+  killed_at = json.load(open(latest))['round']
+  assert killed_at < 3
+  # PR_SET_PDEATHSIG takes the worker down with the SIGKILLed driver.
+  deadline = time.monotonic() + 10
+  while _worker_pids() - before and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not _worker_pids() - before
+
+  result = run_pipeline(*SMALL, f'--output_dir={out}', '--resume')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f'Resumed from the checkpoint of round {killed_at}' in result.stdout
+  resumed = _read_csv(os.path.join(out, 'metrics.csv'))
+  reference = _read_csv(os.path.join(reference_dir, 'metrics.csv'))
+  assert [r['round'] for r in resumed] == [r['round'] for r in reference]
+  for a, b in zip(resumed, reference):
+    for key in ('train_loss', 'train_accuracy', 'test_loss', 'test_accuracy', 'examples'):
+      assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-5, abs=1e-6), key
+
+
+def test_rerun_without_resume_refuses_to_overwrite(small_run):
+  out, _, _ = small_run
+  _assert_one_line_error(run_pipeline(*SMALL, f'--output_dir={out}'), '--resume')
+
+
+def test_sigterm_stops_cleanly_and_keeps_checkpoint(tmp_path):
+  out = str(tmp_path / 'term')
+  before = _worker_pids()
+  proc = subprocess.Popen(
+      [sys.executable, '-m', 'pipelines.run', *SMALL, '--gin_bindings=experiment.rounds = 50',
+       f'--output_dir={out}'], cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE, text=True)
+  metrics = os.path.join(out, 'metrics.csv')
+  deadline = time.monotonic() + 300
+  while time.monotonic() < deadline and proc.poll() is None:
+    if os.path.exists(metrics) and len(_read_csv(metrics)) >= 2:
+      break
+    time.sleep(0.05)
+  assert proc.poll() is None
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=120)
+  assert proc.returncode != 0
+  assert 'Traceback' not in stderr, stderr[-3000:]
+  completed = len(_read_csv(metrics))
+  saved = json.load(open(os.path.join(out, 'checkpoints', 'latest.json')))['round']
+  assert saved == completed  # Every completed round is in the checkpoint.
+  assert not _worker_pids() - before
+
+
+@pytest.mark.parametrize('bindings,fragments', [
+    (['experiment.methodd = @fedavg'], ["methodd"]),
+    (['experiment.method = @fedavgg'], ['fedavgg']),
+    (['client_optimizer.lr = 0.1'], ['lr']),
+    (["experiment.model = 'mlp3'"], ['mlp3', 'mlp2']),
+    (['federated_data.num_clients = 2000', 'shard_partition.shards_per_client = 1'],
+     ['2000']),
+    (['federated_data.partitioner = @dirichlet_partition',
+      'dirichlet_partition.alpha = 0.0'], ['alpha']),
+    (["federated_data.source = @tfds_source", "tfds_source.name = 'mnistt'"], ['mnistt']),
+])
+def test_bad_configuration_is_one_clear_error(bindings, fragments, tmp_path):
+  args = [SMALL[0], *[f'--gin_bindings={b}' for b in bindings], f'--output_dir={tmp_path}']
+  _assert_one_line_error(run_pipeline(*args), *fragments)
+
+
+def test_tfds_not_prepared_offline_says_how_to_prepare(tmp_path):
+  empty = tmp_path / 'tfds'
+  empty.mkdir()
+  args = [SMALL[0], '--gin_bindings=federated_data.source = @tfds_source',
+          "--gin_bindings=tfds_source.name = 'fashion_mnist'",
+          f"--gin_bindings=tfds_source.data_dir = '{empty}'", f'--output_dir={tmp_path}/o']
+  line = _assert_one_line_error(run_pipeline(*args), 'fashion_mnist', str(empty))
+  assert 'download' in line
+
+
+def test_divergence_stops_and_keeps_completed_rounds(small_run, tmp_path):
+  out = str(tmp_path / 'nan')
+  first = run_pipeline(*SMALL, '--gin_bindings=experiment.rounds = 2', f'--output_dir={out}')
+  assert first.returncode == 0, first.stderr[-3000:]
+  result = run_pipeline(*SMALL, '--gin_bindings=client_optimizer.learning_rate = 1e12',
+                        f'--output_dir={out}', '--resume')
+  _assert_one_line_error(result, 'diverged in round 3', 'Rounds 1-2')
+  assert json.load(open(os.path.join(out, 'checkpoints', 'latest.json')))['round'] == 2
+  assert [r['round'] for r in _read_csv(os.path.join(out, 'metrics.csv'))] == ['1', '2']
+
+
+def test_missing_gin_file_and_npz(tmp_path):
+  _assert_one_line_error(
+      run_pipeline('--gin_file=gin_configs/nope.gin', f'--output_dir={tmp_path}'), 'nope.gin')
+  _assert_one_line_error(
+      run_pipeline(SMALL[0], "--gin_bindings=npz_source.path = '/nonexistent/x.npz'",
+                   f'--output_dir={tmp_path}'), '/nonexistent/x.npz')
