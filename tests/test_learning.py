@@ -48,14 +48,18 @@ def _max_abs_diff(a, b):
   return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(a, b))
 
 
-def _run_ours(algorithm, data, epochs, rounds=2):
+def _run_ours(algorithm, data, epochs, rounds=2, return_metrics=False):
   process = algorithm.process
   state = process.initialize()
   state = process.set_model_weights(state, algorithm.model_spec.initial_weights())
   for _ in range(rounds):
     inputs = [learning.client_input(_batches(x, y), i, epochs) for i, (x, y) in enumerate(data)]
-    state = process.next(state, inputs).state
-  return process.get_model_weights(state).trainable
+    output = process.next(state, inputs)
+    state = output.state
+  weights = process.get_model_weights(state).trainable
+  if return_metrics:
+    return weights, output.metrics['client_work']['train']
+  return weights
 
 
 @pytest.mark.parametrize('epochs', [1, 2])
@@ -63,7 +67,8 @@ def test_fedavg_equals_tff_weighted_fed_avg(epochs):
   spec = ModelSpec(_mlp_keras, (DIM,), CLASSES)
   data = _client_arrays()
   client_opt = tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
-  ours = _run_ours(learning.fedavg(spec, client_optimizer=client_opt), data, epochs)
+  ours, metrics = _run_ours(learning.fedavg(spec, client_optimizer=client_opt), data, epochs,
+                           return_metrics=True)
 
   tff_process = tff.learning.algorithms.build_weighted_fed_avg(
       model_fn=spec.tff_model,
@@ -72,9 +77,14 @@ def test_fedavg_equals_tff_weighted_fed_avg(epochs):
   state = tff_process.initialize()
   state = tff_process.set_model_weights(state, spec.initial_weights())
   for _ in range(2):
-    state = tff_process.next(state, [_batches(x, y).repeat(epochs) for x, y in data]).state
+    output = tff_process.next(state, [_batches(x, y).repeat(epochs) for x, y in data])
+    state = output.state
   reference = tff_process.get_model_weights(state).trainable
   assert _max_abs_diff(ours, reference) <= 1e-5
+  tff_metrics = output.metrics['client_work']['train']
+  assert metrics['loss'] == pytest.approx(tff_metrics['loss'], abs=1e-5)
+  assert metrics['accuracy'] == pytest.approx(tff_metrics['accuracy'], abs=1e-6)
+  assert metrics['num_examples'] == tff_metrics['num_examples'] == epochs * sum(CLIENT_SIZES)
   # And training actually moved the model.
   assert _max_abs_diff(ours, spec.initial_weights().trainable) > 1e-2
 

@@ -1,0 +1,74 @@
+"""Sampling, state store, checkpoints and summary helpers of the round driver."""
+
+import numpy as np
+import pytest
+
+from fltff.errors import ConfigError
+from fltff.simulation import Checkpointer
+from fltff.simulation import ClientStateStore
+from fltff.simulation import sampling
+from fltff.simulation.outputs import rounds_to_targets
+
+
+def test_sampling_is_deterministic_per_round_and_without_replacement():
+  a = [sampling.sample_clients(100, 10, seed=7, round_num=r) for r in range(1, 6)]
+  b = [sampling.sample_clients(100, 10, seed=7, round_num=r) for r in range(5, 0, -1)][::-1]
+  for x, y in zip(a, b):  # Independent of the order rounds are asked for (resume).
+    np.testing.assert_array_equal(x, y)
+    assert len(np.unique(x)) == 10 and x.min() >= 0 and x.max() < 100
+  assert not all(np.array_equal(a[0], x) for x in a[1:])
+  np.testing.assert_array_equal(sampling.sample_clients(5, 5, 0, 1), np.arange(5))
+
+
+@pytest.mark.parametrize('count,fraction,expected', [(None, None, 100), (7, None, 7),
+                                                     (None, 0.1, 10), (None, 0.001, 1)])
+def test_num_participants(count, fraction, expected):
+  assert sampling.num_participants(100, count, fraction) == expected
+
+
+@pytest.mark.parametrize('count,fraction', [(0, None), (101, None), (None, 0.0), (None, 1.5),
+                                            (5, 0.1)])
+def test_num_participants_rejects_bad_values(count, fraction):
+  with pytest.raises(ConfigError):
+    sampling.num_participants(100, count, fraction)
+
+
+def test_client_state_store_roundtrip():
+  store = ClientStateStore(init_fn=lambda i: {'w': np.full((2, 3), i, np.float32),
+                                              'n': np.int32(0)})
+  assert store.get(4)['w'][0, 0] == 4.0
+  store.set(9, {'w': np.ones((2, 3), np.float32), 'n': np.int32(3)})
+  arrays = store.to_arrays()
+  restored = ClientStateStore()
+  restored.load_arrays(arrays, template_fn=lambda i: {'w': 0, 'n': 0})
+  assert len(restored) == 2 and 9 in restored
+  np.testing.assert_array_equal(restored.get(9)['w'], np.ones((2, 3)))
+  assert int(restored.get(9)['n']) == 3
+  with pytest.raises(KeyError):
+    ClientStateStore().get(0)
+
+
+def test_checkpointer_roundtrip_and_pruning(tmp_path):
+  ckpt = Checkpointer(str(tmp_path), keep=2)
+  template = {'a': np.zeros(3, np.float32), 'b': [np.zeros((2, 2)), np.int64(0)]}
+  for r in range(1, 5):
+    state = {'a': np.full(3, r, np.float32), 'b': [np.eye(2) * r, np.int64(r)]}
+    ckpt.save(r, state, {'rows': [{'round': i} for i in range(1, r + 1)]},
+              {'client/0/0': np.array([r])})
+  assert ckpt.latest_round() == 4
+  round_num, state, meta, extra = ckpt.restore(template)
+  assert round_num == 4 and len(meta['rows']) == 4
+  np.testing.assert_array_equal(state['a'], np.full(3, 4.0))
+  np.testing.assert_array_equal(state['b'][0], np.eye(2) * 4)
+  assert int(extra['client/0/0'][0]) == 4
+  kept = sorted(p.name for p in (tmp_path / 'checkpoints').glob('round_*.npz'))
+  assert kept == ['round_00003.npz', 'round_00004.npz']
+  with pytest.raises(ValueError, match='shape'):
+    ckpt.restore({'a': np.zeros(4, np.float32), 'b': [np.zeros((2, 2)), np.int64(0)]})
+
+
+def test_rounds_to_targets():
+  rows = [{'round': 1, 'test_accuracy': 0.5}, {'round': 2},
+          {'round': 3, 'test_accuracy': 0.81}, {'round': 4, 'test_accuracy': 0.95}]
+  assert rounds_to_targets(rows, [0.5, 0.8, 0.9, 0.99]) == {
+      '0.5': 1, '0.8': 3, '0.9': 4, '0.99': None}
