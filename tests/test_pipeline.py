@@ -206,3 +206,23 @@ def test_missing_gin_file_and_npz(tmp_path):
   _assert_one_line_error(
       run_pipeline(SMALL[0], "--gin_bindings=npz_source.path = '/nonexistent/x.npz'",
                    f'--output_dir={tmp_path}'), '/nonexistent/x.npz')
+
+
+def test_report_compares_runs(small_run, tmp_path):
+  out, _, _ = small_run
+  result = subprocess.run(
+      [sys.executable, '-m', 'pipelines.report', f'--runs={out},{out}', f'--out={tmp_path}',
+       '--at_round=2', '--targets=0.01,0.99'], cwd=REPO, env=_env(), capture_output=True,
+      text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  rows = _read_csv(os.path.join(out, 'metrics.csv'))
+  acc2 = float(rows[1]['test_accuracy'])
+  final = float(rows[-1]['test_accuracy'])
+  table = open(os.path.join(tmp_path, 'report.md')).read().splitlines()
+  assert len(table) == 4  # header, separator, two runs
+  cells = [c.strip() for c in table[2].strip('|').split('|')]
+  assert cells[1] == 'fedavg' and cells[2] == '3'
+  assert float(cells[3]) == pytest.approx(acc2, abs=1e-4)
+  assert float(cells[4]) == pytest.approx(final, abs=1e-4)
+  assert cells[6] == '1' and cells[7] == '–'
+  assert os.path.getsize(os.path.join(tmp_path, 'accuracy.png')) > 1000
