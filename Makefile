@@ -23,7 +23,8 @@ $(STAMP): requirements.txt
 	$(VPY) -m pip install -q --disable-pip-version-check --no-build-isolation $$(grep -E '^jax(lib)?==' requirements.txt)
 	$(VPY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(VPY) -m pip install -q --disable-pip-version-check --no-deps tensorflow-federated==0.87.0
-	$(VPY) -c 'import tensorflow_federated, tensorflow_datasets, gin; print("fltff environment ready")'
+	@# os._exit skips TFF's ServiceManager.__del__, which fails noisily at interpreter exit.
+	$(VPY) -c 'import os, tensorflow_federated, tensorflow_datasets, gin; print("fltff environment ready", flush=True); os._exit(0)'
 	@touch $(STAMP)
 
 quickstart: setup

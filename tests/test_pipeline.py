@@ -24,8 +24,14 @@ SMALL = [
 ]
 
 
+# Every pipeline this module starts carries this tag in its environment, which its
+# worker_binary inherits: leak checks then see only our own workers, not those of other
+# programs running on the machine at the same time.
+TAG = f'fltff-test-{os.getpid()}-{time.time_ns()}'
+
+
 def _env():
-  return dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3', PYTHONUNBUFFERED='1')
+  return dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3', PYTHONUNBUFFERED='1', FLTFF_TEST_TAG=TAG)
 
 
 def run_pipeline(*args, timeout=600):
@@ -34,14 +40,24 @@ def run_pipeline(*args, timeout=600):
 
 
 def _worker_pids():
-  """PIDs of running worker_binary processes started from this repository's environment."""
-  out = subprocess.run(['ps', '-eo', 'pid,stat,args'], capture_output=True, text=True).stdout
-  pids = []
-  for line in out.splitlines():
-    parts = line.split(None, 2)
-    if len(parts) == 3 and 'worker_binary' in parts[2] and not parts[1].startswith('Z'):
-      pids.append(int(parts[0]))
-  return set(pids)
+  """PIDs of live worker_binary processes started by pipelines of this test module."""
+  pids = set()
+  for entry in os.listdir('/proc'):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f'/proc/{entry}/cmdline', 'rb') as f:
+        if b'worker_binary' not in f.read():
+          continue
+      with open(f'/proc/{entry}/stat') as f:
+        if f.read().rsplit(')', 1)[1].split()[0] == 'Z':
+          continue
+      with open(f'/proc/{entry}/environ', 'rb') as f:
+        if f'FLTFF_TEST_TAG={TAG}'.encode() in f.read().split(b'\0'):
+          pids.add(int(entry))
+    except OSError:
+      continue
+  return pids
 
 
 def _read_csv(path):
@@ -153,6 +169,7 @@ def test_sigterm_stops_cleanly_and_keeps_checkpoint(tmp_path):
       break
     time.sleep(0.05)
   assert proc.poll() is None
+  assert _worker_pids() - before, 'the leak check cannot see the running worker'
   proc.send_signal(signal.SIGTERM)
   _, stderr = proc.communicate(timeout=120)
   assert proc.returncode != 0

@@ -1,7 +1,9 @@
 """Client work and process builders, one module per method.
 
 Every builder takes a `ModelSpec` and returns an `Algorithm` (a TFF learning process plus its
-per-client communication sizes). Gin names: `fedavg`, `fedprox`, `sgdm`.
+per-client communication sizes). Gin names: `fedavg`, `fedprox`, `sgdm`, `fedadp`,
+`fedlayerwise`. A builder that declares a `num_clients` argument receives the experiment's
+total number of clients from the round driver (stateful aggregators size their state by it).
 """
 
 from fltff.learning.client_work import CLIENT_INFO_SPEC
@@ -10,6 +12,8 @@ from fltff.learning.client_work import build_client_work
 from fltff.learning.client_work import build_local_training
 from fltff.learning.client_work import client_input
 from fltff.learning.fedavg import fedavg
+from fltff.learning.fedlayerwise import fedadp
+from fltff.learning.fedlayerwise import fedlayerwise
 from fltff.learning.fedprox import fedprox
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.model_spec import type_num_bytes

@@ -115,7 +115,8 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
 def build_client_work(model_spec: ModelSpec,
                       optimizer,
                       regularizer: Optional[LocalRegularizer] = None,
-                      metrics_aggregator=None):
+                      metrics_aggregator=None,
+                      weight_with_client_index: bool = False):
   """A `tff.learning.templates.ClientWorkProcess` doing local training from the global model.
 
   The update is `initial − trained` (TFF's model-delta convention, so TFF's finalizers apply
@@ -127,6 +128,10 @@ def build_client_work(model_spec: ModelSpec,
     optimizer: A `tff.learning.optimizers.Optimizer` for local steps.
     regularizer: Optional `LocalRegularizer` (FedProx's proximal term, FedLap's, ...).
     metrics_aggregator: As in TFF; defaults to `tff.learning.metrics.sum_then_finalize`.
+    weight_with_client_index: If True the update weight is
+      `OrderedDict(num_examples=float32, client_index=int32)`, so that a stateful aggregator
+      (FedAdp, FedLayerWise) can key per-client state by the client's slot; otherwise the
+      float32 example count that TFF's `MeanFactory` expects.
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -150,9 +155,12 @@ def build_client_work(model_spec: ModelSpec,
     update = tf.nest.map_structure(
         tf.subtract, tuple(tf.nest.flatten(initial_weights.trainable)), trained)
     update = tf.nest.pack_sequence_as(initial_weights.trainable, update)
-    return (tff.learning.templates.ClientResult(
-        update=update, update_weight=tf.cast(examples, tf.float32)),
-            metrics)
+    weight = tf.cast(examples, tf.float32)
+    if weight_with_client_index:
+      client_index = data['info'].reduce(tf.constant(0, tf.int32),
+                                         lambda _, x: x['client_index'])
+      weight = collections.OrderedDict(num_examples=weight, client_index=client_index)
+    return (tff.learning.templates.ClientResult(update=update, update_weight=weight), metrics)
 
   @tff.federated_computation
   def init_fn():

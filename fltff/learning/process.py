@@ -42,7 +42,8 @@ def build_algorithm(name: str,
                     client_optimizer,
                     server_optimizer,
                     regularizer: Optional[client_work_lib.LocalRegularizer] = None,
-                    model_aggregator=None) -> Algorithm:
+                    model_aggregator=None,
+                    weight_with_client_index: bool = False) -> Algorithm:
   """Builds a FedAvg-family method as a composed `tff.learning` LearningProcess.
 
   Args:
@@ -53,6 +54,8 @@ def build_algorithm(name: str,
     regularizer: Optional local regulariser (see `client_work.LocalRegularizer`).
     model_aggregator: A weighted `tff.aggregators` factory; default `MeanFactory()`, the
       sample-weighted mean of FedAvg.
+    weight_with_client_index: Send `(num_examples, client_index)` as the update weight, for
+      aggregators that keep per-client state (see `client_work.build_client_work`).
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -63,7 +66,9 @@ def build_algorithm(name: str,
     return tff.learning.models.ModelWeights.from_model(model_spec.tff_model())
 
   distributor = tff.learning.templates.build_broadcast_process(weights_type)
-  client_work = client_work_lib.build_client_work(model_spec, client_optimizer, regularizer)
+  client_work = client_work_lib.build_client_work(
+      model_spec, client_optimizer, regularizer,
+      weight_with_client_index=weight_with_client_index)
   result_type = client_work.next.type_signature.result.result.member
   if model_aggregator is None:
     model_aggregator = tff.aggregators.MeanFactory()

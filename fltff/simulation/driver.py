@@ -98,6 +98,8 @@ class RoundDriver:
     output = self.process.next(state, self.client_inputs(round_num, clients))
     seconds = time.perf_counter() - start
     train = output.metrics['client_work']['train']
+    scalars, arrays = split_measurements(
+        {k: v for k, v in output.metrics.items() if k != 'client_work'})
     row = {
         'round': round_num,
         'train_loss': float(train['loss']),
@@ -108,6 +110,9 @@ class RoundDriver:
         'bytes_up': self.algorithm.bytes_up_per_client * len(clients),
         'round_seconds': seconds,
     }
+    row.update(scalars)
+    if arrays:
+      self.outputs.log_arrays(round_num, arrays)
     return output.state, row
 
   def evaluate(self, state) -> dict[str, float]:
@@ -124,6 +129,7 @@ class RoundDriver:
   def restore(self, template_state):
     round_num, state, meta, arrays = self.checkpointer.restore(template_state)
     self.rows = [r for r in meta['rows'] if r['round'] <= round_num]
+    self.outputs.truncate_measurements(round_num)
     if arrays:
       self.client_states.load_arrays(arrays, template_fn=self.client_state_template)
     return round_num, state
@@ -222,6 +228,42 @@ def build_model_spec(data, model: str, seed: int) -> ModelSpec:
                    name=model)
 
 
+def build_method(method: Callable[..., Any], model_spec: ModelSpec, num_clients: int):
+  """Calls a method builder; those declaring `num_clients` (stateful aggregators) get it."""
+  import inspect  # pylint: disable=g-import-not-at-top
+
+  target = getattr(method, '__wrapped__', method)
+  try:
+    params = inspect.signature(target).parameters
+  except (TypeError, ValueError):
+    params = {}
+  if 'num_clients' in params:
+    return method(model_spec, num_clients=num_clients)
+  return method(model_spec)
+
+
+def split_measurements(metrics, prefix: str = '') -> tuple[dict, dict]:
+  """Splits a process's nested metrics into scalars (for CSV) and arrays (for JSONL)."""
+  scalars, arrays = {}, {}
+  if isinstance(metrics, dict):
+    for key, value in metrics.items():
+      s, a = split_measurements(value, f'{prefix}{key}/')
+      scalars.update(s)
+      arrays.update(a)
+  elif isinstance(metrics, (list, tuple)):
+    for i, value in enumerate(metrics):
+      s, a = split_measurements(value, f'{prefix}{i}/')
+      scalars.update(s)
+      arrays.update(a)
+  else:
+    value = np.asarray(metrics)
+    if value.ndim == 0 and value.dtype.kind in 'fiub':
+      scalars[prefix.rstrip('/')] = value.item()
+    elif value.ndim > 0:
+      arrays[prefix.rstrip('/')] = value
+  return scalars, arrays
+
+
 @gin.configurable('experiment', denylist=['output_dir', 'resume'])
 def run_experiment(output_dir: str,
                    resume: bool = False,
@@ -262,7 +304,7 @@ def run_experiment(output_dir: str,
   config.validate()
   data = build_federated_data()
   model_spec = build_model_spec(data, model, model_seed)
-  algorithm = method(model_spec)
+  algorithm = build_method(method, model_spec, data.num_clients())
   driver = RoundDriver(algorithm, data, config, output_dir, progress=progress)
   driver.outputs.write_json('partition.json', data.summary())
   with open(os.path.join(output_dir, 'config.gin'), 'w') as f:

@@ -56,6 +56,39 @@ class RunOutputs:
           tf.summary.scalar(key, value)
     self._writer.flush()
 
+  def log_arrays(self, round_num: int, arrays: dict) -> None:
+    """Non-scalar measurements (e.g. FedLayerWise's ψ [clients, layers]).
+
+    Appended to `measurements.jsonl` (one JSON object per round, for plotting) and logged to
+    TensorBoard as histograms and, for matrices, as a heat-map image.
+    """
+    import numpy as np  # pylint: disable=g-import-not-at-top
+
+    path = os.path.join(self.output_dir, 'measurements.jsonl')
+    record = {'round': int(round_num)}
+    record.update({k: np.asarray(v).tolist() for k, v in arrays.items()})
+    with open(path, 'a') as f:
+      f.write(json.dumps(record) + '\n')
+    with self._writer.as_default(step=int(round_num)):
+      for key, value in arrays.items():
+        value = np.asarray(value, np.float32)
+        tf.summary.histogram(key, value)
+        if value.ndim == 2 and value.size:
+          scale = max(float(np.max(np.abs(value))), 1e-12)
+          tf.summary.image(key, (value / scale)[np.newaxis, :, :, np.newaxis])
+    self._writer.flush()
+
+  def truncate_measurements(self, last_round: int) -> None:
+    """Drops measurement records after `last_round` (on resume)."""
+    path = os.path.join(self.output_dir, 'measurements.jsonl')
+    if not os.path.exists(path):
+      return
+    with open(path) as f:
+      keep = [l for l in f if json.loads(l)['round'] <= last_round]
+    with open(path + '.tmp', 'w') as f:
+      f.writelines(keep)
+    os.replace(path + '.tmp', path)
+
   def write_json(self, name: str, payload: dict) -> None:
     path = os.path.join(self.output_dir, name)
     with open(path + '.tmp', 'w') as f:

@@ -1,0 +1,52 @@
+"""FedLayerWise: FedAvg whose server weights each client's layers by its gradient angle.
+
+"Layer-Wise Adaptive Weighting for Faster Convergence in Federated Learning": per layer l and
+client k, ψ_k,l from the smoothed angle between the client's and the global gradient (eqs.
+(1)-(6)); the new layer is the ψ-weighted mean of the clients' updated layers (eq. (7)). The
+rule lives in `fltff.aggregators.layerwise_adaptive_factory`; this module only wires it.
+"""
+
+from __future__ import annotations
+
+import gin
+
+from fltff.aggregators import adaptive_weighting
+from fltff.learning import optimizers
+from fltff.learning.model_spec import ModelSpec
+from fltff.learning.process import Algorithm
+from fltff.learning.process import build_algorithm
+
+
+def trainable_layer_groups(model_spec: ModelSpec) -> list[list[int]]:
+  """The model's layer grouping as indices into its trainable weights (= the update's tensors)."""
+  from fltff.models import layer_groups  # pylint: disable=g-import-not-at-top
+
+  return [list(g.trainable_indices) for g in layer_groups(model_spec.keras_fn())
+          if g.trainable_indices]
+
+
+@gin.configurable('fedlayerwise')
+def fedlayerwise(model_spec: ModelSpec, num_clients: int, alpha: float = 5.0,
+                 client_optimizer=None) -> Algorithm:
+  """FedLayerWise with Gompertz α (paper: 5); `num_clients` sizes the per-client angle state."""
+  return build_algorithm(
+      'fedlayerwise', model_spec,
+      client_optimizer or optimizers.client_optimizer(),
+      optimizers.server_optimizer(name='sgd', learning_rate=1.0),
+      model_aggregator=adaptive_weighting.layerwise_adaptive_factory(
+          trainable_layer_groups(model_spec), num_clients=num_clients, alpha=alpha),
+      weight_with_client_index=True)
+
+
+@gin.configurable('fedadp')
+def fedadp(model_spec: ModelSpec, num_clients: int, alpha: float = 5.0,
+           client_optimizer=None) -> Algorithm:
+  """FedAdp (Wu & Wang, 2021): one adaptive weight per client from the whole-model angle."""
+  num_tensors = sum(len(g) for g in trainable_layer_groups(model_spec))
+  return build_algorithm(
+      'fedadp', model_spec,
+      client_optimizer or optimizers.client_optimizer(),
+      optimizers.server_optimizer(name='sgd', learning_rate=1.0),
+      model_aggregator=adaptive_weighting.fedadp_factory(
+          num_tensors, num_clients=num_clients, alpha=alpha),
+      weight_with_client_index=True)
