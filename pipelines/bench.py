@@ -1,6 +1,10 @@
-r"""Round-time benchmark: fltff's FedAvg on TFF's runtime vs a plain TensorFlow loop.
+r"""Round-time benchmarks, always as ratios against a baseline measured in the same run.
 
   python -m pipelines.bench [--rounds=8] [--clients=10] [--examples=600]
+      fltff's FedAvg on TFF's local runtime vs a plain TensorFlow loop (see below).
+  python -m pipelines.bench --compare=fedadp,fedlayerwise [--model=cnn_mnist_582k --batch_size=16]
+      each listed method's round vs fltff's FedAvg round (same data, same client steps), e.g.
+      the cost of an aggregation factory relative to FedAvg's weighted mean.
 
 Both sides do the same work per round: every client starts from the global MLP (784-200-10),
 runs `--epochs` epochs of SGD with momentum over its `--examples` examples in batches of
@@ -35,6 +39,9 @@ _CLIENTS = flags.DEFINE_integer('clients', 10, 'Clients per round.')
 _EXAMPLES = flags.DEFINE_integer('examples', 600, 'Examples per client.')
 _BATCH = flags.DEFINE_integer('batch_size', 10, 'Local batch size.')
 _EPOCHS = flags.DEFINE_integer('epochs', 1, 'Local epochs.')
+_MODEL = flags.DEFINE_string('model', 'mlp2', 'Model zoo name (28x28x1 inputs).')
+_COMPARE = flags.DEFINE_list('compare', [], 'Methods to time against fltff FedAvg '
+                             '(fedprox, sgdm, fedadp, fedlayerwise); empty: FedAvg vs plain TF.')
 _LR = 0.01
 _MOMENTUM = 0.9
 
@@ -85,12 +92,55 @@ class PlainTfFedAvg:
     return new
 
 
+def _round_inputs(data, r):
+  datasets = [client_batches(x, y, _BATCH.value, shuffle_seed=r * 1000 + k)
+              for k, (x, y) in enumerate(data)]
+  return datasets, [learning.client_input(ds, k, _EPOCHS.value)
+                    for k, ds in enumerate(datasets)]
+
+
+def compare_methods(spec, data) -> int:
+  """Median round time of each `--compare` method relative to FedAvg, alternating rounds."""
+  builders = {'fedavg': lambda opt: learning.fedavg(spec, client_optimizer=opt),
+              'fedprox': lambda opt: learning.fedprox(spec, client_optimizer=opt),
+              'sgdm': lambda opt: learning.sgdm(spec, client_optimizer=opt),
+              'fedadp': lambda opt: learning.fedadp(spec, len(data), client_optimizer=opt),
+              'fedlayerwise': lambda opt: learning.fedlayerwise(spec, len(data),
+                                                                client_optimizer=opt)}
+  names = ['fedavg'] + [m for m in _COMPARE.value if m != 'fedavg']
+  unknown = [m for m in names if m not in builders]
+  if unknown:
+    print(f'error: unknown method(s) {unknown}; choose from {sorted(builders)}', file=sys.stderr)
+    return 2
+  with runtime.local_runtime():
+    opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
+    algorithms = {m: builders[m](opt) for m in names}
+    states = {m: a.process.initialize() for m, a in algorithms.items()}
+    times = {m: [] for m in names}
+    for r in range(_ROUNDS.value):
+      _, inputs = _round_inputs(data, r)
+      for m in (names if r % 2 == 0 else names[::-1]):  # Alternate the order too.
+        t0 = time.perf_counter()
+        states[m] = algorithms[m].process.next(states[m], inputs).state
+        times[m].append(time.perf_counter() - t0)
+      print(f'round {r + 1}: ' + ', '.join(f'{m} {times[m][-1]:.3f} s' for m in names),
+            flush=True)
+  med = {m: statistics.median(v[1:]) for m, v in times.items()}
+  print(f'\nRound time, {len(data)} clients x {_EXAMPLES.value} examples, {spec.name}, batch '
+        f'{_BATCH.value}, {_EPOCHS.value} epoch(s); median of rounds 2-{_ROUNDS.value}:')
+  for m in names:
+    print(f'  {m:14s} {med[m]:.3f} s   ratio vs fedavg {med[m] / med["fedavg"]:.3f}')
+  return 0
+
+
 def main(argv) -> int:
   del argv
   absl_logging.set_verbosity(absl_logging.WARNING)
-  keras_fn = lambda: build_model('mlp2', input_shape=(28, 28, 1), num_classes=10, seed=0)
-  spec = learning.ModelSpec(keras_fn, (28, 28, 1), 10, name='mlp2')
+  keras_fn = lambda: build_model(_MODEL.value, input_shape=(28, 28, 1), num_classes=10, seed=0)
+  spec = learning.ModelSpec(keras_fn, (28, 28, 1), 10, name=_MODEL.value)
   data = _client_data(_CLIENTS.value, _EXAMPLES.value)
+  if _COMPARE.value:
+    return compare_methods(spec, data)
   sizes = [len(y) for _, y in data]
   with runtime.local_runtime():
     client_opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
@@ -100,9 +150,7 @@ def main(argv) -> int:
     plain_weights = [np.asarray(w) for w in spec.initial_weights().trainable]
     times = {'fltff_tff': [], 'plain_tf': []}
     for r in range(_ROUNDS.value):
-      datasets = [client_batches(x, y, _BATCH.value, shuffle_seed=r * 1000 + k)
-                  for k, (x, y) in enumerate(data)]
-      inputs = [learning.client_input(ds, k, _EPOCHS.value) for k, ds in enumerate(datasets)]
+      datasets, inputs = _round_inputs(data, r)
       t0 = time.perf_counter()
       state = algorithm.process.next(state, inputs).state
       times['fltff_tff'].append(time.perf_counter() - t0)
@@ -112,7 +160,7 @@ def main(argv) -> int:
       print(f'round {r + 1}: fltff/TFF {times["fltff_tff"][-1]:.3f} s, '
             f'plain TF {times["plain_tf"][-1]:.3f} s', flush=True)
   med = {k: statistics.median(v[1:]) for k, v in times.items()}
-  print(f'\nFedAvg round, {_CLIENTS.value} clients x {_EXAMPLES.value} examples, MLP 784-200-10, '
+  print(f'\nFedAvg round, {_CLIENTS.value} clients x {_EXAMPLES.value} examples, {_MODEL.value}, '
         f'batch {_BATCH.value}, {_EPOCHS.value} epoch(s); median of rounds 2-{_ROUNDS.value}:')
   print(f'  fltff on TFF local runtime: {med["fltff_tff"]:.3f} s')
   print(f'  plain TensorFlow loop:      {med["plain_tf"]:.3f} s')

@@ -74,7 +74,7 @@ def main(argv) -> int:
   try:
     configure(_GIN_FILES.value, _GIN_BINDINGS.value)
     rt = runtime.make_runtime()
-    summary = run_experiment(output_dir=output_dir, resume=_RESUME.value)
+    summary = run_experiment(output_dir=output_dir, resume=_RESUME.value, runtime=rt)
   except FltffError as e:
     print(f'error: {_short_gin_message(e)}', file=sys.stderr)
     return EXIT_USER_ERROR

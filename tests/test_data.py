@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from fltff import data
-from fltff.data import partition as partition_lib
 from fltff.errors import ConfigError
 from fltff.errors import DataError
 

@@ -3,7 +3,6 @@
 Each test starts the pipeline as a real subprocess, as a user would.
 """
 
-import csv
 import json
 import os
 import signal
@@ -14,74 +13,22 @@ import time
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = [
-    '--gin_file=gin_configs/foundation/mnist1003_shards_fedavg.gin',
-    '--gin_bindings=experiment.rounds = 3',
-    '--gin_bindings=experiment.clients_per_round = 3',
-    '--gin_bindings=experiment.local_epochs = 1',
-    '--gin_bindings=experiment.checkpoint_every = 1',
-]
-
-
-# Every pipeline this module starts carries this tag in its environment, which its
-# worker_binary inherits: leak checks then see only our own workers, not those of other
-# programs running on the machine at the same time.
-TAG = f'fltff-test-{os.getpid()}-{time.time_ns()}'
-
-
-def _env():
-  return dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3', PYTHONUNBUFFERED='1', FLTFF_TEST_TAG=TAG)
-
-
-def run_pipeline(*args, timeout=600):
-  return subprocess.run([sys.executable, '-m', 'pipelines.run', *args], cwd=REPO, env=_env(),
-                        capture_output=True, text=True, timeout=timeout)
-
-
-def _worker_pids():
-  """PIDs of live worker_binary processes started by pipelines of this test module."""
-  pids = set()
-  for entry in os.listdir('/proc'):
-    if not entry.isdigit():
-      continue
-    try:
-      with open(f'/proc/{entry}/cmdline', 'rb') as f:
-        if b'worker_binary' not in f.read():
-          continue
-      with open(f'/proc/{entry}/stat') as f:
-        if f.read().rsplit(')', 1)[1].split()[0] == 'Z':
-          continue
-      with open(f'/proc/{entry}/environ', 'rb') as f:
-        if f'FLTFF_TEST_TAG={TAG}'.encode() in f.read().split(b'\0'):
-          pids.add(int(entry))
-    except OSError:
-      continue
-  return pids
-
-
-def _read_csv(path):
-  with open(path) as f:
-    return list(csv.DictReader(f))
-
-
-def _assert_one_line_error(result, *fragments):
-  assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
-  assert 'Traceback' not in result.stderr, result.stderr[-3000:]
-  error_lines = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
-  assert len(error_lines) == 1, result.stderr[-3000:]
-  for fragment in fragments:
-    assert fragment in error_lines[0], error_lines[0]
-  return error_lines[0]
+from helpers import REPO
+from helpers import SMALL
+from helpers import assert_one_line_error
+from helpers import pipeline_env
+from helpers import read_csv
+from helpers import tagged_worker_pids
+from helpers import run_pipeline
 
 
 @pytest.fixture(scope='module')
 def small_run(tmp_path_factory):
   out = str(tmp_path_factory.mktemp('small') / 'run')
-  before = _worker_pids()
+  before = tagged_worker_pids()
   result = run_pipeline(*SMALL, f'--output_dir={out}')
   assert result.returncode == 0, result.stderr[-3000:]
-  leaked = _worker_pids() - before
+  leaked = tagged_worker_pids() - before
   return out, result, leaked
 
 
@@ -89,7 +36,7 @@ def test_outputs_are_complete(small_run):
   out, result, leaked = small_run
   assert not leaked, f'worker_binary processes outlived the pipeline: {leaked}'
   assert 'round    3/3' in result.stdout
-  rows = _read_csv(os.path.join(out, 'metrics.csv'))
+  rows = read_csv(os.path.join(out, 'metrics.csv'))
   assert [int(r['round']) for r in rows] == [1, 2, 3]
   for r in rows:
     assert 0.0 <= float(r['test_accuracy']) <= 1.0
@@ -118,9 +65,9 @@ def test_outputs_are_complete(small_run):
 def test_resume_after_kill_matches_uninterrupted_run(small_run, tmp_path):
   reference_dir, _, _ = small_run
   out = str(tmp_path / 'killed')
-  before = _worker_pids()
+  before = tagged_worker_pids()
   proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *SMALL, f'--output_dir={out}'],
-                          cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                          cwd=REPO, env=pipeline_env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   latest = os.path.join(out, 'checkpoints', 'latest.json')
   deadline = time.monotonic() + 300
@@ -135,15 +82,15 @@ def test_resume_after_kill_matches_uninterrupted_run(small_run, tmp_path):
   assert killed_at < 3
   # PR_SET_PDEATHSIG takes the worker down with the SIGKILLed driver.
   deadline = time.monotonic() + 10
-  while _worker_pids() - before and time.monotonic() < deadline:
+  while tagged_worker_pids() - before and time.monotonic() < deadline:
     time.sleep(0.1)
-  assert not _worker_pids() - before
+  assert not tagged_worker_pids() - before
 
   result = run_pipeline(*SMALL, f'--output_dir={out}', '--resume')
   assert result.returncode == 0, result.stderr[-3000:]
   assert f'Resumed from the checkpoint of round {killed_at}' in result.stdout
-  resumed = _read_csv(os.path.join(out, 'metrics.csv'))
-  reference = _read_csv(os.path.join(reference_dir, 'metrics.csv'))
+  resumed = read_csv(os.path.join(out, 'metrics.csv'))
+  reference = read_csv(os.path.join(reference_dir, 'metrics.csv'))
   assert [r['round'] for r in resumed] == [r['round'] for r in reference]
   for a, b in zip(resumed, reference):
     for key in ('train_loss', 'train_accuracy', 'test_loss', 'test_accuracy', 'examples'):
@@ -152,32 +99,32 @@ def test_resume_after_kill_matches_uninterrupted_run(small_run, tmp_path):
 
 def test_rerun_without_resume_refuses_to_overwrite(small_run):
   out, _, _ = small_run
-  _assert_one_line_error(run_pipeline(*SMALL, f'--output_dir={out}'), '--resume')
+  assert_one_line_error(run_pipeline(*SMALL, f'--output_dir={out}'), '--resume')
 
 
 def test_sigterm_stops_cleanly_and_keeps_checkpoint(tmp_path):
   out = str(tmp_path / 'term')
-  before = _worker_pids()
+  before = tagged_worker_pids()
   proc = subprocess.Popen(
       [sys.executable, '-m', 'pipelines.run', *SMALL, '--gin_bindings=experiment.rounds = 50',
-       f'--output_dir={out}'], cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+       f'--output_dir={out}'], cwd=REPO, env=pipeline_env(), stdout=subprocess.DEVNULL,
       stderr=subprocess.PIPE, text=True)
   metrics = os.path.join(out, 'metrics.csv')
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline and proc.poll() is None:
-    if os.path.exists(metrics) and len(_read_csv(metrics)) >= 2:
+    if os.path.exists(metrics) and len(read_csv(metrics)) >= 2:
       break
     time.sleep(0.05)
   assert proc.poll() is None
-  assert _worker_pids() - before, 'the leak check cannot see the running worker'
+  assert tagged_worker_pids() - before, 'the leak check cannot see the running worker'
   proc.send_signal(signal.SIGTERM)
   _, stderr = proc.communicate(timeout=120)
   assert proc.returncode != 0
   assert 'Traceback' not in stderr, stderr[-3000:]
-  completed = len(_read_csv(metrics))
+  completed = len(read_csv(metrics))
   saved = json.load(open(os.path.join(out, 'checkpoints', 'latest.json')))['round']
   assert saved == completed  # Every completed round is in the checkpoint.
-  assert not _worker_pids() - before
+  assert not tagged_worker_pids() - before
 
 
 @pytest.mark.parametrize('bindings,fragments', [
@@ -193,7 +140,7 @@ def test_sigterm_stops_cleanly_and_keeps_checkpoint(tmp_path):
 ])
 def test_bad_configuration_is_one_clear_error(bindings, fragments, tmp_path):
   args = [SMALL[0], *[f'--gin_bindings={b}' for b in bindings], f'--output_dir={tmp_path}']
-  _assert_one_line_error(run_pipeline(*args), *fragments)
+  assert_one_line_error(run_pipeline(*args), *fragments)
 
 
 def test_tfds_not_prepared_offline_says_how_to_prepare(tmp_path):
@@ -202,7 +149,7 @@ def test_tfds_not_prepared_offline_says_how_to_prepare(tmp_path):
   args = [SMALL[0], '--gin_bindings=federated_data.source = @tfds_source',
           "--gin_bindings=tfds_source.name = 'fashion_mnist'",
           f"--gin_bindings=tfds_source.data_dir = '{empty}'", f'--output_dir={tmp_path}/o']
-  line = _assert_one_line_error(run_pipeline(*args), 'fashion_mnist', str(empty))
+  line = assert_one_line_error(run_pipeline(*args), 'fashion_mnist', str(empty))
   assert 'download' in line
 
 
@@ -212,15 +159,15 @@ def test_divergence_stops_and_keeps_completed_rounds(small_run, tmp_path):
   assert first.returncode == 0, first.stderr[-3000:]
   result = run_pipeline(*SMALL, '--gin_bindings=client_optimizer.learning_rate = 1e12',
                         f'--output_dir={out}', '--resume')
-  _assert_one_line_error(result, 'diverged in round 3', 'Rounds 1-2')
+  assert_one_line_error(result, 'diverged in round 3', 'Rounds 1-2')
   assert json.load(open(os.path.join(out, 'checkpoints', 'latest.json')))['round'] == 2
-  assert [r['round'] for r in _read_csv(os.path.join(out, 'metrics.csv'))] == ['1', '2']
+  assert [r['round'] for r in read_csv(os.path.join(out, 'metrics.csv'))] == ['1', '2']
 
 
 def test_missing_gin_file_and_npz(tmp_path):
-  _assert_one_line_error(
+  assert_one_line_error(
       run_pipeline('--gin_file=gin_configs/nope.gin', f'--output_dir={tmp_path}'), 'nope.gin')
-  _assert_one_line_error(
+  assert_one_line_error(
       run_pipeline(SMALL[0], "--gin_bindings=npz_source.path = '/nonexistent/x.npz'",
                    f'--output_dir={tmp_path}'), '/nonexistent/x.npz')
 
@@ -229,10 +176,10 @@ def test_report_compares_runs(small_run, tmp_path):
   out, _, _ = small_run
   result = subprocess.run(
       [sys.executable, '-m', 'pipelines.report', f'--runs={out},{out}', f'--out={tmp_path}',
-       '--at_round=2', '--targets=0.01,0.99'], cwd=REPO, env=_env(), capture_output=True,
+       '--at_round=2', '--targets=0.01,0.99'], cwd=REPO, env=pipeline_env(), capture_output=True,
       text=True, timeout=120)
   assert result.returncode == 0, result.stderr[-2000:]
-  rows = _read_csv(os.path.join(out, 'metrics.csv'))
+  rows = read_csv(os.path.join(out, 'metrics.csv'))
   acc2 = float(rows[1]['test_accuracy'])
   final = float(rows[-1]['test_accuracy'])
   table = open(os.path.join(tmp_path, 'report.md')).read().splitlines()

@@ -1,6 +1,7 @@
 """Execution contexts: TFF's local C++ runtime or a remote TFF worker, with clean shutdown."""
 
 from fltff.runtime.local import TffRuntime
+from fltff.runtime.local import WorkerLostError
 from fltff.runtime.local import WorkerProcess
 from fltff.runtime.local import install_signal_handlers
 from fltff.runtime.local import local_runtime

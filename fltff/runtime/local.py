@@ -120,24 +120,87 @@ class WorkerProcess:
       self._log.close()
 
 
-def _connect_stub(address: str, timeout: float):
-  """A `tff.framework.RemoteExecutorGrpcStub` for `address`, once the worker answers."""
+class WorkerLostError(RuntimeUnavailableError):
+  """A TFF worker stopped answering during a computation (named by `address`).
+
+  Deliberately *not* a `tff.framework.RetryableError`: TFF's execution contexts retry those
+  forever, so a dead worker would hang the driver. fltff's runtime decides instead: drop the
+  worker and repeat the round on the others, or stop with this message.
+  """
+
+  def __init__(self, address: str, detail: str):
+    super().__init__(f'TFF worker {address} was lost ({detail}).')
+    self.address = address
+
+
+_LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+               grpc.StatusCode.CANCELLED)
+
+
+def _fail_fast_stub_class():
+  """`RemoteExecutorGrpcStub` whose RPCs have a deadline and fail fast on a lost worker."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
+  class FailFastStub(tff.framework.RemoteExecutorGrpcStub):
+    """Raises `WorkerLostError` instead of TFF's endlessly retried `RetryableGRPCError`."""
+
+    def __init__(self, channel, address: str, rpc_timeout: float):
+      super().__init__(channel)
+      self.address = address
+      self._rpc_timeout = rpc_timeout
+
+    def _call(self, method: str, request):
+      try:
+        return getattr(self._stub, method)(request, timeout=self._rpc_timeout)
+      except grpc.RpcError as e:
+        code = e.code() if isinstance(e, grpc.Call) else None
+        if code in _LOST_CODES:
+          raise WorkerLostError(self.address, code.name) from None
+        raise
+
+    def get_executor(self, request):
+      return self._call('GetExecutor', request)
+
+    def create_value(self, request):
+      return self._call('CreateValue', request)
+
+    def create_struct(self, request):
+      return self._call('CreateStruct', request)
+
+    def create_call(self, request):
+      return self._call('CreateCall', request)
+
+    def create_selection(self, request):
+      return self._call('CreateSelection', request)
+
+    def compute(self, request):
+      return self._call('Compute', request)
+
+    def dispose(self, request):
+      return self._call('Dispose', request)
+
+    def dispose_executor(self, request):
+      return self._call('DisposeExecutor', request)
+
+  return FailFastStub
+
+
+def _connect_stub(address: str, timeout: float, rpc_timeout: float = 3600.0):
+  """A fail-fast TFF executor stub for `address`, once the worker answers."""
   channel = grpc.insecure_channel(address, _GRPC_OPTIONS)
   try:
     grpc.channel_ready_future(channel).result(timeout=timeout)
   except grpc.FutureTimeoutError as e:
     channel.close()
     raise RuntimeUnavailableError(
-        f'TFF worker at {address} did not answer within {timeout:.0f} s.') from e
-  return channel, tff.framework.RemoteExecutorGrpcStub(channel)
+        f'TFF worker at {address} did not answer within {timeout:.0f} s; is '
+        f'`python -m fltff.runtime.worker --port=...` running there and the port open?') from e
+  return channel, _fail_fast_stub_class()(channel, address, rpc_timeout)
 
 
-def _sync_context_for_stub(stub, default_num_clients: int = 0):
-  """TFF's own local C++ context construction, over a stub we control."""
+def _executor_factory(stub, default_num_clients: int = 0):
+  """TFF's remote-executor stack over `stub` (as TFF's own local C++ context builds it)."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-  from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation  # pylint: disable=g-import-not-at-top
 
   def stack_fn(cardinalities):
     if cardinalities.get(tff.CLIENTS) is None:
@@ -146,65 +209,133 @@ def _sync_context_for_stub(stub, default_num_clients: int = 0):
     ex.set_cardinalities(cardinalities)
     return ex
 
-  factory = tff.framework.ResourceManagingExecutorFactory(executor_stack_fn=stack_fn)
-  return tff.framework.SyncExecutionContext(
-      executor_fn=factory,
-      compiler_fn=tff.backends.native.desugar_and_transform_to_native,
-      transform_args=tensorflow_computation.transform_args,
-      transform_result=tensorflow_computation.transform_result,
-  )
+  return tff.framework.ResourceManagingExecutorFactory(executor_stack_fn=stack_fn)
+
+
+def _context_kwargs():
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation  # pylint: disable=g-import-not-at-top
+
+  return dict(compiler_fn=tff.backends.native.desugar_and_transform_to_native,
+              transform_args=tensorflow_computation.transform_args,
+              transform_result=tensorflow_computation.transform_result)
+
+
+def _sync_context_for_stub(stub):
+  """TFF's own local C++ context construction, over a stub we control."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  return tff.framework.SyncExecutionContext(executor_fn=_executor_factory(stub),
+                                            **_context_kwargs())
+
+
+def _mergeable_context_for_stubs(stubs):
+  """TFF's mergeable-computation context: each round's clients split across the workers."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  async_contexts = [tff.framework.AsyncExecutionContext(executor_fn=_executor_factory(s),
+                                                        **_context_kwargs()) for s in stubs]
+  return tff.backends.native.create_mergeable_comp_execution_context(async_contexts)
 
 
 class TffRuntime:
   """Owns a TFF execution context and the worker processes behind it.
 
-  With no `workers`, starts one local `worker_binary` (TFF's local C++ runtime). `close()` is
-  idempotent and is also registered with `atexit`.
+  * No `workers`: starts one local `worker_binary` — TFF's local C++ runtime.
+  * One address: TFF's remote executor talking to that worker (exactly the local context's
+    construction, over the network).
+  * Several addresses: TFF's mergeable-computation context; each round's participants are
+    split into one sub-round per worker and the partial aggregates merged (this is why fltff's
+    aggregators are single-pass, see DESIGN.md).
+
+  `call(fn, *args)` runs a computation with failover: when a worker is lost it is dropped, the
+  context is rebuilt on the remaining workers (a lost *local* worker is restarted) and the call
+  repeated, at most `max_retries` times. `close()` is idempotent and registered with `atexit`.
   """
 
-  def __init__(self, workers: Sequence[str] = (), connect_timeout: float = 60.0):
+  def __init__(self, workers: Sequence[str] = (), connect_timeout: float = 60.0,
+               rpc_timeout: float = 3600.0, max_retries: int = 2):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     self._tff = tff
     self._owned: list[WorkerProcess] = []
     self._channels = []
     self._closed = False
+    self.remote = bool(workers)
     self.workers = list(workers)
-    if len(self.workers) > 1:
-      raise RuntimeUnavailableError(
-          'Several remote workers are not supported by this version of fltff yet; '
-          'pass a single worker address (runtime.workers=["host:port"]).')
+    self.lost: list[str] = []
+    self.connect_timeout = connect_timeout
+    self.rpc_timeout = rpc_timeout
+    self.max_retries = max_retries
     atexit.register(self.close)
     try:
-      if not self.workers:
+      if not self.remote:
         worker = WorkerProcess()
         self._owned.append(worker)
-        address = worker.address
-      else:
-        address = self.workers[0]
-      channel, stub = _connect_stub(address, connect_timeout)
-      self._channels.append(channel)
-      self.context = _sync_context_for_stub(stub)
-      tff.framework.set_default_context(self.context)
-      logging.info('TFF runtime ready (%s worker at %s).',
-                   'local' if self._owned else 'remote', address)
+        self.workers = [worker.address]
+      self._install_context()
     except BaseException:
       self.close()
       raise
+
+  def _install_context(self) -> None:
+    stubs = []
+    for address in self.workers:
+      channel, stub = _connect_stub(address, self.connect_timeout, self.rpc_timeout)
+      self._channels.append(channel)
+      stubs.append(stub)
+    if len(stubs) == 1:
+      self.context = _sync_context_for_stub(stubs[0])
+    else:
+      self.context = _mergeable_context_for_stubs(stubs)
+    self._tff.framework.set_default_context(self.context)
+    logging.info('TFF runtime ready: %s worker(s) %s.', 'remote' if self.remote else 'local',
+                 ', '.join(self.workers))
 
   @property
   def worker_pids(self) -> list[int]:
     return [w.pid for w in self._owned]
 
+  def call(self, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` with failover across workers (see class docstring)."""
+    for attempt in range(self.max_retries + 1):
+      try:
+        return fn(*args, **kwargs)
+      except WorkerLostError as e:
+        self._handle_lost(e, attempt)
+    raise AssertionError('unreachable')
+
+  def _handle_lost(self, error: WorkerLostError, attempt: int) -> None:
+    lost = error.address
+    if attempt >= self.max_retries:
+      raise RuntimeUnavailableError(
+          f'{error} Gave up after {self.max_retries} retries (runtime.max_retries); completed '
+          'rounds are checkpointed: restart the worker(s) and rerun with --resume.') from None
+    if self.remote:
+      self.lost.append(lost)
+      self.workers = [w for w in self.workers if w != lost]
+      if not self.workers:
+        raise RuntimeUnavailableError(
+            f'{error} No TFF worker is left (lost: {", ".join(self.lost)}); completed rounds '
+            'are checkpointed: restart the workers and rerun with --resume.') from None
+      logging.warning('%s Repeating the computation on %s.', error, ', '.join(self.workers))
+    else:
+      for worker in self._owned:
+        worker.stop()
+      worker = WorkerProcess()
+      self._owned = [worker]
+      self.workers = [worker.address]
+      logging.warning('%s Restarted the local worker at %s.', error, worker.address)
+    self._install_context()
+
   def close(self) -> None:
-    """Replaces the default context, closes channels and stops the owned workers."""
+    """Replaces the default context and stops the owned workers."""
     if self._closed:
       return
     self._closed = True
     try:
       # A fresh context object whose executor is never created: nothing is started by it.
-      self._tff.framework.set_default_context(
-          _sync_context_for_stub(stub=None))
+      self._tff.framework.set_default_context(_sync_context_for_stub(stub=None))
     except Exception:  # pylint: disable=broad-except
       pass
     # Channels are not closed explicitly: the stub's connectivity-polling thread would raise
@@ -222,9 +353,19 @@ class TffRuntime:
 
 
 @gin.configurable('runtime')
-def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0) -> TffRuntime:
-  """Builds the experiment's runtime: local C++ worker (default) or a remote TFF worker."""
-  return TffRuntime(workers=workers, connect_timeout=connect_timeout)
+def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
+                 rpc_timeout: float = 3600.0, max_retries: int = 2) -> TffRuntime:
+  """Builds the experiment's runtime.
+
+  Args:
+    workers: `host:port` of running TFF workers (`python -m fltff.runtime.worker`); empty for
+      the local C++ runtime.
+    connect_timeout: Seconds to wait for each worker to answer at start.
+    rpc_timeout: Deadline of each RPC to a worker; a worker silent that long counts as lost.
+    max_retries: How often a round is repeated after losing a worker.
+  """
+  return TffRuntime(workers=workers, connect_timeout=connect_timeout, rpc_timeout=rpc_timeout,
+                    max_retries=max_retries)
 
 
 @contextlib.contextmanager

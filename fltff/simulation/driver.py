@@ -64,8 +64,11 @@ class RoundDriver:
   """Runs an `Algorithm` on `FederatedData` for `config.rounds` rounds."""
 
   def __init__(self, algorithm, data, config: RoundConfig, output_dir: str,
-               progress: Callable[[str], None] = print):
+               progress: Callable[[str], None] = print, runtime=None):
     config.validate()
+    # With a `TffRuntime`, computations run with failover (a lost worker's round is repeated
+    # on the others); the round's inputs are deterministic, so the repeat is exact.
+    self.call = runtime.call if runtime is not None else (lambda fn, *a: fn(*a))
     self.algorithm = algorithm
     self.process = algorithm.process
     self.data = data
@@ -95,7 +98,7 @@ class RoundDriver:
     clients = sampling.sample_clients(self.num_clients, self.participants, self.config.seed,
                                       round_num)
     start = time.perf_counter()
-    output = self.process.next(state, self.client_inputs(round_num, clients))
+    output = self.call(self.process.next, state, self.client_inputs(round_num, clients))
     seconds = time.perf_counter() - start
     train = output.metrics['client_work']['train']
     scalars, arrays = split_measurements(
@@ -140,7 +143,7 @@ class RoundDriver:
   # -- the loop ----------------------------------------------------------------------------
   def run(self, resume: bool = False) -> dict:
     cfg = self.config
-    state = self.process.initialize()
+    state = self.call(self.process.initialize)
     state = self.process.set_model_weights(state, self.algorithm.model_spec.initial_weights())
     start_round = 1
     if resume:
@@ -264,9 +267,10 @@ def split_measurements(metrics, prefix: str = '') -> tuple[dict, dict]:
   return scalars, arrays
 
 
-@gin.configurable('experiment', denylist=['output_dir', 'resume'])
+@gin.configurable('experiment', denylist=['output_dir', 'resume', 'runtime'])
 def run_experiment(output_dir: str,
                    resume: bool = False,
+                   runtime=None,
                    method: Callable[..., Any] = gin.REQUIRED,
                    model: str = gin.REQUIRED,
                    model_seed: int = 0,
@@ -286,6 +290,7 @@ def run_experiment(output_dir: str,
     output_dir: Where config.gin, metrics.csv, summary.json, TensorBoard events, the plot,
       partition.json and checkpoints go.
     resume: Continue from the latest checkpoint in `output_dir`.
+    runtime: The `fltff.runtime.TffRuntime` (enables failover); None: the current context.
     method: A method builder taking a `ModelSpec` (gin: `@fedavg`, `@fedprox`, `@sgdm`).
     model: Model zoo name (see `fltff.models.MODEL_NAMES`).
     model_seed: Seed of the initial weights.
@@ -305,7 +310,7 @@ def run_experiment(output_dir: str,
   data = build_federated_data()
   model_spec = build_model_spec(data, model, model_seed)
   algorithm = build_method(method, model_spec, data.num_clients())
-  driver = RoundDriver(algorithm, data, config, output_dir, progress=progress)
+  driver = RoundDriver(algorithm, data, config, output_dir, progress=progress, runtime=runtime)
   driver.outputs.write_json('partition.json', data.summary())
   with open(os.path.join(output_dir, 'config.gin'), 'w') as f:
     f.write(gin.operative_config_str())

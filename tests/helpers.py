@@ -1,0 +1,69 @@
+"""Helpers shared by the end-to-end tests (real `pipelines.run` subprocesses)."""
+
+import csv
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = [
+    '--gin_file=gin_configs/foundation/mnist1003_shards_fedavg.gin',
+    '--gin_bindings=experiment.rounds = 3',
+    '--gin_bindings=experiment.clients_per_round = 3',
+    '--gin_bindings=experiment.local_epochs = 1',
+    '--gin_bindings=experiment.checkpoint_every = 1',
+]
+
+
+# Every pipeline this module starts carries this tag in its environment, which its
+# worker_binary inherits: leak checks then see only our own workers, not those of other
+# programs running on the machine at the same time.
+TAG = f'fltff-test-{os.getpid()}-{time.time_ns()}'
+
+
+def pipeline_env():
+  return dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3', PYTHONUNBUFFERED='1', FLTFF_TEST_TAG=TAG)
+
+
+def run_pipeline(*args, timeout=600):
+  return subprocess.run([sys.executable, '-m', 'pipelines.run', *args], cwd=REPO, env=pipeline_env(),
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def tagged_worker_pids():
+  """PIDs of live worker_binary processes started by pipelines of this test module."""
+  pids = set()
+  for entry in os.listdir('/proc'):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f'/proc/{entry}/cmdline', 'rb') as f:
+        if b'worker_binary' not in f.read():
+          continue
+      with open(f'/proc/{entry}/stat') as f:
+        if f.read().rsplit(')', 1)[1].split()[0] == 'Z':
+          continue
+      with open(f'/proc/{entry}/environ', 'rb') as f:
+        if f'FLTFF_TEST_TAG={TAG}'.encode() in f.read().split(b'\0'):
+          pids.add(int(entry))
+    except OSError:
+      continue
+  return pids
+
+
+def read_csv(path):
+  with open(path) as f:
+    return list(csv.DictReader(f))
+
+
+def assert_one_line_error(result, *fragments):
+  assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+  assert 'Traceback' not in result.stderr, result.stderr[-3000:]
+  error_lines = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
+  assert len(error_lines) == 1, result.stderr[-3000:]
+  for fragment in fragments:
+    assert fragment in error_lines[0], error_lines[0]
+  return error_lines[0]
+
+

@@ -1,0 +1,23 @@
+"""The benchmark tool runs and reports ratios (a smoke test: timings are never asserted)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize('extra,pattern', [
+    ([], r'ratio fltff/plain:\s+\d+\.\d+'),
+    (['--compare=fedadp,fedlayerwise'], r'fedlayerwise\s+\d+\.\d+ s\s+ratio vs fedavg \d+\.\d+'),
+])
+def test_bench_prints_ratio(extra, pattern):
+  result = subprocess.run(
+      [sys.executable, '-m', 'pipelines.bench', '--rounds=2', '--clients=3', '--examples=20',
+       *extra], cwd=REPO, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert re.search(pattern, result.stdout), result.stdout

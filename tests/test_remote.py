@@ -1,0 +1,155 @@
+"""Remote TFF workers on loopback: same metrics as the local runtime, surviving worker loss.
+
+Workers are real `python -m fltff.runtime.worker` processes; the driver is a real
+`python -m pipelines.run` process.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import portpicker
+import pytest
+
+from helpers import REPO
+from helpers import SMALL
+from helpers import assert_one_line_error
+from helpers import pipeline_env
+from helpers import read_csv
+from helpers import run_pipeline
+from helpers import tagged_worker_pids
+
+FEDAVG = SMALL[:1] + ['--gin_bindings=experiment.rounds = 4', *SMALL[2:]]
+FEDLAYERWISE = [
+    '--gin_file=gin_configs/fedlayerwise/offline_2iid_8noniid_fedlayerwise.gin',
+    '--gin_bindings=experiment.rounds = 3', '--gin_bindings=experiment.checkpoint_every = 1',
+]
+METRICS = ('train_loss', 'train_accuracy', 'test_loss', 'test_accuracy', 'examples')
+
+
+class Worker:
+  """A `python -m fltff.runtime.worker` process on 127.0.0.1."""
+
+  def __init__(self):
+    self.port = portpicker.pick_unused_port()
+    self.proc = subprocess.Popen(
+        [sys.executable, '-m', 'fltff.runtime.worker', f'--port={self.port}'], cwd=REPO,
+        env=pipeline_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = self.proc.stdout.readline()
+    assert 'listening on' in line, line
+    self.address = f'127.0.0.1:{self.port}'
+
+  def stop(self):
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGTERM)
+      assert self.proc.wait(timeout=30) == 0  # Clean exit on SIGTERM.
+
+  def crash(self):
+    self.proc.kill()  # SIGKILL: PDEATHSIG takes its worker_binary down too.
+    self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def workers():
+  started = []
+
+  def start(n):
+    new = [Worker() for _ in range(n)]
+    started.extend(new)
+    return new
+
+  yield start
+  for w in started:
+    w.stop()
+  deadline = time.monotonic() + 10
+  while tagged_worker_pids() and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not tagged_worker_pids(), 'a worker_binary outlived the test'
+
+
+def _binding(ws):
+  return f"--gin_bindings=runtime.workers = {[w.address for w in ws]!r}"
+
+
+@pytest.fixture(scope='module')
+def local_reference(tmp_path_factory):
+  """The same experiments on the local runtime."""
+  out = {}
+  for name, args in (('fedavg', FEDAVG), ('fedlayerwise', FEDLAYERWISE)):
+    d = str(tmp_path_factory.mktemp(f'local_{name}'))
+    result = run_pipeline(*args, f'--output_dir={d}')
+    assert result.returncode == 0, result.stderr[-3000:]
+    out[name] = read_csv(os.path.join(d, 'metrics.csv'))
+  return out
+
+
+def _assert_same_metrics(run_dir, reference):
+  rows = read_csv(os.path.join(run_dir, 'metrics.csv'))
+  assert [r['round'] for r in rows] == [r['round'] for r in reference]
+  for a, b in zip(rows, reference):
+    for key in METRICS:
+      assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-4, abs=1e-5), (a['round'], key)
+
+
+@pytest.mark.parametrize('method,args', [('fedavg', FEDAVG), ('fedlayerwise', FEDLAYERWISE)])
+def test_two_workers_match_local_runtime(method, args, workers, local_reference, tmp_path):
+  ws = workers(2)
+  result = run_pipeline(*args, _binding(ws), f'--output_dir={tmp_path}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  _assert_same_metrics(str(tmp_path), local_reference[method])
+
+
+def _wait_for_round(run_dir, proc, round_num):
+  latest = os.path.join(run_dir, 'checkpoints', 'latest.json')
+  deadline = time.monotonic() + 300
+  while time.monotonic() < deadline and proc.poll() is None:
+    if os.path.exists(latest) and json.load(open(latest))['round'] >= round_num:
+      return
+    time.sleep(0.05)
+  raise AssertionError(f'round {round_num} never checkpointed')
+
+
+def test_lost_worker_round_repeats_on_the_other(workers, local_reference, tmp_path):
+  ws = workers(2)
+  out = str(tmp_path)
+  proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *FEDAVG, _binding(ws),
+                           f'--output_dir={out}'], cwd=REPO, env=pipeline_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  _wait_for_round(out, proc, 1)
+  ws[1].crash()
+  stdout, stderr = proc.communicate(timeout=300)
+  assert proc.returncode == 0, stderr[-3000:]
+  assert f'TFF worker {ws[1].address} was lost' in stderr
+  assert 'round    4/4' in stdout
+  _assert_same_metrics(out, local_reference['fedavg'])
+
+
+def test_all_workers_lost_stops_cleanly_then_resume(workers, local_reference, tmp_path):
+  [w] = workers(1)
+  out = str(tmp_path)
+  proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *FEDAVG, _binding([w]),
+                           f'--output_dir={out}'], cwd=REPO, env=pipeline_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  _wait_for_round(out, proc, 1)
+  w.crash()
+  _, stderr = proc.communicate(timeout=300)
+  result = subprocess.CompletedProcess(proc.args, proc.returncode, '', stderr)
+  assert_one_line_error(result, w.address, '--resume')
+  saved = json.load(open(os.path.join(out, 'checkpoints', 'latest.json')))['round']
+  completed = len(read_csv(os.path.join(out, 'metrics.csv')))
+  assert saved == completed >= 1
+
+  [replacement] = workers(1)
+  resumed = run_pipeline(*FEDAVG, _binding([replacement]), f'--output_dir={out}', '--resume')
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  _assert_same_metrics(out, local_reference['fedavg'])
+
+
+def test_unreachable_worker_at_start_is_one_error(tmp_path):
+  port = portpicker.pick_unused_port()
+  result = run_pipeline(*FEDAVG, f"--gin_bindings=runtime.workers = ['127.0.0.1:{port}']",
+                        '--gin_bindings=runtime.connect_timeout = 2', f'--output_dir={tmp_path}')
+  assert_one_line_error(result, f'127.0.0.1:{port}')
