@@ -5,6 +5,9 @@ r"""Round-time benchmarks, always as ratios against a baseline measured in the s
   python -m pipelines.bench --compare=fedadp,fedlayerwise [--model=cnn_mnist_582k --batch_size=16]
       each listed method's round vs fltff's FedAvg round (same data, same client steps), e.g.
       the cost of an aggregation factory relative to FedAvg's weighted mean.
+  python -m pipelines.bench --runtimes [--clients_list=10,50,100 --examples=100]
+      a FedAvg round on 1 and 2 remote TFF workers (started here, on loopback) vs the local
+      runtime, for each number of clients per round.
 
 Both sides do the same work per round: every client starts from the global MLP (784-200-10),
 runs `--epochs` epochs of SGD with momentum over its `--examples` examples in batches of
@@ -42,6 +45,9 @@ _EPOCHS = flags.DEFINE_integer('epochs', 1, 'Local epochs.')
 _MODEL = flags.DEFINE_string('model', 'mlp2', 'Model zoo name (28x28x1 inputs).')
 _COMPARE = flags.DEFINE_list('compare', [], 'Methods to time against fltff FedAvg '
                              '(fedprox, sgdm, fedadp, fedlayerwise); empty: FedAvg vs plain TF.')
+_RUNTIMES = flags.DEFINE_bool('runtimes', False, 'Compare local vs 1 and 2 remote workers.')
+_CLIENTS_LIST = flags.DEFINE_list('clients_list', ['10', '50', '100'],
+                                  'Clients per round for --runtimes.')
 _LR = 0.01
 _MOMENTUM = 0.9
 
@@ -133,11 +139,59 @@ def compare_methods(spec, data) -> int:
   return 0
 
 
+def compare_runtimes(spec) -> int:
+  """Median FedAvg round on the local runtime and on 1 and 2 loopback workers, alternating."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.local import WorkerProcess  # pylint: disable=g-import-not-at-top
+
+  servers = [WorkerProcess(), WorkerProcess(), WorkerProcess()]
+  runtimes = {}
+  try:
+    runtimes['local'] = runtime.TffRuntime()
+    runtimes['1 worker'] = runtime.TffRuntime(workers=[servers[0].address])
+    runtimes['2 workers'] = runtime.TffRuntime(workers=[s.address for s in servers[1:]])
+    opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
+    algorithm = learning.fedavg(spec, client_optimizer=opt)
+    summary = []
+    for num_clients in [int(c) for c in _CLIENTS_LIST.value]:
+      data = _client_data(num_clients, _EXAMPLES.value)
+      states, times = {}, {name: [] for name in runtimes}
+      for name, rt in runtimes.items():
+        tff.framework.set_default_context(rt.context)
+        states[name] = algorithm.process.initialize()
+      for r in range(_ROUNDS.value):
+        _, inputs = _round_inputs(data, r)
+        order = list(runtimes) if r % 2 == 0 else list(runtimes)[::-1]
+        for name in order:
+          tff.framework.set_default_context(runtimes[name].context)
+          t0 = time.perf_counter()
+          states[name] = algorithm.process.next(states[name], inputs).state
+          times[name].append(time.perf_counter() - t0)
+      med = {name: statistics.median(v[1:]) for name, v in times.items()}
+      print(f'{num_clients} clients: ' + ', '.join(
+          f'{n} {med[n]:.3f} s (first round {times[n][0]:.1f} s)' for n in runtimes), flush=True)
+      summary.append((num_clients, med))
+  finally:
+    for rt in runtimes.values():
+      rt.close()
+    for s in servers:
+      s.stop()
+  print(f'\nFedAvg round on loopback workers vs the local runtime ({_EXAMPLES.value} examples '
+        f'per client, {spec.name}, batch {_BATCH.value}); median of rounds 2-{_ROUNDS.value}:')
+  for num_clients, med in summary:
+    print(f'  {num_clients:4d} clients: local {med["local"]:.3f} s | 1 worker '
+          f'{med["1 worker"] / med["local"]:.3f}x | 2 workers '
+          f'{med["2 workers"] / med["local"]:.3f}x')
+  return 0
+
+
 def main(argv) -> int:
   del argv
   absl_logging.set_verbosity(absl_logging.WARNING)
   keras_fn = lambda: build_model(_MODEL.value, input_shape=(28, 28, 1), num_classes=10, seed=0)
   spec = learning.ModelSpec(keras_fn, (28, 28, 1), 10, name=_MODEL.value)
+  if _RUNTIMES.value:
+    return compare_runtimes(spec)
   data = _client_data(_CLIENTS.value, _EXAMPLES.value)
   if _COMPARE.value:
     return compare_methods(spec, data)

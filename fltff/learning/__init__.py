@@ -2,7 +2,7 @@
 
 Every builder takes a `ModelSpec` and returns an `Algorithm` (a TFF learning process plus its
 per-client communication sizes). Gin names: `fedavg`, `fedprox`, `sgdm`, `fedadp`,
-`fedlayerwise`. A builder that declares a `num_clients` argument receives the experiment's
+`fedlayerwise`, `fedlap`. A builder that declares a `num_clients` argument receives the experiment's
 total number of clients from the round driver (stateful aggregators size their state by it).
 """
 
@@ -12,6 +12,12 @@ from fltff.learning.client_work import build_client_work
 from fltff.learning.client_work import build_local_training
 from fltff.learning.client_work import client_input
 from fltff.learning.fedavg import fedavg
+from fltff.learning.fedlap import FedLapRegularizer
+from fltff.learning.fedlap import fedlap
+from fltff.learning.fedlap import fedlap_penalty
+from fltff.learning.fedlap import importance_coefficients
+from fltff.learning.fedlap import neuron_dissimilarities
+from fltff.learning.fedlap import neuron_distances
 from fltff.learning.fedlayerwise import fedadp
 from fltff.learning.fedlayerwise import fedlayerwise
 from fltff.learning.fedprox import fedprox

@@ -48,6 +48,9 @@ class LocalRegularizer(Protocol):
               context: Any) -> tf.Tensor:
     ...
 
+  # Optional: `measurements(trained, global_) -> nested dict of scalars`, averaged over the
+  # round's participants and reported as `client_work/regularizer/...` (e.g. FedLap's λ, d).
+
 
 def client_input(batches: tf.data.Dataset, client_index: int, epochs: int):
   """Packs one participant's batches and info in the layout `build_client_work` expects."""
@@ -147,6 +150,8 @@ def build_client_work(model_spec: ModelSpec,
        ('info', tff.SequenceType(tff.types.tensorflow_to_type(CLIENT_INFO_SPEC)))],
       collections.OrderedDict)
 
+  reports_measurements = hasattr(regularizer, 'measurements')
+
   @tff.tensorflow.computation(weights_type, data_type)
   def client_update(initial_weights, data):
     local_model = model_spec.tff_model()
@@ -160,7 +165,12 @@ def build_client_work(model_spec: ModelSpec,
       client_index = data['info'].reduce(tf.constant(0, tf.int32),
                                          lambda _, x: x['client_index'])
       weight = collections.OrderedDict(num_examples=weight, client_index=client_index)
-    return (tff.learning.templates.ClientResult(update=update, update_weight=weight), metrics)
+    regularizer_stats = ()
+    if reports_measurements:
+      regularizer_stats = regularizer.measurements(
+          trained, tuple(tf.nest.flatten(initial_weights.trainable)))
+    return (tff.learning.templates.ClientResult(update=update, update_weight=weight), metrics,
+            regularizer_stats)
 
   @tff.federated_computation
   def init_fn():
@@ -170,9 +180,12 @@ def build_client_work(model_spec: ModelSpec,
                              tff.FederatedType(weights_type, tff.CLIENTS),
                              tff.FederatedType(data_type, tff.CLIENTS))
   def next_fn(state, weights, client_data):
-    client_result, model_outputs = tff.federated_map(client_update, (weights, client_data))
-    train_metrics = metrics_aggregation_fn(model_outputs)
-    measurements = tff.federated_zip(collections.OrderedDict(train=train_metrics))
+    client_result, model_outputs, regularizer_stats = tff.federated_map(
+        client_update, (weights, client_data))
+    measurements = collections.OrderedDict(train=metrics_aggregation_fn(model_outputs))
+    if reports_measurements:
+      measurements['regularizer'] = tff.federated_mean(regularizer_stats)
+    measurements = tff.federated_zip(measurements)
     return tff.templates.MeasuredProcessOutput(state, client_result, measurements)
 
   return tff.learning.templates.ClientWorkProcess(init_fn, next_fn)

@@ -100,9 +100,10 @@ class RoundDriver:
     start = time.perf_counter()
     output = self.call(self.process.next, state, self.client_inputs(round_num, clients))
     seconds = time.perf_counter() - start
-    train = output.metrics['client_work']['train']
-    scalars, arrays = split_measurements(
-        {k: v for k, v in output.metrics.items() if k != 'client_work'})
+    others = dict(output.metrics)
+    client_work = dict(others.pop('client_work'))
+    train = client_work.pop('train')
+    scalars, arrays = split_measurements(dict(others, client_work=client_work))
     row = {
         'round': round_num,
         'train_loss': float(train['loss']),

@@ -1,0 +1,136 @@
+"""FedLap: layer-based (per-neuron) regularisation of the local objective.
+
+Source: "Lay Importance on the Layer: Federated Learning for Non-IID data with Layer-based
+Regularization" (FedLap). Client k minimises
+
+    h_k(W) = ℓ_k(W) + 1/2 Σ_l <λ_l, d_l>,
+    λ_lj = 1 − cos(w_lj^local, w_lj^global) ∈ [0, 2],   d_lj = ||w_lj^local − w_lj^global||²,
+
+over every layer l of the layer grouping and every neuron (row) j of it (`fltff.models.to_rows`:
+a Dense kernel has one row per input neuron, a conv kernel one row per input-patch element, a
+bias is one row). λ is computed at the start of every local epoch from the current local
+weights and held fixed during the epoch (Algorithm 1: in the first epoch local = global, so
+λ = 0 and the epoch is plain SGD); `refresh='step'` recomputes it before every step instead.
+λ never receives gradient: ∂/∂w_lj of the term is `λ_lj (w_lj − w_lj^global)`.
+
+Importance q ∈ [0, 1] (fltff's formula; the source's q is not reproduced literally here).
+Each row's coefficient is
+
+    c_lj(q) = a(q) λ_lj + b(q) μ,   a(q) = 1 − |2q − 1|,   b(q) = max(0, 2q − 1),
+
+and the regulariser is `1/2 Σ_lj c_lj d_lj`. So q = 0 is exactly FedAvg (c ≡ 0), q = 1/2 is
+exactly FedLap's h_k above (c = λ), q = 1 is exactly FedProx with strength μ (c ≡ μ, the term
+is μ/2 ||w − w^global||²), and q moves linearly along FedAvg → FedLap → FedProx in between.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Optional
+
+import gin
+import tensorflow as tf
+
+from fltff.errors import ConfigError
+from fltff.learning import optimizers
+from fltff.learning.model_spec import ModelSpec
+from fltff.learning.process import Algorithm
+from fltff.learning.process import build_algorithm
+from fltff.models.layers import row_cosine
+from fltff.models.layers import row_squared_distance
+
+
+def importance_coefficients(q: float) -> tuple[float, float]:
+  """`(a(q), b(q))`: the weights of λ and of μ in each row's coefficient (module docstring)."""
+  if not 0.0 <= q <= 1.0:
+    raise ConfigError(f'FedLap importance q must be in [0, 1], got {q}.')
+  return 1.0 - abs(2.0 * q - 1.0), max(0.0, 2.0 * q - 1.0)
+
+
+def neuron_dissimilarities(local: Sequence[tf.Tensor],
+                           global_: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+  """λ_lj = 1 − cos(w_lj^local, w_lj^global) per row of every tensor (zero rows: λ = 0)."""
+  return [1.0 - row_cosine(w, g) for w, g in zip(local, global_)]
+
+
+def neuron_distances(local: Sequence[tf.Tensor], global_: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+  """d_lj = ||w_lj^local − w_lj^global||² per row of every tensor."""
+  return [row_squared_distance(w, g) for w, g in zip(local, global_)]
+
+
+def fedlap_penalty(local: Sequence[tf.Tensor], global_: Sequence[tf.Tensor],
+                   lambdas: Sequence[tf.Tensor], q: float, mu: float) -> tf.Tensor:
+  """`1/2 Σ_lj c_lj(q) d_lj` with `c = a(q) λ + b(q) μ`; λ is treated as a constant."""
+  a, b = importance_coefficients(q)
+  terms = []
+  for lam, d in zip(lambdas, neuron_distances(local, global_)):
+    coefficient = a * tf.stop_gradient(lam) + b * mu
+    terms.append(tf.reduce_sum(coefficient * d))
+  return 0.5 * tf.add_n(terms)
+
+
+class FedLapRegularizer:
+  """`LocalRegularizer` of FedLap, with per-layer λ and d measurements."""
+
+  def __init__(self, q: float = 0.5, mu: float = 0.01, refresh: str = 'epoch',
+               layers: Optional[Sequence[Sequence[int]]] = None,
+               layer_names: Optional[Sequence[str]] = None):
+    importance_coefficients(q)  # Validates q.
+    if mu < 0:
+      raise ConfigError(f'FedLap mu must be >= 0, got {mu}.')
+    if refresh not in ('epoch', 'step'):
+      raise ConfigError(f"fedlap.refresh must be 'epoch' or 'step', got {refresh!r}.")
+    self.q, self.mu, self.refresh = float(q), float(mu), refresh
+    self.layers = None if layers is None else [list(g) for g in layers]
+    self.layer_names = list(layer_names) if layer_names is not None else None
+
+  def epoch_start(self, local, global_):
+    if self.refresh == 'step':
+      return ()
+    return tuple(neuron_dissimilarities(local, global_))
+
+  def penalty(self, local, global_, context):
+    lambdas = context if self.refresh == 'epoch' else neuron_dissimilarities(
+        [tf.convert_to_tensor(v) for v in local], global_)
+    return fedlap_penalty(local, global_, lambdas, self.q, self.mu)
+
+  def measurements(self, local, global_):
+    """Per layer: mean λ and mean d over its rows, between the trained and the global model."""
+    lambdas = neuron_dissimilarities(local, global_)
+    distances = neuron_distances(local, global_)
+    layers = self.layers or [[i] for i in range(len(lambdas))]
+    names = self.layer_names or [f'layer{l}' for l in range(len(layers))]
+    lam_mean, d_mean = collections.OrderedDict(), collections.OrderedDict()
+    for name, group in zip(names, layers):
+      lam_mean[name] = tf.reduce_mean(tf.concat([lambdas[i] for i in group], 0))
+      d_mean[name] = tf.reduce_mean(tf.concat([distances[i] for i in group], 0))
+    return collections.OrderedDict(lambda_mean=lam_mean, distance_mean=d_mean)
+
+
+def _layers_of(model_spec: ModelSpec):
+  from fltff.models import layer_groups  # pylint: disable=g-import-not-at-top
+
+  groups = [g for g in layer_groups(model_spec.keras_fn()) if g.trainable_indices]
+  return [list(g.trainable_indices) for g in groups], [g.name for g in groups]
+
+
+@gin.configurable('fedlap')
+def fedlap(model_spec: ModelSpec, q: float = 0.5, mu: float = 0.01, refresh: str = 'epoch',
+           client_optimizer=None, server_learning_rate: float = 1.0) -> Algorithm:
+  """FedLap: FedAvg with the layer-based regulariser of importance q (module docstring).
+
+  Args:
+    model_spec: The model.
+    q: Importance in [0, 1]: 0 FedAvg, 0.5 FedLap (the papers' setting), 1 FedProx(μ).
+    mu: FedProx strength reached at q = 1.
+    refresh: 'epoch' (Algorithm 1: λ fixed within each local epoch) or 'step'.
+    client_optimizer: Local optimizer (default: gin's `client_optimizer`).
+    server_learning_rate: Server SGD step on the mean delta (1: plain averaging).
+  """
+  layers, names = _layers_of(model_spec)
+  return build_algorithm(
+      'fedlap', model_spec,
+      client_optimizer or optimizers.client_optimizer(),
+      optimizers.server_optimizer(name='sgd', learning_rate=server_learning_rate),
+      regularizer=FedLapRegularizer(q, mu, refresh, layers, names))

@@ -1,0 +1,177 @@
+"""FedLap: the regulariser against NumPy, its special cases against FedAvg/FedProx."""
+
+import collections
+import importlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from fltff import learning
+from fltff.errors import ConfigError
+from fltff.learning import ModelSpec
+
+# `fltff.learning.fedlap` is also the builder function exported by the package.
+fedlap_lib = importlib.import_module('fltff.learning.fedlap')
+
+RNG = np.random.default_rng(1)
+DIM, CLASSES = 6, 3
+
+
+def np_rows(w):
+  w = np.asarray(w)
+  return w.reshape(1, -1) if w.ndim == 1 else w.reshape(-1, w.shape[-1])
+
+
+def np_lambda(w, g):
+  """1 − cos per row; a zero-norm row has no direction and λ = 0 (fltff's convention)."""
+  a, b = np_rows(w), np_rows(g)
+  norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+  cos = np.where(norms > 0, (a * b).sum(1) / np.where(norms > 0, norms, 1.0), 1.0)
+  return 1 - cos
+
+
+@pytest.mark.parametrize('q,expected', [(0.0, (0.0, 0.0)), (0.25, (0.5, 0.0)),
+                                        (0.5, (1.0, 0.0)), (0.75, (0.5, 0.5)),
+                                        (1.0, (0.0, 1.0))])
+def test_importance_coefficients(q, expected):
+  assert fedlap_lib.importance_coefficients(q) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize('q', [-0.1, 1.5])
+def test_importance_out_of_range_is_config_error(q):
+  with pytest.raises(ConfigError, match='q must be in'):
+    fedlap_lib.importance_coefficients(q)
+
+
+SHAPES = [(5, 4), (4,), (3, 3, 2, 4)]  # dense kernel, bias, conv kernel
+
+
+def test_lambda_and_distance_match_numpy():
+  local = [RNG.normal(size=s).astype(np.float32) for s in SHAPES]
+  glob = [RNG.normal(size=s).astype(np.float32) for s in SHAPES]
+  lambdas = fedlap_lib.neuron_dissimilarities(local, glob)
+  dists = fedlap_lib.neuron_distances(local, glob)
+  for w, g, lam, d in zip(local, glob, lambdas, dists):
+    np.testing.assert_allclose(lam.numpy(), np_lambda(w, g), atol=1e-5)
+    np.testing.assert_allclose(d.numpy(), ((np_rows(w) - np_rows(g))**2).sum(1), rtol=1e-5)
+    assert np.all((lam.numpy() >= 0) & (lam.numpy() <= 2))
+
+
+def test_lambda_is_zero_at_first_epoch_start_and_safe_for_zero_rows():
+  glob = [RNG.normal(size=s).astype(np.float32) for s in SHAPES]
+  reg = fedlap_lib.FedLapRegularizer(q=0.5)
+  for lam in reg.epoch_start(glob, glob):  # local == global at the first epoch's start
+    np.testing.assert_allclose(lam.numpy(), 0.0, atol=1e-6)
+  zero = [np.zeros(s, np.float32) for s in SHAPES]
+  local = [tf.Variable(z) for z in zero]
+  with tf.GradientTape() as tape:
+    lambdas = fedlap_lib.neuron_dissimilarities(local, glob)
+    penalty = fedlap_lib.fedlap_penalty(local, glob, lambdas, q=0.5, mu=0.1)
+  grads = tape.gradient(penalty, local)
+  assert all(np.all(np.isfinite(x.numpy())) for x in lambdas)
+  assert np.isfinite(penalty.numpy()) and all(np.all(np.isfinite(g.numpy())) for g in grads)
+
+
+@pytest.mark.parametrize('q,mu', [(0.5, 0.0), (0.75, 0.3), (1.0, 0.2)])
+def test_penalty_gradient_is_lambda_times_difference_per_row(q, mu):
+  local = [tf.Variable(RNG.normal(size=s).astype(np.float32)) for s in SHAPES]
+  glob = [RNG.normal(size=s).astype(np.float32) for s in SHAPES]
+  lambdas = fedlap_lib.neuron_dissimilarities([v.numpy() for v in local], glob)
+  with tf.GradientTape() as tape:
+    penalty = fedlap_lib.fedlap_penalty(local, glob, lambdas, q, mu)
+  grads = tape.gradient(penalty, local)
+  a, b = fedlap_lib.importance_coefficients(q)
+  expected_penalty = 0.0
+  for v, g, grad in zip(local, glob, grads):
+    w = v.numpy()
+    c = a * np_lambda(w, g) + b * mu  # one coefficient per row
+    diff = np_rows(w) - np_rows(g)
+    np.testing.assert_allclose(np_rows(grad.numpy()), c[:, None] * diff, atol=1e-5)
+    expected_penalty += 0.5 * (c * (diff**2).sum(1)).sum()
+  assert penalty.numpy() == pytest.approx(expected_penalty, rel=1e-5)
+
+
+# --- process-level special cases ----------------------------------------------------------
+def _mlp(seed=21):
+  init = lambda i: tf.keras.initializers.GlorotUniform(seed=seed + i)
+  inputs = tf.keras.Input((DIM,))
+  h = tf.keras.layers.Dense(8, activation='relu', kernel_initializer=init(0))(inputs)
+  outputs = tf.keras.layers.Dense(CLASSES, kernel_initializer=init(1))(h)
+  return tf.keras.Model(inputs, outputs)
+
+
+def _datasets(sizes=(10, 15, 20)):
+  rng = np.random.default_rng(8)
+  return [tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+      x=rng.normal(size=(n, DIM)).astype(np.float32),
+      y=rng.integers(0, CLASSES, n).astype(np.int32))).batch(5) for n in sizes]
+
+
+def _run(algorithm, epochs, rounds=2, sizes=(10, 15, 20)):
+  process = algorithm.process
+  state = process.set_model_weights(process.initialize(), algorithm.model_spec.initial_weights())
+  for _ in range(rounds):
+    inputs = [learning.client_input(ds, i, epochs) for i, ds in enumerate(_datasets(sizes))]
+    output = process.next(state, inputs)
+    state = output.state
+  return process.get_model_weights(state).trainable, output.metrics
+
+
+def _diff(a, b):
+  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
+
+
+SPEC = ModelSpec(_mlp, (DIM,), CLASSES)
+
+
+def _opt():
+  return tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
+
+
+def test_q0_equals_tff_fedavg():
+  ours, _ = _run(learning.fedlap(SPEC, q=0.0, mu=0.5, client_optimizer=_opt()), epochs=2)
+  ref = tff.learning.algorithms.build_weighted_fed_avg(
+      model_fn=SPEC.tff_model, client_optimizer_fn=_opt(),
+      server_optimizer_fn=tff.learning.optimizers.build_sgdm(learning_rate=1.0))
+  state = ref.set_model_weights(ref.initialize(), SPEC.initial_weights())
+  for _ in range(2):
+    state = ref.next(state, [ds.repeat(2) for ds in _datasets()]).state
+  assert _diff(ours, ref.get_model_weights(state).trainable) <= 1e-5
+
+
+def test_q1_equals_fltff_fedprox():
+  ours, _ = _run(learning.fedlap(SPEC, q=1.0, mu=0.5, client_optimizer=_opt()), epochs=2)
+  prox, _ = _run(learning.fedprox(SPEC, mu=0.5, client_optimizer=_opt()), epochs=2)
+  avg, _ = _run(learning.fedavg(SPEC, client_optimizer=_opt()), epochs=2)
+  assert _diff(ours, prox) <= 1e-5
+  assert _diff(prox, avg) > 1e-3  # The proximal term really acts.
+
+
+def test_half_is_fedlap_lambda_fixed_per_epoch():
+  """q = 1/2, E = 1: λ = 0 for the only epoch, so exactly FedAvg; E = 3: it regularises."""
+  one, _ = _run(learning.fedlap(SPEC, q=0.5, client_optimizer=_opt()), epochs=1)
+  avg1, _ = _run(learning.fedavg(SPEC, client_optimizer=_opt()), epochs=1)
+  assert _diff(one, avg1) <= 1e-6
+  three, _ = _run(learning.fedlap(SPEC, q=0.5, client_optimizer=_opt()), epochs=3)
+  avg3, _ = _run(learning.fedavg(SPEC, client_optimizer=_opt()), epochs=3)
+  assert _diff(three, avg3) > 1e-4
+  step, _ = _run(learning.fedlap(SPEC, q=0.5, refresh='step', client_optimizer=_opt()),
+                 epochs=1)
+  assert _diff(step, avg1) > 1e-6  # Per-step λ regularises already in the first epoch.
+
+
+def test_measurements_are_per_layer_lambda_and_distance():
+  """One client, one round: the server model is the client's model; check λ, d vs NumPy."""
+  start = [np.asarray(w) for w in SPEC.initial_weights().trainable]
+  trained, metrics = _run(learning.fedlap(SPEC, q=0.5, client_optimizer=_opt()), epochs=2,
+                          rounds=1, sizes=(20,))
+  reg = metrics['client_work']['regularizer']
+  names = list(reg['lambda_mean'])
+  assert len(names) == 2  # two Dense layers
+  for name, (k, b) in zip(names, [(0, 1), (2, 3)]):
+    lam = np.concatenate([np_lambda(trained[i], start[i]) for i in (k, b)])
+    d = np.concatenate([((np_rows(trained[i]) - np_rows(start[i]))**2).sum(1) for i in (k, b)])
+    assert reg['lambda_mean'][name] == pytest.approx(lam.mean(), abs=1e-5)
+    assert reg['distance_mean'][name] == pytest.approx(d.mean(), rel=1e-4)
