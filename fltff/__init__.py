@@ -4,7 +4,8 @@ Subpackages (imported lazily, so `import fltff.data.partition` stays free of Ten
   data         sources (TFDS, Keras .npz, Synthetic(α, β)) → non-IID partitioners → ClientData
   models       Keras model zoo and the one layer grouping every layer-wise method uses
   learning     client work and process builders, one module per method (FedAvg, FedProx, SGDM)
-  aggregators  TFF aggregation factories
+  aggregators  TFF aggregation factories (FedAdp, FedLayerWise)
+  personalization  per-client models (FedLap personalisation)
   simulation   round driver: sampling, evaluation, metrics, checkpoints, per-client state
   runtime      TFF execution contexts (local C++ worker_binary, remote worker) with clean shutdown
   errors       the exceptions the pipeline reports as one readable line
@@ -12,7 +13,8 @@ Subpackages (imported lazily, so `import fltff.data.partition` stays free of Ten
 
 import importlib
 
-__all__ = ['aggregators', 'data', 'errors', 'learning', 'models', 'runtime', 'simulation']
+__all__ = ['aggregators', 'data', 'errors', 'learning', 'models', 'personalization', 'runtime',
+           'simulation']
 
 
 def __getattr__(name):

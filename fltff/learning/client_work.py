@@ -189,3 +189,42 @@ def build_client_work(model_spec: ModelSpec,
     return tff.templates.MeasuredProcessOutput(state, client_result, measurements)
 
   return tff.learning.templates.ClientWorkProcess(init_fn, next_fn)
+
+
+def build_local_update(model_spec: ModelSpec, optimizer):
+  """Federated computation training each participant's *own* model on its data.
+
+  `(weights@CLIENTS, client_input@CLIENTS) -> (client_index, trained ModelWeights)@CLIENTS`,
+  with no regulariser and no aggregation: the purely local models of personalised methods.
+  The client index travels with each result because TFF's multi-worker (mergeable) context
+  returns per-client values in the order the sub-rounds finish, not in client order.
+  """
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  with tf.Graph().as_default():
+    model = model_spec.tff_model()
+    element_type = tff.types.tensorflow_to_type(model.input_spec)
+    weights_type = tff.learning.models.weights_type_from_model(model)
+  data_type = tff.StructWithPythonType(
+      [('batches', tff.SequenceType(element_type)),
+       ('info', tff.SequenceType(tff.types.tensorflow_to_type(CLIENT_INFO_SPEC)))],
+      collections.OrderedDict)
+
+  @tff.tensorflow.computation(weights_type, data_type)
+  def local_update(weights, data):
+    local_model = model_spec.tff_model()
+    trained, _, _ = build_local_training(local_model, optimizer)(weights, data['batches'],
+                                                                 data['info'])
+    client_index = data['info'].reduce(tf.constant(0, tf.int32),
+                                       lambda _, x: x['client_index'])
+    new_weights = tff.learning.models.ModelWeights(
+        trainable=tf.nest.pack_sequence_as(weights.trainable, list(trained)),
+        non_trainable=weights.non_trainable)
+    return client_index, new_weights
+
+  @tff.federated_computation(tff.FederatedType(weights_type, tff.CLIENTS),
+                             tff.FederatedType(data_type, tff.CLIENTS))
+  def run(weights, client_data):
+    return tff.federated_map(local_update, (weights, client_data))
+
+  return run

@@ -8,6 +8,7 @@ uninterrupted run.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -47,12 +48,16 @@ class RoundConfig:
   checkpoint_every: int = 5
   target_accuracies: Sequence[float] = ()
   seed: int = 0
+  straggler_fraction: float = 0.0
+  straggler_mode: str = 'partial'
 
   def validate(self) -> None:
     for name in ('rounds', 'local_epochs', 'batch_size', 'eval_every', 'checkpoint_every'):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ConfigError(f'experiment.{name} must be a positive integer, got {value!r}.')
+    sampling.straggler_plan(np.arange(1), self.local_epochs, self.straggler_fraction,
+                            self.straggler_mode, self.seed, 1)  # Validates both settings.
 
 
 def _finite_tree(structure) -> bool:
@@ -64,7 +69,7 @@ class RoundDriver:
   """Runs an `Algorithm` on `FederatedData` for `config.rounds` rounds."""
 
   def __init__(self, algorithm, data, config: RoundConfig, output_dir: str,
-               progress: Callable[[str], None] = print, runtime=None):
+               progress: Callable[[str], None] = print, runtime=None, personalization=None):
     config.validate()
     # With a `TffRuntime`, computations run with failover (a lost worker's round is repeated
     # on the others); the round's inputs are deterministic, so the repeat is exact.
@@ -83,22 +88,49 @@ class RoundDriver:
     self.checkpointer = Checkpointer(output_dir)
     self.evaluator = Evaluator(algorithm.model_spec)
     self.rows: list[dict] = []
+    self.personalization = personalization
+    if personalization is not None and data.local_test_indices is None:
+      raise ConfigError('Personalised evaluation needs local test splits: set '
+                        'federated_data.local_test_examples > 0.')
+    initial = algorithm.model_spec.initial_weights()
+    self._initial_client_state = collections.OrderedDict(
+        trainable=[np.asarray(w) for w in initial.trainable],
+        non_trainable=[np.asarray(w) for w in initial.non_trainable])
 
   # -- one round ---------------------------------------------------------------------------
-  def client_inputs(self, round_num: int, clients: np.ndarray) -> list:
+  def client_inputs(self, round_num: int, clients: Sequence[int],
+                    epochs: Optional[dict[int, int]] = None) -> list:
     inputs = []
     for k in clients:
       x, y = self.data.client_arrays(int(k))
       ds = client_batches(x, y, self.config.batch_size,
                           sampling.shuffle_seed(self.config.seed, round_num, int(k)))
-      inputs.append(client_input(ds, int(k), self.config.local_epochs))
+      e = self.config.local_epochs if epochs is None else epochs[int(k)]
+      inputs.append(client_input(ds, int(k), e))
     return inputs
 
   def run_round(self, state, round_num: int):
-    clients = sampling.sample_clients(self.num_clients, self.participants, self.config.seed,
-                                      round_num)
+    """One round; returns `(new_state, metrics_row, pending client states)`.
+
+    Client states (personal models) are returned, not stored: the caller commits them only
+    once the round is known to be good, so a diverged round leaves the store as checkpointed.
+    """
+    cfg = self.config
+    sampled = sampling.sample_clients(self.num_clients, self.participants, cfg.seed, round_num)
+    epochs, dropped = sampling.straggler_plan(sampled, cfg.local_epochs, cfg.straggler_fraction,
+                                              cfg.straggler_mode, cfg.seed, round_num)
+    clients = [int(k) for k in sampled if int(k) not in dropped]
+    inputs = self.client_inputs(round_num, clients, epochs)
     start = time.perf_counter()
-    output = self.call(self.process.next, state, self.client_inputs(round_num, clients))
+    output = self.call(self.process.next, state, inputs)
+    pending = {}
+    if self.personalization is not None:
+      local_models = [self.client_states.get(k) if k in self.client_states
+                      else self._initial_client_state for k in clients]
+      for index, weights in self.call(self.personalization.local_update, local_models, inputs):
+        pending[int(index)] = collections.OrderedDict(
+            trainable=[np.asarray(w) for w in weights.trainable],
+            non_trainable=[np.asarray(w) for w in weights.non_trainable])
     seconds = time.perf_counter() - start
     others = dict(output.metrics)
     client_work = dict(others.pop('client_work'))
@@ -110,6 +142,8 @@ class RoundDriver:
         'train_accuracy': float(train['accuracy']),
         'examples': int(train['num_examples']),
         'clients': len(clients),
+        'stragglers': sum(1 for k in clients if epochs[k] < cfg.local_epochs),
+        'dropped': len(dropped),
         'bytes_down': self.algorithm.bytes_down_per_client * len(clients),
         'bytes_up': self.algorithm.bytes_up_per_client * len(clients),
         'round_seconds': seconds,
@@ -117,13 +151,39 @@ class RoundDriver:
     row.update(scalars)
     if arrays:
       self.outputs.log_arrays(round_num, arrays)
-    return output.state, row
+    return output.state, row, pending
 
   def evaluate(self, state) -> dict[str, float]:
-    self.evaluator.set_weights(self.process.get_model_weights(state))
+    """Global model on the central test set; with personalisation also per-client metrics."""
+    global_weights = self.process.get_model_weights(state)
+    self.evaluator.set_weights(global_weights)
     x, y = self.data.central_test()
     result = self.evaluator.evaluate(x, y)
-    return {'test_loss': result['loss'], 'test_accuracy': result['accuracy']}
+    out = {'test_loss': result['loss'], 'test_accuracy': result['accuracy']}
+    if self.personalization is not None:
+      out.update(self.evaluate_personalized(global_weights))
+    return out
+
+  def evaluate_personalized(self, global_weights) -> dict[str, float]:
+    """Mean over clients of accuracy on their own local test split: personalised and global.
+
+    A client that has never trained its local model is evaluated with the global model.
+    """
+    personal, global_local = [], []
+    for k in range(self.num_clients):
+      x, y = self.data.local_test_arrays(k)
+      if len(y) == 0:
+        continue
+      self.evaluator.set_weights(global_weights)
+      global_local.append(self.evaluator.evaluate(x, y)['accuracy'])
+      if k in self.client_states:
+        self.evaluator.set_weights(self.personalization.personalized_weights(
+            self.client_states.get(k), global_weights))
+        personal.append(self.evaluator.evaluate(x, y)['accuracy'])
+      else:
+        personal.append(global_local[-1])
+    return {'personalized_accuracy': float(np.mean(personal)),
+            'global_model_local_accuracy': float(np.mean(global_local))}
 
   # -- checkpoints -------------------------------------------------------------------------
   def save(self, round_num: int, state) -> None:
@@ -139,7 +199,8 @@ class RoundDriver:
     return round_num, state
 
   def client_state_template(self, client_index: int):
-    raise ConfigError('This checkpoint holds per-client state but the method keeps none.')
+    del client_index
+    return self._initial_client_state
 
   # -- the loop ----------------------------------------------------------------------------
   def run(self, resume: bool = False) -> dict:
@@ -164,7 +225,7 @@ class RoundDriver:
     t0 = time.perf_counter()
     try:
       for r in range(start_round, cfg.rounds + 1):
-        new_state, row = self.run_round(state, r)
+        new_state, row, pending = self.run_round(state, r)
         if not math.isfinite(row['train_loss']) or not _finite_tree(
             self.process.get_model_weights(new_state).trainable):
           raise DivergenceError(
@@ -172,6 +233,8 @@ class RoundDriver:
               f'Rounds 1-{r - 1} are kept in the checkpoint under {self.checkpointer.directory}; '
               'lower client_optimizer.learning_rate (or the server learning rate) and rerun.')
         state = new_state
+        for k, client_state in pending.items():
+          self.client_states.set(k, client_state)
         if r % cfg.eval_every == 0 or r == cfg.rounds:
           row.update(self.evaluate(state))
         self.rows.append(row)
@@ -284,6 +347,9 @@ def run_experiment(output_dir: str,
                    checkpoint_every: int = 5,
                    target_accuracies: Sequence[float] = (),
                    seed: int = 0,
+                   straggler_fraction: float = 0.0,
+                   straggler_mode: str = 'partial',
+                   personalization: Optional[Callable[..., Any]] = None,
                    progress: Callable[[str], None] = print) -> dict:
   """Runs one experiment end to end and returns its summary (also in summary.json).
 
@@ -297,6 +363,10 @@ def run_experiment(output_dir: str,
     model_seed: Seed of the initial weights.
     rounds, clients_per_round, client_fraction, local_epochs, batch_size, eval_every,
     checkpoint_every, target_accuracies, seed: See `RoundConfig`.
+    straggler_fraction, straggler_mode: System heterogeneity, see
+      `sampling.straggler_plan` ('partial': random epochs in [1, E]; 'drop').
+    personalization: Optional builder taking the `ModelSpec` (gin:
+      `@fedlap_personalization`); adds personalised evaluation on local test splits.
     progress: Where progress lines go.
   """
   from fltff.data import build_federated_data  # pylint: disable=g-import-not-at-top
@@ -306,12 +376,14 @@ def run_experiment(output_dir: str,
                        client_fraction=client_fraction, local_epochs=local_epochs,
                        batch_size=batch_size, eval_every=eval_every,
                        checkpoint_every=checkpoint_every,
-                       target_accuracies=tuple(target_accuracies), seed=seed)
+                       target_accuracies=tuple(target_accuracies), seed=seed,
+                       straggler_fraction=straggler_fraction, straggler_mode=straggler_mode)
   config.validate()
   data = build_federated_data()
   model_spec = build_model_spec(data, model, model_seed)
   algorithm = build_method(method, model_spec, data.num_clients())
-  driver = RoundDriver(algorithm, data, config, output_dir, progress=progress, runtime=runtime)
+  driver = RoundDriver(algorithm, data, config, output_dir, progress=progress, runtime=runtime,
+                       personalization=personalization(model_spec) if personalization else None)
   driver.outputs.write_json('partition.json', data.summary())
   with open(os.path.join(output_dir, 'config.gin'), 'w') as f:
     f.write(gin.operative_config_str())

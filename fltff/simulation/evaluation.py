@@ -27,10 +27,14 @@ class Evaluator:
     self._batch_stats = batch_stats
 
   def set_weights(self, model_weights) -> None:
-    """Loads a `tff.learning.models.ModelWeights` (trainable + non-trainable)."""
-    for var, value in zip(self.model.trainable_weights, model_weights.trainable):
+    """Loads `ModelWeights` or a dict with 'trainable' and 'non_trainable' lists."""
+    if isinstance(model_weights, dict):
+      trainable, non_trainable = model_weights['trainable'], model_weights['non_trainable']
+    else:
+      trainable, non_trainable = model_weights.trainable, model_weights.non_trainable
+    for var, value in zip(self.model.trainable_weights, trainable):
       var.assign(value)
-    for var, value in zip(self.model.non_trainable_weights, model_weights.non_trainable):
+    for var, value in zip(self.model.non_trainable_weights, non_trainable):
       var.assign(value)
 
   def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:

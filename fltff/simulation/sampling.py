@@ -42,3 +42,36 @@ def sample_clients(num_clients: int, m: int, seed: int, round_num: int) -> np.nd
 def shuffle_seed(seed: int, round_num: int, client_index: int) -> int:
   """Seed of a client's local data order in a round."""
   return int(round_rng(seed, round_num, stream=1 + client_index).integers(0, 2**31 - 1))
+
+
+# Random streams of a round: 0 samples participants, 1 + k orders client k's data; stragglers
+# use their own stream so that changing the straggler setting leaves the rest unchanged.
+_STRAGGLER_STREAM = 2**31 - 1
+
+
+def straggler_plan(clients: np.ndarray, local_epochs: int, fraction: float, mode: str,
+                   seed: int, round_num: int) -> tuple[dict[int, int], set[int]]:
+  """Epochs per participant and the dropped ones, for a round with stragglers.
+
+  A `fraction` of the participants are stragglers (FedProx's system heterogeneity, Li et al.
+  2020, §5.2): with `mode='partial'` each completes a uniformly random number of local epochs
+  in [1, E] and sends what it has; with `mode='drop'` they are dropped from the round (FedAvg's
+  behaviour), always keeping at least one participant.
+  """
+  if not 0.0 <= fraction <= 1.0:
+    raise ConfigError(f'experiment.straggler_fraction must be in [0, 1], got {fraction}.')
+  if mode not in ('partial', 'drop'):
+    raise ConfigError(f"experiment.straggler_mode must be 'partial' or 'drop', got {mode!r}.")
+  epochs = {int(k): int(local_epochs) for k in clients}
+  count = int(round(fraction * len(clients)))
+  if mode == 'drop':
+    count = min(count, len(clients) - 1)
+  if count == 0:
+    return epochs, set()
+  rng = round_rng(seed, round_num, stream=_STRAGGLER_STREAM)
+  stragglers = [int(k) for k in rng.choice(clients, size=count, replace=False)]
+  if mode == 'drop':
+    return epochs, set(stragglers)
+  for k in stragglers:
+    epochs[k] = int(rng.integers(1, local_epochs + 1))
+  return epochs, set()
