@@ -44,7 +44,7 @@ _BATCH = flags.DEFINE_integer('batch_size', 10, 'Local batch size.')
 _EPOCHS = flags.DEFINE_integer('epochs', 1, 'Local epochs.')
 _MODEL = flags.DEFINE_string('model', 'mlp2', 'Model zoo name (28x28x1 inputs).')
 _COMPARE = flags.DEFINE_list('compare', [], 'Methods to time against fltff FedAvg '
-                             '(fedprox, sgdm, fedadp, fedlayerwise); empty: FedAvg vs plain TF.')
+                             '(fedprox, sgdm, fedlap, fedadp, fedlayerwise); empty: FedAvg vs plain TF.')
 _RUNTIMES = flags.DEFINE_bool('runtimes', False, 'Compare local vs 1 and 2 remote workers.')
 _CLIENTS_LIST = flags.DEFINE_list('clients_list', ['10', '50', '100'],
                                   'Clients per round for --runtimes.')
@@ -110,6 +110,7 @@ def compare_methods(spec, data) -> int:
   builders = {'fedavg': lambda opt: learning.fedavg(spec, client_optimizer=opt),
               'fedprox': lambda opt: learning.fedprox(spec, client_optimizer=opt),
               'sgdm': lambda opt: learning.sgdm(spec, client_optimizer=opt),
+              'fedlap': lambda opt: learning.fedlap(spec, client_optimizer=opt),
               'fedadp': lambda opt: learning.fedadp(spec, len(data), client_optimizer=opt),
               'fedlayerwise': lambda opt: learning.fedlayerwise(spec, len(data),
                                                                 client_optimizer=opt)}

@@ -67,3 +67,14 @@ def assert_one_line_error(result, *fragments):
   return error_lines[0]
 
 
+
+
+def tiny_mlp(dim: int, classes: int, seed: int, hidden: int = 8):
+  """A seeded Dense(hidden, relu) → Dense(classes) Keras model for process-level tests."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  init = lambda i: tf.keras.initializers.GlorotUniform(seed=seed + i)
+  inputs = tf.keras.Input((dim,))
+  h = tf.keras.layers.Dense(hidden, activation='relu', kernel_initializer=init(0))(inputs)
+  outputs = tf.keras.layers.Dense(classes, kernel_initializer=init(1))(h)
+  return tf.keras.Model(inputs, outputs)

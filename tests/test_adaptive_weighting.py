@@ -11,6 +11,7 @@ from fltff import aggregators
 from fltff import learning
 from fltff.learning import ModelSpec
 from fltff.learning.fedlayerwise import trainable_layer_groups
+from helpers import tiny_mlp
 
 RNG = np.random.default_rng(0)
 
@@ -156,11 +157,7 @@ DIM, CLASSES = 6, 3
 
 
 def _mlp(seed=11):
-  init = lambda i: tf.keras.initializers.GlorotUniform(seed=seed + i)
-  inputs = tf.keras.Input((DIM,))
-  h = tf.keras.layers.Dense(8, activation='relu', kernel_initializer=init(0))(inputs)
-  outputs = tf.keras.layers.Dense(CLASSES, kernel_initializer=init(1))(h)
-  return tf.keras.Model(inputs, outputs)
+  return tiny_mlp(DIM, CLASSES, seed)
 
 
 def _data():

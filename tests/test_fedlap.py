@@ -11,6 +11,7 @@ import tensorflow_federated as tff
 from fltff import learning
 from fltff.errors import ConfigError
 from fltff.learning import ModelSpec
+from helpers import tiny_mlp
 
 # `fltff.learning.fedlap` is also the builder function exported by the package.
 fedlap_lib = importlib.import_module('fltff.learning.fedlap')
@@ -95,11 +96,7 @@ def test_penalty_gradient_is_lambda_times_difference_per_row(q, mu):
 
 # --- process-level special cases ----------------------------------------------------------
 def _mlp(seed=21):
-  init = lambda i: tf.keras.initializers.GlorotUniform(seed=seed + i)
-  inputs = tf.keras.Input((DIM,))
-  h = tf.keras.layers.Dense(8, activation='relu', kernel_initializer=init(0))(inputs)
-  outputs = tf.keras.layers.Dense(CLASSES, kernel_initializer=init(1))(h)
-  return tf.keras.Model(inputs, outputs)
+  return tiny_mlp(DIM, CLASSES, seed)
 
 
 def _datasets(sizes=(10, 15, 20)):

@@ -9,6 +9,7 @@ import tensorflow_federated as tff
 
 from fltff import learning
 from fltff.learning import ModelSpec
+from helpers import tiny_mlp
 
 DIM, CLASSES, BATCH = 6, 3, 5
 CLIENT_SIZES = (10, 15, 20)
@@ -23,11 +24,7 @@ def _logistic_keras(seed=3):
 
 
 def _mlp_keras(seed=5):
-  init = lambda i: tf.keras.initializers.GlorotUniform(seed=seed + i)
-  inputs = tf.keras.Input((DIM,))
-  h = tf.keras.layers.Dense(8, activation='relu', kernel_initializer=init(0))(inputs)
-  outputs = tf.keras.layers.Dense(CLASSES, kernel_initializer=init(1))(h)
-  return tf.keras.Model(inputs, outputs)
+  return tiny_mlp(DIM, CLASSES, seed)
 
 
 def _client_arrays(seed=0):

@@ -59,6 +59,21 @@ def client_input(batches: tf.data.Dataset, client_index: int, epochs: int):
   return collections.OrderedDict(batches=batches, info=info)
 
 
+def client_types(model_spec: ModelSpec):
+  """TFF types of the broadcast `ModelWeights` and of one client's input (`client_input`)."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  with tf.Graph().as_default():
+    model = model_spec.tff_model()
+    element_type = tff.types.tensorflow_to_type(model.input_spec)
+    weights_type = tff.learning.models.weights_type_from_model(model)
+  data_type = tff.StructWithPythonType(
+      [('batches', tff.SequenceType(element_type)),
+       ('info', tff.SequenceType(tff.types.tensorflow_to_type(CLIENT_INFO_SPEC)))],
+      collections.OrderedDict)
+  return weights_type, data_type
+
+
 def build_local_training(model, optimizer, regularizer: Optional[LocalRegularizer] = None):
   """Returns a `tf.function` running the local epochs on `model` (a `VariableModel`).
 
@@ -141,14 +156,8 @@ def build_client_work(model_spec: ModelSpec,
   if metrics_aggregator is None:
     metrics_aggregator = tff.learning.metrics.sum_then_finalize
   with tf.Graph().as_default():
-    model = model_spec.tff_model()
-    metrics_aggregation_fn = metrics_aggregator(model.metric_finalizers())
-    element_type = tff.types.tensorflow_to_type(model.input_spec)
-    weights_type = tff.learning.models.weights_type_from_model(model)
-  data_type = tff.StructWithPythonType(
-      [('batches', tff.SequenceType(element_type)),
-       ('info', tff.SequenceType(tff.types.tensorflow_to_type(CLIENT_INFO_SPEC)))],
-      collections.OrderedDict)
+    metrics_aggregation_fn = metrics_aggregator(model_spec.tff_model().metric_finalizers())
+  weights_type, data_type = client_types(model_spec)
 
   reports_measurements = hasattr(regularizer, 'measurements')
 
@@ -201,14 +210,7 @@ def build_local_update(model_spec: ModelSpec, optimizer):
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  with tf.Graph().as_default():
-    model = model_spec.tff_model()
-    element_type = tff.types.tensorflow_to_type(model.input_spec)
-    weights_type = tff.learning.models.weights_type_from_model(model)
-  data_type = tff.StructWithPythonType(
-      [('batches', tff.SequenceType(element_type)),
-       ('info', tff.SequenceType(tff.types.tensorflow_to_type(CLIENT_INFO_SPEC)))],
-      collections.OrderedDict)
+  weights_type, data_type = client_types(model_spec)
 
   @tff.tensorflow.computation(weights_type, data_type)
   def local_update(weights, data):
