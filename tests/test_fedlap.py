@@ -63,7 +63,7 @@ def test_lambda_and_distance_match_numpy():
 def test_lambda_is_zero_at_first_epoch_start_and_safe_for_zero_rows():
   glob = [RNG.normal(size=s).astype(np.float32) for s in SHAPES]
   reg = fedlap_lib.FedLapRegularizer(q=0.5)
-  for lam in reg.epoch_start(glob, glob):  # local == global at the first epoch's start
+  for lam in reg.epoch_start(glob, glob)[0]:  # local == global at the first epoch's start
     np.testing.assert_allclose(lam.numpy(), 0.0, atol=1e-6)
   zero = [np.zeros(s, np.float32) for s in SHAPES]
   local = [tf.Variable(z) for z in zero]
@@ -92,6 +92,19 @@ def test_penalty_gradient_is_lambda_times_difference_per_row(q, mu):
     np.testing.assert_allclose(np_rows(grad.numpy()), c[:, None] * diff, atol=1e-5)
     expected_penalty += 0.5 * (c * (diff**2).sum(1)).sum()
   assert penalty.numpy() == pytest.approx(expected_penalty, rel=1e-5)
+
+
+@pytest.mark.parametrize('q,mu', [(0.3, 0.0), (0.5, 0.1), (0.9, 0.4)])
+def test_closed_form_gradient_equals_autodiff(q, mu):
+  local = [tf.Variable(RNG.normal(size=s).astype(np.float32)) for s in SHAPES]
+  glob = [RNG.normal(size=s).astype(np.float32) for s in SHAPES]
+  lambdas = fedlap_lib.neuron_dissimilarities([v.numpy() for v in local], glob)
+  with tf.GradientTape() as tape:
+    penalty = fedlap_lib.fedlap_penalty(local, glob, lambdas, q, mu)
+  auto = tape.gradient(penalty, local)
+  closed = fedlap_lib.fedlap_gradient([v.numpy() for v in local], glob, lambdas, q, mu)
+  for x, y in zip(auto, closed):
+    np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=1e-5, atol=1e-6)
 
 
 # --- process-level special cases ----------------------------------------------------------

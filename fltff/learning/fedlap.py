@@ -70,6 +70,27 @@ def fedlap_penalty(local: Sequence[tf.Tensor], global_: Sequence[tf.Tensor],
   return 0.5 * tf.add_n(terms)
 
 
+def coefficient_tensors(local: Sequence[tf.Tensor], lambdas: Sequence[tf.Tensor], q: float,
+                        mu: float) -> list[tf.Tensor]:
+  """`c_lj = a(q) λ_lj + b(q) μ` broadcast to each weight's shape (constant within an epoch)."""
+  from fltff.models.layers import to_rows  # pylint: disable=g-import-not-at-top
+
+  a, b = importance_coefficients(q)
+  out = []
+  for w, lam in zip(local, lambdas):
+    w = tf.convert_to_tensor(w)
+    coefficient = a * tf.stop_gradient(lam) + b * mu
+    out.append(tf.reshape(coefficient[:, tf.newaxis] * tf.ones_like(to_rows(w)), tf.shape(w)))
+  return out
+
+
+def fedlap_gradient(local: Sequence[tf.Tensor], global_: Sequence[tf.Tensor],
+                    lambdas: Sequence[tf.Tensor], q: float, mu: float) -> list[tf.Tensor]:
+  """∂/∂w of `fedlap_penalty` with λ fixed: `c_lj (w_lj − w_lj^global)` for every row j."""
+  return [c * (w - g) for c, w, g in
+          zip(coefficient_tensors(local, lambdas, q, mu), local, global_)]
+
+
 class FedLapRegularizer:
   """`LocalRegularizer` of FedLap, with per-layer λ and d measurements."""
 
@@ -86,14 +107,23 @@ class FedLapRegularizer:
     self.layer_names = list(layer_names) if layer_names is not None else None
 
   def epoch_start(self, local, global_):
+    """Context of an epoch: λ and the per-weight coefficients c(q) (both fixed within it)."""
     if self.refresh == 'step':
       return ()
-    return tuple(neuron_dissimilarities(local, global_))
+    lambdas = tuple(neuron_dissimilarities(local, global_))
+    return lambdas, tuple(coefficient_tensors(local, lambdas, self.q, self.mu))
 
   def penalty(self, local, global_, context):
-    lambdas = context if self.refresh == 'epoch' else neuron_dissimilarities(
+    lambdas = context[0] if self.refresh == 'epoch' else neuron_dissimilarities(
         [tf.convert_to_tensor(v) for v in local], global_)
     return fedlap_penalty(local, global_, lambdas, self.q, self.mu)
+
+  def gradient(self, local, global_, context):
+    if self.refresh == 'epoch':
+      # The coefficients were broadcast once per epoch: one multiply per weight per step.
+      return [c * (w - g) for c, w, g in zip(context[1], local, global_)]
+    return fedlap_gradient(local, global_, neuron_dissimilarities(local, global_), self.q,
+                           self.mu)
 
   def measurements(self, local, global_):
     """Per layer: mean λ and mean d over its rows, between the trained and the global model."""

@@ -34,3 +34,8 @@ class ProximalRegularizer:
   def penalty(self, local, global_, context):
     del context
     return proximal_penalty(local, global_, self.mu)
+
+  def gradient(self, local, global_, context):
+    """∂/∂w of the penalty: `μ (w − w_global)`."""
+    del context
+    return [self.mu * (w - g) for w, g in zip(local, global_)]
