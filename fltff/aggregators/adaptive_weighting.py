@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from fltff.aggregators.gather import build_gather
 from fltff.models.layers import row_cosine
 
 GOMPERTZ_ALPHA = 5.0
@@ -95,11 +96,6 @@ def weighted_layer_mean(values: tf.Tensor, layer_weights: tf.Tensor) -> tf.Tenso
 
 
 # --- the factory --------------------------------------------------------------------------
-def _placeholder_with_unknown_rows(shape, dtype):
-  """A zero-row tensor whose leading dimension is unknown ([None, ...]), for accumulators."""
-  return tf.compat.v1.placeholder_with_default(tf.zeros([0, *shape], dtype), [None, *shape])
-
-
 class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
   """TFF weighted aggregation factory for FedAdp (model-wise) and FedLayerWise (layer-wise).
 
@@ -163,42 +159,13 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
 
     state_type = init_state.type_signature.result
 
-    @tff.tensorflow.computation
-    def zero():
-      return collections.OrderedDict(
-          updates=tuple(_placeholder_with_unknown_rows(s.shape, s.dtype) for s in flat_specs),
-          num_examples=_placeholder_with_unknown_rows([], tf.float32),
-          client_index=_placeholder_with_unknown_rows([], tf.int32))
-
-    acc_type = zero.type_signature.result
-
-    def unpack_weight(weight):
-      if keyed:
-        return weight['num_examples'], weight['client_index']
-      return weight, tf.constant(-1, tf.int32)
-
-    @tff.tensorflow.computation(acc_type, (value_type, weight_type))
-    def accumulate(acc, client_value):
-      update, weight = client_value
-      n, index = unpack_weight(weight)
-      return collections.OrderedDict(
-          updates=tuple(tf.concat([a, tf.expand_dims(u, 0)], 0)
-                        for a, u in zip(acc['updates'], tf.nest.flatten(update))),
-          num_examples=tf.concat([acc['num_examples'], [n]], 0),
-          client_index=tf.concat([acc['client_index'], [index]], 0))
-
-    @tff.tensorflow.computation(acc_type, acc_type)
-    def merge(a, b):
-      return tf.nest.map_structure(lambda x, y: tf.concat([x, y], 0), a, b)
-
-    @tff.tensorflow.computation(acc_type)
-    def report(acc):
-      return acc
+    gather, acc_type = build_gather(value_type, weight_type)
 
     @tff.tensorflow.computation(state_type, acc_type)
     def server_update(state, gathered):
-      updates = list(gathered['updates'])
-      n = gathered['num_examples']
+      updates = list(gathered['update'])
+      weight = gathered['weight']
+      n = weight['num_examples'] if keyed else weight
       k = tf.shape(n)[0]
       angles = []
       for group in layers:
@@ -207,7 +174,7 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
         angles.append(instantaneous_angles(grads, global_gradient(grads, n)))
       angle = tf.stack(angles, axis=1)  # [K, L]
       if keyed:
-        index = gathered['client_index']
+        index = weight['client_index']
         t = tf.gather(state['participations'], index) + 1
         smoothed = smoothed_angles(tf.gather(state['smoothed_angle'], index), angle,
                                    t[:, tf.newaxis])
@@ -235,8 +202,7 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
                                tff.FederatedType(value_type, tff.CLIENTS),
                                tff.FederatedType(weight_type, tff.CLIENTS))
     def next_fn(state, value, weight):
-      gathered = tff.federated_aggregate(
-          tff.federated_zip((value, weight)), zero(), accumulate, merge, report)
+      gathered = gather(value, weight)
       new_state, aggregate, measurements = tff.federated_map(server_update, (state, gathered))
       return tff.templates.MeasuredProcessOutput(new_state, aggregate, measurements)
 

@@ -1,0 +1,67 @@
+"""Single-pass gathering of every participant's update and weight at the server.
+
+fltff's aggregators need all participants' values at once (angles against the global update,
+similarities between clients). DESIGN.md requires them to be single-pass, so that TFF's
+mergeable-computation context can split a round across workers: one `federated_aggregate`
+whose accumulator concatenates the clients' values along a new leading axis (merging two
+partial accumulators is another concatenation), followed by pure server-side math. No
+`tff.federated_select` (wrong rows in the mergeable context) and no aggregate that depends on
+another ("Detected one aggregate dependent on another").
+"""
+
+from __future__ import annotations
+
+import collections
+
+import tensorflow as tf
+import tensorflow_federated as tff
+
+
+def _unknown_rows(spec: tf.TensorSpec) -> tf.Tensor:
+  """A zero-row tensor whose leading dimension is unknown ([None, ...]), for accumulators."""
+  return tf.compat.v1.placeholder_with_default(tf.zeros([0, *spec.shape], spec.dtype),
+                                               [None, *spec.shape])
+
+
+def build_gather(value_type, weight_type):
+  """Federated computation `(value@CLIENTS, weight@CLIENTS) -> gathered@SERVER`.
+
+  `gathered` is `OrderedDict(update=tuple of [K, ...] tensors (the flattened value),
+  weight=the weight structure with a leading [K] axis)`; rows are in the order TFF merged the
+  clients, so anything per-client (e.g. a client index) must travel inside the weight.
+  """
+  specs = collections.OrderedDict(
+      update=tuple(tf.nest.flatten(tff.types.type_to_tf_tensor_specs(value_type))),
+      weight=tff.types.type_to_tf_tensor_specs(weight_type))
+
+  @tff.tensorflow.computation
+  def zero():
+    return tf.nest.map_structure(_unknown_rows, specs)
+
+  acc_type = zero.type_signature.result
+
+  def append(acc, element):
+    return tf.nest.map_structure(lambda a, x: tf.concat([a, tf.expand_dims(x, 0)], 0), acc,
+                                 element, check_types=False)
+
+  @tff.tensorflow.computation(acc_type, (value_type, weight_type))
+  def accumulate(acc, client_value):
+    update, weight = client_value
+    return append(acc, collections.OrderedDict(update=tuple(tf.nest.flatten(update)),
+                                               weight=weight))
+
+  @tff.tensorflow.computation(acc_type, acc_type)
+  def merge(a, b):
+    return tf.nest.map_structure(lambda x, y: tf.concat([x, y], 0), a, b)
+
+  @tff.tensorflow.computation(acc_type)
+  def report(acc):
+    return acc
+
+  @tff.federated_computation(tff.FederatedType(value_type, tff.CLIENTS),
+                             tff.FederatedType(weight_type, tff.CLIENTS))
+  def gather(value, weight):
+    return tff.federated_aggregate(tff.federated_zip((value, weight)), zero(), accumulate,
+                                   merge, report)
+
+  return gather, acc_type
