@@ -81,6 +81,8 @@ def main(argv) -> int:
   finally:
     if rt is not None:
       rt.close()
+    else:
+      runtime.release_default_context()
   acc = summary.get('final_accuracy')
   print(f'done: {summary["rounds_completed"]} rounds, final test accuracy '
         f'{acc if acc is None else round(acc, 4)}; outputs in {output_dir}')

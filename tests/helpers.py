@@ -75,6 +75,7 @@ def tiny_mlp(dim: int, classes: int, seed: int, hidden: int = 8):
 
   init = lambda i: tf.keras.initializers.GlorotUniform(seed=seed + i)
   inputs = tf.keras.Input((dim,))
-  h = tf.keras.layers.Dense(hidden, activation='relu', kernel_initializer=init(0))(inputs)
+  h = tf.keras.layers.Dense(hidden, activation='relu', kernel_initializer=init(0),
+                            name='latent')(inputs)
   outputs = tf.keras.layers.Dense(classes, kernel_initializer=init(1))(h)
   return tf.keras.Model(inputs, outputs)

@@ -3,6 +3,9 @@
 - `layerwise_adaptive_factory` (FedLayerWise) and `fedadp_factory` (FedAdp): adaptive weighting
   of client updates from the angle between each client's and the global gradient, per layer or
   for the whole model; the equations are exported as pure TF functions.
+- `contribution_normalized_factory` (CCN) and `fednova_factory` (FedNova): weighted means with
+  contribution-normalised weights and/or normalised averaging.
+- `gather.build_gather`: the single-pass gathering all of them are built on.
 """
 
 from fltff.aggregators.adaptive_weighting import AdaptiveWeightingFactory
@@ -16,3 +19,10 @@ from fltff.aggregators.adaptive_weighting import instantaneous_angles
 from fltff.aggregators.adaptive_weighting import layerwise_adaptive_factory
 from fltff.aggregators.adaptive_weighting import smoothed_angles
 from fltff.aggregators.adaptive_weighting import weighted_layer_mean
+from fltff.aggregators.contribution_normalization import NormalizedMeanFactory
+from fltff.aggregators.contribution_normalization import contribution_factors
+from fltff.aggregators.contribution_normalization import contribution_normalized_factory
+from fltff.aggregators.contribution_normalization import fednova_factory
+from fltff.aggregators.contribution_normalization import normalized_weights
+from fltff.aggregators.contribution_normalization import nova_aggregate
+from fltff.aggregators.contribution_normalization import similarity_matrix

@@ -105,7 +105,7 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
   Weights: with the float32 example count of a plain TFF process, angles are not smoothed
   across rounds (no client identity reaches the aggregator: θ̃ = θ). With
   `OrderedDict(num_examples=float32, client_index=int32)` (fltff's client work with
-  `weight_with_client_index=True`) and `num_clients` set, the smoothed angles and participation
+  `weight_fields=('client_index',)`) and `num_clients` set, the smoothed angles and participation
   counts of every client live in the aggregator's state — saved in fltff's checkpoints.
 
   Measurements per round: `client_index` [K], `angle` θ [K, L], `smoothed_angle` θ̃ [K, L],

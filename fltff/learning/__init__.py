@@ -2,7 +2,8 @@
 
 Every builder takes a `ModelSpec` and returns an `Algorithm` (a TFF learning process plus its
 per-client communication sizes). Gin names: `fedavg`, `fedprox`, `sgdm`, `fedadp`,
-`fedlayerwise`, `fedlap`. A builder that declares a `num_clients` argument receives the experiment's
+`fedlayerwise`, `fedlap`, `fednova`, `fedbabu`; the FedAvg-family builders take
+`contribution_normalization=True` for CCN. A builder that declares a `num_clients` argument receives the experiment's
 total number of clients from the round driver (stateful aggregators size their state by it).
 """
 
@@ -12,6 +13,7 @@ from fltff.learning.client_work import build_client_work
 from fltff.learning.client_work import build_local_training
 from fltff.learning.client_work import client_input
 from fltff.learning.fedavg import fedavg
+from fltff.learning.fedbabu import fedbabu
 from fltff.learning.fedlap import FedLapRegularizer
 from fltff.learning.fedlap import fedlap
 from fltff.learning.fedlap import fedlap_penalty
@@ -20,6 +22,7 @@ from fltff.learning.fedlap import neuron_dissimilarities
 from fltff.learning.fedlap import neuron_distances
 from fltff.learning.fedlayerwise import fedadp
 from fltff.learning.fedlayerwise import fedlayerwise
+from fltff.learning.fednova import fednova
 from fltff.learning.fedprox import fedprox
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.model_spec import type_num_bytes

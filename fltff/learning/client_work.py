@@ -76,19 +76,31 @@ def client_types(model_spec: ModelSpec):
   return weights_type, data_type
 
 
-def build_local_training(model, optimizer, regularizer: Optional[LocalRegularizer] = None):
+def build_local_training(model, optimizer, regularizer: Optional[LocalRegularizer] = None,
+                         frozen: Sequence[int] = (), latent_fn=None):
   """Returns a `tf.function` running the local epochs on `model` (a `VariableModel`).
 
-  The function maps `(initial_weights, batches, info)` to
-  `(trainable_after, examples_per_epoch, unfinalized_metrics)`. Metrics are read inside the
-  function: read outside, in a graph-mode `tff.tensorflow.computation`, they would not be
-  ordered after the training loop.
+  The function maps `(initial_weights, batches, info)` to an OrderedDict with `trained` (the
+  trainable weights after training), `examples_per_epoch`, `steps` (optimizer steps taken),
+  `metrics` (unfinalized) and, with `latent_fn`, `latent_mean` (the mean of
+  `latent_fn(x)` over the client's data with the trained weights). Everything is read inside
+  the function: read outside, in a graph-mode `tff.tensorflow.computation`, variables would not
+  be ordered after the training loop.
+
+  Args:
+    model: The `tff.learning.models.VariableModel` to train.
+    optimizer: A `tff.learning.optimizers.Optimizer`.
+    regularizer: Optional `LocalRegularizer`.
+    frozen: Indices of trainable tensors that must not change (FedBABU's head): their
+      gradients are zeroed.
+    latent_fn: Optional Keras model mapping inputs to the latent layer (sharing the weights).
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   # A regulariser with a closed-form gradient adds it to the data gradient directly: the same
   # update as differentiating `penalty` (tested), without taping the penalty at every step.
   analytic_gradient = regularizer is not None and hasattr(regularizer, 'gradient')
+  frozen = frozenset(frozen)
 
   @tf.function
   def train(initial_weights, batches, info):
@@ -104,14 +116,14 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
     optimizer_state = optimizer.initialize(
         tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables))
 
-    def run_epoch(examples, optimizer_state):
+    def run_epoch(examples, steps, optimizer_state):
       context = ()
       if regularizer is not None:
         context = regularizer.epoch_start(
             tuple(v.read_value() for v in variables), global_trainable)
 
       def reduce_fn(state, batch):
-        examples, optimizer_state = state
+        examples, steps, optimizer_state = state
         with tf.GradientTape() as tape:
           output = model.forward_pass(batch, training=True)
           loss = output.loss
@@ -122,28 +134,49 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
         if analytic_gradient:
           gradients = [g + r for g, r in zip(
               gradients, regularizer.gradient(values, global_trainable, context))]
+        if frozen:
+          gradients = [tf.zeros_like(g) if i in frozen else g for i, g in enumerate(gradients)]
         optimizer_state, updated = optimizer.next(optimizer_state, values, tuple(gradients))
-        for v, u in zip(variables, updated):
-          v.assign(u)
-        return examples + tf.cast(output.num_examples, tf.int64), optimizer_state
+        for i, (v, u) in enumerate(zip(variables, updated)):
+          if i not in frozen:
+            v.assign(u)
+        return (examples + tf.cast(output.num_examples, tf.int64), steps + 1, optimizer_state)
 
-      return batches.reduce((examples, optimizer_state), reduce_fn)
+      return batches.reduce((examples, steps, optimizer_state), reduce_fn)
 
     examples = tf.constant(0, tf.int64)
+    steps = tf.constant(0, tf.int32)
     for _ in tf.range(epochs):
-      examples, optimizer_state = run_epoch(examples, optimizer_state)
-    examples_per_epoch = examples // tf.cast(tf.maximum(epochs, 1), tf.int64)
-    return (tuple(v.read_value() for v in variables), examples_per_epoch,
-            model.report_local_unfinalized_metrics())
+      examples, steps, optimizer_state = run_epoch(examples, steps, optimizer_state)
+    result = collections.OrderedDict(
+        trained=tuple(v.read_value() for v in variables),
+        examples_per_epoch=examples // tf.cast(tf.maximum(epochs, 1), tf.int64),
+        steps=steps,
+        metrics=model.report_local_unfinalized_metrics())
+    if latent_fn is not None:
+      dim = latent_fn.output_shape[-1]
+
+      def add_latents(state, batch):
+        total, count = state
+        z = tf.reshape(latent_fn(batch['x'], training=False), [-1, dim])
+        return total + tf.reduce_sum(z, axis=0), count + tf.cast(tf.shape(z)[0], tf.float32)
+
+      total, count = batches.reduce((tf.zeros([dim]), tf.constant(0.0)), add_latents)
+      result['latent_mean'] = total / tf.maximum(count, 1.0)
+    return result
 
   return train
+
+
+WEIGHT_FIELDS = ('client_index', 'latent_mean', 'local_steps')
 
 
 def build_client_work(model_spec: ModelSpec,
                       optimizer,
                       regularizer: Optional[LocalRegularizer] = None,
                       metrics_aggregator=None,
-                      weight_with_client_index: bool = False):
+                      weight_fields: Sequence[str] = (),
+                      frozen: Sequence[int] = ()):
   """A `tff.learning.templates.ClientWorkProcess` doing local training from the global model.
 
   The update is `initial − trained` (TFF's model-delta convention, so TFF's finalizers apply
@@ -155,10 +188,13 @@ def build_client_work(model_spec: ModelSpec,
     optimizer: A `tff.learning.optimizers.Optimizer` for local steps.
     regularizer: Optional `LocalRegularizer` (FedProx's proximal term, FedLap's, ...).
     metrics_aggregator: As in TFF; defaults to `tff.learning.metrics.sum_then_finalize`.
-    weight_with_client_index: If True the update weight is
-      `OrderedDict(num_examples=float32, client_index=int32)`, so that a stateful aggregator
-      (FedAdp, FedLayerWise) can key per-client state by the client's slot; otherwise the
-      float32 example count that TFF's `MeanFactory` expects.
+    weight_fields: Extra fields sent with the update (`WEIGHT_FIELDS`). None: the weight is
+      the float32 example count that TFF's `MeanFactory` expects. Otherwise it is
+      `OrderedDict(num_examples=float32, <fields>)`: `client_index` (int32; lets stateful
+      aggregators such as FedAdp/FedLayerWise key per-client state), `latent_mean` (float32
+      [D]: the mean latent representation over the client's data after training, for CCN),
+      `local_steps` (int32 optimizer steps, for FedNova).
+    frozen: Indices of trainable tensors kept fixed during local training (FedBABU's head).
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -169,26 +205,39 @@ def build_client_work(model_spec: ModelSpec,
   weights_type, data_type = client_types(model_spec)
 
   reports_measurements = hasattr(regularizer, 'measurements')
+  unknown = [f for f in weight_fields if f not in WEIGHT_FIELDS]
+  if unknown:
+    raise ValueError(f'Unknown weight fields {unknown}; known: {WEIGHT_FIELDS}.')
 
   @tff.tensorflow.computation(weights_type, data_type)
   def client_update(initial_weights, data):
-    local_model = model_spec.tff_model()
-    train = build_local_training(local_model, optimizer, regularizer)
-    trained, examples, metrics = train(initial_weights, data['batches'], data['info'])
+    keras_model = model_spec.keras_fn()
+    local_model = model_spec.tff_model(keras_model)
+    latent_fn = None
+    if 'latent_mean' in weight_fields:
+      from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
+      latent_fn = latent_model(keras_model)
+    out = build_local_training(local_model, optimizer, regularizer, frozen, latent_fn)(
+        initial_weights, data['batches'], data['info'])
     update = tf.nest.map_structure(
-        tf.subtract, tuple(tf.nest.flatten(initial_weights.trainable)), trained)
+        tf.subtract, tuple(tf.nest.flatten(initial_weights.trainable)), out['trained'])
     update = tf.nest.pack_sequence_as(initial_weights.trainable, update)
-    weight = tf.cast(examples, tf.float32)
-    if weight_with_client_index:
-      client_index = data['info'].reduce(tf.constant(0, tf.int32),
-                                         lambda _, x: x['client_index'])
-      weight = collections.OrderedDict(num_examples=weight, client_index=client_index)
+    weight = tf.cast(out['examples_per_epoch'], tf.float32)
+    if weight_fields:
+      weight = collections.OrderedDict(num_examples=weight)
+      if 'client_index' in weight_fields:
+        weight['client_index'] = data['info'].reduce(tf.constant(0, tf.int32),
+                                                     lambda _, x: x['client_index'])
+      if 'latent_mean' in weight_fields:
+        weight['latent_mean'] = out['latent_mean']
+      if 'local_steps' in weight_fields:
+        weight['local_steps'] = out['steps']
     regularizer_stats = ()
     if reports_measurements:
       regularizer_stats = regularizer.measurements(
-          trained, tuple(tf.nest.flatten(initial_weights.trainable)))
-    return (tff.learning.templates.ClientResult(update=update, update_weight=weight), metrics,
-            regularizer_stats)
+          out['trained'], tuple(tf.nest.flatten(initial_weights.trainable)))
+    return (tff.learning.templates.ClientResult(update=update, update_weight=weight),
+            out['metrics'], regularizer_stats)
 
   @tff.federated_computation
   def init_fn():
@@ -224,8 +273,8 @@ def build_local_update(model_spec: ModelSpec, optimizer):
   @tff.tensorflow.computation(weights_type, data_type)
   def local_update(weights, data):
     local_model = model_spec.tff_model()
-    trained, _, _ = build_local_training(local_model, optimizer)(weights, data['batches'],
-                                                                 data['info'])
+    trained = build_local_training(local_model, optimizer)(weights, data['batches'],
+                                                           data['info'])['trained']
     client_index = data['info'].reduce(tf.constant(0, tf.int32),
                                        lambda _, x: x['client_index'])
     new_weights = tff.learning.models.ModelWeights(

@@ -8,16 +8,19 @@ from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.process import Algorithm
 from fltff.learning.process import build_algorithm
+from fltff.learning.process import contribution_normalization_options
 
 
 @gin.configurable('fedavg')
-def fedavg(model_spec: ModelSpec, client_optimizer=None, server_learning_rate: float = 1.0
-          ) -> Algorithm:
+def fedavg(model_spec: ModelSpec, client_optimizer=None, server_learning_rate: float = 1.0,
+           contribution_normalization: bool = False, temperature: float = 1.0) -> Algorithm:
   """FedAvg: `w^{t+1} = w^t − η_s Σ_k (n_k/n) (w^t − w_k^{t+1})` with η_s = 1 by default.
 
   Equals `tff.learning.algorithms.build_weighted_fed_avg` for the same client optimizer.
+  `contribution_normalization=True` reweights the mean by CCN's Λ (temperature T).
   """
   return build_algorithm(
-      'fedavg', model_spec,
+      'fedavg+ccn' if contribution_normalization else 'fedavg', model_spec,
       client_optimizer or optimizers.client_optimizer(),
-      optimizers.server_optimizer(name='sgd', learning_rate=server_learning_rate))
+      optimizers.server_optimizer(name='sgd', learning_rate=server_learning_rate),
+      **contribution_normalization_options(contribution_normalization, temperature))

@@ -35,7 +35,7 @@ def fedlayerwise(model_spec: ModelSpec, num_clients: int, alpha: float = 5.0,
       optimizers.server_optimizer(name='sgd', learning_rate=1.0),
       model_aggregator=adaptive_weighting.layerwise_adaptive_factory(
           trainable_layer_groups(model_spec), num_clients=num_clients, alpha=alpha),
-      weight_with_client_index=True)
+      weight_fields=('client_index',))
 
 
 @gin.configurable('fedadp')
@@ -49,4 +49,4 @@ def fedadp(model_spec: ModelSpec, num_clients: int, alpha: float = 5.0,
       optimizers.server_optimizer(name='sgd', learning_rate=1.0),
       model_aggregator=adaptive_weighting.fedadp_factory(
           num_tensors, num_clients=num_clients, alpha=alpha),
-      weight_with_client_index=True)
+      weight_fields=('client_index',))

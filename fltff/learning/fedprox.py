@@ -8,19 +8,22 @@ from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.process import Algorithm
 from fltff.learning.process import build_algorithm
+from fltff.learning.process import contribution_normalization_options
 from fltff.learning.regularizers import ProximalRegularizer
 
 
 @gin.configurable('fedprox')
 def fedprox(model_spec: ModelSpec, mu: float = 0.01, client_optimizer=None,
-            server_learning_rate: float = 1.0) -> Algorithm:
+            server_learning_rate: float = 1.0, contribution_normalization: bool = False,
+            temperature: float = 1.0) -> Algorithm:
   """FedProx: clients minimise `F_k(w) + μ/2 ||w − w^t||²` (eq. (2)); server averages as FedAvg.
 
   Not TFF 0.87's `build_weighted_fed_prox`, whose proximal gradient has the wrong sign.
   With μ = 0 this is exactly `fedavg`.
   """
   return build_algorithm(
-      'fedprox', model_spec,
+      'fedprox+ccn' if contribution_normalization else 'fedprox', model_spec,
       client_optimizer or optimizers.client_optimizer(),
       optimizers.server_optimizer(name='sgd', learning_rate=server_learning_rate),
-      regularizer=ProximalRegularizer(mu))
+      regularizer=ProximalRegularizer(mu),
+      **contribution_normalization_options(contribution_normalization, temperature))

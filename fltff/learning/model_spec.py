@@ -42,12 +42,12 @@ class ModelSpec:
   def loss(self) -> tf.keras.losses.Loss:
     return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-  def tff_model(self):
-    """A fresh `tff.learning.models.VariableModel` wrapping `keras_fn()`."""
+  def tff_model(self, keras_model=None):
+    """A `tff.learning.models.VariableModel` wrapping `keras_model` (default: a fresh one)."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     return tff.learning.models.from_keras_model(
-        self.keras_fn(),
+        keras_model if keras_model is not None else self.keras_fn(),
         loss=self.loss(),
         input_spec=self.input_spec,
         metrics=[tf.keras.metrics.SparseCategoricalAccuracy(name='accuracy')],

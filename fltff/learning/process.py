@@ -8,6 +8,7 @@ it (a regulariser in the client work, an aggregation factory, the server optimiz
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from fltff.learning import client_work as client_work_lib
@@ -43,7 +44,8 @@ def build_algorithm(name: str,
                     server_optimizer,
                     regularizer: Optional[client_work_lib.LocalRegularizer] = None,
                     model_aggregator=None,
-                    weight_with_client_index: bool = False) -> Algorithm:
+                    weight_fields: Sequence[str] = (),
+                    frozen: Sequence[int] = ()) -> Algorithm:
   """Builds a FedAvg-family method as a composed `tff.learning` LearningProcess.
 
   Args:
@@ -54,8 +56,9 @@ def build_algorithm(name: str,
     regularizer: Optional local regulariser (see `client_work.LocalRegularizer`).
     model_aggregator: A weighted `tff.aggregators` factory; default `MeanFactory()`, the
       sample-weighted mean of FedAvg.
-    weight_with_client_index: Send `(num_examples, client_index)` as the update weight, for
-      aggregators that keep per-client state (see `client_work.build_client_work`).
+    weight_fields: Extra fields of the update weight (`client_work.WEIGHT_FIELDS`) that the
+      aggregator needs: `client_index`, `latent_mean`, `local_steps`.
+    frozen: Trainable tensors kept fixed during local training (FedBABU's head).
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -67,8 +70,7 @@ def build_algorithm(name: str,
 
   distributor = tff.learning.templates.build_broadcast_process(weights_type)
   client_work = client_work_lib.build_client_work(
-      model_spec, client_optimizer, regularizer,
-      weight_with_client_index=weight_with_client_index)
+      model_spec, client_optimizer, regularizer, weight_fields=weight_fields, frozen=frozen)
   result_type = client_work.next.type_signature.result.result.member
   if model_aggregator is None:
     model_aggregator = tff.aggregators.MeanFactory()
@@ -86,3 +88,24 @@ def build_algorithm(name: str,
       bytes_down_per_client=type_num_bytes(weights_type),
       bytes_up_per_client=type_num_bytes(result_type),
   )
+
+
+def contribution_normalization_options(enabled: bool, temperature: float = 1.0,
+                                       normalized_averaging: bool = False) -> dict:
+  """`build_algorithm` keyword arguments that add CCN (and/or FedNova) to a base scheme.
+
+  Base schemes whose server step is a weighted mean of the updates (FedAvg, FedProx, SGDM,
+  FedBABU, FedNova) plug CCN in by swapping their aggregator for
+  `fltff.aggregators.NormalizedMeanFactory` and sending the latent mean with each update.
+  """
+  from fltff.aggregators import contribution_normalization as ccn  # pylint: disable=g-import-not-at-top
+
+  if not enabled and not normalized_averaging:
+    return {}
+  fields = ['client_index']
+  if enabled:
+    fields.append('latent_mean')
+  if normalized_averaging:
+    fields.append('local_steps')
+  return dict(model_aggregator=ccn.NormalizedMeanFactory(
+      temperature if enabled else None, normalized_averaging), weight_fields=tuple(fields))

@@ -6,4 +6,5 @@ from fltff.runtime.local import WorkerProcess
 from fltff.runtime.local import install_signal_handlers
 from fltff.runtime.local import local_runtime
 from fltff.runtime.local import make_runtime
+from fltff.runtime.local import release_default_context
 from fltff.runtime.local import worker_binary_path

@@ -352,6 +352,19 @@ class TffRuntime:
     self.close()
 
 
+def release_default_context() -> None:
+  """Replaces TFF's import-time default context by one that owns no `ServiceManager`.
+
+  `import tensorflow_federated` installs a local C++ context whose `ServiceManager.__del__`
+  fails noisily ("'NoneType' object has no attribute 'Popen'") when it is collected at
+  interpreter exit. Programs that exit without having created a `TffRuntime` (e.g. on a
+  configuration error) call this so the old manager is collected while Python is still whole.
+  """
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  tff.framework.set_default_context(_sync_context_for_stub(stub=None))
+
+
 @gin.configurable('runtime')
 def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                  rpc_timeout: float = 3600.0, max_retries: int = 2) -> TffRuntime:

@@ -27,6 +27,7 @@ _LOG = flags.DEFINE_string('log_file', None, 'Worker log (default: a temp file, 
 def main(argv) -> int:
   del argv
   from fltff.runtime.local import WorkerProcess  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.local import release_default_context  # pylint: disable=g-import-not-at-top
 
   stop = threading.Event()
 
@@ -48,6 +49,7 @@ def main(argv) -> int:
         return 1
   finally:
     worker.stop()
+    release_default_context()
   print('fltff worker stopped', flush=True)
   return 0
 

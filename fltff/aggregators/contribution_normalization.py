@@ -1,0 +1,134 @@
+"""Client contribution normalisation (CCN) and FedNova's normalised averaging.
+
+CCN source: "Client Contribution Normalization for Enhanced Federated Learning". Each client
+sends the mean of its model's latent (last hidden) layer over its local training data with its
+update. With S the clients' cosine-similarity matrix (diagonal 1), temperature T and the base
+scheme's own weights ν:
+
+    Λ_r = Σ_{q≠r} exp(Σ_p S_qp / T) / Σ_q exp(Σ_p S_qp / T) = 1 − softmax_r(Σ_p S_rp / T),
+    ω_r = Λ_r ν_r / Σ_q Λ_q ν_q,
+
+so a client whose representation is unlike the others' (small row sum) gets the largest Λ.
+
+FedNova (Wang et al., NeurIPS 2020): client k with τ_k local steps sends its normalised update
+d_k = Δ_k / τ_k; the server applies τ_eff Σ_k p_k d_k with p the (here: possibly CCN-rescaled)
+weights and τ_eff = Σ_k p_k τ_k. With equal τ this is FedAvg's Σ_k p_k Δ_k.
+
+One factory serves both and their combination: it gathers every participant's update, weight,
+latent mean and step count in one `federated_aggregate` (single-pass, DESIGN.md) and does the
+math at the server. Base schemes that average updates with weights ν (FedAvg, FedProx, SGDM,
+FedBABU, FedNova) use it as their aggregator; CCN only changes ν to Λν.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Optional
+
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from fltff.aggregators.gather import build_gather
+from fltff.errors import ConfigError
+from fltff.models.layers import row_cosine
+
+
+def similarity_matrix(latents: tf.Tensor) -> tf.Tensor:
+  """S_qp = cos(z_q, z_p) for `latents` `[K, D]`, with S_qq = 1 (zero vectors: cosine 1)."""
+  latents = tf.convert_to_tensor(latents)
+  k = tf.shape(latents)[0]
+  a = tf.repeat(latents, k, axis=0)  # row q*K + p holds z_q
+  b = tf.tile(latents, [k, 1])       # row q*K + p holds z_p
+  s = tf.reshape(row_cosine(a, b), [k, k])
+  return tf.linalg.set_diag(s, tf.ones([k], s.dtype))
+
+
+def contribution_factors(similarity: tf.Tensor, temperature: float) -> tf.Tensor:
+  """Λ_r = Σ_{q≠r} exp(Σ_p S_qp/T) / Σ_q exp(Σ_p S_qp/T), computed as 1 − softmax (stable)."""
+  return 1.0 - tf.nn.softmax(tf.reduce_sum(similarity, axis=1) / temperature)
+
+
+def normalized_weights(factors: tf.Tensor, base_weights: tf.Tensor) -> tf.Tensor:
+  """ω_r = Λ_r ν_r / Σ_q Λ_q ν_q."""
+  w = factors * base_weights
+  return w / tf.reduce_sum(w)
+
+
+def nova_aggregate(updates: list, weights: tf.Tensor, steps: tf.Tensor) -> list:
+  """FedNova: `τ_eff Σ_k p_k (Δ_k / τ_k)` with `τ_eff = Σ_k p_k τ_k` (p normalised)."""
+  steps = tf.cast(steps, tf.float32)
+  tau_eff = tf.reduce_sum(weights * steps)
+  return [tau_eff * tf.tensordot(weights / steps, u, axes=1) for u in updates]
+
+
+class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
+  """Weighted mean of the clients' updates with CCN weights and/or FedNova normalisation.
+
+  The update weight must be a struct with `num_examples` (ν), plus `latent_mean` when
+  `temperature` is set (CCN) and `local_steps` when `normalized_averaging` (FedNova); an
+  optional `client_index` is reported with the per-client measurements (Λ, ω).
+  """
+
+  def __init__(self, temperature: Optional[float] = None, normalized_averaging: bool = False):
+    if temperature is not None and temperature <= 0:
+      raise ConfigError(f'CCN temperature must be > 0, got {temperature}.')
+    self._temperature = temperature
+    self._nova = normalized_averaging
+
+  def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:
+    fields = [name for name, _ in tff.structure.iter_elements(weight_type)] if isinstance(
+        weight_type, tff.StructType) else []
+    needed = ['num_examples'] + (['latent_mean'] if self._temperature else []) + (
+        ['local_steps'] if self._nova else [])
+    missing = [f for f in needed if f not in fields]
+    if missing:
+      raise ConfigError(f'The update weight lacks {missing}: build the client work with these '
+                        'weight fields (see fltff.learning.build_algorithm).')
+    specs = tff.types.type_to_tf_tensor_specs(value_type)
+    gather, acc_type = build_gather(value_type, weight_type)
+    temperature, nova = self._temperature, self._nova
+
+    @tff.tensorflow.computation(acc_type)
+    def server_update(gathered):
+      updates = list(gathered['update'])
+      weight = gathered['weight']
+      nu = weight['num_examples']
+      k = tf.shape(nu)[0]
+      measurements = collections.OrderedDict(
+          client_index=weight['client_index'] if 'client_index' in fields else tf.range(k))
+      if temperature:
+        factors = contribution_factors(similarity_matrix(weight['latent_mean']), temperature)
+        omega = normalized_weights(factors, nu)
+        measurements['contribution'] = factors
+      else:
+        omega = nu / tf.reduce_sum(nu)
+      measurements['weight'] = omega
+      if nova:
+        aggregate = nova_aggregate(updates, omega, weight['local_steps'])
+      else:
+        aggregate = [tf.tensordot(omega, u, axes=1) for u in updates]
+      return tf.nest.pack_sequence_as(specs, aggregate), measurements
+
+    @tff.federated_computation
+    def init_fn():
+      return tff.federated_value((), tff.SERVER)
+
+    @tff.federated_computation(init_fn.type_signature.result,
+                               tff.FederatedType(value_type, tff.CLIENTS),
+                               tff.FederatedType(weight_type, tff.CLIENTS))
+    def next_fn(state, value, weight):
+      aggregate, measurements = tff.federated_map(server_update, gather(value, weight))
+      return tff.templates.MeasuredProcessOutput(state, aggregate, measurements)
+
+    return tff.templates.AggregationProcess(init_fn, next_fn)
+
+
+def contribution_normalized_factory(temperature: float = 1.0,
+                                    normalized_averaging: bool = False) -> NormalizedMeanFactory:
+  """CCN over a weighted-mean base scheme (FedNova's normalised averaging if requested)."""
+  return NormalizedMeanFactory(temperature, normalized_averaging)
+
+
+def fednova_factory() -> NormalizedMeanFactory:
+  """FedNova's normalised averaging, without CCN."""
+  return NormalizedMeanFactory(None, normalized_averaging=True)

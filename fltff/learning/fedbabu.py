@@ -1,0 +1,37 @@
+"""FedBABU (Oh et al., ICLR 2022): federated training of the body with the head frozen.
+
+The head (the model's last layer of the layer grouping) keeps its random initialisation during
+federated training: its gradients are zeroed in local training, so its update is exactly 0 and
+the aggregated head never changes (tested). Personalisation by fine-tuning the head at
+evaluation time is left to the personalised-evaluation work (not in this module).
+"""
+
+from __future__ import annotations
+
+import gin
+
+from fltff.learning import optimizers
+from fltff.learning.model_spec import ModelSpec
+from fltff.learning.process import Algorithm
+from fltff.learning.process import build_algorithm
+from fltff.learning.process import contribution_normalization_options
+
+
+def head_indices(model_spec: ModelSpec) -> list[int]:
+  """Trainable-tensor indices of the head: the last layer of the layer grouping."""
+  from fltff.models import layer_groups  # pylint: disable=g-import-not-at-top
+
+  groups = [g for g in layer_groups(model_spec.keras_fn()) if g.trainable_indices]
+  return list(groups[-1].trainable_indices)
+
+
+@gin.configurable('fedbabu')
+def fedbabu(model_spec: ModelSpec, client_optimizer=None, server_learning_rate: float = 1.0,
+            contribution_normalization: bool = False, temperature: float = 1.0) -> Algorithm:
+  """FedBABU: FedAvg on the body; the head stays at its initialisation."""
+  return build_algorithm(
+      'fedbabu+ccn' if contribution_normalization else 'fedbabu', model_spec,
+      client_optimizer or optimizers.client_optimizer(),
+      optimizers.server_optimizer(name='sgd', learning_rate=server_learning_rate),
+      frozen=head_indices(model_spec),
+      **contribution_normalization_options(contribution_normalization, temperature))

@@ -1,0 +1,187 @@
+"""CCN, FedNova and FedBABU: equations vs NumPy, special cases vs FedAvg, the paper's Fig. 1."""
+
+import collections
+import functools
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from fltff import aggregators
+from fltff import learning
+from fltff.learning import ModelSpec
+from fltff.learning.fedbabu import head_indices
+from fltff.models import build_model
+from helpers import REPO
+from helpers import tiny_mlp
+
+RNG = np.random.default_rng(3)
+DIM, CLASSES = 6, 3
+
+
+def np_similarity(z):
+  n = np.linalg.norm(z, axis=1)
+  s = z @ z.T / np.outer(n, n)
+  np.fill_diagonal(s, 1.0)
+  return s
+
+
+def np_factors(s, t):
+  e = np.exp(s.sum(axis=1) / t)
+  return np.array([(e.sum() - e[r]) / e.sum() for r in range(len(e))])  # Σ_{q≠r} e_q / Σ_q e_q
+
+
+def test_similarity_and_factors_match_numpy():
+  z = RNG.normal(size=(5, 7)).astype(np.float32)
+  s = aggregators.similarity_matrix(z).numpy()
+  np.testing.assert_allclose(s, np_similarity(z.astype(np.float64)), atol=1e-5)
+  for t in (0.5, 1.0, 3.0):
+    lam = aggregators.contribution_factors(s, t).numpy()
+    np.testing.assert_allclose(lam, np_factors(s.astype(np.float64), t), rtol=1e-5)
+  nu = np.array([10., 20., 5., 1., 8.], np.float32)
+  omega = aggregators.normalized_weights(lam, nu).numpy()
+  np.testing.assert_allclose(omega, lam * nu / (lam * nu).sum(), rtol=1e-5)
+
+
+def test_outlier_gets_largest_contribution_factor():
+  """Two clients share a distribution, the third differs: Λ_3 is the largest (paper Fig. 1)."""
+  base = RNG.normal(size=16)
+  z = np.stack([base + 0.1 * RNG.normal(size=16), base + 0.1 * RNG.normal(size=16),
+                RNG.normal(size=16)]).astype(np.float32)
+  lam = aggregators.contribution_factors(aggregators.similarity_matrix(z), 1.0).numpy()
+  assert np.argmax(lam) == 2 and lam[2] > lam[0] + 0.05
+
+
+def test_nova_aggregate_matches_numpy():
+  updates = [RNG.normal(size=(3, 4, 2)).astype(np.float32)]
+  p = np.array([0.2, 0.5, 0.3], np.float32)
+  tau = np.array([10, 40, 25], np.int32)
+  got = aggregators.nova_aggregate(updates, p, tau)[0].numpy()
+  want = (p * tau).sum() * np.einsum('k,kij->ij', p / tau, updates[0])
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_factory_round_by_hand():
+  value_type = tff.types.to_type([(np.float32, (2, 3)), (np.float32, (3,))])
+  weight_type = tff.types.to_type(collections.OrderedDict(
+      num_examples=np.float32, client_index=np.int32, latent_mean=(np.float32, (4,)),
+      local_steps=np.int32))
+  process = aggregators.contribution_normalized_factory(
+      temperature=0.7, normalized_averaging=True).create(value_type, weight_type)
+  updates = [[RNG.normal(size=(2, 3)).astype(np.float32), RNG.normal(size=3).astype(np.float32)]
+             for _ in range(3)]
+  z = RNG.normal(size=(3, 4)).astype(np.float32)
+  nu, tau, cid = np.array([3., 9., 6.]), np.array([5, 12, 7]), [7, 2, 4]
+  weights = [collections.OrderedDict(num_examples=np.float32(nu[k]), client_index=np.int32(cid[k]),
+                                     latent_mean=z[k], local_steps=np.int32(tau[k]))
+             for k in range(3)]
+  out = process.next(process.initialize(), updates, weights)
+  lam = np_factors(np_similarity(z.astype(np.float64)), 0.7)
+  omega = lam * nu / (lam * nu).sum()
+  tau_eff = (omega * tau).sum()
+  for i in range(2):
+    want = tau_eff * sum(omega[k] / tau[k] * updates[k][i] for k in range(3))
+    np.testing.assert_allclose(out.result[i], want, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(out.measurements['contribution'], lam, rtol=1e-5)
+  np.testing.assert_array_equal(out.measurements['client_index'], cid)
+
+
+# --- inside learning processes --------------------------------------------------------------
+def _mlp(seed=31):
+  return tiny_mlp(DIM, CLASSES, seed)
+
+
+SPEC = ModelSpec(_mlp, (DIM,), CLASSES)
+
+
+def _datasets(sizes):
+  rng = np.random.default_rng(9)
+  return [tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+      x=rng.normal(size=(n, DIM)).astype(np.float32),
+      y=rng.integers(0, CLASSES, n).astype(np.int32))).batch(5) for n in sizes]
+
+
+def _run(algorithm, sizes=(20, 20, 20), epochs=(2, 2, 2), rounds=2):
+  process = algorithm.process
+  state = process.set_model_weights(process.initialize(), algorithm.model_spec.initial_weights())
+  for _ in range(rounds):
+    inputs = [learning.client_input(ds, i, e) for i, (ds, e) in enumerate(zip(_datasets(sizes),
+                                                                            epochs))]
+    output = process.next(state, inputs)
+    state = output.state
+  return process.get_model_weights(state).trainable, output.metrics
+
+
+def _diff(a, b):
+  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
+
+
+def _opt():
+  return tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
+
+
+def test_fednova_with_equal_steps_is_fedavg_and_differs_otherwise():
+  avg, _ = _run(learning.fedavg(SPEC, client_optimizer=_opt()))
+  nova, _ = _run(learning.fednova(SPEC, client_optimizer=_opt()))
+  assert _diff(nova, avg) <= 1e-5
+  uneven = dict(sizes=(10, 20, 30), epochs=(1, 2, 3))
+  avg_u, _ = _run(learning.fedavg(SPEC, client_optimizer=_opt()), **uneven)
+  nova_u, _ = _run(learning.fednova(SPEC, client_optimizer=_opt()), **uneven)
+  assert _diff(nova_u, avg_u) > 1e-3
+
+
+def test_ccn_with_huge_temperature_is_the_base_scheme():
+  """T → ∞ makes every Λ_r = 1 − 1/K: ω = ν/Σν, i.e. the base scheme unchanged."""
+  sizes = (10, 20, 30)
+  avg, _ = _run(learning.fedavg(SPEC, client_optimizer=_opt()), sizes=sizes)
+  ccn, metrics = _run(learning.fedavg(SPEC, client_optimizer=_opt(),
+                                      contribution_normalization=True, temperature=1e9),
+                      sizes=sizes)
+  assert _diff(ccn, avg) <= 1e-5
+  np.testing.assert_allclose(metrics['aggregator']['contribution'], 2 / 3, rtol=1e-5)
+  ccn1, metrics1 = _run(learning.fedavg(SPEC, client_optimizer=_opt(),
+                                        contribution_normalization=True, temperature=0.05),
+                        sizes=sizes)
+  assert _diff(ccn1, avg) > 1e-4
+  np.testing.assert_allclose(np.sum(metrics1['aggregator']['weight']), 1.0, rtol=1e-5)
+
+
+def test_fedbabu_never_changes_the_head():
+  algorithm = learning.fedbabu(SPEC, client_optimizer=_opt())
+  head = head_indices(SPEC)
+  assert head == [2, 3]
+  trained, _ = _run(algorithm)
+  start = SPEC.initial_weights().trainable
+  for i in head:
+    np.testing.assert_array_equal(trained[i], start[i])
+  assert _diff([trained[0]], [start[0]]) > 1e-3  # The body trains.
+
+
+@pytest.mark.parametrize('builder', ['fedavg', 'fedprox', 'sgdm', 'fednova', 'fedbabu'])
+def test_every_base_scheme_with_ccn_compiles_to_mergeable_form(builder):
+  algorithm = getattr(learning, builder)(SPEC, contribution_normalization=True)
+  form = tff.backends.native.compile_to_mergeable_comp_form(algorithm.process.next)
+  assert isinstance(form, tff.framework.MergeableCompForm)
+
+
+def test_mnist_outlier_client_gets_largest_lambda():
+  """Real latents: two clients hold digits {0, 1}, the third {7, 8}; CCN favours the third."""
+  data = np.load(os.path.join(REPO, '..', 'shared', 'data', 'mnist_first1003.npz'))
+  x, y = data['x_train'], data['y_train']
+  pick = lambda classes, n, offset: np.where(np.isin(y, classes))[0][offset:offset + n]
+  parts = [pick([0, 1], 40, 0), pick([0, 1], 40, 40), pick([7, 8], 40, 0)]
+  spec = ModelSpec(functools.partial(build_model, 'mlp2', (28, 28, 1), 10, seed=0),
+                   (28, 28, 1), 10)
+  algorithm = learning.fedavg(spec, client_optimizer=_opt(), contribution_normalization=True)
+  state = algorithm.process.initialize()
+  inputs = []
+  for k, idx in enumerate(parts):
+    ds = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+        x=(x[idx, ..., None] / 255.0).astype(np.float32), y=y[idx].astype(np.int32))).batch(10)
+    inputs.append(learning.client_input(ds, k, 1))
+  metrics = algorithm.process.next(state, inputs).metrics['aggregator']
+  order = np.argsort(metrics['client_index'])
+  lam = np.asarray(metrics['contribution'])[order]
+  assert np.argmax(lam) == 2, lam
