@@ -10,7 +10,6 @@ import tensorflow_federated as tff
 from fltff import aggregators
 from fltff import learning
 from fltff.learning import ModelSpec
-from fltff.learning.fedlayerwise import trainable_layer_groups
 from helpers import tiny_mlp
 
 RNG = np.random.default_rng(0)
@@ -199,7 +198,7 @@ def test_alpha_zero_is_fedavg():
 
 def test_layer_groups_follow_the_model():
   spec = ModelSpec(_mlp, (DIM,), CLASSES)
-  assert trainable_layer_groups(spec) == [[0, 1], [2, 3]]
+  assert spec.trainable_layers()[0] == [[0, 1], [2, 3]]
 
 
 def test_factory_in_plain_tff_fed_avg():

@@ -19,10 +19,7 @@ from fltff.learning.process import contribution_normalization_options
 
 def head_indices(model_spec: ModelSpec) -> list[int]:
   """Trainable-tensor indices of the head: the last layer of the layer grouping."""
-  from fltff.models import layer_groups  # pylint: disable=g-import-not-at-top
-
-  groups = [g for g in layer_groups(model_spec.keras_fn()) if g.trainable_indices]
-  return list(groups[-1].trainable_indices)
+  return model_spec.trainable_layers()[0][-1]
 
 
 @gin.configurable('fedbabu')

@@ -138,13 +138,6 @@ class FedLapRegularizer:
     return collections.OrderedDict(lambda_mean=lam_mean, distance_mean=d_mean)
 
 
-def _layers_of(model_spec: ModelSpec):
-  from fltff.models import layer_groups  # pylint: disable=g-import-not-at-top
-
-  groups = [g for g in layer_groups(model_spec.keras_fn()) if g.trainable_indices]
-  return [list(g.trainable_indices) for g in groups], [g.name for g in groups]
-
-
 @gin.configurable('fedlap')
 def fedlap(model_spec: ModelSpec, q: float = 0.5, mu: float = 0.01, refresh: str = 'epoch',
            client_optimizer=None, server_learning_rate: float = 1.0) -> Algorithm:
@@ -158,7 +151,7 @@ def fedlap(model_spec: ModelSpec, q: float = 0.5, mu: float = 0.01, refresh: str
     client_optimizer: Local optimizer (default: gin's `client_optimizer`).
     server_learning_rate: Server SGD step on the mean delta (1: plain averaging).
   """
-  layers, names = _layers_of(model_spec)
+  layers, names = model_spec.trainable_layers()
   return build_algorithm(
       'fedlap', model_spec,
       client_optimizer or optimizers.client_optimizer(),

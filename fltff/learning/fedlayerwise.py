@@ -17,14 +17,6 @@ from fltff.learning.process import Algorithm
 from fltff.learning.process import build_algorithm
 
 
-def trainable_layer_groups(model_spec: ModelSpec) -> list[list[int]]:
-  """The model's layer grouping as indices into its trainable weights (= the update's tensors)."""
-  from fltff.models import layer_groups  # pylint: disable=g-import-not-at-top
-
-  return [list(g.trainable_indices) for g in layer_groups(model_spec.keras_fn())
-          if g.trainable_indices]
-
-
 @gin.configurable('fedlayerwise')
 def fedlayerwise(model_spec: ModelSpec, num_clients: int, alpha: float = 5.0,
                  client_optimizer=None) -> Algorithm:
@@ -34,7 +26,7 @@ def fedlayerwise(model_spec: ModelSpec, num_clients: int, alpha: float = 5.0,
       client_optimizer or optimizers.client_optimizer(),
       optimizers.server_optimizer(name='sgd', learning_rate=1.0),
       model_aggregator=adaptive_weighting.layerwise_adaptive_factory(
-          trainable_layer_groups(model_spec), num_clients=num_clients, alpha=alpha),
+          model_spec.trainable_layers()[0], num_clients=num_clients, alpha=alpha),
       weight_fields=('client_index',))
 
 
@@ -42,7 +34,7 @@ def fedlayerwise(model_spec: ModelSpec, num_clients: int, alpha: float = 5.0,
 def fedadp(model_spec: ModelSpec, num_clients: int, alpha: float = 5.0,
            client_optimizer=None) -> Algorithm:
   """FedAdp (Wu & Wang, 2021): one adaptive weight per client from the whole-model angle."""
-  num_tensors = sum(len(g) for g in trainable_layer_groups(model_spec))
+  num_tensors = sum(len(g) for g in model_spec.trainable_layers()[0])
   return build_algorithm(
       'fedadp', model_spec,
       client_optimizer or optimizers.client_optimizer(),

@@ -60,6 +60,17 @@ class ModelSpec:
     with tf.Graph().as_default():
       return tff.learning.models.weights_type_from_model(self.tff_model)
 
+  def trainable_layers(self) -> tuple[list[list[int]], list[str]]:
+    """The layer grouping as indices into the trainable weights (= an update's tensors).
+
+    Returns `(layers, names)`: one index list and one Keras layer name per layer that has
+    trainable weights, input to output (`fltff.models.layer_groups`).
+    """
+    from fltff.models import layer_groups  # pylint: disable=g-import-not-at-top
+
+    groups = [g for g in layer_groups(self.keras_fn()) if g.trainable_indices]
+    return [list(g.trainable_indices) for g in groups], [g.name for g in groups]
+
   def initial_weights(self):
     """`ModelWeights` (NumPy) of a fresh `keras_fn()` model: identical on every call."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top

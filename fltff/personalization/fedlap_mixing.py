@@ -65,7 +65,6 @@ class FedLapPersonalization:
   def __init__(self, model_spec, optimizer, degree: float = 0.5,
                mixing: str = 'dissimilarity'):
     from fltff.learning.client_work import build_local_update  # pylint: disable=g-import-not-at-top
-    from fltff.models import layer_groups  # pylint: disable=g-import-not-at-top
 
     if not 0.0 <= degree <= 1.0:
       raise ConfigError(f'personalization.degree must be in [0, 1], got {degree}.')
@@ -73,8 +72,7 @@ class FedLapPersonalization:
       raise ConfigError(f"personalization.mixing must be 'fixed' or 'dissimilarity', got "
                         f'{mixing!r}.')
     self.degree, self.mixing = float(degree), mixing
-    self.layers = [list(g.trainable_indices) for g in layer_groups(model_spec.keras_fn())
-                   if g.trainable_indices]
+    self.layers = model_spec.trainable_layers()[0]
     self.local_update = build_local_update(model_spec, optimizer)
 
   def personalized_weights(self, local, global_):
