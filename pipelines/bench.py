@@ -19,6 +19,7 @@ rounds and their ratio are printed. Data are random MNIST-shaped uint8 images (s
 does not depend on pixel values, and no download is needed.
 """
 
+import functools
 import os
 import statistics
 import sys
@@ -44,7 +45,7 @@ _BATCH = flags.DEFINE_integer('batch_size', 10, 'Local batch size.')
 _EPOCHS = flags.DEFINE_integer('epochs', 1, 'Local epochs.')
 _MODEL = flags.DEFINE_string('model', 'mlp2', 'Model zoo name (28x28x1 inputs).')
 _COMPARE = flags.DEFINE_list('compare', [], 'Methods to time against fltff FedAvg '
-                             '(fedprox, sgdm, fedlap, fedadp, fedlayerwise); empty: FedAvg vs plain TF.')
+                             '(fedprox, sgdm, fedlap, fedadp, fedlayerwise, fednova, fedbabu, <base>+ccn); empty: FedAvg vs plain TF.')
 _RUNTIMES = flags.DEFINE_bool('runtimes', False, 'Compare local vs 1 and 2 remote workers.')
 _CLIENTS_LIST = flags.DEFINE_list('clients_list', ['10', '50', '100'],
                                   'Clients per round for --runtimes.')
@@ -114,6 +115,12 @@ def compare_methods(spec, data) -> int:
               'fedadp': lambda opt: learning.fedadp(spec, len(data), client_optimizer=opt),
               'fedlayerwise': lambda opt: learning.fedlayerwise(spec, len(data),
                                                                 client_optimizer=opt)}
+  builders['fednova'] = lambda opt: learning.fednova(spec, client_optimizer=opt)
+  builders['fedbabu'] = lambda opt: learning.fedbabu(spec, client_optimizer=opt)
+  for base in ('fedavg', 'fedprox', 'sgdm', 'fednova', 'fedbabu'):  # '<base>+ccn': with CCN
+    builders[f'{base}+ccn'] = functools.partial(
+        lambda opt, b: getattr(learning, b)(spec, client_optimizer=opt,
+                                            contribution_normalization=True), b=base)
   names = ['fedavg'] + [m for m in _COMPARE.value if m != 'fedavg']
   unknown = [m for m in names if m not in builders]
   if unknown:
