@@ -5,6 +5,11 @@ r"""Compares finished runs: one accuracy-per-round PNG and a Markdown table.
 
 Reads each run's metrics.csv and summary.json (written by `pipelines.run`); the label of a run
 is its directory name. Writes `<out>/report.md` and `<out>/accuracy.png` and prints the table.
+
+  python -m pipelines.report --pairs --runs=runs/ccn/fedavg,runs/ccn/fedavg_ccn,...
+
+With `--pairs` the runs are (original, normalised) pairs and the report adds the CCN paper's
+"Original vs Normalised (gain)" table (best and final test accuracy, gain in points).
 """
 
 import csv
@@ -19,6 +24,8 @@ _RUNS = flags.DEFINE_list('runs', [], 'Run directories to compare.')
 _OUT = flags.DEFINE_string('out', 'runs/report', 'Where report.md and accuracy.png go.')
 _AT_ROUND = flags.DEFINE_integer('at_round', 20, 'Report the test accuracy at this round.')
 _TARGETS = flags.DEFINE_list('targets', [], 'Target accuracies (default: each run\'s own).')
+_PAIRS = flags.DEFINE_bool('pairs', False, 'Runs are (original, normalised) pairs: add the '
+                           '"Original vs Normalised (gain)" table.')
 
 
 def load_run(path: str) -> dict:
@@ -59,6 +66,22 @@ def table(runs: list[dict], at_round: int, targets: list[float]) -> str:
   return '\n'.join(lines)
 
 
+def gain_table(runs: list[dict]) -> str:
+  """Markdown "Original vs Normalised (gain)" for consecutive (original, normalised) runs."""
+  def accs(run):
+    evals = [r['test_accuracy'] for r in run['rows'] if 'test_accuracy' in r]
+    return (max(evals), evals[-1]) if evals else (None, None)
+
+  lines = ['| scheme | original best | normalised best | gain | original final | '
+           'normalised final | gain |', '|---|---|---|---|---|---|---|']
+  for original, normalised in zip(runs[::2], runs[1::2]):
+    (ob, of), (nb, nf) = accs(original), accs(normalised)
+    gain = lambda a, b: '–' if a is None or b is None else f'{100 * (b - a):+.2f}'
+    lines.append(f'| {original["summary"].get("method", original["label"])} | {_fmt(ob)} | '
+                 f'{_fmt(nb)} | {gain(ob, nb)} | {_fmt(of)} | {_fmt(nf)} | {gain(of, nf)} |')
+  return '\n'.join(lines)
+
+
 def plot(runs: list[dict], path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
@@ -92,8 +115,14 @@ def main(argv) -> int:
   else:
     targets = sorted({float(t) for r in runs
                       for t in r['summary'].get('rounds_to_target', {})})
+  if _PAIRS.value and len(runs) % 2:
+    print('error: --pairs needs an even number of runs (original, normalised, ...)',
+          file=sys.stderr)
+    return 2
   os.makedirs(_OUT.value, exist_ok=True)
   md = table(runs, _AT_ROUND.value, targets)
+  if _PAIRS.value:
+    md = gain_table(runs) + '\n\n' + md
   with open(os.path.join(_OUT.value, 'report.md'), 'w') as f:
     f.write(md + '\n')
   plot(runs, os.path.join(_OUT.value, 'accuracy.png'))

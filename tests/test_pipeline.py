@@ -190,3 +190,22 @@ def test_report_compares_runs(small_run, tmp_path):
   assert float(cells[4]) == pytest.approx(final, abs=1e-4)
   assert cells[6] == '1' and cells[7] == '–'
   assert os.path.getsize(os.path.join(tmp_path, 'accuracy.png')) > 1000
+
+
+def test_report_pairs_gain_table(small_run, tmp_path):
+  out, _, _ = small_run
+  result = subprocess.run(
+      [sys.executable, '-m', 'pipelines.report', f'--runs={out},{out}', '--pairs',
+       f'--out={tmp_path}'], cwd=REPO, env=pipeline_env(), capture_output=True, text=True,
+      timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  rows = read_csv(os.path.join(out, 'metrics.csv'))
+  best = max(float(r['test_accuracy']) for r in rows)
+  line = open(os.path.join(tmp_path, 'report.md')).read().splitlines()[2]
+  cells = [c.strip() for c in line.strip('|').split('|')]
+  assert cells[0] == 'fedavg' and float(cells[1]) == pytest.approx(best, abs=1e-4)
+  assert cells[3] == '+0.00' and cells[6] == '+0.00'
+  odd = subprocess.run([sys.executable, '-m', 'pipelines.report', f'--runs={out}', '--pairs',
+                        f'--out={tmp_path}'], cwd=REPO, env=pipeline_env(),
+                       capture_output=True, text=True, timeout=120)
+  assert odd.returncode == 2 and 'even number' in odd.stderr

@@ -5,6 +5,8 @@ Three sources, all gin-configurable and none of which downloads anything unless 
 * `tfds_source`: MNIST, Fashion-MNIST, CIFAR-10/100 through `tfds.load` from a prepared
   `data_dir` (or with `download=True`).
 * `npz_source`: a Keras-layout `.npz` file (`x_train, y_train, x_test, y_test`).
+* `image_folder_source`: an image folder in the published CINIC-10 layout
+  (`<root>/<split>/<class>/*.png`).
 * `synthetic_source`: the Synthetic(alpha, beta) generator of FedProx (Li et al., "Federated
   Optimization in Heterogeneous Networks", MLSys 2020, Sec. 5.1), itself from LEAF. It needs
   nothing on disk and is the offline default.
@@ -222,6 +224,77 @@ def npz_source(path: str,
                       'unset.')
   return ArrayDataset(name=name or resolved.stem, x_train=x_train, y_train=y_train,
                       x_test=x_test, y_test=y_test, num_classes=int(num_classes))
+
+
+CINIC10_CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse',
+                   'ship', 'truck')
+_IMAGE_SUFFIXES = ('.png', '.jpg', '.jpeg')
+
+
+def _read_image_split(root: pathlib.Path, split: str, classes) -> tuple[np.ndarray, np.ndarray]:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  split_dir = root / split
+  if not split_dir.is_dir():
+    raise DataError(f'{split_dir} does not exist; an image folder needs '
+                    f'<root>/{split}/<class>/*.png (CINIC-10 layout).')
+  images, labels, shape = [], [], None
+  for label, name in enumerate(classes):
+    class_dir = split_dir / name
+    if not class_dir.is_dir():
+      raise DataError(f'{class_dir} does not exist; expected one folder per class '
+                      f'({", ".join(classes)}) under {split_dir}.')
+    for path in sorted(class_dir.iterdir()):
+      if path.suffix.lower() not in _IMAGE_SUFFIXES:
+        continue
+      img = tf.io.decode_image(tf.io.read_file(str(path)), channels=3,
+                               expand_animations=False).numpy()
+      if shape is None:
+        shape = img.shape
+      elif img.shape != shape:
+        raise DataError(f'{path} is {img.shape[1]}x{img.shape[0]}, the other images are '
+                        f'{shape[1]}x{shape[0]}; all images must have the same size.')
+      images.append(img)
+      labels.append(label)
+  if not images:
+    raise DataError(f'no images (*.png, *.jpg) under {split_dir}.')
+  return np.stack(images).astype(np.uint8), np.asarray(labels, np.int32)
+
+
+@gin.configurable('image_folder_source')
+def image_folder_source(path: str,
+                        name: str = 'cinic10',
+                        classes=CINIC10_CLASSES,
+                        train_split: str = 'train',
+                        test_split: str = 'test') -> ArrayDataset:
+  """Images from `<path>/<split>/<class>/*.png`, CINIC-10's published layout.
+
+  CINIC-10 (Darlow et al., 2018) is distributed as such a folder (`train/`, `valid/`, `test/`,
+  each with the ten CIFAR class folders); download and unpack it, then point `path` at it.
+  `train_split` may also be e.g. 'train' with 'valid' merged by the user beforehand.
+
+  Args:
+    path: The dataset root (absolute, or relative to the current directory or repository root).
+    name: Dataset name for outputs.
+    classes: Class folder names in label order (default: CINIC-10's, CIFAR-10's order).
+    train_split: Folder of the training images.
+    test_split: Folder of the central test images.
+  """
+  root = pathlib.Path(os.path.expanduser(path))
+  if not root.is_absolute():
+    root = next((c for c in (pathlib.Path.cwd() / root, _repo_root() / root) if c.is_dir()),
+                root)
+  if not root.is_dir():
+    raise DataError(f'image folder {path!r} not found; download CINIC-10 (or any folder with '
+                    '<split>/<class>/*.png) and set image_folder_source.path.')
+  classes = tuple(classes)
+  x_train, y_train = _read_image_split(root, train_split, classes)
+  x_test, y_test = _read_image_split(root, test_split, classes)
+  if x_train.shape[1:] != x_test.shape[1:]:
+    raise DataError(f'{root}: {train_split} images are {x_train.shape[1:]}, {test_split} '
+                    f'images {x_test.shape[1:]}; they must match.')
+  return ArrayDataset(name=name, x_train=x_train, y_train=y_train, x_test=x_test,
+                      y_test=y_test, num_classes=len(classes))
 
 
 @gin.configurable('synthetic_source')
