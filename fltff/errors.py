@@ -24,3 +24,7 @@ class DivergenceError(FltffError):
 
 class RuntimeUnavailableError(FltffError):
   """The TFF runtime (local worker_binary or a remote worker) cannot be reached."""
+
+
+class StopRequested(FltffError):
+  """The run was asked to stop (SIGTERM/SIGINT); completed rounds are checkpointed."""

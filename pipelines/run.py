@@ -26,6 +26,7 @@ import fltff  # pylint: disable=g-import-not-at-top,wrong-import-position,unused
 from fltff import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import FltffError  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff.errors import StopRequested  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.simulation import run_experiment  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _GIN_FILES = flags.DEFINE_multi_string('gin_file', [], 'Gin config file(s) of the experiment.')
@@ -37,6 +38,7 @@ _OUTPUT_DIR = flags.DEFINE_string('output_dir', None,
 _RESUME = flags.DEFINE_bool('resume', False, 'Continue from the latest checkpoint.')
 
 EXIT_USER_ERROR = 2
+EXIT_STOPPED = 128 + 15  # As a process ended by SIGTERM reports it.
 
 
 def _short_gin_message(exc: BaseException) -> str:
@@ -67,14 +69,18 @@ def main(argv) -> int:
   del argv
   # Progress lines are ours (stdout); library INFO chatter (TFF, Keras) is not.
   absl_logging.set_verbosity(absl_logging.WARNING)
-  runtime.install_signal_handlers()
+  stop_event = runtime.install_signal_handlers()
   output_dir = _OUTPUT_DIR.value or os.path.join(
       'runs', os.path.splitext(os.path.basename((_GIN_FILES.value or ['run'])[0]))[0])
   rt = None
   try:
     configure(_GIN_FILES.value, _GIN_BINDINGS.value)
     rt = runtime.make_runtime()
-    summary = run_experiment(output_dir=output_dir, resume=_RESUME.value, runtime=rt)
+    summary = run_experiment(output_dir=output_dir, resume=_RESUME.value, runtime=rt,
+                             stop_event=stop_event)
+  except StopRequested as e:
+    print(f'stopped: {e}', file=sys.stderr)
+    return EXIT_STOPPED
   except FltffError as e:
     print(f'error: {_short_gin_message(e)}', file=sys.stderr)
     return EXIT_USER_ERROR

@@ -119,8 +119,9 @@ def test_sigterm_stops_cleanly_and_keeps_checkpoint(tmp_path):
   assert tagged_worker_pids() - before, 'the leak check cannot see the running worker'
   proc.send_signal(signal.SIGTERM)
   _, stderr = proc.communicate(timeout=120)
-  assert proc.returncode != 0
+  assert proc.returncode == 143, stderr[-3000:]
   assert 'Traceback' not in stderr, stderr[-3000:]
+  assert 'stopped: Stopped by signal after round' in stderr
   completed = len(read_csv(metrics))
   saved = json.load(open(os.path.join(out, 'checkpoints', 'latest.json')))['round']
   assert saved == completed  # Every completed round is in the checkpoint.

@@ -391,19 +391,28 @@ def local_runtime() -> Iterator[TffRuntime]:
     runtime.close()
 
 
-def install_signal_handlers() -> None:
-  """Turns SIGTERM (and SIGINT) into `SystemExit`, so `finally`/atexit cleanup runs.
+def install_signal_handlers() -> threading.Event:
+  """SIGTERM/SIGINT: first a graceful stop request, a second one exits at once.
 
-  A driver killed by SIGTERM without a handler exits without running Python cleanup and would
-  leave any worker it did not start with PDEATHSIG running.
+  Returns the event the first signal sets; the round driver checks it between rounds, saves the
+  checkpoint and stops (`fltff.errors.StopRequested`). Raising from the handler at an arbitrary
+  point is not enough on its own: inside TFF's asyncio/gRPC machinery such an exception can be
+  swallowed and the run would go on (observed). A second signal raises `SystemExit` so that a
+  stuck round can still be interrupted; `finally`/atexit cleanup then stops the workers.
   """
+  stop = threading.Event()
 
   def handler(signum, frame):  # pylint: disable=unused-argument
-    raise SystemExit(128 + signum)
+    if stop.is_set():
+      raise SystemExit(128 + signum)
+    stop.set()
+    logging.warning('Signal %d: stopping after the current round (send it again to stop now).',
+                    signum)
 
   if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+  return stop
 
 
 def wait_for_exit(pid: int, timeout: float = 10.0) -> bool:

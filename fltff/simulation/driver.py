@@ -25,6 +25,7 @@ from fltff.data.pipeline import client_batches
 from fltff.data.pipeline import example_shape
 from fltff.errors import ConfigError
 from fltff.errors import DivergenceError
+from fltff.errors import StopRequested
 from fltff.learning.client_work import client_input
 from fltff.learning.model_spec import ModelSpec
 from fltff.simulation import sampling
@@ -69,7 +70,8 @@ class RoundDriver:
   """Runs an `Algorithm` on `FederatedData` for `config.rounds` rounds."""
 
   def __init__(self, algorithm, data, config: RoundConfig, output_dir: str,
-               progress: Callable[[str], None] = print, runtime=None, personalization=None):
+               progress: Callable[[str], None] = print, runtime=None, personalization=None,
+               stop_event=None):
     config.validate()
     # With a `TffRuntime`, computations run with failover (a lost worker's round is repeated
     # on the others); the round's inputs are deterministic, so the repeat is exact.
@@ -89,6 +91,7 @@ class RoundDriver:
     self.evaluator = Evaluator(algorithm.model_spec)
     self.rows: list[dict] = []
     self.personalization = personalization
+    self.stop_event = stop_event
     if personalization is not None and data.local_test_indices is None:
       raise ConfigError('Personalised evaluation needs local test splits: set '
                         'federated_data.local_test_examples > 0.')
@@ -251,6 +254,10 @@ class RoundDriver:
             f'round {r:4d}/{cfg.rounds} | test acc '
             f'{"  -   " if acc is None else f"{acc:.4f}"} | train loss {row["train_loss"]:.4f} '
             f'| {row["round_seconds"]:.2f} s | ETA {eta:.0f} s')
+        if self.stop_event is not None and self.stop_event.is_set() and r < cfg.rounds:
+          raise StopRequested(
+              f'Stopped by signal after round {r}; rounds 1-{r} are in the checkpoint under '
+              f'{self.checkpointer.directory}: rerun with --resume to continue.')
     finally:
       # Whatever stopped the loop (divergence, a dead worker, Ctrl-C), completed rounds stay.
       if last_good[0] > last_saved:
@@ -331,7 +338,7 @@ def split_measurements(metrics, prefix: str = '') -> tuple[dict, dict]:
   return scalars, arrays
 
 
-@gin.configurable('experiment', denylist=['output_dir', 'resume', 'runtime'])
+@gin.configurable('experiment', denylist=['output_dir', 'resume', 'runtime', 'stop_event'])
 def run_experiment(output_dir: str,
                    resume: bool = False,
                    runtime=None,
@@ -350,7 +357,8 @@ def run_experiment(output_dir: str,
                    straggler_fraction: float = 0.0,
                    straggler_mode: str = 'partial',
                    personalization: Optional[Callable[..., Any]] = None,
-                   progress: Callable[[str], None] = print) -> dict:
+                   progress: Callable[[str], None] = print,
+                   stop_event=None) -> dict:
   """Runs one experiment end to end and returns its summary (also in summary.json).
 
   Args:
@@ -358,6 +366,8 @@ def run_experiment(output_dir: str,
       partition.json and checkpoints go.
     resume: Continue from the latest checkpoint in `output_dir`.
     runtime: The `fltff.runtime.TffRuntime` (enables failover); None: the current context.
+    stop_event: Optional `threading.Event`; once set, the run stops after the current round
+      with its checkpoint saved (`StopRequested`).
     method: A method builder taking a `ModelSpec` (gin: `@fedavg`, `@fedprox`, `@sgdm`).
     model: Model zoo name (see `fltff.models.MODEL_NAMES`).
     model_seed: Seed of the initial weights.
@@ -383,7 +393,8 @@ def run_experiment(output_dir: str,
   model_spec = build_model_spec(data, model, model_seed)
   algorithm = build_method(method, model_spec, data.num_clients())
   driver = RoundDriver(algorithm, data, config, output_dir, progress=progress, runtime=runtime,
-                       personalization=personalization(model_spec) if personalization else None)
+                       personalization=personalization(model_spec) if personalization else None,
+                       stop_event=stop_event)
   driver.outputs.write_json('partition.json', data.summary())
   with open(os.path.join(output_dir, 'config.gin'), 'w') as f:
     f.write(gin.operative_config_str())
