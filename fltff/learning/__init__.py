@@ -2,7 +2,7 @@
 
 Every builder takes a `ModelSpec` and returns an `Algorithm` (a TFF learning process plus its
 per-client communication sizes). Gin names: `fedavg`, `fedprox`, `sgdm`, `fedadp`,
-`fedlayerwise`, `fedlap`, `fednova`, `fedbabu`; the FedAvg-family builders take
+`fedlayerwise`, `fedlap`, `fednova`, `fedbabu`, `scaffold`; the FedAvg-family builders take
 `contribution_normalization=True` for CCN. A builder that declares a `num_clients` argument receives the experiment's
 total number of clients from the round driver (stateful aggregators size their state by it).
 """
@@ -32,4 +32,5 @@ from fltff.learning.process import Algorithm
 from fltff.learning.process import build_algorithm
 from fltff.learning.regularizers import ProximalRegularizer
 from fltff.learning.regularizers import proximal_penalty
+from fltff.learning.scaffold import scaffold
 from fltff.learning.sgdm import sgdm

@@ -54,30 +54,59 @@ class LocalRegularizer(Protocol):
   # round's participants and reported as `client_work/regularizer/...` (e.g. FedLap's λ, d).
 
 
-def client_input(batches: tf.data.Dataset, client_index: int, epochs: int):
-  """Packs one participant's batches and info in the layout `build_client_work` expects."""
+def client_input(batches: tf.data.Dataset, client_index: int, epochs: int,
+                 client_state: Optional[Sequence[np.ndarray]] = None):
+  """Packs one participant's batches and info in the layout `build_client_work` expects.
+
+  `client_state` (a flat sequence of arrays, e.g. SCAFFOLD's control variate c_i) travels as a
+  one-element dataset under `state`, for the same reason as `info`.
+  """
   info = tf.data.Dataset.from_tensors(
       collections.OrderedDict(client_index=np.int32(client_index), epochs=np.int32(epochs)))
-  return collections.OrderedDict(batches=batches, info=info)
+  out = collections.OrderedDict(batches=batches, info=info)
+  if client_state is not None:
+    out['state'] = tf.data.Dataset.from_tensors(tuple(np.asarray(x) for x in client_state))
+  return out
 
 
-def client_types(model_spec: ModelSpec):
-  """TFF types of the broadcast `ModelWeights` and of one client's input (`client_input`)."""
+def client_types(model_spec: ModelSpec, state_type=None):
+  """TFF types of the broadcast `ModelWeights` and of one client's input (`client_input`).
+
+  `state_type`: the TFF type of one element of the `state` dataset, when the method passes
+  per-client state in (see `client_input`).
+  """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   with tf.Graph().as_default():
     model = model_spec.tff_model()
     element_type = tff.types.tensorflow_to_type(model.input_spec)
     weights_type = tff.learning.models.weights_type_from_model(model)
-  data_type = tff.StructWithPythonType(
-      [('batches', tff.SequenceType(element_type)),
-       ('info', tff.SequenceType(tff.types.tensorflow_to_type(CLIENT_INFO_SPEC)))],
-      collections.OrderedDict)
+  fields = [('batches', tff.SequenceType(element_type)),
+            ('info', tff.SequenceType(tff.types.tensorflow_to_type(CLIENT_INFO_SPEC)))]
+  if state_type is not None:
+    fields.append(('state', tff.SequenceType(state_type)))
+  data_type = tff.StructWithPythonType(fields, collections.OrderedDict)
   return weights_type, data_type
 
 
+def read_single(dataset: tf.data.Dataset, zero):
+  """The element of a one-element dataset (`info`, `state`), inside a TFF computation."""
+  return dataset.reduce(zero, lambda _, x: x)
+
+
+def _info_zero():
+  return collections.OrderedDict(client_index=tf.constant(0, tf.int32),
+                                 epochs=tf.constant(0, tf.int32))
+
+
+def client_index_of(data) -> tf.Tensor:
+  """The client slot carried in a client input's `info`."""
+  return read_single(data['info'], _info_zero())['client_index']
+
+
 def build_local_training(model, optimizer, regularizer: Optional[LocalRegularizer] = None,
-                         frozen: Sequence[int] = (), latent_fn=None):
+                         frozen: Sequence[int] = (), latent_fn=None,
+                         track_gradient_mean: bool = False):
   """Returns a `tf.function` running the local epochs on `model` (a `VariableModel`).
 
   The function maps `(initial_weights, batches, info)` to an OrderedDict with `trained` (the
@@ -94,6 +123,9 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
     frozen: Indices of trainable tensors that must not change (FedBABU's head): their
       gradients are zeroed.
     latent_fn: Optional Keras model mapping inputs to the latent layer (sharing the weights).
+    track_gradient_mean: Also return `gradient_mean`, the mean over all local steps of the
+      data-loss minibatch gradients (before any regulariser term): SCAFFOLD's new control
+      variate (with plain SGD it equals option II of Karimireddy et al. 2020, eq. (4)).
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -104,10 +136,7 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
 
   @tf.function
   def train(initial_weights, batches, info):
-    info = info.reduce(
-        collections.OrderedDict(client_index=tf.constant(0, tf.int32),
-                                epochs=tf.constant(0, tf.int32)),
-        lambda _, x: x)
+    info = read_single(info, _info_zero())
     epochs = info['epochs']
     model_weights = tff.learning.models.ModelWeights.from_model(model)
     tf.nest.map_structure(lambda v, t: v.assign(t), model_weights, initial_weights)
@@ -116,20 +145,22 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
     optimizer_state = optimizer.initialize(
         tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables))
 
-    def run_epoch(examples, steps, optimizer_state):
+    def run_epoch(examples, steps, optimizer_state, gradient_sum):
       context = ()
       if regularizer is not None:
         context = regularizer.epoch_start(
             tuple(v.read_value() for v in variables), global_trainable)
 
       def reduce_fn(state, batch):
-        examples, steps, optimizer_state = state
+        examples, steps, optimizer_state, gradient_sum = state
         with tf.GradientTape() as tape:
           output = model.forward_pass(batch, training=True)
           loss = output.loss
           if regularizer is not None and not analytic_gradient:
             loss += regularizer.penalty(variables, global_trainable, context)
         gradients = tape.gradient(loss, variables)
+        if track_gradient_mean:
+          gradient_sum = tuple(a + g for a, g in zip(gradient_sum, gradients))
         values = tuple(v.read_value() for v in variables)
         if analytic_gradient:
           gradients = [g + r for g, r in zip(
@@ -140,19 +171,26 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
         for i, (v, u) in enumerate(zip(variables, updated)):
           if i not in frozen:
             v.assign(u)
-        return (examples + tf.cast(output.num_examples, tf.int64), steps + 1, optimizer_state)
+        return (examples + tf.cast(output.num_examples, tf.int64), steps + 1, optimizer_state,
+                gradient_sum)
 
-      return batches.reduce((examples, steps, optimizer_state), reduce_fn)
+      return batches.reduce((examples, steps, optimizer_state, gradient_sum), reduce_fn)
 
     examples = tf.constant(0, tf.int64)
     steps = tf.constant(0, tf.int32)
+    # An empty tuple when not tracked, so the loop carries nothing extra.
+    gradient_sum = tuple(tf.zeros_like(v) for v in variables) if track_gradient_mean else ()
     for _ in tf.range(epochs):
-      examples, steps, optimizer_state = run_epoch(examples, steps, optimizer_state)
+      examples, steps, optimizer_state, gradient_sum = run_epoch(examples, steps,
+                                                                 optimizer_state, gradient_sum)
     result = collections.OrderedDict(
         trained=tuple(v.read_value() for v in variables),
         examples_per_epoch=examples // tf.cast(tf.maximum(epochs, 1), tf.int64),
         steps=steps,
         metrics=model.report_local_unfinalized_metrics())
+    if track_gradient_mean:
+      result['gradient_mean'] = tuple(
+          g / tf.cast(tf.maximum(steps, 1), g.dtype) for g in gradient_sum)
     if latent_fn is not None:
       dim = latent_fn.output_shape[-1]
 
@@ -169,6 +207,43 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
 
 
 WEIGHT_FIELDS = ('client_index', 'latent_mean', 'local_steps')
+
+
+def check_weight_fields(weight_fields: Sequence[str]) -> None:
+  unknown = [f for f in weight_fields if f not in WEIGHT_FIELDS]
+  if unknown:
+    raise ValueError(f'Unknown weight fields {unknown}; known: {WEIGHT_FIELDS}.')
+
+
+def client_result(initial_weights, data, out, weight_fields: Sequence[str] = ()):
+  """The `ClientResult` of local training `out` (see `build_local_training`).
+
+  The update is `initial − trained` and its weight the example count, extended with the
+  requested `weight_fields` (see `build_client_work`).
+  """
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  update = tf.nest.map_structure(
+      tf.subtract, tuple(tf.nest.flatten(initial_weights.trainable)), out['trained'])
+  update = tf.nest.pack_sequence_as(initial_weights.trainable, update)
+  weight = tf.cast(out['examples_per_epoch'], tf.float32)
+  if weight_fields:
+    weight = collections.OrderedDict(num_examples=weight)
+    if 'client_index' in weight_fields:
+      weight['client_index'] = client_index_of(data)
+    if 'latent_mean' in weight_fields:
+      weight['latent_mean'] = out['latent_mean']
+    if 'local_steps' in weight_fields:
+      weight['local_steps'] = out['steps']
+  return tff.learning.templates.ClientResult(update=update, update_weight=weight)
+
+
+def latent_fn_for(keras_model, weight_fields: Sequence[str]):
+  """CCN's latent-layer model when the weight carries `latent_mean`, else None."""
+  if 'latent_mean' not in weight_fields:
+    return None
+  from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
+  return latent_model(keras_model)
 
 
 def build_client_work(model_spec: ModelSpec,
@@ -205,39 +280,21 @@ def build_client_work(model_spec: ModelSpec,
   weights_type, data_type = client_types(model_spec)
 
   reports_measurements = hasattr(regularizer, 'measurements')
-  unknown = [f for f in weight_fields if f not in WEIGHT_FIELDS]
-  if unknown:
-    raise ValueError(f'Unknown weight fields {unknown}; known: {WEIGHT_FIELDS}.')
+  check_weight_fields(weight_fields)
 
   @tff.tensorflow.computation(weights_type, data_type)
   def client_update(initial_weights, data):
     keras_model = model_spec.keras_fn()
     local_model = model_spec.tff_model(keras_model)
-    latent_fn = None
-    if 'latent_mean' in weight_fields:
-      from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
-      latent_fn = latent_model(keras_model)
+    latent_fn = latent_fn_for(keras_model, weight_fields)
     out = build_local_training(local_model, optimizer, regularizer, frozen, latent_fn)(
         initial_weights, data['batches'], data['info'])
-    update = tf.nest.map_structure(
-        tf.subtract, tuple(tf.nest.flatten(initial_weights.trainable)), out['trained'])
-    update = tf.nest.pack_sequence_as(initial_weights.trainable, update)
-    weight = tf.cast(out['examples_per_epoch'], tf.float32)
-    if weight_fields:
-      weight = collections.OrderedDict(num_examples=weight)
-      if 'client_index' in weight_fields:
-        weight['client_index'] = data['info'].reduce(tf.constant(0, tf.int32),
-                                                     lambda _, x: x['client_index'])
-      if 'latent_mean' in weight_fields:
-        weight['latent_mean'] = out['latent_mean']
-      if 'local_steps' in weight_fields:
-        weight['local_steps'] = out['steps']
+    result = client_result(initial_weights, data, out, weight_fields)
     regularizer_stats = ()
     if reports_measurements:
       regularizer_stats = regularizer.measurements(
           out['trained'], tuple(tf.nest.flatten(initial_weights.trainable)))
-    return (tff.learning.templates.ClientResult(update=update, update_weight=weight),
-            out['metrics'], regularizer_stats)
+    return result, out['metrics'], regularizer_stats
 
   @tff.federated_computation
   def init_fn():
@@ -275,8 +332,7 @@ def build_local_update(model_spec: ModelSpec, optimizer):
     local_model = model_spec.tff_model()
     trained = build_local_training(local_model, optimizer)(weights, data['batches'],
                                                            data['info'])['trained']
-    client_index = data['info'].reduce(tf.constant(0, tf.int32),
-                                       lambda _, x: x['client_index'])
+    client_index = client_index_of(data)
     new_weights = tff.learning.models.ModelWeights(
         trainable=tf.nest.pack_sequence_as(weights.trainable, list(trained)),
         non_trainable=weights.non_trainable)

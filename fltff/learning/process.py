@@ -8,6 +8,7 @@ it (a regulariser in the client work, an aggregation factory, the server optimiz
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -36,6 +37,12 @@ class Algorithm:
   model_spec: ModelSpec
   bytes_down_per_client: int
   bytes_up_per_client: int
+  # Methods with per-client state (SCAFFOLD's c_i): `client_state_init()` gives a new client's
+  # state (a list of arrays, passed in via `client_input(client_state=...)`), and the process's
+  # `client_work` measurements hold the participants' new states under `client_states_key`
+  # (gathered as OrderedDict(update=arrays with a leading [K] axis, weight=client_index[K])).
+  client_state_init: Optional[Callable[[], list]] = None
+  client_states_key: Optional[str] = None
 
 
 def build_algorithm(name: str,
@@ -45,7 +52,8 @@ def build_algorithm(name: str,
                     regularizer: Optional[client_work_lib.LocalRegularizer] = None,
                     model_aggregator=None,
                     weight_fields: Sequence[str] = (),
-                    frozen: Sequence[int] = ()) -> Algorithm:
+                    frozen: Sequence[int] = (),
+                    client_work=None) -> Algorithm:
   """Builds a FedAvg-family method as a composed `tff.learning` LearningProcess.
 
   Args:
@@ -59,6 +67,7 @@ def build_algorithm(name: str,
     weight_fields: Extra fields of the update weight (`client_work.WEIGHT_FIELDS`) that the
       aggregator needs: `client_index`, `latent_mean`, `local_steps`.
     frozen: Trainable tensors kept fixed during local training (FedBABU's head).
+    client_work: A `ClientWorkProcess` replacing the default local training (SCAFFOLD's).
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -69,8 +78,9 @@ def build_algorithm(name: str,
     return tff.learning.models.ModelWeights.from_model(model_spec.tff_model())
 
   distributor = tff.learning.templates.build_broadcast_process(weights_type)
-  client_work = client_work_lib.build_client_work(
-      model_spec, client_optimizer, regularizer, weight_fields=weight_fields, frozen=frozen)
+  if client_work is None:
+    client_work = client_work_lib.build_client_work(
+        model_spec, client_optimizer, regularizer, weight_fields=weight_fields, frozen=frozen)
   result_type = client_work.next.type_signature.result.result.member
   if model_aggregator is None:
     model_aggregator = tff.aggregators.MeanFactory()

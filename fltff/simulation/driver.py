@@ -85,7 +85,12 @@ class RoundDriver:
     self.num_clients = data.num_clients()
     self.participants = sampling.num_participants(self.num_clients, config.clients_per_round,
                                                   config.client_fraction)
+    # Personal models of a personalisation add-on, and the method's own client state
+    # (SCAFFOLD's controls): two stores, both saved in checkpoints.
     self.client_states = ClientStateStore()
+    self.method_states = None
+    if algorithm.client_state_init is not None:
+      self.method_states = ClientStateStore(lambda k: algorithm.client_state_init())
     self.outputs = RunOutputs(output_dir)
     self.checkpointer = Checkpointer(output_dir)
     self.evaluator = Evaluator(algorithm.model_spec)
@@ -109,14 +114,16 @@ class RoundDriver:
       ds = client_batches(x, y, self.config.batch_size,
                           sampling.shuffle_seed(self.config.seed, round_num, int(k)))
       e = self.config.local_epochs if epochs is None else epochs[int(k)]
-      inputs.append(client_input(ds, int(k), e))
+      state = None if self.method_states is None else self.method_states.get(int(k))
+      inputs.append(client_input(ds, int(k), e, client_state=state))
     return inputs
 
   def run_round(self, state, round_num: int):
     """One round; returns `(new_state, metrics_row, pending client states)`.
 
-    Client states (personal models) are returned, not stored: the caller commits them only
-    once the round is known to be good, so a diverged round leaves the store as checkpointed.
+    Client states (personal models, the method's client state) are returned as
+    `{store: {client: state}}`, not stored: the caller commits them only once the round is known
+    to be good, so a diverged round leaves the stores as checkpointed.
     """
     cfg = self.config
     sampled = sampling.sample_clients(self.num_clients, self.participants, cfg.seed, round_num)
@@ -126,18 +133,22 @@ class RoundDriver:
     inputs = self.client_inputs(round_num, clients, epochs)
     start = time.perf_counter()
     output = self.call(self.process.next, state, inputs)
-    pending = {}
+    pending = {'client_states': {}, 'method_states': {}}
     if self.personalization is not None:
       local_models = [self.client_states.get(k) if k in self.client_states
                       else self._initial_client_state for k in clients]
       for index, weights in self.call(self.personalization.local_update, local_models, inputs):
-        pending[int(index)] = collections.OrderedDict(
+        pending['client_states'][int(index)] = collections.OrderedDict(
             trainable=[np.asarray(w) for w in weights.trainable],
             non_trainable=[np.asarray(w) for w in weights.non_trainable])
     seconds = time.perf_counter() - start
     others = dict(output.metrics)
     client_work = dict(others.pop('client_work'))
     train = client_work.pop('train')
+    if self.algorithm.client_states_key is not None:
+      gathered = client_work.pop(self.algorithm.client_states_key)
+      for row_index, k in enumerate(np.asarray(gathered['weight'])):
+        pending['method_states'][int(k)] = [np.asarray(a[row_index]) for a in gathered['update']]
     scalars, arrays = split_measurements(dict(others, client_work=client_work))
     row = {
         'round': round_num,
@@ -190,8 +201,10 @@ class RoundDriver:
 
   # -- checkpoints -------------------------------------------------------------------------
   def save(self, round_num: int, state) -> None:
-    self.checkpointer.save(round_num, state, {'rows': self.rows},
-                           self.client_states.to_arrays())
+    arrays = self.client_states.to_arrays()
+    if self.method_states is not None:
+      arrays.update(self.method_states.to_arrays('method'))
+    self.checkpointer.save(round_num, state, {'rows': self.rows}, arrays)
 
   def restore(self, template_state):
     round_num, state, meta, arrays = self.checkpointer.restore(template_state)
@@ -199,6 +212,9 @@ class RoundDriver:
     self.outputs.truncate_measurements(round_num)
     if arrays:
       self.client_states.load_arrays(arrays, template_fn=self.client_state_template)
+      if self.method_states is not None:
+        self.method_states.load_arrays(
+            arrays, template_fn=lambda k: self.algorithm.client_state_init(), prefix='method')
     return round_num, state
 
   def client_state_template(self, client_index: int):
@@ -236,8 +252,9 @@ class RoundDriver:
               f'Rounds 1-{r - 1} are kept in the checkpoint under {self.checkpointer.directory}; '
               'lower client_optimizer.learning_rate (or the server learning rate) and rerun.')
         state = new_state
-        for k, client_state in pending.items():
-          self.client_states.set(k, client_state)
+        for store_name, states in pending.items():
+          for k, client_state in states.items():
+            getattr(self, store_name).set(k, client_state)
         if r % cfg.eval_every == 0 or r == cfg.rounds:
           row.update(self.evaluate(state))
         self.rows.append(row)

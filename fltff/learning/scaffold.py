@@ -1,0 +1,168 @@
+"""SCAFFOLD (Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated
+Learning", ICML 2020, Algorithm 1): local steps corrected by control variates.
+
+Client i holds a control variate c_i (kept in the round driver's per-client state store and
+passed in through `client_input(..., client_state=c_i)`); the server holds c (the client
+work's state). Each local step uses the corrected gradient `g_i(y) − c_i + c` (eq. (3)); after
+training the client's new control is the mean of its minibatch gradients over the local steps —
+with plain SGD this is exactly option II, `c_i⁺ = c_i − c + (x − y)/(K η_l)` (eq. (4), tested),
+and it stays a gradient estimate with momentum or Adam, where option II's formula would not.
+The server applies the model update with its optimizer and `c ← c + (1/N) Σ_{i∈S} (c_i⁺ − c_i)`
+(eq. (5)).
+
+Deviation, documented: the model update is the example-weighted mean of the participants'
+deltas (FedAvg's ν), not the unweighted mean of the paper, so that SCAFFOLD with zero controls
+is exactly FedAvg and CCN applies Λ to the same ν as for every other base scheme.
+
+Everything is one pass: the broadcast of c depends only on the state, the new client controls
+are gathered and their deltas summed by two independent aggregates.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+import gin
+import numpy as np
+import tensorflow as tf
+
+from fltff.errors import ConfigError
+from fltff.learning import client_work as client_work_lib
+from fltff.learning import optimizers
+from fltff.learning.model_spec import ModelSpec
+from fltff.learning.model_spec import type_num_bytes
+from fltff.learning.process import Algorithm
+from fltff.learning.process import build_algorithm
+from fltff.learning.process import contribution_normalization_options
+
+# Where the gathered new client controls appear in the process's client-work measurements.
+CLIENT_STATES_KEY = 'client_states'
+
+
+class ControlVariateCorrection:
+  """`LocalRegularizer` adding the constant `c − c_i` to every local gradient (eq. (3))."""
+
+  def __init__(self, correction: Sequence[tf.Tensor]):
+    self.correction = tuple(correction)
+
+  def epoch_start(self, local, global_):
+    del local, global_
+    return ()
+
+  def penalty(self, local, global_, context):
+    """`<c − c_i, w>`, whose gradient is the correction."""
+    del global_, context
+    return tf.add_n([tf.reduce_sum(c * w) for c, w in zip(self.correction, local)])
+
+  def gradient(self, local, global_, context):
+    del local, global_, context
+    return list(self.correction)
+
+
+def server_control_update(control: Sequence[tf.Tensor], delta_sum: Sequence[tf.Tensor],
+                          num_clients: int) -> tuple:
+  """`c + (1/N) Σ_{i∈S} Δc_i` (Karimireddy et al. 2020, Algorithm 1, line 17)."""
+  return tuple(c + d / float(num_clients) for c, d in zip(control, delta_sum))
+
+
+def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: int,
+                               weight_fields: Sequence[str] = ()):
+  """Client work of SCAFFOLD: state c@SERVER; client data carries c_i in `state`.
+
+  Measurements: `train` (metrics) and `client_states`, the gathered
+  `OrderedDict(update=(c_i⁺ tensors with a leading [K] axis), weight=client_index[K])` that the
+  round driver writes back to its state store.
+  """
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from fltff.aggregators.gather import build_gather  # pylint: disable=g-import-not-at-top
+
+  client_work_lib.check_weight_fields(weight_fields)
+  with tf.Graph().as_default():
+    model = model_spec.tff_model()
+    metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(model.metric_finalizers())
+    specs = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
+  control_type = tff.types.to_type(
+      tuple((s.dtype.as_numpy_dtype, tuple(s.shape.as_list())) for s in specs))
+  weights_type, data_type = client_work_lib.client_types(model_spec, state_type=control_type)
+
+  def zeros():
+    return tuple(tf.zeros(s.shape, s.dtype) for s in specs)
+
+  @tff.tensorflow.computation(weights_type, control_type, data_type)
+  def client_update(initial_weights, server_control, data):
+    keras_model = model_spec.keras_fn()
+    local_model = model_spec.tff_model(keras_model)
+    control = client_work_lib.read_single(data['state'], zeros())
+    correction = [c - ci for c, ci in zip(server_control, control)]
+    out = client_work_lib.build_local_training(
+        local_model, optimizer, ControlVariateCorrection(correction),
+        latent_fn=client_work_lib.latent_fn_for(keras_model, weight_fields),
+        track_gradient_mean=True)(initial_weights, data['batches'], data['info'])
+    # A client that took no step (no data, or zero epochs) keeps its control.
+    new_control = tf.cond(out['steps'] > 0, lambda: tuple(out['gradient_mean']),
+                          lambda: tuple(control))
+    delta = tuple(n - o for n, o in zip(new_control, control))
+    result = client_work_lib.client_result(initial_weights, data, out, weight_fields)
+    return (result, out['metrics'], new_control, client_work_lib.client_index_of(data), delta)
+
+  gather, _ = build_gather(control_type, tff.TensorType(np.int32))
+
+  @tff.tensorflow.computation(control_type, control_type)
+  def update_control(control, delta_sum):
+    return server_control_update(control, delta_sum, num_clients)
+
+  @tff.tensorflow.computation
+  def initial_control():
+    return zeros()
+
+  @tff.federated_computation
+  def init_fn():
+    return tff.federated_eval(initial_control, tff.SERVER)
+
+  @tff.federated_computation(init_fn.type_signature.result,
+                             tff.FederatedType(weights_type, tff.CLIENTS),
+                             tff.FederatedType(data_type, tff.CLIENTS))
+  def next_fn(state, weights, client_data):
+    result, model_outputs, new_controls, indices, deltas = tff.federated_map(
+        client_update, (weights, tff.federated_broadcast(state), client_data))
+    new_state = tff.federated_map(update_control, (state, tff.federated_sum(deltas)))
+    measurements = tff.federated_zip(collections.OrderedDict(
+        train=metrics_aggregation_fn(model_outputs),
+        **{CLIENT_STATES_KEY: gather(new_controls, indices)}))
+    return tff.templates.MeasuredProcessOutput(new_state, result, measurements)
+
+  return tff.learning.templates.ClientWorkProcess(init_fn, next_fn), control_type
+
+
+@gin.configurable('scaffold')
+def scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
+             server_learning_rate: float = 1.0, contribution_normalization: bool = False,
+             temperature: float = 1.0) -> Algorithm:
+  """SCAFFOLD; `contribution_normalization=True` applies CCN's Λ to the update weights.
+
+  Args:
+    model_spec: The model.
+    num_clients: N, the total number of clients (the server control averages over N).
+    client_optimizer: Local optimizer (default: gin's `client_optimizer`).
+    server_learning_rate: η_g.
+    contribution_normalization, temperature: CCN (see `fltff.aggregators`).
+  """
+  if num_clients < 1:
+    raise ConfigError(f'scaffold needs num_clients >= 1, got {num_clients}.')
+  options = contribution_normalization_options(contribution_normalization, temperature)
+  optimizer = client_optimizer or optimizers.client_optimizer()
+  client_work, control_type = build_scaffold_client_work(
+      model_spec, optimizer, num_clients, options.get('weight_fields', ()))
+  algorithm = build_algorithm(
+      'scaffold+ccn' if contribution_normalization else 'scaffold', model_spec, optimizer,
+      optimizers.server_optimizer(name='sgd', learning_rate=server_learning_rate),
+      client_work=client_work, **options)
+  control_bytes = type_num_bytes(control_type)
+  specs = [np.zeros(t.shape, t.dtype.type) for t in control_type]
+  # The server sends c with the model; each client sends Δc_i with its update.
+  algorithm.bytes_down_per_client += control_bytes
+  algorithm.bytes_up_per_client += control_bytes
+  algorithm.client_state_init = lambda: [np.zeros_like(z) for z in specs]
+  algorithm.client_states_key = CLIENT_STATES_KEY
+  return algorithm
