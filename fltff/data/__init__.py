@@ -1,10 +1,11 @@
 """fltff data layer: sources -> partitioners -> per-client data (TFF `ClientData`).
 
-Sources (`tfds_source`, `npz_source`, `image_folder_source`, `synthetic_source`) return an `ArrayDataset` of NumPy
-arrays; partitioners (`iid_partition`, `shard_partition`, `dirichlet_partition`,
-`mixed_partition`, `natural_partition`) split its training labels into per-client index
-arrays; `build_federated_data` (gin name `federated_data`) combines both into a
-`FederatedData`, whose `client_data()` is a `tff.simulation.datasets.ClientData`.
+Sources (`tfds_source`, `npz_source`, `image_folder_source`, `femnist_source`,
+`synthetic_source`) return an `ArrayDataset` of NumPy arrays; partitioners (`iid_partition`,
+`shard_partition`, `dirichlet_partition`, `mixed_partition`, `natural_partition`) split its
+training labels into per-client index arrays; `build_federated_data` (gin name
+`federated_data`) combines both into a `FederatedData`, whose `client_data()` is a
+`tff.simulation.datasets.ClientData`.
 """
 
 from fltff.data.federated import build_federated_data
@@ -17,6 +18,7 @@ from fltff.data.partition import mixed_partition
 from fltff.data.partition import natural_partition
 from fltff.data.partition import shard_partition
 from fltff.data.sources import ArrayDataset
+from fltff.data.sources import femnist_source
 from fltff.data.sources import image_folder_source
 from fltff.data.sources import npz_source
 from fltff.data.sources import synthetic_source
@@ -27,6 +29,7 @@ __all__ = [
     'FederatedData',
     'build_federated_data',
     'dirichlet_partition',
+    'femnist_source',
     'iid_partition',
     'image_folder_source',
     'label_histograms',

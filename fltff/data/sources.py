@@ -1,12 +1,14 @@
 """Data sources: each returns the whole dataset as in-memory NumPy arrays.
 
-Three sources, all gin-configurable and none of which downloads anything unless asked to:
+Five sources, all gin-configurable and none of which downloads anything unless asked to:
 
 * `tfds_source`: MNIST, Fashion-MNIST, CIFAR-10/100 through `tfds.load` from a prepared
   `data_dir` (or with `download=True`).
 * `npz_source`: a Keras-layout `.npz` file (`x_train, y_train, x_test, y_test`).
 * `image_folder_source`: an image folder in the published CINIC-10 layout
   (`<root>/<split>/<class>/*.png`).
+* `femnist_source`: FEMNIST (federated EMNIST, one client per writer) through
+  `tff.simulation.datasets.emnist.load_data`, with its natural writer partition.
 * `synthetic_source`: the Synthetic(alpha, beta) generator of FedProx (Li et al., "Federated
   Optimization in Heterogeneous Networks", MLSys 2020, Sec. 5.1), itself from LEAF. It needs
   nothing on disk and is the offline default.
@@ -15,6 +17,7 @@ Three sources, all gin-configurable and none of which downloads anything unless 
 import dataclasses
 import os
 import pathlib
+import sqlite3
 from typing import Optional
 
 import gin
@@ -295,6 +298,170 @@ def image_folder_source(path: str,
                     f'images {x_test.shape[1:]}; they must match.')
   return ArrayDataset(name=name, x_train=x_train, y_train=y_train, x_test=x_test,
                       y_test=y_test, num_classes=len(classes))
+
+
+# TFF (0.87) keeps federated EMNIST as one SQLite database for both variants: `load_data`
+# fetches `emnist_all.sqlite.lzma` and decompresses it on the fly into
+# `<cache_dir>/emnist_all.sqlite` (default cache_dir `~/.tff`); the variants are splits.
+_EMNIST_URL = 'https://storage.googleapis.com/tff-datasets-public/emnist_all.sqlite.lzma'
+_EMNIST_FILE = 'emnist_all.sqlite'
+_EMNIST_TRAIN_SPLIT = {True: 'digits_only_train', False: 'all_train'}
+
+
+def _tff_cache_dir(cache_dir: Optional[str]) -> str:
+  """The directory TFF's dataset loaders cache in: `cache_dir` or `~/.tff`."""
+  return os.path.abspath(os.path.expanduser(cache_dir or os.path.join('~', '.tff')))
+
+
+def _emnist_train_counts(path: str, only_digits: bool) -> dict[str, int]:
+  """Training examples per writer, from the database's `client_metadata` table."""
+  connection = sqlite3.connect(pathlib.Path(path).as_uri() + '?mode=ro', uri=True)
+  try:
+    rows = connection.execute(
+        'SELECT client_id, num_examples FROM client_metadata WHERE split_name = ?',
+        (_EMNIST_TRAIN_SPLIT[only_digits],)).fetchall()
+  finally:
+    connection.close()
+  return {str(cid): int(n) for cid, n in rows}
+
+
+def _emnist_pixels_to_uint8(pixels: np.ndarray) -> np.ndarray:
+  """TFF's float [0, 1] white-background pixels -> uint8 ink-on-black `[n, 28, 28, 1]`."""
+  x = np.round((1.0 - np.asarray(pixels, np.float32)) * 255.0)
+  return np.clip(x, 0, 255).astype(np.uint8).reshape(-1, 28, 28, 1)
+
+
+def _writer_arrays(client_data, writer: str) -> tuple[np.ndarray, np.ndarray]:
+  """One writer's examples as (uint8 `[n, 28, 28, 1]`, int32 `[n]`); empty if absent."""
+  pixels, labels = [np.zeros((0, 28, 28), np.float32)], [np.zeros(0, np.int32)]
+  if writer in client_data.client_ids:
+    for batch in client_data.create_tf_dataset_for_client(writer).batch(
+        1024).as_numpy_iterator():
+      pixels.append(batch['pixels'])
+      labels.append(batch['label'])
+  return (_emnist_pixels_to_uint8(np.concatenate(pixels)),
+          np.concatenate(labels).astype(np.int32).reshape(-1))
+
+
+@gin.configurable('femnist_source')
+def femnist_source(num_clients: int = 10,
+                   only_digits: bool = False,
+                   cache_dir: Optional[str] = None,
+                   download: bool = False,
+                   seed: int = 0,
+                   min_examples_per_client: int = 1) -> ArrayDataset:
+  """FEMNIST (LEAF's federated EMNIST, one client per writer) through TFF's loader.
+
+  The data comes from `tff.simulation.datasets.emnist.load_data(only_digits, cache_dir)`,
+  which in TFF 0.87 reads one SQLite file, `<cache_dir>/emnist_all.sqlite` (default
+  `~/.tff`), for both variants. Nothing is downloaded unless `download=True`: then TFF
+  fetches `emnist_all.sqlite.lzma` (about 3,400 writers) and decompresses it there.
+
+  `num_clients` writers are drawn among those with at least `min_examples_per_client`
+  training examples: the eligible writer ids are sorted and
+  `np.random.default_rng(seed).choice(..., num_clients, replace=False)` picks them; the
+  chosen ids are then sorted again, so client i is the i-th chosen writer in id order.
+
+  TFF's pixels are float32 in [0, 1] with 1.0 the white background and 0.0 the ink, the
+  inverse of MNIST's look. They are converted to uint8 ink-on-black like MNIST (0
+  background, 255 ink): `x = round((1 - pixels) * 255)`.
+
+  Args:
+    num_clients: Number of writers (clients).
+    only_digits: Only digit examples (10 classes, about 3,380 writers) instead of digits,
+      upper- and lower-case letters (62 classes, about 3,400 writers).
+    cache_dir: TFF's cache directory; `None` means TFF's default, `~/.tff`.
+    download: Whether TFF may download the database if it is not in `cache_dir`.
+    seed: Seed of the writer selection.
+    min_examples_per_client: Only writers with at least this many training examples are
+      eligible.
+
+  Returns:
+    An `ArrayDataset` named 'femnist' ('femnist_digits' with `only_digits`): uint8
+    `[n, 28, 28, 1]` images and int32 labels of the chosen writers, the writers' training
+    examples as `natural_partition` (contiguous, one index array per writer) and their test
+    examples as the central test set and `natural_test_partition`.
+
+  Raises:
+    ConfigError: For `num_clients` or `min_examples_per_client` below 1, or fewer eligible
+      writers than `num_clients`.
+    DataError: If the database is missing and `download` is False, the download fails, or
+      the file is not a readable TFF EMNIST database.
+  """
+  if num_clients < 1:
+    raise ConfigError(f'femnist_source.num_clients must be >= 1, got {num_clients}.')
+  if min_examples_per_client < 1:
+    raise ConfigError(f'femnist_source.min_examples_per_client must be >= 1, got '
+                      f'{min_examples_per_client}.')
+  resolved = _tff_cache_dir(cache_dir)
+  path = os.path.join(resolved, _EMNIST_FILE)
+  existed = os.path.isfile(path)
+  if not existed and not download:
+    # Checked here: TFF's `load_data` would start downloading right away.
+    raise DataError(
+        f'FEMNIST file {_EMNIST_FILE} is not in {resolved} and femnist_source.download is '
+        f'False; set femnist_source.download = True once on a machine with network access '
+        f'(TFF downloads {_EMNIST_URL} and decompresses it there), or copy {_EMNIST_FILE} '
+        f'from such a machine\'s TFF cache (~/.tff) into {resolved}.')
+
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  try:
+    train, test = tff.simulation.datasets.emnist.load_data(only_digits=only_digits,
+                                                           cache_dir=resolved)
+    counts = _emnist_train_counts(path, only_digits)
+  except BaseException as e:
+    if not existed and os.path.isfile(path):
+      os.remove(path)  # TFF decompresses straight into the cache: drop a partial file.
+    if not isinstance(e, Exception):
+      raise
+    if not existed:
+      raise DataError(f'downloading FEMNIST from {_EMNIST_URL} into {resolved} failed '
+                      f'({type(e).__name__}: {e}); check the network, or copy '
+                      f'{_EMNIST_FILE} from another machine\'s ~/.tff into {resolved}.') from e
+    if isinstance(e, sqlite3.Error) or type(e).__name__ == 'DatabaseFormatError':
+      raise DataError(f'{path} is not a readable TFF EMNIST database ({type(e).__name__}: '
+                      f'{e}); delete it and set femnist_source.download = True, or copy '
+                      'an intact emnist_all.sqlite there.') from e
+    raise
+
+  eligible = sorted(cid for cid in train.client_ids
+                    if counts.get(cid, 0) >= min_examples_per_client)
+  if len(eligible) < num_clients:
+    raise ConfigError(
+        f'femnist_source.num_clients is {num_clients} but only {len(eligible)} writers have '
+        f'at least {min_examples_per_client} training examples in {path}; ask for fewer '
+        'clients or lower femnist_source.min_examples_per_client.')
+  rng = np.random.default_rng(seed)
+  chosen = [eligible[i] for i in np.sort(rng.choice(len(eligible), size=num_clients,
+                                                    replace=False))]
+
+  num_classes = 10 if only_digits else 62
+  splits = []
+  for client_data in (train, test):
+    xs, ys, parts, start = [], [], [], 0
+    for writer in chosen:
+      x, y = _writer_arrays(client_data, writer)
+      xs.append(x)
+      ys.append(y)
+      parts.append(np.arange(start, start + len(y), dtype=np.int64))
+      start += len(y)
+    splits.append((np.concatenate(xs), np.concatenate(ys), parts))
+  (x_train, y_train, train_parts), (x_test, y_test, test_parts) = splits
+  for writer, part in zip(chosen, train_parts):
+    if part.size == 0:
+      raise DataError(f'writer {writer!r} has no training examples in {path} although its '
+                      'metadata lists some; the database is inconsistent, download it again.')
+  labels = np.concatenate([y_train, y_test])
+  if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+    raise DataError(f'{path} has label {labels.max()} outside [0, {num_classes}) for '
+                    f'only_digits={only_digits}; the database is not TFF\'s EMNIST.')
+  if not len(y_test):
+    raise DataError(f'the {num_clients} chosen writers have no test examples in {path}; '
+                    'the database is inconsistent, download it again.')
+  return ArrayDataset(name='femnist_digits' if only_digits else 'femnist',
+                      x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test,
+                      num_classes=num_classes, natural_partition=train_parts,
+                      natural_test_partition=test_parts)
 
 
 @gin.configurable('synthetic_source')
