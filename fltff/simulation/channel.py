@@ -1,0 +1,367 @@
+"""Wireless channel and system-time model of a synchronous FL round (pure NumPy).
+
+The model follows the simulation setting of the KAPC paper (IEEE TMC 2024, Table 4) and turns
+the bytes a client downloads and uploads into seconds, so that rounds can be reported as in the
+paper's Table 5 (download, computation, upload, server time and round time).
+
+Model and assumptions:
+
+* Clients. Each of the N clients gets a bandwidth b_i, a transmit power p_i and a distance d_i
+  to the server, drawn once and independently, uniformly in the given ranges, from
+  `np.random.default_rng(seed)` (bandwidth first, then power, then distance, N values each).
+  Defaults (Table 4): b_i in [10, 30] MHz, p_i in [23, 30] dBm, d_i in [100, 500] m. The power
+  is drawn uniformly in dBm (not in watts). The draw does not change during a run: there is no
+  mobility and no small-scale fading, so a client's rates are the same in every round.
+* Server. Bandwidth B_s = 50 MHz and transmit power P_s = 30 dBm.
+* Path loss. Large-scale only, -40 dB at the reference distance of 1 m with exponent 4, so the
+  linear channel gain is g_i = 10^(-40/10) * d_i^(-4). Uplink and downlink share the gain
+  (reciprocal channel).
+* Noise. Power spectral density N0 = -174 dBm/Hz, so the noise power over a bandwidth B is
+  N0 * B (in watts). Powers convert as P[W] = 10^((P[dBm] - 30) / 10).
+* Interference. One additive interference power I, the same for every client and link. The
+  paper includes interference in the SINR but does not state a value we could use, so it is a
+  gin parameter (`interference_dbm`, default -100 dBm, comparable to the thermal noise over
+  10-30 MHz, which is -104 to -99 dBm); `None` means no interference.
+* Uplink rate (client i to the server, over the client's own bandwidth, Shannon capacity):
+  r_up_i = b_i * log2(1 + p_i g_i / (N0 b_i + I)) bit/s.
+* Downlink rate (server to client i). With `share_downlink=True` (default; our assumption, the
+  paper does not say how the server's band is divided) the server's bandwidth is split equally
+  among the K clients receiving in the round, each getting B_s / K at the full power P_s:
+  r_down_i = (B_s/K) * log2(1 + P_s g_i / (N0 B_s/K + I)). With `share_downlink=False` every
+  receiver gets the whole B_s (K = 1 in the formula), e.g. for a broadcast of the global model.
+* Times. Upload t_up_i = 8 * bytes_up_i / r_up_i and download t_down_i = 8 * bytes_down_i /
+  r_down_i seconds; no protocol overhead, retransmissions or propagation delay.
+* Rounds are synchronous: the server waits for the slowest participant, so the round time is
+  max_i(download_i + compute_i + upload_i) + server time (`round_time_breakdown`).
+* Deadlines (`deadline_epochs`) tie system heterogeneity to the channel: a client runs only the
+  whole local epochs that fit into the deadline after its download and upload, and a client
+  for which none fits misses the round.
+
+With the default parameters the path loss dominates: at 100 m the uplink SINR is roughly -0.5 to
+8.5 dB (13-74 Mbit/s, a 1 MB upload in 0.1-0.6 s), at 500 m roughly -28 to -19 dB (0.03-0.3
+Mbit/s, 25-245 s for 1 MB). The downlink with the whole 50 MHz (K = 1) gives about 106 Mbit/s
+at 100 m and 0.39 Mbit/s at 500 m (1 MB in 0.08-21 s); shared among K receivers it is slower
+again. Cell-edge clients are therefore slow, a consequence of the path loss (with no
+interference at all a 1 MB upload from 500 m still takes 14-70 s), not of the interference
+default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence, Union
+
+import gin
+import numpy as np
+
+from fltff.errors import ConfigError
+
+ArrayLike = Union[float, int, Sequence[float], np.ndarray]
+
+# Relative slack when counting the whole epochs that fit into a deadline, so that a fit that is
+# exact on paper (e.g. (0.7 - 0.1 - 0.3) / 0.1 = 3) is not lost to floating-point rounding.
+_EPOCH_FIT_SLACK = 1e-9
+
+
+def dbm_to_watts(dbm: ArrayLike) -> np.ndarray:
+  """Converts a power in dBm to watts: 10^((dBm - 30) / 10)."""
+  return np.power(10.0, (np.asarray(dbm, dtype=np.float64) - 30.0) / 10.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelParams:
+  """Per-client channel parameters, one entry per client.
+
+  Attributes:
+    bandwidth_hz: Uplink bandwidth b_i of each client, in Hz.
+    power_dbm: Transmit power p_i of each client, in dBm.
+    distance_m: Distance d_i of each client to the server, in metres.
+  """
+  bandwidth_hz: np.ndarray
+  power_dbm: np.ndarray
+  distance_m: np.ndarray
+
+
+def _check_range(name: str, value: Sequence[float], positive: bool) -> tuple[float, float]:
+  """Returns `value` as a (low, high) pair of floats, or raises ConfigError."""
+  try:
+    low, high = (float(v) for v in value)
+  except (TypeError, ValueError):
+    raise ConfigError(f'channel_model.{name} must be a (low, high) pair of numbers, '
+                      f'got {value!r}.') from None
+  if not (math.isfinite(low) and math.isfinite(high)):
+    raise ConfigError(f'channel_model.{name} must be finite, got {value!r}.')
+  if low > high:
+    raise ConfigError(f'channel_model.{name} must have low <= high, got {value!r}.')
+  if positive and low <= 0:
+    raise ConfigError(f'channel_model.{name} must be positive, got {value!r}.')
+  return low, high
+
+
+def _check_number(name: str, value: float, positive: bool = False) -> float:
+  """Returns `value` as a finite float (positive if asked), or raises ConfigError."""
+  try:
+    value = float(value)
+  except (TypeError, ValueError):
+    raise ConfigError(f'channel_model.{name} must be a number, got {value!r}.') from None
+  if not math.isfinite(value) or (positive and value <= 0):
+    kind = 'a positive number' if positive else 'a finite number'
+    raise ConfigError(f'channel_model.{name} must be {kind}, got {value!r}.')
+  return value
+
+
+def _as_seconds(name: str, values: ArrayLike) -> np.ndarray:
+  """A 1-D float array of non-negative, finite per-client seconds, or ConfigError."""
+  array = np.asarray(values, dtype=np.float64)
+  if array.ndim != 1:
+    raise ConfigError(f'{name} must be a 1-D array with one entry per client, '
+                      f'got shape {array.shape}.')
+  if np.any(~np.isfinite(array)) or np.any(array < 0):
+    raise ConfigError(f'{name} must be finite and non-negative.')
+  return array
+
+
+@gin.configurable('channel_model')
+class ChannelModel:
+  """Uplink/downlink rates and transfer times of N clients (see the module docstring).
+
+  Attributes:
+    num_clients: Number of clients N.
+    params: The per-client parameters drawn from `seed`.
+  """
+
+  def __init__(self,
+               num_clients: int,
+               seed: int = 0,
+               bandwidth_mhz: Sequence[float] = (10.0, 30.0),
+               power_dbm: Sequence[float] = (23.0, 30.0),
+               distance_m: Sequence[float] = (100.0, 500.0),
+               server_bandwidth_mhz: float = 50.0,
+               server_power_dbm: float = 30.0,
+               path_loss_db_at_1m: float = -40.0,
+               path_loss_exponent: float = 4.0,
+               noise_dbm_per_hz: float = -174.0,
+               interference_dbm: Optional[float] = -100.0,
+               share_downlink: bool = True):
+    """Draws the per-client parameters.
+
+    Args:
+      num_clients: Number of clients N (at least 1).
+      seed: Seed of the draw; the same seed gives the same parameters.
+      bandwidth_mhz: (low, high) range of the clients' uplink bandwidths, in MHz.
+      power_dbm: (low, high) range of the clients' transmit powers, in dBm.
+      distance_m: (low, high) range of the clients' distances to the server, in metres.
+      server_bandwidth_mhz: The server's downlink bandwidth B_s, in MHz.
+      server_power_dbm: The server's transmit power P_s, in dBm.
+      path_loss_db_at_1m: Path loss at the 1 m reference distance, in dB (negative).
+      path_loss_exponent: Path-loss exponent (4: g = 10^(PL/10) * d^-4).
+      noise_dbm_per_hz: Noise power spectral density N0, in dBm/Hz.
+      interference_dbm: Additive interference power I, in dBm; None for no interference.
+      share_downlink: Split B_s equally among the receivers of a round (True) or give each
+        receiver the whole B_s (False).
+
+    Raises:
+      ConfigError: A parameter is out of range.
+    """
+    if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)):
+      raise ConfigError(f'channel_model.num_clients must be an integer, got {num_clients!r}.')
+    if num_clients < 1:
+      raise ConfigError(f'channel_model.num_clients must be at least 1, got {num_clients}.')
+    bandwidth = _check_range('bandwidth_mhz', bandwidth_mhz, positive=True)
+    power = _check_range('power_dbm', power_dbm, positive=False)
+    distance = _check_range('distance_m', distance_m, positive=True)
+    self._server_bandwidth_hz = 1e6 * _check_number('server_bandwidth_mhz',
+                                                    server_bandwidth_mhz, positive=True)
+    self._server_power_w = float(dbm_to_watts(_check_number('server_power_dbm',
+                                                            server_power_dbm)))
+    self._path_loss_db = _check_number('path_loss_db_at_1m', path_loss_db_at_1m)
+    self._path_loss_exponent = _check_number('path_loss_exponent', path_loss_exponent,
+                                             positive=True)
+    self._noise_w_per_hz = float(dbm_to_watts(_check_number('noise_dbm_per_hz',
+                                                            noise_dbm_per_hz)))
+    if interference_dbm is None:
+      self._interference_w = 0.0
+    else:
+      self._interference_w = float(dbm_to_watts(_check_number('interference_dbm',
+                                                              interference_dbm)))
+    self._share_downlink = bool(share_downlink)
+    self.num_clients = int(num_clients)
+
+    rng = np.random.default_rng(seed)
+    self.params = ChannelParams(
+        bandwidth_hz=1e6 * rng.uniform(*bandwidth, size=self.num_clients),
+        power_dbm=rng.uniform(*power, size=self.num_clients),
+        distance_m=rng.uniform(*distance, size=self.num_clients))
+    for field in dataclasses.fields(self.params):
+      getattr(self.params, field.name).setflags(write=False)
+    self._gain = (10.0 ** (self._path_loss_db / 10.0)
+                  * self.params.distance_m ** (-self._path_loss_exponent))
+
+  def _indices(self, clients: ArrayLike) -> np.ndarray:
+    """`clients` as a 1-D integer index array, checked against the number of clients."""
+    indices = np.asarray(clients)
+    if indices.ndim == 0:
+      indices = indices.reshape(1)
+    if indices.ndim != 1 or (indices.size and not np.issubdtype(indices.dtype, np.integer)):
+      raise ConfigError(f'Client indices must be a 1-D sequence of integers, got {clients!r}.')
+    if indices.size and (indices.min() < 0 or indices.max() >= self.num_clients):
+      raise ConfigError(f'Client indices must be in [0, {self.num_clients}), got '
+                        f'{indices.min()}..{indices.max()}.')
+    return indices.astype(np.int64)
+
+  def gain(self, clients: ArrayLike) -> np.ndarray:
+    """Linear channel gains g_i = 10^(PL/10) * d_i^(-exponent) of the given clients."""
+    return self._gain[self._indices(clients)]
+
+  def uplink_rate(self, clients: ArrayLike) -> np.ndarray:
+    """Uplink rates b_i log2(1 + p_i g_i / (N0 b_i + I)) of the given clients, in bit/s."""
+    indices = self._indices(clients)
+    bandwidth = self.params.bandwidth_hz[indices]
+    power = dbm_to_watts(self.params.power_dbm[indices])
+    sinr = power * self._gain[indices] / (self._noise_w_per_hz * bandwidth
+                                          + self._interference_w)
+    return bandwidth * np.log2(1.0 + sinr)
+
+  def downlink_rate(self, clients: ArrayLike,
+                    num_receivers: Optional[int] = None) -> np.ndarray:
+    """Downlink rates of the given clients, in bit/s.
+
+    Args:
+      clients: Indices of the clients receiving in the round.
+      num_receivers: Number K of receivers sharing the server's bandwidth; defaults to
+        `len(clients)`. Ignored (K = 1) when the model was built with `share_downlink=False`.
+
+    Returns:
+      (B_s/K) log2(1 + P_s g_i / (N0 B_s/K + I)) for each client.
+    """
+    indices = self._indices(clients)
+    if num_receivers is None:
+      num_receivers = max(len(indices), 1)
+    elif (isinstance(num_receivers, bool) or not isinstance(num_receivers, (int, np.integer))
+          or num_receivers < 1):
+      raise ConfigError(f'num_receivers must be a positive integer, got {num_receivers!r}.')
+    shares = num_receivers if self._share_downlink else 1
+    bandwidth = self._server_bandwidth_hz / shares
+    sinr = self._server_power_w * self._gain[indices] / (self._noise_w_per_hz * bandwidth
+                                                        + self._interference_w)
+    return bandwidth * np.log2(1.0 + sinr)
+
+  def _bits(self, name: str, num_bytes: ArrayLike, count: int) -> np.ndarray:
+    """Per-client bits from a scalar or per-client byte count, checked."""
+    array = np.asarray(num_bytes, dtype=np.float64)
+    if array.ndim > 1 or (array.ndim == 1 and array.shape[0] != count):
+      raise ConfigError(f'{name} must be a scalar or one value per client ({count}), '
+                        f'got shape {array.shape}.')
+    if np.any(~np.isfinite(array)) or np.any(array < 0):
+      raise ConfigError(f'{name} must be finite and non-negative, got {num_bytes!r}.')
+    return 8.0 * np.broadcast_to(array, (count,))
+
+  def upload_seconds(self, clients: ArrayLike, bytes_up: ArrayLike) -> np.ndarray:
+    """Seconds 8 * bytes_up_i / r_up_i to upload `bytes_up` (scalar or per client)."""
+    rate = self.uplink_rate(clients)
+    return self._bits('bytes_up', bytes_up, len(rate)) / rate
+
+  def download_seconds(self, clients: ArrayLike, bytes_down: ArrayLike,
+                       num_receivers: Optional[int] = None) -> np.ndarray:
+    """Seconds 8 * bytes_down_i / r_down_i to download `bytes_down` (scalar or per client).
+
+    Args:
+      clients: Indices of the clients receiving in the round.
+      bytes_down: Bytes each client downloads, a scalar or one value per client.
+      num_receivers: As in `downlink_rate`; defaults to `len(clients)`.
+
+    Returns:
+      Download seconds of each client.
+    """
+    rate = self.downlink_rate(clients, num_receivers)
+    return self._bits('bytes_down', bytes_down, len(rate)) / rate
+
+
+def round_time_breakdown(download_s: ArrayLike, compute_s: ArrayLike, upload_s: ArrayLike,
+                         server_s: float) -> dict:
+  """Per-round time figures of a synchronous round, as in the KAPC paper's Table 5.
+
+  Args:
+    download_s: Download seconds of each participant.
+    compute_s: Local computation seconds of each participant.
+    upload_s: Upload seconds of each participant.
+    server_s: Server-side seconds of the round (aggregation etc.).
+
+  Returns:
+    A dict with the participants' mean 'download_seconds', 'compute_seconds' and
+    'upload_seconds', the 'server_seconds', the 'round_seconds'
+    max_i(download_i + compute_i + upload_i) + server_s (the server waits for the slowest
+    participant) and 'slowest_client_position', the position of that participant in the
+    inputs (the first one on ties).
+
+  Raises:
+    ConfigError: The inputs are empty, of different lengths, negative or not finite.
+  """
+  download = _as_seconds('download_s', download_s)
+  compute = _as_seconds('compute_s', compute_s)
+  upload = _as_seconds('upload_s', upload_s)
+  if not len(download) == len(compute) == len(upload):
+    raise ConfigError(f'download_s, compute_s and upload_s must have one entry per client '
+                      f'each, got lengths {len(download)}, {len(compute)} and {len(upload)}.')
+  if not len(download):
+    raise ConfigError('round_time_breakdown needs at least one client.')
+  server = float(server_s)
+  if not math.isfinite(server) or server < 0:
+    raise ConfigError(f'server_s must be finite and non-negative, got {server_s!r}.')
+  total = download + compute + upload
+  slowest = int(np.argmax(total))
+  return {
+      'download_seconds': float(np.mean(download)),
+      'compute_seconds': float(np.mean(compute)),
+      'upload_seconds': float(np.mean(upload)),
+      'server_seconds': server,
+      'round_seconds': float(total[slowest]) + server,
+      'slowest_client_position': slowest,
+  }
+
+
+def deadline_epochs(download_s: ArrayLike, upload_s: ArrayLike, seconds_per_epoch: ArrayLike,
+                    epochs: int, deadline_s: Optional[float]) -> np.ndarray:
+  """Whole local epochs each client completes within a round deadline.
+
+  This ties system heterogeneity to the channel: a client far from the server spends more of
+  the deadline transferring the model and has less left for local training. Each client runs
+  floor((deadline - download - upload) / seconds_per_epoch) epochs, clipped to [0, epochs];
+  0 means the client misses the round (it is dropped). A fit that is exact up to a relative
+  1e-9 counts as a fit, so floating-point rounding does not lose an epoch.
+
+  Args:
+    download_s: Download seconds of each client.
+    upload_s: Upload seconds of each client.
+    seconds_per_epoch: Seconds of one local epoch, a positive scalar or one per client.
+    epochs: The configured number of local epochs E (at least 1).
+    deadline_s: Round deadline in seconds, or None for no deadline (every client runs E).
+
+  Returns:
+    An int64 array of epochs per client, each in [0, epochs].
+
+  Raises:
+    ConfigError: Lengths differ, or a value is out of range.
+  """
+  download = _as_seconds('download_s', download_s)
+  upload = _as_seconds('upload_s', upload_s)
+  if len(download) != len(upload):
+    raise ConfigError(f'download_s and upload_s must have one entry per client each, got '
+                      f'lengths {len(download)} and {len(upload)}.')
+  per_epoch = np.asarray(seconds_per_epoch, dtype=np.float64)
+  if per_epoch.ndim > 1 or (per_epoch.ndim == 1 and len(per_epoch) != len(download)):
+    raise ConfigError(f'seconds_per_epoch must be a scalar or one value per client '
+                      f'({len(download)}), got shape {per_epoch.shape}.')
+  if np.any(~np.isfinite(per_epoch)) or np.any(per_epoch <= 0):
+    raise ConfigError('seconds_per_epoch must be positive and finite.')
+  if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
+    raise ConfigError(f'epochs must be a positive integer, got {epochs!r}.')
+  if deadline_s is None:
+    return np.full(len(download), int(epochs), dtype=np.int64)
+  deadline = float(deadline_s)
+  if not math.isfinite(deadline) or deadline <= 0:
+    raise ConfigError(f'deadline_s must be a positive number or None, got {deadline_s!r}.')
+  fit = np.floor((deadline - download - upload) / per_epoch * (1.0 + _EPOCH_FIT_SLACK))
+  # A negative room times (1 + slack) only gets more negative, so the clip handles it.
+  return np.clip(fit, 0, epochs).astype(np.int64)
