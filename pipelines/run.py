@@ -89,8 +89,10 @@ def main(argv) -> int:
       rt.close()
     else:
       runtime.release_default_context()
-  acc = summary.get('final_accuracy')
-  print(f'done: {summary["rounds_completed"]} rounds, final test accuracy '
+  acc, label = summary.get('final_accuracy'), 'final test accuracy'
+  if acc is None and summary.get('final_mean_local_accuracy') is not None:
+    acc, label = summary['final_mean_local_accuracy'], 'final mean local accuracy'
+  print(f'done: {summary["rounds_completed"]} rounds, {label} '
         f'{acc if acc is None else round(acc, 4)}; outputs in {output_dir}')
   return 0
 

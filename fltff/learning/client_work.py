@@ -58,14 +58,16 @@ def client_input(batches: tf.data.Dataset, client_index: int, epochs: int,
                  client_state: Optional[Sequence[np.ndarray]] = None):
   """Packs one participant's batches and info in the layout `build_client_work` expects.
 
-  `client_state` (a flat sequence of arrays, e.g. SCAFFOLD's control variate c_i) travels as a
-  one-element dataset under `state`, for the same reason as `info`.
+  `client_state` (a nested structure of arrays: SCAFFOLD's control variate c_i, KAPC's personal
+  model) travels as a one-element dataset under `state`, for the same reason as `info`.
   """
   info = tf.data.Dataset.from_tensors(
       collections.OrderedDict(client_index=np.int32(client_index), epochs=np.int32(epochs)))
   out = collections.OrderedDict(batches=batches, info=info)
   if client_state is not None:
-    out['state'] = tf.data.Dataset.from_tensors(tuple(np.asarray(x) for x in client_state))
+    if isinstance(client_state, list):
+      client_state = tuple(client_state)  # tf.data reads a list as one stacked tensor.
+    out['state'] = tf.data.Dataset.from_tensors(tf.nest.map_structure(np.asarray, client_state))
   return out
 
 
@@ -110,7 +112,8 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
   """Returns a `tf.function` running the local epochs on `model` (a `VariableModel`).
 
   The function maps `(initial_weights, batches, info)` to an OrderedDict with `trained` (the
-  trainable weights after training), `examples_per_epoch`, `steps` (optimizer steps taken),
+  trainable weights after training), `non_trainable` (e.g. BatchNorm statistics after
+  training), `examples_per_epoch`, `steps` (optimizer steps taken),
   `metrics` (unfinalized) and, with `latent_fn`, `latent_mean` (the mean of
   `latent_fn(x)` over the client's data with the trained weights). Everything is read inside
   the function: read outside, in a graph-mode `tff.tensorflow.computation`, variables would not
@@ -185,6 +188,7 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
                                                                  optimizer_state, gradient_sum)
     result = collections.OrderedDict(
         trained=tuple(v.read_value() for v in variables),
+        non_trainable=tuple(v.read_value() for v in tf.nest.flatten(model_weights.non_trainable)),
         examples_per_epoch=examples // tf.cast(tf.maximum(epochs, 1), tf.int64),
         steps=steps,
         metrics=model.report_local_unfinalized_metrics())

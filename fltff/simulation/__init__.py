@@ -1,5 +1,6 @@
 """Round driver: sampling, evaluation, metrics, checkpoints, per-client state store."""
 
+from fltff.simulation.channel import ChannelModel
 from fltff.simulation.checkpoint import Checkpointer
 from fltff.simulation.driver import RoundConfig
 from fltff.simulation.driver import RoundDriver

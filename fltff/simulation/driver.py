@@ -51,6 +51,8 @@ class RoundConfig:
   seed: int = 0
   straggler_fraction: float = 0.0
   straggler_mode: str = 'partial'
+  round_deadline: Optional[float] = None
+  compute_seconds_per_example: float = 1e-4
 
   def validate(self) -> None:
     for name in ('rounds', 'local_epochs', 'batch_size', 'eval_every', 'checkpoint_every'):
@@ -59,6 +61,16 @@ class RoundConfig:
         raise ConfigError(f'experiment.{name} must be a positive integer, got {value!r}.')
     sampling.straggler_plan(np.arange(1), self.local_epochs, self.straggler_fraction,
                             self.straggler_mode, self.seed, 1)  # Validates both settings.
+    if self.round_deadline is not None and not self.round_deadline > 0:
+      raise ConfigError(f'experiment.round_deadline must be > 0 seconds (or None), got '
+                        f'{self.round_deadline!r}.')
+    if not self.compute_seconds_per_example > 0:
+      raise ConfigError('experiment.compute_seconds_per_example must be > 0, got '
+                        f'{self.compute_seconds_per_example!r}.')
+
+
+def _finite(value) -> bool:
+  return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _finite_tree(structure) -> bool:
@@ -71,8 +83,12 @@ class RoundDriver:
 
   def __init__(self, algorithm, data, config: RoundConfig, output_dir: str,
                progress: Callable[[str], None] = print, runtime=None, personalization=None,
-               stop_event=None):
+               stop_event=None, channel=None):
     config.validate()
+    if config.round_deadline is not None and channel is None:
+      raise ConfigError('experiment.round_deadline needs a channel model: set '
+                        'experiment.channel = @channel_model.')
+    self.channel = channel
     # With a `TffRuntime`, computations run with failover (a lost worker's round is repeated
     # on the others); the round's inputs are deterministic, so the repeat is exact.
     self.call = runtime.call if runtime is not None else (lambda fn, *a: fn(*a))
@@ -89,7 +105,7 @@ class RoundDriver:
     # (SCAFFOLD's controls): two stores, both saved in checkpoints.
     self.client_states = ClientStateStore()
     self.method_states = None
-    if algorithm.client_state_init is not None:
+    if getattr(algorithm, 'client_state_init', None) is not None:
       self.method_states = ClientStateStore(lambda k: algorithm.client_state_init())
     self.outputs = RunOutputs(output_dir)
     self.checkpointer = Checkpointer(output_dir)
@@ -97,6 +113,7 @@ class RoundDriver:
     self.rows: list[dict] = []
     self.personalization = personalization
     self.stop_event = stop_event
+    self._round_clients: list[int] = []
     if personalization is not None and data.local_test_indices is None:
       raise ConfigError('Personalised evaluation needs local test splits: set '
                         'federated_data.local_test_examples > 0.')
@@ -118,6 +135,58 @@ class RoundDriver:
       inputs.append(client_input(ds, int(k), e, client_state=state))
     return inputs
 
+  def plan_round(self, round_num: int):
+    """Participants and their local epochs: `(clients, epochs by client, dropped)`.
+
+    Stragglers come from `straggler_fraction` (a coin flip) or, with `round_deadline` and a
+    channel model, from the channel: a client runs the whole epochs that fit into the deadline
+    after its (full-size) download and upload, with compute time
+    `compute_seconds_per_example` × its examples per epoch; none fitting drops it.
+    """
+    cfg = self.config
+    sampled = sampling.sample_clients(self.num_clients, self.participants, cfg.seed, round_num)
+    epochs, dropped = sampling.straggler_plan(sampled, cfg.local_epochs, cfg.straggler_fraction,
+                                              cfg.straggler_mode, cfg.seed, round_num)
+    if cfg.round_deadline is not None:
+      from fltff.simulation.channel import deadline_epochs  # pylint: disable=g-import-not-at-top
+      ks = np.asarray([int(k) for k in sampled])
+      sizes = np.asarray([len(self.data.train_indices[k]) for k in ks], np.float64)
+      fit = deadline_epochs(
+          self.channel.download_seconds(ks, self.algorithm_bytes_down(), len(ks)),
+          self.channel.upload_seconds(ks, self.algorithm_bytes_up()),
+          sizes * cfg.compute_seconds_per_example, cfg.local_epochs, cfg.round_deadline)
+      epochs = {int(k): min(int(epochs[int(k)]), int(e)) for k, e in zip(ks, fit)}
+      dropped = set(dropped) | {int(k) for k, e in zip(ks, fit) if e == 0}
+    clients = [int(k) for k in sampled if int(k) not in dropped]
+    self._round_clients = clients
+    return clients, epochs, dropped
+
+  def algorithm_bytes_down(self) -> int:
+    return self.algorithm.bytes_down_per_client
+
+  def algorithm_bytes_up(self) -> int:
+    return self.algorithm.bytes_up_per_client
+
+  def system_columns(self, clients: Sequence[int], epochs: dict, bytes_down, bytes_up,
+                     train_seconds: float, server_seconds: float) -> dict:
+    """The round's simulated time breakdown (KAPC paper, Table 5) from the channel model.
+
+    Per-client compute is the round's measured training time apportioned by work (examples ×
+    epochs), i.e. as if the clients had run one after another on this machine.
+    """
+    if self.channel is None or not clients:
+      return {}
+    from fltff.simulation.channel import round_time_breakdown  # pylint: disable=g-import-not-at-top
+    ks = np.asarray(clients)
+    work = np.asarray([len(self.data.train_indices[k]) * max(epochs[k], 0) for k in clients],
+                      np.float64)
+    compute = train_seconds * work / max(work.sum(), 1.0)
+    times = round_time_breakdown(self.channel.download_seconds(ks, bytes_down),
+                                 compute, self.channel.upload_seconds(ks, bytes_up),
+                                 server_seconds)
+    return {f'sim_{key}': float(value) for key, value in times.items()
+            if key != 'slowest_client_position'}
+
   def run_round(self, state, round_num: int):
     """One round; returns `(new_state, metrics_row, pending client states)`.
 
@@ -126,10 +195,7 @@ class RoundDriver:
     to be good, so a diverged round leaves the stores as checkpointed.
     """
     cfg = self.config
-    sampled = sampling.sample_clients(self.num_clients, self.participants, cfg.seed, round_num)
-    epochs, dropped = sampling.straggler_plan(sampled, cfg.local_epochs, cfg.straggler_fraction,
-                                              cfg.straggler_mode, cfg.seed, round_num)
-    clients = [int(k) for k in sampled if int(k) not in dropped]
+    clients, epochs, dropped = self.plan_round(round_num)
     inputs = self.client_inputs(round_num, clients, epochs)
     start = time.perf_counter()
     output = self.call(self.process.next, state, inputs)
@@ -163,6 +229,8 @@ class RoundDriver:
         'round_seconds': seconds,
     }
     row.update(scalars)
+    row.update(self.system_columns(clients, epochs, self.algorithm.bytes_down_per_client,
+                                   self.algorithm.bytes_up_per_client, seconds, 0.0))
     if arrays:
       self.outputs.log_arrays(round_num, arrays)
     return output.state, row, pending
@@ -174,9 +242,22 @@ class RoundDriver:
     x, y = self.data.central_test()
     result = self.evaluator.evaluate(x, y)
     out = {'test_loss': result['loss'], 'test_accuracy': result['accuracy']}
+    if self.data.local_test_indices is not None:
+      out['mean_local_accuracy'] = self.mean_local_accuracy(lambda k: global_weights)
     if self.personalization is not None:
       out.update(self.evaluate_personalized(global_weights))
     return out
+
+  def mean_local_accuracy(self, weights_of: Callable[[int], Any]) -> float:
+    """Mean accuracy of the round's clients on their own local test splits (the pFL metric
+    of the KAPC paper's Tables 1–2), each with the model `weights_of(client)`."""
+    accuracies = []
+    for k in self._round_clients:
+      x, y = self.data.local_test_arrays(k)
+      if len(y):
+        self.evaluator.set_weights(weights_of(k))
+        accuracies.append(self.evaluator.evaluate(x, y)['accuracy'])
+    return float(np.mean(accuracies)) if accuracies else float('nan')
 
   def evaluate_personalized(self, global_weights) -> dict[str, float]:
     """Mean over clients of accuracy on their own local test split: personalised and global.
@@ -224,8 +305,7 @@ class RoundDriver:
   # -- the loop ----------------------------------------------------------------------------
   def run(self, resume: bool = False) -> dict:
     cfg = self.config
-    state = self.call(self.process.initialize)
-    state = self.process.set_model_weights(state, self.algorithm.model_spec.initial_weights())
+    state = self.initial_state()
     start_round = 1
     if resume:
       if self.checkpointer.latest_round() is None:
@@ -245,8 +325,7 @@ class RoundDriver:
     try:
       for r in range(start_round, cfg.rounds + 1):
         new_state, row, pending = self.run_round(state, r)
-        if not math.isfinite(row['train_loss']) or not _finite_tree(
-            self.process.get_model_weights(new_state).trainable):
+        if not math.isfinite(row['train_loss']) or not self.is_finite(new_state, pending):
           raise DivergenceError(
               f'Training diverged in round {r}: the loss or the model weights became NaN/inf. '
               f'Rounds 1-{r - 1} are kept in the checkpoint under {self.checkpointer.directory}; '
@@ -257,6 +336,12 @@ class RoundDriver:
             getattr(self, store_name).set(k, client_state)
         if r % cfg.eval_every == 0 or r == cfg.rounds:
           row.update(self.evaluate(state))
+        previous = self.rows[-1] if self.rows else {}
+        row['mb_down_cumulative'] = previous.get('mb_down_cumulative', 0.0) + row['bytes_down'] / 1e6
+        row['mb_up_cumulative'] = previous.get('mb_up_cumulative', 0.0) + row['bytes_up'] / 1e6
+        if 'sim_round_seconds' in row:
+          row['sim_time_cumulative'] = (previous.get('sim_time_cumulative', 0.0) +
+                                        row['sim_round_seconds'])
         self.rows.append(row)
         last_good = (r, state)
         self.outputs.log_scalars(row)
@@ -266,7 +351,7 @@ class RoundDriver:
           last_saved = r
         done = r - start_round + 1
         eta = (time.perf_counter() - t0) / done * (cfg.rounds - r)
-        acc = row.get('test_accuracy')
+        acc = row.get('test_accuracy', row.get('mean_local_accuracy'))
         self.progress(
             f'round {r:4d}/{cfg.rounds} | test acc '
             f'{"  -   " if acc is None else f"{acc:.4f}"} | train loss {row["train_loss"]:.4f} '
@@ -285,10 +370,29 @@ class RoundDriver:
       self.outputs.close()
     return self.summary()
 
+  def initial_state(self):
+    state = self.call(self.process.initialize)
+    return self.process.set_model_weights(state, self.algorithm.model_spec.initial_weights())
+
+  def is_finite(self, new_state, pending) -> bool:
+    del pending
+    return _finite_tree(self.process.get_model_weights(new_state).trainable)
+
   def summary(self) -> dict:
     evals = [r for r in self.rows if 'test_accuracy' in r]
     best = max(evals, key=lambda r: r['test_accuracy']) if evals else None
-    return {
+    local = [r for r in self.rows if _finite(r.get('mean_local_accuracy'))]
+    extra = {}
+    if local:
+      best_local = max(local, key=lambda r: r['mean_local_accuracy'])
+      extra = {'final_mean_local_accuracy': local[-1]['mean_local_accuracy'],
+               'best_mean_local_accuracy': best_local['mean_local_accuracy'],
+               'best_mean_local_round': best_local['round']}
+    if self.rows and 'sim_time_cumulative' in self.rows[-1]:
+      extra['sim_time_total'] = self.rows[-1]['sim_time_cumulative']
+      extra['sim_round_seconds_mean'] = float(np.mean([r['sim_round_seconds']
+                                                       for r in self.rows]))
+    return extra | {
         'method': self.algorithm.name,
         'dataset': self.data.dataset.name,
         'model': self.algorithm.model_spec.name,
@@ -303,6 +407,8 @@ class RoundDriver:
         'bytes_down_total': int(sum(r['bytes_down'] for r in self.rows)),
         'bytes_up_total': int(sum(r['bytes_up'] for r in self.rows)),
         'train_seconds_total': float(sum(r['round_seconds'] for r in self.rows)),
+        'mb_down_total': float(sum(r['bytes_down'] for r in self.rows)) / 1e6,
+        'mb_up_total': float(sum(r['bytes_up'] for r in self.rows)) / 1e6,
     }
 
 
@@ -374,6 +480,9 @@ def run_experiment(output_dir: str,
                    straggler_fraction: float = 0.0,
                    straggler_mode: str = 'partial',
                    personalization: Optional[Callable[..., Any]] = None,
+                   channel: Optional[Callable[..., Any]] = None,
+                   round_deadline: Optional[float] = None,
+                   compute_seconds_per_example: float = 1e-4,
                    progress: Callable[[str], None] = print,
                    stop_event=None) -> dict:
   """Runs one experiment end to end and returns its summary (also in summary.json).
@@ -394,6 +503,11 @@ def run_experiment(output_dir: str,
       `sampling.straggler_plan` ('partial': random epochs in [1, E]; 'drop').
     personalization: Optional builder taking the `ModelSpec` (gin:
       `@fedlap_personalization`); adds personalised evaluation on local test splits.
+    channel: Optional wireless channel model builder taking `num_clients` (gin:
+      `@channel_model`): adds the simulated time breakdown (sim_* columns).
+    round_deadline: Optional deadline in simulated seconds: clients run only the epochs that
+      fit (needs `channel`); see `RoundDriver.plan_round`.
+    compute_seconds_per_example: The deadline's compute model (seconds per example-epoch).
     progress: Where progress lines go.
   """
   from fltff.data import build_federated_data  # pylint: disable=g-import-not-at-top
@@ -404,14 +518,21 @@ def run_experiment(output_dir: str,
                        batch_size=batch_size, eval_every=eval_every,
                        checkpoint_every=checkpoint_every,
                        target_accuracies=tuple(target_accuracies), seed=seed,
-                       straggler_fraction=straggler_fraction, straggler_mode=straggler_mode)
+                       straggler_fraction=straggler_fraction, straggler_mode=straggler_mode,
+                       round_deadline=round_deadline,
+                       compute_seconds_per_example=compute_seconds_per_example)
   config.validate()
   data = build_federated_data()
   model_spec = build_model_spec(data, model, model_seed)
   algorithm = build_method(method, model_spec, data.num_clients())
-  driver = RoundDriver(algorithm, data, config, output_dir, progress=progress, runtime=runtime,
-                       personalization=personalization(model_spec) if personalization else None,
-                       stop_event=stop_event)
+  driver_class = RoundDriver
+  if getattr(algorithm, 'kind', 'global') == 'personalized':
+    from fltff.simulation.personalized import PersonalizedRoundDriver  # pylint: disable=g-import-not-at-top
+    driver_class = PersonalizedRoundDriver
+  driver = driver_class(algorithm, data, config, output_dir, progress=progress, runtime=runtime,
+                        personalization=personalization(model_spec) if personalization else None,
+                        stop_event=stop_event,
+                        channel=channel(num_clients=data.num_clients()) if channel else None)
   driver.outputs.write_json('partition.json', data.summary())
   with open(os.path.join(output_dir, 'config.gin'), 'w') as f:
     f.write(gin.operative_config_str())

@@ -1,0 +1,472 @@
+"""KAPC: personalised FL through a learned layer-wise relationship cube, with BLS.
+
+Source: "Communication-Efficient Personalized Federated Learning ..." (KAPC + BLS, IEEE TMC
+2024), Algorithms 1–5. The server holds R ∈ ℝ^{N×L×N} (each row r_i^l a distribution over
+clients) and the latest model it received from every client (stale layers fill what was not
+uploaded). Per round, for the participants P:
+
+1. slice R to P and renormalise the rows on the slice (Algorithm 5);
+2. personalised server models `s_i^l = Σ_{j∈P} r_ij^l w_j^l` (`personalized_server_models`);
+   BLS (Algorithm 3) skips layer l of client i when `r_ii^l > μ`;
+3. client i trains its own model w_i for E epochs on `f_i(w) + λ Σ_l ||w^l − s_i^l||²` (no
+   term for skipped layers) and uploads its first Ω_i layers (Algorithm 4, `bls.py`);
+4. the server fills the layers not uploaded with its stale copies, then takes E_r gradient
+   steps with learning rate η_r on `λ Σ_l ||s_i^l(R) − w_i^l||² + β/2 Σ_l ||r_i^l − 1/|P| ||²`
+   for every participant (`update_relationship`), projects the rows back onto the simplex
+   (`normalize_rows`: clip at 0, renormalise), and writes the slice back into R scaled by its
+   previous mass, so rows of the whole cube stay normalised.
+
+Assumptions (the paper's text is our only source for these and we state our reading): the
+uniform target of the β term is 1/|P| on the slice (1/N with full participation); the
+projection after each R step is clip-and-renormalise; R starts uniform.
+
+The same process, with another relationship rule, gives personalised baselines:
+`'fixed'` (R never updated: with the identity and λ = 0 it is purely local training; with
+the identity it is local training with a proximal term to the client's own previous model),
+`'attentive'` (FedAMP, Huang et al. AAAI 2021: r_ij ∝ α·exp(−||w_i − w_j||²/σ)/σ for j ≠ i,
+r_ii = 1 − Σ_{j≠i} r_ij, whole-model distances), `'sample_weighted'` with `start_from='server'`
+(clients start from r_i·W with r_ij = n_j/Σn: FedAvg's aggregate, personalised only in the
+layers kept local; FedBN keeps normalisation layers local).
+
+Single pass (DESIGN.md): the server's pre-step depends only on its state and inputs, the
+clients' results come back through one gathering aggregate, the R update is server math.
+Non-trainable weights (BatchNorm statistics) stay in the client's personal model.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import Optional
+
+import gin
+import numpy as np
+import tensorflow as tf
+
+from fltff.errors import ConfigError
+from fltff.learning import client_work as client_work_lib
+from fltff.learning import optimizers
+from fltff.learning.model_spec import ModelSpec
+from fltff.personalization import bls
+
+RULES = ('learned', 'fixed', 'attentive', 'sample_weighted')
+
+
+# --- equations --------------------------------------------------------------------------------
+def normalize_rows(relation: tf.Tensor) -> tf.Tensor:
+  """Projects rows (last axis) onto the simplex by clipping at 0 and renormalising.
+
+  A row that clips to all zeros becomes uniform.
+  """
+  clipped = tf.maximum(relation, 0.0)
+  total = tf.reduce_sum(clipped, axis=-1, keepdims=True)
+  uniform = tf.ones_like(clipped) / tf.cast(tf.shape(clipped)[-1], clipped.dtype)
+  return tf.where(total > 0, clipped / tf.where(total > 0, total, 1.0), uniform)
+
+
+def personalized_server_models(relation: tf.Tensor, models: Sequence[tf.Tensor],
+                               layer_of: Sequence[int]) -> list[tf.Tensor]:
+  """`s_i^l = Σ_j r_ij^l w_j^l` (KAPC, Algorithm 1) for every tensor of every layer.
+
+  Args:
+    relation: `[P, L, P]` relationship slice (rows sum to 1).
+    models: Per trainable tensor t, the participants' values stacked `[P, ...]`.
+    layer_of: For each tensor, the index of its layer in the grouping.
+  """
+  out = []
+  for w, layer in zip(models, layer_of):
+    flat = tf.reshape(w, [tf.shape(w)[0], -1])
+    out.append(tf.reshape(tf.matmul(relation[:, layer, :], flat), tf.shape(w)))
+  return out
+
+
+def relationship_objective(relation: tf.Tensor, models: Sequence[tf.Tensor],
+                           layer_of: Sequence[int], lambda_: float, beta: float) -> tf.Tensor:
+  """`Σ_i [λ Σ_l ||s_i^l(R) − w_i^l||² + β/2 Σ_l ||r_i^l − 1/P||²]` (KAPC's R-step objective)."""
+  s = personalized_server_models(relation, models, layer_of)
+  fit = tf.add_n([tf.reduce_sum(tf.square(a - w)) for a, w in zip(s, models)])
+  num = tf.cast(tf.shape(relation)[-1], relation.dtype)
+  return lambda_ * fit + 0.5 * beta * tf.reduce_sum(tf.square(relation - 1.0 / num))
+
+
+def update_relationship(relation: tf.Tensor, models: Sequence[tf.Tensor],
+                        layer_of: Sequence[int], lambda_: float, beta: float,
+                        learning_rate: float, steps: int) -> tf.Tensor:
+  """E_r projected gradient steps on `relationship_objective` (KAPC, Algorithm 2)."""
+  for _ in range(steps):
+    with tf.GradientTape() as tape:
+      tape.watch(relation)
+      loss = relationship_objective(relation, models, layer_of, lambda_, beta)
+    relation = normalize_rows(relation - learning_rate * tape.gradient(loss, relation))
+  return relation
+
+
+def attentive_relationship(models: Sequence[tf.Tensor], num_layers: int, sigma: float,
+                           alpha: float) -> tf.Tensor:
+  """FedAMP's message-passing weights (Huang et al., AAAI 2021, eq. (8)) as a `[P, L, P]` slice.
+
+  `ξ_ij = α A'(||w_i − w_j||²)` with `A(x) = 1 − exp(−x/σ)` for j ≠ i, `ξ_ii = 1 − Σ_{j≠i} ξ_ij`,
+  the same for every layer (FedAMP is not layer-wise); rows projected onto the simplex.
+  """
+  flat = tf.concat([tf.reshape(w, [tf.shape(w)[0], -1]) for w in models], axis=1)
+  sq = tf.reduce_sum(flat * flat, axis=1)
+  dist = tf.maximum(sq[:, None] + sq[None, :] - 2.0 * tf.matmul(flat, flat, transpose_b=True),
+                    0.0)
+  off = alpha * tf.exp(-dist / sigma) / sigma
+  eye = tf.eye(tf.shape(flat)[0], dtype=flat.dtype)
+  off = off * (1.0 - eye)
+  xi = off + eye * (1.0 - tf.reduce_sum(off, axis=1, keepdims=True))
+  xi = normalize_rows(xi)
+  return tf.tile(xi[:, None, :], [1, num_layers, 1])
+
+
+def slice_relationship(relation: tf.Tensor, clients: tf.Tensor) -> tf.Tensor:
+  """`R[P, :, P]` (Algorithm 5)."""
+  return tf.gather(tf.gather(relation, clients, axis=0), clients, axis=2)
+
+
+def scatter_relationship(relation: tf.Tensor, clients: tf.Tensor,
+                         new_slice: tf.Tensor) -> tf.Tensor:
+  """Writes a (row-normalised) slice back into R scaled by the slice's previous mass.
+
+  Entries for non-participants are untouched, so each full row still sums to 1.
+  """
+  rows = tf.gather(relation, clients, axis=0)                           # [P, L, N]
+  old = tf.gather(rows, clients, axis=2)                                # [P, L, P]
+  mass = tf.reduce_sum(old, axis=-1, keepdims=True)
+  by_column = tf.transpose(rows, [2, 0, 1])                             # [N, P, L]
+  by_column = tf.tensor_scatter_nd_update(by_column, clients[:, None],
+                                          tf.transpose(new_slice * mass, [2, 0, 1]))
+  rows = normalize_rows(tf.transpose(by_column, [1, 2, 0]))
+  return tf.tensor_scatter_nd_update(relation, clients[:, None], rows)
+
+
+def initial_relationship(num_clients: int, num_layers: int, init: str) -> np.ndarray:
+  """R at round 0: `'uniform'` (1/N) or `'identity'`."""
+  if init == 'uniform':
+    return np.full([num_clients, num_layers, num_clients], 1.0 / num_clients, np.float32)
+  if init == 'identity':
+    return np.tile(np.eye(num_clients, dtype=np.float32)[:, None, :], [1, num_layers, 1])
+  raise ConfigError(f"relationship_init must be 'uniform' or 'identity', got {init!r}.")
+
+
+class TowardsServerModel:
+  """`LocalRegularizer` `λ Σ_l m_l ||w^l − s^l||²` (KAPC's client objective; m_l = 0 if skipped)."""
+
+  def __init__(self, lambda_: float, server_model: Sequence[tf.Tensor],
+               tensor_mask: Sequence[tf.Tensor]):
+    self.lambda_ = lambda_
+    self.server_model = tuple(server_model)
+    self.mask = tuple(tensor_mask)
+
+  def epoch_start(self, local, global_):
+    del local, global_
+    return ()
+
+  def penalty(self, local, global_, context):
+    del global_, context
+    return self.lambda_ * tf.add_n([m * tf.reduce_sum(tf.square(w - s)) for w, s, m in
+                                    zip(local, self.server_model, self.mask)])
+
+  def gradient(self, local, global_, context):
+    del global_, context
+    return [2.0 * self.lambda_ * m * (w - s) for w, s, m in
+            zip(local, self.server_model, self.mask)]
+
+
+# --- the process ------------------------------------------------------------------------------
+@dataclasses.dataclass
+class PersonalizedAlgorithm:
+  """A personalised method as the round driver uses it (`kind == 'personalized'`).
+
+  `process.next(state, server_input, client_data)` with `server_input =
+  OrderedDict(clients=int32[P], models=tuple of [P, ...] server copies, num_examples=float32[P])`
+  and client data `client_input(..., client_state=personal model)`. Its result holds, in the
+  order of `clients`: `server_models` (the server's new copies), `personal` (each client's new
+  model), `omega`, and the bytes actually sent down/up per client.
+  """
+  name: str
+  process: object
+  model_spec: ModelSpec
+  layer_sizes_bytes: list
+  kind: str = 'personalized'
+
+
+def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_optimizer,
+                               rule: str = 'learned', lambda_: float = 0.5, beta: float = 0.1,
+                               relationship_learning_rate: float = 0.01,
+                               relationship_steps: int = 1, relationship_init: str = 'uniform',
+                               bls_mu: Optional[float] = None, bls_kappa: float = 1.0,
+                               min_upload_layers: int = 1, start_from: str = 'own',
+                               fedamp_sigma: float = 1.0, fedamp_alpha: float = 0.1,
+                               local_layer_kinds: Sequence[str] = (),
+                               name: str = 'kapc') -> PersonalizedAlgorithm:
+  """Builds KAPC (and the personalised baselines sharing its structure) as a TFF process.
+
+  Args:
+    model_spec: The model.
+    num_clients: N.
+    client_optimizer: Local optimizer.
+    rule: How R is obtained: 'learned' (KAPC), 'fixed', 'attentive' (FedAMP),
+      'sample_weighted' (FedAvg aggregate).
+    lambda_: λ of the client regulariser and of the R objective.
+    beta: β of the R objective.
+    relationship_learning_rate, relationship_steps: η_r and E_r.
+    relationship_init: 'uniform' or 'identity'.
+    bls_mu: BLS server threshold μ (None: BLS off — every layer sent, every layer uploaded).
+    bls_kappa: κ of the BLS bound; min_upload_layers: Ω's lower limit.
+    start_from: 'own' (KAPC: the client continues its own model) or 'server' (the client
+      starts from s_i, FedAvg-style).
+    fedamp_sigma, fedamp_alpha: FedAMP's σ and α_k.
+    local_layer_kinds: Layer kinds whose rows of R are the identity (FedBN: ('norm',)).
+    name: For logs.
+  """
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from fltff.aggregators.gather import build_gather  # pylint: disable=g-import-not-at-top
+  from fltff.models.layers import layer_groups  # pylint: disable=g-import-not-at-top
+
+  if rule not in RULES:
+    raise ConfigError(f'Unknown relationship rule {rule!r}; choose one of {", ".join(RULES)}.')
+  if start_from not in ('own', 'server'):
+    raise ConfigError(f"start_from must be 'own' or 'server', got {start_from!r}.")
+  for label, value in (('lambda_', lambda_), ('beta', beta),
+                       ('relationship_learning_rate', relationship_learning_rate),
+                       ('relationship_steps', relationship_steps)):
+    if value < 0:
+      raise ConfigError(f'{name}.{label} must be >= 0, got {value}.')
+  if bls_mu is not None and bls_mu < 0:
+    raise ConfigError(f'{name}.bls_mu must be >= 0 (or None to disable BLS), got {bls_mu}.')
+  initial_r = initial_relationship(num_clients, 1, relationship_init)  # Validates `init`.
+
+  layers, _ = model_spec.trainable_layers()
+  num_layers = len(layers)
+  if not 1 <= min_upload_layers <= num_layers:
+    raise ConfigError(f'{name}.min_upload_layers must be in [1, {num_layers}], got '
+                      f'{min_upload_layers}.')
+  layer_of = [0] * sum(len(g) for g in layers)
+  for l, group in enumerate(layers):
+    for t in group:
+      layer_of[t] = l
+  with tf.Graph().as_default():
+    keras_model = model_spec.keras_fn()
+    kinds = [g.kind for g in layer_groups(keras_model) if g.trainable_indices]
+    tspecs = [tf.TensorSpec(v.shape, v.dtype) for v in keras_model.trainable_weights]
+    nspecs = [tf.TensorSpec(v.shape, v.dtype) for v in keras_model.non_trainable_weights]
+    metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
+        model_spec.tff_model(keras_model).metric_finalizers())
+  local_layers = np.array([k in local_layer_kinds for k in kinds])
+  layer_sizes_bytes = [int(sum(np.prod(tspecs[t].shape.as_list(), dtype=np.int64) *
+                               tspecs[t].dtype.size for t in group)) for group in layers]
+  # What the method exchanges at all: nothing when clients neither use s_i nor start from it.
+  communicates = lambda_ > 0 or start_from == 'server'
+  initial_r = initial_relationship(num_clients, num_layers, relationship_init)
+
+  def shape_of(spec, lead=()):
+    return (spec.dtype.as_numpy_dtype, tuple(lead) + tuple(spec.shape.as_list()))
+
+  trainable_type = tff.types.to_type(tuple(shape_of(s) for s in tspecs))
+  personal_fields = [('trainable', trainable_type)]
+  if nspecs:
+    personal_fields.append(('non_trainable', tff.types.to_type(tuple(shape_of(s)
+                                                                      for s in nspecs))))
+  personal_fields.append(('omega', tff.TensorType(np.int32)))
+  personal_type = tff.StructWithPythonType(personal_fields, collections.OrderedDict)
+  weights_type, data_type = client_work_lib.client_types(model_spec, state_type=personal_type)
+  del weights_type
+  stacked = tff.types.to_type(tuple(shape_of(s, [None]) for s in tspecs))
+  server_input_type = tff.StructWithPythonType(
+      [('clients', tff.TensorType(np.int32, [None])), ('models', stacked),
+       ('num_examples', tff.TensorType(np.float32, [None]))], collections.OrderedDict)
+  state_type = tff.StructWithPythonType(
+      [('relation', tff.TensorType(np.float32, initial_r.shape))], collections.OrderedDict)
+
+  def relation_slice(state, server_input):
+    clients = server_input['clients']
+    if rule == 'attentive':
+      rel = attentive_relationship(list(server_input['models']), num_layers, fedamp_sigma,
+                                   fedamp_alpha)
+    elif rule == 'sample_weighted':
+      n = server_input['num_examples']
+      row = n / tf.reduce_sum(n)
+      rel = tf.tile(row[None, None, :], [tf.shape(n)[0], num_layers, 1])
+    else:
+      rel = normalize_rows(slice_relationship(state['relation'], clients))
+    if local_layers.any():
+      eye = tf.eye(tf.shape(clients)[0])[:, None, :]
+      rel = tf.where(tf.constant(local_layers)[None, :, None], eye, rel)
+    return rel
+
+  @tff.tensorflow.computation(state_type, server_input_type)
+  def prepare(state, server_input):
+    rel = relation_slice(state, server_input)
+    s = personalized_server_models(rel, list(server_input['models']), layer_of)
+    self_rel = tf.linalg.diag_part(tf.transpose(rel, [1, 0, 2]))       # [L, P]
+    self_rel = tf.transpose(self_rel)                                   # [P, L]
+    if bls_mu is None:
+      skip = tf.zeros_like(self_rel, tf.bool)
+    else:
+      skip = bls.server_skip_mask_tf(self_rel, bls_mu)
+    return collections.OrderedDict(
+        clients=server_input['clients'], models=tuple(s), skip=skip,
+        n_fed=tf.reduce_sum(server_input['num_examples']), self_relation=self_rel)
+
+  broadcast_type = prepare.type_signature.result
+
+  def zeros_personal():
+    out = collections.OrderedDict(trainable=tuple(tf.zeros(s.shape, s.dtype) for s in tspecs))
+    if nspecs:
+      out['non_trainable'] = tuple(tf.zeros(s.shape, s.dtype) for s in nspecs)
+    out['omega'] = tf.constant(num_layers, tf.int32)
+    return out
+
+  @tff.tensorflow.computation(broadcast_type, data_type)
+  def client_update(server_msg, data):
+    model = model_spec.tff_model()
+    personal = client_work_lib.read_single(data['state'], zeros_personal())
+    k = client_work_lib.client_index_of(data)
+    pos = tf.argmax(tf.cast(tf.equal(server_msg['clients'], k), tf.int32), output_type=tf.int32)
+    s = [m[pos] for m in server_msg['models']]
+    skip = server_msg['skip'][pos]
+    sent = [tf.logical_not(skip[l]) for l in layer_of]
+    own = list(personal['trainable'])
+    start = own
+    if start_from == 'server':
+      start = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
+    mask = [tf.cast(c, w.dtype) for c, w in zip(sent, own)]
+    regularizer = TowardsServerModel(lambda_, s, mask) if lambda_ > 0 else None
+    initial = tff.learning.models.ModelWeights(
+        trainable=list(start), non_trainable=list(personal.get('non_trainable', ())))
+    out = client_work_lib.build_local_training(model, client_optimizer, regularizer)(
+        initial, data['batches'], data['info'])
+    trained = list(out['trained'])
+    n_i = tf.cast(tf.maximum(out['examples_per_epoch'], 1), tf.float32)
+    if bls_mu is None:
+      omega, steps = tf.constant(num_layers, tf.int32), tf.constant(0, tf.int32)
+    else:
+      # A skipped layer is compared with the client's own model at the round's start (it
+      # received no s^l this round): see bls.py, Assumption 1.
+      reference = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
+      b, tau = bls.layer_bounds([[trained[t] for t in g] for g in layers],
+                                [[reference[t] for t in g] for g in layers])
+      curve = bls.bound_curve_tf(tau, b, n_i, tf.maximum(server_msg['n_fed'], n_i), bls_kappa)
+      omega, steps = bls.search_omega_tf(curve, personal['omega'], min_upload_layers)
+    value = collections.OrderedDict(trainable=tuple(trained))
+    if nspecs:
+      value['non_trainable'] = tuple(out['non_trainable'])
+    weight = collections.OrderedDict(client_index=k, omega=omega, search_steps=steps,
+                                     num_examples=n_i)
+    return value, weight, out['metrics']
+
+  value_type = client_update.type_signature.result[0]
+  weight_type = client_update.type_signature.result[1]
+  gather, gathered_type = build_gather(value_type, weight_type)
+  num_trainable = len(tspecs)
+
+  @tff.tensorflow.computation(state_type, server_input_type, broadcast_type, gathered_type)
+  def finish(state, server_input, server_msg, gathered):
+    clients = server_input['clients']
+    ids = gathered['weight']['client_index']
+    rows = tf.argmax(tf.cast(tf.equal(clients[:, None], ids[None, :]), tf.int32), axis=1,
+                     output_type=tf.int32)
+    values = [tf.gather(v, rows) for v in gathered['update']]
+    omega = tf.gather(gathered['weight']['omega'], rows)
+    uploaded = tf.range(num_layers)[None, :] < omega[:, None]                   # [P, L]
+    if not communicates:
+      uploaded = tf.zeros_like(uploaded)
+    stale = list(server_input['models'])
+    server_models = []
+    for t in range(num_trainable):
+      cond = tf.reshape(uploaded[:, layer_of[t]], [-1] + [1] * len(tspecs[t].shape))
+      server_models.append(tf.where(cond, values[t], stale[t]))
+    relation = state['relation']
+    if rule == 'learned':
+      current = normalize_rows(slice_relationship(relation, clients))
+      updated = update_relationship(current, server_models, layer_of, lambda_, beta,
+                                    relationship_learning_rate, relationship_steps)
+      relation = scatter_relationship(relation, clients, updated)
+    sizes = tf.constant(layer_sizes_bytes, tf.float64)
+    sent = tf.logical_not(server_msg['skip'])
+    if not communicates:
+      sent = tf.zeros_like(sent)
+    bytes_down = tf.reduce_sum(tf.cast(sent, tf.float64) * sizes, axis=1)
+    bytes_up = tf.reduce_sum(tf.cast(uploaded, tf.float64) * sizes, axis=1)
+    personal = collections.OrderedDict(trainable=tuple(values[:num_trainable]))
+    if nspecs:
+      personal['non_trainable'] = tuple(values[num_trainable:])
+    result = collections.OrderedDict(
+        clients=clients, server_models=tuple(server_models), personal=personal, omega=omega,
+        bytes_down=bytes_down, bytes_up=bytes_up)
+    stats = collections.OrderedDict(
+        omega_mean=tf.reduce_mean(tf.cast(omega, tf.float32)),
+        search_steps_mean=tf.reduce_mean(tf.cast(
+            tf.gather(gathered['weight']['search_steps'], rows), tf.float32)),
+        skipped_layer_fraction=tf.reduce_mean(tf.cast(server_msg['skip'], tf.float32)),
+        self_relation_mean=tf.reduce_mean(server_msg['self_relation']))
+    return collections.OrderedDict(relation=relation), result, stats
+
+  @tff.tensorflow.computation
+  def initial_state():
+    return collections.OrderedDict(relation=tf.constant(initial_r))
+
+  @tff.federated_computation
+  def init_fn():
+    return tff.federated_eval(initial_state, tff.SERVER)
+
+  @tff.federated_computation(tff.FederatedType(state_type, tff.SERVER),
+                             tff.FederatedType(server_input_type, tff.SERVER),
+                             tff.FederatedType(data_type, tff.CLIENTS))
+  def next_fn(state, server_input, client_data):
+    server_msg = tff.federated_map(prepare, (state, server_input))
+    value, weight, model_outputs = tff.federated_map(
+        client_update, (tff.federated_broadcast(server_msg), client_data))
+    gathered = gather(value, weight)
+    new_state, result, stats = tff.federated_map(
+        finish, (state, server_input, server_msg, gathered))
+    measurements = tff.federated_zip(collections.OrderedDict(
+        train=metrics_aggregation_fn(model_outputs), kapc=stats))
+    return tff.templates.MeasuredProcessOutput(new_state, result, measurements)
+
+  process = tff.templates.IterativeProcess(init_fn, next_fn)
+  return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec,
+                               layer_sizes_bytes=layer_sizes_bytes)
+
+
+@gin.configurable('kapc')
+def kapc(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
+         lambda_: float = 0.5, beta: float = 0.1, relationship_learning_rate: float = 0.01,
+         relationship_steps: int = 1, bls_mu: Optional[float] = None, bls_kappa: float = 1.0,
+         min_upload_layers: int = 1) -> PersonalizedAlgorithm:
+  """KAPC; with `bls_mu` set, KAPC+BLS (μ = bls_mu)."""
+  return build_personalized_process(
+      model_spec, num_clients, client_optimizer or optimizers.client_optimizer(), 'learned',
+      lambda_, beta, relationship_learning_rate, relationship_steps, 'uniform', bls_mu,
+      bls_kappa, min_upload_layers, name='kapc+bls' if bls_mu is not None else 'kapc')
+
+
+@gin.configurable('local_training')
+def local_training(model_spec: ModelSpec, num_clients: int,
+                   client_optimizer=None) -> PersonalizedAlgorithm:
+  """Local: every client trains only its own model (no communication)."""
+  return build_personalized_process(
+      model_spec, num_clients, client_optimizer or optimizers.client_optimizer(), 'fixed',
+      lambda_=0.0, relationship_init='identity', name='local')
+
+
+@gin.configurable('fedamp')
+def fedamp(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
+           lambda_: float = 0.5, sigma: float = 1.0, alpha: float = 0.1) -> PersonalizedAlgorithm:
+  """FedAMP (Huang et al., AAAI 2021): attentive message passing between client models."""
+  return build_personalized_process(
+      model_spec, num_clients, client_optimizer or optimizers.client_optimizer(), 'attentive',
+      lambda_=lambda_, fedamp_sigma=sigma, fedamp_alpha=alpha, name='fedamp')
+
+
+@gin.configurable('fedbn')
+def fedbn(model_spec: ModelSpec, num_clients: int,
+          client_optimizer=None) -> PersonalizedAlgorithm:
+  """FedBN (Li et al., ICLR 2021): FedAvg with normalisation layers (and statistics) local."""
+  return build_personalized_process(
+      model_spec, num_clients, client_optimizer or optimizers.client_optimizer(),
+      'sample_weighted', lambda_=0.0, start_from='server', local_layer_kinds=('norm',),
+      name='fedbn')

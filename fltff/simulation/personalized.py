@@ -1,0 +1,170 @@
+"""Round driver for personalised processes (KAPC, FedAMP, FedBN, Local; see
+`fltff.personalization.kapc`).
+
+Each client's state in the driver's store is `OrderedDict(model=<its personal ModelWeights as
+arrays>, server_copy=<the server's latest copy of its trainable weights, stale layers
+included>, omega=<its last Ω>)`. Per round the driver passes the participants' personal models
+(CLIENTS) and the server's copies (SERVER, stacked in participant order) into the process and
+writes both back from the result — only after the round passed the divergence check. The
+server copies belong to the server's side of the algorithm (KAPC's server keeps the latest
+model of every client); the store is simply where they survive between rounds and in
+checkpoints.
+
+Evaluation is personalised: the mean accuracy of the round's clients, each with its own model,
+on its own local test split (the KAPC paper's metric); the best over rounds is the summary's
+`best_mean_local_accuracy`.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+
+from fltff.errors import ConfigError
+from fltff.simulation.driver import RoundDriver
+from fltff.simulation.driver import _finite_tree
+from fltff.simulation.driver import split_measurements
+from fltff.simulation.state_store import ClientStateStore
+
+
+class PersonalizedRoundDriver(RoundDriver):
+  """`RoundDriver` for a `PersonalizedAlgorithm`."""
+
+  def __init__(self, algorithm, data, config, output_dir, **kwargs):
+    if kwargs.get('personalization') is not None:
+      raise ConfigError(f'{algorithm.name} is personalised already; remove '
+                        'experiment.personalization.')
+    if data.local_test_indices is None:
+      raise ConfigError(f'{algorithm.name} is evaluated on local test splits: set '
+                        'federated_data.local_test_examples > 0.')
+    super().__init__(algorithm, data, config, output_dir, **kwargs)
+    initial = algorithm.model_spec.initial_weights()
+    self._initial_model = collections.OrderedDict(
+        trainable=[np.asarray(w) for w in initial.trainable],
+        non_trainable=[np.asarray(w) for w in initial.non_trainable])
+    self._num_layers = len(algorithm.layer_sizes_bytes)
+    self.method_states = ClientStateStore(lambda k: self._new_client_state())
+
+  def _new_client_state(self):
+    return collections.OrderedDict(
+        model=collections.OrderedDict(
+            trainable=[w.copy() for w in self._initial_model['trainable']],
+            non_trainable=[w.copy() for w in self._initial_model['non_trainable']]),
+        server_copy=[w.copy() for w in self._initial_model['trainable']],
+        omega=np.int32(self._num_layers))
+
+  def client_state_template(self, client_index: int):
+    del client_index
+    return self._new_client_state()
+
+  def restore(self, template_state):
+    round_num, state, meta, arrays = self.checkpointer.restore(template_state)
+    self.rows = [r for r in meta['rows'] if r['round'] <= round_num]
+    self.outputs.truncate_measurements(round_num)
+    self.method_states.load_arrays(arrays, template_fn=self.client_state_template,
+                                   prefix='method')
+    return round_num, state
+
+  def algorithm_bytes_down(self) -> int:
+    return int(sum(self.algorithm.layer_sizes_bytes))
+
+  def algorithm_bytes_up(self) -> int:
+    return int(sum(self.algorithm.layer_sizes_bytes))
+
+  def initial_state(self):
+    return self.call(self.process.initialize)
+
+  def is_finite(self, new_state, pending) -> bool:
+    return _finite_tree(new_state) and all(
+        _finite_tree(s['model']['trainable']) for s in pending['method_states'].values())
+
+  def _personal_input(self, k: int):
+    state = self.method_states.get(k)
+    out = collections.OrderedDict(trainable=tuple(state['model']['trainable']))
+    if len(state['model']['non_trainable']):
+      out['non_trainable'] = tuple(state['model']['non_trainable'])
+    out['omega'] = np.int32(state['omega'])
+    return out
+
+  def client_inputs(self, round_num, clients, epochs=None):
+    from fltff.data.pipeline import client_batches  # pylint: disable=g-import-not-at-top
+    from fltff.learning.client_work import client_input  # pylint: disable=g-import-not-at-top
+    from fltff.simulation import sampling  # pylint: disable=g-import-not-at-top
+
+    inputs = []
+    for k in clients:
+      x, y = self.data.client_arrays(k)
+      ds = client_batches(x, y, self.config.batch_size,
+                          sampling.shuffle_seed(self.config.seed, round_num, k))
+      e = self.config.local_epochs if epochs is None else epochs[k]
+      inputs.append(client_input(ds, k, e, client_state=self._personal_input(k)))
+    return inputs
+
+  def run_round(self, state, round_num: int):
+    cfg = self.config
+    clients, epochs, dropped = self.plan_round(round_num)
+    inputs = self.client_inputs(round_num, clients, epochs)
+    server_start = time.perf_counter()
+    copies = [self.method_states.get(k)['server_copy'] for k in clients]
+    server_input = collections.OrderedDict(
+        clients=np.asarray(clients, np.int32),
+        models=tuple(np.stack([c[t] for c in copies]) for t in range(len(copies[0]))),
+        num_examples=np.asarray([len(self.data.train_indices[k]) for k in clients], np.float32))
+    server_seconds = time.perf_counter() - server_start
+    start = time.perf_counter()
+    output = self.call(self.process.next, state, server_input, inputs)
+    seconds = time.perf_counter() - start
+    result = output.result
+    server_start = time.perf_counter()
+    pending = {'method_states': {}}
+    order = [int(k) for k in np.asarray(result['clients'])]
+    personal = result['personal']
+    for p, k in enumerate(order):
+      model = collections.OrderedDict(
+          trainable=[np.asarray(w[p]) for w in personal['trainable']],
+          non_trainable=[np.asarray(w[p]) for w in personal.get('non_trainable', ())])
+      pending['method_states'][k] = collections.OrderedDict(
+          model=model, server_copy=[np.asarray(w[p]) for w in result['server_models']],
+          omega=np.int32(np.asarray(result['omega'])[p]))
+    server_seconds += time.perf_counter() - server_start
+    measurements = dict(output.measurements)
+    train = measurements.pop('train')
+    scalars, arrays = split_measurements(measurements)
+    bytes_down = np.asarray(result['bytes_down'], np.float64)
+    bytes_up = np.asarray(result['bytes_up'], np.float64)
+    row = {
+        'round': round_num,
+        'train_loss': float(train['loss']),
+        'train_accuracy': float(train['accuracy']),
+        'examples': int(train['num_examples']),
+        'clients': len(clients),
+        'stragglers': sum(1 for k in clients if epochs[k] < cfg.local_epochs),
+        'dropped': len(dropped),
+        'bytes_down': int(bytes_down.sum()),
+        'bytes_up': int(bytes_up.sum()),
+        'round_seconds': seconds,
+    }
+    row.update(scalars)
+    # The server's R update runs inside the TFF round, so the measured round time covers it;
+    # `server_seconds` here is the driver's server-side bookkeeping (copies in and out).
+    row.update(self.system_columns(order, epochs, bytes_down, bytes_up, seconds,
+                                   server_seconds))
+    arrays['omega'] = np.asarray(result['omega'])
+    arrays['clients'] = np.asarray(order)
+    self.outputs.log_arrays(round_num, arrays)
+    return output.state, row, pending
+
+  def evaluate(self, state) -> dict[str, float]:
+    del state
+    accuracy = self.mean_local_accuracy(lambda k: self.method_states.get(k)['model'])
+    return {'mean_local_accuracy': accuracy}
+
+  def summary(self) -> dict:
+    """Adds the server's memory for the method: R `[N, L, N]` float32 plus one model copy per
+    client (the stale layers KAPC keeps)."""
+    out = super().summary()
+    relation = 4 * self.num_clients ** 2 * self._num_layers
+    out['server_memory_mb'] = (relation + self.num_clients * self.algorithm_bytes_up()) / 1e6
+    return out
