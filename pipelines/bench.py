@@ -19,6 +19,7 @@ rounds and their ratio are printed. Data are random MNIST-shaped uint8 images (s
 does not depend on pixel values, and no download is needed.
 """
 
+import collections
 import functools
 import os
 import statistics
@@ -34,6 +35,7 @@ from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-posit
 from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from fltff import learning  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff import personalization  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.data.pipeline import client_batches  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.models import build_model  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -45,7 +47,9 @@ _BATCH = flags.DEFINE_integer('batch_size', 10, 'Local batch size.')
 _EPOCHS = flags.DEFINE_integer('epochs', 1, 'Local epochs.')
 _MODEL = flags.DEFINE_string('model', 'mlp2', 'Model zoo name (28x28x1 inputs).')
 _COMPARE = flags.DEFINE_list('compare', [], 'Methods to time against fltff FedAvg '
-                             '(fedprox, sgdm, fedlap, fedadp, fedlayerwise, fednova, fedbabu, <base>+ccn); empty: FedAvg vs plain TF.')
+                             '(fedprox, sgdm, fedlap, fedadp, fedlayerwise, fednova, fedbabu, scaffold, '
+                             '<base>+ccn, kapc, kapc+bls, fedamp, fedbn, local); empty: FedAvg vs '
+                             'plain TF.')
 _RUNTIMES = flags.DEFINE_bool('runtimes', False, 'Compare local vs 1 and 2 remote workers.')
 _CLIENTS_LIST = flags.DEFINE_list('clients_list', ['10', '50', '100'],
                                   'Clients per round for --runtimes.')
@@ -106,6 +110,52 @@ def _round_inputs(data, r):
                     for k, ds in enumerate(datasets)]
 
 
+def _round_fn(algorithm, spec, num_clients):
+  """One round of `algorithm` on given datasets, carrying whatever state the method keeps
+  between rounds (server state; SCAFFOLD's controls; personal models and server copies)."""
+  process = algorithm.process
+  holder = {'state': process.initialize()}
+  if getattr(algorithm, 'kind', 'global') == 'personalized':
+    start = [np.asarray(w) for w in spec.initial_weights().trainable]
+    models = {k: list(start) for k in range(num_clients)}
+    copies = {k: list(start) for k in range(num_clients)}
+    omega = {k: len(algorithm.layer_sizes_bytes) for k in range(num_clients)}
+
+    def personal_round(datasets):
+      ks = list(range(len(datasets)))
+      inputs = [learning.client_input(ds, k, _EPOCHS.value, client_state=collections.OrderedDict(
+          trainable=tuple(models[k]), omega=np.int32(omega[k]))) for k, ds in zip(ks, datasets)]
+      server_input = collections.OrderedDict(
+          clients=np.asarray(ks, np.int32),
+          models=tuple(np.stack([copies[k][t] for k in ks]) for t in range(len(start))),
+          num_examples=np.full(len(ks), _EXAMPLES.value, np.float32))
+      out = process.next(holder['state'], server_input, inputs)
+      holder['state'] = out.state
+      for p, k in enumerate(np.asarray(out.result['clients'])):
+        models[int(k)] = [np.asarray(w[p]) for w in out.result['personal']['trainable']]
+        copies[int(k)] = [np.asarray(w[p]) for w in out.result['server_models']]
+        omega[int(k)] = int(np.asarray(out.result['omega'])[p])
+
+    return personal_round
+  controls = {}
+
+  def global_round(datasets):
+    if algorithm.client_state_init is None:
+      inputs = [learning.client_input(ds, k, _EPOCHS.value) for k, ds in enumerate(datasets)]
+    else:
+      inputs = [learning.client_input(ds, k, _EPOCHS.value,
+                                      client_state=controls.get(k, algorithm.client_state_init()))
+                for k, ds in enumerate(datasets)]
+    out = process.next(holder['state'], inputs)
+    holder['state'] = out.state
+    if algorithm.client_states_key is not None:
+      gathered = out.metrics['client_work'][algorithm.client_states_key]
+      for i, k in enumerate(np.asarray(gathered['weight'])):
+        controls[int(k)] = [np.asarray(a[i]) for a in gathered['update']]
+
+  return global_round
+
+
 def compare_methods(spec, data) -> int:
   """Median round time of each `--compare` method relative to FedAvg, alternating rounds."""
   builders = {'fedavg': lambda opt: learning.fedavg(spec, client_optimizer=opt),
@@ -117,6 +167,17 @@ def compare_methods(spec, data) -> int:
                                                                 client_optimizer=opt)}
   builders['fednova'] = lambda opt: learning.fednova(spec, client_optimizer=opt)
   builders['fedbabu'] = lambda opt: learning.fedbabu(spec, client_optimizer=opt)
+  builders['scaffold'] = lambda opt: learning.scaffold(spec, len(data), client_optimizer=opt)
+  builders['scaffold+ccn'] = lambda opt: learning.scaffold(
+      spec, len(data), client_optimizer=opt, contribution_normalization=True)
+  # Personalised processes (their round includes the server's R update and the stale copies).
+  builders['kapc'] = lambda opt: personalization.kapc(spec, len(data), client_optimizer=opt)
+  builders['kapc+bls'] = lambda opt: personalization.kapc(spec, len(data),
+                                                          client_optimizer=opt, bls_mu=0.5)
+  builders['fedamp'] = lambda opt: personalization.fedamp(spec, len(data), client_optimizer=opt)
+  builders['fedbn'] = lambda opt: personalization.fedbn(spec, len(data), client_optimizer=opt)
+  builders['local'] = lambda opt: personalization.local_training(spec, len(data),
+                                                                 client_optimizer=opt)
   for base in ('fedavg', 'fedprox', 'sgdm', 'fednova', 'fedbabu'):  # '<base>+ccn': with CCN
     builders[f'{base}+ccn'] = functools.partial(
         lambda opt, b: getattr(learning, b)(spec, client_optimizer=opt,
@@ -129,13 +190,13 @@ def compare_methods(spec, data) -> int:
   with runtime.local_runtime():
     opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
     algorithms = {m: builders[m](opt) for m in names}
-    states = {m: a.process.initialize() for m, a in algorithms.items()}
+    rounds = {m: _round_fn(a, spec, len(data)) for m, a in algorithms.items()}
     times = {m: [] for m in names}
     for r in range(_ROUNDS.value):
-      _, inputs = _round_inputs(data, r)
+      datasets, _ = _round_inputs(data, r)
       for m in (names if r % 2 == 0 else names[::-1]):  # Alternate the order too.
         t0 = time.perf_counter()
-        states[m] = algorithms[m].process.next(states[m], inputs).state
+        rounds[m](datasets)
         times[m].append(time.perf_counter() - t0)
       print(f'round {r + 1}: ' + ', '.join(f'{m} {times[m][-1]:.3f} s' for m in names),
             flush=True)

@@ -10,6 +10,15 @@ is its directory name. Writes `<out>/report.md` and `<out>/accuracy.png` and pri
 
 With `--pairs` the runs are (original, normalised) pairs and the report adds the CCN paper's
 "Original vs Normalised (gain)" table (best and final test accuracy, gain in points).
+
+  python -m pipelines.report --personalized --runs=runs/kapc/kapc,runs/kapc/local,... \
+      [--heatmap_client=0]
+
+With `--personalized` it writes the KAPC paper's tables instead: best mean accuracy of the
+round's clients on their local test splits (Tables 1–2), communication — cumulative U-Comm /
+D-Comm MB and MB until the best round (Tables 3, 6) — and the per-round time breakdown from
+the channel model with the server's memory (Table 5); plus, for runs that saved their
+relationship cube (`relationship.npy`), a heatmap of one client's R (Fig. 7).
 """
 
 import csv
@@ -24,6 +33,10 @@ _RUNS = flags.DEFINE_list('runs', [], 'Run directories to compare.')
 _OUT = flags.DEFINE_string('out', 'runs/report', 'Where report.md and accuracy.png go.')
 _AT_ROUND = flags.DEFINE_integer('at_round', 20, 'Report the test accuracy at this round.')
 _TARGETS = flags.DEFINE_list('targets', [], 'Target accuracies (default: each run\'s own).')
+_PERSONALIZED = flags.DEFINE_bool('personalized', False,
+                                  'Write the pFL tables (mean local accuracy, comms, time).')
+_HEATMAP_CLIENT = flags.DEFINE_integer('heatmap_client', 0,
+                                       'Client whose relationship matrix is drawn.')
 _PAIRS = flags.DEFINE_bool('pairs', False, 'Runs are (original, normalised) pairs: add the '
                            '"Original vs Normalised (gain)" table.')
 
@@ -82,6 +95,65 @@ def gain_table(runs: list[dict]) -> str:
   return '\n'.join(lines)
 
 
+def _accuracy_key(run: dict) -> str:
+  has_test = any('test_accuracy' in r for r in run['rows'])
+  return 'test_accuracy' if has_test else 'mean_local_accuracy'
+
+
+def personalized_tables(runs: list[dict]) -> str:
+  """Markdown in the layout of the KAPC paper's Tables 1–3 and 5 (one row per run)."""
+  acc = ['| method | best mean accuracy (round) | final mean accuracy |', '|---|---|---|']
+  comm = ['| method | U-Comm (MB) | D-Comm (MB) | total (MB) | MB until the best round |',
+          '|---|---|---|---|---|']
+  times = ['| method | download (s) | compute (s) | upload (s) | server (s) | round (s) | '
+           'server memory (MB) |', '|---|---|---|---|---|---|---|']
+  for run in runs:
+    name = run['summary'].get('method', run['label'])
+    if name != run['label']:
+      name = f'{name} ({run["label"]})'
+    rows = [r for r in run['rows'] if 'mean_local_accuracy' in r]
+    best = max(rows, key=lambda r: r['mean_local_accuracy']) if rows else None
+    acc.append(f'| {name} | ' + (f'{_fmt(best["mean_local_accuracy"])} ({int(best["round"])})'
+                                 if best else '–') +
+               f' | {_fmt(rows[-1]["mean_local_accuracy"]) if rows else "–"} |')
+    up = sum(r.get('bytes_up', 0) for r in run['rows']) / 1e6
+    down = sum(r.get('bytes_down', 0) for r in run['rows']) / 1e6
+    until = ('–' if best is None else
+             f'{sum(r.get("bytes_up", 0) + r.get("bytes_down", 0) for r in run["rows"] if r["round"] <= best["round"]) / 1e6:.2f}')
+    comm.append(f'| {name} | {up:.2f} | {down:.2f} | {up + down:.2f} | {until} |')
+    mean = lambda key: (sum(r[key] for r in run['rows'] if key in r) /
+                        max(1, sum(1 for r in run['rows'] if key in r)))
+    if any('sim_round_seconds' in r for r in run['rows']):
+      memory = run['summary'].get('server_memory_mb')
+      times.append(f'| {name} | ' + ' | '.join(f'{mean("sim_" + k + "_seconds"):.3f}' for k in
+                                                ('download', 'compute', 'upload', 'server',
+                                                 'round')) +
+                   f' | {"–" if memory is None else f"{memory:.2f}"} |')
+  return '\n'.join(acc + [''] + comm + [''] + times)
+
+
+def relationship_heatmap(run_dir: str, client: int, path: str) -> bool:
+  """Fig. 7: client `client`'s relationship matrix R[client] (layers × clients) as a PNG."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  source = os.path.join(run_dir, 'relationship.npy')
+  if not os.path.exists(source):
+    return False
+  relation = np.load(source)
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6, 3))
+  image = ax.imshow(relation[client], aspect='auto', cmap='viridis')
+  ax.set_xlabel('client j')
+  ax.set_ylabel('layer l')
+  ax.set_title(f'r_{client}j^l of {os.path.basename(os.path.normpath(run_dir))}')
+  fig.colorbar(image, ax=ax)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
 def plot(runs: list[dict], path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
@@ -89,10 +161,11 @@ def plot(runs: list[dict], path: str) -> None:
 
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for run in runs:
-    evals = [r for r in run['rows'] if 'test_accuracy' in r]
-    ax.plot([r['round'] for r in evals], [r['test_accuracy'] for r in evals], label=run['label'])
+    key = _accuracy_key(run)
+    evals = [r for r in run['rows'] if key in r]
+    ax.plot([r['round'] for r in evals], [r[key] for r in evals], label=run['label'])
   ax.set_xlabel('communication round')
-  ax.set_ylabel('test accuracy')
+  ax.set_ylabel('test accuracy (personalised runs: mean local accuracy)')
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
@@ -123,6 +196,12 @@ def main(argv) -> int:
   md = table(runs, _AT_ROUND.value, targets)
   if _PAIRS.value:
     md = gain_table(runs) + '\n\n' + md
+  if _PERSONALIZED.value:
+    md = personalized_tables(runs)
+    for path, run in zip(_RUNS.value, runs):
+      png = os.path.join(_OUT.value, f'relationship_{run["label"]}_client{_HEATMAP_CLIENT.value}.png')
+      if relationship_heatmap(path, _HEATMAP_CLIENT.value, png):
+        print(f'wrote {png}')
   with open(os.path.join(_OUT.value, 'report.md'), 'w') as f:
     f.write(md + '\n')
   plot(runs, os.path.join(_OUT.value, 'accuracy.png'))

@@ -13,6 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize('extra,pattern', [
     ([], r'ratio fltff/plain:\s+\d+\.\d+'),
     (['--compare=fedadp,fedlayerwise'], r'fedlayerwise\s+\d+\.\d+ s\s+ratio vs fedavg \d+\.\d+'),
+    (['--compare=scaffold,kapc+bls'], r'kapc\+bls\s+\d+\.\d+ s\s+ratio vs fedavg \d+\.\d+'),
     (['--runtimes', '--clients_list=4'], r'4 clients: local \d+\.\d+ s \| 1 worker \d+\.\d+x \| '
      r'2 workers \d+\.\d+x'),
 ])

@@ -4,6 +4,8 @@ import collections
 import importlib
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +14,8 @@ import tensorflow_federated as tff
 
 from fltff import learning
 from fltff.learning import ModelSpec
+from helpers import REPO
+from helpers import pipeline_env
 from helpers import read_csv
 from helpers import run_pipeline
 from helpers import tiny_mlp
@@ -269,3 +273,21 @@ def test_kapc_pipeline_with_client_selection_channel_and_resume(tmp_path):
   for a, b in zip(resumed, rows):
     assert abs(float(a['mean_local_accuracy']) - float(b['mean_local_accuracy'])) < 1e-6
     assert a['bytes_up'] == b['bytes_up']
+  # The report's pFL tables and the relationship heatmap.
+  report = subprocess.run(
+      [sys.executable, '-m', 'pipelines.report', '--personalized', f'--runs={full}',
+       f'--out={tmp_path / "report"}', '--heatmap_client=1'], cwd=REPO, env=pipeline_env(),
+      capture_output=True, text=True, timeout=120)
+  assert report.returncode == 0, report.stderr[-2000:]
+  lines = open(tmp_path / 'report' / 'report.md').read().splitlines()
+  best = [c.strip() for c in lines[2].strip('|').split('|')]
+  assert best[1] == f'{summary["best_mean_local_accuracy"]:.4f} ({summary["best_mean_local_round"]})'
+  comm = [c.strip() for c in lines[6].strip('|').split('|')]
+  assert float(comm[1]) == pytest.approx(summary['mb_up_total'], abs=0.01)
+  assert float(comm[2]) == pytest.approx(summary['mb_down_total'], abs=0.01)
+  timing = [c.strip() for c in lines[10].strip('|').split('|')]
+  assert float(timing[5]) == pytest.approx(summary['sim_round_seconds_mean'], rel=1e-3)
+  relation = np.load(full / 'relationship.npy')
+  assert relation.shape == (10, 2, 10)  # mlp2: two dense layers.
+  np.testing.assert_allclose(relation.sum(-1), 1.0, atol=1e-5)
+  assert os.path.getsize(tmp_path / 'report' / f'relationship_{full.name}_client1.png') > 1000

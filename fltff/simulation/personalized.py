@@ -18,6 +18,7 @@ on its own local test split (the KAPC paper's metric); the best over rounds is t
 from __future__ import annotations
 
 import collections
+import os
 import time
 
 import numpy as np
@@ -66,6 +67,11 @@ class PersonalizedRoundDriver(RoundDriver):
     self.method_states.load_arrays(arrays, template_fn=self.client_state_template,
                                    prefix='method')
     return round_num, state
+
+  def save(self, round_num: int, state) -> None:
+    super().save(round_num, state)
+    # The relationship cube for the report's heatmap (KAPC paper, Fig. 7).
+    np.save(os.path.join(self.output_dir, 'relationship.npy'), np.asarray(state['relation']))
 
   def algorithm_bytes_down(self) -> int:
     return int(sum(self.algorithm.layer_sizes_bytes))
