@@ -19,3 +19,13 @@ def tff_runtime():
   runtime.close()
   for pid in pids:
     assert wait_for_exit(pid), f'worker_binary {pid} outlived the test session'
+
+
+@pytest.fixture(autouse=True)
+def session_context(tff_runtime):
+  """Re-installs the session runtime's context before each test: tests that start and close
+  their own `TffRuntime` (test_runtime, test_remote) leave TFF without a default context."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  tff.framework.set_default_context(tff_runtime.context)
+  yield
