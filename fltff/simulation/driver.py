@@ -187,6 +187,22 @@ class RoundDriver:
     return {f'sim_{key}': float(value) for key, value in times.items()
             if key != 'slowest_client_position'}
 
+  def round_row(self, round_num: int, train, clients, epochs, dropped, bytes_down: int,
+                bytes_up: int, seconds: float) -> dict:
+    """The metrics.csv columns every method has (training metrics, participation, bytes)."""
+    return {
+        'round': round_num,
+        'train_loss': float(train['loss']),
+        'train_accuracy': float(train['accuracy']),
+        'examples': int(train['num_examples']),
+        'clients': len(clients),
+        'stragglers': sum(1 for k in clients if epochs[k] < self.config.local_epochs),
+        'dropped': len(dropped),
+        'bytes_down': int(bytes_down),
+        'bytes_up': int(bytes_up),
+        'round_seconds': seconds,
+    }
+
   def run_round(self, state, round_num: int):
     """One round; returns `(new_state, metrics_row, pending client states)`.
 
@@ -194,7 +210,6 @@ class RoundDriver:
     `{store: {client: state}}`, not stored: the caller commits them only once the round is known
     to be good, so a diverged round leaves the stores as checkpointed.
     """
-    cfg = self.config
     clients, epochs, dropped = self.plan_round(round_num)
     inputs = self.client_inputs(round_num, clients, epochs)
     start = time.perf_counter()
@@ -216,18 +231,9 @@ class RoundDriver:
       for row_index, k in enumerate(np.asarray(gathered['weight'])):
         pending['method_states'][int(k)] = [np.asarray(a[row_index]) for a in gathered['update']]
     scalars, arrays = split_measurements(dict(others, client_work=client_work))
-    row = {
-        'round': round_num,
-        'train_loss': float(train['loss']),
-        'train_accuracy': float(train['accuracy']),
-        'examples': int(train['num_examples']),
-        'clients': len(clients),
-        'stragglers': sum(1 for k in clients if epochs[k] < cfg.local_epochs),
-        'dropped': len(dropped),
-        'bytes_down': self.algorithm.bytes_down_per_client * len(clients),
-        'bytes_up': self.algorithm.bytes_up_per_client * len(clients),
-        'round_seconds': seconds,
-    }
+    row = self.round_row(round_num, train, clients, epochs, dropped,
+                         self.algorithm.bytes_down_per_client * len(clients),
+                         self.algorithm.bytes_up_per_client * len(clients), seconds)
     row.update(scalars)
     row.update(self.system_columns(clients, epochs, self.algorithm.bytes_down_per_client,
                                    self.algorithm.bytes_up_per_client, seconds, 0.0))

@@ -109,7 +109,6 @@ class PersonalizedRoundDriver(RoundDriver):
     return inputs
 
   def run_round(self, state, round_num: int):
-    cfg = self.config
     clients, epochs, dropped = self.plan_round(round_num)
     inputs = self.client_inputs(round_num, clients, epochs)
     server_start = time.perf_counter()
@@ -140,18 +139,8 @@ class PersonalizedRoundDriver(RoundDriver):
     scalars, arrays = split_measurements(measurements)
     bytes_down = np.asarray(result['bytes_down'], np.float64)
     bytes_up = np.asarray(result['bytes_up'], np.float64)
-    row = {
-        'round': round_num,
-        'train_loss': float(train['loss']),
-        'train_accuracy': float(train['accuracy']),
-        'examples': int(train['num_examples']),
-        'clients': len(clients),
-        'stragglers': sum(1 for k in clients if epochs[k] < cfg.local_epochs),
-        'dropped': len(dropped),
-        'bytes_down': int(bytes_down.sum()),
-        'bytes_up': int(bytes_up.sum()),
-        'round_seconds': seconds,
-    }
+    row = self.round_row(round_num, train, clients, epochs, dropped, bytes_down.sum(),
+                         bytes_up.sum(), seconds)
     row.update(scalars)
     # The server's R update runs inside the TFF round, so the measured round time covers it;
     # `server_seconds` here is the driver's server-side bookkeeping (copies in and out).
