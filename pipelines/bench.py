@@ -19,7 +19,6 @@ rounds and their ratio are printed. Data are random MNIST-shaped uint8 images (s
 does not depend on pixel values, and no download is needed.
 """
 
-import collections
 import functools
 import os
 import statistics
@@ -116,25 +115,17 @@ def _round_fn(algorithm, spec, num_clients):
   process = algorithm.process
   holder = {'state': process.initialize()}
   if getattr(algorithm, 'kind', 'global') == 'personalized':
-    start = [np.asarray(w) for w in spec.initial_weights().trainable]
-    models = {k: list(start) for k in range(num_clients)}
-    copies = {k: list(start) for k in range(num_clients)}
-    omega = {k: len(algorithm.layer_sizes_bytes) for k in range(num_clients)}
+    states = {k: algorithm.new_client_state() for k in range(num_clients)}
 
     def personal_round(datasets):
       ks = list(range(len(datasets)))
-      inputs = [learning.client_input(ds, k, _EPOCHS.value, client_state=collections.OrderedDict(
-          trainable=tuple(models[k]), omega=np.int32(omega[k]))) for k, ds in zip(ks, datasets)]
-      server_input = collections.OrderedDict(
-          clients=np.asarray(ks, np.int32),
-          models=tuple(np.stack([copies[k][t] for k in ks]) for t in range(len(start))),
-          num_examples=np.full(len(ks), _EXAMPLES.value, np.float32))
+      inputs = [algorithm.client_input(ds, k, _EPOCHS.value, states[k])
+                for k, ds in zip(ks, datasets)]
+      server_input = algorithm.server_input(ks, [states[k] for k in ks],
+                                            [_EXAMPLES.value] * len(ks))
       out = process.next(holder['state'], server_input, inputs)
       holder['state'] = out.state
-      for p, k in enumerate(np.asarray(out.result['clients'])):
-        models[int(k)] = [np.asarray(w[p]) for w in out.result['personal']['trainable']]
-        copies[int(k)] = [np.asarray(w[p]) for w in out.result['server_models']]
-        omega[int(k)] = int(np.asarray(out.result['omega'])[p])
+      states.update(algorithm.next_client_states(out.result, states.get))
 
     return personal_round
   controls = {}
@@ -170,6 +161,7 @@ def compare_methods(spec, data) -> int:
   builders['scaffold'] = lambda opt: learning.scaffold(spec, len(data), client_optimizer=opt)
   builders['scaffold+ccn'] = lambda opt: learning.scaffold(
       spec, len(data), client_optimizer=opt, contribution_normalization=True)
+  builders['moon'] = lambda opt: learning.moon(spec, len(data), client_optimizer=opt)
   # Personalised processes (their round includes the server's R update and the stale copies).
   builders['kapc'] = lambda opt: personalization.kapc(spec, len(data), client_optimizer=opt)
   builders['kapc+bls'] = lambda opt: personalization.kapc(spec, len(data),

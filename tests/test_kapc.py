@@ -120,26 +120,23 @@ class Sim:
 
   def __init__(self, algorithm, num_clients):
     self.algorithm = algorithm
-    start = [np.asarray(w) for w in SPEC.initial_weights().trainable]
-    self.models = {k: list(start) for k in range(num_clients)}
-    self.copies = {k: list(start) for k in range(num_clients)}
-    self.omega = {k: len(algorithm.layer_sizes_bytes) for k in range(num_clients)}
+    self.states = {k: algorithm.new_client_state() for k in range(num_clients)}
     self.state = algorithm.process.initialize()
 
+  def models(self, k):
+    return self.states[k]['model']['trainable']
+
+  def copies(self, k):
+    return self.states[k]['server_copy']
+
   def round(self, clients, datasets, epochs=1):
-    inputs = [learning.client_input(d, k, epochs, client_state=collections.OrderedDict(
-        trainable=tuple(self.models[k]), omega=np.int32(self.omega[k])))
+    inputs = [self.algorithm.client_input(d, k, epochs, self.states[k])
               for k, d in zip(clients, datasets)]
-    server_input = collections.OrderedDict(
-        clients=np.asarray(clients, np.int32),
-        models=tuple(np.stack([self.copies[k][t] for k in clients]) for t in range(4)),
-        num_examples=np.asarray([8.0] * len(clients), np.float32))
+    server_input = self.algorithm.server_input(clients, [self.states[k] for k in clients],
+                                               [8.0] * len(clients))
     out = self.algorithm.process.next(self.state, server_input, inputs)
     self.state = out.state
-    for p, k in enumerate(np.asarray(out.result['clients'])):
-      self.models[int(k)] = [np.asarray(w[p]) for w in out.result['personal']['trainable']]
-      self.copies[int(k)] = [np.asarray(w[p]) for w in out.result['server_models']]
-      self.omega[int(k)] = int(np.asarray(out.result['omega'])[p])
+    self.states.update(self.algorithm.next_client_states(out.result, self.states.get))
     return out
 
 
@@ -157,14 +154,14 @@ def test_identity_relationship_is_local_training_with_proximal_term_to_own_model
   prox = learning.fedprox(SPEC, client_optimizer=_sgd(), mu=2 * lam)
   for r in range(2):
     data = _datasets((8, 12, 6), seed=r)
-    before = {k: list(sim.models[k]) for k in range(3)}
+    before = {k: list(sim.models(k)) for k in range(3)}
     sim.round([0, 1, 2], data, epochs=2)
     for k in range(3):
       state = prox.process.set_model_weights(
           prox.process.initialize(),
           tff.learning.models.ModelWeights(trainable=before[k], non_trainable=[]))
       out = prox.process.next(state, [learning.client_input(data[k], k, 2)])
-      for a, b in zip(prox.process.get_model_weights(out.state).trainable, sim.models[k]):
+      for a, b in zip(prox.process.get_model_weights(out.state).trainable, sim.models(k)):
         np.testing.assert_allclose(a, b, atol=1e-5)
   np.testing.assert_allclose(np.asarray(sim.state['relation']),
                              kapc_lib.initial_relationship(3, 2, 'identity'))
@@ -180,7 +177,7 @@ def test_bls_with_mu_above_one_and_full_upload_equals_kapc():
                                                                    seed=10 + r))
     np.testing.assert_allclose(a.result['bytes_up'], b.result['bytes_up'])
   for k in range(4):
-    for x, y in zip(plain.models[k], bls.models[k]):
+    for x, y in zip(plain.models(k), bls.models(k)):
       np.testing.assert_allclose(x, y, atol=1e-6)
   np.testing.assert_allclose(plain.state['relation'], bls.state['relation'], atol=1e-6)
   relation = np.asarray(plain.state['relation'])
@@ -207,8 +204,15 @@ def test_byte_counts_equal_the_tensors_exchanged():
   out = sim2.round([0, 1, 2], _datasets((8, 8, 8), seed=0))
   np.testing.assert_allclose(out.result['bytes_down'], [sum(sizes)] * 3)
   # Layers not uploaded keep the server's stale copy.
-  np.testing.assert_allclose(sim2.copies[0][2], SPEC.initial_weights().trainable[2])
-  assert np.abs(sim2.copies[0][0] - SPEC.initial_weights().trainable[0]).max() > 1e-4
+  np.testing.assert_allclose(sim2.copies(0)[2], SPEC.initial_weights().trainable[2])
+  assert np.abs(sim2.copies(0)[0] - SPEC.initial_weights().trainable[0]).max() > 1e-4
+  # ... and the server's R step used exactly those copies (uniform R, all clients: the slice
+  # is the whole cube, so R⁺ = one projected step from 1/3 on the copies the driver keeps).
+  stacked = [tf.constant(np.stack([sim2.copies(k)[t] for k in range(3)])) for t in range(4)]
+  want = kapc_lib.update_relationship(
+      tf.constant(kapc_lib.initial_relationship(3, 2, 'uniform')), stacked,
+      algorithm.tensor_layers, 0.5, 0.1, 0.01, 1)
+  np.testing.assert_allclose(sim2.state['relation'], want.numpy(), atol=1e-6)
   # μ = 0 skips every layer once r_ii > 0: nothing is sent down.
   skip_all = Sim(kapc_lib.kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.0), 3)
   out = skip_all.round([0, 1, 2], _datasets((8, 8, 8), seed=0))
@@ -230,7 +234,7 @@ def test_fedbn_without_norm_layers_equals_fedavg():
     state = avg.process.next(state, [learning.client_input(d, k, 1) for k, d in
                                      enumerate(_datasets((8, 8, 8), seed=r))]).state
   # FedBN's clients start round 3 from r_i · W = the sample-weighted mean of their models.
-  mean = [np.mean([fedbn.copies[k][t] for k in range(3)], axis=0) for t in range(4)]
+  mean = [np.mean([fedbn.copies(k)[t] for k in range(3)], axis=0) for t in range(4)]
   for a, b in zip(avg.process.get_model_weights(state).trainable, mean):
     np.testing.assert_allclose(a, b, atol=1e-5)
 

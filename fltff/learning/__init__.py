@@ -2,8 +2,8 @@
 
 Every builder takes a `ModelSpec` and returns an `Algorithm` (a TFF learning process plus its
 per-client communication sizes). Gin names: `fedavg`, `fedprox`, `sgdm`, `fedadp`,
-`fedlayerwise`, `fedlap`, `fednova`, `fedbabu`, `scaffold`; the FedAvg-family builders take
-`contribution_normalization=True` for CCN. A builder that declares a `num_clients` argument receives the experiment's
+`fedlayerwise`, `fedlap`, `fednova`, `fedbabu`, `scaffold`, `moon`; the FedAvg-family
+builders take `contribution_normalization=True` for CCN. A builder that declares a `num_clients` argument receives the experiment's
 total number of clients from the round driver (stateful aggregators size their state by it).
 """
 
@@ -25,6 +25,8 @@ from fltff.learning.fedlayerwise import fedlayerwise
 from fltff.learning.fednova import fednova
 from fltff.learning.fedprox import fedprox
 from fltff.learning.model_spec import ModelSpec
+from fltff.learning.moon import model_contrastive_loss
+from fltff.learning.moon import moon
 from fltff.learning.model_spec import type_num_bytes
 from fltff.learning.optimizers import client_optimizer
 from fltff.learning.optimizers import server_optimizer

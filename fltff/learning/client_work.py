@@ -6,8 +6,9 @@ Each participant receives the global `ModelWeights` and its client input
                 info=<one-element dataset of OrderedDict(client_index, epochs)>)
 
 and runs `epochs` passes over `batches` with a `tff.learning.optimizers.Optimizer`, minimising
-`loss(batch) + regulariser(local, global)`. The per-client `info` travels as a one-element
-dataset because `compose_learning_process` accepts only sequence-valued client data
+`loss(batch) + regulariser(local, global)` (plus the regulariser's optional batch-dependent
+term). The per-client `info` travels as a one-element dataset because
+`compose_learning_process` accepts only sequence-valued client data
 (shared/notes/environment.md); it carries the client's slot (for stateful aggregators) and its
 number of local epochs (stragglers do fewer).
 
@@ -50,16 +51,25 @@ class LocalRegularizer(Protocol):
 
   # Optional: `gradient(local, global_, context) -> list of tensors`, the closed-form gradient
   # of `penalty` w.r.t. `local` (used instead of differentiating it: cheaper per step).
+  # Optional: `batch_penalty(local, batch, context) -> scalar tensor`, a term that depends on
+  # the minibatch (MOON's model-contrastive loss on the batch's representations). It is added
+  # to the data loss at every step inside the same tape and differentiated with it, so it may
+  # depend on the trained variables through the model itself (e.g. a latent-layer model that
+  # shares them), not only through `local`; `penalty`/`gradient` still apply on top of it.
   # Optional: `measurements(trained, global_) -> nested dict of scalars`, averaged over the
   # round's participants and reported as `client_work/regularizer/...` (e.g. FedLap's λ, d).
 
 
 def client_input(batches: tf.data.Dataset, client_index: int, epochs: int,
-                 client_state: Optional[Sequence[np.ndarray]] = None):
+                 client_state: Optional[Sequence[np.ndarray]] = None,
+                 state_in_dataset: bool = True):
   """Packs one participant's batches and info in the layout `build_client_work` expects.
 
   `client_state` (a nested structure of arrays: SCAFFOLD's control variate c_i, KAPC's personal
-  model) travels as a one-element dataset under `state`, for the same reason as `info`.
+  model) travels under `state`: as a one-element dataset, for the same reason as `info`, or —
+  with `state_in_dataset=False`, for processes written as their own federated computation
+  (the personalised ones) — as plain tensors, which are cheaper to ship to the runtime and to
+  read there (a model-sized constant in a dataset graph is parsed on every call).
   """
   info = tf.data.Dataset.from_tensors(
       collections.OrderedDict(client_index=np.int32(client_index), epochs=np.int32(epochs)))
@@ -67,15 +77,16 @@ def client_input(batches: tf.data.Dataset, client_index: int, epochs: int,
   if client_state is not None:
     if isinstance(client_state, list):
       client_state = tuple(client_state)  # tf.data reads a list as one stacked tensor.
-    out['state'] = tf.data.Dataset.from_tensors(tf.nest.map_structure(np.asarray, client_state))
+    state = tf.nest.map_structure(np.asarray, client_state)
+    out['state'] = tf.data.Dataset.from_tensors(state) if state_in_dataset else state
   return out
 
 
-def client_types(model_spec: ModelSpec, state_type=None):
+def client_types(model_spec: ModelSpec, state_type=None, state_in_dataset: bool = True):
   """TFF types of the broadcast `ModelWeights` and of one client's input (`client_input`).
 
-  `state_type`: the TFF type of one element of the `state` dataset, when the method passes
-  per-client state in (see `client_input`).
+  `state_type`: the TFF type of the client's `state` (of one element of the `state` dataset
+  with `state_in_dataset`), when the method passes per-client state in (see `client_input`).
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -86,7 +97,7 @@ def client_types(model_spec: ModelSpec, state_type=None):
   fields = [('batches', tff.SequenceType(element_type)),
             ('info', tff.SequenceType(tff.types.tensorflow_to_type(CLIENT_INFO_SPEC)))]
   if state_type is not None:
-    fields.append(('state', tff.SequenceType(state_type)))
+    fields.append(('state', tff.SequenceType(state_type) if state_in_dataset else state_type))
   data_type = tff.StructWithPythonType(fields, collections.OrderedDict)
   return weights_type, data_type
 
@@ -127,14 +138,16 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
       gradients are zeroed.
     latent_fn: Optional Keras model mapping inputs to the latent layer (sharing the weights).
     track_gradient_mean: Also return `gradient_mean`, the mean over all local steps of the
-      data-loss minibatch gradients (before any regulariser term): SCAFFOLD's new control
-      variate (with plain SGD it equals option II of Karimireddy et al. 2020, eq. (4)).
+      data-loss minibatch gradients (before any regulariser term except a `batch_penalty`,
+      which is part of the minibatch loss): SCAFFOLD's new control variate (with plain SGD
+      it equals option II of Karimireddy et al. 2020, eq. (4)).
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   # A regulariser with a closed-form gradient adds it to the data gradient directly: the same
   # update as differentiating `penalty` (tested), without taping the penalty at every step.
   analytic_gradient = regularizer is not None and hasattr(regularizer, 'gradient')
+  batch_dependent = regularizer is not None and hasattr(regularizer, 'batch_penalty')
   frozen = frozenset(frozen)
 
   @tf.function
@@ -161,6 +174,8 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
           loss = output.loss
           if regularizer is not None and not analytic_gradient:
             loss += regularizer.penalty(variables, global_trainable, context)
+          if batch_dependent:
+            loss += regularizer.batch_penalty(variables, batch, context)
         gradients = tape.gradient(loss, variables)
         if track_gradient_mean:
           gradient_sum = tuple(a + g for a, g in zip(gradient_sum, gradients))

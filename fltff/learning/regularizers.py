@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import tensorflow as tf
 
@@ -19,13 +20,23 @@ def proximal_penalty(local: Sequence[tf.Tensor], global_: Sequence[tf.Tensor],
 
 
 class ProximalRegularizer:
-  """`LocalRegularizer` for FedProx: `μ/2 ||w − w_global||²` with no per-epoch context."""
+  """`LocalRegularizer` `μ/2 Σ_t m_t ||w_t − a_t||²` with no per-epoch context.
 
-  def __init__(self, mu: float):
+  FedProx: the anchor `a` is the round's global model, every `m_t = 1`. KAPC (client
+  objective `λ Σ_l ||w^l − s_i^l||²`): μ = 2λ, the anchor is the client's personalised server
+  model s_i, and `m_t = 0` drops the tensors of layers BLS did not send (`tensor_mask`).
+  """
+
+  def __init__(self, mu: float, anchor: Optional[Sequence[tf.Tensor]] = None,
+               tensor_mask: Optional[Sequence[tf.Tensor]] = None):
     if mu < 0:
       from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
-      raise ConfigError(f'FedProx mu must be >= 0, got {mu}.')
+      raise ConfigError(f'Proximal mu must be >= 0, got {mu}.')
     self.mu = float(mu)
+    self.anchor = None if anchor is None else tuple(anchor)
+    self.mask = None if tensor_mask is None else tuple(tensor_mask)
+    # Per-tensor coefficients, formed once (not at every local step).
+    self._coefficients = None if self.mask is None else tuple(self.mu * m for m in self.mask)
 
   def epoch_start(self, local, global_):
     del local, global_
@@ -33,9 +44,15 @@ class ProximalRegularizer:
 
   def penalty(self, local, global_, context):
     del context
-    return proximal_penalty(local, global_, self.mu)
+    anchor = global_ if self.anchor is None else self.anchor
+    if self.mask is None:
+      return proximal_penalty(local, anchor, self.mu)
+    return 0.5 * tf.add_n([c * tf.reduce_sum(tf.square(w - a)) for w, a, c in
+                           zip(local, anchor, self._coefficients)])
 
   def gradient(self, local, global_, context):
-    """∂/∂w of the penalty: `μ (w − w_global)`."""
+    """∂/∂w of the penalty: `μ m_t (w_t − a_t)`."""
     del context
-    return [self.mu * (w - g) for w, g in zip(local, global_)]
+    anchor = global_ if self.anchor is None else self.anchor
+    coefficients = self._coefficients or (self.mu,) * len(anchor)
+    return [c * (w - a) for w, a, c in zip(local, anchor, coefficients)]

@@ -20,7 +20,6 @@ are gathered and their deltas summed by two independent aggregates.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Sequence
 
 import gin
@@ -28,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from fltff.errors import ConfigError
+from fltff.learning import client_state
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
@@ -37,7 +37,7 @@ from fltff.learning.process import build_algorithm
 from fltff.learning.process import contribution_normalization_options
 
 # Where the gathered new client controls appear in the process's client-work measurements.
-CLIENT_STATES_KEY = 'client_states'
+CLIENT_STATES_KEY = client_state.CLIENT_STATES_KEY
 
 
 class ControlVariateCorrection:
@@ -72,28 +72,17 @@ def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: in
 
   Measurements: `train` (metrics) and `client_states`, the gathered
   `OrderedDict(update=(c_i⁺ tensors with a leading [K] axis), weight=client_index[K])` that the
-  round driver writes back to its state store.
+  round driver writes back to its state store (`client_state.build_stateful_client_work`).
   """
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-  from fltff.aggregators.gather import build_gather  # pylint: disable=g-import-not-at-top
-
   client_work_lib.check_weight_fields(weight_fields)
-  with tf.Graph().as_default():
-    model = model_spec.tff_model()
-    metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(model.metric_finalizers())
-    specs = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
-  control_type = tff.types.to_type(
-      tuple((s.dtype.as_numpy_dtype, tuple(s.shape.as_list())) for s in specs))
-  weights_type, data_type = client_work_lib.client_types(model_spec, state_type=control_type)
+  specs = client_state.trainable_specs(model_spec)
 
   def zeros():
     return tuple(tf.zeros(s.shape, s.dtype) for s in specs)
 
-  @tff.tensorflow.computation(weights_type, control_type, data_type)
-  def client_update(initial_weights, server_control, data):
+  def client_fn(initial_weights, server_control, data, control):
     keras_model = model_spec.keras_fn()
     local_model = model_spec.tff_model(keras_model)
-    control = client_work_lib.read_single(data['state'], zeros())
     correction = [c - ci for c, ci in zip(server_control, control)]
     out = client_work_lib.build_local_training(
         local_model, optimizer, ControlVariateCorrection(correction),
@@ -104,35 +93,13 @@ def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: in
                           lambda: tuple(control))
     delta = tuple(n - o for n, o in zip(new_control, control))
     result = client_work_lib.client_result(initial_weights, data, out, weight_fields)
-    return (result, out['metrics'], new_control, client_work_lib.client_index_of(data), delta)
+    return result, out['metrics'], new_control, delta
 
-  gather, _ = build_gather(control_type, tff.TensorType(np.int32))
-
-  @tff.tensorflow.computation(control_type, control_type)
   def update_control(control, delta_sum):
     return server_control_update(control, delta_sum, num_clients)
 
-  @tff.tensorflow.computation
-  def initial_control():
-    return zeros()
-
-  @tff.federated_computation
-  def init_fn():
-    return tff.federated_eval(initial_control, tff.SERVER)
-
-  @tff.federated_computation(init_fn.type_signature.result,
-                             tff.FederatedType(weights_type, tff.CLIENTS),
-                             tff.FederatedType(data_type, tff.CLIENTS))
-  def next_fn(state, weights, client_data):
-    result, model_outputs, new_controls, indices, deltas = tff.federated_map(
-        client_update, (weights, tff.federated_broadcast(state), client_data))
-    new_state = tff.federated_map(update_control, (state, tff.federated_sum(deltas)))
-    measurements = tff.federated_zip(collections.OrderedDict(
-        train=metrics_aggregation_fn(model_outputs),
-        **{CLIENT_STATES_KEY: gather(new_controls, indices)}))
-    return tff.templates.MeasuredProcessOutput(new_state, result, measurements)
-
-  return tff.learning.templates.ClientWorkProcess(init_fn, next_fn), control_type
+  return client_state.build_stateful_client_work(
+      model_spec, client_fn, server_init_fn=zeros, server_update_fn=update_control)
 
 
 @gin.configurable('scaffold')
@@ -163,6 +130,5 @@ def scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
   # The server sends c with the model; each client sends Δc_i with its update.
   algorithm.bytes_down_per_client += control_bytes
   algorithm.bytes_up_per_client += control_bytes
-  algorithm.client_state_init = lambda: [np.zeros_like(z) for z in specs]
-  algorithm.client_states_key = CLIENT_STATES_KEY
-  return algorithm
+  return client_state.with_client_states(algorithm,
+                                         lambda: [np.zeros_like(z) for z in specs])

@@ -9,7 +9,8 @@ uploaded). Per round, for the participants P:
 2. personalised server models `s_i^l = Σ_{j∈P} r_ij^l w_j^l` (`personalized_server_models`);
    BLS (Algorithm 3) skips layer l of client i when `r_ii^l > μ`;
 3. client i trains its own model w_i for E epochs on `f_i(w) + λ Σ_l ||w^l − s_i^l||²` (no
-   term for skipped layers) and uploads its first Ω_i layers (Algorithm 4, `bls.py`);
+   term for skipped layers; `regularizers.ProximalRegularizer` with μ = 2λ, anchored at s_i)
+   and uploads its first Ω_i layers (Algorithm 4, `bls.py`);
 4. the server fills the layers not uploaded with its stale copies, then takes E_r gradient
    steps with learning rate η_r on `λ Σ_l ||s_i^l(R) − w_i^l||² + β/2 Σ_l ||r_i^l − 1/|P| ||²`
    for every participant (`update_relationship`), projects the rows back onto the simplex
@@ -47,6 +48,7 @@ import tensorflow as tf
 from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import optimizers
+from fltff.learning import regularizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.personalization import bls
 
@@ -151,30 +153,6 @@ def initial_relationship(num_clients: int, num_layers: int, init: str) -> np.nda
   raise ConfigError(f"relationship_init must be 'uniform' or 'identity', got {init!r}.")
 
 
-class TowardsServerModel:
-  """`LocalRegularizer` `λ Σ_l m_l ||w^l − s^l||²` (KAPC's client objective; m_l = 0 if skipped)."""
-
-  def __init__(self, lambda_: float, server_model: Sequence[tf.Tensor],
-               tensor_mask: Sequence[tf.Tensor]):
-    self.lambda_ = lambda_
-    self.server_model = tuple(server_model)
-    self.mask = tuple(tensor_mask)
-
-  def epoch_start(self, local, global_):
-    del local, global_
-    return ()
-
-  def penalty(self, local, global_, context):
-    del global_, context
-    return self.lambda_ * tf.add_n([m * tf.reduce_sum(tf.square(w - s)) for w, s, m in
-                                    zip(local, self.server_model, self.mask)])
-
-  def gradient(self, local, global_, context):
-    del global_, context
-    return [2.0 * self.lambda_ * m * (w - s) for w, s, m in
-            zip(local, self.server_model, self.mask)]
-
-
 # --- the process ------------------------------------------------------------------------------
 @dataclasses.dataclass
 class PersonalizedAlgorithm:
@@ -182,15 +160,79 @@ class PersonalizedAlgorithm:
 
   `process.next(state, server_input, client_data)` with `server_input =
   OrderedDict(clients=int32[P], models=tuple of [P, ...] server copies, num_examples=float32[P])`
-  and client data `client_input(..., client_state=personal model)`. Its result holds, in the
-  order of `clients`: `server_models` (the server's new copies), `personal` (each client's new
-  model), `omega`, and the bytes actually sent down/up per client.
+  and client data `client_input(batches, k, epochs, client_state)`. Its result holds, in the
+  order of `clients`: `personal` (each client's new model), `omega`, `uploaded` (`bool[P, L]`:
+  the layers the server received) and the bytes actually sent down/up per client. The
+  server's new copies are not returned (they would double what crosses the runtime boundary):
+  `next_client_states` rebuilds them from `personal` and `uploaded`, exactly as `finish` does.
+
+  Per-client state, as drivers keep it: `OrderedDict(model=OrderedDict(trainable,
+  non_trainable), server_copy=<the server's copy of its trainable weights, stale layers
+  included>, omega=<last Ω>)`; `new_client_state`, `server_input`, `client_input` and
+  `next_client_states` are the one implementation of that bookkeeping.
   """
   name: str
   process: object
   model_spec: ModelSpec
   layer_sizes_bytes: list
+  tensor_layers: list  # The layer of each trainable tensor.
+  # Whether clients' personal trainable weights are part of their input (see the builder).
+  model_from_client: bool = True
   kind: str = 'personalized'
+  _initial: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
+
+  def new_client_state(self) -> collections.OrderedDict:
+    """A client that never took part: the initial model, Ω = L."""
+    if self._initial is None:  # Building the Keras model once, not once per client.
+      initial = self.model_spec.initial_weights()
+      self._initial = ([np.array(w) for w in initial.trainable],
+                       [np.array(w) for w in initial.non_trainable])
+    trainable, non_trainable = self._initial
+    return collections.OrderedDict(
+        model=collections.OrderedDict(trainable=[w.copy() for w in trainable],
+                                      non_trainable=[w.copy() for w in non_trainable]),
+        server_copy=[w.copy() for w in trainable],
+        omega=np.int32(len(self.layer_sizes_bytes)))
+
+  def client_input(self, batches, client_index: int, epochs: int, client_state):
+    """One participant's client data: `client_work.client_input` with its personal model
+    (trainable weights only where `model_from_client`) and last Ω as `state` (tensors)."""
+    personal = collections.OrderedDict()
+    if self.model_from_client:
+      personal['trainable'] = tuple(client_state['model']['trainable'])
+    if len(client_state['model']['non_trainable']):
+      personal['non_trainable'] = tuple(client_state['model']['non_trainable'])
+    personal['omega'] = np.int32(client_state['omega'])
+    return client_work_lib.client_input(batches, client_index, epochs, client_state=personal,
+                                        state_in_dataset=False)
+
+  @staticmethod
+  def server_input(clients: Sequence[int], client_states: Sequence,
+                   num_examples: Sequence[float]) -> collections.OrderedDict:
+    """The server's input for the participants `clients` (states in the same order)."""
+    copies = [s['server_copy'] for s in client_states]
+    return collections.OrderedDict(
+        clients=np.asarray(clients, np.int32),
+        models=tuple(np.stack([c[t] for c in copies]) for t in range(len(copies[0]))),
+        num_examples=np.asarray(num_examples, np.float32))
+
+  def next_client_states(self, result, previous) -> dict:
+    """`{client: new state}` from a round's `result`; `previous(k)` gives k's state before."""
+    out = {}
+    personal = result['personal']
+    uploaded = np.asarray(result['uploaded'])
+    omega = np.asarray(result['omega'])
+    for p, k in enumerate(int(k) for k in np.asarray(result['clients'])):
+      trainable = [np.asarray(w[p]) for w in personal['trainable']]
+      stale = previous(k)['server_copy']
+      out[k] = collections.OrderedDict(
+          model=collections.OrderedDict(
+              trainable=trainable,
+              non_trainable=[np.asarray(w[p]) for w in personal.get('non_trainable', ())]),
+          server_copy=[w if uploaded[p, l] else s
+                       for w, s, l in zip(trainable, stale, self.tensor_layers)],
+          omega=np.int32(omega[p]))
+    return out
 
 
 def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_optimizer,
@@ -266,13 +308,21 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     return (spec.dtype.as_numpy_dtype, tuple(lead) + tuple(spec.shape.as_list()))
 
   trainable_type = tff.types.to_type(tuple(shape_of(s) for s in tspecs))
-  personal_fields = [('trainable', trainable_type)]
+  # A participant's personal trainable weights cross into the runtime only when the server's
+  # copy may differ from them (BLS uploads part of the model; Local uploads nothing). Otherwise
+  # the client uploaded its whole model last time, the copy in `server_input` *is* its model,
+  # and the client reads it from the broadcast (`own`) — or does not need it at all when it
+  # starts from s_i. Same arithmetic, one model per participant less to ship in (measured
+  # ~45 ms a round for 10 × mlp2).
+  model_from_client = bls_mu is not None or not communicates
+  personal_fields = [('trainable', trainable_type)] if model_from_client else []
   if nspecs:
     personal_fields.append(('non_trainable', tff.types.to_type(tuple(shape_of(s)
                                                                       for s in nspecs))))
   personal_fields.append(('omega', tff.TensorType(np.int32)))
   personal_type = tff.StructWithPythonType(personal_fields, collections.OrderedDict)
-  weights_type, data_type = client_work_lib.client_types(model_spec, state_type=personal_type)
+  weights_type, data_type = client_work_lib.client_types(model_spec, state_type=personal_type,
+                                                          state_in_dataset=False)
   del weights_type
   stacked = tff.types.to_type(tuple(shape_of(s, [None]) for s in tspecs))
   server_input_type = tff.StructWithPythonType(
@@ -307,34 +357,38 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
       skip = tf.zeros_like(self_rel, tf.bool)
     else:
       skip = bls.server_skip_mask_tf(self_rel, bls_mu)
-    return collections.OrderedDict(
+    message = collections.OrderedDict(
         clients=server_input['clients'], models=tuple(s), skip=skip,
         n_fed=tf.reduce_sum(server_input['num_examples']), self_relation=self_rel)
+    if not model_from_client and start_from == 'own':
+      message['own'] = tuple(server_input['models'])
+    return message
 
   broadcast_type = prepare.type_signature.result
-
-  def zeros_personal():
-    out = collections.OrderedDict(trainable=tuple(tf.zeros(s.shape, s.dtype) for s in tspecs))
-    if nspecs:
-      out['non_trainable'] = tuple(tf.zeros(s.shape, s.dtype) for s in nspecs)
-    out['omega'] = tf.constant(num_layers, tf.int32)
-    return out
 
   @tff.tensorflow.computation(broadcast_type, data_type)
   def client_update(server_msg, data):
     model = model_spec.tff_model()
-    personal = client_work_lib.read_single(data['state'], zeros_personal())
+    personal = data['state']
     k = client_work_lib.client_index_of(data)
     pos = tf.argmax(tf.cast(tf.equal(server_msg['clients'], k), tf.int32), output_type=tf.int32)
     s = [m[pos] for m in server_msg['models']]
     skip = server_msg['skip'][pos]
     sent = [tf.logical_not(skip[l]) for l in layer_of]
-    own = list(personal['trainable'])
+    if model_from_client:
+      own = list(personal['trainable'])
+    elif start_from == 'own':
+      own = [m[pos] for m in server_msg['own']]
+    else:
+      own = s  # Every layer is sent (no BLS) and the client starts from s_i.
     start = own
     if start_from == 'server':
       start = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
-    mask = [tf.cast(c, w.dtype) for c, w in zip(sent, own)]
-    regularizer = TowardsServerModel(lambda_, s, mask) if lambda_ > 0 else None
+    # λ Σ_l ||w^l − s^l||² is the proximal term with μ = 2λ towards s_i; without BLS every
+    # layer is sent and the mask is dropped (one op less per tensor and local step).
+    mask = None if bls_mu is None else [tf.cast(c, w.dtype) for c, w in zip(sent, own)]
+    regularizer = (regularizers.ProximalRegularizer(2.0 * lambda_, anchor=s, tensor_mask=mask)
+                   if lambda_ > 0 else None)
     initial = tff.learning.models.ModelWeights(
         trainable=list(start), non_trainable=list(personal.get('non_trainable', ())))
     out = client_work_lib.build_local_training(model, client_optimizer, regularizer)(
@@ -395,7 +449,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     if nspecs:
       personal['non_trainable'] = tuple(values[num_trainable:])
     result = collections.OrderedDict(
-        clients=clients, server_models=tuple(server_models), personal=personal, omega=omega,
+        clients=clients, personal=personal, omega=omega, uploaded=uploaded,
         bytes_down=bytes_down, bytes_up=bytes_up)
     stats = collections.OrderedDict(
         omega_mean=tf.reduce_mean(tf.cast(omega, tf.float32)),
@@ -429,7 +483,8 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
 
   process = tff.templates.IterativeProcess(init_fn, next_fn)
   return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec,
-                               layer_sizes_bytes=layer_sizes_bytes)
+                               layer_sizes_bytes=layer_sizes_bytes, tensor_layers=layer_of,
+                               model_from_client=model_from_client)
 
 
 @gin.configurable('kapc')

@@ -17,7 +17,6 @@ on its own local test split (the KAPC paper's metric); the best over rounds is t
 
 from __future__ import annotations
 
-import collections
 import os
 import time
 
@@ -41,24 +40,12 @@ class PersonalizedRoundDriver(RoundDriver):
       raise ConfigError(f'{algorithm.name} is evaluated on local test splits: set '
                         'federated_data.local_test_examples > 0.')
     super().__init__(algorithm, data, config, output_dir, **kwargs)
-    initial = algorithm.model_spec.initial_weights()
-    self._initial_model = collections.OrderedDict(
-        trainable=[np.asarray(w) for w in initial.trainable],
-        non_trainable=[np.asarray(w) for w in initial.non_trainable])
     self._num_layers = len(algorithm.layer_sizes_bytes)
-    self.method_states = ClientStateStore(lambda k: self._new_client_state())
-
-  def _new_client_state(self):
-    return collections.OrderedDict(
-        model=collections.OrderedDict(
-            trainable=[w.copy() for w in self._initial_model['trainable']],
-            non_trainable=[w.copy() for w in self._initial_model['non_trainable']]),
-        server_copy=[w.copy() for w in self._initial_model['trainable']],
-        omega=np.int32(self._num_layers))
+    self.method_states = ClientStateStore(lambda k: algorithm.new_client_state())
 
   def client_state_template(self, client_index: int):
     del client_index
-    return self._new_client_state()
+    return self.algorithm.new_client_state()
 
   def restore(self, template_state):
     round_num, state, meta, arrays = self.checkpointer.restore(template_state)
@@ -86,17 +73,8 @@ class PersonalizedRoundDriver(RoundDriver):
     return _finite_tree(new_state) and all(
         _finite_tree(s['model']['trainable']) for s in pending['method_states'].values())
 
-  def _personal_input(self, k: int):
-    state = self.method_states.get(k)
-    out = collections.OrderedDict(trainable=tuple(state['model']['trainable']))
-    if len(state['model']['non_trainable']):
-      out['non_trainable'] = tuple(state['model']['non_trainable'])
-    out['omega'] = np.int32(state['omega'])
-    return out
-
   def client_inputs(self, round_num, clients, epochs=None):
     from fltff.data.pipeline import client_batches  # pylint: disable=g-import-not-at-top
-    from fltff.learning.client_work import client_input  # pylint: disable=g-import-not-at-top
     from fltff.simulation import sampling  # pylint: disable=g-import-not-at-top
 
     inputs = []
@@ -105,34 +83,25 @@ class PersonalizedRoundDriver(RoundDriver):
       ds = client_batches(x, y, self.config.batch_size,
                           sampling.shuffle_seed(self.config.seed, round_num, k))
       e = self.config.local_epochs if epochs is None else epochs[k]
-      inputs.append(client_input(ds, k, e, client_state=self._personal_input(k)))
+      inputs.append(self.algorithm.client_input(ds, k, e, self.method_states.get(k)))
     return inputs
 
   def run_round(self, state, round_num: int):
     clients, epochs, dropped = self.plan_round(round_num)
     inputs = self.client_inputs(round_num, clients, epochs)
     server_start = time.perf_counter()
-    copies = [self.method_states.get(k)['server_copy'] for k in clients]
-    server_input = collections.OrderedDict(
-        clients=np.asarray(clients, np.int32),
-        models=tuple(np.stack([c[t] for c in copies]) for t in range(len(copies[0]))),
-        num_examples=np.asarray([len(self.data.train_indices[k]) for k in clients], np.float32))
+    server_input = self.algorithm.server_input(
+        clients, [self.method_states.get(k) for k in clients],
+        [len(self.data.train_indices[k]) for k in clients])
     server_seconds = time.perf_counter() - server_start
     start = time.perf_counter()
     output = self.call(self.process.next, state, server_input, inputs)
     seconds = time.perf_counter() - start
     result = output.result
     server_start = time.perf_counter()
-    pending = {'method_states': {}}
+    pending = {'method_states': self.algorithm.next_client_states(result,
+                                                                  self.method_states.get)}
     order = [int(k) for k in np.asarray(result['clients'])]
-    personal = result['personal']
-    for p, k in enumerate(order):
-      model = collections.OrderedDict(
-          trainable=[np.asarray(w[p]) for w in personal['trainable']],
-          non_trainable=[np.asarray(w[p]) for w in personal.get('non_trainable', ())])
-      pending['method_states'][k] = collections.OrderedDict(
-          model=model, server_copy=[np.asarray(w[p]) for w in result['server_models']],
-          omega=np.int32(np.asarray(result['omega'])[p]))
     server_seconds += time.perf_counter() - server_start
     measurements = dict(output.measurements)
     train = measurements.pop('train')

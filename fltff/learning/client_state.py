@@ -1,0 +1,151 @@
+"""Client work for global methods whose clients carry their own state between rounds.
+
+SCAFFOLD's control variate c_i and MOON's previous local model are tensors shaped like the
+model's trainable weights, kept in the round driver's per-client state store
+(`Algorithm.client_state_init`, `Algorithm.client_states_key`). The state comes in with the
+client data (`client_input(..., client_state=...)`, a one-element dataset under `state`) and
+the participants' new states go out through one gathering aggregate
+(`fltff.aggregators.gather`), keyed by client index, under `CLIENT_STATES_KEY` in the client
+work's measurements, where the driver reads them back.
+
+`build_stateful_client_work` is the shared plumbing; a method supplies only its client step
+and, if it has one, its server-side client-work state (SCAFFOLD's c).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from fltff.learning import client_work as client_work_lib
+from fltff.learning.model_spec import ModelSpec
+
+# Where the gathered new client states appear in the process's client-work measurements.
+CLIENT_STATES_KEY = 'client_states'
+
+
+def trainable_specs(model_spec: ModelSpec) -> list[tf.TensorSpec]:
+  """`TensorSpec`s of the model's trainable weights, in order."""
+  with tf.Graph().as_default():
+    model = model_spec.tff_model()
+    return [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
+
+
+def trainable_state_type(model_spec: ModelSpec):
+  """TFF type of a tuple of tensors shaped like the model's trainable weights."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  return tff.types.to_type(tuple((s.dtype.as_numpy_dtype, tuple(s.shape.as_list()))
+                                 for s in trainable_specs(model_spec)))
+
+
+def build_stateful_client_work(
+    model_spec: ModelSpec,
+    client_fn: Callable[..., tuple],
+    server_init_fn: Optional[Callable[[], Any]] = None,
+    server_update_fn: Optional[Callable[[Any, Any], Any]] = None):
+  """A `ClientWorkProcess` whose clients read and return a state shaped like the trainable
+  weights.
+
+  Args:
+    model_spec: The model.
+    client_fn: TF code run per participant inside a `tff.tensorflow.computation`:
+      `client_fn(initial_weights, server_value, data, client_state) -> (ClientResult,
+      unfinalized metrics, new client state, server contribution)`. `client_state` is the
+      element of `data['state']` (a tuple of tensors); `server_value` is the broadcast
+      client-work state (None without `server_init_fn`); the contribution is summed over the
+      participants for `server_update_fn` (ignored without it; return `()`).
+    server_init_fn: No-arg TF function giving the client work's initial server state (SCAFFOLD's
+      c); None: the client work has no server state.
+    server_update_fn: `(server_state, summed contributions) -> new server state` (TF).
+
+  Returns:
+    `(process, state_type)`: the `ClientWorkProcess`, whose measurements are `train` (metrics)
+    and `CLIENT_STATES_KEY`, the gathered `OrderedDict(update=(new states with a leading [K]
+    axis), weight=client_index[K])`; and the TFF type of one client's state.
+  """
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from fltff.aggregators.gather import build_gather  # pylint: disable=g-import-not-at-top
+
+  if (server_init_fn is None) != (server_update_fn is None):
+    raise ValueError('server_init_fn and server_update_fn go together.')
+  with tf.Graph().as_default():
+    metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
+        model_spec.tff_model().metric_finalizers())
+  specs = trainable_specs(model_spec)
+  state_type = trainable_state_type(model_spec)
+  weights_type, data_type = client_work_lib.client_types(model_spec, state_type=state_type)
+
+  def run_client(initial_weights, server_value, data):
+    zero = tuple(tf.zeros(s.shape, s.dtype) for s in specs)
+    client_state = client_work_lib.read_single(data['state'], zero)
+    result, metrics, new_state, contribution = client_fn(initial_weights, server_value, data,
+                                                         client_state)
+    return (result, metrics, tuple(new_state), client_work_lib.client_index_of(data),
+            contribution)
+
+  gather, _ = build_gather(state_type, tff.TensorType(np.int32))
+
+  if server_init_fn is None:
+
+    @tff.tensorflow.computation(weights_type, data_type)
+    def client_update(initial_weights, data):
+      return run_client(initial_weights, None, data)[:4]
+
+    @tff.federated_computation
+    def init_fn():
+      return tff.federated_value((), tff.SERVER)
+
+  else:
+
+    @tff.tensorflow.computation
+    def initial_server_state():
+      return server_init_fn()
+
+    server_type = initial_server_state.type_signature.result
+
+    @tff.tensorflow.computation(weights_type, server_type, data_type)
+    def client_update(initial_weights, server_value, data):  # pylint: disable=function-redefined
+      return run_client(initial_weights, server_value, data)
+
+    @tff.federated_computation
+    def init_fn():  # pylint: disable=function-redefined
+      return tff.federated_eval(initial_server_state, tff.SERVER)
+
+    @tff.tensorflow.computation(server_type, client_update.type_signature.result[4])
+    def update_server_state(server_state, contribution_sum):
+      return server_update_fn(server_state, contribution_sum)
+
+  @tff.federated_computation(init_fn.type_signature.result,
+                             tff.FederatedType(weights_type, tff.CLIENTS),
+                             tff.FederatedType(data_type, tff.CLIENTS))
+  def next_fn(state, weights, client_data):
+    if server_init_fn is None:
+      result, model_outputs, new_states, indices = tff.federated_map(
+          client_update, (weights, client_data))
+      new_server_state = state
+    else:
+      result, model_outputs, new_states, indices, contributions = tff.federated_map(
+          client_update, (weights, tff.federated_broadcast(state), client_data))
+      new_server_state = tff.federated_map(update_server_state,
+                                           (state, tff.federated_sum(contributions)))
+    # Two independent aggregates (metrics, gathered states): still one pass.
+    measurements = tff.federated_zip(collections.OrderedDict(
+        train=metrics_aggregation_fn(model_outputs),
+        **{CLIENT_STATES_KEY: gather(new_states, indices)}))
+    return tff.templates.MeasuredProcessOutput(new_server_state, result, measurements)
+
+  return tff.learning.templates.ClientWorkProcess(init_fn, next_fn), state_type
+
+
+def with_client_states(algorithm, client_state_init: Callable[[], list]):
+  """Marks `algorithm` (built on a `build_stateful_client_work` process) as keeping client
+  state: the driver starts a client from `client_state_init()` and reads the new states under
+  `CLIENT_STATES_KEY`."""
+  algorithm.client_state_init = client_state_init
+  algorithm.client_states_key = CLIENT_STATES_KEY
+  return algorithm

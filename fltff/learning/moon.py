@@ -1,0 +1,166 @@
+"""MOON (Li, He, Song, "Model-Contrastive Federated Learning", CVPR 2021).
+
+Client i trains from the global model w^t on `ℓ = ℓ_CE + μ ℓ_con` per minibatch (eq. (4)),
+where the model-contrastive loss (eq. (3)) pulls the representation z of x under the model
+being trained towards z_glob, its representation under the fixed global model w^t, and pushes
+it away from z_prev, its representation under the client's own previous local model (the model
+it ended its last participation with). The server aggregates like FedAvg.
+
+In fltff:
+- The representation is the model zoo's latent layer (`fltff.models.latent_model`, the one CCN
+  averages), flattened; the paper's projection head is not added.
+- The previous local model's trainable weights are the client's state in the round driver's
+  store (`client_state.build_stateful_client_work`, like SCAFFOLD's c_i); the participants'
+  trained models are gathered back into it. A client that never took part starts from the
+  initial model (as MOON's official code does), so in round 1 z_prev = z_glob, ℓ_con = log 2
+  with zero gradient and the round equals FedAvg's (tested); with μ = 0 MOON is FedAvg.
+- The fixed global and previous models are extra Keras models in the client computation, run
+  in inference mode (`training=False`). The previous model uses the global model's
+  non-trainable weights (BatchNorm statistics): the state holds trainable weights only.
+- Nothing extra is communicated: the client state never leaves the client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import gin
+import tensorflow as tf
+
+from fltff.errors import ConfigError
+from fltff.learning import client_state
+from fltff.learning import client_work as client_work_lib
+from fltff.learning import optimizers
+from fltff.learning.model_spec import ModelSpec
+from fltff.learning.process import Algorithm
+from fltff.learning.process import build_algorithm
+
+
+def model_contrastive_loss(z: tf.Tensor, z_glob: tf.Tensor, z_prev: tf.Tensor,
+                           temperature: float) -> tf.Tensor:
+  """MOON's model-contrastive loss (Li, He, Song, CVPR 2021, eq. (3)), averaged over examples.
+
+  `ℓ_con = −log( exp(sim(z, z_glob)/τ) / (exp(sim(z, z_glob)/τ) + exp(sim(z, z_prev)/τ)) )`
+  with `sim` the cosine similarity of each example's representations.
+
+  Args:
+    z, z_glob, z_prev: `[B, D]` representations of the same B examples under the local, the
+      global and the previous local model.
+    temperature: τ > 0.
+
+  Returns:
+    The mean of ℓ_con over the B examples (a zero vector has similarity 0 to everything).
+  """
+  z, z_glob, z_prev = (tf.math.l2_normalize(t, axis=-1) for t in (z, z_glob, z_prev))
+  logits = tf.stack([tf.reduce_sum(z * z_glob, -1), tf.reduce_sum(z * z_prev, -1)], -1)
+  return -tf.reduce_mean(tf.nn.log_softmax(logits / temperature, axis=-1)[:, 0])
+
+
+def _flat(z: tf.Tensor) -> tf.Tensor:
+  return tf.reshape(z, [tf.shape(z)[0], -1])
+
+
+class ModelContrastiveRegularizer:
+  """`LocalRegularizer` adding `μ ℓ_con` on each minibatch (`batch_penalty`).
+
+  Args:
+    local_model: The Keras model being trained (its latent layer gives z).
+    global_model, previous_model: Two more Keras models of the same architecture, loaded with
+      `global_weights` (`ModelWeights`) and `previous_trainable` (+ the global non-trainable
+      weights) at every epoch start, inside the training function (idempotent, so that the
+      assignments are ordered before the epoch's steps).
+    mu: μ ≥ 0.
+    temperature: τ > 0.
+  """
+
+  def __init__(self, local_model: tf.keras.Model, global_model: tf.keras.Model,
+               previous_model: tf.keras.Model, global_weights,
+               previous_trainable: Sequence[tf.Tensor], mu: float, temperature: float):
+    from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
+
+    self.mu = float(mu)
+    self.temperature = float(temperature)
+    self._latent = latent_model(local_model)
+    self._global_latent = latent_model(global_model)
+    self._previous_latent = latent_model(previous_model)
+    global_trainable = tuple(tf.nest.flatten(global_weights.trainable))
+    global_non_trainable = tuple(tf.nest.flatten(global_weights.non_trainable))
+    self._loads = list(zip(global_model.trainable_weights + global_model.non_trainable_weights +
+                           previous_model.trainable_weights +
+                           previous_model.non_trainable_weights,
+                           global_trainable + global_non_trainable + tuple(previous_trainable) +
+                           global_non_trainable))
+    self._statistics = list(local_model.non_trainable_weights)
+
+  def epoch_start(self, local, global_):
+    del local, global_
+    for variable, value in self._loads:
+      variable.assign(value)
+    return ()
+
+  def penalty(self, local, global_, context):
+    del local, global_, context
+    return tf.constant(0.0)
+
+  def batch_penalty(self, local, batch, context):
+    """`μ ℓ_con(z, z_glob, z_prev)` on `batch['x']`; differentiable through the local model."""
+    del local, context
+    x = batch['x']
+    # The data loss's forward pass has already updated BatchNorm statistics on this batch;
+    # this second pass (in training mode, as the representation being trained) must not.
+    saved = [v.read_value() for v in self._statistics]
+    z = _flat(self._latent(x, training=True))
+    for v, s in zip(self._statistics, saved):
+      v.assign(s)
+    z_glob = tf.stop_gradient(_flat(self._global_latent(x, training=False)))
+    z_prev = tf.stop_gradient(_flat(self._previous_latent(x, training=False)))
+    return self.mu * model_contrastive_loss(z, z_glob, z_prev, self.temperature)
+
+
+def build_moon_client_work(model_spec: ModelSpec, optimizer, mu: float, temperature: float):
+  """Client work of MOON: the client state is its previous local model's trainable weights;
+  the new state is the trained model (gathered under `client_state.CLIENT_STATES_KEY`)."""
+
+  def client_fn(initial_weights, server_value, data, previous):
+    del server_value
+    keras_model = model_spec.keras_fn()
+    regularizer = ModelContrastiveRegularizer(
+        keras_model, model_spec.keras_fn(), model_spec.keras_fn(), initial_weights, previous,
+        mu, temperature)
+    out = client_work_lib.build_local_training(
+        model_spec.tff_model(keras_model), optimizer, regularizer)(
+            initial_weights, data['batches'], data['info'])
+    result = client_work_lib.client_result(initial_weights, data, out)
+    return result, out['metrics'], out['trained'], ()
+
+  process, _ = client_state.build_stateful_client_work(model_spec, client_fn)
+  return process
+
+
+@gin.configurable('moon')
+def moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, mu: float = 1.0,
+         temperature: float = 0.5) -> Algorithm:
+  """MOON: local loss `ℓ_CE + μ ℓ_con` (eq. (4)), server aggregation as FedAvg.
+
+  Args:
+    model_spec: The model (needs the zoo's latent layer).
+    num_clients: N, the total number of clients (each keeps its previous local model).
+    client_optimizer: Local optimizer (default: gin's `client_optimizer`).
+    mu: μ, the weight of the model-contrastive loss (paper: 5 on CIFAR-10, 1 on CIFAR-100).
+    temperature: τ (paper: 0.5).
+  """
+  if num_clients < 1:
+    raise ConfigError(f'moon needs num_clients >= 1, got {num_clients}.')
+  if mu < 0:
+    raise ConfigError(f'moon.mu must be >= 0, got {mu}.')
+  if temperature <= 0:
+    raise ConfigError(f'moon.temperature must be > 0, got {temperature}.')
+  from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default():
+    latent_model(model_spec.keras_fn())  # A clear error now, not inside the computation.
+  optimizer = client_optimizer or optimizers.client_optimizer()
+  algorithm = build_algorithm(
+      'moon', model_spec, optimizer, optimizers.server_optimizer(name='sgd', learning_rate=1.0),
+      client_work=build_moon_client_work(model_spec, optimizer, mu, temperature))
+  initial = [w.copy() for w in model_spec.initial_weights().trainable]
+  return client_state.with_client_states(algorithm, lambda: [w.copy() for w in initial])

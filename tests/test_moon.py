@@ -1,0 +1,268 @@
+"""MOON: the contrastive loss, FedAvg equivalences, the regulariser's gradient, the client state,
+mergeable form and an end-to-end pipeline run."""
+
+import collections
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from fltff import learning
+from fltff.learning import ModelSpec
+from fltff.learning.moon import ModelContrastiveRegularizer
+from fltff.learning.moon import model_contrastive_loss
+from helpers import read_csv
+from helpers import run_pipeline
+from helpers import tagged_worker_pids
+from helpers import tiny_mlp
+
+DIM, CLASSES, LR, TAU = 5, 3, 0.1, 0.5
+SPEC = ModelSpec(lambda: tiny_mlp(DIM, CLASSES, 17), (DIM,), CLASSES)
+
+
+def _arrays(sizes, seed=4):
+  rng = np.random.default_rng(seed)
+  return [(rng.normal(size=(n, DIM)).astype(np.float32),
+           rng.integers(0, CLASSES, n).astype(np.int32)) for n in sizes]
+
+
+def _datasets(sizes, seed=4):
+  return [tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y)).batch(4)
+          for x, y in _arrays(sizes, seed)]
+
+
+def _sgd():
+  return tff.learning.optimizers.build_sgdm(learning_rate=LR)
+
+
+def _start(algorithm):
+  process = algorithm.process
+  return process, process.set_model_weights(process.initialize(),
+                                            algorithm.model_spec.initial_weights())
+
+
+def _states(output):
+  gathered = output.metrics['client_work']['client_states']
+  return {int(k): [np.asarray(a[i]) for a in gathered['update']]
+          for i, k in enumerate(np.asarray(gathered['weight']))}
+
+
+def _trainable(process, state):
+  return [np.asarray(w) for w in process.get_model_weights(state).trainable]
+
+
+def _moon_round(algorithm, process, state, states, clients, sizes, epochs, seed=4):
+  inputs = [learning.client_input(d, k, e, client_state=states.get(k,
+                                                                    algorithm.client_state_init()))
+            for k, d, e in zip(clients, _datasets(sizes, seed), epochs)]
+  out = process.next(state, inputs)
+  states = dict(states, **_states(out))
+  return out.state, states
+
+
+def _fedavg_round(process, state, clients, sizes, epochs, seed=4):
+  return process.next(state, [learning.client_input(d, k, e) for k, d, e in
+                              zip(clients, _datasets(sizes, seed), epochs)]).state
+
+
+def _numpy_loss(z, z_glob, z_prev, tau):
+  def cos(a, b):
+    return np.sum(a * b, -1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+  pos, neg = np.exp(cos(z, z_glob) / tau), np.exp(cos(z, z_prev) / tau)
+  return float(np.mean(-np.log(pos / (pos + neg))))
+
+
+@pytest.mark.parametrize('seed', [0, 1, 2])
+@pytest.mark.parametrize('tau', [0.5, 0.1, 2.0])
+def test_model_contrastive_loss_matches_numpy(seed, tau):
+  rng = np.random.default_rng(seed)
+  z, z_glob, z_prev = (rng.normal(size=(7, 6)).astype(np.float32) for _ in range(3))
+  got = model_contrastive_loss(tf.constant(z), tf.constant(z_glob), tf.constant(z_prev), tau)
+  np.testing.assert_allclose(got.numpy(), _numpy_loss(z, z_glob, z_prev, tau), rtol=1e-5)
+  # z_prev = z_glob: both terms equal, ℓ_con = log 2 whatever z is.
+  same = model_contrastive_loss(tf.constant(z), tf.constant(z_glob), tf.constant(z_glob), tau)
+  np.testing.assert_allclose(same.numpy(), math.log(2.0), rtol=1e-6)
+  # z aligned with z_glob and opposite to z_prev: cos = ±1.
+  aligned = model_contrastive_loss(tf.constant(z_glob), tf.constant(2 * z_glob),
+                                   tf.constant(-z_glob), tau)
+  np.testing.assert_allclose(aligned.numpy(), math.log1p(math.exp(-2.0 / tau)), rtol=1e-5)
+
+
+def test_mu_zero_equals_fedavg_over_two_rounds():
+  algorithm = learning.moon(SPEC, num_clients=3, client_optimizer=_sgd(), mu=0.0)
+  process, state = _start(algorithm)
+  avg_process, avg_state = _start(learning.fedavg(SPEC, client_optimizer=_sgd()))
+  states = {}
+  for clients, sizes, epochs, seed in (([0, 1, 2], (12, 8, 16), (2, 1, 3), 4),
+                                       ([2, 0], (16, 12), (1, 2), 5)):
+    state, states = _moon_round(algorithm, process, state, states, clients, sizes, epochs, seed)
+    avg_state = _fedavg_round(avg_process, avg_state, clients, sizes, epochs, seed)
+    for a, b in zip(_trainable(avg_process, avg_state), _trainable(process, state)):
+      np.testing.assert_allclose(a, b, atol=1e-5)
+  assert sorted(states) == [0, 1, 2]
+
+
+def test_round_one_equals_fedavg():
+  """The previous model of a new client is the initial model = w^1: ℓ_con = log 2, no gradient."""
+  algorithm = learning.moon(SPEC, num_clients=3, client_optimizer=_sgd(), mu=5.0)
+  initial = SPEC.initial_weights().trainable
+  for a, b in zip(algorithm.client_state_init(), initial):
+    np.testing.assert_array_equal(a, b)
+  process, state = _start(algorithm)
+  avg_process, avg_state = _start(learning.fedavg(SPEC, client_optimizer=_sgd()))
+  state, _ = _moon_round(algorithm, process, state, {}, [0, 1, 2], (12, 8, 16), (2, 1, 3))
+  avg_state = _fedavg_round(avg_process, avg_state, [0, 1, 2], (12, 8, 16), (2, 1, 3))
+  moved = 0.0
+  for a, b, w in zip(_trainable(avg_process, avg_state), _trainable(process, state), initial):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+    moved = max(moved, float(np.max(np.abs(b - w))))
+  assert moved > 1e-3
+
+
+def test_round_with_previous_model_differs_from_fedavg():
+  algorithm = learning.moon(SPEC, num_clients=3, client_optimizer=_sgd(), mu=5.0)
+  process, state = _start(algorithm)
+  state, states = _moon_round(algorithm, process, state, {}, [0, 1, 2], (12, 8, 16), (2, 1, 3))
+  avg_process = learning.fedavg(SPEC, client_optimizer=_sgd()).process
+  avg_state = avg_process.set_model_weights(avg_process.initialize(),
+                                            process.get_model_weights(state))
+  # Round 2 from the same global model: the previous local models now differ from it.
+  state, _ = _moon_round(algorithm, process, state, states, [0, 1, 2], (12, 8, 16), (1, 1, 1), 5)
+  avg_state = _fedavg_round(avg_process, avg_state, [0, 1, 2], (12, 8, 16), (1, 1, 1), 5)
+  diff = max(float(np.max(np.abs(a - b))) for a, b in
+             zip(_trainable(avg_process, avg_state), _trainable(process, state)))
+  assert diff > 1e-4
+
+
+def _latent_numpy(params, x):
+  w, b = params
+  return np.maximum(x @ w + b, 0.0)
+
+
+def test_regularizer_gradient_matches_finite_differences():
+  """∂(μ ℓ_con)/∂w of `batch_penalty` against central differences of a float64 NumPy ℓ_con; the
+  head gets no gradient (the latent layer is tiny_mlp's first Dense layer)."""
+  mu = 3.0
+  rng = np.random.default_rng(11)
+  local, glob, prev = (tiny_mlp(DIM, CLASSES, s) for s in (17, 18, 19))
+  glob_weights = tff.learning.models.ModelWeights(
+      trainable=[w.numpy() for w in glob.trainable_weights], non_trainable=[])
+  prev_trainable = [w.numpy() for w in prev.trainable_weights]
+  glob_model, prev_model = tiny_mlp(DIM, CLASSES, 30), tiny_mlp(DIM, CLASSES, 31)
+  reg = ModelContrastiveRegularizer(local, glob_model, prev_model, glob_weights, prev_trainable,
+                                    mu, TAU)
+  reg.epoch_start((), ())
+  x = rng.normal(size=(6, DIM)).astype(np.float32)
+  batch = collections.OrderedDict(x=tf.constant(x), y=tf.zeros([6], tf.int32))
+  variables = local.trainable_weights
+  with tf.GradientTape() as tape:
+    penalty = reg.batch_penalty(variables, batch, ())
+  grads = tape.gradient(penalty, variables)
+
+  x64 = x.astype(np.float64)
+  z_glob = _latent_numpy([w.astype(np.float64) for w in glob_weights.trainable[:2]], x64)
+  z_prev = _latent_numpy([w.astype(np.float64) for w in prev_trainable[:2]], x64)
+
+  def loss(params):
+    return mu * _numpy_loss(_latent_numpy(params, x64), z_glob, z_prev, TAU)
+
+  params = [v.numpy().astype(np.float64) for v in variables[:2]]
+  np.testing.assert_allclose(penalty.numpy(), loss(params), rtol=1e-5)
+  eps = 1e-6
+  for t, p in enumerate(params):
+    numeric = np.zeros_like(p)
+    for idx in np.ndindex(p.shape):
+      plus = [q.copy() for q in params]
+      minus = [q.copy() for q in params]
+      plus[t][idx] += eps
+      minus[t][idx] -= eps
+      numeric[idx] = (loss(plus) - loss(minus)) / (2 * eps)
+    np.testing.assert_allclose(grads[t].numpy(), numeric, rtol=1e-3, atol=1e-5)
+    assert np.max(np.abs(numeric)) > 1e-3
+  for g in grads[2:]:
+    assert g is None or not np.any(g.numpy())
+
+
+def _reference_local_training(global_trainable, previous, x, y, epochs, mu):
+  """Independent eager MOON client: SGD on CE + μ ℓ_con, ℓ_con written out with tf ops."""
+  model = tiny_mlp(DIM, CLASSES, 50)
+  for v, w in zip(model.trainable_weights, global_trainable):
+    v.assign(w)
+  ce = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def latent(params, xb):
+    return tf.nn.relu(tf.matmul(xb, params[0]) + params[1])
+
+  def cos(a, b):
+    return tf.reduce_sum(a * b, 1) / (tf.norm(a, axis=1) * tf.norm(b, axis=1))
+
+  for _ in range(epochs):
+    for start in range(0, len(y), 4):
+      xb, yb = tf.constant(x[start:start + 4]), tf.constant(y[start:start + 4])
+      z_glob, z_prev = latent(global_trainable, xb), latent(previous, xb)
+      with tf.GradientTape() as tape:
+        z = latent(model.trainable_weights, xb)
+        pos = tf.exp(cos(z, z_glob) / TAU)
+        neg = tf.exp(cos(z, z_prev) / TAU)
+        loss = ce(yb, model(xb)) + mu * tf.reduce_mean(-tf.math.log(pos / (pos + neg)))
+      for v, g in zip(model.trainable_weights, tape.gradient(loss, model.trainable_weights)):
+        v.assign_sub(LR * g)
+  return [v.numpy() for v in model.trainable_weights]
+
+
+def test_new_client_state_is_the_trained_model():
+  """One participant with a previous model ≠ global, FedAvg aggregation with server lr 1: the
+  new global model, the gathered new state and an independent eager MOON client agree."""
+  mu = 2.0
+  algorithm = learning.moon(SPEC, num_clients=4, client_optimizer=_sgd(), mu=mu)
+  process, state = _start(algorithm)
+  rng = np.random.default_rng(3)
+  previous = [w + rng.normal(scale=0.3, size=w.shape).astype(np.float32)
+              for w in algorithm.client_state_init()]
+  (x, y), = _arrays((10,), seed=6)
+  out = process.next(state, [learning.client_input(_datasets((10,), seed=6)[0], 3, 2,
+                                                   client_state=previous)])
+  new_states = _states(out)
+  assert list(new_states) == [3]
+  new_global = _trainable(process, out.state)
+  for a, b in zip(new_global, new_states[3]):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  want = _reference_local_training(SPEC.initial_weights().trainable, previous, x, y, 2, mu)
+  for a, b in zip(new_states[3], want):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  # The contrastive term mattered: plain FedAvg's client ends elsewhere.
+  fedavg_client = _reference_local_training(SPEC.initial_weights().trainable, previous, x, y, 2,
+                                            0.0)
+  assert max(float(np.max(np.abs(a - b))) for a, b in zip(want, fedavg_client)) > 1e-3
+
+
+def test_moon_compiles_to_mergeable_form_and_sends_what_fedavg_sends():
+  algorithm = learning.moon(SPEC, num_clients=4)
+  form = tff.backends.native.compile_to_mergeable_comp_form(algorithm.process.next)
+  assert isinstance(form, tff.framework.MergeableCompForm)
+  avg = learning.fedavg(SPEC)
+  assert algorithm.bytes_down_per_client == avg.bytes_down_per_client
+  assert algorithm.bytes_up_per_client == avg.bytes_up_per_client
+  assert algorithm.client_states_key == 'client_states'
+
+
+def test_moon_offline_twin_pipeline(tmp_path):
+  out = tmp_path / 'moon'
+  before = tagged_worker_pids()
+  result = run_pipeline('--gin_file=gin_configs/kapc/offline_mnist1003_moon.gin',
+                        '--gin_bindings=experiment.rounds = 2',
+                        '--gin_bindings=experiment.local_epochs = 1', f'--output_dir={out}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert not tagged_worker_pids() - before
+  rows = read_csv(os.path.join(out, 'metrics.csv'))
+  assert [r['round'] for r in rows] == ['1', '2']
+  for r in rows:
+    assert 0.0 <= float(r['test_accuracy']) <= 1.0
+    assert 0.0 <= float(r['mean_local_accuracy']) <= 1.0
+  summary = json.load(open(os.path.join(out, 'summary.json')))
+  assert summary['method'] == 'moon'
+  assert math.isfinite(summary['best_mean_local_accuracy'])
