@@ -60,7 +60,7 @@ def _moon_round(algorithm, process, state, states, clients, sizes, epochs, seed=
                                                                     algorithm.client_state_init()))
             for k, d, e in zip(clients, _datasets(sizes, seed), epochs)]
   out = process.next(state, inputs)
-  states = dict(states, **_states(out))
+  states = {**states, **_states(out)}
   return out.state, states
 
 
@@ -89,7 +89,8 @@ def test_model_contrastive_loss_matches_numpy(seed, tau):
   # z aligned with z_glob and opposite to z_prev: cos = ±1.
   aligned = model_contrastive_loss(tf.constant(z_glob), tf.constant(2 * z_glob),
                                    tf.constant(-z_glob), tau)
-  np.testing.assert_allclose(aligned.numpy(), math.log1p(math.exp(-2.0 / tau)), rtol=1e-5)
+  np.testing.assert_allclose(aligned.numpy(), math.log1p(math.exp(-2.0 / tau)), rtol=1e-5,
+                             atol=1e-7)
 
 
 def test_mu_zero_equals_fedavg_over_two_rounds():
@@ -266,3 +267,38 @@ def test_moon_offline_twin_pipeline(tmp_path):
   summary = json.load(open(os.path.join(out, 'summary.json')))
   assert summary['method'] == 'moon'
   assert math.isfinite(summary['best_mean_local_accuracy'])
+
+
+def _bn_mlp():
+  init = lambda i: tf.keras.initializers.GlorotUniform(seed=40 + i)
+  inputs = tf.keras.Input((DIM,))
+  h = tf.keras.layers.Dense(8, kernel_initializer=init(0))(inputs)
+  h = tf.keras.layers.BatchNormalization(momentum=0.5)(h)
+  h = tf.keras.layers.ReLU(name='latent')(h)
+  return tf.keras.Model(inputs, tf.keras.layers.Dense(CLASSES, kernel_initializer=init(1))(h))
+
+
+def test_latent_pass_leaves_batchnorm_statistics_to_the_forward_pass():
+  """The regulariser's second (latent) pass in training mode does not update BatchNorm's moving
+  statistics again: with μ = 0, local training ends with exactly the statistics of plain local
+  training."""
+  spec = ModelSpec(_bn_mlp, (DIM,), CLASSES)
+  initial = spec.initial_weights()
+  previous = [w + 0.2 for w in initial.trainable]
+  info = tf.data.Dataset.from_tensors(collections.OrderedDict(client_index=np.int32(0),
+                                                              epochs=np.int32(2)))
+  outs = []
+  for with_moon in (False, True):
+    keras_model = spec.keras_fn()
+    reg = None
+    if with_moon:
+      reg = ModelContrastiveRegularizer(keras_model, spec.keras_fn(), spec.keras_fn(), initial,
+                                        previous, 0.0, TAU)
+    outs.append(learning.build_local_training(spec.tff_model(keras_model), _sgd(), reg)(
+        initial, _datasets((12,))[0], info))
+  plain, moon = outs
+  assert len(plain['non_trainable']) == 2
+  for key in ('trained', 'non_trainable'):
+    for a, b in zip(plain[key], moon[key]):
+      np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+  assert np.max(np.abs(plain['non_trainable'][0].numpy() - initial.non_trainable[0])) > 1e-3

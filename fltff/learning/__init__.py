@@ -25,9 +25,9 @@ from fltff.learning.fedlayerwise import fedlayerwise
 from fltff.learning.fednova import fednova
 from fltff.learning.fedprox import fedprox
 from fltff.learning.model_spec import ModelSpec
+from fltff.learning.model_spec import type_num_bytes
 from fltff.learning.moon import model_contrastive_loss
 from fltff.learning.moon import moon
-from fltff.learning.model_spec import type_num_bytes
 from fltff.learning.optimizers import client_optimizer
 from fltff.learning.optimizers import server_optimizer
 from fltff.learning.process import Algorithm

@@ -35,12 +35,12 @@ def trainable_specs(model_spec: ModelSpec) -> list[tf.TensorSpec]:
     return [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
 
 
-def trainable_state_type(model_spec: ModelSpec):
-  """TFF type of a tuple of tensors shaped like the model's trainable weights."""
+def _state_type(specs: list[tf.TensorSpec]):
+  """TFF type of a tuple of tensors with these specs."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   return tff.types.to_type(tuple((s.dtype.as_numpy_dtype, tuple(s.shape.as_list()))
-                                 for s in trainable_specs(model_spec)))
+                                 for s in specs))
 
 
 def build_stateful_client_work(
@@ -77,7 +77,7 @@ def build_stateful_client_work(
     metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
         model_spec.tff_model().metric_finalizers())
   specs = trainable_specs(model_spec)
-  state_type = trainable_state_type(model_spec)
+  state_type = _state_type(specs)
   weights_type, data_type = client_work_lib.client_types(model_spec, state_type=state_type)
 
   def run_client(initial_weights, server_value, data):
@@ -133,7 +133,7 @@ def build_stateful_client_work(
           client_update, (weights, tff.federated_broadcast(state), client_data))
       new_server_state = tff.federated_map(update_server_state,
                                            (state, tff.federated_sum(contributions)))
-    # Two independent aggregates (metrics, gathered states): still one pass.
+    # Independent aggregates (metrics, gathered states, summed contributions): one pass.
     measurements = tff.federated_zip(collections.OrderedDict(
         train=metrics_aggregation_fn(model_outputs),
         **{CLIENT_STATES_KEY: gather(new_states, indices)}))
