@@ -107,6 +107,23 @@ def test_closed_form_gradient_equals_autodiff(q, mu):
     np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize('q,mu', [(0.5, 0.1), (0.9, 0.4)])
+def test_epoch_affine_gradient_equals_closed_form(q, mu):
+  """The loop's per-epoch form `c ⊙ w + (−c ⊙ w_global)` equals `fedlap_gradient` at the
+  epoch's λ, for the weights at the epoch start and after they moved within the epoch."""
+  start = [RNG.normal(size=s).astype(np.float32) for s in SHAPES]
+  glob = [tf.constant(RNG.normal(size=s).astype(np.float32)) for s in SHAPES]
+  reg = fedlap_lib.FedLapRegularizer(q=q, mu=mu, refresh='epoch')
+  context = reg.epoch_start([tf.constant(w) for w in start], glob)
+  scales, offsets = reg.affine_gradient(glob, context)
+  lambdas = fedlap_lib.neuron_dissimilarities(start, glob)
+  for moved in (start, [w + 0.1 * RNG.normal(size=w.shape).astype(np.float32) for w in start]):
+    want = fedlap_lib.fedlap_gradient(moved, glob, lambdas, q, mu)
+    for s, o, w, y in zip(scales, offsets, moved, want):
+      np.testing.assert_allclose((s * w + o).numpy(), y.numpy(), rtol=1e-4, atol=1e-6)
+  assert fedlap_lib.FedLapRegularizer(q=q, mu=mu, refresh='step').affine_gradient(glob, ()) is None
+
+
 # --- process-level special cases ----------------------------------------------------------
 def _mlp(seed=21):
   return tiny_mlp(DIM, CLASSES, seed)

@@ -166,9 +166,13 @@ def test_proximal_regularizer_penalty_and_gradient(anchored):
   np.testing.assert_allclose(penalty.numpy(), want, rtol=1e-5)
   taped = tape.gradient(penalty, variables)
   closed = reg.gradient([v.read_value() for v in variables], [tf.constant(g) for g in glob], ())
-  for a, b, w, t, m in zip(taped, closed, local, target, mask):
+  scales, offsets = reg.affine_gradient([tf.constant(g) for g in glob], ())
+  for a, b, w, t, m, s, o in zip(taped, closed, local, target, mask, scales, offsets):
     np.testing.assert_allclose(b.numpy(), 0.7 * m * (w - t), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
+    # The form the local loop uses: scale · w + offset.
+    np.testing.assert_allclose(np.asarray(s) * w + np.asarray(o), b.numpy(), rtol=1e-5,
+                               atol=1e-6)
 
 
 def test_sgdm_server_momentum_matches_numpy():

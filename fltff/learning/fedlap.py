@@ -125,6 +125,12 @@ class FedLapRegularizer:
     return fedlap_gradient(local, global_, neuron_dissimilarities(local, global_), self.q,
                            self.mu)
 
+  def affine_gradient(self, global_, context):
+    """With λ fixed per epoch the gradient is `c ⊙ w − c ⊙ w_global` (None per step)."""
+    if self.refresh != 'epoch':
+      return None
+    return list(context[1]), [-c * g for c, g in zip(context[1], global_)]
+
   def measurements(self, local, global_):
     """Per layer: mean λ and mean d over its rows, between the trained and the global model."""
     lambdas = neuron_dissimilarities(local, global_)

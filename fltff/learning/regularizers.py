@@ -56,3 +56,10 @@ class ProximalRegularizer:
     anchor = global_ if self.anchor is None else self.anchor
     coefficients = self._coefficients or (self.mu,) * len(anchor)
     return [c * (w - a) for w, a, c in zip(local, anchor, coefficients)]
+
+  def affine_gradient(self, global_, context):
+    """The gradient as `c_t w_t + (−c_t a_t)`, c_t = μ m_t (see `LocalRegularizer`)."""
+    del context
+    anchor = global_ if self.anchor is None else self.anchor
+    coefficients = self._coefficients or (self.mu,) * len(anchor)
+    return list(coefficients), [-c * a for c, a in zip(coefficients, anchor)]

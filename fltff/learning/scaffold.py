@@ -59,6 +59,10 @@ class ControlVariateCorrection:
     del local, global_, context
     return list(self.correction)
 
+  def affine_gradient(self, global_, context):
+    del global_, context
+    return [None] * len(self.correction), list(self.correction)
+
 
 def server_control_update(control: Sequence[tf.Tensor], delta_sum: Sequence[tf.Tensor],
                           num_clients: int) -> tuple:
