@@ -47,8 +47,8 @@ _EPOCHS = flags.DEFINE_integer('epochs', 1, 'Local epochs.')
 _MODEL = flags.DEFINE_string('model', 'mlp2', 'Model zoo name (28x28x1 inputs).')
 _COMPARE = flags.DEFINE_list('compare', [], 'Methods to time against fltff FedAvg '
                              '(fedprox, sgdm, fedlap, fedadp, fedlayerwise, fednova, fedbabu, scaffold, '
-                             '<base>+ccn, kapc, kapc+bls, fedamp, fedbn, local); empty: FedAvg vs '
-                             'plain TF.')
+                             'moon, <base>+ccn, kapc, kapc+bls, fedamp, fedbn, local, pfedla); empty: '
+                             'FedAvg vs plain TF.')
 _RUNTIMES = flags.DEFINE_bool('runtimes', False, 'Compare local vs 1 and 2 remote workers.')
 _CLIENTS_LIST = flags.DEFINE_list('clients_list', ['10', '50', '100'],
                                   'Clients per round for --runtimes.')
@@ -170,6 +170,7 @@ def compare_methods(spec, data) -> int:
   builders['fedbn'] = lambda opt: personalization.fedbn(spec, len(data), client_optimizer=opt)
   builders['local'] = lambda opt: personalization.local_training(spec, len(data),
                                                                  client_optimizer=opt)
+  builders['pfedla'] = lambda opt: personalization.pfedla(spec, len(data), client_optimizer=opt)
   for base in ('fedavg', 'fedprox', 'sgdm', 'fednova', 'fedbabu'):  # '<base>+ccn': with CCN
     builders[f'{base}+ccn'] = functools.partial(
         lambda opt, b: getattr(learning, b)(spec, client_optimizer=opt,

@@ -57,6 +57,22 @@ def read_csv(path):
     return list(csv.DictReader(f))
 
 
+def run_and_resume(args, tmp_path, stop_round: int):
+  """Runs the pipeline with `args` uninterrupted (in `tmp_path/full`) and stopped after
+  `stop_round` then resumed (in `tmp_path/part`); returns both metrics.csv row lists and the
+  uninterrupted run's stdout."""
+  full, part = tmp_path / 'full', tmp_path / 'part'
+  outputs = []
+  for extra in ([f'--output_dir={full}'],
+                [f'--gin_bindings=experiment.rounds = {stop_round}', f'--output_dir={part}'],
+                [f'--output_dir={part}', '--resume']):
+    result = run_pipeline(*args, *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outputs.append(result.stdout)
+  return (read_csv(os.path.join(full, 'metrics.csv')),
+          read_csv(os.path.join(part, 'metrics.csv')), outputs[0])
+
+
 def assert_one_line_error(result, *fragments):
   assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
   assert 'Traceback' not in result.stderr, result.stderr[-3000:]

@@ -1,7 +1,6 @@
 """SCAFFOLD: zero controls equal FedAvg, option II, the server control, CCN over it, resume."""
 
 import collections
-import os
 
 import numpy as np
 import tensorflow as tf
@@ -10,8 +9,7 @@ import tensorflow_federated as tff
 from fltff import learning
 from fltff.learning import ModelSpec
 from fltff.learning.scaffold import server_control_update
-from helpers import read_csv
-from helpers import run_pipeline
+from helpers import run_and_resume
 from helpers import tiny_mlp
 
 DIM, CLASSES, LR = 5, 3, 0.1
@@ -107,15 +105,7 @@ def test_scaffold_pipeline_resume_restores_client_controls(tmp_path):
           '--gin_bindings=experiment.rounds = 4',
           '--gin_bindings=experiment.checkpoint_every = 2',
           '--gin_bindings=experiment.local_epochs = 1']
-  full, part = tmp_path / 'full', tmp_path / 'part'
-  result = run_pipeline(*args, f'--output_dir={full}')
-  assert result.returncode == 0, result.stderr[-3000:]
-  result = run_pipeline(*args, '--gin_bindings=experiment.rounds = 2', f'--output_dir={part}')
-  assert result.returncode == 0, result.stderr[-3000:]
-  result = run_pipeline(*args, f'--output_dir={part}', '--resume')
-  assert result.returncode == 0, result.stderr[-3000:]
-  reference = read_csv(os.path.join(full, 'metrics.csv'))
-  resumed = read_csv(os.path.join(part, 'metrics.csv'))
+  reference, resumed, _ = run_and_resume(args, tmp_path, stop_round=2)
   assert [r['round'] for r in resumed] == ['1', '2', '3', '4']
   for a, b in zip(resumed, reference):
     assert abs(float(a['test_accuracy']) - float(b['test_accuracy'])) < 1e-6

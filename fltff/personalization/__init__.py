@@ -3,7 +3,8 @@
 - `fedlap_personalization` (FedLap thesis): a purely local model per client, mixed with the
   global model layer by layer (fixed degree, or per layer from FedLap's dissimilarities).
 - `kapc` (KAPC + BLS, IEEE TMC 2024) and the personalised baselines built on the same process:
-  `local_training`, `fedamp`, `fedbn` (`kapc.py`); BLS's pure functions in `bls.py`.
+  `local_training`, `fedamp`, `fedbn` (`kapc.py`), `pfedla` (`pfedla.py`); BLS's pure
+  functions in `bls.py`.
 """
 
 from fltff.personalization.fedlap_mixing import FedLapPersonalization
@@ -17,3 +18,4 @@ from fltff.personalization.kapc import fedamp
 from fltff.personalization.kapc import fedbn
 from fltff.personalization.kapc import kapc
 from fltff.personalization.kapc import local_training
+from fltff.personalization.pfedla import pfedla

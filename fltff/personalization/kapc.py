@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib
 from collections.abc import Sequence
 from typing import Optional
 
@@ -52,7 +53,7 @@ from fltff.learning import regularizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.personalization import bls
 
-RULES = ('learned', 'fixed', 'attentive', 'sample_weighted')
+RULES = ('learned', 'fixed', 'attentive', 'sample_weighted', 'hypernetwork')
 
 
 # --- equations --------------------------------------------------------------------------------
@@ -243,6 +244,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
                                min_upload_layers: int = 1, start_from: str = 'own',
                                fedamp_sigma: float = 1.0, fedamp_alpha: float = 0.1,
                                local_layer_kinds: Sequence[str] = (),
+                               hypernetwork: Optional[dict] = None,
                                name: str = 'kapc') -> PersonalizedAlgorithm:
   """Builds KAPC (and the personalised baselines sharing its structure) as a TFF process.
 
@@ -251,7 +253,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     num_clients: N.
     client_optimizer: Local optimizer.
     rule: How R is obtained: 'learned' (KAPC), 'fixed', 'attentive' (FedAMP),
-      'sample_weighted' (FedAvg aggregate).
+      'sample_weighted' (FedAvg aggregate), 'hypernetwork' (pFedLA, `pfedla.py`).
     lambda_: λ of the client regulariser and of the R objective.
     beta: β of the R objective.
     relationship_learning_rate, relationship_steps: η_r and E_r.
@@ -262,6 +264,8 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
       starts from s_i, FedAvg-style).
     fedamp_sigma, fedamp_alpha: FedAMP's σ and α_k.
     local_layer_kinds: Layer kinds whose rows of R are the identity (FedBN: ('norm',)).
+    hypernetwork: For rule 'hypernetwork': `embedding_dim`, `hidden_dim`, `learning_rate`
+      (η_hn), `seed`.
     name: For logs.
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
@@ -328,8 +332,29 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   server_input_type = tff.StructWithPythonType(
       [('clients', tff.TensorType(np.int32, [None])), ('models', stacked),
        ('num_examples', tff.TensorType(np.float32, [None]))], collections.OrderedDict)
-  state_type = tff.StructWithPythonType(
-      [('relation', tff.TensorType(np.float32, initial_r.shape))], collections.OrderedDict)
+  if rule == 'hypernetwork':
+    # By module path: the package attribute `pfedla` is the gin builder of the same name.
+    pfedla_lib = importlib.import_module('fltff.personalization.pfedla')
+    hypernetwork = dict(hypernetwork or {})
+    hypernetwork_learning_rate = hypernetwork.pop('learning_rate', 5e-3)
+    if hypernetwork_learning_rate < 0:
+      raise ConfigError(f'{name}: the hypernetwork learning rate must be >= 0, got '
+                        f'{hypernetwork_learning_rate}.')
+    pfedla_lib.initial_hypernetworks(1, 1, **{k: v for k, v in hypernetwork.items()
+                                              if k != 'seed'})  # Validates the sizes.
+
+  @tff.tensorflow.computation
+  def initial_state():
+    state = collections.OrderedDict(relation=tf.constant(initial_r))
+    if rule == 'hypernetwork':
+      state['hypernetwork'] = pfedla_lib.initial_hypernetworks(num_clients, num_layers,
+                                                               **hypernetwork)
+    return state
+
+  state_type = initial_state.type_signature.result
+
+  def participant_rows(params, clients):
+    return tf.nest.map_structure(lambda p: tf.gather(p, clients), params)
 
   def relation_slice(state, server_input):
     clients = server_input['clients']
@@ -340,6 +365,9 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
       n = server_input['num_examples']
       row = n / tf.reduce_sum(n)
       rel = tf.tile(row[None, None, :], [tf.shape(n)[0], num_layers, 1])
+    elif rule == 'hypernetwork':
+      rel = pfedla_lib.layer_weights(participant_rows(state['hypernetwork'], clients), clients,
+                                     num_layers)
     else:
       rel = normalize_rows(slice_relationship(state['relation'], clients))
     if local_layers.any():
@@ -439,6 +467,20 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
       updated = update_relationship(current, server_models, layer_of, lambda_, beta,
                                     relationship_learning_rate, relationship_steps)
       relation = scatter_relationship(relation, clients, updated)
+    new_state = collections.OrderedDict(relation=relation)
+    if rule == 'hypernetwork':
+      # Δθ_i = θ_i − θ̄_i: the client started from s_i = θ̄_i (every layer sent, no BLS).
+      deltas = [v - m for v, m in zip(values[:num_trainable], server_msg['models'])]
+      updated_rows = pfedla_lib.update_hypernetworks(
+          participant_rows(state['hypernetwork'], clients), clients, stale, deltas, layer_of,
+          num_layers, hypernetwork_learning_rate)
+      new_state['hypernetwork'] = tf.nest.map_structure(
+          lambda p, r: tf.tensor_scatter_nd_update(p, clients[:, None], r),
+          state['hypernetwork'], updated_rows)
+      # R keeps each participant's full α (over all N clients) for the report's heatmap.
+      new_state['relation'] = tf.tensor_scatter_nd_update(
+          relation, clients[:, None],
+          normalize_rows(pfedla_lib.hypernetwork_outputs(updated_rows, num_layers)))
     sizes = tf.constant(layer_sizes_bytes, tf.float64)
     sent = tf.logical_not(server_msg['skip'])
     if not communicates:
@@ -457,11 +499,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
             tf.gather(gathered['weight']['search_steps'], rows), tf.float32)),
         skipped_layer_fraction=tf.reduce_mean(tf.cast(server_msg['skip'], tf.float32)),
         self_relation_mean=tf.reduce_mean(server_msg['self_relation']))
-    return collections.OrderedDict(relation=relation), result, stats
-
-  @tff.tensorflow.computation
-  def initial_state():
-    return collections.OrderedDict(relation=tf.constant(initial_r))
+    return new_state, result, stats
 
   @tff.federated_computation
   def init_fn():

@@ -40,7 +40,6 @@ class PersonalizedRoundDriver(RoundDriver):
       raise ConfigError(f'{algorithm.name} is evaluated on local test splits: set '
                         'federated_data.local_test_examples > 0.')
     super().__init__(algorithm, data, config, output_dir, **kwargs)
-    self._num_layers = len(algorithm.layer_sizes_bytes)
     self.method_states = ClientStateStore(lambda k: algorithm.new_client_state())
 
   def client_state_template(self, client_index: int):
@@ -126,9 +125,11 @@ class PersonalizedRoundDriver(RoundDriver):
     return {'mean_local_accuracy': accuracy}
 
   def summary(self) -> dict:
-    """Adds the server's memory for the method: R `[N, L, N]` float32 plus one model copy per
-    client (the stale layers KAPC keeps)."""
+    """Adds the server's memory for the method: its state (KAPC's R `[N, L, N]`; pFedLA's
+    hypernetworks too) plus one model copy per client (the stale layers KAPC keeps)."""
+    from fltff.learning.model_spec import type_num_bytes  # pylint: disable=g-import-not-at-top
+
     out = super().summary()
-    relation = 4 * self.num_clients ** 2 * self._num_layers
-    out['server_memory_mb'] = (relation + self.num_clients * self.algorithm_bytes_up()) / 1e6
+    state = type_num_bytes(self.process.initialize.type_signature.result.member)
+    out['server_memory_mb'] = (state + self.num_clients * self.algorithm_bytes_up()) / 1e6
     return out

@@ -1,0 +1,126 @@
+"""pFedLA: layer-wise aggregation weights from per-client hypernetworks.
+
+Source: Ma, Zhang, Guo, Xu, "Layer-wised Model Aggregation for Personalized Federated
+Learning", CVPR 2022. The server keeps, for every client i, a hypernetwork HN_i(v_i; φ_i): a
+learnable embedding v_i and an MLP whose output for layer l is a weight per client,
+`α_i^l = HN_i(v_i; φ_i)^l` (eq. (5)); client i receives the personalised aggregate
+`θ̄_i^l = Σ_j α_ij^l θ_j^l` (eq. (4)), trains it locally to θ_i, and the server moves the
+hypernetwork along the client's update: `φ_i ← φ_i + η_hn (∂θ̄_i/∂φ_i)ᵀ Δθ_i` with
+`Δθ_i = θ_i − θ̄_i` (eq. (7), the chain rule with Δθ standing for −∇L; the same for v_i).
+
+Our reading, stated because the paper leaves it open or we chose differently:
+
+1. Architecture: `e → relu(W1 e + b1) → relu(W2 · + b2) → relu(H_l · + c_l)` per layer l, one
+   output per client, normalised to a distribution over clients (a row that is all zero
+   becomes uniform). Embedding and hidden sizes default to 100 (the public pFedLA code's
+   defaults), η_hn = 5e-3, plain SGD.
+2. Initialisation: Glorot weights, head weights scaled by 0.01 and head biases 1, so every
+   client starts near uniform weights (FedAvg's unweighted mean) instead of a random mixture.
+3. With partial participation the weights are restricted to the round's participants and
+   renormalised (as KAPC's Algorithm 5 does): the server input carries the participants'
+   stored models, not all N.
+4. Each client starts the round from θ̄_i and keeps its trained θ_i as its personal model
+   (evaluated on its local test split); the server stores θ_i for later aggregation.
+
+The process is `kapc.build_personalized_process(rule='hypernetwork', start_from='server',
+lambda_=0)`: the same single-pass round as KAPC, with the hypernetworks in the server state
+and this module's step instead of KAPC's R step.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Optional
+
+import gin
+import numpy as np
+import tensorflow as tf
+
+from fltff.errors import ConfigError
+from fltff.learning import optimizers
+from fltff.learning.model_spec import ModelSpec
+from fltff.personalization.kapc import PersonalizedAlgorithm
+from fltff.personalization.kapc import build_personalized_process
+from fltff.personalization.kapc import normalize_rows
+from fltff.personalization.kapc import personalized_server_models
+
+
+def initial_hypernetworks(num_clients: int, num_layers: int, embedding_dim: int = 100,
+                          hidden_dim: int = 100, seed: int = 0) -> collections.OrderedDict:
+  """Every client's hypernetwork parameters, stacked along a leading `[N]` axis.
+
+  Drawn with stateless TF ops (so a TFF computation holds a seed, not N copies of the
+  parameters as constants).
+  """
+  if embedding_dim < 1 or hidden_dim < 1:
+    raise ConfigError(f'pfedla embedding_dim and hidden_dim must be >= 1, got '
+                      f'{embedding_dim}, {hidden_dim}.')
+  n, l, d, h = num_clients, num_layers, embedding_dim, hidden_dim
+
+  def glorot(fan_in, fan_out, stream, scale=1.0):
+    limit = scale * np.sqrt(6.0 / (fan_in + fan_out))
+    return tf.random.stateless_uniform([n, fan_in, fan_out], seed=[seed, stream],
+                                       minval=-limit, maxval=limit)
+
+  return collections.OrderedDict(
+      embedding=tf.random.stateless_normal([n, d], seed=[seed, 0]),
+      w1=glorot(d, h, 1), b1=tf.zeros([n, h]),
+      w2=glorot(h, h, 2), b2=tf.zeros([n, h]),
+      head=glorot(h, l * n, 3, scale=0.01), head_bias=tf.ones([n, l * n]))
+
+
+def hypernetwork_outputs(params, num_layers: int) -> tf.Tensor:
+  """`relu(H_l h + c_l)` for the stacked hypernetworks in `params`: `[P, L, N]`, ≥ 0."""
+  e = params['embedding']
+  h = tf.nn.relu(tf.einsum('pd,pdh->ph', e, params['w1']) + params['b1'])
+  h = tf.nn.relu(tf.einsum('pd,pdh->ph', h, params['w2']) + params['b2'])
+  out = tf.nn.relu(tf.einsum('ph,pho->po', h, params['head']) + params['head_bias'])
+  return tf.reshape(out, [tf.shape(out)[0], num_layers, -1])
+
+
+def layer_weights(params, clients: tf.Tensor, num_layers: int) -> tf.Tensor:
+  """pFedLA's α for the participants `clients` (eq. (5)), restricted to them: `[P, L, P]`."""
+  return normalize_rows(tf.gather(hypernetwork_outputs(params, num_layers), clients, axis=2))
+
+
+def update_hypernetworks(params, clients: tf.Tensor, models: Sequence[tf.Tensor],
+                         deltas: Sequence[tf.Tensor], layer_of: Sequence[int],
+                         num_layers: int, learning_rate: float):
+  """One step `φ_i ← φ_i + η (∂θ̄_i/∂φ_i)ᵀ Δθ_i` for every participant (eq. (7)).
+
+  Args:
+    params: The participants' hypernetworks (leading axis P, in the order of `clients`).
+    clients: The participants' client indices (the columns of their weights).
+    models: Per trainable tensor, the participants' stored models `[P, ...]` that θ̄ was
+      aggregated from.
+    deltas: Per trainable tensor, `θ_i − θ̄_i` `[P, ...]`.
+    layer_of: The layer of each trainable tensor.
+    num_layers: L.
+    learning_rate: η_hn.
+  """
+  flat = tf.nest.flatten(params)
+  with tf.GradientTape() as tape:
+    tape.watch(flat)
+    aggregate = personalized_server_models(layer_weights(params, clients, num_layers), models,
+                                           layer_of)
+    # Ascending ⟨θ̄(φ), Δθ⟩ with Δθ held fixed is descending the client loss along its update.
+    objective = -tf.add_n([tf.reduce_sum(a * tf.stop_gradient(d))
+                           for a, d in zip(aggregate, deltas)])
+  grads = tape.gradient(objective, flat)
+  grads = [tf.zeros_like(p) if g is None else g for p, g in zip(flat, grads)]
+  return tf.nest.pack_sequence_as(params, [p - learning_rate * g for p, g in zip(flat, grads)])
+
+
+@gin.configurable('pfedla')
+def pfedla(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
+           embedding_dim: int = 100, hidden_dim: int = 100, learning_rate: float = 5e-3,
+           seed: Optional[int] = 0) -> PersonalizedAlgorithm:
+  """pFedLA (Ma et al., CVPR 2022): per-client hypernetworks give layer-wise aggregation
+  weights; clients start from their personalised aggregate and keep their trained model."""
+  return build_personalized_process(
+      model_spec, num_clients, client_optimizer or optimizers.client_optimizer(),
+      'hypernetwork', lambda_=0.0, start_from='server',
+      hypernetwork=dict(embedding_dim=embedding_dim, hidden_dim=hidden_dim,
+                        learning_rate=learning_rate, seed=seed or 0),
+      name='pfedla')
