@@ -37,6 +37,7 @@ from fltff import learning  # pylint: disable=g-import-not-at-top,wrong-import-p
 from fltff import personalization  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.data.pipeline import client_batches  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff.learning import client_state  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.models import build_model  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _ROUNDS = flags.DEFINE_integer('rounds', 8, 'Rounds per variant (the first is excluded).')
@@ -140,9 +141,8 @@ def _round_fn(algorithm, spec, num_clients):
     out = process.next(holder['state'], inputs)
     holder['state'] = out.state
     if algorithm.client_states_key is not None:
-      gathered = out.metrics['client_work'][algorithm.client_states_key]
-      for i, k in enumerate(np.asarray(gathered['weight'])):
-        controls[int(k)] = [np.asarray(a[i]) for a in gathered['update']]
+      controls.update(client_state.unpack_client_states(
+          out.metrics['client_work'][algorithm.client_states_key]))
 
   return global_round
 

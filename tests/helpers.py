@@ -57,6 +57,14 @@ def read_csv(path):
     return list(csv.DictReader(f))
 
 
+def start_process(algorithm):
+  """`(process, state)`: a built method's process and its initial state at the model spec's
+  initial weights (the same start for every method compared in a test)."""
+  process = algorithm.process
+  return process, process.set_model_weights(process.initialize(),
+                                            algorithm.model_spec.initial_weights())
+
+
 def run_and_resume(args, tmp_path, stop_round: int):
   """Runs the pipeline with `args` uninterrupted (in `tmp_path/full`) and stopped after
   `stop_round` then resumed (in `tmp_path/part`); returns both metrics.csv row lists and the

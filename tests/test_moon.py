@@ -13,11 +13,13 @@ import tensorflow_federated as tff
 
 from fltff import learning
 from fltff.learning import ModelSpec
+from fltff.learning import client_state
 from fltff.learning.moon import ModelContrastiveRegularizer
 from fltff.learning.moon import model_contrastive_loss
 from helpers import read_csv
 from helpers import run_pipeline
 from helpers import tagged_worker_pids
+from helpers import start_process
 from helpers import tiny_mlp
 
 DIM, CLASSES, LR, TAU = 5, 3, 0.1, 0.5
@@ -39,16 +41,8 @@ def _sgd():
   return tff.learning.optimizers.build_sgdm(learning_rate=LR)
 
 
-def _start(algorithm):
-  process = algorithm.process
-  return process, process.set_model_weights(process.initialize(),
-                                            algorithm.model_spec.initial_weights())
-
-
 def _states(output):
-  gathered = output.metrics['client_work']['client_states']
-  return {int(k): [np.asarray(a[i]) for a in gathered['update']]
-          for i, k in enumerate(np.asarray(gathered['weight']))}
+  return client_state.unpack_client_states(output.metrics['client_work']['client_states'])
 
 
 def _trainable(process, state):
@@ -95,8 +89,8 @@ def test_model_contrastive_loss_matches_numpy(seed, tau):
 
 def test_mu_zero_equals_fedavg_over_two_rounds():
   algorithm = learning.moon(SPEC, num_clients=3, client_optimizer=_sgd(), mu=0.0)
-  process, state = _start(algorithm)
-  avg_process, avg_state = _start(learning.fedavg(SPEC, client_optimizer=_sgd()))
+  process, state = start_process(algorithm)
+  avg_process, avg_state = start_process(learning.fedavg(SPEC, client_optimizer=_sgd()))
   states = {}
   for clients, sizes, epochs, seed in (([0, 1, 2], (12, 8, 16), (2, 1, 3), 4),
                                        ([2, 0], (16, 12), (1, 2), 5)):
@@ -113,8 +107,8 @@ def test_round_one_equals_fedavg():
   initial = SPEC.initial_weights().trainable
   for a, b in zip(algorithm.client_state_init(), initial):
     np.testing.assert_array_equal(a, b)
-  process, state = _start(algorithm)
-  avg_process, avg_state = _start(learning.fedavg(SPEC, client_optimizer=_sgd()))
+  process, state = start_process(algorithm)
+  avg_process, avg_state = start_process(learning.fedavg(SPEC, client_optimizer=_sgd()))
   state, _ = _moon_round(algorithm, process, state, {}, [0, 1, 2], (12, 8, 16), (2, 1, 3))
   avg_state = _fedavg_round(avg_process, avg_state, [0, 1, 2], (12, 8, 16), (2, 1, 3))
   moved = 0.0
@@ -126,7 +120,7 @@ def test_round_one_equals_fedavg():
 
 def test_round_with_previous_model_differs_from_fedavg():
   algorithm = learning.moon(SPEC, num_clients=3, client_optimizer=_sgd(), mu=5.0)
-  process, state = _start(algorithm)
+  process, state = start_process(algorithm)
   state, states = _moon_round(algorithm, process, state, {}, [0, 1, 2], (12, 8, 16), (2, 1, 3))
   avg_process = learning.fedavg(SPEC, client_optimizer=_sgd()).process
   avg_state = avg_process.set_model_weights(avg_process.initialize(),
@@ -220,7 +214,7 @@ def test_new_client_state_is_the_trained_model():
   new global model, the gathered new state and an independent eager MOON client agree."""
   mu = 2.0
   algorithm = learning.moon(SPEC, num_clients=4, client_optimizer=_sgd(), mu=mu)
-  process, state = _start(algorithm)
+  process, state = start_process(algorithm)
   rng = np.random.default_rng(3)
   previous = [w + rng.normal(scale=0.3, size=w.shape).astype(np.float32)
               for w in algorithm.client_state_init()]

@@ -8,8 +8,10 @@ import tensorflow_federated as tff
 
 from fltff import learning
 from fltff.learning import ModelSpec
+from fltff.learning import client_state
 from fltff.learning.scaffold import server_control_update
 from helpers import run_and_resume
+from helpers import start_process
 from helpers import tiny_mlp
 
 DIM, CLASSES, LR = 5, 3, 0.1
@@ -27,22 +29,15 @@ def _sgd():
   return tff.learning.optimizers.build_sgdm(learning_rate=LR)
 
 
-def _start(algorithm):
-  process = algorithm.process
-  return process, process.set_model_weights(process.initialize(),
-                                            algorithm.model_spec.initial_weights())
-
-
 def _controls(gathered):
-  return {int(k): [np.asarray(a[i]) for a in gathered['update']]
-          for i, k in enumerate(np.asarray(gathered['weight']))}
+  return client_state.unpack_client_states(gathered)
 
 
 def test_zero_controls_round_one_equals_fedavg():
   sizes, epochs = (12, 8, 16), (2, 1, 3)
-  avg_process, avg_state = _start(learning.fedavg(SPEC, client_optimizer=_sgd()))
+  avg_process, avg_state = start_process(learning.fedavg(SPEC, client_optimizer=_sgd()))
   sc = learning.scaffold(SPEC, num_clients=3, client_optimizer=_sgd())
-  sc_process, sc_state = _start(sc)
+  sc_process, sc_state = start_process(sc)
   zero = sc.client_state_init()
   avg = avg_process.next(avg_state, [learning.client_input(d, i, e) for i, (d, e) in
                                      enumerate(zip(_datasets(sizes), epochs))])
@@ -60,7 +55,7 @@ def test_option_two_control_and_server_control_match_numpy():
   """Round 2 with non-zero c and c_i: c_i⁺ = c_i − c + (x − y)/(K η) and c⁺ = c + ΣΔc/N."""
   num_clients = 2
   sc = learning.scaffold(SPEC, num_clients=num_clients, client_optimizer=_sgd())
-  process, state = _start(sc)
+  process, state = start_process(sc)
   zero = sc.client_state_init()
   # Round 1: both clients, from zero controls.
   out = process.next(state, [learning.client_input(d, i, 1, client_state=zero)

@@ -142,6 +142,13 @@ def build_stateful_client_work(
   return tff.learning.templates.ClientWorkProcess(init_fn, next_fn), state_type
 
 
+def unpack_client_states(gathered) -> dict[int, list[np.ndarray]]:
+  """`{client index: its new state (list of arrays)}` from the gathered value under
+  `CLIENT_STATES_KEY` (rows in the order TFF merged the clients)."""
+  return {int(k): [np.asarray(a[row]) for a in gathered['update']]
+          for row, k in enumerate(np.asarray(gathered['weight']))}
+
+
 def with_client_states(algorithm, client_state_init: Callable[[], list]):
   """Marks `algorithm` (built on a `build_stateful_client_work` process) as keeping client
   state: the driver starts a client from `client_state_init()` and reads the new states under

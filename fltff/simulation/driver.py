@@ -26,6 +26,7 @@ from fltff.data.pipeline import example_shape
 from fltff.errors import ConfigError
 from fltff.errors import DivergenceError
 from fltff.errors import StopRequested
+from fltff.learning import client_state
 from fltff.learning.client_work import client_input
 from fltff.learning.model_spec import ModelSpec
 from fltff.simulation import sampling
@@ -227,9 +228,8 @@ class RoundDriver:
     client_work = dict(others.pop('client_work'))
     train = client_work.pop('train')
     if self.algorithm.client_states_key is not None:
-      gathered = client_work.pop(self.algorithm.client_states_key)
-      for row_index, k in enumerate(np.asarray(gathered['weight'])):
-        pending['method_states'][int(k)] = [np.asarray(a[row_index]) for a in gathered['update']]
+      pending['method_states'].update(client_state.unpack_client_states(
+          client_work.pop(self.algorithm.client_states_key)))
     scalars, arrays = split_measurements(dict(others, client_work=client_work))
     row = self.round_row(round_num, train, clients, epochs, dropped,
                          self.algorithm.bytes_down_per_client * len(clients),
@@ -338,8 +338,8 @@ class RoundDriver:
               'lower client_optimizer.learning_rate (or the server learning rate) and rerun.')
         state = new_state
         for store_name, states in pending.items():
-          for k, client_state in states.items():
-            getattr(self, store_name).set(k, client_state)
+          for k, value in states.items():
+            getattr(self, store_name).set(k, value)
         if r % cfg.eval_every == 0 or r == cfg.rounds:
           row.update(self.evaluate(state))
         previous = self.rows[-1] if self.rows else {}
