@@ -11,6 +11,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from fltff import learning
+from fltff.errors import ConfigError
 from helpers import run_and_resume
 from test_kapc import SPEC
 from test_kapc import Sim
@@ -136,6 +137,12 @@ def test_hypernetworks_learn_only_for_participants():
   full = sum(algorithm.layer_sizes_bytes)
   np.testing.assert_allclose(out.result['bytes_down'], [full, full])
   np.testing.assert_allclose(out.result['bytes_up'], [full, full])
+
+
+@pytest.mark.parametrize('kwargs', [dict(start_from='own'), dict(start_from='server', bls_mu=0.5)])
+def test_hypernetwork_rule_rejects_other_starts(kwargs):
+  with pytest.raises(ConfigError, match="rule 'hypernetwork' needs start_from='server'"):
+    kapc_lib.build_personalized_process(SPEC, 3, _sgd(), 'hypernetwork', lambda_=0.0, **kwargs)
 
 
 def test_pfedla_compiles_to_mergeable_form():

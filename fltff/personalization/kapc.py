@@ -333,6 +333,10 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
       [('clients', tff.TensorType(np.int32, [None])), ('models', stacked),
        ('num_examples', tff.TensorType(np.float32, [None]))], collections.OrderedDict)
   if rule == 'hypernetwork':
+    # pFedLA's step uses Δθ_i = θ_i − s_i: valid only when the client started from all of s_i.
+    if start_from != 'server' or bls_mu is not None:
+      raise ConfigError(f"{name}: rule 'hypernetwork' needs start_from='server' and no BLS "
+                        f'(got start_from={start_from!r}, bls_mu={bls_mu}).')
     # By module path: the package attribute `pfedla` is the gin builder of the same name.
     pfedla_lib = importlib.import_module('fltff.personalization.pfedla')
     hypernetwork = dict(hypernetwork or {})
