@@ -6,11 +6,12 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.fltff-installed
+EDITABLE := $(VENV)/.fltff-editable
 OUTPUT_DIR ?= runs/quickstart
 PYTEST_ARGS ?=
 
 .PHONY: setup quickstart test bench clean-venv
-setup: $(STAMP)
+setup: $(EDITABLE)
 
 # TFF 0.87.0 pins jax/jaxlib 0.4.14, for which no Python 3.11 wheel exists. We install the
 # rest of the pinned set (with jax/jaxlib 0.4.13) and then TFF itself with --no-deps.
@@ -26,6 +27,12 @@ $(STAMP): requirements.txt
 	@# os._exit skips TFF's ServiceManager.__del__, which fails noisily at interpreter exit.
 	$(VPY) -c 'import os, tensorflow_federated, tensorflow_datasets, gin; print("fltff environment ready", flush=True); os._exit(0)'
 	@touch $(STAMP)
+
+# fltff itself, editable (pyproject.toml): `import fltff` then works from any directory. No
+# dependencies here: the stack above is the pinned one.
+$(EDITABLE): $(STAMP) pyproject.toml
+	$(VPY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@touch $(EDITABLE)
 
 quickstart: setup
 	$(VPY) -m pipelines.run --gin_file=gin_configs/quickstart.gin --output_dir=$(OUTPUT_DIR)

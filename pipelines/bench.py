@@ -149,31 +149,31 @@ def _round_fn(algorithm, spec, num_clients):
 
 def compare_methods(spec, data) -> int:
   """Median round time of each `--compare` method relative to FedAvg, alternating rounds."""
-  builders = {'fedavg': lambda opt: learning.fedavg(spec, client_optimizer=opt),
-              'fedprox': lambda opt: learning.fedprox(spec, client_optimizer=opt),
-              'sgdm': lambda opt: learning.sgdm(spec, client_optimizer=opt),
-              'fedlap': lambda opt: learning.fedlap(spec, client_optimizer=opt),
-              'fedadp': lambda opt: learning.fedadp(spec, len(data), client_optimizer=opt),
-              'fedlayerwise': lambda opt: learning.fedlayerwise(spec, len(data),
+  builders = {'fedavg': lambda opt: learning.build_fedavg(spec, client_optimizer=opt),
+              'fedprox': lambda opt: learning.build_fedprox(spec, client_optimizer=opt),
+              'sgdm': lambda opt: learning.build_sgdm(spec, client_optimizer=opt),
+              'fedlap': lambda opt: learning.build_fedlap(spec, client_optimizer=opt),
+              'fedadp': lambda opt: learning.build_fedadp(spec, len(data), client_optimizer=opt),
+              'fedlayerwise': lambda opt: learning.build_fedlayerwise(spec, len(data),
                                                                 client_optimizer=opt)}
-  builders['fednova'] = lambda opt: learning.fednova(spec, client_optimizer=opt)
-  builders['fedbabu'] = lambda opt: learning.fedbabu(spec, client_optimizer=opt)
-  builders['scaffold'] = lambda opt: learning.scaffold(spec, len(data), client_optimizer=opt)
-  builders['scaffold+ccn'] = lambda opt: learning.scaffold(
+  builders['fednova'] = lambda opt: learning.build_fednova(spec, client_optimizer=opt)
+  builders['fedbabu'] = lambda opt: learning.build_fedbabu(spec, client_optimizer=opt)
+  builders['scaffold'] = lambda opt: learning.build_scaffold(spec, len(data), client_optimizer=opt)
+  builders['scaffold+ccn'] = lambda opt: learning.build_scaffold(
       spec, len(data), client_optimizer=opt, contribution_normalization=True)
-  builders['moon'] = lambda opt: learning.moon(spec, len(data), client_optimizer=opt)
+  builders['moon'] = lambda opt: learning.build_moon(spec, len(data), client_optimizer=opt)
   # Personalised processes (their round includes the server's R update and the stale copies).
-  builders['kapc'] = lambda opt: personalization.kapc(spec, len(data), client_optimizer=opt)
-  builders['kapc+bls'] = lambda opt: personalization.kapc(spec, len(data),
-                                                          client_optimizer=opt, bls_mu=0.5)
-  builders['fedamp'] = lambda opt: personalization.fedamp(spec, len(data), client_optimizer=opt)
-  builders['fedbn'] = lambda opt: personalization.fedbn(spec, len(data), client_optimizer=opt)
-  builders['local'] = lambda opt: personalization.local_training(spec, len(data),
-                                                                 client_optimizer=opt)
-  builders['pfedla'] = lambda opt: personalization.pfedla(spec, len(data), client_optimizer=opt)
+  builders['kapc'] = lambda opt: personalization.build_kapc(spec, len(data), client_optimizer=opt)
+  builders['kapc+bls'] = lambda opt: personalization.build_kapc(spec, len(data),
+                                                                client_optimizer=opt, bls_mu=0.5)
+  builders['fedamp'] = lambda opt: personalization.build_fedamp(spec, len(data), client_optimizer=opt)
+  builders['fedbn'] = lambda opt: personalization.build_fedbn(spec, len(data), client_optimizer=opt)
+  builders['local'] = lambda opt: personalization.build_local(spec, len(data),
+                                                              client_optimizer=opt)
+  builders['pfedla'] = lambda opt: personalization.build_pfedla(spec, len(data), client_optimizer=opt)
   for base in ('fedavg', 'fedprox', 'sgdm', 'fednova', 'fedbabu'):  # '<base>+ccn': with CCN
     builders[f'{base}+ccn'] = functools.partial(
-        lambda opt, b: getattr(learning, b)(spec, client_optimizer=opt,
+        lambda opt, b: getattr(learning, f'build_{b}')(spec, client_optimizer=opt,
                                             contribution_normalization=True), b=base)
   names = ['fedavg'] + [m for m in _COMPARE.value if m != 'fedavg']
   unknown = [m for m in names if m not in builders]
@@ -213,7 +213,7 @@ def compare_runtimes(spec) -> int:
     runtimes['1 worker'] = runtime.TffRuntime(workers=[servers[0].address])
     runtimes['2 workers'] = runtime.TffRuntime(workers=[s.address for s in servers[1:]])
     opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
-    algorithm = learning.fedavg(spec, client_optimizer=opt)
+    algorithm = learning.build_fedavg(spec, client_optimizer=opt)
     summary = []
     for num_clients in [int(c) for c in _CLIENTS_LIST.value]:
       data = _client_data(num_clients, _EXAMPLES.value)
@@ -260,7 +260,7 @@ def main(argv) -> int:
   sizes = [len(y) for _, y in data]
   with runtime.local_runtime():
     client_opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
-    algorithm = learning.fedavg(spec, client_optimizer=client_opt)
+    algorithm = learning.build_fedavg(spec, client_optimizer=client_opt)
     state = algorithm.process.initialize()
     plain = PlainTfFedAvg(keras_fn)
     plain_weights = [np.asarray(w) for w in spec.initial_weights().trainable]

@@ -72,14 +72,36 @@ def configure(gin_files, gin_bindings) -> None:
   check_gin_bindings(gin.config._CONFIG)  # pylint: disable=protected-access
 
 
+def _kept(output_dir: str) -> str:
+  """Which rounds the output folder's checkpoints keep, and how to continue."""
+  checkpointer = Checkpointer(output_dir)
+  last = checkpointer.latest_round() or 0
+  return (f'{kept_message(checkpointer.directory, last)}'
+          f'{": rerun with --resume to continue" if last else ""}.')
+
+
 def main(argv) -> int:
   del argv
   # Progress lines are ours (stdout); library INFO chatter (TFF, Keras) is not.
   absl_logging.set_verbosity(absl_logging.WARNING)
-  stop_event = runtime.install_signal_handlers()
   output_dir = _OUTPUT_DIR.value or os.path.join(
       'runs', os.path.splitext(os.path.basename((_GIN_FILES.value or ['run'])[0]))[0])
   rt = None
+
+  def stop_now(signum: int) -> None:
+    """A second signal: say what is checkpointed, stop our workers, exit at once."""
+    del signum
+    try:
+      print(f'stopped: at once by a second signal. {_kept(output_dir)}', file=sys.stderr,
+            flush=True)
+    finally:
+      try:
+        if rt is not None:
+          rt.close()
+      finally:
+        os._exit(EXIT_STOPPED)  # pylint: disable=protected-access
+
+  stop_event = runtime.install_signal_handlers(on_second=stop_now)
   try:
     configure(_GIN_FILES.value, _GIN_BINDINGS.value)
     prepare_output_dir(output_dir, _RESUME.value)  # Before the data and TFF's worker start.
@@ -90,10 +112,7 @@ def main(argv) -> int:
     print(f'stopped: {_short_gin_message(e)}', file=sys.stderr)
     return EXIT_STOPPED
   except StopNow:
-    checkpointer = Checkpointer(output_dir)
-    last = checkpointer.latest_round() or 0
-    print(f'stopped: at once by a second signal. {kept_message(checkpointer.directory, last)}'
-          f'{": rerun with --resume to continue" if last else ""}.', file=sys.stderr)
+    print(f'stopped: at once by a second signal. {_kept(output_dir)}', file=sys.stderr)
     return EXIT_STOPPED
   except FltffError as e:
     print(f'error: {_short_gin_message(e)}', file=sys.stderr)

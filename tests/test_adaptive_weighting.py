@@ -187,9 +187,9 @@ def test_alpha_zero_is_fedavg():
   """With α = 0, f ≡ 0 and ψ = n_k / n: FedLayerWise and FedAdp reduce to FedAvg."""
   spec = ModelSpec(_mlp, (DIM,), CLASSES)
   opt = tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
-  avg, _ = _run(learning.fedavg(spec, client_optimizer=opt))
-  flw, metrics = _run(learning.fedlayerwise(spec, num_clients=3, alpha=0.0, client_optimizer=opt))
-  adp, _ = _run(learning.fedadp(spec, num_clients=3, alpha=0.0, client_optimizer=opt))
+  avg, _ = _run(learning.build_fedavg(spec, client_optimizer=opt))
+  flw, metrics = _run(learning.build_fedlayerwise(spec, num_clients=3, alpha=0.0, client_optimizer=opt))
+  adp, _ = _run(learning.build_fedadp(spec, num_clients=3, alpha=0.0, client_optimizer=opt))
   assert _max_diff(flw, avg) <= 1e-5 and _max_diff(adp, avg) <= 1e-5
   psi = metrics['aggregator']['psi']
   assert psi.shape == (3, 2)  # 3 clients x 2 layers (Dense kernel+bias each)
@@ -224,6 +224,6 @@ def test_factory_in_plain_tff_fed_avg():
 @pytest.mark.parametrize('builder', ['fedlayerwise', 'fedadp'])
 def test_process_compiles_to_mergeable_form(builder):
   spec = ModelSpec(_mlp, (DIM,), CLASSES)
-  algorithm = getattr(learning, builder)(spec, num_clients=3)
+  algorithm = getattr(learning, f'build_{builder}')(spec, num_clients=3)
   form = tff.backends.native.compile_to_mergeable_comp_form(algorithm.process.next)
   assert isinstance(form, tff.framework.MergeableCompForm)

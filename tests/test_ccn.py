@@ -138,25 +138,25 @@ def _opt():
 
 
 def test_fednova_with_equal_steps_is_fedavg_and_differs_otherwise():
-  avg, _ = _run(learning.fedavg(SPEC, client_optimizer=_opt()))
-  nova, _ = _run(learning.fednova(SPEC, client_optimizer=_opt()))
+  avg, _ = _run(learning.build_fedavg(SPEC, client_optimizer=_opt()))
+  nova, _ = _run(learning.build_fednova(SPEC, client_optimizer=_opt()))
   assert _diff(nova, avg) <= 1e-5
   uneven = dict(sizes=(10, 20, 30), epochs=(1, 2, 3))
-  avg_u, _ = _run(learning.fedavg(SPEC, client_optimizer=_opt()), **uneven)
-  nova_u, _ = _run(learning.fednova(SPEC, client_optimizer=_opt()), **uneven)
+  avg_u, _ = _run(learning.build_fedavg(SPEC, client_optimizer=_opt()), **uneven)
+  nova_u, _ = _run(learning.build_fednova(SPEC, client_optimizer=_opt()), **uneven)
   assert _diff(nova_u, avg_u) > 1e-3
 
 
 def test_ccn_with_huge_temperature_is_the_base_scheme():
   """T → ∞ makes every Λ_r = 1 − 1/K: ω = ν/Σν, i.e. the base scheme unchanged."""
   sizes = (10, 20, 30)
-  avg, _ = _run(learning.fedavg(SPEC, client_optimizer=_opt()), sizes=sizes)
-  ccn, metrics = _run(learning.fedavg(SPEC, client_optimizer=_opt(),
+  avg, _ = _run(learning.build_fedavg(SPEC, client_optimizer=_opt()), sizes=sizes)
+  ccn, metrics = _run(learning.build_fedavg(SPEC, client_optimizer=_opt(),
                                       contribution_normalization=True, temperature=1e9),
                       sizes=sizes)
   assert _diff(ccn, avg) <= 1e-5
   np.testing.assert_allclose(metrics['aggregator']['contribution'], 2 / 3, rtol=1e-5)
-  ccn1, metrics1 = _run(learning.fedavg(SPEC, client_optimizer=_opt(),
+  ccn1, metrics1 = _run(learning.build_fedavg(SPEC, client_optimizer=_opt(),
                                         contribution_normalization=True, temperature=0.05),
                         sizes=sizes)
   assert _diff(ccn1, avg) > 1e-4
@@ -167,7 +167,7 @@ def test_ccn_round_with_one_participant_is_the_base_scheme():
   """A round with a single participant: CCN's new model is FedAvg's (no NaN from Λ = 0)."""
   models = {}
   for ccn in (False, True):
-    algorithm = learning.fedavg(SPEC, client_optimizer=_opt(), contribution_normalization=ccn)
+    algorithm = learning.build_fedavg(SPEC, client_optimizer=_opt(), contribution_normalization=ccn)
     process, state = start_process(algorithm)
     output = process.next(state, [learning.client_input(_datasets((20,))[0], 4, 2)])
     models[ccn] = process.get_model_weights(output.state).trainable
@@ -188,7 +188,7 @@ def test_uniform_client_weighting_composes_with_ccn():
   for r in results:
     assert set(r.update_weight) == {'num_examples', 'client_index', 'latent_mean'}
     assert r.update_weight['num_examples'] == 1.0
-  _, metrics = _run(learning.fedavg(SPEC, client_optimizer=_opt(), contribution_normalization=True,
+  _, metrics = _run(learning.build_fedavg(SPEC, client_optimizer=_opt(), contribution_normalization=True,
                                     temperature=0.05, client_weighting='uniform'),
                     sizes=(10, 20, 30), rounds=1)
   lam = np.asarray(metrics['aggregator']['contribution'])
@@ -196,7 +196,7 @@ def test_uniform_client_weighting_composes_with_ccn():
 
 
 def test_fedbabu_never_changes_the_head():
-  algorithm = learning.fedbabu(SPEC, client_optimizer=_opt())
+  algorithm = learning.build_fedbabu(SPEC, client_optimizer=_opt())
   head = head_indices(SPEC)
   assert head == [2, 3]
   trained, _ = _run(algorithm)
@@ -208,7 +208,7 @@ def test_fedbabu_never_changes_the_head():
 
 @pytest.mark.parametrize('builder', ['fedavg', 'fedprox', 'sgdm', 'fednova', 'fedbabu'])
 def test_every_base_scheme_with_ccn_compiles_to_mergeable_form(builder):
-  algorithm = getattr(learning, builder)(SPEC, contribution_normalization=True)
+  algorithm = getattr(learning, f'build_{builder}')(SPEC, contribution_normalization=True)
   form = tff.backends.native.compile_to_mergeable_comp_form(algorithm.process.next)
   assert isinstance(form, tff.framework.MergeableCompForm)
 
@@ -221,7 +221,7 @@ def test_mnist_outlier_client_gets_largest_lambda():
   parts = [pick([0, 1], 40, 0), pick([0, 1], 40, 40), pick([7, 8], 40, 0)]
   spec = ModelSpec(functools.partial(build_model, 'mlp2', (28, 28, 1), 10, seed=0),
                    (28, 28, 1), 10)
-  algorithm = learning.fedavg(spec, client_optimizer=_opt(), contribution_normalization=True)
+  algorithm = learning.build_fedavg(spec, client_optimizer=_opt(), contribution_normalization=True)
   state = algorithm.process.initialize()
   inputs = []
   for k, idx in enumerate(parts):

@@ -270,8 +270,7 @@ def test_factories_type_check_their_arguments():
   import tensorflow_federated as tff
   from fltff.aggregators import adaptive_weighting
   from fltff.errors import ConfigError
-  import importlib
-  scaffold_lib = importlib.import_module('fltff.learning.scaffold')  # the package's name is the builder
+  from fltff.learning import scaffold as scaffold_lib
   with pytest.raises(ConfigError, match='num_clients must be an integer, got <'):
     adaptive_weighting.AdaptiveWeightingFactory(None, tff.aggregators.MeanFactory())
   with pytest.raises(ConfigError, match='num_clients must be >= 1, got 0'):
@@ -282,4 +281,4 @@ def test_factories_type_check_their_arguments():
     adaptive_weighting.AdaptiveWeightingFactory([0, 1], 3)
   adaptive_weighting.AdaptiveWeightingFactory([[0, 1], range(2, 4)], 3, 5, 0.1)
   with pytest.raises(ConfigError, match="scaffold num_clients must be an integer, got '3'"):
-    scaffold_lib.scaffold(None, '3')
+    scaffold_lib.build_scaffold(None, '3')

@@ -1,7 +1,6 @@
 """FedLap: the regulariser against NumPy, its special cases against FedAvg/FedProx."""
 
 import collections
-import importlib
 
 import numpy as np
 import pytest
@@ -13,8 +12,7 @@ from fltff.errors import ConfigError
 from fltff.learning import ModelSpec
 from helpers import tiny_mlp
 
-# `fltff.learning.fedlap` is also the builder function exported by the package.
-fedlap_lib = importlib.import_module('fltff.learning.fedlap')
+from fltff.learning import fedlap as fedlap_lib
 
 RNG = np.random.default_rng(1)
 DIM, CLASSES = 6, 3
@@ -158,7 +156,7 @@ def _opt():
 
 
 def test_q0_equals_tff_fedavg():
-  ours, _ = _run(learning.fedlap(SPEC, q=0.0, mu=0.5, client_optimizer=_opt()), epochs=2)
+  ours, _ = _run(learning.build_fedlap(SPEC, q=0.0, mu=0.5, client_optimizer=_opt()), epochs=2)
   ref = tff.learning.algorithms.build_weighted_fed_avg(
       model_fn=SPEC.tff_model, client_optimizer_fn=_opt(),
       server_optimizer_fn=tff.learning.optimizers.build_sgdm(learning_rate=1.0))
@@ -169,22 +167,22 @@ def test_q0_equals_tff_fedavg():
 
 
 def test_q1_equals_fltff_fedprox():
-  ours, _ = _run(learning.fedlap(SPEC, q=1.0, mu=0.5, client_optimizer=_opt()), epochs=2)
-  prox, _ = _run(learning.fedprox(SPEC, mu=0.5, client_optimizer=_opt()), epochs=2)
-  avg, _ = _run(learning.fedavg(SPEC, client_optimizer=_opt()), epochs=2)
+  ours, _ = _run(learning.build_fedlap(SPEC, q=1.0, mu=0.5, client_optimizer=_opt()), epochs=2)
+  prox, _ = _run(learning.build_fedprox(SPEC, mu=0.5, client_optimizer=_opt()), epochs=2)
+  avg, _ = _run(learning.build_fedavg(SPEC, client_optimizer=_opt()), epochs=2)
   assert _diff(ours, prox) <= 1e-5
   assert _diff(prox, avg) > 1e-3  # The proximal term really acts.
 
 
 def test_half_is_fedlap_lambda_fixed_per_epoch():
   """q = 1/2, E = 1: λ = 0 for the only epoch, so exactly FedAvg; E = 3: it regularises."""
-  one, _ = _run(learning.fedlap(SPEC, q=0.5, client_optimizer=_opt()), epochs=1)
-  avg1, _ = _run(learning.fedavg(SPEC, client_optimizer=_opt()), epochs=1)
+  one, _ = _run(learning.build_fedlap(SPEC, q=0.5, client_optimizer=_opt()), epochs=1)
+  avg1, _ = _run(learning.build_fedavg(SPEC, client_optimizer=_opt()), epochs=1)
   assert _diff(one, avg1) <= 1e-6
-  three, _ = _run(learning.fedlap(SPEC, q=0.5, client_optimizer=_opt()), epochs=3)
-  avg3, _ = _run(learning.fedavg(SPEC, client_optimizer=_opt()), epochs=3)
+  three, _ = _run(learning.build_fedlap(SPEC, q=0.5, client_optimizer=_opt()), epochs=3)
+  avg3, _ = _run(learning.build_fedavg(SPEC, client_optimizer=_opt()), epochs=3)
   assert _diff(three, avg3) > 1e-4
-  step, _ = _run(learning.fedlap(SPEC, q=0.5, refresh='step', client_optimizer=_opt()),
+  step, _ = _run(learning.build_fedlap(SPEC, q=0.5, refresh='step', client_optimizer=_opt()),
                  epochs=1)
   assert _diff(step, avg1) > 1e-6  # Per-step λ regularises already in the first epoch.
 
@@ -192,7 +190,7 @@ def test_half_is_fedlap_lambda_fixed_per_epoch():
 def test_uniform_client_weighting_is_the_unweighted_mean():
   """client_weighting='uniform' (the paper's 1/|S_t| Σ_k w_k): the round's model is the plain
   mean of the clients' trained models, each from a round with that client alone."""
-  algorithm = learning.fedlap(SPEC, q=0.5, client_optimizer=_opt(), client_weighting='uniform')
+  algorithm = learning.build_fedlap(SPEC, q=0.5, client_optimizer=_opt(), client_weighting='uniform')
   process = algorithm.process
   state = process.set_model_weights(process.initialize(), SPEC.initial_weights())
   datasets = _datasets()
@@ -211,7 +209,7 @@ def test_uniform_client_weighting_is_the_unweighted_mean():
 def test_measurements_are_per_layer_lambda_and_distance():
   """One client, one round: the server model is the client's model; check λ, d vs NumPy."""
   start = [np.asarray(w) for w in SPEC.initial_weights().trainable]
-  trained, metrics = _run(learning.fedlap(SPEC, q=0.5, client_optimizer=_opt()), epochs=2,
+  trained, metrics = _run(learning.build_fedlap(SPEC, q=0.5, client_optimizer=_opt()), epochs=2,
                           rounds=1, sizes=(20,))
   reg = metrics['client_work']['regularizer']
   names = list(reg['lambda_mean'])

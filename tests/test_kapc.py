@@ -1,7 +1,6 @@
 """KAPC + BLS and the personalised baselines: equations vs NumPy, special cases, bytes, runs."""
 
 import collections
-import importlib
 import json
 import os
 import subprocess
@@ -22,8 +21,11 @@ from helpers import pipeline_env
 from helpers import run_and_resume
 from helpers import tiny_mlp
 
-# The package exports the `kapc` builder under the module's name.
-kapc_lib = importlib.import_module('fltff.personalization.kapc')
+from fltff.personalization import fedamp as fedamp_lib
+from fltff.personalization import fedbn as fedbn_lib
+from fltff.personalization import kapc as kapc_lib
+from fltff.personalization import local as local_lib
+from fltff.personalization import process as process_lib
 RNG = np.random.default_rng(5)
 DIM, CLASSES, LR = 5, 3, 0.1
 SPEC = ModelSpec(lambda: tiny_mlp(DIM, CLASSES, 23), (DIM,), CLASSES)
@@ -86,7 +88,7 @@ def _np_norms(a, b=None):
 
 def test_personalized_server_models_match_numpy():
   models, rel = _models(3), _relation(3)
-  got = kapc_lib.personalized_server_models(tf.constant(rel), [tf.constant(m) for m in models],
+  got = process_lib.personalized_server_models(tf.constant(rel), [tf.constant(m) for m in models],
                                             LAYER_OF)
   for t, (g, w) in enumerate(zip(got, models)):
     want = np.einsum('ij,j...->i...', rel[:, LAYER_OF[t], :], w)
@@ -122,10 +124,10 @@ def test_slice_and_scatter_keep_full_rows_normalised():
   n = 6
   full = _relation(n)
   clients = np.array([4, 1, 3], np.int32)
-  sl = kapc_lib.slice_relationship(tf.constant(full), tf.constant(clients)).numpy()
+  sl = process_lib.slice_relationship(tf.constant(full), tf.constant(clients)).numpy()
   np.testing.assert_allclose(sl, full[clients][:, :, clients])
   new = _relation(3)
-  out = kapc_lib.scatter_relationship(tf.constant(full), tf.constant(clients),
+  out = process_lib.scatter_relationship(tf.constant(full), tf.constant(clients),
                                       tf.constant(new)).numpy()
   np.testing.assert_allclose(out.sum(-1), 1.0, atol=1e-6)
   others = [k for k in range(n) if k not in clients]
@@ -139,7 +141,7 @@ def test_slice_and_scatter_keep_full_rows_normalised():
 
 def test_attentive_relationship_matches_fedamp_formula():
   models = _models(3)
-  xi = kapc_lib.attentive_relationship([tf.constant(m) for m in models], 2, 5.0, 0.2).numpy()
+  xi = fedamp_lib.attentive_relationship([tf.constant(m) for m in models], 2, 5.0, 0.2).numpy()
   flat = np.concatenate([m.reshape(3, -1) for m in models], 1).astype(np.float64)
   d = ((flat[:, None] - flat[None]) ** 2).sum(-1)
   off = 0.2 * np.exp(-d / 5.0) / 5.0
@@ -211,10 +213,10 @@ def test_identity_relationship_is_local_training_with_proximal_term_to_own_model
   """R fixed to the identity: s_i = w_i's previous model, so each client runs FedProx(μ = 2λ)
   towards its own previous model — checked against our FedProx on that client alone."""
   lam = 0.3
-  algorithm = kapc_lib.build_personalized_process(
-      SPEC, 3, _sgd(), rule='fixed', lambda_=lam, relationship_init='identity')
+  algorithm = process_lib.build_personalized_process(
+      SPEC, 3, _sgd(), local_lib.FixedRelation(lambda_=lam, relationship_init='identity'))
   sim = Sim(algorithm, 3)
-  prox = learning.fedprox(SPEC, client_optimizer=_sgd(), mu=2 * lam)
+  prox = learning.build_fedprox(SPEC, client_optimizer=_sgd(), mu=2 * lam)
   for r in range(2):
     data = _datasets((8, 12, 6), seed=r)
     before = {k: list(sim.models(k)) for k in range(3)}
@@ -227,15 +229,15 @@ def test_identity_relationship_is_local_training_with_proximal_term_to_own_model
       for a, b in zip(prox.process.get_model_weights(out.state).trainable, sim.models(k)):
         np.testing.assert_allclose(a, b, atol=1e-5)
   np.testing.assert_allclose(np.asarray(sim.state['relation']),
-                             kapc_lib.initial_relationship(3, 2, 'identity'))
+                             process_lib.initial_relationship(3, 2, 'identity'))
 
 
 @pytest.mark.parametrize('order', kapc_lib.RELATIONSHIP_UPDATES)
 def test_bls_with_mu_above_one_and_full_upload_equals_kapc(order):
   """μ > 1 skips nothing; min_upload_layers = L forces Ω = L (Algorithm 4's restart from
   L − 1 is clipped back to min_upload_layers = L), so KAPC+BLS is KAPC, in either order."""
-  plain = Sim(kapc_lib.kapc(SPEC, 4, client_optimizer=_sgd(), relationship_update=order), 4)
-  bls = Sim(kapc_lib.kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.5, min_upload_layers=2,
+  plain = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), relationship_update=order), 4)
+  bls = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.5, min_upload_layers=2,
                           relationship_update=order), 4)
   for r, clients in enumerate(([0, 1, 2, 3], [1, 3], [0, 2, 3])):
     data = _datasets([8] * len(clients), seed=10 + r)
@@ -253,7 +255,7 @@ def test_bls_with_mu_above_one_and_full_upload_equals_kapc(order):
 
 
 def test_byte_counts_equal_the_tensors_exchanged():
-  algorithm = kapc_lib.kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.5, bls_kappa=0.0)
+  algorithm = kapc_lib.build_kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.5, bls_kappa=0.0)
   sim = Sim(algorithm, 3)
   sizes = [sum(np.asarray(w).nbytes for w in SPEC.initial_weights().trainable[t:t + 2])
            for t in (0, 2)]
@@ -276,7 +278,7 @@ def test_byte_counts_equal_the_tensors_exchanged():
   # Default order (Algorithm 5): round 1 stepped R on the copies held *before* it — all the
   # initial model, so s_i = w_i and the step leaves the uniform R unchanged — and stored the
   # fresh uploads without stepping on them; round 2 steps on exactly those stored copies.
-  uniform = kapc_lib.initial_relationship(3, 2, 'uniform')
+  uniform = process_lib.initial_relationship(3, 2, 'uniform')
   np.testing.assert_allclose(sim2.state['relation'], uniform, atol=1e-6)
 
   def one_step(relation, sim):
@@ -290,15 +292,15 @@ def test_byte_counts_equal_the_tensors_exchanged():
   # The earlier order ('after_training'): the server's R step after round 1 used exactly the
   # copies it stored in that round (uniform R, all clients: the slice is the whole cube, so
   # R⁺ = one projected step from 1/3 on the copies the driver keeps).
-  old = Sim(kapc_lib.kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.5, bls_kappa=0.0,
+  old = Sim(kapc_lib.build_kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.5, bls_kappa=0.0,
                           relationship_update='after_training'), 3)
   old.round([0, 1, 2], _datasets((8, 8, 8), seed=0))
   np.testing.assert_allclose(old.state['relation'], one_step(uniform, old), atol=1e-6)
   # μ = 0 skips every layer once r_ii > 0: nothing is sent down.
-  skip_all = Sim(kapc_lib.kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.0), 3)
+  skip_all = Sim(kapc_lib.build_kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.0), 3)
   out = skip_all.round([0, 1, 2], _datasets((8, 8, 8), seed=0))
   np.testing.assert_allclose(out.result['bytes_down'], 0.0)
-  local = Sim(kapc_lib.local_training(SPEC, 3, client_optimizer=_sgd()), 3)
+  local = Sim(local_lib.build_local(SPEC, 3, client_optimizer=_sgd()), 3)
   out = local.round([0, 1, 2], _datasets((8, 8, 8), seed=0))
   np.testing.assert_allclose(out.result['bytes_down'], 0.0)
   np.testing.assert_allclose(out.result['bytes_up'], 0.0)
@@ -311,9 +313,10 @@ def test_default_order_sends_s_from_r_stepped_on_the_server_copies():
   Clients start from s_i (`start_from='server'`, every layer sent) with learning rate 0, so
   each one's new model *is* the s_i it received; R after the round is R' written back."""
   lam, beta, lr, steps = 0.5, 0.1, 0.02, 2
-  algorithm = kapc_lib.build_personalized_process(
-      SPEC, 5, _sgd(0.0), rule='learned', lambda_=lam, beta=beta,
-      relationship_learning_rate=lr, relationship_steps=steps, start_from='server')
+  algorithm = process_lib.build_personalized_process(
+      SPEC, 5, _sgd(0.0), kapc_lib.KapcRule(
+          lambda_=lam, beta=beta, relationship_learning_rate=lr, relationship_steps=steps,
+          start_from='server'))
   sim = Sim(algorithm, 5)
   _randomize(sim, _random_models(range(5)))
   for r, clients in enumerate(([3, 0, 4], [4, 1, 3])):  # Round 2: 4, 3 hold round 1's s_i.
@@ -346,7 +349,7 @@ def test_default_order_skips_layers_by_the_stepped_self_relationship():
   down = {}
   for order, self_rel in (('before_send', stepped_self),
                           ('after_training', np.full((3, 2), 1 / 3))):
-    sim = Sim(kapc_lib.kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=mu,
+    sim = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=mu,
                             relationship_update=order), 4)
     _randomize(sim, models)
     sizes = np.array(sim.algorithm.layer_sizes_bytes, np.float64)
@@ -363,12 +366,12 @@ def test_default_order_skips_layers_by_the_stepped_self_relationship():
 
 def test_relationship_update_is_validated_and_gin_configurable():
   with pytest.raises(ConfigError, match='relationship_update'):
-    kapc_lib.kapc(SPEC, 3, client_optimizer=_sgd(), relationship_update='sideways')
+    kapc_lib.build_kapc(SPEC, 3, client_optimizer=_sgd(), relationship_update='sideways')
   gin.clear_config()
   try:
     gin.bind_parameter('kapc.relationship_update', 'sideways')
     with pytest.raises(ConfigError, match='relationship_update'):
-      kapc_lib.kapc(SPEC, 3, client_optimizer=_sgd())
+      kapc_lib.build_kapc(SPEC, 3, client_optimizer=_sgd())
   finally:
     gin.clear_config()
 
@@ -377,13 +380,13 @@ def test_bls_search_starts_below_full_upload():
   """Algorithm 4: the search starts from L − 1 on a client's first selection and after a
   round with Ω = L (here L = 2, so from Ω = 1)."""
   # κ = 0: G grows with Ω, so Ω = 1 — reached with no move from the start L − 1 = 1.
-  sim = Sim(kapc_lib.kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.5, bls_kappa=0.0), 4)
+  sim = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.5, bls_kappa=0.0), 4)
   out = sim.round([0, 1, 2, 3], _datasets([8] * 4, seed=0))
   np.testing.assert_array_equal(out.result['omega'], 1)
   assert float(out.measurements['kapc']['search_steps_mean']) == 0.0
   # κ = 100, n_i = 8, n_fed = 32: the estimation terms favour Ω = L = 2. Every round the walk
   # starts again at 1 and makes one move (without the restart round 2 would make none).
-  sim = Sim(kapc_lib.kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.5, bls_kappa=100.0), 4)
+  sim = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.5, bls_kappa=100.0), 4)
   for r in range(2):
     out = sim.round([0, 1, 2, 3], _datasets([8] * 4, seed=r))
     np.testing.assert_array_equal(out.result['omega'], 2)
@@ -394,7 +397,7 @@ def test_bls_search_starts_below_full_upload():
 def test_bls_running_maxima_and_omega_match_numpy():
   """B̂, τ̂ kept in the client state are the per-layer maxima of B^l = ||w^l|| and
   τ^l = ||w^l − s^l|| over the client's rounds, and Ω is `bls.select_omega` on them."""
-  algorithm = kapc_lib.kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.5)  # Nothing skipped.
+  algorithm = kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.5)  # Nothing skipped.
   sim = Sim(algorithm, 4)
   state = sim.states[0]
   np.testing.assert_array_equal(state['b_max'], np.zeros(2, np.float32))
@@ -425,8 +428,8 @@ def test_bls_running_maxima_and_omega_match_numpy():
 def test_fedbn_without_norm_layers_equals_fedavg():
   """All clients, no normalisation layers: every personal model is FedAvg's local model of
   the next round's start — here: the server aggregate equals FedAvg's global model."""
-  fedbn = Sim(kapc_lib.fedbn(SPEC, 3, client_optimizer=_sgd()), 3)
-  avg = learning.fedavg(SPEC, client_optimizer=_sgd())
+  fedbn = Sim(fedbn_lib.build_fedbn(SPEC, 3, client_optimizer=_sgd()), 3)
+  avg = learning.build_fedavg(SPEC, client_optimizer=_sgd())
   state = avg.process.set_model_weights(avg.process.initialize(), SPEC.initial_weights())
   for r in range(2):
     fedbn.round([0, 1, 2], _datasets((8, 8, 8), seed=r))
@@ -439,11 +442,11 @@ def test_fedbn_without_norm_layers_equals_fedavg():
 
 
 @pytest.mark.parametrize('builder,kwargs', [
-    ('kapc', {'bls_mu': 0.5}),
-    ('kapc', {'bls_mu': 0.5, 'relationship_update': 'after_training'}),
-    ('fedamp', {}), ('fedbn', {})])
+    (kapc_lib.build_kapc, {'bls_mu': 0.5}),
+    (kapc_lib.build_kapc, {'bls_mu': 0.5, 'relationship_update': 'after_training'}),
+    (fedamp_lib.build_fedamp, {}), (fedbn_lib.build_fedbn, {})])
 def test_personalized_processes_compile_to_mergeable_form(builder, kwargs):
-  algorithm = getattr(kapc_lib, builder)(SPEC, 4, client_optimizer=_sgd(), **kwargs)
+  algorithm = builder(SPEC, 4, client_optimizer=_sgd(), **kwargs)
   form = tff.backends.native.compile_to_mergeable_comp_form(algorithm.process.next)
   assert isinstance(form, tff.framework.MergeableCompForm)
 

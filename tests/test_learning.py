@@ -66,7 +66,7 @@ def test_fedavg_equals_tff_weighted_fed_avg(epochs):
   spec = ModelSpec(_mlp_keras, (DIM,), CLASSES)
   data = _client_arrays()
   client_opt = tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
-  ours, metrics = _run_ours(learning.fedavg(spec, client_optimizer=client_opt), data, epochs,
+  ours, metrics = _run_ours(learning.build_fedavg(spec, client_optimizer=client_opt), data, epochs,
                            return_metrics=True)
 
   tff_process = tff.learning.algorithms.build_weighted_fed_avg(
@@ -119,7 +119,7 @@ def test_fedprox_equals_numpy_simulation(mu):
   spec = ModelSpec(_logistic_keras, (DIM,), CLASSES)
   data = _client_arrays(seed=1)
   lr, epochs = 0.2, 2
-  algorithm = learning.fedprox(
+  algorithm = learning.build_fedprox(
       spec, mu=mu, client_optimizer=tff.learning.optimizers.build_sgdm(learning_rate=lr))
   ours = _run_ours(algorithm, data, epochs)
   w0, b0 = spec.initial_weights().trainable
@@ -132,8 +132,8 @@ def test_fedprox_mu_zero_equals_fedavg():
   spec = ModelSpec(_mlp_keras, (DIM,), CLASSES)
   data = _client_arrays(seed=2)
   opt = tff.learning.optimizers.build_sgdm(learning_rate=0.05, momentum=0.9)
-  prox = _run_ours(learning.fedprox(spec, mu=0.0, client_optimizer=opt), data, 2)
-  avg = _run_ours(learning.fedavg(spec, client_optimizer=opt), data, 2)
+  prox = _run_ours(learning.build_fedprox(spec, mu=0.0, client_optimizer=opt), data, 2)
+  avg = _run_ours(learning.build_fedavg(spec, client_optimizer=opt), data, 2)
   assert _max_abs_diff(prox, avg) <= 1e-6
 
 
@@ -143,9 +143,9 @@ def test_fedprox_pulls_towards_global_model():
   data = _client_arrays(seed=3)
   opt = tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
   start = spec.initial_weights().trainable
-  moved_avg = _max_abs_diff(_run_ours(learning.fedavg(spec, client_optimizer=opt), data, 2), start)
+  moved_avg = _max_abs_diff(_run_ours(learning.build_fedavg(spec, client_optimizer=opt), data, 2), start)
   moved_prox = _max_abs_diff(
-      _run_ours(learning.fedprox(spec, mu=5.0, client_optimizer=opt), data, 2), start)
+      _run_ours(learning.build_fedprox(spec, mu=5.0, client_optimizer=opt), data, 2), start)
   assert moved_prox < 0.5 * moved_avg
 
 
@@ -184,7 +184,7 @@ def test_sgdm_server_momentum_matches_numpy():
   data = _client_arrays(seed=4)
   lr, beta, eta = 0.1, 0.5, 1.0
   opt = tff.learning.optimizers.build_sgdm(learning_rate=lr)
-  ours = _run_ours(learning.sgdm(spec, server_learning_rate=eta, server_momentum=beta,
+  ours = _run_ours(learning.build_sgdm(spec, server_learning_rate=eta, server_momentum=beta,
                                  client_optimizer=opt), data, 1, rounds=3)
   # Reference: NumPy FedAvg deltas (FedProx with mu=0) combined with server momentum.
   w, b = [a.astype(np.float64) for a in spec.initial_weights().trainable]
@@ -210,7 +210,7 @@ def test_uniform_fedavg_equals_tff_unweighted_fed_avg_and_numpy_mean():
   spec = ModelSpec(_mlp_keras, (DIM,), CLASSES)
   data = _client_arrays(seed=5)
   client_opt = tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
-  algorithm = learning.fedavg(spec, client_optimizer=client_opt, client_weighting='uniform')
+  algorithm = learning.build_fedavg(spec, client_optimizer=client_opt, client_weighting='uniform')
   process, state = start_process(algorithm)
   inputs = [learning.client_input(_batches(x, y), i, 2) for i, (x, y) in enumerate(data)]
   ours = process.get_model_weights(process.next(state, inputs).state).trainable
@@ -236,9 +236,9 @@ def test_uniform_equals_num_examples_for_equal_client_sizes():
   spec = ModelSpec(_mlp_keras, (DIM,), CLASSES)
   data = _client_arrays(seed=6, sizes=(15, 15, 15))
   opt = tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
-  uniform = _run_ours(learning.fedavg(spec, client_optimizer=opt, client_weighting='uniform'),
+  uniform = _run_ours(learning.build_fedavg(spec, client_optimizer=opt, client_weighting='uniform'),
                       data, 1, rounds=1)
-  weighted = _run_ours(learning.fedavg(spec, client_optimizer=opt), data, 1, rounds=1)
+  weighted = _run_ours(learning.build_fedavg(spec, client_optimizer=opt), data, 1, rounds=1)
   assert _max_abs_diff(uniform, weighted) <= 1e-6
 
 
@@ -247,7 +247,7 @@ def test_uniform_fedprox_equals_numpy_unweighted_mean():
   spec = ModelSpec(_logistic_keras, (DIM,), CLASSES)
   data = _client_arrays(seed=7)
   lr, epochs, mu = 0.2, 2, 0.5
-  algorithm = learning.fedprox(spec, mu=mu, client_weighting='uniform',
+  algorithm = learning.build_fedprox(spec, mu=mu, client_weighting='uniform',
                                client_optimizer=tff.learning.optimizers.build_sgdm(learning_rate=lr))
   ours = _run_ours(algorithm, data, epochs, rounds=1)
   w0, b0 = [a.astype(np.float64) for a in spec.initial_weights().trainable]
@@ -261,7 +261,7 @@ def test_uniform_fedprox_equals_numpy_unweighted_mean():
 def test_unknown_client_weighting_is_a_one_line_config_error(builder):
   spec = ModelSpec(_mlp_keras, (DIM,), CLASSES)
   with pytest.raises(ConfigError) as error:
-    getattr(learning, builder)(spec, client_weighting='equal')
+    getattr(learning, f'build_{builder}')(spec, client_weighting='equal')
   # One line of ours; gin appends its 'In call to configurable ...' context (pipelines.run
   # drops it).
   lines = [l for l in str(error.value).splitlines()
@@ -272,7 +272,7 @@ def test_unknown_client_weighting_is_a_one_line_config_error(builder):
 
 def test_bytes_from_types():
   spec = ModelSpec(_mlp_keras, (DIM,), CLASSES)
-  algorithm = learning.fedavg(spec)
+  algorithm = learning.build_fedavg(spec)
   num_params = DIM * 8 + 8 + 8 * CLASSES + CLASSES
   assert algorithm.bytes_down_per_client == 4 * num_params
   # Update (same shapes as the trainable weights) plus one float32 weight.

@@ -88,9 +88,9 @@ def test_model_contrastive_loss_matches_numpy(seed, tau):
 
 
 def test_mu_zero_equals_fedavg_over_two_rounds():
-  algorithm = learning.moon(SPEC, num_clients=3, client_optimizer=_sgd(), mu=0.0)
+  algorithm = learning.build_moon(SPEC, num_clients=3, client_optimizer=_sgd(), mu=0.0)
   process, state = start_process(algorithm)
-  avg_process, avg_state = start_process(learning.fedavg(SPEC, client_optimizer=_sgd()))
+  avg_process, avg_state = start_process(learning.build_fedavg(SPEC, client_optimizer=_sgd()))
   states = {}
   for clients, sizes, epochs, seed in (([0, 1, 2], (12, 8, 16), (2, 1, 3), 4),
                                        ([2, 0], (16, 12), (1, 2), 5)):
@@ -103,12 +103,12 @@ def test_mu_zero_equals_fedavg_over_two_rounds():
 
 def test_round_one_equals_fedavg():
   """The previous model of a new client is the initial model = w^1: ℓ_con = log 2, no gradient."""
-  algorithm = learning.moon(SPEC, num_clients=3, client_optimizer=_sgd(), mu=5.0)
+  algorithm = learning.build_moon(SPEC, num_clients=3, client_optimizer=_sgd(), mu=5.0)
   initial = SPEC.initial_weights().trainable
   for a, b in zip(algorithm.client_state_init(), initial):
     np.testing.assert_array_equal(a, b)
   process, state = start_process(algorithm)
-  avg_process, avg_state = start_process(learning.fedavg(SPEC, client_optimizer=_sgd()))
+  avg_process, avg_state = start_process(learning.build_fedavg(SPEC, client_optimizer=_sgd()))
   state, _ = _moon_round(algorithm, process, state, {}, [0, 1, 2], (12, 8, 16), (2, 1, 3))
   avg_state = _fedavg_round(avg_process, avg_state, [0, 1, 2], (12, 8, 16), (2, 1, 3))
   moved = 0.0
@@ -119,10 +119,10 @@ def test_round_one_equals_fedavg():
 
 
 def test_round_with_previous_model_differs_from_fedavg():
-  algorithm = learning.moon(SPEC, num_clients=3, client_optimizer=_sgd(), mu=5.0)
+  algorithm = learning.build_moon(SPEC, num_clients=3, client_optimizer=_sgd(), mu=5.0)
   process, state = start_process(algorithm)
   state, states = _moon_round(algorithm, process, state, {}, [0, 1, 2], (12, 8, 16), (2, 1, 3))
-  avg_process = learning.fedavg(SPEC, client_optimizer=_sgd()).process
+  avg_process = learning.build_fedavg(SPEC, client_optimizer=_sgd()).process
   avg_state = avg_process.set_model_weights(avg_process.initialize(),
                                             process.get_model_weights(state))
   # Round 2 from the same global model: the previous local models now differ from it.
@@ -213,7 +213,7 @@ def test_new_client_state_is_the_trained_model():
   """One participant with a previous model ≠ global, FedAvg aggregation with server lr 1: the
   new global model, the gathered new state and an independent eager MOON client agree."""
   mu = 2.0
-  algorithm = learning.moon(SPEC, num_clients=4, client_optimizer=_sgd(), mu=mu)
+  algorithm = learning.build_moon(SPEC, num_clients=4, client_optimizer=_sgd(), mu=mu)
   process, state = start_process(algorithm)
   rng = np.random.default_rng(3)
   previous = [w + rng.normal(scale=0.3, size=w.shape).astype(np.float32)
@@ -236,10 +236,10 @@ def test_new_client_state_is_the_trained_model():
 
 
 def test_moon_compiles_to_mergeable_form_and_sends_what_fedavg_sends():
-  algorithm = learning.moon(SPEC, num_clients=4)
+  algorithm = learning.build_moon(SPEC, num_clients=4)
   form = tff.backends.native.compile_to_mergeable_comp_form(algorithm.process.next)
   assert isinstance(form, tff.framework.MergeableCompForm)
-  avg = learning.fedavg(SPEC)
+  avg = learning.build_fedavg(SPEC)
   assert algorithm.bytes_down_per_client == avg.bytes_down_per_client
   assert algorithm.bytes_up_per_client == avg.bytes_up_per_client
   assert algorithm.client_states_key == 'client_states'

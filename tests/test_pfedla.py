@@ -1,7 +1,6 @@
 """pFedLA: hypernetwork equations vs NumPy, the update vs finite differences, special cases, a run."""
 
 import collections
-import importlib
 import json
 import os
 
@@ -18,9 +17,8 @@ from test_kapc import Sim
 from test_kapc import _datasets
 from test_kapc import _sgd
 
-# The package exports the `pfedla` builder under the module's name.
-pfedla_lib = importlib.import_module('fltff.personalization.pfedla')
-kapc_lib = importlib.import_module('fltff.personalization.kapc')
+from fltff.personalization import pfedla as pfedla_lib
+from fltff.personalization import process as process_lib
 LAYER_OF = [0, 0, 1, 1]
 
 
@@ -98,11 +96,11 @@ def test_hypernetwork_step_matches_finite_differences():
 def test_uniform_weights_without_learning_equal_fedavg():
   """α ≡ 1/N (head weights 0, η_hn = 0), equal client sizes, all clients: each client starts
   from the plain mean of the stored models — FedAvg's global model."""
-  algorithm = pfedla_lib.pfedla(SPEC, 3, client_optimizer=_sgd(), embedding_dim=4,
+  algorithm = pfedla_lib.build_pfedla(SPEC, 3, client_optimizer=_sgd(), embedding_dim=4,
                                 hidden_dim=5, learning_rate=0.0)
   sim = Sim(algorithm, 3)
   sim.state['hypernetwork']['head'] = np.zeros_like(sim.state['hypernetwork']['head'])
-  avg = learning.fedavg(SPEC, client_optimizer=_sgd())
+  avg = learning.build_fedavg(SPEC, client_optimizer=_sgd())
   state = avg.process.set_model_weights(avg.process.initialize(), SPEC.initial_weights())
   for r in range(2):
     sim.round([0, 1, 2], _datasets((8, 8, 8), seed=r))
@@ -114,7 +112,7 @@ def test_uniform_weights_without_learning_equal_fedavg():
 
 
 def test_hypernetworks_learn_only_for_participants():
-  algorithm = pfedla_lib.pfedla(SPEC, 4, client_optimizer=_sgd(), embedding_dim=4,
+  algorithm = pfedla_lib.build_pfedla(SPEC, 4, client_optimizer=_sgd(), embedding_dim=4,
                                 hidden_dim=5, learning_rate=0.5)
   sim = Sim(algorithm, 4)
   # Round 1: every stored model is the initial one, so θ̄ does not depend on α (Σ_j α_ij = 1):
@@ -139,14 +137,15 @@ def test_hypernetworks_learn_only_for_participants():
   np.testing.assert_allclose(out.result['bytes_up'], [full, full])
 
 
-@pytest.mark.parametrize('kwargs', [dict(start_from='own'), dict(start_from='server', bls_mu=0.5)])
-def test_hypernetwork_rule_rejects_other_starts(kwargs):
-  with pytest.raises(ConfigError, match="rule 'hypernetwork' needs start_from='server'"):
-    kapc_lib.build_personalized_process(SPEC, 3, _sgd(), 'hypernetwork', lambda_=0.0, **kwargs)
+@pytest.mark.parametrize('start_from,bls_mu', [('own', None), ('server', 0.5)])
+def test_hypernetwork_rule_rejects_other_starts(start_from, bls_mu):
+  rule = pfedla_lib.HypernetworkRelation(start_from=start_from)
+  with pytest.raises(ConfigError, match="hypernetwork rule needs start_from='server'"):
+    process_lib.build_personalized_process(SPEC, 3, _sgd(), rule, bls_mu=bls_mu)
 
 
 def test_pfedla_compiles_to_mergeable_form():
-  algorithm = pfedla_lib.pfedla(SPEC, 4, client_optimizer=_sgd(), embedding_dim=4,
+  algorithm = pfedla_lib.build_pfedla(SPEC, 4, client_optimizer=_sgd(), embedding_dim=4,
                                 hidden_dim=5)
   form = tff.backends.native.compile_to_mergeable_comp_form(algorithm.process.next)
   assert isinstance(form, tff.framework.MergeableCompForm)

@@ -35,8 +35,8 @@ def _controls(gathered):
 
 def test_zero_controls_round_one_equals_fedavg():
   sizes, epochs = (12, 8, 16), (2, 1, 3)
-  avg_process, avg_state = start_process(learning.fedavg(SPEC, client_optimizer=_sgd()))
-  sc = learning.scaffold(SPEC, num_clients=3, client_optimizer=_sgd())
+  avg_process, avg_state = start_process(learning.build_fedavg(SPEC, client_optimizer=_sgd()))
+  sc = learning.build_scaffold(SPEC, num_clients=3, client_optimizer=_sgd())
   sc_process, sc_state = start_process(sc)
   zero = sc.client_state_init()
   avg = avg_process.next(avg_state, [learning.client_input(d, i, e) for i, (d, e) in
@@ -54,7 +54,7 @@ def test_zero_controls_round_one_equals_fedavg():
 def test_option_two_control_and_server_control_match_numpy():
   """Round 2 with non-zero c and c_i: c_i⁺ = c_i − c + (x − y)/(K η) and c⁺ = c + ΣΔc/N."""
   num_clients = 2
-  sc = learning.scaffold(SPEC, num_clients=num_clients, client_optimizer=_sgd())
+  sc = learning.build_scaffold(SPEC, num_clients=num_clients, client_optimizer=_sgd())
   process, state = start_process(sc)
   zero = sc.client_state_init()
   # Round 1: both clients, from zero controls.
@@ -83,12 +83,12 @@ def test_option_two_control_and_server_control_match_numpy():
 
 
 def test_scaffold_with_ccn_compiles_to_mergeable_form():
-  algorithm = learning.scaffold(SPEC, num_clients=4, contribution_normalization=True)
+  algorithm = learning.build_scaffold(SPEC, num_clients=4, contribution_normalization=True)
   form = tff.backends.native.compile_to_mergeable_comp_form(algorithm.process.next)
   assert isinstance(form, tff.framework.MergeableCompForm)
-  plain = learning.scaffold(SPEC, num_clients=4)
+  plain = learning.build_scaffold(SPEC, num_clients=4)
   assert algorithm.bytes_up_per_client > plain.bytes_up_per_client  # + the latent mean.
-  avg = learning.fedavg(SPEC)
+  avg = learning.build_fedavg(SPEC)
   control_bytes = sum(np.asarray(w).nbytes for w in SPEC.initial_weights().trainable)
   assert plain.bytes_down_per_client == avg.bytes_down_per_client + control_bytes
   assert plain.bytes_up_per_client == avg.bytes_up_per_client + control_bytes

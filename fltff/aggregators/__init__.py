@@ -26,3 +26,24 @@ from fltff.aggregators.contribution_normalization import fednova_factory
 from fltff.aggregators.contribution_normalization import normalized_weights
 from fltff.aggregators.contribution_normalization import nova_aggregate
 from fltff.aggregators.contribution_normalization import similarity_matrix
+
+__all__ = [
+    'adaptive_weights',
+    'AdaptiveWeightingFactory',
+    'client_gradients',
+    'contribution_factors',
+    'contribution_normalized_factory',
+    'fedadp_factory',
+    'fednova_factory',
+    'global_gradient',
+    'gompertz',
+    'GOMPERTZ_ALPHA',
+    'instantaneous_angles',
+    'layerwise_adaptive_factory',
+    'normalized_weights',
+    'NormalizedMeanFactory',
+    'nova_aggregate',
+    'similarity_matrix',
+    'smoothed_angles',
+    'weighted_layer_mean',
+]

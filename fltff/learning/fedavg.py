@@ -12,9 +12,10 @@ from fltff.learning.process import contribution_normalization_options
 
 
 @gin.configurable('fedavg')
-def fedavg(model_spec: ModelSpec, client_optimizer=None, server_learning_rate: float = 1.0,
-           contribution_normalization: bool = False, temperature: float = 1.0,
-           client_weighting: str = 'num_examples') -> Algorithm:
+def build_fedavg(model_spec: ModelSpec, client_optimizer=None,
+                 server_learning_rate: float = 1.0, server_optimizer=None,
+                 contribution_normalization: bool = False, temperature: float = 1.0,
+                 client_weighting: str = 'num_examples') -> Algorithm:
   """FedAvg: `w^{t+1} = w^t − η_s Σ_k (n_k/n) (w^t − w_k^{t+1})` with η_s = 1 by default.
 
   Equals `tff.learning.algorithms.build_weighted_fed_avg` for the same client optimizer;
@@ -24,7 +25,7 @@ def fedavg(model_spec: ModelSpec, client_optimizer=None, server_learning_rate: f
   """
   return build_algorithm(
       'fedavg+ccn' if contribution_normalization else 'fedavg', model_spec,
-      client_optimizer or optimizers.client_optimizer(),
-      optimizers.server_optimizer(name='sgd', learning_rate=server_learning_rate),
+      client_optimizer or optimizers.default_client_optimizer(),
+      optimizers.server_sgd(server_optimizer, server_learning_rate, 'fedavg'),
       client_weighting=client_weighting,
       **contribution_normalization_options(contribution_normalization, temperature))

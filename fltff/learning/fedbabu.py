@@ -23,12 +23,14 @@ def head_indices(model_spec: ModelSpec) -> list[int]:
 
 
 @gin.configurable('fedbabu')
-def fedbabu(model_spec: ModelSpec, client_optimizer=None, server_learning_rate: float = 1.0,
-            contribution_normalization: bool = False, temperature: float = 1.0) -> Algorithm:
+def build_fedbabu(model_spec: ModelSpec, client_optimizer=None,
+                  server_learning_rate: float = 1.0, server_optimizer=None,
+                  contribution_normalization: bool = False,
+                  temperature: float = 1.0) -> Algorithm:
   """FedBABU: FedAvg on the body; the head stays at its initialisation."""
   return build_algorithm(
       'fedbabu+ccn' if contribution_normalization else 'fedbabu', model_spec,
-      client_optimizer or optimizers.client_optimizer(),
-      optimizers.server_optimizer(name='sgd', learning_rate=server_learning_rate),
+      client_optimizer or optimizers.default_client_optimizer(),
+      optimizers.server_sgd(server_optimizer, server_learning_rate, 'fedbabu'),
       frozen=head_indices(model_spec),
       **contribution_normalization_options(contribution_normalization, temperature))

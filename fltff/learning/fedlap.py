@@ -145,9 +145,10 @@ class FedLapRegularizer:
 
 
 @gin.configurable('fedlap')
-def fedlap(model_spec: ModelSpec, q: float = 0.5, mu: float = 0.01, refresh: str = 'epoch',
-           client_optimizer=None, server_learning_rate: float = 1.0,
-           client_weighting: str = 'num_examples') -> Algorithm:
+def build_fedlap(model_spec: ModelSpec, q: float = 0.5, mu: float = 0.01,
+                 refresh: str = 'epoch', client_optimizer=None,
+                 server_learning_rate: float = 1.0, server_optimizer=None,
+                 client_weighting: str = 'num_examples') -> Algorithm:
   """FedLap: FedAvg with the layer-based regulariser of importance q (module docstring).
 
   The server averages the participants' models weighted by their example counts n_k/n (the
@@ -159,14 +160,14 @@ def fedlap(model_spec: ModelSpec, q: float = 0.5, mu: float = 0.01, refresh: str
     q: Importance in [0, 1]: 0 FedAvg, 0.5 FedLap (the papers' setting), 1 FedProx(μ).
     mu: FedProx strength reached at q = 1.
     refresh: 'epoch' (Algorithm 1: λ fixed within each local epoch) or 'step'.
-    client_optimizer: Local optimizer (default: gin's `client_optimizer`).
+    client_optimizer: Local optimizer (default: `optimizers.default_client_optimizer()`).
     server_learning_rate: Server SGD step on the mean delta (1: plain averaging).
     client_weighting: 'num_examples' (n_k/n) or 'uniform' (1/|S_t|, the paper's rule).
   """
   layers, names = model_spec.trainable_layers()
   return build_algorithm(
       'fedlap', model_spec,
-      client_optimizer or optimizers.client_optimizer(),
-      optimizers.server_optimizer(name='sgd', learning_rate=server_learning_rate),
+      client_optimizer or optimizers.default_client_optimizer(),
+      optimizers.server_sgd(server_optimizer, server_learning_rate, 'fedlap'),
       regularizer=FedLapRegularizer(q, mu, refresh, layers, names),
       client_weighting=client_weighting)

@@ -19,12 +19,14 @@ from fltff.learning.process import contribution_normalization_options
 
 
 @gin.configurable('fednova')
-def fednova(model_spec: ModelSpec, client_optimizer=None, server_learning_rate: float = 1.0,
-            contribution_normalization: bool = False, temperature: float = 1.0) -> Algorithm:
+def build_fednova(model_spec: ModelSpec, client_optimizer=None,
+                  server_learning_rate: float = 1.0, server_optimizer=None,
+                  contribution_normalization: bool = False,
+                  temperature: float = 1.0) -> Algorithm:
   """FedNova; `contribution_normalization=True` also applies CCN's Λ to the weights p_k."""
   return build_algorithm(
       'fednova+ccn' if contribution_normalization else 'fednova', model_spec,
-      client_optimizer or optimizers.client_optimizer(),
-      optimizers.server_optimizer(name='sgd', learning_rate=server_learning_rate),
+      client_optimizer or optimizers.default_client_optimizer(),
+      optimizers.server_sgd(server_optimizer, server_learning_rate, 'fednova'),
       **contribution_normalization_options(contribution_normalization, temperature,
                                            normalized_averaging=True))

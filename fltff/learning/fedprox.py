@@ -13,9 +13,10 @@ from fltff.learning.regularizers import ProximalRegularizer
 
 
 @gin.configurable('fedprox')
-def fedprox(model_spec: ModelSpec, mu: float = 0.01, client_optimizer=None,
-            server_learning_rate: float = 1.0, contribution_normalization: bool = False,
-            temperature: float = 1.0, client_weighting: str = 'num_examples') -> Algorithm:
+def build_fedprox(model_spec: ModelSpec, mu: float = 0.01, client_optimizer=None,
+                  server_learning_rate: float = 1.0, server_optimizer=None,
+                  contribution_normalization: bool = False, temperature: float = 1.0,
+                  client_weighting: str = 'num_examples') -> Algorithm:
   """FedProx: clients minimise `F_k(w) + μ/2 ||w − w^t||²` (eq. (2)); server averages as FedAvg.
 
   The server mean weights client k by n_k/n by default; the paper (Algorithm 2) averages the
@@ -25,8 +26,8 @@ def fedprox(model_spec: ModelSpec, mu: float = 0.01, client_optimizer=None,
   """
   return build_algorithm(
       'fedprox+ccn' if contribution_normalization else 'fedprox', model_spec,
-      client_optimizer or optimizers.client_optimizer(),
-      optimizers.server_optimizer(name='sgd', learning_rate=server_learning_rate),
+      client_optimizer or optimizers.default_client_optimizer(),
+      optimizers.server_sgd(server_optimizer, server_learning_rate, 'fedprox'),
       regularizer=ProximalRegularizer(mu),
       client_weighting=client_weighting,
       **contribution_normalization_options(contribution_normalization, temperature))

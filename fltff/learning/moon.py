@@ -138,14 +138,14 @@ def build_moon_client_work(model_spec: ModelSpec, optimizer, mu: float, temperat
 
 
 @gin.configurable('moon')
-def moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, mu: float = 1.0,
-         temperature: float = 0.5) -> Algorithm:
+def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, mu: float = 1.0,
+               temperature: float = 0.5, server_optimizer=None) -> Algorithm:
   """MOON: local loss `ℓ_CE + μ ℓ_con` (eq. (4)), server aggregation as FedAvg.
 
   Args:
     model_spec: The model (needs the zoo's latent layer).
     num_clients: N, the total number of clients (each keeps its previous local model).
-    client_optimizer: Local optimizer (default: gin's `client_optimizer`).
+    client_optimizer: Local optimizer (default: `optimizers.default_client_optimizer()`).
     mu: μ, the weight of the model-contrastive loss (paper: 5 on CIFAR-10, 1 on CIFAR-100).
     temperature: τ (paper: 0.5).
   """
@@ -158,9 +158,9 @@ def moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, mu: flo
   from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
     latent_model(model_spec.keras_fn())  # A clear error now, not inside the computation.
-  optimizer = client_optimizer or optimizers.client_optimizer()
+  optimizer = client_optimizer or optimizers.default_client_optimizer()
   algorithm = build_algorithm(
-      'moon', model_spec, optimizer, optimizers.server_optimizer(name='sgd', learning_rate=1.0),
+      'moon', model_spec, optimizer, optimizers.server_sgd(server_optimizer, 1.0, 'moon'),
       client_work=build_moon_client_work(model_spec, optimizer, mu, temperature))
   initial = [w.copy() for w in model_spec.initial_weights().trainable]
   return client_state.with_client_states(algorithm, lambda: [w.copy() for w in initial])

@@ -1,4 +1,10 @@
-"""Gin-configurable client and server optimizers (TFF's functional optimizers)."""
+"""Optimizers (TFF's functional optimizers): one plain builder, and its two gin faces.
+
+Library builders never read gin: they take optimizers as arguments and fall back to
+`default_client_optimizer()` / `build_optimizer('sgd', η_s)`. The experiment wiring
+(`fltff.simulation.experiment`) passes the gin-configured `client_optimizer()` and, when the
+user binds any `server_optimizer.*` parameter, `server_optimizer()`.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,10 @@ from fltff.errors import ConfigError
 _NAMES = ('sgd', 'sgdm', 'adam')
 
 
-def _build(name: str, learning_rate: float, momentum: float, beta_1: float, beta_2: float,
-           epsilon: float, role: str):
+def build_optimizer(name: str, learning_rate: float, momentum: float = 0.9,
+                    beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
+                    role: str = 'optimizer'):
+  """`'sgd'`, `'sgdm'` (momentum) or `'adam'` as a `tff.learning.optimizers.Optimizer`."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   if learning_rate <= 0:
@@ -27,11 +35,17 @@ def _build(name: str, learning_rate: float, momentum: float, beta_1: float, beta
   raise ConfigError(f'Unknown {role}.name {name!r}; choose one of {", ".join(_NAMES)}.')
 
 
+def default_client_optimizer():
+  """The library's local optimizer when none is passed: SGD 0.01 with momentum 0.9."""
+  return build_optimizer('sgdm', 0.01, 0.9, role='client_optimizer')
+
+
 @gin.configurable('client_optimizer')
 def client_optimizer(name: str = 'sgdm', learning_rate: float = 0.01, momentum: float = 0.9,
                      beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7):
   """The optimizer used for local steps (`'sgd'`, `'sgdm'` or `'adam'`)."""
-  return _build(name, learning_rate, momentum, beta_1, beta_2, epsilon, 'client_optimizer')
+  return build_optimizer(name, learning_rate, momentum, beta_1, beta_2, epsilon,
+                         'client_optimizer')
 
 
 @gin.configurable('server_optimizer')
@@ -40,6 +54,22 @@ def server_optimizer(name: str = 'sgd', learning_rate: float = 1.0, momentum: fl
   """The optimizer applying the aggregated update at the server.
 
   `'sgd'` with learning rate 1 is FedAvg's plain averaging; `'sgdm'` is server momentum
-  (SGDM, Hsu et al. 2019 "FedAvgM").
+  (SGDM, Hsu et al. 2019 "FedAvgM"). Used only when a `server_optimizer.*` parameter is
+  bound, and then for every FedAvg-family method (it replaces the method's own
+  `server_learning_rate`; `sgdm` has its own momentum and refuses it).
   """
-  return _build(name, learning_rate, momentum, beta_1, beta_2, epsilon, 'server_optimizer')
+  return build_optimizer(name, learning_rate, momentum, beta_1, beta_2, epsilon,
+                         'server_optimizer')
+
+
+def server_sgd(server_optimizer_arg, server_learning_rate: float, method: str):
+  """A builder's server optimizer: the one passed in, else plain SGD with η_s.
+
+  Passing both an optimizer and a non-default η_s is refused (one of them would be ignored).
+  """
+  if server_optimizer_arg is None:
+    return build_optimizer('sgd', server_learning_rate, role=f'{method}.server_learning_rate')
+  if server_learning_rate != 1.0:
+    raise ConfigError(f'{method}: pass server_optimizer or server_learning_rate, not both '
+                      f'(server_learning_rate={server_learning_rate} would be ignored).')
+  return server_optimizer_arg

@@ -107,15 +107,16 @@ def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: in
 
 
 @gin.configurable('scaffold')
-def scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
-             server_learning_rate: float = 1.0, contribution_normalization: bool = False,
-             temperature: float = 1.0) -> Algorithm:
+def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
+                   server_learning_rate: float = 1.0, server_optimizer=None,
+                   contribution_normalization: bool = False,
+                   temperature: float = 1.0) -> Algorithm:
   """SCAFFOLD; `contribution_normalization=True` applies CCN's Λ to the update weights.
 
   Args:
     model_spec: The model.
     num_clients: N, the total number of clients (the server control averages over N).
-    client_optimizer: Local optimizer (default: gin's `client_optimizer`).
+    client_optimizer: Local optimizer (default: `optimizers.default_client_optimizer()`).
     server_learning_rate: η_g.
     contribution_normalization, temperature: CCN (see `fltff.aggregators`).
   """
@@ -125,12 +126,12 @@ def scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
   if num_clients < 1:
     raise ConfigError(f'scaffold needs num_clients >= 1, got {num_clients}.')
   options = contribution_normalization_options(contribution_normalization, temperature)
-  optimizer = client_optimizer or optimizers.client_optimizer()
+  optimizer = client_optimizer or optimizers.default_client_optimizer()
   client_work, control_type = build_scaffold_client_work(
       model_spec, optimizer, num_clients, options.get('weight_fields', ()))
   algorithm = build_algorithm(
       'scaffold+ccn' if contribution_normalization else 'scaffold', model_spec, optimizer,
-      optimizers.server_optimizer(name='sgd', learning_rate=server_learning_rate),
+      optimizers.server_sgd(server_optimizer, server_learning_rate, 'scaffold'),
       client_work=client_work, **options)
   control_bytes = type_num_bytes(control_type)
   specs = [np.zeros(t.shape, t.dtype.type) for t in control_type]

@@ -12,13 +12,14 @@ from fltff.learning.process import contribution_normalization_options
 
 
 @gin.configurable('sgdm')
-def sgdm(model_spec: ModelSpec, server_learning_rate: float = 1.0, server_momentum: float = 0.9,
-         client_optimizer=None, contribution_normalization: bool = False,
-         temperature: float = 1.0) -> Algorithm:
+def build_sgdm(model_spec: ModelSpec, server_learning_rate: float = 1.0,
+               server_momentum: float = 0.9, client_optimizer=None,
+               contribution_normalization: bool = False,
+               temperature: float = 1.0) -> Algorithm:
   """Server momentum: `v ← β v + Δ^t`, `w^{t+1} = w^t − η_s v` with Δ^t the mean client delta."""
   return build_algorithm(
       'sgdm+ccn' if contribution_normalization else 'sgdm', model_spec,
-      client_optimizer or optimizers.client_optimizer(),
-      optimizers.server_optimizer(name='sgdm', learning_rate=server_learning_rate,
-                                  momentum=server_momentum),
+      client_optimizer or optimizers.default_client_optimizer(),
+      optimizers.build_optimizer('sgdm', server_learning_rate, server_momentum,
+                                 role='sgdm.server_learning_rate'),
       **contribution_normalization_options(contribution_normalization, temperature))

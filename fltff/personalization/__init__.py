@@ -1,21 +1,39 @@
 """Personalised federated learning: per-client models kept in the driver's client state store.
 
-- `fedlap_personalization` (FedLap thesis): a purely local model per client, mixed with the
-  global model layer by layer (fixed degree, or per layer from FedLap's dissimilarities).
-- `kapc` (KAPC + BLS, IEEE TMC 2024) and the personalised baselines built on the same process:
-  `local_training`, `fedamp`, `fedbn` (`kapc.py`), `pfedla` (`pfedla.py`); BLS's pure
-  functions in `bls.py`.
+- `build_fedlap_personalization` (gin `fedlap_personalization`, FedLap thesis): a purely local
+  model per client, mixed with the global model layer by layer (`fedlap_mixing.py`).
+- `process.py`: the personalised round shared by KAPC and the personalised baselines; each
+  method is a `RelationRule` in its own module: `kapc.py` (KAPC + BLS, IEEE TMC 2024),
+  `local.py` (gin `local_training`), `fedamp.py`, `fedbn.py`, `pfedla.py`. BLS's pure
+  functions are in `bls.py`.
 """
 
+from fltff.personalization.fedamp import build_fedamp
+from fltff.personalization.fedbn import build_fedbn
 from fltff.personalization.fedlap_mixing import FedLapPersonalization
-from fltff.personalization.fedlap_mixing import fedlap_personalization
+from fltff.personalization.fedlap_mixing import build_fedlap_personalization
 from fltff.personalization.fedlap_mixing import layer_dissimilarities
 from fltff.personalization.fedlap_mixing import mix_layers
 from fltff.personalization.fedlap_mixing import mixing_coefficients
-from fltff.personalization.kapc import PersonalizedAlgorithm
-from fltff.personalization.kapc import build_personalized_process
-from fltff.personalization.kapc import fedamp
-from fltff.personalization.kapc import fedbn
-from fltff.personalization.kapc import kapc
-from fltff.personalization.kapc import local_training
-from fltff.personalization.pfedla import pfedla
+from fltff.personalization.kapc import build_kapc
+from fltff.personalization.local import build_local
+from fltff.personalization.pfedla import build_pfedla
+from fltff.personalization.process import PersonalizedAlgorithm
+from fltff.personalization.process import RelationRule
+from fltff.personalization.process import build_personalized_process
+
+__all__ = [
+    'FedLapPersonalization',
+    'PersonalizedAlgorithm',
+    'RelationRule',
+    'build_fedamp',
+    'build_fedbn',
+    'build_fedlap_personalization',
+    'build_kapc',
+    'build_local',
+    'build_personalized_process',
+    'build_pfedla',
+    'layer_dissimilarities',
+    'mix_layers',
+    'mixing_coefficients',
+]

@@ -85,10 +85,11 @@ class FedLapPersonalization:
 
 
 @gin.configurable('fedlap_personalization')
-def fedlap_personalization(model_spec, degree: float = 0.5, mixing: str = 'dissimilarity',
-                           client_optimizer=None) -> FedLapPersonalization:
+def build_fedlap_personalization(model_spec, degree: float = 0.5,
+                                 mixing: str = 'dissimilarity',
+                                 client_optimizer=None) -> FedLapPersonalization:
   """Gin entry: `experiment.personalization = @fedlap_personalization`."""
   from fltff.learning import optimizers  # pylint: disable=g-import-not-at-top
 
-  return FedLapPersonalization(model_spec, client_optimizer or optimizers.client_optimizer(),
-                               degree, mixing)
+  return FedLapPersonalization(
+      model_spec, client_optimizer or optimizers.default_client_optimizer(), degree, mixing)

@@ -22,14 +22,15 @@ Our reading, stated because the paper leaves it open or we chose differently:
 4. Each client starts the round from θ̄_i and keeps its trained θ_i as its personal model
    (evaluated on its local test split); the server stores θ_i for later aggregation.
 
-The process is `kapc.build_personalized_process(rule='hypernetwork', start_from='server',
-lambda_=0)`: the same single-pass round as KAPC, with the hypernetworks in the server state
-and this module's step instead of KAPC's R step.
+The process is `process.build_personalized_process` with this module's `HypernetworkRelation`
+(clients start from s_i, λ = 0): the same single-pass round as KAPC, with the hypernetworks
+in the server state and this module's step instead of KAPC's R step.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Sequence
 from typing import Optional
 
@@ -40,10 +41,9 @@ import tensorflow as tf
 from fltff.errors import ConfigError
 from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
-from fltff.personalization.kapc import PersonalizedAlgorithm
-from fltff.personalization.kapc import build_personalized_process
-from fltff.personalization.kapc import normalize_rows
-from fltff.personalization.kapc import personalized_server_models
+from fltff.personalization import process as process_lib
+from fltff.personalization.process import normalize_rows
+from fltff.personalization.process import personalized_server_models
 
 
 def initial_hypernetworks(num_clients: int, num_layers: int, embedding_dim: int = 100,
@@ -112,15 +112,70 @@ def update_hypernetworks(params, clients: tf.Tensor, models: Sequence[tf.Tensor]
   return tf.nest.pack_sequence_as(params, [p - learning_rate * g for p, g in zip(flat, grads)])
 
 
+@dataclasses.dataclass(frozen=True)
+class HypernetworkRelation(process_lib.RelationRule):
+  """pFedLA's rule: α from the participants' hypernetworks, stepped along their updates."""
+  embedding_dim: int = 100
+  hidden_dim: int = 100
+  learning_rate: float = 5e-3
+  seed: int = 0
+  start_from: str = 'server'
+
+  def check(self, name: str, bls_mu: Optional[float]) -> None:
+    # The step uses Δθ_i = θ_i − s_i: valid only when the client started from all of s_i.
+    if self.start_from != 'server' or bls_mu is not None:
+      raise ConfigError(f"{name}: pFedLA's hypernetwork rule needs start_from='server' and no "
+                        f'BLS (got start_from={self.start_from!r}, bls_mu={bls_mu}).')
+    if self.lambda_ != 0:
+      raise ConfigError(f'{name}: pFedLA has no proximal term (lambda_ must be 0, got '
+                        f'{self.lambda_}).')
+    if self.learning_rate < 0:
+      raise ConfigError(f'{name}: the hypernetwork learning rate must be >= 0, got '
+                        f'{self.learning_rate}.')
+    initial_hypernetworks(1, 1, self.embedding_dim, self.hidden_dim)  # Validates the sizes.
+
+  def initial_state(self, context):
+    state = super().initial_state(context)
+    state['hypernetwork'] = initial_hypernetworks(context.num_clients, context.num_layers,
+                                                  self.embedding_dim, self.hidden_dim,
+                                                  self.seed)
+    return state
+
+  def relation(self, state, server_input, context):
+    clients = server_input['clients']
+    return layer_weights(_rows(state['hypernetwork'], clients), clients,
+                         context.num_layers), {}
+
+  def server_update(self, state, server_input, server_msg, trained, uploaded, context):
+    del uploaded
+    clients = server_input['clients']
+    # Δθ_i = θ_i − θ̄_i: the client started from s_i = θ̄_i (every layer sent, no BLS).
+    deltas = [v - m for v, m in zip(trained, server_msg['models'])]
+    updated_rows = update_hypernetworks(
+        _rows(state['hypernetwork'], clients), clients, list(server_input['models']), deltas,
+        context.layer_of, context.num_layers, self.learning_rate)
+    hypernetwork = tf.nest.map_structure(
+        lambda p, r: tf.tensor_scatter_nd_update(p, clients[:, None], r),
+        state['hypernetwork'], updated_rows)
+    # R keeps each participant's full α (over all N clients) for the report's heatmap.
+    relation = tf.tensor_scatter_nd_update(
+        state['relation'], clients[:, None],
+        normalize_rows(hypernetwork_outputs(updated_rows, context.num_layers)))
+    return collections.OrderedDict(relation=relation, hypernetwork=hypernetwork)
+
+
+def _rows(params, clients):
+  return tf.nest.map_structure(lambda p: tf.gather(p, clients), params)
+
+
 @gin.configurable('pfedla')
-def pfedla(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
-           embedding_dim: int = 100, hidden_dim: int = 100, learning_rate: float = 5e-3,
-           seed: Optional[int] = 0) -> PersonalizedAlgorithm:
+def build_pfedla(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
+                 embedding_dim: int = 100, hidden_dim: int = 100, learning_rate: float = 5e-3,
+                 seed: Optional[int] = 0) -> process_lib.PersonalizedAlgorithm:
   """pFedLA (Ma et al., CVPR 2022): per-client hypernetworks give layer-wise aggregation
   weights; clients start from their personalised aggregate and keep their trained model."""
-  return build_personalized_process(
-      model_spec, num_clients, client_optimizer or optimizers.client_optimizer(),
-      'hypernetwork', lambda_=0.0, start_from='server',
-      hypernetwork=dict(embedding_dim=embedding_dim, hidden_dim=hidden_dim,
-                        learning_rate=learning_rate, seed=seed or 0),
+  return process_lib.build_personalized_process(
+      model_spec, num_clients, client_optimizer or optimizers.default_client_optimizer(),
+      HypernetworkRelation(embedding_dim=embedding_dim, hidden_dim=hidden_dim,
+                           learning_rate=learning_rate, seed=seed or 0),
       name='pfedla')

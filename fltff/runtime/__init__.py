@@ -8,3 +8,14 @@ from fltff.runtime.local import local_runtime
 from fltff.runtime.local import make_runtime
 from fltff.runtime.local import release_default_context
 from fltff.runtime.local import worker_binary_path
+
+__all__ = [
+    'install_signal_handlers',
+    'local_runtime',
+    'make_runtime',
+    'release_default_context',
+    'TffRuntime',
+    'worker_binary_path',
+    'WorkerLostError',
+    'WorkerProcess',
+]

@@ -27,7 +27,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Optional
 
 from absl import logging
@@ -426,20 +426,24 @@ def local_runtime() -> Iterator[TffRuntime]:
     runtime.close()
 
 
-def install_signal_handlers() -> threading.Event:
-  """SIGTERM/SIGINT: first a graceful stop request, a second one exits at once (`StopNow`).
+def install_signal_handlers(
+    on_second: Optional[Callable[[int], None]] = None) -> threading.Event:
+  """SIGTERM/SIGINT: first a graceful stop request, a second one stops at once.
 
   Returns the event the first signal sets; the round driver checks it between rounds, saves the
   checkpoint and stops (`fltff.errors.StopRequested`). Raising from the handler at an arbitrary
-  point is not enough on its own: inside TFF's asyncio/gRPC machinery such an exception can be
-  swallowed and the run would go on (observed). A second signal raises `StopNow` (a
-  `SystemExit`) so that a stuck round can still be interrupted; `finally`/atexit cleanup then
-  stops the workers, and the pipeline says which rounds are checkpointed.
+  point is not enough on its own: inside TFF's asyncio/gRPC machinery, or in a garbage
+  collector callback that happens to be running, such an exception is swallowed ("Exception
+  ignored in ...") and the run would go on (observed). So on a second signal `on_second(signum)`
+  runs — the pipeline's says which rounds are checkpointed, stops its workers and ends the
+  process with `os._exit` —; without it the handler raises `StopNow` (a `SystemExit`).
   """
   stop = threading.Event()
 
   def handler(signum, frame):  # pylint: disable=unused-argument
     if stop.is_set():
+      if on_second is not None:
+        on_second(signum)
       raise StopNow(128 + signum)
     stop.set()
     warn(f'signal {signum}: stopping after the current round (send it again to stop at once).')

@@ -1,10 +1,30 @@
-"""Round driver: sampling, evaluation, metrics, checkpoints, per-client state store."""
+"""Simulation: the experiment wiring, the round drivers, sampling, evaluation, checkpoints.
+
+`run_experiment` (gin `experiment`, `experiment.py`) wires data → model → method → driver;
+`RoundDriver` (`driver.py`) runs global methods, `PersonalizedRoundDriver`
+(`personalized.py`) personalised ones; per-client state lives in `ClientStateStore`.
+"""
 
 from fltff.simulation.channel import ChannelModel
 from fltff.simulation.checkpoint import Checkpointer
 from fltff.simulation.driver import RoundConfig
 from fltff.simulation.driver import RoundDriver
-from fltff.simulation.driver import build_model_spec
-from fltff.simulation.driver import run_experiment
 from fltff.simulation.evaluation import Evaluator
+from fltff.simulation.experiment import build_method
+from fltff.simulation.experiment import build_model_spec
+from fltff.simulation.experiment import run_experiment
+from fltff.simulation.personalized import PersonalizedRoundDriver
 from fltff.simulation.state_store import ClientStateStore
+
+__all__ = [
+    'ChannelModel',
+    'Checkpointer',
+    'ClientStateStore',
+    'Evaluator',
+    'PersonalizedRoundDriver',
+    'RoundConfig',
+    'RoundDriver',
+    'build_method',
+    'build_model_spec',
+    'run_experiment',
+]

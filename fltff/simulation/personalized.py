@@ -1,5 +1,5 @@
 """Round driver for personalised processes (KAPC, FedAMP, FedBN, Local; see
-`fltff.personalization.kapc`).
+`fltff.personalization.process`).
 
 Each client's state in the driver's store is `OrderedDict(model=<its personal ModelWeights as
 arrays>, server_copy=<the server's latest copy of its trainable weights, stale layers

@@ -1,0 +1,41 @@
+"""FedBN (Li et al., "FedBN: Federated Learning on Non-IID Features via Local Batch
+Normalization", ICLR 2021): FedAvg with the normalisation layers kept local.
+
+The personalised round (`process.build_personalized_process`) whose slice is FedAvg's
+sample-weighted mean (r_ij = n_j / Σ_P n) in every layer but the normalisation layers (the
+identity there); clients start from s_i, so each gets FedAvg's aggregate with its own
+normalisation layers (and statistics, which never leave the client).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gin
+import tensorflow as tf
+
+from fltff.learning import optimizers
+from fltff.learning.model_spec import ModelSpec
+from fltff.personalization import process as process_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleWeightedRelation(process_lib.RelationRule):
+  """r_ij = n_j / Σ_P n for every layer (rows of `local_layer_kinds` become the identity)."""
+  start_from: str = 'server'
+  local_layer_kinds: tuple = ('norm',)
+
+  def relation(self, state, server_input, context):
+    del state
+    n = server_input['num_examples']
+    row = n / tf.reduce_sum(n)
+    return tf.tile(row[None, None, :], [tf.shape(n)[0], context.num_layers, 1]), {}
+
+
+@gin.configurable('fedbn')
+def build_fedbn(model_spec: ModelSpec, num_clients: int,
+                client_optimizer=None) -> process_lib.PersonalizedAlgorithm:
+  """FedBN: FedAvg's aggregate with normalisation layers local."""
+  return process_lib.build_personalized_process(
+      model_spec, num_clients, client_optimizer or optimizers.default_client_optimizer(),
+      SampleWeightedRelation(), name='fedbn')

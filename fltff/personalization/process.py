@@ -1,0 +1,474 @@
+"""The personalised round shared by KAPC, FedAMP, FedBN, Local and pFedLA.
+
+One single-pass TFF round (DESIGN.md) for every method that keeps one model per client and
+gives each participant its own server model `s_i^l = Σ_{j∈P} r_ij^l w_j^l` from a layer-wise
+relationship slice R[P, :, P] over the round's participants P:
+
+1. `prepare` (server): the method's rule gives the slice from the server state and the
+   server's copies of the participants' latest models (`server_input['models']`); from it
+   `s_i` and, with BLS, the skip mask `r_ii^l > μ` (KAPC Algorithm 3);
+2. `client_update`: client i starts from its own model (`start_from='own'`) or from `s_i`
+   (`'server'`), trains E epochs on `f_i(w) + λ Σ_l ||w^l − s_i^l||²` (no term for skipped
+   layers) and uploads its first Ω_i layers (BLS, Algorithm 4, `bls.py`; all layers without
+   BLS);
+3. one gathering aggregate brings the participants' results back;
+4. `finish` (server): the rule's server update gives the new server state.
+
+A method is a `RelationRule` (its own module): the initial server state, the slice the
+per-client start models come from, and the server update. This module knows no method.
+Non-trainable weights (BatchNorm statistics) stay in the client's personal model.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+from fltff.errors import ConfigError
+from fltff.learning import client_work as client_work_lib
+from fltff.learning import regularizers
+from fltff.learning.model_spec import ModelSpec
+from fltff.personalization import bls
+
+START_FROM = ('own', 'server')
+
+
+# --- equations shared by the rules -----------------------------------------------------------
+def normalize_rows(relation: tf.Tensor) -> tf.Tensor:
+  """Projects rows (last axis) onto the simplex by clipping at 0 and renormalising.
+
+  A row that clips to all zeros becomes uniform.
+  """
+  clipped = tf.maximum(relation, 0.0)
+  total = tf.reduce_sum(clipped, axis=-1, keepdims=True)
+  uniform = tf.ones_like(clipped) / tf.cast(tf.shape(clipped)[-1], clipped.dtype)
+  return tf.where(total > 0, clipped / tf.where(total > 0, total, 1.0), uniform)
+
+
+def personalized_server_models(relation: tf.Tensor, models: Sequence[tf.Tensor],
+                               layer_of: Sequence[int]) -> list[tf.Tensor]:
+  """`s_i^l = Σ_j r_ij^l w_j^l` (KAPC, Algorithm 1) for every tensor of every layer.
+
+  Args:
+    relation: `[P, L, P]` relationship slice (rows sum to 1).
+    models: Per trainable tensor t, the participants' values stacked `[P, ...]`.
+    layer_of: For each tensor, the index of its layer in the grouping.
+  """
+  out = []
+  for w, layer in zip(models, layer_of):
+    flat = tf.reshape(w, [tf.shape(w)[0], -1])
+    out.append(tf.reshape(tf.matmul(relation[:, layer, :], flat), tf.shape(w)))
+  return out
+
+
+def slice_relationship(relation: tf.Tensor, clients: tf.Tensor) -> tf.Tensor:
+  """`R[P, :, P]` (Algorithm 5)."""
+  return tf.gather(tf.gather(relation, clients, axis=0), clients, axis=2)
+
+
+def scatter_relationship(relation: tf.Tensor, clients: tf.Tensor,
+                         new_slice: tf.Tensor) -> tf.Tensor:
+  """Writes a (row-normalised) slice back into R scaled by the slice's previous mass.
+
+  Entries for non-participants are untouched, so each full row still sums to 1.
+  """
+  rows = tf.gather(relation, clients, axis=0)                           # [P, L, N]
+  old = tf.gather(rows, clients, axis=2)                                # [P, L, P]
+  mass = tf.reduce_sum(old, axis=-1, keepdims=True)
+  by_column = tf.transpose(rows, [2, 0, 1])                             # [N, P, L]
+  by_column = tf.tensor_scatter_nd_update(by_column, clients[:, None],
+                                          tf.transpose(new_slice * mass, [2, 0, 1]))
+  rows = normalize_rows(tf.transpose(by_column, [1, 2, 0]))
+  return tf.tensor_scatter_nd_update(relation, clients[:, None], rows)
+
+
+def initial_relationship(num_clients: int, num_layers: int, init: str) -> np.ndarray:
+  """R at round 0: `'uniform'` (1/N) or `'identity'`."""
+  if init == 'uniform':
+    return np.full([num_clients, num_layers, num_clients], 1.0 / num_clients, np.float32)
+  if init == 'identity':
+    return np.tile(np.eye(num_clients, dtype=np.float32)[:, None, :], [1, num_layers, 1])
+  raise ConfigError(f"relationship_init must be 'uniform' or 'identity', got {init!r}.")
+
+
+def refreshed_models(trained: Sequence[tf.Tensor], stale: Sequence[tf.Tensor],
+                     uploaded: tf.Tensor, layer_of: Sequence[int]) -> list[tf.Tensor]:
+  """The server's new copies `[P, ...]`: uploaded layers from `trained`, the rest `stale`."""
+  out = []
+  for t, (new, old) in enumerate(zip(trained, stale)):
+    cond = tf.reshape(uploaded[:, layer_of[t]], [-1] + [1] * (len(new.shape) - 1))
+    out.append(tf.where(cond, new, old))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundContext:
+  """What a rule may need about the model: the layer of each trainable tensor, L and N."""
+  layer_of: tuple
+  num_layers: int
+  num_clients: int
+
+
+class RelationRule:
+  """How a personalised method obtains R and updates its server state (one module each).
+
+  Attributes (set by subclasses): `lambda_` (λ of the client term towards s_i; 0: none),
+  `start_from` ('own' or 'server'), `local_layer_kinds` (layer kinds whose rows are the
+  identity, FedBN's normalisation layers), `relationship_init` ('uniform' or 'identity').
+  Every method runs inside `tff.tensorflow.computation`s built by
+  `build_personalized_process`.
+  """
+  lambda_: float = 0.0
+  start_from: str = 'own'
+  local_layer_kinds: tuple = ()
+  relationship_init: str = 'uniform'
+
+  def check(self, name: str, bls_mu: Optional[float]) -> None:
+    """Raises `ConfigError` for settings the rule cannot run with."""
+
+  def initial_state(self, context: RoundContext) -> collections.OrderedDict:
+    """The server state at round 0 (TF ops; `relation` is R ∈ ℝ^{N×L×N})."""
+    return collections.OrderedDict(relation=tf.constant(initial_relationship(
+        context.num_clients, context.num_layers, self.relationship_init)))
+
+  def relation(self, state, server_input, context: RoundContext):
+    """(the `[P, L, P]` slice s_i and the skip mask come from, extra broadcast entries)."""
+    return normalize_rows(slice_relationship(state['relation'], server_input['clients'])), {}
+
+  def server_update(self, state, server_input, server_msg, trained, uploaded,
+                    context: RoundContext) -> collections.OrderedDict:
+    """The new server state from the participants' `trained` models `[P, ...]` per tensor
+    (in the order of `server_input['clients']`) and `uploaded` (`bool[P, L]`)."""
+    del server_input, server_msg, trained, uploaded, context
+    return collections.OrderedDict(relation=state['relation'])
+
+
+# --- the process ------------------------------------------------------------------------------
+@dataclasses.dataclass
+class PersonalizedAlgorithm:
+  """A personalised method as the round driver uses it (`kind == 'personalized'`).
+
+  `process.next(state, server_input, client_data)` with `server_input =
+  OrderedDict(clients=int32[P], models=tuple of [P, ...] server copies, num_examples=float32[P])`
+  and client data `client_input(batches, k, epochs, client_state)`. Its result holds, in the
+  order of `clients`: `personal` (each client's new model), `omega`, `uploaded` (`bool[P, L]`:
+  the layers the server received), with BLS `b_max`, `tau_max` (`[P, L]`) and the bytes
+  actually sent down/up per client. The server's new copies are not returned (they would
+  double what crosses the runtime boundary): `next_client_states` rebuilds them from
+  `personal` and `uploaded` (uploaded layers, the stale copy for the rest); they are the
+  `models` of the clients' next `server_input`.
+
+  Per-client state, as drivers keep it: `OrderedDict(model=OrderedDict(trainable,
+  non_trainable), server_copy=<the server's copy of its trainable weights, stale layers
+  included>, omega=<last Ω>)`, with BLS also `b_max`, `tau_max` (float32 `[L]`: the running
+  maxima B̂, τ̂ of Algorithm 4, `bls.select_omega`); `new_client_state`, `server_input`,
+  `client_input` and `next_client_states` are the one implementation of that bookkeeping.
+  """
+  name: str
+  process: object
+  model_spec: ModelSpec
+  layer_sizes_bytes: list
+  tensor_layers: list  # The layer of each trainable tensor.
+  # Whether clients' personal trainable weights are part of their input (see the builder).
+  model_from_client: bool = True
+  # Whether BLS is on: clients keep Algorithm 4's running maxima in their state.
+  bls: bool = False
+  kind: str = 'personalized'
+  _initial: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
+
+  def new_client_state(self) -> collections.OrderedDict:
+    """A client that never took part: the initial model, Ω = L (BLS's search then starts
+    from L − 1: `bls.search_start`), with BLS running maxima B̂ = τ̂ = 0."""
+    if self._initial is None:  # Building the Keras model once, not once per client.
+      initial = self.model_spec.initial_weights()
+      self._initial = ([np.array(w) for w in initial.trainable],
+                       [np.array(w) for w in initial.non_trainable])
+    trainable, non_trainable = self._initial
+    num_layers = len(self.layer_sizes_bytes)
+    state = collections.OrderedDict(
+        model=collections.OrderedDict(trainable=[w.copy() for w in trainable],
+                                      non_trainable=[w.copy() for w in non_trainable]),
+        server_copy=[w.copy() for w in trainable],
+        omega=np.int32(num_layers))
+    if self.bls:
+      state['b_max'] = np.zeros([num_layers], np.float32)
+      state['tau_max'] = np.zeros([num_layers], np.float32)
+    return state
+
+  def client_input(self, batches, client_index: int, epochs: int, client_state):
+    """One participant's client data: `client_work.client_input` with its personal model
+    (trainable weights only where `model_from_client`), last Ω and (BLS) running maxima as
+    `state` (tensors)."""
+    personal = collections.OrderedDict()
+    if self.model_from_client:
+      personal['trainable'] = tuple(client_state['model']['trainable'])
+    if len(client_state['model']['non_trainable']):
+      personal['non_trainable'] = tuple(client_state['model']['non_trainable'])
+    personal['omega'] = np.int32(client_state['omega'])
+    if self.bls:
+      personal['b_max'] = np.asarray(client_state['b_max'], np.float32)
+      personal['tau_max'] = np.asarray(client_state['tau_max'], np.float32)
+    return client_work_lib.client_input(batches, client_index, epochs, client_state=personal,
+                                        state_in_dataset=False)
+
+  @staticmethod
+  def server_input(clients: Sequence[int], client_states: Sequence,
+                   num_examples: Sequence[float]) -> collections.OrderedDict:
+    """The server's input for the participants `clients` (states in the same order)."""
+    copies = [s['server_copy'] for s in client_states]
+    return collections.OrderedDict(
+        clients=np.asarray(clients, np.int32),
+        models=tuple(np.stack([c[t] for c in copies]) for t in range(len(copies[0]))),
+        num_examples=np.asarray(num_examples, np.float32))
+
+  def next_client_states(self, result, previous) -> dict:
+    """`{client: new state}` from a round's `result`; `previous(k)` gives k's state before."""
+    out = {}
+    personal = result['personal']
+    uploaded = np.asarray(result['uploaded'])
+    omega = np.asarray(result['omega'])
+    for p, k in enumerate(int(k) for k in np.asarray(result['clients'])):
+      trainable = [np.asarray(w[p]) for w in personal['trainable']]
+      stale = previous(k)['server_copy']
+      out[k] = collections.OrderedDict(
+          model=collections.OrderedDict(
+              trainable=trainable,
+              non_trainable=[np.asarray(w[p]) for w in personal.get('non_trainable', ())]),
+          server_copy=[w if uploaded[p, l] else s
+                       for w, s, l in zip(trainable, stale, self.tensor_layers)],
+          omega=np.int32(omega[p]))
+      if self.bls:
+        out[k]['b_max'] = np.asarray(result['b_max'][p], np.float32)
+        out[k]['tau_max'] = np.asarray(result['tau_max'][p], np.float32)
+    return out
+
+
+def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_optimizer,
+                               rule: RelationRule, bls_mu: Optional[float] = None,
+                               bls_kappa: float = 1.0, min_upload_layers: int = 1,
+                               name: str = 'personalized') -> PersonalizedAlgorithm:
+  """Builds a personalised method from its `rule` as a TFF process (module docstring).
+
+  Args:
+    model_spec: The model.
+    num_clients: N.
+    client_optimizer: Local optimizer.
+    rule: The method's `RelationRule` (KAPC, FedAMP, FedBN, Local, pFedLA: one module each).
+    bls_mu: BLS server threshold μ (None: BLS off — every layer sent, every layer uploaded).
+    bls_kappa: κ of the BLS bound; min_upload_layers: Ω's lower limit.
+    name: For logs.
+  """
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from fltff.aggregators.gather import build_gather  # pylint: disable=g-import-not-at-top
+  from fltff.models.layers import layer_groups  # pylint: disable=g-import-not-at-top
+
+  lambda_, start_from = rule.lambda_, rule.start_from
+  if start_from not in START_FROM:
+    raise ConfigError(f"start_from must be 'own' or 'server', got {start_from!r}.")
+  if lambda_ < 0:
+    raise ConfigError(f'{name}.lambda_ must be >= 0, got {lambda_}.')
+  if bls_mu is not None and bls_mu < 0:
+    raise ConfigError(f'{name}.bls_mu must be >= 0 (or None to disable BLS), got {bls_mu}.')
+  initial_relationship(num_clients, 1, rule.relationship_init)  # Validates the init.
+  rule.check(name, bls_mu)
+
+  layers, _ = model_spec.trainable_layers()
+  num_layers = len(layers)
+  if not 1 <= min_upload_layers <= num_layers:
+    raise ConfigError(f'{name}.min_upload_layers must be in [1, {num_layers}], got '
+                      f'{min_upload_layers}.')
+  layer_of = [0] * sum(len(g) for g in layers)
+  for l, group in enumerate(layers):
+    for t in group:
+      layer_of[t] = l
+  context = RoundContext(layer_of=tuple(layer_of), num_layers=num_layers,
+                         num_clients=num_clients)
+  with tf.Graph().as_default():
+    keras_model = model_spec.keras_fn()
+    kinds = [g.kind for g in layer_groups(keras_model) if g.trainable_indices]
+    tspecs = [tf.TensorSpec(v.shape, v.dtype) for v in keras_model.trainable_weights]
+    nspecs = [tf.TensorSpec(v.shape, v.dtype) for v in keras_model.non_trainable_weights]
+    metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
+        model_spec.tff_model(keras_model).metric_finalizers())
+  local_layers = np.array([k in rule.local_layer_kinds for k in kinds])
+  layer_sizes_bytes = [int(sum(np.prod(tspecs[t].shape.as_list(), dtype=np.int64) *
+                               tspecs[t].dtype.size for t in group)) for group in layers]
+  # What the method exchanges at all: nothing when clients neither use s_i nor start from it.
+  communicates = lambda_ > 0 or start_from == 'server'
+
+  def shape_of(spec, lead=()):
+    return (spec.dtype.as_numpy_dtype, tuple(lead) + tuple(spec.shape.as_list()))
+
+  trainable_type = tff.types.to_type(tuple(shape_of(s) for s in tspecs))
+  # A participant's personal trainable weights cross into the runtime only when the server's
+  # copy may differ from them (BLS uploads part of the model; Local uploads nothing). Otherwise
+  # the client uploaded its whole model last time, the copy in `server_input` *is* its model,
+  # and the client reads it from the broadcast (`own`) — or does not need it at all when it
+  # starts from s_i. Same arithmetic, one model per participant less to ship in (measured
+  # ~45 ms a round for 10 × mlp2).
+  model_from_client = bls_mu is not None or not communicates
+  personal_fields = [('trainable', trainable_type)] if model_from_client else []
+  if nspecs:
+    personal_fields.append(('non_trainable', tff.types.to_type(tuple(shape_of(s)
+                                                                      for s in nspecs))))
+  personal_fields.append(('omega', tff.TensorType(np.int32)))
+  if bls_mu is not None:  # Algorithm 4's running maxima B̂, τ̂ (bls.py, Assumption 6).
+    personal_fields.append(('b_max', tff.TensorType(np.float32, [num_layers])))
+    personal_fields.append(('tau_max', tff.TensorType(np.float32, [num_layers])))
+  personal_type = tff.StructWithPythonType(personal_fields, collections.OrderedDict)
+  weights_type, data_type = client_work_lib.client_types(model_spec, state_type=personal_type,
+                                                          state_in_dataset=False)
+  del weights_type
+  stacked = tff.types.to_type(tuple(shape_of(s, [None]) for s in tspecs))
+  server_input_type = tff.StructWithPythonType(
+      [('clients', tff.TensorType(np.int32, [None])), ('models', stacked),
+       ('num_examples', tff.TensorType(np.float32, [None]))], collections.OrderedDict)
+
+  @tff.tensorflow.computation
+  def initial_state():
+    return rule.initial_state(context)
+
+  state_type = initial_state.type_signature.result
+
+  @tff.tensorflow.computation(state_type, server_input_type)
+  def prepare(state, server_input):
+    rel, extra = rule.relation(state, server_input, context)
+    if local_layers.any():
+      eye = tf.eye(tf.shape(server_input['clients'])[0])[:, None, :]
+      rel = tf.where(tf.constant(local_layers)[None, :, None], eye, rel)
+    s = personalized_server_models(rel, list(server_input['models']), layer_of)
+    self_rel = tf.linalg.diag_part(tf.transpose(rel, [1, 0, 2]))       # [L, P]
+    self_rel = tf.transpose(self_rel)                                   # [P, L]
+    if bls_mu is None:
+      skip = tf.zeros_like(self_rel, tf.bool)
+    else:
+      skip = bls.server_skip_mask_tf(self_rel, bls_mu)
+    message = collections.OrderedDict(
+        clients=server_input['clients'], models=tuple(s), skip=skip,
+        n_fed=tf.reduce_sum(server_input['num_examples']), self_relation=self_rel)
+    if not model_from_client and start_from == 'own':
+      message['own'] = tuple(server_input['models'])
+    message.update(extra)  # The rule's own entries, for its `server_update`.
+    return message
+
+  broadcast_type = prepare.type_signature.result
+
+  @tff.tensorflow.computation(broadcast_type, data_type)
+  def client_update(server_msg, data):
+    model = model_spec.tff_model()
+    personal = data['state']
+    k = client_work_lib.client_index_of(data)
+    pos = tf.argmax(tf.cast(tf.equal(server_msg['clients'], k), tf.int32), output_type=tf.int32)
+    s = [m[pos] for m in server_msg['models']]
+    skip = server_msg['skip'][pos]
+    sent = [tf.logical_not(skip[l]) for l in layer_of]
+    if model_from_client:
+      own = list(personal['trainable'])
+    elif start_from == 'own':
+      own = [m[pos] for m in server_msg['own']]
+    else:
+      own = s  # Every layer is sent (no BLS) and the client starts from s_i.
+    start = own
+    if start_from == 'server':
+      start = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
+    # λ Σ_l ||w^l − s^l||² is the proximal term with μ = 2λ towards s_i; without BLS every
+    # layer is sent and the mask is dropped (one op less per tensor and local step).
+    mask = None if bls_mu is None else [tf.cast(c, w.dtype) for c, w in zip(sent, own)]
+    regularizer = (regularizers.ProximalRegularizer(2.0 * lambda_, anchor=s, tensor_mask=mask)
+                   if lambda_ > 0 else None)
+    initial = tff.learning.models.ModelWeights(
+        trainable=list(start), non_trainable=list(personal.get('non_trainable', ())))
+    out = client_work_lib.build_local_training(model, client_optimizer, regularizer)(
+        initial, data['batches'], data['info'])
+    trained = list(out['trained'])
+    n_i = tf.cast(tf.maximum(out['examples_per_epoch'], 1), tf.float32)
+    if bls_mu is None:
+      omega, steps = tf.constant(num_layers, tf.int32), tf.constant(0, tf.int32)
+    else:
+      # A skipped layer is compared with the client's own model at the round's start (it
+      # received no s^l this round): see bls.py, Assumption 1.
+      reference = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
+      b, tau = bls.layer_bounds([[trained[t] for t in g] for g in layers],
+                                [[reference[t] for t in g] for g in layers])
+      omega, steps, b_max, tau_max = bls.select_omega_tf(
+          tf.cast(b, tf.float32), tf.cast(tau, tf.float32), personal['b_max'],
+          personal['tau_max'], n_i, tf.maximum(server_msg['n_fed'], n_i), bls_kappa,
+          personal['omega'], min_upload_layers)
+    value = collections.OrderedDict(trainable=tuple(trained))
+    if nspecs:
+      value['non_trainable'] = tuple(out['non_trainable'])
+    weight = collections.OrderedDict(client_index=k, omega=omega, search_steps=steps,
+                                     num_examples=n_i)
+    if bls_mu is not None:
+      weight['b_max'], weight['tau_max'] = b_max, tau_max
+    return value, weight, out['metrics']
+
+  value_type = client_update.type_signature.result[0]
+  weight_type = client_update.type_signature.result[1]
+  gather, gathered_type = build_gather(value_type, weight_type)
+  num_trainable = len(tspecs)
+
+  @tff.tensorflow.computation(state_type, server_input_type, broadcast_type, gathered_type)
+  def finish(state, server_input, server_msg, gathered):
+    clients = server_input['clients']
+    ids = gathered['weight']['client_index']
+    # Results arrive in any order (several workers): matched to clients by index.
+    rows = tf.argmax(tf.cast(tf.equal(clients[:, None], ids[None, :]), tf.int32), axis=1,
+                     output_type=tf.int32)
+    values = [tf.gather(v, rows) for v in gathered['update']]
+    omega = tf.gather(gathered['weight']['omega'], rows)
+    uploaded = tf.range(num_layers)[None, :] < omega[:, None]                   # [P, L]
+    if not communicates:
+      uploaded = tf.zeros_like(uploaded)
+    new_state = rule.server_update(state, server_input, server_msg, values[:num_trainable],
+                                   uploaded, context)
+    sizes = tf.constant(layer_sizes_bytes, tf.float64)
+    sent = tf.logical_not(server_msg['skip'])
+    if not communicates:
+      sent = tf.zeros_like(sent)
+    bytes_down = tf.reduce_sum(tf.cast(sent, tf.float64) * sizes, axis=1)
+    bytes_up = tf.reduce_sum(tf.cast(uploaded, tf.float64) * sizes, axis=1)
+    personal = collections.OrderedDict(trainable=tuple(values[:num_trainable]))
+    if nspecs:
+      personal['non_trainable'] = tuple(values[num_trainable:])
+    result = collections.OrderedDict(
+        clients=clients, personal=personal, omega=omega, uploaded=uploaded)
+    if bls_mu is not None:
+      result['b_max'] = tf.gather(gathered['weight']['b_max'], rows)
+      result['tau_max'] = tf.gather(gathered['weight']['tau_max'], rows)
+    result['bytes_down'], result['bytes_up'] = bytes_down, bytes_up
+    stats = collections.OrderedDict(
+        omega_mean=tf.reduce_mean(tf.cast(omega, tf.float32)),
+        search_steps_mean=tf.reduce_mean(tf.cast(
+            tf.gather(gathered['weight']['search_steps'], rows), tf.float32)),
+        skipped_layer_fraction=tf.reduce_mean(tf.cast(server_msg['skip'], tf.float32)),
+        self_relation_mean=tf.reduce_mean(server_msg['self_relation']))
+    return new_state, result, stats
+
+  @tff.federated_computation
+  def init_fn():
+    return tff.federated_eval(initial_state, tff.SERVER)
+
+  @tff.federated_computation(tff.FederatedType(state_type, tff.SERVER),
+                             tff.FederatedType(server_input_type, tff.SERVER),
+                             tff.FederatedType(data_type, tff.CLIENTS))
+  def next_fn(state, server_input, client_data):
+    server_msg = tff.federated_map(prepare, (state, server_input))
+    value, weight, model_outputs = tff.federated_map(
+        client_update, (tff.federated_broadcast(server_msg), client_data))
+    gathered = gather(value, weight)
+    new_state, result, stats = tff.federated_map(
+        finish, (state, server_input, server_msg, gathered))
+    measurements = tff.federated_zip(collections.OrderedDict(
+        train=metrics_aggregation_fn(model_outputs), kapc=stats))
+    return tff.templates.MeasuredProcessOutput(new_state, result, measurements)
+
+  process = tff.templates.IterativeProcess(init_fn, next_fn)
+  return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec,
+                               layer_sizes_bytes=layer_sizes_bytes, tensor_layers=layer_of,
+                               model_from_client=model_from_client, bls=bls_mu is not None)

@@ -1,0 +1,152 @@
+"""The wiring of one experiment, in the order data flows (DESIGN.md).
+
+gin's `experiment` → federated data (`fltff.data`) → model (`fltff.models`) → method
+(`fltff.learning` / `fltff.personalization`, given its optimizers here: library builders never
+read gin) → round driver (`driver.RoundDriver`, or `personalized.PersonalizedRoundDriver` for
+a `PersonalizedAlgorithm`) → metrics, checkpoints, TensorBoard in the output folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+from absl import logging
+import gin
+
+from fltff.data import build_federated_data
+from fltff.data.pipeline import example_shape
+from fltff.errors import ConfigError
+from fltff.learning import optimizers
+from fltff.learning.model_spec import ModelSpec
+from fltff.personalization.process import PersonalizedAlgorithm
+from fltff.simulation.driver import RoundConfig
+from fltff.simulation.driver import RoundDriver
+from fltff.simulation.outputs import prepare_output_dir
+from fltff.simulation.personalized import PersonalizedRoundDriver
+
+
+def build_model_spec(data, model: str, seed: int) -> ModelSpec:
+  """The zoo model `model` sized for `data`'s examples and classes."""
+  from fltff.models import build_model  # pylint: disable=g-import-not-at-top
+
+  shape = example_shape(data.dataset.x_train)
+  keras_fn = functools.partial(build_model, name=model, input_shape=shape,
+                               num_classes=data.dataset.num_classes, seed=seed)
+  keras_fn()  # Fail fast (unknown name, incompatible shape) before TFF traces it.
+  return ModelSpec(keras_fn=keras_fn, input_shape=shape, num_classes=data.dataset.num_classes,
+                   name=model)
+
+
+def server_optimizer_bound() -> bool:
+  """Whether the user bound any `server_optimizer.*` parameter in gin."""
+  return any(selector.rsplit('.', 1)[-1] == 'server_optimizer' and params
+             for (_, selector), params in gin.config._CONFIG.items())  # pylint: disable=protected-access
+
+
+def build_method(method: Callable[..., Any], model_spec: ModelSpec, num_clients: int):
+  """Calls a method builder with what the experiment gives it.
+
+  Every builder gets the gin-configured `client_optimizer()`; those declaring `num_clients`
+  (stateful aggregators, per-client state) get the experiment's number of clients; when a
+  `server_optimizer.*` parameter is bound, FedAvg-family builders get `server_optimizer()`
+  (and a method without a server optimizer refuses it in one line).
+  """
+  target = inspect.unwrap(method)
+  try:
+    params = inspect.signature(target).parameters
+  except (TypeError, ValueError):
+    params = {}
+  kwargs = {}
+  if 'client_optimizer' in params:
+    kwargs['client_optimizer'] = optimizers.client_optimizer()
+  if 'num_clients' in params:
+    kwargs['num_clients'] = num_clients
+  if server_optimizer_bound():
+    if 'server_optimizer' not in params:
+      name = getattr(target, '__name__', str(method)).replace('build_', '')
+      raise ConfigError(f'server_optimizer.* is bound, but {name} has no server optimizer to '
+                        f'replace (remove those bindings).')
+    kwargs['server_optimizer'] = optimizers.server_optimizer()
+  return method(model_spec, **kwargs)
+
+
+@gin.configurable('experiment', denylist=['output_dir', 'resume', 'runtime', 'stop_event'])
+def run_experiment(output_dir: str,
+                   resume: bool = False,
+                   runtime=None,
+                   method: Callable[..., Any] = gin.REQUIRED,
+                   model: str = gin.REQUIRED,
+                   model_seed: int = 0,
+                   rounds: int = 10,
+                   clients_per_round: Optional[int] = None,
+                   client_fraction: Optional[float] = None,
+                   local_epochs: int = 1,
+                   batch_size: int = 10,
+                   eval_every: int = 1,
+                   checkpoint_every: int = 5,
+                   target_accuracies: Sequence[float] = (),
+                   seed: int = 0,
+                   straggler_fraction: float = 0.0,
+                   straggler_mode: str = 'partial',
+                   personalization: Optional[Callable[..., Any]] = None,
+                   channel: Optional[Callable[..., Any]] = None,
+                   round_deadline: Optional[float] = None,
+                   compute_seconds_per_example: float = 1e-4,
+                   progress: Callable[[str], None] = print,
+                   stop_event=None) -> dict:
+  """Runs one experiment end to end and returns its summary (also in summary.json).
+
+  Args:
+    output_dir: Where config.gin, metrics.csv, summary.json, TensorBoard events, the plot,
+      partition.json and checkpoints go.
+    resume: Continue from the latest checkpoint in `output_dir`.
+    runtime: The `fltff.runtime.TffRuntime` (enables failover); None: the current context.
+    stop_event: Optional `threading.Event`; once set, the run stops after the current round
+      with its checkpoint saved (`StopRequested`).
+    method: A method builder taking a `ModelSpec` (gin: `@fedavg`, `@fedprox`, `@sgdm`).
+    model: Model zoo name (see `fltff.models.MODEL_NAMES`).
+    model_seed: Seed of the initial weights.
+    rounds, clients_per_round, client_fraction, local_epochs, batch_size, eval_every,
+    checkpoint_every, target_accuracies, seed: See `RoundConfig`.
+    straggler_fraction, straggler_mode: System heterogeneity, see
+      `sampling.straggler_plan` ('partial': random epochs in [1, E]; 'drop').
+    personalization: Optional builder taking the `ModelSpec` (gin:
+      `@fedlap_personalization`); adds personalised evaluation on local test splits.
+    channel: Optional wireless channel model builder taking `num_clients` (gin:
+      `@channel_model`): adds the simulated time breakdown (sim_* columns).
+    round_deadline: Optional deadline in simulated seconds: clients run only the epochs that
+      fit (needs `channel`); see `RoundDriver.plan_round`.
+    compute_seconds_per_example: The deadline's compute model (seconds per example-epoch).
+    progress: Where progress lines go.
+  """
+  prepare_output_dir(output_dir, resume)
+  config = RoundConfig(rounds=rounds, clients_per_round=clients_per_round,
+                       client_fraction=client_fraction, local_epochs=local_epochs,
+                       batch_size=batch_size, eval_every=eval_every,
+                       checkpoint_every=checkpoint_every,
+                       target_accuracies=tuple(target_accuracies), seed=seed,
+                       straggler_fraction=straggler_fraction, straggler_mode=straggler_mode,
+                       round_deadline=round_deadline,
+                       compute_seconds_per_example=compute_seconds_per_example)
+  config.validate()
+  data = build_federated_data()
+  model_spec = build_model_spec(data, model, model_seed)
+  algorithm = build_method(method, model_spec, data.num_clients())
+  driver_class = (PersonalizedRoundDriver if isinstance(algorithm, PersonalizedAlgorithm)
+                  else RoundDriver)
+  personal = None
+  if personalization is not None:
+    personal = personalization(model_spec, client_optimizer=optimizers.client_optimizer())
+  driver = driver_class(algorithm, data, config, output_dir, progress=progress, runtime=runtime,
+                        personalization=personal, stop_event=stop_event,
+                        channel=channel(num_clients=data.num_clients()) if channel else None)
+  driver.outputs.write_json('partition.json', data.summary())
+  with open(os.path.join(output_dir, 'config.gin'), 'w') as f:
+    f.write(gin.operative_config_str())
+  logging.info('%s: %d clients, %d per round, %d rounds.', algorithm.name, data.num_clients(),
+               driver.participants, rounds)
+  return driver.run(resume=resume)
