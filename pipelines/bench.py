@@ -33,6 +33,7 @@ from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-positio
 from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from fltff import aggregators  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import learning  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import personalization  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -160,7 +161,8 @@ def compare_methods(spec, data) -> int:
   builders['fedbabu'] = lambda opt: learning.build_fedbabu(spec, client_optimizer=opt)
   builders['scaffold'] = lambda opt: learning.build_scaffold(spec, len(data), client_optimizer=opt)
   builders['scaffold+ccn'] = lambda opt: learning.build_scaffold(
-      spec, len(data), client_optimizer=opt, contribution_normalization=True)
+      spec, len(data), client_optimizer=opt,
+      model_aggregator=aggregators.contribution_normalization_factory())
   builders['moon'] = lambda opt: learning.build_moon(spec, len(data), client_optimizer=opt)
   # Personalised processes (their round includes the server's R update and the stale copies).
   builders['kapc'] = lambda opt: personalization.build_kapc(spec, len(data), client_optimizer=opt)
@@ -173,8 +175,9 @@ def compare_methods(spec, data) -> int:
   builders['pfedla'] = lambda opt: personalization.build_pfedla(spec, len(data), client_optimizer=opt)
   for base in ('fedavg', 'fedprox', 'sgdm', 'fednova', 'fedbabu'):  # '<base>+ccn': with CCN
     builders[f'{base}+ccn'] = functools.partial(
-        lambda opt, b: getattr(learning, f'build_{b}')(spec, client_optimizer=opt,
-                                            contribution_normalization=True), b=base)
+        lambda opt, b: getattr(learning, f'build_{b}')(
+            spec, client_optimizer=opt,
+            model_aggregator=aggregators.contribution_normalization_factory()), b=base)
   names = ['fedavg'] + [m for m in _COMPARE.value if m != 'fedavg']
   unknown = [m for m in names if m not in builders]
   if unknown:

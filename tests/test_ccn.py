@@ -152,12 +152,12 @@ def test_ccn_with_huge_temperature_is_the_base_scheme():
   sizes = (10, 20, 30)
   avg, _ = _run(learning.build_fedavg(SPEC, client_optimizer=_opt()), sizes=sizes)
   ccn, metrics = _run(learning.build_fedavg(SPEC, client_optimizer=_opt(),
-                                      contribution_normalization=True, temperature=1e9),
+                                            model_aggregator=aggregators.contribution_normalization_factory(1e9)),
                       sizes=sizes)
   assert _diff(ccn, avg) <= 1e-5
   np.testing.assert_allclose(metrics['aggregator']['contribution'], 2 / 3, rtol=1e-5)
   ccn1, metrics1 = _run(learning.build_fedavg(SPEC, client_optimizer=_opt(),
-                                        contribution_normalization=True, temperature=0.05),
+                                              model_aggregator=aggregators.contribution_normalization_factory(0.05)),
                         sizes=sizes)
   assert _diff(ccn1, avg) > 1e-4
   np.testing.assert_allclose(np.sum(metrics1['aggregator']['weight']), 1.0, rtol=1e-5)
@@ -167,7 +167,8 @@ def test_ccn_round_with_one_participant_is_the_base_scheme():
   """A round with a single participant: CCN's new model is FedAvg's (no NaN from Λ = 0)."""
   models = {}
   for ccn in (False, True):
-    algorithm = learning.build_fedavg(SPEC, client_optimizer=_opt(), contribution_normalization=ccn)
+    algorithm = learning.build_fedavg(SPEC, client_optimizer=_opt(),
+                                      model_aggregator=aggregators.contribution_normalization_factory() if ccn else None)
     process, state = start_process(algorithm)
     output = process.next(state, [learning.client_input(_datasets((20,))[0], 4, 2)])
     models[ccn] = process.get_model_weights(output.state).trainable
@@ -188,8 +189,9 @@ def test_uniform_client_weighting_composes_with_ccn():
   for r in results:
     assert set(r.update_weight) == {'num_examples', 'client_index', 'latent_mean'}
     assert r.update_weight['num_examples'] == 1.0
-  _, metrics = _run(learning.build_fedavg(SPEC, client_optimizer=_opt(), contribution_normalization=True,
-                                    temperature=0.05, client_weighting='uniform'),
+  _, metrics = _run(learning.build_fedavg(SPEC, client_optimizer=_opt(),
+                                          model_aggregator=aggregators.contribution_normalization_factory(0.05),
+                                          client_weighting='uniform'),
                     sizes=(10, 20, 30), rounds=1)
   lam = np.asarray(metrics['aggregator']['contribution'])
   np.testing.assert_allclose(metrics['aggregator']['weight'], lam / lam.sum(), rtol=1e-5)
@@ -206,9 +208,10 @@ def test_fedbabu_never_changes_the_head():
   assert _diff([trained[0]], [start[0]]) > 1e-3  # The body trains.
 
 
-@pytest.mark.parametrize('builder', ['fedavg', 'fedprox', 'sgdm', 'fednova', 'fedbabu'])
+@pytest.mark.parametrize('builder', ['fedavg', 'fedprox', 'sgdm', 'fednova', 'fedbabu', 'fedlap'])
 def test_every_base_scheme_with_ccn_compiles_to_mergeable_form(builder):
-  algorithm = getattr(learning, f'build_{builder}')(SPEC, contribution_normalization=True)
+  algorithm = getattr(learning, f'build_{builder}')(SPEC, model_aggregator=aggregators.contribution_normalization_factory())
+  assert algorithm.name == f'{builder}+ccn'
   form = tff.backends.native.compile_to_mergeable_comp_form(algorithm.process.next)
   assert isinstance(form, tff.framework.MergeableCompForm)
 
@@ -221,7 +224,7 @@ def test_mnist_outlier_client_gets_largest_lambda():
   parts = [pick([0, 1], 40, 0), pick([0, 1], 40, 40), pick([7, 8], 40, 0)]
   spec = ModelSpec(functools.partial(build_model, 'mlp2', (28, 28, 1), 10, seed=0),
                    (28, 28, 1), 10)
-  algorithm = learning.build_fedavg(spec, client_optimizer=_opt(), contribution_normalization=True)
+  algorithm = learning.build_fedavg(spec, client_optimizer=_opt(), model_aggregator=aggregators.contribution_normalization_factory())
   state = algorithm.process.initialize()
   inputs = []
   for k, idx in enumerate(parts):

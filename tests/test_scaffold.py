@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from fltff import aggregators
 from fltff import learning
 from fltff.learning import ModelSpec
 from fltff.learning import client_state
@@ -83,7 +84,8 @@ def test_option_two_control_and_server_control_match_numpy():
 
 
 def test_scaffold_with_ccn_compiles_to_mergeable_form():
-  algorithm = learning.build_scaffold(SPEC, num_clients=4, contribution_normalization=True)
+  algorithm = learning.build_scaffold(
+      SPEC, num_clients=4, model_aggregator=aggregators.contribution_normalization_factory())
   form = tff.backends.native.compile_to_mergeable_comp_form(algorithm.process.next)
   assert isinstance(form, tff.framework.MergeableCompForm)
   plain = learning.build_scaffold(SPEC, num_clients=4)

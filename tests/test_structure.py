@@ -6,6 +6,7 @@ import collections
 import importlib
 import os
 import pkgutil
+import shutil
 import subprocess
 import sys
 
@@ -197,10 +198,16 @@ def test_server_optimizer_and_learning_rate_together_are_refused():
 def test_pip_install_gives_an_importable_fltff_outside_the_repo(tmp_path):
   """`pip install .` (no dependencies: the pinned stack is already here) into a folder, then
   `import fltff` from another directory finds that copy with every subpackage."""
+  # A copy of what the distribution is built from, so the build leaves the checkout alone.
+  source = tmp_path / 'source'
+  shutil.copytree(os.path.join(REPO, 'fltff'), source / 'fltff',
+                  ignore=shutil.ignore_patterns('__pycache__'))
+  for name in ('pyproject.toml', 'README.md'):
+    shutil.copy(os.path.join(REPO, name), source / name)
   target = tmp_path / 'site'
   build = subprocess.run(
       [sys.executable, '-m', 'pip', 'install', '-q', '--disable-pip-version-check', '--no-deps',
-       '--no-build-isolation', '--target', str(target), REPO],
+       '--no-build-isolation', '--target', str(target), str(source)],
       capture_output=True, text=True, timeout=300)
   assert build.returncode == 0, build.stderr[-2000:]
   elsewhere = tmp_path / 'elsewhere'

@@ -3,8 +3,11 @@
 - `layerwise_adaptive_factory` (FedLayerWise) and `fedadp_factory` (FedAdp): adaptive weighting
   of client updates from the angle between each client's and the global gradient, per layer or
   for the whole model; the equations are exported as pure TF functions.
-- `contribution_normalized_factory` (CCN) and `fednova_factory` (FedNova): weighted means with
-  contribution-normalised weights and/or normalised averaging.
+- `contribution_normalization_factory` (CCN; gin `contribution_normalization`, bound as a method's
+  `model_aggregator`), `contribution_normalized_factory` and `fednova_factory` (FedNova):
+  weighted means with contribution-normalised weights and/or normalised averaging.
+- Every fltff factory names the update-weight fields it needs (`weight_fields`); the learning
+  builders' `model_aggregator=` accepts them and any TFF weighted aggregation factory.
 - `gather.build_gather`: the single-pass gathering all of them are built on.
 """
 
@@ -21,6 +24,7 @@ from fltff.aggregators.adaptive_weighting import smoothed_angles
 from fltff.aggregators.adaptive_weighting import weighted_layer_mean
 from fltff.aggregators.contribution_normalization import NormalizedMeanFactory
 from fltff.aggregators.contribution_normalization import contribution_factors
+from fltff.aggregators.contribution_normalization import contribution_normalization_factory
 from fltff.aggregators.contribution_normalization import contribution_normalized_factory
 from fltff.aggregators.contribution_normalization import fednova_factory
 from fltff.aggregators.contribution_normalization import normalized_weights
@@ -32,6 +36,7 @@ __all__ = [
     'AdaptiveWeightingFactory',
     'client_gradients',
     'contribution_factors',
+    'contribution_normalization_factory',
     'contribution_normalized_factory',
     'fedadp_factory',
     'fednova_factory',

@@ -148,6 +148,12 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
     self._alpha = float(alpha)
     self._learning_rate = float(learning_rate)
 
+  @property
+  def weight_fields(self) -> tuple[str, ...]:
+    """The update-weight fields the client work must send: the client index when angles are
+    smoothed per client (`num_clients` set); none for TFF's plain float weight."""
+    return ('client_index',) if self._num_clients is not None else ()
+
   def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:
     specs = tff.types.type_to_tf_tensor_specs(value_type)
     flat_specs = tf.nest.flatten(specs)

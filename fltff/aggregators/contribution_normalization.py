@@ -19,7 +19,11 @@ weights and τ_eff = Σ_k p_k τ_k. With equal τ this is FedAvg's Σ_k p_k Δ_k
 One factory serves both and their combination: it gathers every participant's update, weight,
 latent mean and step count in one `federated_aggregate` (single-pass, DESIGN.md) and does the
 math at the server. Base schemes that average updates with weights ν (FedAvg, FedProx, SGDM,
-FedBABU, FedNova) use it as their aggregator; CCN only changes ν to Λν.
+FedBABU, FedLap, SCAFFOLD, FedNova) take it as their `model_aggregator`; CCN only changes ν to
+Λν. It cannot wrap another TFF factory (TFF's secure sum, DP): Λ needs every participant's
+latent mean at the server before any update is weighted, which a per-client inner
+aggregation cannot provide. TFF's outer wrappers that act on each client's value before
+aggregation (e.g. `tff.aggregators.zeroing_factory`, `clipping_factory` around it) compose.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import collections
 from typing import Optional
 
+import gin
 import tensorflow as tf
 import tensorflow_federated as tff
 
@@ -80,10 +85,29 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
   """
 
   def __init__(self, temperature: Optional[float] = None, normalized_averaging: bool = False):
+    from fltff.config_checks import check_number  # pylint: disable=g-import-not-at-top
+
+    check_number('CCN temperature', temperature, allow_none=True)
     if temperature is not None and temperature <= 0:
       raise ConfigError(f'CCN temperature must be > 0, got {temperature}.')
     self._temperature = temperature
     self._nova = normalized_averaging
+
+  @property
+  def temperature(self) -> Optional[float]:
+    """CCN's T, or None when CCN is off."""
+    return self._temperature
+
+  @property
+  def weight_fields(self) -> tuple[str, ...]:
+    """The update-weight fields the client work must send (`fltff.learning.build_algorithm`
+    reads this): the client index, CCN's latent mean, FedNova's local step count."""
+    return (('client_index',) + (('latent_mean',) if self._temperature else ()) +
+            (('local_steps',) if self._nova else ()))
+
+  def with_normalized_averaging(self) -> 'NormalizedMeanFactory':
+    """The same weights with FedNova's normalised averaging (FedNova's builder uses this)."""
+    return NormalizedMeanFactory(self._temperature, normalized_averaging=True)
 
   def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:
     fields = [name for name, _ in tff.structure.iter_elements(weight_type)] if isinstance(
@@ -131,6 +155,17 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
       return tff.templates.MeasuredProcessOutput(state, aggregate, measurements)
 
     return tff.templates.AggregationProcess(init_fn, next_fn)
+
+
+@gin.configurable('contribution_normalization')
+def contribution_normalization_factory(temperature: float = 1.0) -> NormalizedMeanFactory:
+  """CCN over the base scheme's weights ν (gin: `<method>.model_aggregator =
+  @contribution_normalization()`, with `contribution_normalization.temperature` = T).
+
+  FedAvg, FedProx, SGDM, FedBABU, FedLap and SCAFFOLD average with Λν instead of ν; FedNova
+  keeps its normalised averaging with the weights Λν.
+  """
+  return NormalizedMeanFactory(temperature)
 
 
 def contribution_normalized_factory(temperature: float = 1.0,

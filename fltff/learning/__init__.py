@@ -3,8 +3,10 @@
 Every builder `build_<method>` takes a `ModelSpec` (and its optimizers as arguments: none
 reads gin) and returns an `Algorithm` (a TFF learning process plus its per-client
 communication sizes); module `<method>.py` holds it. Gin names: `fedavg`, `fedprox`, `sgdm`,
-`fedadp`, `fedlayerwise`, `fedlap`, `fednova`, `fedbabu`, `scaffold`, `moon`; the
-FedAvg-family builders take `contribution_normalization=True` for CCN. A builder that declares
+`fedadp`, `fedlayerwise`, `fedlap`, `fednova`, `fedbabu`, `scaffold`, `moon`. The
+FedAvg-family builders (FedAvg, FedProx, SGDM, FedLap, FedNova, FedBABU, SCAFFOLD) take
+`model_aggregator=` — any TFF weighted aggregation factory, or fltff's (CCN:
+`aggregators.contribution_normalization_factory(T)`). A builder that declares
 a `num_clients` argument receives the experiment's total number of clients from the wiring
 (`fltff.simulation.experiment`; stateful aggregators size their state by it).
 """

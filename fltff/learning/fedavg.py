@@ -8,24 +8,23 @@ from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.process import Algorithm
 from fltff.learning.process import build_algorithm
-from fltff.learning.process import contribution_normalization_options
+from fltff.learning.process import ccn_name
 
 
 @gin.configurable('fedavg')
 def build_fedavg(model_spec: ModelSpec, client_optimizer=None,
                  server_learning_rate: float = 1.0, server_optimizer=None,
-                 contribution_normalization: bool = False, temperature: float = 1.0,
-                 client_weighting: str = 'num_examples') -> Algorithm:
+                 model_aggregator=None, client_weighting: str = 'num_examples') -> Algorithm:
   """FedAvg: `w^{t+1} = w^t − η_s Σ_k (n_k/n) (w^t − w_k^{t+1})` with η_s = 1 by default.
 
   Equals `tff.learning.algorithms.build_weighted_fed_avg` for the same client optimizer;
   `client_weighting='uniform'` replaces n_k/n by 1/|S_t| and then equals
-  `build_unweighted_fed_avg`. `contribution_normalization=True` reweights the mean by CCN's Λ
-  (temperature T), on top of either weighting.
+  `build_unweighted_fed_avg`. `model_aggregator`: any TFF weighted aggregation factory
+  (default the weighted mean); `aggregators.contribution_normalization_factory(T)` reweights
+  the mean by CCN's Λ, on top of either weighting.
   """
   return build_algorithm(
-      'fedavg+ccn' if contribution_normalization else 'fedavg', model_spec,
+      ccn_name('fedavg', model_aggregator), model_spec,
       client_optimizer or optimizers.default_client_optimizer(),
       optimizers.server_sgd(server_optimizer, server_learning_rate, 'fedavg'),
-      client_weighting=client_weighting,
-      **contribution_normalization_options(contribution_normalization, temperature))
+      model_aggregator=model_aggregator, client_weighting=client_weighting)

@@ -14,7 +14,7 @@ from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.process import Algorithm
 from fltff.learning.process import build_algorithm
-from fltff.learning.process import contribution_normalization_options
+from fltff.learning.process import ccn_name
 
 
 def head_indices(model_spec: ModelSpec) -> list[int]:
@@ -25,12 +25,11 @@ def head_indices(model_spec: ModelSpec) -> list[int]:
 @gin.configurable('fedbabu')
 def build_fedbabu(model_spec: ModelSpec, client_optimizer=None,
                   server_learning_rate: float = 1.0, server_optimizer=None,
-                  contribution_normalization: bool = False,
-                  temperature: float = 1.0) -> Algorithm:
+                  model_aggregator=None) -> Algorithm:
   """FedBABU: FedAvg on the body; the head stays at its initialisation."""
   return build_algorithm(
-      'fedbabu+ccn' if contribution_normalization else 'fedbabu', model_spec,
+      ccn_name('fedbabu', model_aggregator), model_spec,
       client_optimizer or optimizers.default_client_optimizer(),
       optimizers.server_sgd(server_optimizer, server_learning_rate, 'fedbabu'),
       frozen=head_indices(model_spec),
-      **contribution_normalization_options(contribution_normalization, temperature))
+      model_aggregator=model_aggregator)

@@ -37,6 +37,7 @@ from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.process import Algorithm
 from fltff.learning.process import build_algorithm
+from fltff.learning.process import ccn_name
 from fltff.models.layers import row_cosine
 from fltff.models.layers import row_squared_distance
 
@@ -148,6 +149,7 @@ class FedLapRegularizer:
 def build_fedlap(model_spec: ModelSpec, q: float = 0.5, mu: float = 0.01,
                  refresh: str = 'epoch', client_optimizer=None,
                  server_learning_rate: float = 1.0, server_optimizer=None,
+                 model_aggregator=None,
                  client_weighting: str = 'num_examples') -> Algorithm:
   """FedLap: FedAvg with the layer-based regulariser of importance q (module docstring).
 
@@ -162,12 +164,15 @@ def build_fedlap(model_spec: ModelSpec, q: float = 0.5, mu: float = 0.01,
     refresh: 'epoch' (Algorithm 1: λ fixed within each local epoch) or 'step'.
     client_optimizer: Local optimizer (default: `optimizers.default_client_optimizer()`).
     server_learning_rate: Server SGD step on the mean delta (1: plain averaging).
+    server_optimizer: Replaces the server SGD (then leave `server_learning_rate` at 1).
+    model_aggregator: Any TFF weighted aggregation factory (default the weighted mean), e.g.
+      `fltff.aggregators.contribution_normalization_factory(T)`.
     client_weighting: 'num_examples' (n_k/n) or 'uniform' (1/|S_t|, the paper's rule).
   """
   layers, names = model_spec.trainable_layers()
   return build_algorithm(
-      'fedlap', model_spec,
+      ccn_name('fedlap', model_aggregator), model_spec,
       client_optimizer or optimizers.default_client_optimizer(),
       optimizers.server_sgd(server_optimizer, server_learning_rate, 'fedlap'),
       regularizer=FedLapRegularizer(q, mu, refresh, layers, names),
-      client_weighting=client_weighting)
+      model_aggregator=model_aggregator, client_weighting=client_weighting)

@@ -15,18 +15,29 @@ from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.process import Algorithm
 from fltff.learning.process import build_algorithm
-from fltff.learning.process import contribution_normalization_options
+from fltff.learning.process import ccn_name
+from fltff.errors import ConfigError
 
 
 @gin.configurable('fednova')
 def build_fednova(model_spec: ModelSpec, client_optimizer=None,
                   server_learning_rate: float = 1.0, server_optimizer=None,
-                  contribution_normalization: bool = False,
-                  temperature: float = 1.0) -> Algorithm:
-  """FedNova; `contribution_normalization=True` also applies CCN's Λ to the weights p_k."""
+                  model_aggregator=None) -> Algorithm:
+  """FedNova; `model_aggregator=aggregators.contribution_normalization_factory(T)` also
+  applies CCN's Λ to the weights p_k. FedNova's normalised averaging is its aggregator, so only CCN (or
+  nothing) can be passed here."""
+  from fltff.aggregators import contribution_normalization as ccn  # pylint: disable=g-import-not-at-top
+
+  if model_aggregator is None:
+    aggregator = ccn.fednova_factory()
+  elif isinstance(model_aggregator, ccn.NormalizedMeanFactory):
+    aggregator = model_aggregator.with_normalized_averaging()
+  else:
+    raise ConfigError(f'fednova.model_aggregator must be CCN (@contribution_normalization()) '
+                      f'or None: FedNova aggregates by normalised averaging, got '
+                      f'{type(model_aggregator).__name__}.')
   return build_algorithm(
-      'fednova+ccn' if contribution_normalization else 'fednova', model_spec,
+      ccn_name('fednova', model_aggregator), model_spec,
       client_optimizer or optimizers.default_client_optimizer(),
       optimizers.server_sgd(server_optimizer, server_learning_rate, 'fednova'),
-      **contribution_normalization_options(contribution_normalization, temperature,
-                                           normalized_averaging=True))
+      model_aggregator=aggregator)

@@ -8,15 +8,14 @@ from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.process import Algorithm
 from fltff.learning.process import build_algorithm
-from fltff.learning.process import contribution_normalization_options
+from fltff.learning.process import ccn_name
 from fltff.learning.regularizers import ProximalRegularizer
 
 
 @gin.configurable('fedprox')
 def build_fedprox(model_spec: ModelSpec, mu: float = 0.01, client_optimizer=None,
                   server_learning_rate: float = 1.0, server_optimizer=None,
-                  contribution_normalization: bool = False, temperature: float = 1.0,
-                  client_weighting: str = 'num_examples') -> Algorithm:
+                  model_aggregator=None, client_weighting: str = 'num_examples') -> Algorithm:
   """FedProx: clients minimise `F_k(w) + μ/2 ||w − w^t||²` (eq. (2)); server averages as FedAvg.
 
   The server mean weights client k by n_k/n by default; the paper (Algorithm 2) averages the
@@ -25,9 +24,9 @@ def build_fedprox(model_spec: ModelSpec, mu: float = 0.01, client_optimizer=None
   With μ = 0 this is exactly `fedavg` (with the same `client_weighting`).
   """
   return build_algorithm(
-      'fedprox+ccn' if contribution_normalization else 'fedprox', model_spec,
+      ccn_name('fedprox', model_aggregator), model_spec,
       client_optimizer or optimizers.default_client_optimizer(),
       optimizers.server_sgd(server_optimizer, server_learning_rate, 'fedprox'),
       regularizer=ProximalRegularizer(mu),
       client_weighting=client_weighting,
-      **contribution_normalization_options(contribution_normalization, temperature))
+      model_aggregator=model_aggregator)

@@ -52,7 +52,7 @@ def build_algorithm(name: str,
                     server_optimizer,
                     regularizer: Optional[client_work_lib.LocalRegularizer] = None,
                     model_aggregator=None,
-                    weight_fields: Sequence[str] = (),
+                    weight_fields: Optional[Sequence[str]] = None,
                     frozen: Sequence[int] = (),
                     client_work=None,
                     client_weighting: str = 'num_examples') -> Algorithm:
@@ -64,10 +64,12 @@ def build_algorithm(name: str,
     client_optimizer: `tff.learning.optimizers.Optimizer` for local steps.
     server_optimizer: `tff.learning.optimizers.Optimizer` applying the aggregated delta.
     regularizer: Optional local regulariser (see `client_work.LocalRegularizer`).
-    model_aggregator: A weighted `tff.aggregators` factory; default `MeanFactory()`, the
-      sample-weighted mean of FedAvg.
-    weight_fields: Extra fields of the update weight (`client_work.WEIGHT_FIELDS`) that the
-      aggregator needs: `client_index`, `latent_mean`, `local_steps`.
+    model_aggregator: Any `tff.aggregators.WeightedAggregationFactory`; default
+      `MeanFactory()`, the sample-weighted mean of FedAvg. fltff's factories (CCN, FedNova,
+      FedAdp/FedLayerWise) say which extra weight fields they need (`weight_fields`).
+    weight_fields: Extra fields of the update weight (`client_work.WEIGHT_FIELDS`):
+      `client_index`, `latent_mean`, `local_steps`. None: the aggregator's `weight_fields`
+      (none for TFF's own factories, whose weight stays the float example count).
     frozen: Trainable tensors kept fixed during local training (FedBABU's head).
     client_work: A `ClientWorkProcess` replacing the default local training (SCAFFOLD's).
     client_weighting: The base weight ν of each participant's update: 'num_examples' (n_k,
@@ -81,6 +83,8 @@ def build_algorithm(name: str,
     raise ConfigError(f'client_weighting={client_weighting!r} applies to the default client '
                       f'work only; {name} builds its own.')
 
+  if weight_fields is None:
+    weight_fields = tuple(getattr(model_aggregator, 'weight_fields', ()))
   weights_type = model_spec.weights_type()
 
   @tff.tensorflow.computation
@@ -111,22 +115,6 @@ def build_algorithm(name: str,
   )
 
 
-def contribution_normalization_options(enabled: bool, temperature: float = 1.0,
-                                       normalized_averaging: bool = False) -> dict:
-  """`build_algorithm` keyword arguments that add CCN (and/or FedNova) to a base scheme.
-
-  Base schemes whose server step is a weighted mean of the updates (FedAvg, FedProx, SGDM,
-  FedBABU, FedNova) plug CCN in by swapping their aggregator for
-  `fltff.aggregators.NormalizedMeanFactory` and sending the latent mean with each update.
-  """
-  from fltff.aggregators import contribution_normalization as ccn  # pylint: disable=g-import-not-at-top
-
-  if not enabled and not normalized_averaging:
-    return {}
-  fields = ['client_index']
-  if enabled:
-    fields.append('latent_mean')
-  if normalized_averaging:
-    fields.append('local_steps')
-  return dict(model_aggregator=ccn.NormalizedMeanFactory(
-      temperature if enabled else None, normalized_averaging), weight_fields=tuple(fields))
+def ccn_name(name: str, model_aggregator) -> str:
+  """`name`, with '+ccn' when `model_aggregator` applies client contribution normalisation."""
+  return f'{name}+ccn' if getattr(model_aggregator, 'temperature', None) else name

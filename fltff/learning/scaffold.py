@@ -34,7 +34,7 @@ from fltff.learning.model_spec import ModelSpec
 from fltff.learning.model_spec import type_num_bytes
 from fltff.learning.process import Algorithm
 from fltff.learning.process import build_algorithm
-from fltff.learning.process import contribution_normalization_options
+from fltff.learning.process import ccn_name
 
 # Where the gathered new client controls appear in the process's client-work measurements.
 CLIENT_STATES_KEY = client_state.CLIENT_STATES_KEY
@@ -109,30 +109,30 @@ def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: in
 @gin.configurable('scaffold')
 def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
                    server_learning_rate: float = 1.0, server_optimizer=None,
-                   contribution_normalization: bool = False,
-                   temperature: float = 1.0) -> Algorithm:
-  """SCAFFOLD; `contribution_normalization=True` applies CCN's Λ to the update weights.
+                   model_aggregator=None) -> Algorithm:
+  """SCAFFOLD; `model_aggregator=aggregators.contribution_normalization_factory(T)` applies
+  CCN's Λ to the update weights.
 
   Args:
     model_spec: The model.
     num_clients: N, the total number of clients (the server control averages over N).
     client_optimizer: Local optimizer (default: `optimizers.default_client_optimizer()`).
     server_learning_rate: η_g.
-    contribution_normalization, temperature: CCN (see `fltff.aggregators`).
+    model_aggregator: The model update's weighted aggregation (default the weighted mean).
+      Only the model update goes through it; the control variates Δc_i do not.
   """
   from fltff.config_checks import check_number  # pylint: disable=g-import-not-at-top
 
   check_number('scaffold num_clients', num_clients, integer=True)
   if num_clients < 1:
     raise ConfigError(f'scaffold needs num_clients >= 1, got {num_clients}.')
-  options = contribution_normalization_options(contribution_normalization, temperature)
   optimizer = client_optimizer or optimizers.default_client_optimizer()
   client_work, control_type = build_scaffold_client_work(
-      model_spec, optimizer, num_clients, options.get('weight_fields', ()))
+      model_spec, optimizer, num_clients, getattr(model_aggregator, 'weight_fields', ()))
   algorithm = build_algorithm(
-      'scaffold+ccn' if contribution_normalization else 'scaffold', model_spec, optimizer,
+      ccn_name('scaffold', model_aggregator), model_spec, optimizer,
       optimizers.server_sgd(server_optimizer, server_learning_rate, 'scaffold'),
-      client_work=client_work, **options)
+      client_work=client_work, model_aggregator=model_aggregator)
   control_bytes = type_num_bytes(control_type)
   specs = [np.zeros(t.shape, t.dtype.type) for t in control_type]
   # The server sends c with the model; each client sends Δc_i with its update.
