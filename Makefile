@@ -9,6 +9,8 @@ STAMP := $(VENV)/.fltff-installed
 EDITABLE := $(VENV)/.fltff-editable
 OUTPUT_DIR ?= runs/quickstart
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): the CI machine has 2 cores; each process owns one worker_binary.
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup quickstart test bench clean-venv
 setup: $(EDITABLE)
@@ -38,7 +40,7 @@ quickstart: setup
 	$(VPY) -m pipelines.run --gin_file=gin_configs/quickstart.gin --output_dir=$(OUTPUT_DIR)
 
 test: setup
-	$(VPY) -m pytest -q $(PYTEST_ARGS) tests
+	$(VPY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS) tests
 
 bench: setup
 	$(VPY) -m pipelines.bench
