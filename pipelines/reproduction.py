@@ -201,8 +201,9 @@ def _mean_std(values: list[float]) -> str:
   if not values:
     return '–'
   mean = sum(values) / len(values)
-  std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(
-      values) > 1 else float('nan')
+  if len(values) == 1:  # No spread from one seed: say so instead of printing ± nan.
+    return f'{mean:.4f} (n=1, no std)'
+  std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
   return f'{mean:.4f} ± {std:.4f} (n={len(values)})'
 
 

@@ -178,3 +178,9 @@ def test_reproduce_runs_then_skips_a_finished_run(tmp_path):
   again = subprocess.run(cmd, cwd=REPO, env=pipeline_env(), capture_output=True, text=True,
                          timeout=600)
   assert again.returncode == 0 and 'tiny: done' in again.stdout
+
+
+def test_one_seed_has_no_spread_and_none_is_a_dash():
+  assert reproduction._mean_std([0.5]) == '0.5000 (n=1, no std)'  # pylint: disable=protected-access
+  assert reproduction._mean_std([]) == '–'  # pylint: disable=protected-access
+  assert reproduction._mean_std([0.9, 0.7]) == '0.8000 ± 0.1414 (n=2)'  # pylint: disable=protected-access
