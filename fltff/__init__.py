@@ -24,6 +24,17 @@ def __getattr__(name):
 
 
 def register_configurables() -> None:
-  """Imports every subpackage so all gin configurables are registered."""
+  """Imports every module of fltff, so all gin configurables are registered — including
+  a method module no package `__init__` names yet (a new method is one module)."""
+  import pkgutil  # pylint: disable=g-import-not-at-top
+
   for name in __all__:
-    importlib.import_module(f'fltff.{name}')
+    package = importlib.import_module(f'fltff.{name}')
+    for info in pkgutil.walk_packages(getattr(package, '__path__', []), f'fltff.{name}.'):
+      if info.name not in _PROGRAMS:
+        importlib.import_module(info.name)
+
+
+# Modules that are programs (they define command-line flags), not libraries: importing them
+# would add their flags to every fltff program.
+_PROGRAMS = ('fltff.runtime.worker',)

@@ -221,3 +221,32 @@ def test_pip_install_gives_an_importable_fltff_outside_the_repo(tmp_path):
                        capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr[-2000:]
   assert run.stdout.strip().startswith(str(target)), run.stdout
+
+
+def test_a_new_method_module_is_registered_without_touching_any_other_file(tmp_path):
+  """A new personalised rule is one module (plus its test): `register_configurables` finds
+  its gin builder although no `__init__` imports it."""
+  rule = '''
+import dataclasses
+import gin
+from fltff.personalization import process
+
+@dataclasses.dataclass(frozen=True)
+class EveryoneEqual(process.RelationRule):
+  lambda_: float = 0.1
+
+@gin.configurable('everyone_equal_test_rule')
+def build_everyone_equal(model_spec, num_clients, client_optimizer=None):
+  return process.build_personalized_process(model_spec, num_clients, client_optimizer,
+                                            EveryoneEqual(), name='everyone_equal')
+'''
+  package = tmp_path / 'fltff' / 'personalization'
+  package.mkdir(parents=True)
+  (package / 'everyone_equal.py').write_text(rule)
+  code = ('import fltff, fltff.personalization as p, gin; '
+          f'p.__path__.append({str(package)!r}); fltff.register_configurables(); '
+          "print(gin.get_configurable('everyone_equal_test_rule').__name__)")
+  run = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert run.stdout.strip().endswith('build_everyone_equal')
