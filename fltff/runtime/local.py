@@ -297,6 +297,7 @@ class TffRuntime:
       channel, stub = _connect_stub(address, self.connect_timeout, self.rpc_timeout)
       self._channels.append(channel)
       stubs.append(stub)
+    self._stubs = stubs
     if len(stubs) == 1:
       self.context = _sync_context_for_stub(stubs[0])
     else:
@@ -304,6 +305,19 @@ class TffRuntime:
     self._tff.framework.set_default_context(self.context)
     logging.info('TFF runtime ready: %s worker(s) %s.', 'remote' if self.remote else 'local',
                  ', '.join(self.workers))
+
+  def program_context(self):
+    """A `tff.program.NativeFederatedContext` on this runtime's worker, for TFF's program API
+    (`tff.learning.programs.train_model`): install it with `tff.framework.set_default_context`
+    for the program, then reinstall `self.context`. One worker only (TFF's mergeable context
+    is synchronous)."""
+    from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+    if len(self._stubs) != 1:
+      raise ConfigError(f'program_context needs one worker, this runtime has '
+                        f'{len(self._stubs)}.')
+    return self._tff.program.NativeFederatedContext(self._tff.framework.AsyncExecutionContext(
+        executor_fn=_executor_factory(self._stubs[0]), **_context_kwargs()))
 
   @property
   def worker_pids(self) -> list[int]:

@@ -1,0 +1,176 @@
+"""fltff processes under TFF's program API (`tff.learning.programs.train_model`).
+
+`train_model` drives any `tff.learning.templates.LearningProcess` from a
+`tff.program.FederatedDataSource` and keeps its progress with a `ProgramStateManager` (e.g.
+`tff.program.FileProgramStateManager`). fltff's global methods are LearningProcesses whose
+client data is `fltff.learning.client_input(batches, client_index, epochs)`, a struct of two
+datasets; TFF 0.87's `NativeFederatedContext` only materialises CLIENTS data whose member is
+a dataset or a tensor (a list of structs is zipped against the struct's fields), so
+`as_dataset_process(algorithm, epochs)` wraps a method into a LearningProcess that takes each
+client's batches as one dataset, as TFF's own processes do, and packs the fltff input inside
+the computation (client index 0: the methods whose aggregation needs the client's identity —
+FedAdp/FedLayerWise with per-client smoothing, CCN, FedNova — and those whose per-client state
+lives in fltff's round driver — SCAFFOLD, MOON, the personalised ones — need `pipelines.run`).
+`ClientInputDataSource` is a serialisable data source of per-client arrays (`train_model`
+stores its position in the program state).
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+from collections.abc import Sequence
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from fltff.errors import ConfigError
+from fltff.learning.client_work import client_input
+
+
+def _client_inputs(arrays, clients, batch_size, epochs, seed):
+  out = []
+  for k in clients:
+    x, y = arrays[k]
+    batches = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y)).shuffle(
+        len(y), seed=seed, reshuffle_each_iteration=True).batch(batch_size)
+    out.append(client_input(batches, int(k), epochs))
+  return out
+
+
+class ClientInputIterator(tff.program.FederatedDataSourceIterator):
+  """Selects `k` clients per call, without replacement within a call, seeded by
+  `(seed, number of calls so far)`; serialisable, so `train_model` resumes it exactly."""
+
+  def __init__(self, arrays: Sequence[tuple[np.ndarray, np.ndarray]], batch_size: int,
+               epochs: int, seed: int = 0, calls: int = 0):
+    self._arrays = [(np.asarray(x), np.asarray(y)) for x, y in arrays]
+    self._batch_size, self._epochs, self._seed, self._calls = batch_size, epochs, seed, calls
+    sample = _client_inputs(self._arrays, [0], batch_size, epochs, seed)[0]
+    self._type = tff.FederatedType(tff.StructWithPythonType(
+        [(name, tff.SequenceType(tff.types.tensorflow_to_type(ds.element_spec)))
+         for name, ds in sample.items()], collections.OrderedDict), tff.CLIENTS)
+
+  @property
+  def federated_type(self) -> tff.FederatedType:
+    return self._type
+
+  def select(self, k: Optional[int] = None) -> list:
+    if k is None or not 0 < k <= len(self._arrays):
+      raise ConfigError(f'select needs 1 <= k <= {len(self._arrays)} clients, got {k}.')
+    rng = np.random.default_rng([self._seed, self._calls])
+    self._calls += 1
+    clients = np.sort(rng.choice(len(self._arrays), size=k, replace=False))
+    return _client_inputs(self._arrays, clients, self._batch_size, self._epochs,
+                          self._seed * 100003 + self._calls)
+
+  def to_bytes(self) -> bytes:
+    buffer = io.BytesIO()
+    arrays = {f'x{k}': x for k, (x, _) in enumerate(self._arrays)}
+    arrays.update({f'y{k}': y for k, (_, y) in enumerate(self._arrays)})
+    meta = dict(batch_size=self._batch_size, epochs=self._epochs, seed=self._seed,
+                calls=self._calls, clients=len(self._arrays))
+    np.savez(buffer, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+    return buffer.getvalue()
+
+  @classmethod
+  def from_bytes(cls, buffer: bytes) -> 'ClientInputIterator':
+    with np.load(io.BytesIO(buffer)) as data:
+      meta = json.loads(bytes(data['meta']).decode())
+      arrays = [(data[f'x{k}'], data[f'y{k}']) for k in range(meta['clients'])]
+    return cls(arrays, meta['batch_size'], meta['epochs'], meta['seed'], meta['calls'])
+
+  def __deepcopy__(self, memo) -> 'ClientInputIterator':
+    # `train_model` deep-copies the iterator every round. The arrays and the type are never
+    # changed (and TFF's struct types do not survive `copy.deepcopy`); only the call count
+    # moves, so a shallow copy is an independent copy.
+    del memo
+    clone = object.__new__(type(self))
+    clone.__dict__.update(self.__dict__)
+    return clone
+
+  def __eq__(self, other: object) -> bool:
+    if type(other) is not type(self):  # pylint: disable=unidiomatic-typecheck
+      return NotImplemented
+    return (self._batch_size, self._epochs, self._seed, self._calls) == (
+        other._batch_size, other._epochs, other._seed, other._calls) and all(
+            np.array_equal(a, b) for p, q in zip(self._arrays, other._arrays)
+            for a, b in zip(p, q)) and len(self._arrays) == len(other._arrays)
+
+
+class ClientInputDataSource(tff.program.FederatedDataSource):
+  """A `tff.program.FederatedDataSource` of fltff client inputs over per-client arrays.
+
+  Args:
+    arrays: Per client `(x, y)` NumPy arrays (e.g. from `FederatedData.client_arrays`).
+    batch_size, epochs: B and E of every participant.
+    seed: Seed of client selection and of the per-round shuffles.
+    batches_only: Select each client's batches only (for `as_dataset_process`).
+  """
+
+  def __init__(self, arrays: Sequence[tuple[np.ndarray, np.ndarray]], batch_size: int,
+               epochs: int, seed: int = 0, batches_only: bool = False):
+    if not arrays:
+      raise ConfigError('ClientInputDataSource needs at least one client.')
+    self._iterator_args = (arrays, batch_size, epochs, seed)
+    self._iterator_class = DatasetIterator if batches_only else ClientInputIterator
+    self._type = self._iterator_class(*self._iterator_args).federated_type
+
+  @property
+  def federated_type(self) -> tff.FederatedType:
+    return self._type
+
+  def iterator(self) -> ClientInputIterator:
+    return self._iterator_class(*self._iterator_args)
+
+
+def as_dataset_process(algorithm, epochs: int):
+  """`algorithm.process` as a `tff.learning.templates.LearningProcess` whose client data is
+  each client's batched dataset (elements `OrderedDict(x=..., y=...)`), for TFF's program API.
+
+  Every client trains `epochs` local epochs; its fltff client index is 0 (see the module
+  docstring for the methods this excludes).
+  """
+  inner = algorithm.process
+  data_type = inner.next.type_signature.parameter[1].member
+  if [name for name, _ in tff.structure.iter_elements(data_type)] != ['batches', 'info']:
+    raise ConfigError(f'{algorithm.name} keeps per-client state in the round driver; run it '
+                      f'with pipelines.run, not as a plain LearningProcess.')
+  batches_type = data_type['batches']
+
+  @tff.tensorflow.computation(batches_type)
+  def pack(batches):
+    info = tf.data.Dataset.from_tensors(
+        collections.OrderedDict(client_index=tf.constant(0, tf.int32),
+                                epochs=tf.constant(epochs, tf.int32)))
+    return collections.OrderedDict(batches=batches, info=info)
+
+  state_type = inner.next.type_signature.parameter[0]
+
+  @tff.federated_computation(state_type, tff.FederatedType(batches_type, tff.CLIENTS))
+  def next_fn(state, client_batches):
+    return inner.next(state, tff.federated_map(pack, client_batches))
+
+  return tff.learning.templates.LearningProcess(
+      inner.initialize, next_fn, inner.get_model_weights, inner.set_model_weights)
+
+
+class DatasetIterator(ClientInputIterator):
+  """`ClientInputIterator` whose selection is each client's batches only (for
+  `as_dataset_process`)."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._type = tff.FederatedType(self._type.member['batches'], tff.CLIENTS)
+
+  def select(self, k: Optional[int] = None) -> list:
+    return [data['batches'] for data in super().select(k)]
+
+  @classmethod
+  def from_bytes(cls, buffer: bytes) -> 'DatasetIterator':
+    plain = ClientInputIterator.from_bytes(buffer)
+    return cls(plain._arrays, plain._batch_size, plain._epochs, plain._seed,  # pylint: disable=protected-access
+               plain._calls)  # pylint: disable=protected-access
