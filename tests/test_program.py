@@ -83,3 +83,9 @@ def test_iterator_round_trips_through_bytes(batches_only):
   assert copy == iterator
   assert copy.federated_type == iterator.federated_type
   assert [d['info'] if not batches_only else d for d in copy.select(2)]
+
+
+def test_methods_that_need_client_identity_are_refused():
+  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ConfigError, match='fedlayerwise needs each client'):
+    program.as_dataset_process(learning.build_fedlayerwise(SPEC, num_clients=3), epochs=1)

@@ -127,6 +127,11 @@ class ClientInputDataSource(tff.program.FederatedDataSource):
     return self._iterator_class(*self._iterator_args)
 
 
+# Methods whose round uses neither the client's index (per-client aggregator state, CCN's and
+# FedNova's gathered weights) nor client state kept by fltff's round driver.
+_NO_CLIENT_IDENTITY = ('fedavg', 'fedprox', 'sgdm', 'fedlap', 'fedbabu')
+
+
 def as_dataset_process(algorithm, epochs: int):
   """`algorithm.process` as a `tff.learning.templates.LearningProcess` whose client data is
   each client's batched dataset (elements `OrderedDict(x=..., y=...)`), for TFF's program API.
@@ -134,6 +139,11 @@ def as_dataset_process(algorithm, epochs: int):
   Every client trains `epochs` local epochs; its fltff client index is 0 (see the module
   docstring for the methods this excludes).
   """
+  if algorithm.name not in _NO_CLIENT_IDENTITY:
+    raise ConfigError(
+        f'{algorithm.name} needs each client\'s identity or driver-held client state, which a '
+        f'plain TFF LearningProcess cannot carry; run it with pipelines.run (methods for TFF\'s '
+        f'program API: {", ".join(_NO_CLIENT_IDENTITY)}).')
   inner = algorithm.process
   data_type = inner.next.type_signature.parameter[1].member
   if [name for name, _ in tff.structure.iter_elements(data_type)] != ['batches', 'info']:
