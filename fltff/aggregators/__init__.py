@@ -30,6 +30,7 @@ from fltff.aggregators.contribution_normalization import fednova_factory
 from fltff.aggregators.contribution_normalization import normalized_weights
 from fltff.aggregators.contribution_normalization import nova_aggregate
 from fltff.aggregators.contribution_normalization import similarity_matrix
+from fltff.aggregators.composition import with_weight_fields_of
 
 __all__ = [
     'adaptive_weights',
@@ -51,4 +52,5 @@ __all__ = [
     'similarity_matrix',
     'smoothed_angles',
     'weighted_layer_mean',
+    'with_weight_fields_of',
 ]

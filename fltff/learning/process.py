@@ -83,6 +83,10 @@ def build_algorithm(name: str,
     raise ConfigError(f'client_weighting={client_weighting!r} applies to the default client '
                       f'work only; {name} builds its own.')
 
+  if isinstance(model_aggregator, tff.aggregators.UnweightedAggregationFactory):
+    # E.g. TFF's DP factories: the unweighted mean of the updates, ν ignored (as in TFF's
+    # build_weighted_fed_avg).
+    model_aggregator = tff.aggregators.as_weighted_aggregator(model_aggregator)
   if weight_fields is None:
     weight_fields = tuple(getattr(model_aggregator, 'weight_fields', ()))
   weights_type = model_spec.weights_type()
