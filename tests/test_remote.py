@@ -153,3 +153,31 @@ def test_unreachable_worker_at_start_is_one_error(tmp_path):
   result = run_pipeline(*FEDAVG, f"--gin_bindings=runtime.workers = ['127.0.0.1:{port}']",
                         '--gin_bindings=runtime.connect_timeout = 2', f'--output_dir={tmp_path}')
   assert_one_line_error(result, f'127.0.0.1:{port}')
+
+
+def test_silent_worker_is_declared_lost_within_the_rpc_deadline(workers, tmp_path):
+  """A worker that stops answering (SIGSTOP: no connection reset, like a host that vanished)
+  ends the run after about `runtime.rpc_timeout` with one line saying what is kept."""
+  [w] = workers(1)
+  out = str(tmp_path)
+  proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *FEDAVG, _binding([w]),
+                           '--gin_bindings=runtime.rpc_timeout = 5.0',
+                           '--gin_bindings=experiment.rounds = 50', f'--output_dir={out}'],
+                          cwd=REPO, env=pipeline_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  _wait_for_round(out, proc, 1)
+  frozen = [w.proc.pid] + [int(p) for p in subprocess.run(
+      ['pgrep', '-P', str(w.proc.pid)], capture_output=True, text=True).stdout.split()]
+  for pid in frozen:
+    os.kill(pid, signal.SIGSTOP)
+  start = time.monotonic()
+  try:
+    _, stderr = proc.communicate(timeout=120)
+  finally:
+    for pid in frozen:
+      os.kill(pid, signal.SIGCONT)
+  assert time.monotonic() - start < 30  # 5 s deadline, plus the round that was running.
+  line = assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, '',
+                                                           stderr),
+                               w.address, 'was lost', 'checkpointed', '--resume')
+  assert 'DEADLINE_EXCEEDED' in line
