@@ -1,0 +1,124 @@
+"""Every method on 2 loopback workers equals the local runtime (issue 15).
+
+TFF's mergeable context runs each round as one sub-round per worker and returns the
+sub-rounds in completion order, so per-client values must be matched to clients by index,
+never by position. For every method — global, with client state (SCAFFOLD, MOON), with CCN,
+personalised (KAPC, KAPC+BLS, FedAMP, FedBN, Local, pFedLA) — the same algorithm object runs 3
+rounds with the round driver on the local runtime and on 2 workers (in-process: one trace per
+method), on an uneven Dirichlet split with partial participation, and every metric and every
+array of the final checkpoint (server state, client states) must agree.
+"""
+
+import functools
+import os
+
+import numpy as np
+import pytest
+import tensorflow_federated as tff
+
+from fltff import aggregators
+from fltff import learning
+from fltff import personalization
+from fltff.data import build_federated_data
+from fltff.data import dirichlet_partition
+from fltff.data import npz_source
+from fltff.runtime import TffRuntime
+from fltff.simulation import RoundConfig
+from fltff.simulation import RoundDriver
+from fltff.simulation import PersonalizedRoundDriver
+from fltff.simulation import build_model_spec
+from helpers import REPO
+from helpers import read_csv
+from test_remote import Worker
+
+NUM_CLIENTS = 6
+SGD = functools.partial(tff.learning.optimizers.build_sgdm, learning_rate=0.05)
+CCN = aggregators.contribution_normalization_factory
+
+
+def _global(name, **kwargs):
+  return lambda spec: getattr(learning, f'build_{name}')(spec, client_optimizer=SGD(),
+                                                          **kwargs)
+
+
+def _personal(name, **kwargs):
+  return lambda spec: getattr(personalization, f'build_{name}')(
+      spec, NUM_CLIENTS, client_optimizer=SGD(), **kwargs)
+
+
+METHODS = {
+    'fedavg': _global('fedavg'),
+    'fedprox': _global('fedprox', mu=0.1),
+    'sgdm': _global('sgdm'),
+    'fedlap': _global('fedlap'),
+    'fednova+ccn': _global('fednova', model_aggregator=CCN()),
+    'fedbabu': _global('fedbabu'),
+    'fedavg+ccn': _global('fedavg', model_aggregator=CCN()),
+    'fedadp': _global('fedadp', num_clients=NUM_CLIENTS),
+    'fedlayerwise': _global('fedlayerwise', num_clients=NUM_CLIENTS),
+    'scaffold': _global('scaffold', num_clients=NUM_CLIENTS),
+    'moon': _global('moon', num_clients=NUM_CLIENTS),
+    'kapc': _personal('kapc'),
+    'kapc+bls': _personal('kapc', bls_mu=0.3),
+    'fedamp': _personal('fedamp'),
+    'fedbn': _personal('fedbn'),
+    'local': _personal('local'),
+    'pfedla': _personal('pfedla', embedding_dim=8, hidden_dim=8),
+}
+
+
+@pytest.fixture(scope='module')
+def data():
+  path = os.path.join(REPO, '..', 'shared', 'data', 'mnist_first1003.npz')
+  return build_federated_data(
+      source=functools.partial(npz_source, path=path),
+      partitioner=functools.partial(dirichlet_partition, alpha=0.5),
+      num_clients=NUM_CLIENTS, seed=3, local_test_examples=20)
+
+
+@pytest.fixture(scope='module')
+def two_workers():
+  ws = [Worker(), Worker()]
+  runtime = TffRuntime(workers=[w.address for w in ws])
+  yield runtime
+  runtime.close()
+  for w in ws:
+    w.stop()
+
+
+def _run(algorithm, data, runtime, out):
+  tff.framework.set_default_context(runtime.context)
+  config = RoundConfig(rounds=3, clients_per_round=4, local_epochs=1, batch_size=16,
+                       eval_every=1, checkpoint_every=3, seed=1)
+  driver_class = (PersonalizedRoundDriver if getattr(algorithm, 'kind', '') == 'personalized'
+                  else RoundDriver)
+  driver_class(algorithm, data, config, str(out), progress=lambda _: None,
+               runtime=runtime).run()
+  checkpoint = np.load(os.path.join(out, 'checkpoints', 'round_00003.npz'))
+  return read_csv(os.path.join(out, 'metrics.csv')), {k: checkpoint[k] for k in checkpoint}
+
+
+def test_split_is_uneven(data):
+  sizes = sorted(len(i) for i in data.train_indices)
+  assert sizes[-1] > 1.5 * sizes[0]
+
+
+@pytest.mark.parametrize('method', sorted(METHODS))
+def test_two_workers_equal_local_runtime(method, data, two_workers, tff_runtime, tmp_path):
+  algorithm = METHODS[method](build_model_spec(data, 'mlp2', seed=0))
+  local_rows, local_arrays = _run(algorithm, data, tff_runtime, tmp_path / 'local')
+  rows, arrays = _run(algorithm, data, two_workers, tmp_path / 'two')
+  assert len(rows) == len(local_rows) == 3
+  skip = {'round_seconds'} | {k for k in rows[0] if k.startswith('sim_')}
+  for a, b in zip(rows, local_rows):
+    assert a.keys() == b.keys()
+    for key in a.keys() - skip:
+      if a[key] in ('', None) or b[key] in ('', None):
+        assert a[key] == b[key], (a['round'], key)
+        continue
+      assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-5, abs=1e-6), (a['round'],
+                                                                                  key)
+  assert arrays.keys() == local_arrays.keys()
+  for key in arrays:
+    np.testing.assert_allclose(arrays[key], local_arrays[key], rtol=1e-5, atol=1e-6,
+                               err_msg=key)
