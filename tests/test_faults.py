@@ -282,3 +282,35 @@ def test_factories_type_check_their_arguments():
   adaptive_weighting.AdaptiveWeightingFactory([[0, 1], range(2, 4)], 3, 5, 0.1)
   with pytest.raises(ConfigError, match="scaffold num_clients must be an integer, got '3'"):
     scaffold_lib.build_scaffold(None, '3')
+
+
+# -- num_clients smaller than the real clients: one Python error, not a raw gRPC INTERNAL ---
+def test_client_index_beyond_num_clients_is_a_python_error():
+  import collections
+  import numpy as np
+  import tensorflow as tf
+  from fltff import learning
+  from fltff import personalization
+  from fltff.errors import ConfigError
+  from fltff.learning import ModelSpec
+  from helpers import start_process
+  from helpers import tiny_mlp
+
+  spec = ModelSpec(lambda: tiny_mlp(3, 2, 1), (3,), 2)
+  rng = np.random.default_rng(0)
+  inputs = [learning.client_input(tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+      x=rng.normal(size=(4, 3)).astype(np.float32), y=np.zeros(4, np.int32))).batch(2), k, 1)
+            for k in range(3)]
+  for algorithm in (learning.build_fedlayerwise(spec, num_clients=2),
+                    learning.build_fedadp(spec, num_clients=2)):
+    _, state = start_process(algorithm)
+    with pytest.raises(ConfigError, match=r'num_clients=2 .*client index\(es\) \[2\]'):
+      algorithm.next(state, inputs)
+    assert algorithm.next(state, inputs[:2]).state is not None  # In range: it runs.
+  scaffold = learning.build_scaffold(spec, num_clients=2)
+  with pytest.raises(ConfigError, match=r'scaffold was built for num_clients=2'):
+    scaffold.check_client_indices([0, 5])
+  kapc = personalization.build_kapc(spec, 2)
+  states = [kapc.new_client_state() for _ in range(2)]
+  with pytest.raises(ConfigError, match=r'kapc was built for num_clients=2 .*\[2\]'):
+    kapc.server_input([0, 2], states, [4.0, 4.0])

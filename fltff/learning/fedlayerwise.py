@@ -21,13 +21,15 @@ from fltff.learning.process import build_algorithm
 def build_fedlayerwise(model_spec: ModelSpec, num_clients: int, alpha: float = 5.0,
                        client_optimizer=None, server_optimizer=None) -> Algorithm:
   """FedLayerWise with Gompertz α (paper: 5); `num_clients` sizes the per-client angle state."""
-  return build_algorithm(
+  algorithm = build_algorithm(
       'fedlayerwise', model_spec,
       client_optimizer or optimizers.default_client_optimizer(),
       optimizers.server_sgd(server_optimizer, 1.0, 'fedlayerwise'),
       model_aggregator=adaptive_weighting.layerwise_adaptive_factory(
           model_spec.trainable_layers()[0], num_clients=num_clients, alpha=alpha),
       weight_fields=('client_index',))
+  algorithm.num_clients = num_clients
+  return algorithm
 
 
 @gin.configurable('fedadp')
@@ -35,10 +37,12 @@ def build_fedadp(model_spec: ModelSpec, num_clients: int, alpha: float = 5.0,
                  client_optimizer=None, server_optimizer=None) -> Algorithm:
   """FedAdp (Wu & Wang, 2021): one adaptive weight per client from the whole-model angle."""
   num_tensors = sum(len(g) for g in model_spec.trainable_layers()[0])
-  return build_algorithm(
+  algorithm = build_algorithm(
       'fedadp', model_spec,
       client_optimizer or optimizers.default_client_optimizer(),
       optimizers.server_sgd(server_optimizer, 1.0, 'fedadp'),
       model_aggregator=adaptive_weighting.fedadp_factory(
           num_tensors, num_clients=num_clients, alpha=alpha),
       weight_fields=('client_index',))
+  algorithm.num_clients = num_clients
+  return algorithm

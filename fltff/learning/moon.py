@@ -162,5 +162,6 @@ def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, m
   algorithm = build_algorithm(
       'moon', model_spec, optimizer, optimizers.server_sgd(server_optimizer, 1.0, 'moon'),
       client_work=build_moon_client_work(model_spec, optimizer, mu, temperature))
+  algorithm.num_clients = num_clients
   initial = [w.copy() for w in model_spec.initial_weights().trainable]
   return client_state.with_client_states(algorithm, lambda: [w.copy() for w in initial])

@@ -44,6 +44,35 @@ class Algorithm:
   # (gathered as OrderedDict(update=arrays with a leading [K] axis, weight=client_index[K])).
   client_state_init: Optional[Callable[[], list]] = None
   client_states_key: Optional[str] = None
+  # Methods whose state is indexed by client (FedAdp/FedLayerWise's smoothed angles,
+  # SCAFFOLD's and MOON's client states): the N it is sized for. Client indices must be < N.
+  num_clients: Optional[int] = None
+
+  def check_client_indices(self, indices: Sequence[int]) -> None:
+    """Raises `ConfigError` when a client index is outside `[0, num_clients)` (inside the
+    process it would be a raw gRPC `INTERNAL ... indices[k] = i is not in [0, N)`)."""
+    check_client_indices(self.name, self.num_clients, indices)
+
+  def next(self, state, client_data: Sequence):
+    """`process.next(state, client_data)` after checking the clients' indices in Python."""
+    self.check_client_indices([client_index_of_input(c) for c in client_data])
+    return self.process.next(state, client_data)
+
+
+def client_index_of_input(data) -> int:
+  """The client index packed into one `client_work.client_input(...)`."""
+  return int(next(iter(data['info']))['client_index'])
+
+
+def check_client_indices(name: str, num_clients: Optional[int], indices: Sequence[int]) -> None:
+  """`ConfigError` naming the indices of `indices` outside `[0, num_clients)`."""
+  if num_clients is None:
+    return
+  bad = sorted({int(k) for k in indices if not 0 <= int(k) < num_clients})
+  if bad:
+    raise ConfigError(f'{name} was built for num_clients={num_clients} clients (indices 0-'
+                      f'{num_clients - 1}), but got client index(es) {bad}: build it with the '
+                      f'real number of clients.')
 
 
 def build_algorithm(name: str,

@@ -138,5 +138,6 @@ def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=Non
   # The server sends c with the model; each client sends Δc_i with its update.
   algorithm.bytes_down_per_client += control_bytes
   algorithm.bytes_up_per_client += control_bytes
+  algorithm.num_clients = num_clients
   return client_state.with_client_states(algorithm,
                                          lambda: [np.zeros_like(z) for z in specs])

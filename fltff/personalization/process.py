@@ -178,6 +178,8 @@ class PersonalizedAlgorithm:
   model_from_client: bool = True
   # Whether BLS is on: clients keep Algorithm 4's running maxima in their state.
   bls: bool = False
+  # N: R and the per-client state are sized for it; client indices must be < N.
+  num_clients: Optional[int] = None
   kind: str = 'personalized'
   _initial: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -216,10 +218,17 @@ class PersonalizedAlgorithm:
     return client_work_lib.client_input(batches, client_index, epochs, client_state=personal,
                                         state_in_dataset=False)
 
-  @staticmethod
-  def server_input(clients: Sequence[int], client_states: Sequence,
+  def check_client_indices(self, indices: Sequence[int]) -> None:
+    """Raises `ConfigError` for a client index outside `[0, num_clients)`."""
+    from fltff.learning.process import check_client_indices  # pylint: disable=g-import-not-at-top
+
+    check_client_indices(self.name, self.num_clients, indices)
+
+  def server_input(self, clients: Sequence[int], client_states: Sequence,
                    num_examples: Sequence[float]) -> collections.OrderedDict:
-    """The server's input for the participants `clients` (states in the same order)."""
+    """The server's input for the participants `clients` (states in the same order); a
+    client index outside `[0, num_clients)` is a `ConfigError` here, in Python."""
+    self.check_client_indices(clients)
     copies = [s['server_copy'] for s in client_states]
     return collections.OrderedDict(
         clients=np.asarray(clients, np.int32),
@@ -471,4 +480,5 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   process = tff.templates.IterativeProcess(init_fn, next_fn)
   return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec,
                                layer_sizes_bytes=layer_sizes_bytes, tensor_layers=layer_of,
-                               model_from_client=model_from_client, bls=bls_mu is not None)
+                               model_from_client=model_from_client, bls=bls_mu is not None,
+                               num_clients=num_clients)

@@ -218,6 +218,7 @@ class RoundDriver:
     clients, epochs, dropped = self.plan_round(round_num)
     inputs = self.client_inputs(round_num, clients, epochs)
     start = time.perf_counter()
+    self.algorithm.check_client_indices(clients)
     output = self.call(self.process.next, state, inputs)
     pending = {'client_states': {}, 'method_states': {}}
     if self.personalization is not None:
