@@ -36,7 +36,8 @@ class Worker:
   def __init__(self):
     self.port = portpicker.pick_unused_port()
     self.proc = subprocess.Popen(
-        [sys.executable, '-m', 'fltff.runtime.worker', f'--port={self.port}'], cwd=REPO,
+        [sys.executable, '-m', 'fltff.runtime.worker', f'--port={self.port}',
+         '--insecure_plaintext'], cwd=REPO,
         env=pipeline_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = self.proc.stdout.readline()
     assert 'listening on' in line, line
@@ -71,7 +72,10 @@ def workers():
 
 
 def _binding(ws):
-  return f"--gin_bindings=runtime.workers = {[w.address for w in ws]!r}"
+  """The workers' addresses (plaintext workers on loopback: `--insecure_plaintext` on both
+  sides; TLS is tested in test_tls.py)."""
+  return [f"--gin_bindings=runtime.workers = {[w.address for w in ws]!r}",
+          '--gin_bindings=runtime.insecure_plaintext = True']
 
 
 @pytest.fixture(scope='module')
@@ -97,7 +101,7 @@ def _assert_same_metrics(run_dir, reference):
 @pytest.mark.parametrize('method,args', [('fedavg', FEDAVG), ('fedlayerwise', FEDLAYERWISE)])
 def test_two_workers_match_local_runtime(method, args, workers, local_reference, tmp_path):
   ws = workers(2)
-  result = run_pipeline(*args, _binding(ws), f'--output_dir={tmp_path}')
+  result = run_pipeline(*args, *_binding(ws), f'--output_dir={tmp_path}')
   assert result.returncode == 0, result.stderr[-3000:]
   _assert_same_metrics(str(tmp_path), local_reference[method])
 
@@ -115,7 +119,7 @@ def _wait_for_round(run_dir, proc, round_num):
 def test_lost_worker_round_repeats_on_the_other(workers, local_reference, tmp_path):
   ws = workers(2)
   out = str(tmp_path)
-  proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *FEDAVG, _binding(ws),
+  proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *FEDAVG, *_binding(ws),
                            f'--output_dir={out}'], cwd=REPO, env=pipeline_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   _wait_for_round(out, proc, 1)
@@ -130,7 +134,7 @@ def test_lost_worker_round_repeats_on_the_other(workers, local_reference, tmp_pa
 def test_all_workers_lost_stops_cleanly_then_resume(workers, local_reference, tmp_path):
   [w] = workers(1)
   out = str(tmp_path)
-  proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *FEDAVG, _binding([w]),
+  proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *FEDAVG, *_binding([w]),
                            f'--output_dir={out}'], cwd=REPO, env=pipeline_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   _wait_for_round(out, proc, 1)
@@ -143,7 +147,7 @@ def test_all_workers_lost_stops_cleanly_then_resume(workers, local_reference, tm
   assert saved == completed >= 1
 
   [replacement] = workers(1)
-  resumed = run_pipeline(*FEDAVG, _binding([replacement]), f'--output_dir={out}', '--resume')
+  resumed = run_pipeline(*FEDAVG, *_binding([replacement]), f'--output_dir={out}', '--resume')
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   _assert_same_metrics(out, local_reference['fedavg'])
 
@@ -151,6 +155,7 @@ def test_all_workers_lost_stops_cleanly_then_resume(workers, local_reference, tm
 def test_unreachable_worker_at_start_is_one_error(tmp_path):
   port = portpicker.pick_unused_port()
   result = run_pipeline(*FEDAVG, f"--gin_bindings=runtime.workers = ['127.0.0.1:{port}']",
+                        '--gin_bindings=runtime.insecure_plaintext = True',
                         '--gin_bindings=runtime.connect_timeout = 2', f'--output_dir={tmp_path}')
   assert_one_line_error(result, f'127.0.0.1:{port}')
 
@@ -160,7 +165,7 @@ def test_silent_worker_is_declared_lost_within_the_rpc_deadline(workers, tmp_pat
   ends the run after about `runtime.rpc_timeout` with one line saying what is kept."""
   [w] = workers(1)
   out = str(tmp_path)
-  proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *FEDAVG, _binding([w]),
+  proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *FEDAVG, *_binding([w]),
                            '--gin_bindings=runtime.rpc_timeout = 5.0',
                            '--gin_bindings=experiment.rounds = 50', f'--output_dir={out}'],
                           cwd=REPO, env=pipeline_env(), stdout=subprocess.PIPE,

@@ -34,6 +34,7 @@ from absl import logging
 import gin
 import grpc
 
+from fltff.errors import ConfigError
 from fltff.errors import RuntimeUnavailableError
 from fltff.errors import StopNow
 from fltff.errors import warn
@@ -191,16 +192,26 @@ def _fail_fast_stub_class():
   return FailFastStub
 
 
-def _connect_stub(address: str, timeout: float, rpc_timeout: float = 3600.0):
-  """A fail-fast TFF executor stub for `address`, once the worker answers."""
-  channel = grpc.insecure_channel(address, _GRPC_OPTIONS)
+def _connect_stub(address: str, timeout: float, rpc_timeout: float = 3600.0,
+                  credentials: Optional[grpc.ChannelCredentials] = None,
+                  server_name: Optional[str] = None):
+  """A fail-fast TFF executor stub for `address`, once the worker answers (over mutual TLS
+  with `credentials`; `server_name` overrides the name checked in the worker's certificate)."""
+  if credentials is None:
+    channel = grpc.insecure_channel(address, _GRPC_OPTIONS)
+  else:
+    options = list(_GRPC_OPTIONS) + ([('grpc.ssl_target_name_override', server_name)]
+                                     if server_name else [])
+    channel = grpc.secure_channel(address, credentials, options)
   try:
     grpc.channel_ready_future(channel).result(timeout=timeout)
   except grpc.FutureTimeoutError as e:
     channel.close()
     raise RuntimeUnavailableError(
         f'TFF worker at {address} did not answer within {timeout:.0f} s; is '
-        f'`python -m fltff.runtime.worker --port=...` running there and the port open?') from e
+        f'`python -m fltff.runtime.worker --port=...` running there and the port open'
+        f'{" (and are the TLS certificates the pair the worker expects?)" if credentials else ""}'
+        f'?') from e
   return channel, _fail_fast_stub_class()(channel, address, rpc_timeout)
 
 
@@ -261,7 +272,9 @@ class TffRuntime:
 
   def __init__(self, workers: Sequence[str] = (), connect_timeout: float = 60.0,
                rpc_timeout: float = 3600.0, max_retries: int = 2,
-               log_dir: Optional[str] = None):
+               log_dir: Optional[str] = None,
+               credentials: Optional[grpc.ChannelCredentials] = None,
+               server_name: Optional[str] = None):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     self._tff = tff
@@ -275,6 +288,8 @@ class TffRuntime:
     self.rpc_timeout = rpc_timeout
     self.max_retries = max_retries
     self.log_dir = log_dir
+    self._credentials = credentials if workers else None  # Remote workers only.
+    self._server_name = server_name
     atexit.register(self.close)
     try:
       if not self.remote:
@@ -294,7 +309,8 @@ class TffRuntime:
   def _install_context(self) -> None:
     stubs = []
     for address in self.workers:
-      channel, stub = _connect_stub(address, self.connect_timeout, self.rpc_timeout)
+      channel, stub = _connect_stub(address, self.connect_timeout, self.rpc_timeout,
+                                    self._credentials, self._server_name)
       self._channels.append(channel)
       stubs.append(stub)
     self._stubs = stubs
@@ -311,7 +327,6 @@ class TffRuntime:
     (`tff.learning.programs.train_model`): install it with `tff.framework.set_default_context`
     for the program, then reinstall `self.context`. One worker only (TFF's mergeable context
     is synchronous)."""
-    from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
     if len(self._stubs) != 1:
       raise ConfigError(f'program_context needs one worker, this runtime has '
@@ -394,7 +409,6 @@ def release_default_context() -> None:
 
 def check_worker_address(address) -> None:
   """Raises a one-line `ConfigError` unless `address` is `host:port` (IPv6 as `[addr]:port`)."""
-  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
   if not isinstance(address, str) or not address.strip():
     raise ConfigError(f'runtime.workers entries must be "host:port" strings, got {address!r}.')
@@ -411,7 +425,10 @@ def check_worker_address(address) -> None:
 @gin.configurable('runtime', denylist=['log_dir'])
 def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                  rpc_timeout: float = 3600.0, max_retries: int = 2,
-                 log_dir: Optional[str] = None) -> TffRuntime:
+                 log_dir: Optional[str] = None,
+                 tls_ca_file: Optional[str] = None, tls_cert_file: Optional[str] = None,
+                 tls_key_file: Optional[str] = None, tls_server_name: Optional[str] = None,
+                 insecure_plaintext: bool = False) -> TffRuntime:
   """Builds the experiment's runtime.
 
   Args:
@@ -421,13 +438,33 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
     rpc_timeout: Deadline of each RPC to a worker; a worker silent that long counts as lost.
     max_retries: How often a round is repeated after losing a worker.
     log_dir: Folder of the local worker's log (`tff_worker.log`); None: a temporary file.
+    tls_ca_file, tls_cert_file, tls_key_file: Mutual TLS to remote workers (the default): the
+      CA that signed the workers' certificates, and this driver's certificate and key.
+    tls_server_name: The name to check in the workers' certificates, when it is not the host
+      part of their addresses.
+    insecure_plaintext: Talk to remote workers in plaintext (workers started with
+      `--insecure_plaintext`): only on a trusted network.
   """
+  from fltff.runtime import tls  # pylint: disable=g-import-not-at-top
+
   if isinstance(workers, str):
     workers = [workers]
   for address in workers:
     check_worker_address(address)
+  credentials = None
+  tls_files = (tls_ca_file, tls_cert_file, tls_key_file)
+  if workers and not insecure_plaintext:
+    if not all(tls_files):
+      raise ConfigError('Remote workers are reached over mutual TLS: set runtime.tls_ca_file, '
+                        'runtime.tls_cert_file and runtime.tls_key_file (README, "Running on '
+                        'several machines"), or runtime.insecure_plaintext = True for workers '
+                        'started with --insecure_plaintext on a trusted network.')
+    credentials = tls.channel_credentials(*tls_files)
+  elif workers and any(tls_files):
+    raise ConfigError('runtime.insecure_plaintext = True and TLS files are both set: choose one.')
   return TffRuntime(workers=workers, connect_timeout=connect_timeout, rpc_timeout=rpc_timeout,
-                    max_retries=max_retries, log_dir=log_dir)
+                    max_retries=max_retries, log_dir=log_dir, credentials=credentials,
+                    server_name=tls_server_name)
 
 
 @contextlib.contextmanager

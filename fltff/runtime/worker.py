@@ -1,18 +1,29 @@
 r"""Runs one TFF worker (the C++ `worker_binary` shipped in the TFF wheel) on this host.
 
-  python -m fltff.runtime.worker --port=8000 [--max_concurrent_computation_calls=-1]
+  python -m fltff.runtime.worker --port=8000 \
+      --tls_cert=worker.pem --tls_key=worker.key --tls_client_ca=clients-ca.pem
+  python -m fltff.runtime.worker --port=8000 --insecure_plaintext   # trusted networks only
+
+Secure by default: `worker_binary` (which executes any TensorFlow graph it is sent, and has no
+TLS or bind-address option) runs inside a private, unprivileged network namespace where nothing
+outside can reach it, behind a TLS terminator on `--port` that requires a client certificate
+signed by `--tls_client_ca` (mutual TLS, gRPC's own TLS; `fltff.runtime.tls`). The driver
+connects with `runtime.tls_ca_file`, `runtime.tls_cert_file`, `runtime.tls_key_file`.
+`--insecure_plaintext` instead runs `worker_binary` directly on all interfaces, plaintext:
+anyone who reaches the port can run code on this host.
 
 Prints the address to give the driver (`runtime.workers=['<host>:8000']`) and stops the worker
-on SIGTERM/SIGINT, exiting 0. The worker speaks plaintext gRPC and listens on *all* interfaces
-(TFF's binary has no bind-address or TLS option): run it on a trusted network, restrict the
-port with a firewall, or reach it through an SSH tunnel (see README, "Running on several
-machines").
+on SIGTERM/SIGINT, exiting 0.
 """
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 
 from absl import app
@@ -22,11 +33,96 @@ _PORT = flags.DEFINE_integer('port', 8000, 'Port the worker listens on (all inte
 _MAX_CALLS = flags.DEFINE_integer('max_concurrent_computation_calls', -1,
                                   'Passed to worker_binary; <= 0 means no limit.')
 _LOG = flags.DEFINE_string('log_file', None, 'Worker log (default: a temp file, printed).')
+_TLS_CERT = flags.DEFINE_string('tls_cert', None, "This worker's TLS certificate (PEM).")
+_TLS_KEY = flags.DEFINE_string('tls_key', None, "This worker's TLS private key (PEM).")
+_TLS_CLIENT_CA = flags.DEFINE_string(
+    'tls_client_ca', None, 'CA certificate (PEM) that signed the drivers\' client '
+    'certificates; a client without one is refused.')
+_INSECURE = flags.DEFINE_bool(
+    'insecure_plaintext', False,
+    'Run worker_binary directly, plaintext gRPC on ALL interfaces, no authentication: anyone '
+    'who can reach the port can run any TensorFlow graph on this host, i.e. read and write its '
+    'files as this user. Only on a trusted, isolated network.')
+
+
+def _wait(stop: threading.Event, alive, what: str, log: str) -> int:
+  while not stop.wait(0.5):
+    if not alive():
+      print(f'error: {what} exited; see {log}', file=sys.stderr, flush=True)
+      return 1
+  return 0
+
+
+def _plaintext(stop: threading.Event) -> int:
+  from fltff.runtime.local import WorkerProcess  # pylint: disable=g-import-not-at-top
+
+  worker = WorkerProcess(port=_PORT.value, host=socket.gethostname(),
+                         max_concurrent_computation_calls=_MAX_CALLS.value,
+                         log_path=_LOG.value)
+  print(f'fltff worker pid {worker.pid} listening on {worker.address} (port {worker.port} on '
+        f'all interfaces, PLAINTEXT gRPC, no authentication: --insecure_plaintext); log: '
+        f'{worker.log_path}', flush=True)
+  try:
+    return _wait(stop, worker.alive, 'worker_binary', worker.log_path)
+  finally:
+    worker.stop()
+
+
+def _secure(stop: threading.Event) -> int:
+  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.local import _die_with_parent  # pylint: disable=g-import-not-at-top,protected-access
+  from fltff.runtime.tls import serve_forwarder  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.tls import server_credentials  # pylint: disable=g-import-not-at-top
+
+  if not (_TLS_CERT.value and _TLS_KEY.value and _TLS_CLIENT_CA.value):
+    raise ConfigError('a fltff worker is reached over mutual TLS: pass --tls_cert, --tls_key and '
+                      '--tls_client_ca (README, "Running on several machines"), or '
+                      '--insecure_plaintext on a trusted network (see --help).')
+  credentials = server_credentials(_TLS_CERT.value, _TLS_KEY.value, _TLS_CLIENT_CA.value)
+  folder = tempfile.mkdtemp(prefix='fltff_worker_')  # Mode 0700: the socket's only way in.
+  sock = os.path.join(folder, 'worker.sock')
+  log = _LOG.value or os.path.join(folder, 'worker_binary.log')
+  inner = subprocess.Popen(  # pylint: disable=consider-using-with
+      ['unshare', '--user', '--map-root-user', '--net', '--', sys.executable, '-m',
+       'fltff.runtime.isolated', f'--socket={sock}',
+       f'--max_concurrent_computation_calls={_MAX_CALLS.value}', f'--log_file={log}'],
+      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      preexec_fn=_die_with_parent, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+  server = None
+  try:
+    if inner.stdout.readline().strip() != 'ready':
+      inner.wait(timeout=30)
+      detail = (inner.stderr.read() or '').strip().splitlines()
+      raise ConfigError(
+          'cannot isolate worker_binary in a private network namespace (`unshare --user '
+          '--net`; unprivileged user namespaces may be disabled on this host: '
+          f'{detail[-1] if detail else "no output"}). Enable them, or run with '
+          '--insecure_plaintext behind your own firewall.')
+    server, port = serve_forwarder(f'[::]:{_PORT.value}', f'unix:{sock}', credentials)
+    print(f'fltff worker pid {os.getpid()} listening on {socket.gethostname()}:{port} (mutual '
+          'TLS; worker_binary isolated in a private network namespace); log: '
+          f'{log}', flush=True)
+    return _wait(stop, lambda: inner.poll() is None, 'the isolated worker', log)
+  finally:
+    if server is not None:
+      server.stop(grace=1)
+    if inner.poll() is None:
+      inner.send_signal(signal.SIGTERM)
+      try:
+        inner.wait(timeout=15)
+      except subprocess.TimeoutExpired:
+        inner.kill()
+        inner.wait()
+    with contextlib.suppress(OSError):
+      os.remove(sock)
+    # The folder goes unless it holds a non-empty worker log (its path was printed).
+    if _LOG.value is not None or not os.path.exists(log) or os.path.getsize(log) == 0:
+      shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv) -> int:
   del argv
-  from fltff.runtime.local import WorkerProcess  # pylint: disable=g-import-not-at-top
+  from fltff.errors import FltffError  # pylint: disable=g-import-not-at-top
   from fltff.runtime.local import release_default_context  # pylint: disable=g-import-not-at-top
 
   stop = threading.Event()
@@ -36,22 +132,15 @@ def main(argv) -> int:
 
   signal.signal(signal.SIGTERM, handler)
   signal.signal(signal.SIGINT, handler)
-  worker = WorkerProcess(port=_PORT.value, host=socket.gethostname(),
-                         max_concurrent_computation_calls=_MAX_CALLS.value,
-                         log_path=_LOG.value)
-  print(f'fltff worker pid {worker.pid} listening on {worker.address} (port {worker.port} on '
-        f'all interfaces, plaintext gRPC); log: {worker.log_path}', flush=True)
   try:
-    while not stop.wait(0.5):
-      if not worker.alive():
-        print(f'error: worker_binary exited with status {worker.process.returncode}; see '
-              f'{worker.log_path}', file=sys.stderr, flush=True)
-        return 1
+    status = _plaintext(stop) if _INSECURE.value else _secure(stop)
+  except FltffError as e:
+    print(f'error: {e}', file=sys.stderr, flush=True)
+    return 2
   finally:
-    worker.stop()
     release_default_context()
   print('fltff worker stopped', flush=True)
-  return 0
+  return status
 
 
 if __name__ == '__main__':

@@ -1,0 +1,68 @@
+r"""The inside of a secure fltff worker: run in a private network namespace by
+`fltff.runtime.worker` (`unshare --user --map-root-user --net -- python -m
+fltff.runtime.isolated --socket=...`), never by hand.
+
+It brings up the namespace's own loopback, starts `worker_binary` there (reachable from this
+namespace only: it has no other interface) and relays a Unix socket to it; the socket file is
+the only way in, and only its owner may open it (mode 0600).
+"""
+
+import fcntl
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+
+from absl import app
+from absl import flags
+
+_SOCKET = flags.DEFINE_string('socket', None, 'Unix socket to relay to worker_binary.')
+_MAX_CALLS = flags.DEFINE_integer('max_concurrent_computation_calls', -1,
+                                  'Passed to worker_binary; <= 0 means no limit.')
+_LOG = flags.DEFINE_string('log_file', None, "worker_binary's log.")
+
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def loopback_up() -> None:
+  """`ip link set lo up`, with the kernel's interface ioctls (no iproute2 needed)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    request = struct.pack('16sH14s', b'lo', 0, b'\0' * 14)
+    current = struct.unpack('16sH14s', fcntl.ioctl(s, _SIOCGIFFLAGS, request))[1]
+    fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack('16sH14s', b'lo', current | _IFF_UP, b'\0' * 14))
+
+
+def main(argv) -> int:
+  del argv
+  from fltff.runtime.local import WorkerProcess  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.tls import serve_forwarder  # pylint: disable=g-import-not-at-top
+
+  stop = threading.Event()
+  signal.signal(signal.SIGTERM, lambda *_: stop.set())
+  signal.signal(signal.SIGINT, lambda *_: stop.set())
+  loopback_up()
+  worker = WorkerProcess(host='127.0.0.1', max_concurrent_computation_calls=_MAX_CALLS.value,
+                         log_path=_LOG.value)
+  old_umask = os.umask(0o177)  # The socket file is created 0600.
+  try:
+    server, _ = serve_forwarder(f'unix:{_SOCKET.value}', worker.address)
+  finally:
+    os.umask(old_umask)
+  print('ready', flush=True)
+  try:
+    while not stop.wait(0.5):
+      if not worker.alive():
+        print(f'error: worker_binary exited with status {worker.process.returncode}; see '
+              f'{worker.log_path}', file=sys.stderr, flush=True)
+        return 1
+  finally:
+    server.stop(grace=1)
+    worker.stop()
+  return 0
+
+
+if __name__ == '__main__':
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+  app.run(lambda argv: sys.exit(main(argv)))

@@ -1,0 +1,185 @@
+"""Remote workers are secure by default (issue 15): mutual TLS in front of a worker_binary
+isolated in a private network namespace. On loopback: an authorised driver trains and gets
+the local runtime's metrics; clients without a certificate, with one from another CA, or in
+plaintext are refused; worker_binary is in another network namespace; the unsafe mode needs
+`--insecure_plaintext` on both sides.
+
+Certificates are made here with the `cryptography` package (X.509 generation only; the TLS
+itself is gRPC's).
+"""
+
+import datetime
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import portpicker
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from helpers import REPO
+from helpers import assert_one_line_error
+from helpers import pipeline_env
+from helpers import read_csv
+from helpers import run_pipeline
+from helpers import tagged_worker_pids
+from test_remote import FEDAVG
+
+
+def _key():
+  return ec.generate_private_key(ec.SECP256R1())
+
+
+def _cert(subject, key, issuer=None, issuer_key=None, ca=False, server=False):
+  now = datetime.datetime.now(datetime.timezone.utc)
+  builder = (x509.CertificateBuilder()
+             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+             .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer or subject)]))
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+  if server:
+    builder = builder.add_extension(x509.SubjectAlternativeName(
+        [x509.DNSName('localhost'), x509.IPAddress(ipaddress.ip_address('127.0.0.1'))]),
+                                    critical=False)
+  return builder.sign(issuer_key or key, hashes.SHA256())
+
+
+def _write(folder, name, cert, key=None):
+  with open(os.path.join(folder, f'{name}.pem'), 'wb') as f:
+    f.write(cert.public_bytes(serialization.Encoding.PEM))
+  if key is not None:
+    with open(os.path.join(folder, f'{name}.key'), 'wb') as f:
+      f.write(key.private_bytes(serialization.Encoding.PEM,
+                                serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption()))
+
+
+@pytest.fixture(scope='module')
+def pki(tmp_path_factory):
+  """A CA for the workers, one for the drivers, their certificates, and a rogue CA's client."""
+  folder = str(tmp_path_factory.mktemp('tls'))
+  made = {}
+  for ca in ('workers-ca', 'drivers-ca', 'rogue-ca'):
+    key = _key()
+    made[ca] = (_cert(ca, key, ca=True), key)
+    _write(folder, ca, made[ca][0])
+  for name, ca, server in (('worker', 'workers-ca', True), ('driver', 'drivers-ca', False),
+                           ('rogue', 'rogue-ca', False)):
+    key = _key()
+    _write(folder, name, _cert(name, key, ca, made[ca][1], server=server), key)
+  return lambda name: os.path.join(folder, name)
+
+
+class SecureWorker:
+  """`python -m fltff.runtime.worker` with mutual TLS (the default mode)."""
+
+  def __init__(self, pki):
+    self.port = portpicker.pick_unused_port()
+    self.proc = subprocess.Popen(
+        [sys.executable, '-m', 'fltff.runtime.worker', f'--port={self.port}',
+         f'--tls_cert={pki("worker.pem")}', f'--tls_key={pki("worker.key")}',
+         f'--tls_client_ca={pki("drivers-ca.pem")}'], cwd=REPO, env=pipeline_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    self.line = self.proc.stdout.readline()
+    assert 'listening on' in self.line and 'mutual TLS' in self.line, (
+        self.line, self.proc.stderr.read() if self.proc.poll() is not None else '')
+    self.address = f'127.0.0.1:{self.port}'
+
+  def stop(self):
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGTERM)
+      assert self.proc.wait(timeout=30) == 0
+
+
+@pytest.fixture(scope='module')
+def worker(pki):
+  w = SecureWorker(pki)
+  yield w
+  w.stop()
+  deadline = time.monotonic() + 10
+  while tagged_worker_pids() and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not tagged_worker_pids(), 'a worker_binary outlived the secure worker'
+
+
+def _tls_bindings(pki, worker):
+  return [f"--gin_bindings=runtime.workers = ['{worker.address}']",
+          f"--gin_bindings=runtime.tls_ca_file = '{pki('workers-ca.pem')}'",
+          f"--gin_bindings=runtime.tls_cert_file = '{pki('driver.pem')}'",
+          f"--gin_bindings=runtime.tls_key_file = '{pki('driver.key')}'"]
+
+
+def test_authorised_driver_trains_and_matches_the_local_runtime(pki, worker, tmp_path):
+  remote = run_pipeline(*FEDAVG, *_tls_bindings(pki, worker), f'--output_dir={tmp_path / "r"}')
+  assert remote.returncode == 0, remote.stderr[-3000:]
+  local = run_pipeline(*FEDAVG, f'--output_dir={tmp_path / "l"}')
+  assert local.returncode == 0, local.stderr[-3000:]
+  rows, reference = (read_csv(os.path.join(tmp_path, d, 'metrics.csv')) for d in ('r', 'l'))
+  assert len(rows) == len(reference) == 4
+  for a, b in zip(rows, reference):
+    for key in ('train_loss', 'test_accuracy', 'test_loss'):
+      assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-5, abs=1e-6)
+
+
+def _probe(channel) -> grpc.StatusCode:
+  """The status of one RPC (any method: the TLS handshake comes first)."""
+  try:
+    channel.unary_unary('/tensorflow_federated.v0.ExecutorGroup/GetExecutor')(b'', timeout=5)
+  except grpc.RpcError as e:
+    return e.code()
+  return grpc.StatusCode.OK
+
+
+def _read(path):
+  with open(path, 'rb') as f:
+    return f.read()
+
+
+@pytest.mark.parametrize('client', ['no certificate', 'rogue certificate', 'plaintext'])
+def test_unauthorised_clients_are_refused(client, pki, worker):
+  ca = _read(pki('workers-ca.pem'))
+  if client == 'plaintext':
+    channel = grpc.insecure_channel(worker.address)
+  elif client == 'no certificate':
+    channel = grpc.secure_channel(worker.address, grpc.ssl_channel_credentials(ca))
+  else:
+    channel = grpc.secure_channel(worker.address, grpc.ssl_channel_credentials(
+        ca, _read(pki('rogue.key')), _read(pki('rogue.pem'))))
+  with channel:
+    assert _probe(channel) == grpc.StatusCode.UNAVAILABLE
+  # The authorised credentials get through the handshake (to the worker's own answer).
+  with grpc.secure_channel(worker.address, grpc.ssl_channel_credentials(
+      ca, _read(pki('driver.key')), _read(pki('driver.pem')))) as channel:
+    assert _probe(channel) != grpc.StatusCode.UNAVAILABLE
+
+
+def test_worker_binary_lives_in_another_network_namespace(worker):
+  """Nothing outside can reach worker_binary: its only network is a private loopback."""
+  mine = os.readlink('/proc/self/ns/net')
+  found = []
+  for pid in tagged_worker_pids():
+    found.append(os.readlink(f'/proc/{pid}/ns/net'))
+  assert found and all(ns != mine for ns in found), (mine, found)
+
+
+def test_worker_without_tls_or_insecure_flag_is_one_line():
+  result = subprocess.run([sys.executable, '-m', 'fltff.runtime.worker', '--port=1'], cwd=REPO,
+                          env=pipeline_env(), capture_output=True, text=True, timeout=120)
+  line = assert_one_line_error(result, '--tls_cert', '--insecure_plaintext')
+  assert 'mutual TLS' in line
+
+
+def test_driver_without_tls_settings_is_one_line(tmp_path):
+  result = run_pipeline(*FEDAVG, "--gin_bindings=runtime.workers = ['127.0.0.1:9']",
+                        f'--output_dir={tmp_path}')
+  assert_one_line_error(result, 'runtime.tls_ca_file', 'runtime.insecure_plaintext')
