@@ -37,4 +37,4 @@ def register_configurables() -> None:
 
 # Modules that are programs (they define command-line flags), not libraries: importing them
 # would add their flags to every fltff program.
-_PROGRAMS = ('fltff.runtime.worker',)
+_PROGRAMS = ('fltff.runtime.worker', 'fltff.runtime.isolated')
