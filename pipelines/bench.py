@@ -38,8 +38,9 @@ from fltff import learning  # pylint: disable=g-import-not-at-top,wrong-import-p
 from fltff import personalization  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.data.pipeline import client_batches  # pylint: disable=g-import-not-at-top,wrong-import-position
-from fltff.learning import client_state  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff.learning import protocol  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.models import build_model  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff.simulation.state_store import ClientStateStore  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _ROUNDS = flags.DEFINE_integer('rounds', 8, 'Rounds per variant (the first is excluded).')
 _CLIENTS = flags.DEFINE_integer('clients', 10, 'Clients per round.')
@@ -104,48 +105,27 @@ class PlainTfFedAvg:
     return new
 
 
-def _round_inputs(data, r):
-  datasets = [client_batches(x, y, _BATCH.value, shuffle_seed=r * 1000 + k)
-              for k, (x, y) in enumerate(data)]
-  return datasets, [learning.client_input(ds, k, _EPOCHS.value)
-                    for k, ds in enumerate(datasets)]
+def _round_datasets(data, r):
+  return [client_batches(x, y, _BATCH.value, shuffle_seed=r * 1000 + k)
+          for k, (x, y) in enumerate(data)]
 
 
-def _round_fn(algorithm, spec, num_clients):
-  """One round of `algorithm` on given datasets, carrying whatever state the method keeps
-  between rounds (server state; SCAFFOLD's controls; personal models and server copies)."""
-  process = algorithm.process
-  holder = {'state': process.initialize()}
-  if getattr(algorithm, 'kind', 'global') == 'personalized':
-    states = {k: algorithm.new_client_state() for k in range(num_clients)}
+def _round_fn(algorithm):
+  """One round of any method (`protocol.run_round`, the driver's core) on given datasets, with
+  all clients taking part; its state (server state, client states) carries over."""
+  holder = {'state': algorithm.initialize()}
+  store = ClientStateStore(algorithm.initial_client_state)
 
-    def personal_round(datasets):
-      ks = list(range(len(datasets)))
-      inputs = [algorithm.client_input(ds, k, _EPOCHS.value, states[k])
-                for k, ds in zip(ks, datasets)]
-      server_input = algorithm.server_input(ks, [states[k] for k in ks],
-                                            [_EXAMPLES.value] * len(ks))
-      out = process.next(holder['state'], server_input, inputs)
-      holder['state'] = out.state
-      states.update(algorithm.next_client_states(out.result, states.get))
-
-    return personal_round
-  controls = {}
-
-  def global_round(datasets):
-    if algorithm.client_state_init is None:
-      inputs = [learning.client_input(ds, k, _EPOCHS.value) for k, ds in enumerate(datasets)]
-    else:
-      inputs = [learning.client_input(ds, k, _EPOCHS.value,
-                                      client_state=controls.get(k, algorithm.client_state_init()))
-                for k, ds in enumerate(datasets)]
-    out = process.next(holder['state'], inputs)
+  def one_round(datasets):
+    out, _ = protocol.run_round(
+        algorithm, holder['state'], range(len(datasets)), batches_of=lambda k: datasets[k],
+        epochs_of=lambda k: _EPOCHS.value, num_examples_of=lambda k: _EXAMPLES.value,
+        client_state_of=store.get)
     holder['state'] = out.state
-    if algorithm.client_states_key is not None:
-      controls.update(client_state.unpack_client_states(
-          out.metrics['client_work'][algorithm.client_states_key]))
+    for k, value in out.client_states.items():
+      store.set(k, value)
 
-  return global_round
+  return one_round
 
 
 def compare_methods(spec, data) -> int:
@@ -186,10 +166,10 @@ def compare_methods(spec, data) -> int:
   with runtime.local_runtime():
     opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
     algorithms = {m: builders[m](opt) for m in names}
-    rounds = {m: _round_fn(a, spec, len(data)) for m, a in algorithms.items()}
+    rounds = {m: _round_fn(a) for m, a in algorithms.items()}
     times = {m: [] for m in names}
     for r in range(_ROUNDS.value):
-      datasets, _ = _round_inputs(data, r)
+      datasets = _round_datasets(data, r)
       for m in (names if r % 2 == 0 else names[::-1]):  # Alternate the order too.
         t0 = time.perf_counter()
         rounds[m](datasets)
@@ -220,17 +200,17 @@ def compare_runtimes(spec) -> int:
     summary = []
     for num_clients in [int(c) for c in _CLIENTS_LIST.value]:
       data = _client_data(num_clients, _EXAMPLES.value)
-      states, times = {}, {name: [] for name in runtimes}
+      rounds, times = {}, {name: [] for name in runtimes}
       for name, rt in runtimes.items():
         tff.framework.set_default_context(rt.context)
-        states[name] = algorithm.process.initialize()
+        rounds[name] = _round_fn(algorithm)
       for r in range(_ROUNDS.value):
-        _, inputs = _round_inputs(data, r)
+        datasets = _round_datasets(data, r)
         order = list(runtimes) if r % 2 == 0 else list(runtimes)[::-1]
         for name in order:
           tff.framework.set_default_context(runtimes[name].context)
           t0 = time.perf_counter()
-          states[name] = algorithm.process.next(states[name], inputs).state
+          rounds[name](datasets)
           times[name].append(time.perf_counter() - t0)
       med = {name: statistics.median(v[1:]) for name, v in times.items()}
       print(f'{num_clients} clients: ' + ', '.join(
@@ -264,14 +244,14 @@ def main(argv) -> int:
   with runtime.local_runtime():
     client_opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
     algorithm = learning.build_fedavg(spec, client_optimizer=client_opt)
-    state = algorithm.process.initialize()
+    fltff_round = _round_fn(algorithm)
     plain = PlainTfFedAvg(keras_fn)
     plain_weights = [np.asarray(w) for w in spec.initial_weights().trainable]
     times = {'fltff_tff': [], 'plain_tf': []}
     for r in range(_ROUNDS.value):
-      datasets, inputs = _round_inputs(data, r)
+      datasets = _round_datasets(data, r)
       t0 = time.perf_counter()
-      state = algorithm.process.next(state, inputs).state
+      fltff_round(datasets)
       times['fltff_tff'].append(time.perf_counter() - t0)
       t0 = time.perf_counter()
       plain_weights = plain.round(plain_weights, datasets, sizes)

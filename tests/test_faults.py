@@ -305,8 +305,8 @@ def test_client_index_beyond_num_clients_is_a_python_error():
                     learning.build_fedadp(spec, num_clients=2)):
     _, state = start_process(algorithm)
     with pytest.raises(ConfigError, match=r'num_clients=2 .*client index\(es\) \[2\]'):
-      algorithm.next(state, inputs)
-    assert algorithm.next(state, inputs[:2]).state is not None  # In range: it runs.
+      algorithm.next(state, None, inputs)
+    assert algorithm.next(state, None, inputs[:2]).state is not None  # In range: it runs.
   scaffold = learning.build_scaffold(spec, num_clients=2)
   with pytest.raises(ConfigError, match=r'scaffold was built for num_clients=2'):
     scaffold.check_client_indices([0, 5])

@@ -25,7 +25,6 @@ from fltff.data import npz_source
 from fltff.runtime import TffRuntime
 from fltff.simulation import RoundConfig
 from fltff.simulation import RoundDriver
-from fltff.simulation import PersonalizedRoundDriver
 from fltff.simulation import build_model_spec
 from helpers import REPO
 from helpers import read_csv
@@ -90,10 +89,8 @@ def _run(algorithm, data, runtime, out):
   tff.framework.set_default_context(runtime.context)
   config = RoundConfig(rounds=3, clients_per_round=4, local_epochs=1, batch_size=16,
                        eval_every=1, checkpoint_every=3, seed=1)
-  driver_class = (PersonalizedRoundDriver if getattr(algorithm, 'kind', '') == 'personalized'
-                  else RoundDriver)
-  driver_class(algorithm, data, config, str(out), progress=lambda _: None,
-               runtime=runtime).run()
+  RoundDriver(algorithm, data, config, str(out), progress=lambda _: None,
+              runtime=runtime).run()
   checkpoint = np.load(os.path.join(out, 'checkpoints', 'round_00003.npz'))
   return read_csv(os.path.join(out, 'metrics.csv')), {k: checkpoint[k] for k in checkpoint}
 

@@ -12,15 +12,19 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import numpy as np
+
 from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
+from fltff.learning import protocol
+from fltff.learning.protocol import check_client_indices
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.model_spec import type_num_bytes
 
 
 @dataclasses.dataclass
-class Algorithm:
-  """A built method, as the round driver uses it.
+class Algorithm(protocol.FederatedAlgorithm):
+  """A built global method (`protocol.FederatedAlgorithm` over a TFF LearningProcess).
 
   Attributes:
     name: Method name for logs and reports.
@@ -48,31 +52,54 @@ class Algorithm:
   # SCAFFOLD's and MOON's client states): the N it is sized for. Client indices must be < N.
   num_clients: Optional[int] = None
 
-  def check_client_indices(self, indices: Sequence[int]) -> None:
-    """Raises `ConfigError` when a client index is outside `[0, num_clients)` (inside the
-    process it would be a raw gRPC `INTERNAL ... indices[k] = i is not in [0, N)`)."""
-    check_client_indices(self.name, self.num_clients, indices)
+  # -- protocol.FederatedAlgorithm -----------------------------------------------------------
+  def initialize(self, call: protocol.Call = protocol.direct_call):
+    """The process's initial state with the model spec's initial weights (so every method of a
+    run starts from the same model)."""
+    state = call(self.process.initialize)
+    return self.process.set_model_weights(state, self.model_spec.initial_weights())
 
-  def next(self, state, client_data: Sequence):
-    """`process.next(state, client_data)` after checking the clients' indices in Python."""
-    self.check_client_indices([client_index_of_input(c) for c in client_data])
-    return self.process.next(state, client_data)
+  @property
+  def has_client_state(self) -> bool:
+    return self.client_state_init is not None
+
+  def initial_client_state(self, client_index: int):
+    del client_index
+    return None if self.client_state_init is None else self.client_state_init()
+
+  def client_input(self, batches, client_index: int, epochs: int, client_state=None):
+    return client_work_lib.client_input(batches, client_index, epochs, client_state=client_state)
+
+  def next(self, state, server_input, client_inputs: Sequence,
+           call: protocol.Call = protocol.direct_call) -> protocol.RoundOutput:
+    """`process.next(state, client_inputs)` after checking the clients' indices in Python; the
+    participants' new client states come from the client work's measurements."""
+    from fltff.learning.client_state import unpack_client_states  # pylint: disable=g-import-not-at-top
+
+    if server_input is not None:
+      raise ValueError(f'{self.name} takes no server input.')
+    clients = [client_index_of_input(c) for c in client_inputs]
+    self.check_client_indices(clients)
+    output = call(self.process.next, state, client_inputs)
+    others = dict(output.metrics)
+    client_work = dict(others.pop('client_work'))
+    train = client_work.pop('train')
+    client_states = {}
+    if self.client_states_key is not None:
+      client_states = unpack_client_states(client_work.pop(self.client_states_key))
+    return protocol.RoundOutput(
+        state=output.state, client_states=client_states, train=train,
+        measurements=dict(others, client_work=client_work), clients=clients,
+        bytes_down=np.full(len(clients), float(self.bytes_down_per_client)),
+        bytes_up=np.full(len(clients), float(self.bytes_up_per_client)))
+
+  def global_model_weights(self, state):
+    return self.process.get_model_weights(state)
 
 
 def client_index_of_input(data) -> int:
   """The client index packed into one `client_work.client_input(...)`."""
   return int(next(iter(data['info']))['client_index'])
-
-
-def check_client_indices(name: str, num_clients: Optional[int], indices: Sequence[int]) -> None:
-  """`ConfigError` naming the indices of `indices` outside `[0, num_clients)`."""
-  if num_clients is None:
-    return
-  bad = sorted({int(k) for k in indices if not 0 <= int(k) < num_clients})
-  if bad:
-    raise ConfigError(f'{name} was built for num_clients={num_clients} clients (indices 0-'
-                      f'{num_clients - 1}), but got client index(es) {bad}: build it with the '
-                      f'real number of clients.')
 
 
 def build_algorithm(name: str,

@@ -17,6 +17,11 @@ with the degree of personalisation chosen by `mixing`:
   average β over layers is `degree`, so the knob means the same in both modes.
 
 A client that has never trained locally is evaluated with the global model (β = 0).
+
+`with_fedlap_personalization(algorithm, personalization)` adds this to any global method as a
+`protocol.FederatedAlgorithm`: each client's state becomes `OrderedDict(local=<its local
+model>[, method=<the method's own client state>])`, and a round runs the method's round and
+the participants' local updates.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import gin
 import numpy as np
 
 from fltff.errors import ConfigError
+from fltff.learning import protocol
 
 
 def layer_dissimilarities(local: Sequence[np.ndarray], global_: Sequence[np.ndarray],
@@ -82,6 +88,93 @@ class FedLapPersonalization:
     return collections.OrderedDict(
         trainable=mix_layers(local['trainable'], global_.trainable, self.layers, betas),
         non_trainable=[np.asarray(x) for x in global_.non_trainable])
+
+
+class _LocalModelInput(collections.namedtuple('_LocalModelInput', ['method', 'local'])):
+  """A participant's input with local models: the method's input and its local model."""
+
+
+class FedLapPersonalized(protocol.FederatedAlgorithm):
+  """A global method plus each client's persistent local model and personalised evaluation."""
+
+  personal_models = True
+
+  def __init__(self, algorithm: protocol.FederatedAlgorithm,
+               personalization: FedLapPersonalization):
+    if algorithm.personalized:
+      raise ConfigError(f'{algorithm.name} is personalised already; remove '
+                        'experiment.personalization.')
+    self.inner = algorithm
+    self.personalization = personalization
+    self.name = algorithm.name
+    self.process = algorithm.process
+    self.model_spec = algorithm.model_spec
+    self.num_clients = algorithm.num_clients
+    self.bytes_down_per_client = algorithm.bytes_down_per_client
+    self.bytes_up_per_client = algorithm.bytes_up_per_client
+    initial = algorithm.model_spec.initial_weights()
+    self._initial_local = collections.OrderedDict(
+        trainable=[np.asarray(w) for w in initial.trainable],
+        non_trainable=[np.asarray(w) for w in initial.non_trainable])
+
+  def initialize(self, call: protocol.Call = protocol.direct_call):
+    return self.inner.initialize(call)
+
+  @property
+  def has_client_state(self) -> bool:
+    return True
+
+  def initial_client_state(self, client_index: int) -> collections.OrderedDict:
+    """The initial model as the local model (a client that never took part trains from it)."""
+    state = collections.OrderedDict(local=collections.OrderedDict(
+        (key, [w.copy() for w in value]) for key, value in self._initial_local.items()))
+    if self.inner.has_client_state:
+      state['method'] = self.inner.initial_client_state(client_index)
+    return state
+
+  def client_input(self, batches, client_index: int, epochs: int, client_state=None):
+    return _LocalModelInput(
+        self.inner.client_input(batches, client_index, epochs, client_state.get('method')),
+        client_state['local'])
+
+  def server_input(self, clients, client_states, num_examples):
+    return self.inner.server_input(clients, [s.get('method') for s in client_states],
+                                   num_examples)
+
+  def next(self, state, server_input, client_inputs, call=protocol.direct_call):
+    """The method's round, then each participant's local model trained on the same data."""
+    inputs = [c.method for c in client_inputs]
+    out = self.inner.next(state, server_input, inputs, call)
+    updated = call(self.personalization.local_update, [c.local for c in client_inputs], inputs)
+    client_states = {}
+    for index, weights in updated:
+      k = int(index)
+      client_states[k] = collections.OrderedDict(local=collections.OrderedDict(
+          trainable=[np.asarray(w) for w in weights.trainable],
+          non_trainable=[np.asarray(w) for w in weights.non_trainable]))
+      if self.inner.has_client_state:
+        client_states[k]['method'] = out.client_states[k]
+    out.client_states = client_states
+    return out
+
+  def global_model_weights(self, state):
+    return self.inner.global_model_weights(state)
+
+  def personal_weights(self, state, client_state):
+    return self.personalization.personalized_weights(client_state['local'],
+                                                     self.inner.global_model_weights(state))
+
+  def round_files(self, state) -> dict:
+    return self.inner.round_files(state)
+
+  def summary_extras(self, num_clients: int) -> dict:
+    return self.inner.summary_extras(num_clients)
+
+
+def with_fedlap_personalization(algorithm: protocol.FederatedAlgorithm,
+                                personalization: FedLapPersonalization) -> FedLapPersonalized:
+  """`algorithm` with FedLap personalisation's local models (module docstring)."""
+  return FedLapPersonalized(algorithm, personalization)
 
 
 @gin.configurable('fedlap_personalization')

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Optional
 
@@ -31,6 +32,7 @@ import tensorflow as tf
 
 from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
+from fltff.learning import protocol
 from fltff.learning import regularizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.personalization import bls
@@ -150,8 +152,8 @@ class RelationRule:
 
 # --- the process ------------------------------------------------------------------------------
 @dataclasses.dataclass
-class PersonalizedAlgorithm:
-  """A personalised method as the round driver uses it (`kind == 'personalized'`).
+class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
+  """A personalised method (`protocol.FederatedAlgorithm`; `personalized` is True).
 
   `process.next(state, server_input, client_data)` with `server_input =
   OrderedDict(clients=int32[P], models=tuple of [P, ...] server copies, num_examples=float32[P])`
@@ -180,9 +182,71 @@ class PersonalizedAlgorithm:
   bls: bool = False
   # N: R and the per-client state are sized for it; client indices must be < N.
   num_clients: Optional[int] = None
-  kind: str = 'personalized'
+  personalized: bool = True
+  personal_models: bool = True
   _initial: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
 
+  # -- protocol.FederatedAlgorithm -----------------------------------------------------------
+  def initialize(self, call: protocol.Call = protocol.direct_call):
+    return call(self.process.initialize)
+
+  @property
+  def has_client_state(self) -> bool:
+    return True
+
+  def initial_client_state(self, client_index: int) -> collections.OrderedDict:
+    del client_index
+    return self.new_client_state()
+
+  @property
+  def bytes_down_per_client(self) -> int:
+    """All layers (BLS may send fewer: the round's `bytes_down` counts what was sent)."""
+    return int(sum(self.layer_sizes_bytes))
+
+  @property
+  def bytes_up_per_client(self) -> int:
+    return int(sum(self.layer_sizes_bytes))
+
+  def next(self, state, server_input, client_inputs: Sequence,
+           call: protocol.Call = protocol.direct_call) -> protocol.RoundOutput:
+    """`process.next(state, server_input, client_inputs)`; the participants' new states are
+    rebuilt from the result and their previous server copies (in `server_input`)."""
+    output = call(self.process.next, state, server_input, client_inputs)
+    result = output.result
+    start = time.perf_counter()
+    clients = [int(k) for k in np.asarray(server_input['clients'])]
+    copies = {k: [np.array(m[p]) for m in server_input['models']] for p, k in enumerate(clients)}
+    client_states = self.next_client_states(
+        result, lambda k: collections.OrderedDict(server_copy=copies[k]))
+    order = [int(k) for k in np.asarray(result['clients'])]
+    server_seconds = time.perf_counter() - start
+    measurements = dict(output.measurements)
+    train = measurements.pop('train')
+    return protocol.RoundOutput(
+        state=output.state, client_states=client_states, train=train,
+        measurements=measurements, clients=order,
+        bytes_down=np.asarray(result['bytes_down'], np.float64),
+        bytes_up=np.asarray(result['bytes_up'], np.float64),
+        arrays={'omega': np.asarray(result['omega']), 'clients': np.asarray(order)},
+        server_seconds=server_seconds)
+
+  def personal_weights(self, state, client_state):
+    del state
+    return client_state['model']
+
+  def round_files(self, state) -> dict:
+    """The relationship cube for the report's heat map (KAPC paper, Fig. 7)."""
+    return {'relationship.npy': np.asarray(state['relation'])}
+
+  def summary_extras(self, num_clients: int) -> dict:
+    """The server's memory for the method: its state (KAPC's R `[N, L, N]`; pFedLA's
+    hypernetworks too) plus one model copy per client (the stale layers KAPC keeps)."""
+    from fltff.learning.model_spec import type_num_bytes  # pylint: disable=g-import-not-at-top
+
+    server_state = type_num_bytes(self.process.initialize.type_signature.result.member)
+    return {'server_memory_mb': (server_state + num_clients * self.bytes_up_per_client) / 1e6}
+
+  # -- the per-client bookkeeping --------------------------------------------------------------
   def new_client_state(self) -> collections.OrderedDict:
     """A client that never took part: the initial model, Ω = L (BLS's search then starts
     from L − 1: `bls.search_start`), with BLS running maxima B̂ = τ̂ = 0."""
@@ -217,12 +281,6 @@ class PersonalizedAlgorithm:
       personal['tau_max'] = np.asarray(client_state['tau_max'], np.float32)
     return client_work_lib.client_input(batches, client_index, epochs, client_state=personal,
                                         state_in_dataset=False)
-
-  def check_client_indices(self, indices: Sequence[int]) -> None:
-    """Raises `ConfigError` for a client index outside `[0, num_clients)`."""
-    from fltff.learning.process import check_client_indices  # pylint: disable=g-import-not-at-top
-
-    check_client_indices(self.name, self.num_clients, indices)
 
   def server_input(self, clients: Sequence[int], client_states: Sequence,
                    num_examples: Sequence[float]) -> collections.OrderedDict:

@@ -1,8 +1,8 @@
 """Simulation: the experiment wiring, the round drivers, sampling, evaluation, checkpoints.
 
 `run_experiment` (gin `experiment`, `experiment.py`) wires data → model → method → driver;
-`RoundDriver` (`driver.py`) runs global methods, `PersonalizedRoundDriver`
-(`personalized.py`) personalised ones; per-client state lives in `ClientStateStore`.
+`RoundDriver` (`driver.py`) runs every method through `fltff.learning.protocol`; per-client
+state lives in its one `ClientStateStore`.
 """
 
 from fltff.simulation.channel import ChannelModel
@@ -13,7 +13,6 @@ from fltff.simulation.evaluation import Evaluator
 from fltff.simulation.experiment import build_method
 from fltff.simulation.experiment import build_model_spec
 from fltff.simulation.experiment import run_experiment
-from fltff.simulation.personalized import PersonalizedRoundDriver
 from fltff.simulation.state_store import ClientStateStore
 
 __all__ = [
@@ -21,7 +20,6 @@ __all__ = [
     'Checkpointer',
     'ClientStateStore',
     'Evaluator',
-    'PersonalizedRoundDriver',
     'RoundConfig',
     'RoundDriver',
     'build_method',

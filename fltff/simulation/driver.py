@@ -1,5 +1,13 @@
 """The round driver: sampling, local epochs, evaluation, metrics, checkpoints, resume.
 
+One driver for every method: it speaks only `fltff.learning.protocol` (server state and the
+participants' client states in and out of `algorithm.next`) and keeps the client states in one
+`ClientStateStore`, saved in every checkpoint. Evaluation follows the method: the global model
+on the central test set (and on the round's clients' local test splits when there are any);
+for personalised methods each client's own model on its local test split (the KAPC paper's
+metric; the best over rounds is the summary's `best_mean_local_accuracy`); with FedLap
+personalisation both.
+
 Data flows one way (DESIGN.md): gin → pipeline → (data, model, process, runtime) → this driver
 → metrics/checkpoints → report. Every random choice (participants, data order) is a function of
 `(seed, round, client)`, so a run resumed from a checkpoint ends with exactly the metrics of an
@@ -8,9 +16,9 @@ uninterrupted run.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -24,8 +32,7 @@ from fltff.errors import ConfigError
 from fltff.errors import DivergenceError
 from fltff.errors import StopRequested
 from fltff.errors import warn
-from fltff.learning import client_state
-from fltff.learning.client_work import client_input
+from fltff.learning import protocol
 from fltff.simulation import sampling
 from fltff.simulation.checkpoint import Checkpointer
 from fltff.simulation.checkpoint import kept_message
@@ -83,19 +90,22 @@ def _finite_tree(structure) -> bool:
 
 
 class RoundDriver:
-  """Runs an `Algorithm` on `FederatedData` for `config.rounds` rounds."""
+  """Runs any `protocol.FederatedAlgorithm` on `FederatedData` for `config.rounds` rounds."""
 
-  def __init__(self, algorithm, data, config: RoundConfig, output_dir: str,
-               progress: Callable[[str], None] = print, runtime=None, personalization=None,
+  def __init__(self, algorithm: protocol.FederatedAlgorithm, data, config: RoundConfig,
+               output_dir: str, progress: Callable[[str], None] = print, runtime=None,
                stop_event=None, channel=None):
     config.validate()
     if config.round_deadline is not None and channel is None:
       raise ConfigError('experiment.round_deadline needs a channel model: set '
                         'experiment.channel = @channel_model.')
+    if algorithm.personal_models and data.local_test_indices is None:
+      raise ConfigError(f'{algorithm.name} evaluates personal models on local test splits: '
+                        'set federated_data.local_test_examples > 0.')
     self.channel = channel
     # With a `TffRuntime`, computations run with failover (a lost worker's round is repeated
     # on the others); the round's inputs are deterministic, so the repeat is exact.
-    self.call = runtime.call if runtime is not None else (lambda fn, *a: fn(*a))
+    self.call = runtime.call if runtime is not None else protocol.direct_call
     self.algorithm = algorithm
     self.process = algorithm.process
     self.data = data
@@ -105,40 +115,23 @@ class RoundDriver:
     self.num_clients = data.num_clients()
     self.participants = sampling.num_participants(self.num_clients, config.clients_per_round,
                                                   config.client_fraction)
-    # Personal models of a personalisation add-on, and the method's own client state
-    # (SCAFFOLD's controls): two stores, both saved in checkpoints.
-    self.client_states = ClientStateStore()
-    self.method_states = None
-    if getattr(algorithm, 'client_state_init', None) is not None:
-      self.method_states = ClientStateStore(lambda k: algorithm.client_state_init())
+    # The one per-client state store (SCAFFOLD's controls, MOON's previous models, personal
+    # models and server copies, local models of FedLap personalisation).
+    self.client_states = ClientStateStore(algorithm.initial_client_state)
     self.outputs = RunOutputs(output_dir)
     self.checkpointer = Checkpointer(output_dir)
     self.evaluator = Evaluator(algorithm.model_spec)
     self.rows: list[dict] = []
-    self.personalization = personalization
     self.stop_event = stop_event
     self._round_clients: list[int] = []
     self._loss_warned = False
-    if personalization is not None and data.local_test_indices is None:
-      raise ConfigError('Personalised evaluation needs local test splits: set '
-                        'federated_data.local_test_examples > 0.')
-    initial = algorithm.model_spec.initial_weights()
-    self._initial_client_state = collections.OrderedDict(
-        trainable=[np.asarray(w) for w in initial.trainable],
-        non_trainable=[np.asarray(w) for w in initial.non_trainable])
 
   # -- one round ---------------------------------------------------------------------------
-  def client_inputs(self, round_num: int, clients: Sequence[int],
-                    epochs: Optional[dict[int, int]] = None) -> list:
-    inputs = []
-    for k in clients:
-      x, y = self.data.client_arrays(int(k))
-      ds = client_batches(x, y, self.config.batch_size,
-                          sampling.shuffle_seed(self.config.seed, round_num, int(k)))
-      e = self.config.local_epochs if epochs is None else epochs[int(k)]
-      state = None if self.method_states is None else self.method_states.get(int(k))
-      inputs.append(client_input(ds, int(k), e, client_state=state))
-    return inputs
+  def client_batches(self, round_num: int, client_index: int):
+    """Client k's shuffled batches for round `round_num` (order a function of seed, round, k)."""
+    x, y = self.data.client_arrays(client_index)
+    return client_batches(x, y, self.config.batch_size,
+                          sampling.shuffle_seed(self.config.seed, round_num, client_index))
 
   def plan_round(self, round_num: int):
     """Participants and their local epochs: `(clients, epochs by client, dropped)`.
@@ -157,20 +150,14 @@ class RoundDriver:
       ks = np.asarray([int(k) for k in sampled])
       sizes = np.asarray([len(self.data.train_indices[k]) for k in ks], np.float64)
       fit = deadline_epochs(
-          self.channel.download_seconds(ks, self.algorithm_bytes_down(), len(ks)),
-          self.channel.upload_seconds(ks, self.algorithm_bytes_up()),
+          self.channel.download_seconds(ks, self.algorithm.bytes_down_per_client, len(ks)),
+          self.channel.upload_seconds(ks, self.algorithm.bytes_up_per_client),
           sizes * cfg.compute_seconds_per_example, cfg.local_epochs, cfg.round_deadline)
       epochs = {int(k): min(int(epochs[int(k)]), int(e)) for k, e in zip(ks, fit)}
       dropped = set(dropped) | {int(k) for k, e in zip(ks, fit) if e == 0}
     clients = [int(k) for k in sampled if int(k) not in dropped]
     self._round_clients = clients
     return clients, epochs, dropped
-
-  def algorithm_bytes_down(self) -> int:
-    return self.algorithm.bytes_down_per_client
-
-  def algorithm_bytes_up(self) -> int:
-    return self.algorithm.bytes_up_per_client
 
   def system_columns(self, clients: Sequence[int], epochs: dict, bytes_down, bytes_up,
                      train_seconds: float, server_seconds: float) -> dict:
@@ -209,54 +196,45 @@ class RoundDriver:
     }
 
   def run_round(self, state, round_num: int):
-    """One round; returns `(new_state, metrics_row, pending client states)`.
+    """One round; returns `(new_state, metrics_row, the participants' new client states)`.
 
-    Client states (personal models, the method's client state) are returned as
-    `{store: {client: state}}`, not stored: the caller commits them only once the round is known
-    to be good, so a diverged round leaves the stores as checkpointed.
+    Client states are returned, not stored: `run` commits them only once the round is known to
+    be good, so a diverged round leaves the store as checkpointed.
     """
     clients, epochs, dropped = self.plan_round(round_num)
-    inputs = self.client_inputs(round_num, clients, epochs)
-    start = time.perf_counter()
-    self.algorithm.check_client_indices(clients)
-    output = self.call(self.process.next, state, inputs)
-    pending = {'client_states': {}, 'method_states': {}}
-    if self.personalization is not None:
-      local_models = [self.client_states.get(k) if k in self.client_states
-                      else self._initial_client_state for k in clients]
-      for index, weights in self.call(self.personalization.local_update, local_models, inputs):
-        pending['client_states'][int(index)] = collections.OrderedDict(
-            trainable=[np.asarray(w) for w in weights.trainable],
-            non_trainable=[np.asarray(w) for w in weights.non_trainable])
-    seconds = time.perf_counter() - start
-    others = dict(output.metrics)
-    client_work = dict(others.pop('client_work'))
-    train = client_work.pop('train')
-    if self.algorithm.client_states_key is not None:
-      pending['method_states'].update(client_state.unpack_client_states(
-          client_work.pop(self.algorithm.client_states_key)))
-    scalars, arrays = split_measurements(dict(others, client_work=client_work))
-    row = self.round_row(round_num, train, clients, epochs, dropped,
-                         self.algorithm.bytes_down_per_client * len(clients),
-                         self.algorithm.bytes_up_per_client * len(clients), seconds)
+    out, seconds = protocol.run_round(
+        self.algorithm, state, clients,
+        batches_of=lambda k: self.client_batches(round_num, k),
+        epochs_of=lambda k: epochs[k],
+        num_examples_of=lambda k: len(self.data.train_indices[k]),
+        client_state_of=self.client_states.get, call=self.call)
+    scalars, arrays = split_measurements(out.measurements)
+    row = self.round_row(round_num, out.train, clients, epochs, dropped, out.bytes_down.sum(),
+                         out.bytes_up.sum(), seconds)
     row.update(scalars)
-    row.update(self.system_columns(clients, epochs, self.algorithm.bytes_down_per_client,
-                                   self.algorithm.bytes_up_per_client, seconds, 0.0))
+    row.update(self.system_columns(out.clients, epochs, out.bytes_down, out.bytes_up, seconds,
+                                   out.server_seconds))
+    arrays.update(out.arrays)
     if arrays:
       self.outputs.log_arrays(round_num, arrays)
-    return output.state, row, pending
+    return out.state, row, out.client_states
 
   def evaluate(self, state) -> dict[str, float]:
-    """Global model on the central test set; with personalisation also per-client metrics."""
-    global_weights = self.process.get_model_weights(state)
+    """Personalised methods: the round's clients' own models on their local test splits.
+    Otherwise the global model on the central test set (and on the round's clients' local
+    splits), with personal models (FedLap personalisation) also `evaluate_personalized`."""
+    if self.algorithm.personalized:
+      return {'mean_local_accuracy': self.mean_local_accuracy(
+          lambda k: self.algorithm.personal_weights(state, self.client_states.get(k)))}
+    global_weights = self.algorithm.global_model_weights(state)
     self.evaluator.set_weights(global_weights)
     x, y = self.data.central_test()
     result = self.evaluator.evaluate(x, y)
     out = {'test_loss': result['loss'], 'test_accuracy': result['accuracy']}
     if self.data.local_test_indices is not None:
       out['mean_local_accuracy'] = self.mean_local_accuracy(lambda k: global_weights)
-    if self.personalization is not None:
-      out.update(self.evaluate_personalized(global_weights))
+    if self.algorithm.personal_models:
+      out.update(self.evaluate_personalized(state, global_weights))
     return out
 
   def mean_local_accuracy(self, weights_of: Callable[[int], Any]) -> float:
@@ -270,11 +248,9 @@ class RoundDriver:
         accuracies.append(self.evaluator.evaluate(x, y)['accuracy'])
     return float(np.mean(accuracies)) if accuracies else float('nan')
 
-  def evaluate_personalized(self, global_weights) -> dict[str, float]:
-    """Mean over clients of accuracy on their own local test split: personalised and global.
-
-    A client that has never trained its local model is evaluated with the global model.
-    """
+  def evaluate_personalized(self, state, global_weights) -> dict[str, float]:
+    """Mean over all clients of accuracy on their own local test split: personal model and
+    global model. A client that has never taken part is evaluated with the global model."""
     personal, global_local = [], []
     for k in range(self.num_clients):
       x, y = self.data.local_test_arrays(k)
@@ -283,8 +259,8 @@ class RoundDriver:
       self.evaluator.set_weights(global_weights)
       global_local.append(self.evaluator.evaluate(x, y)['accuracy'])
       if k in self.client_states:
-        self.evaluator.set_weights(self.personalization.personalized_weights(
-            self.client_states.get(k), global_weights))
+        self.evaluator.set_weights(self.algorithm.personal_weights(state,
+                                                                   self.client_states.get(k)))
         personal.append(self.evaluator.evaluate(x, y)['accuracy'])
       else:
         personal.append(global_local[-1])
@@ -293,30 +269,24 @@ class RoundDriver:
 
   # -- checkpoints -------------------------------------------------------------------------
   def save(self, round_num: int, state) -> None:
-    arrays = self.client_states.to_arrays()
-    if self.method_states is not None:
-      arrays.update(self.method_states.to_arrays('method'))
-    self.checkpointer.save(round_num, state, {'rows': self.rows}, arrays)
+    self.checkpointer.save(round_num, state, {'rows': self.rows}, self.client_states.to_arrays())
+    for name, array in self.algorithm.round_files(state).items():
+      np.save(os.path.join(self.output_dir, name), array)
 
   def restore(self, template_state):
     round_num, state, meta, arrays = self.checkpointer.restore(template_state)
     self.rows = [r for r in meta['rows'] if r['round'] <= round_num]
     self.outputs.truncate_measurements(round_num)
-    if arrays:
-      self.client_states.load_arrays(arrays, template_fn=self.client_state_template)
-      if self.method_states is not None:
-        self.method_states.load_arrays(
-            arrays, template_fn=lambda k: self.algorithm.client_state_init(), prefix='method')
+    # Checkpoints before the single store kept the method's client states under 'method/'.
+    prefix = 'client' if any(key.startswith('client/') for key in arrays) else 'method'
+    self.client_states.load_arrays(arrays, template_fn=self.algorithm.initial_client_state,
+                                   prefix=prefix)
     return round_num, state
-
-  def client_state_template(self, client_index: int):
-    del client_index
-    return self._initial_client_state
 
   # -- the loop ----------------------------------------------------------------------------
   def run(self, resume: bool = False) -> dict:
     cfg = self.config
-    state = self.initial_state()
+    state = self.algorithm.initialize(self.call)
     start_round = 1
     if resume:
       if self.checkpointer.latest_round() is None:
@@ -331,17 +301,16 @@ class RoundDriver:
     t0 = time.perf_counter()
     try:
       for r in range(start_round, cfg.rounds + 1):
-        new_state, row, pending = self.run_round(state, r)
-        if not math.isfinite(row['train_loss']) or not self.is_finite(new_state, pending):
+        new_state, row, client_states = self.run_round(state, r)
+        if not math.isfinite(row['train_loss']) or not self.is_finite(new_state, client_states):
           raise DivergenceError(
               f'Training diverged in round {r}: the loss or the model weights became NaN/inf. '
               f'{kept_message(self.checkpointer.directory, r - 1)}; lower '
               'client_optimizer.learning_rate (or the server learning rate) and rerun.')
         self.check_loss_growth(row)
         state = new_state
-        for store_name, states in pending.items():
-          for k, value in states.items():
-            getattr(self, store_name).set(k, value)
+        for k, value in client_states.items():
+          self.client_states.set(k, value)
         if r % cfg.eval_every == 0 or r == cfg.rounds:
           row.update(self.evaluate(state))
         previous = self.rows[-1] if self.rows else {}
@@ -394,13 +363,12 @@ class RoundDriver:
            f'{self.LOSS_WARNING_FACTOR:g} x ln(classes) = {limit:.4g}: the run is likely '
            'diverging; consider a lower client_optimizer.learning_rate.')
 
-  def initial_state(self):
-    state = self.call(self.process.initialize)
-    return self.process.set_model_weights(state, self.algorithm.model_spec.initial_weights())
-
-  def is_finite(self, new_state, pending) -> bool:
-    del pending
-    return _finite_tree(self.process.get_model_weights(new_state).trainable)
+  def is_finite(self, new_state, client_states: dict) -> bool:
+    """Whether the new server state and the participants' new states are free of NaN/inf."""
+    if self.algorithm.personalized:
+      return _finite_tree(new_state) and all(_finite_tree(s) for s in client_states.values())
+    return _finite_tree(self.algorithm.global_model_weights(new_state).trainable) and all(
+        _finite_tree(s) for s in client_states.values())
 
   def summary(self) -> dict:
     evals = [r for r in self.rows if 'test_accuracy' in r]
@@ -416,6 +384,7 @@ class RoundDriver:
       extra['sim_time_total'] = self.rows[-1]['sim_time_cumulative']
       extra['sim_round_seconds_mean'] = float(np.mean([r['sim_round_seconds']
                                                        for r in self.rows]))
+    extra.update(self.algorithm.summary_extras(self.num_clients))
     return extra | {
         'method': self.algorithm.name,
         'dataset': self.data.dataset.name,

@@ -2,8 +2,9 @@
 
 gin's `experiment` → federated data (`fltff.data`) → model (`fltff.models`) → method
 (`fltff.learning` / `fltff.personalization`, given its optimizers here: library builders never
-read gin) → round driver (`driver.RoundDriver`, or `personalized.PersonalizedRoundDriver` for
-a `PersonalizedAlgorithm`) → metrics, checkpoints, TensorBoard in the output folder.
+read gin; optionally wrapped with FedLap personalisation's local models) → the round driver
+(`driver.RoundDriver`, one for every method: it speaks `fltff.learning.protocol`) → metrics,
+checkpoints, TensorBoard in the output folder.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ from fltff.data.pipeline import example_shape
 from fltff.errors import ConfigError
 from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
-from fltff.personalization.process import PersonalizedAlgorithm
+from fltff.personalization.fedlap_mixing import with_fedlap_personalization
 from fltff.simulation.driver import RoundConfig
 from fltff.simulation.driver import RoundDriver
 from fltff.simulation.outputs import prepare_output_dir
-from fltff.simulation.personalized import PersonalizedRoundDriver
 
 
 def build_model_spec(data, model: str, seed: int) -> ModelSpec:
@@ -136,14 +136,12 @@ def run_experiment(output_dir: str,
   data = build_federated_data()
   model_spec = build_model_spec(data, model, model_seed)
   algorithm = build_method(method, model_spec, data.num_clients())
-  driver_class = (PersonalizedRoundDriver if isinstance(algorithm, PersonalizedAlgorithm)
-                  else RoundDriver)
-  personal = None
   if personalization is not None:
-    personal = personalization(model_spec, client_optimizer=optimizers.client_optimizer())
-  driver = driver_class(algorithm, data, config, output_dir, progress=progress, runtime=runtime,
-                        personalization=personal, stop_event=stop_event,
-                        channel=channel(num_clients=data.num_clients()) if channel else None)
+    algorithm = with_fedlap_personalization(
+        algorithm, personalization(model_spec, client_optimizer=optimizers.client_optimizer()))
+  driver = RoundDriver(algorithm, data, config, output_dir, progress=progress, runtime=runtime,
+                       stop_event=stop_event,
+                       channel=channel(num_clients=data.num_clients()) if channel else None)
   driver.outputs.write_json('partition.json', data.summary())
   with open(os.path.join(output_dir, 'config.gin'), 'w') as f:
     f.write(gin.operative_config_str())
