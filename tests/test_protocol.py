@@ -1,0 +1,147 @@
+"""The one protocol (`fltff.learning.protocol`) and the one driver that speaks it (issue 13).
+
+Every method — global, with client state, personalised, wrapped with FedLap personalisation —
+runs through `protocol.run_round` with its client states in and out; the driver keeps them in
+one store, and checkpoints from before the single store (client states under `method/`)
+still resume to the same numbers.
+"""
+
+import functools
+import os
+
+import numpy as np
+import pytest
+import tensorflow_federated as tff
+
+from fltff import learning
+from fltff import personalization
+from fltff.data import build_federated_data
+from fltff.data import dirichlet_partition
+from fltff.data import npz_source
+from fltff.errors import ConfigError
+from fltff.learning import protocol
+from fltff.personalization.fedlap_mixing import FedLapPersonalization
+from fltff.personalization.fedlap_mixing import with_fedlap_personalization
+from fltff.simulation import RoundConfig
+from fltff.simulation import RoundDriver
+from fltff.simulation import build_model_spec
+from fltff.simulation.state_store import ClientStateStore
+from helpers import REPO
+from helpers import read_csv
+
+NUM_CLIENTS = 5
+SGD = functools.partial(tff.learning.optimizers.build_sgdm, learning_rate=0.05)
+
+
+@pytest.fixture(scope='module')
+def data():
+  path = os.path.join(REPO, '..', 'shared', 'data', 'mnist_first1003.npz')
+  return build_federated_data(
+      source=functools.partial(npz_source, path=path),
+      partitioner=functools.partial(dirichlet_partition, alpha=0.5),
+      num_clients=NUM_CLIENTS, seed=2, local_test_examples=20)
+
+
+@pytest.fixture(scope='module')
+def spec(data):
+  return build_model_spec(data, 'mlp2', seed=0)
+
+
+def _round(algorithm, state, store, data, clients):
+  from fltff.data.pipeline import client_batches  # pylint: disable=g-import-not-at-top
+
+  return protocol.run_round(
+      algorithm, state, clients,
+      batches_of=lambda k: client_batches(*data.client_arrays(k), 32, shuffle_seed=k),
+      epochs_of=lambda k: 1, num_examples_of=lambda k: len(data.train_indices[k]),
+      client_state_of=store.get)[0]
+
+
+def test_client_states_go_in_and_out_the_same_way_for_every_kind(data, spec):
+  fedavg = learning.build_fedavg(spec, client_optimizer=SGD())
+  scaffold = learning.build_scaffold(spec, NUM_CLIENTS, client_optimizer=SGD())
+  kapc = personalization.build_kapc(spec, NUM_CLIENTS, client_optimizer=SGD())
+  for algorithm, stateful in ((fedavg, False), (scaffold, True), (kapc, True)):
+    assert isinstance(algorithm, protocol.FederatedAlgorithm)
+    assert algorithm.has_client_state == stateful
+    store = ClientStateStore(algorithm.initial_client_state)
+    out = _round(algorithm, algorithm.initialize(), store, data, [3, 1])
+    assert sorted(out.clients) == [1, 3]
+    assert out.train['num_examples'] == sum(len(data.train_indices[k]) for k in (1, 3))
+    assert sorted(out.client_states) == ([1, 3] if stateful else [])
+    assert len(out.bytes_down) == len(out.bytes_up) == 2
+  # SCAFFOLD's new c_i has the model's trainable shapes; KAPC's state is the personal model,
+  # the server's copy and Ω (nothing else travels).
+  shapes = [w.shape for w in spec.initial_weights().trainable]
+  out = _round(scaffold, scaffold.initialize(), ClientStateStore(scaffold.initial_client_state),
+               data, [0])
+  assert [np.shape(c) for c in out.client_states[0]] == shapes
+  out = _round(kapc, kapc.initialize(), ClientStateStore(kapc.initial_client_state), data, [2, 4])
+  assert list(out.client_states[4]) == ['model', 'server_copy', 'omega']
+  assert out.arrays['clients'].tolist() == out.clients
+
+
+def test_fedlap_personalization_wraps_a_global_method_and_refuses_a_personalised_one(data,
+                                                                                    spec):
+  base = learning.build_fedavg(spec, client_optimizer=SGD())
+  wrapped = with_fedlap_personalization(base, FedLapPersonalization(spec, SGD()))
+  store = ClientStateStore(wrapped.initial_client_state)
+  state = wrapped.initialize()
+  out = _round(wrapped, state, store, data, [0, 2])
+  # The global round is FedAvg's own: the same new weights as the bare method.
+  bare = _round(base, base.initialize(), ClientStateStore(), data, [0, 2])
+  for a, b in zip(wrapped.global_model_weights(out.state).trainable,
+                  base.global_model_weights(bare.state).trainable):
+    np.testing.assert_array_equal(a, b)
+  # Each participant's local model moved from the initial model (trained on its own data).
+  initial = spec.initial_weights().trainable
+  assert sorted(out.client_states) == [0, 2]
+  assert not np.allclose(out.client_states[0]['local']['trainable'][0], initial[0])
+  # Its personalised model mixes local and global layer by layer (β = degree with 'fixed').
+  fixed = with_fedlap_personalization(base, FedLapPersonalization(spec, SGD(), degree=0.25,
+                                                                  mixing='fixed'))
+  personal = fixed.personal_weights(out.state, out.client_states[0])
+  expected = (0.25 * out.client_states[0]['local']['trainable'][0] +
+              0.75 * np.asarray(base.global_model_weights(out.state).trainable[0]))
+  np.testing.assert_allclose(personal['trainable'][0], expected, rtol=1e-6)
+  kapc = personalization.build_kapc(spec, NUM_CLIENTS, client_optimizer=SGD())
+  with pytest.raises(ConfigError, match='personalised already'):
+    with_fedlap_personalization(kapc, FedLapPersonalization(spec, SGD()))
+
+
+def _drive(algorithm, data, out, rounds, resume=False):
+  config = RoundConfig(rounds=rounds, clients_per_round=3, batch_size=32, checkpoint_every=2,
+                       seed=4)
+  RoundDriver(algorithm, data, config, str(out), progress=lambda _: None).run(resume=resume)
+  return read_csv(os.path.join(out, 'metrics.csv'))
+
+
+def _as_legacy_checkpoint(out, round_num):
+  """Rewrites a checkpoint as before the single store: client states under `method/`."""
+  path = os.path.join(out, 'checkpoints', f'round_{round_num:05d}.npz')
+  arrays = dict(np.load(path))
+  assert any(k.startswith('client/') for k in arrays)
+  legacy = {(('method/' + k[len('client/'):]) if k.startswith('client/') else k): v
+            for k, v in arrays.items()}
+  with open(path, 'wb') as f:
+    np.savez(f, **legacy)
+
+
+@pytest.mark.parametrize('method', ['scaffold', 'kapc'])
+def test_a_checkpoint_from_before_the_single_store_resumes_exactly(method, data, spec,
+                                                                  tmp_path):
+  if method == 'scaffold':
+    algorithm = learning.build_scaffold(spec, NUM_CLIENTS, client_optimizer=SGD())
+  else:
+    algorithm = personalization.build_kapc(spec, NUM_CLIENTS, client_optimizer=SGD())
+  full = _drive(algorithm, data, tmp_path / 'full', rounds=4)
+  _drive(algorithm, data, tmp_path / 'part', rounds=2)
+  _as_legacy_checkpoint(tmp_path / 'part', 2)
+  resumed = _drive(algorithm, data, tmp_path / 'part', rounds=4, resume=True)
+  columns = ('train_loss', 'train_accuracy', 'mean_local_accuracy', 'bytes_up')
+  assert [[r[c] for c in columns] for r in resumed] == [[r[c] for c in columns] for r in full]
+  final = [np.load(os.path.join(tmp_path / run, 'checkpoints', 'round_00004.npz'))
+           for run in ('full', 'part')]
+  assert sorted(final[0]) == sorted(final[1])
+  for key in final[0]:
+    np.testing.assert_array_equal(final[0][key], final[1][key], err_msg=key)
