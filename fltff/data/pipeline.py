@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Optional
 
 import numpy as np
@@ -28,14 +29,52 @@ def preprocess_batch(batch):
   return collections.OrderedDict(x=x, y=tf.cast(batch['y'], tf.int32))
 
 
-def client_batches(x: np.ndarray, y: np.ndarray, batch_size: int,
+def client_examples(x: np.ndarray, y: np.ndarray) -> tf.data.Dataset:
+  """One client's preprocessed examples (`preprocess_batch` per example, in the dataset graph:
+  images still travel to the TFF worker as uint8)."""
+  return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y)).map(
+      preprocess_batch)
+
+
+def batch_examples(examples: tf.data.Dataset, num_examples: int, batch_size: int,
                    shuffle_seed: Optional[int] = None) -> tf.data.Dataset:
-  """Batched dataset of one client's examples; reshuffled every epoch when a seed is given.
+  """`examples` batched; reshuffled every epoch when a seed is given.
 
   With a seed, the order of every epoch is a deterministic function of the seed, so a run
   resumed from a checkpoint sees exactly the batches an uninterrupted run would.
   """
-  ds = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y))
   if shuffle_seed is not None:
-    ds = ds.shuffle(len(x), seed=int(shuffle_seed), reshuffle_each_iteration=True)
-  return ds.batch(batch_size).map(preprocess_batch)
+    examples = examples.shuffle(num_examples, seed=int(shuffle_seed),
+                                reshuffle_each_iteration=True)
+  return examples.batch(batch_size)
+
+
+def client_batches(x: np.ndarray, y: np.ndarray, batch_size: int,
+                   shuffle_seed: Optional[int] = None) -> tf.data.Dataset:
+  """Batched dataset of one client's examples (see `batch_examples`); for one-off use —
+  round loops use `ClientDatasets`."""
+  return batch_examples(client_examples(x, y), len(x), batch_size, shuffle_seed)
+
+
+class ClientDatasets:
+  """Each client's batches per round, with its examples dataset built once.
+
+  Why: every `Dataset.map` traces a new function that TensorFlow's eager runtime never frees
+  (measured ~80 KiB each, whatever the data size). Building client datasets from scratch every
+  round made the driver grow by ~0.35 MiB per round with 5 participants (issue 20); here a
+  round only adds `shuffle` and `batch`, which trace nothing. A client's first round still
+  costs one traced function: memory grows with the distinct clients seen, not with rounds.
+  """
+
+  def __init__(self, arrays_of: Callable[[int], tuple[np.ndarray, np.ndarray]],
+               batch_size: int):
+    self._arrays_of = arrays_of
+    self._batch_size = batch_size
+    self._examples: dict[int, tuple[tf.data.Dataset, int]] = {}
+
+  def batches(self, client_index: int, shuffle_seed: Optional[int] = None) -> tf.data.Dataset:
+    if client_index not in self._examples:
+      x, y = self._arrays_of(client_index)
+      self._examples[client_index] = (client_examples(x, y), len(x))
+    examples, num_examples = self._examples[client_index]
+    return batch_examples(examples, num_examples, self._batch_size, shuffle_seed)

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
-from fltff.data.pipeline import client_batches
+from fltff.data.pipeline import ClientDatasets
 from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.errors import DivergenceError
@@ -118,6 +118,7 @@ class RoundDriver:
     # The one per-client state store (SCAFFOLD's controls, MOON's previous models, personal
     # models and server copies, local models of FedLap personalisation).
     self.client_states = ClientStateStore(algorithm.initial_client_state)
+    self.datasets = ClientDatasets(data.client_arrays, config.batch_size)
     self.outputs = RunOutputs(output_dir)
     self.checkpointer = Checkpointer(output_dir)
     self.evaluator = Evaluator(algorithm.model_spec)
@@ -129,9 +130,8 @@ class RoundDriver:
   # -- one round ---------------------------------------------------------------------------
   def client_batches(self, round_num: int, client_index: int):
     """Client k's shuffled batches for round `round_num` (order a function of seed, round, k)."""
-    x, y = self.data.client_arrays(client_index)
-    return client_batches(x, y, self.config.batch_size,
-                          sampling.shuffle_seed(self.config.seed, round_num, client_index))
+    return self.datasets.batches(client_index,
+                                 sampling.shuffle_seed(self.config.seed, round_num, client_index))
 
   def plan_round(self, round_num: int):
     """Participants and their local epochs: `(clients, epochs by client, dropped)`.
