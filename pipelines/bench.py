@@ -41,6 +41,7 @@ from fltff.data.pipeline import client_batches  # pylint: disable=g-import-not-a
 from fltff.learning import protocol  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.models import build_model  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.simulation.state_store import ClientStateStore  # pylint: disable=g-import-not-at-top,wrong-import-position
+from pipelines import memory_bench  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _ROUNDS = flags.DEFINE_integer('rounds', 8, 'Rounds per variant (the first is excluded).')
 _CLIENTS = flags.DEFINE_integer('clients', 10, 'Clients per round.')
@@ -55,6 +56,13 @@ _COMPARE = flags.DEFINE_list('compare', [], 'Methods to time against fltff FedAv
 _RUNTIMES = flags.DEFINE_bool('runtimes', False, 'Compare local vs 1 and 2 remote workers.')
 _CLIENTS_LIST = flags.DEFINE_list('clients_list', ['10', '50', '100'],
                                   'Clients per round for --runtimes.')
+_MEMORY = flags.DEFINE_list('memory', [], 'Memory per round of the driver and its worker for '
+                            'these runs (tff_fedavg, fedavg, fedlayerwise, kapc; "all": every '
+                            'one), each in its own process (pipelines/memory_bench.py).')
+_MEMORY_ROUNDS = flags.DEFINE_integer('memory_rounds', 300, 'Rounds per run for --memory.')
+_RECYCLE_EVERY = flags.DEFINE_integer('recycle_every', 0, 'For --memory: recycle the local '
+                                      'worker every this many rounds (0: never).')
+_MEMORY_PROBE = flags.DEFINE_string('memory_probe', None, 'Internal: one --memory run.')
 _LR = 0.01
 _MOMENTUM = 0.9
 
@@ -233,6 +241,12 @@ def compare_runtimes(spec) -> int:
 def main(argv) -> int:
   del argv
   absl_logging.set_verbosity(absl_logging.WARNING)
+  if _MEMORY_PROBE.value:
+    return memory_bench.run_probe(_MEMORY_PROBE.value, _MEMORY_ROUNDS.value, _RECYCLE_EVERY.value)
+  if _MEMORY.value:
+    runtime.release_default_context()  # This process runs nothing on TFF itself.
+    methods = memory_bench.METHODS if _MEMORY.value == ['all'] else _MEMORY.value
+    return memory_bench.compare(methods, _MEMORY_ROUNDS.value, _RECYCLE_EVERY.value)
   keras_fn = lambda: build_model(_MODEL.value, input_shape=(28, 28, 1), num_classes=10, seed=0)
   spec = learning.ModelSpec(keras_fn, (28, 28, 1), 10, name=_MODEL.value)
   if _RUNTIMES.value:

@@ -54,3 +54,56 @@ def test_a_client_examples_dataset_is_built_once_however_many_rounds():
       maps.add(id(node._map_func))  # pylint: disable=protected-access
   assert built == {1: 1, 2: 1}
   assert len(maps) == 2
+
+
+def test_recycling_the_local_worker_changes_no_number_and_leaves_no_worker(tmp_path):
+  import functools  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  from fltff import learning  # pylint: disable=g-import-not-at-top
+  from fltff.data import build_federated_data  # pylint: disable=g-import-not-at-top
+  from fltff.data import dirichlet_partition  # pylint: disable=g-import-not-at-top
+  from fltff.data import npz_source  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import TffRuntime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.local import wait_for_exit  # pylint: disable=g-import-not-at-top
+  from fltff.simulation import RoundConfig  # pylint: disable=g-import-not-at-top
+  from fltff.simulation import RoundDriver  # pylint: disable=g-import-not-at-top
+  from fltff.simulation import build_model_spec  # pylint: disable=g-import-not-at-top
+  from helpers import REPO  # pylint: disable=g-import-not-at-top
+  from helpers import read_csv  # pylint: disable=g-import-not-at-top
+
+  data = build_federated_data(
+      source=functools.partial(npz_source, path=os.path.join(REPO, '..', 'shared', 'data',
+                                                             'mnist_first1003.npz')),
+      partitioner=functools.partial(dirichlet_partition, alpha=0.5), num_clients=5, seed=1)
+  algorithm = learning.build_scaffold(build_model_spec(data, 'mlp2', seed=0), num_clients=5,
+                                      client_optimizer=tff.learning.optimizers.build_sgdm(0.05))
+  config = RoundConfig(rounds=5, clients_per_round=3, batch_size=32, checkpoint_every=5)
+  pids_seen = []
+
+  class Recorder(TffRuntime):
+
+    def after_round(self, round_num):
+      pids_seen.append(tuple(self.worker_pids))
+      super().after_round(round_num)
+
+  runs = {}
+  for name, recycle_every in (('plain', 0), ('recycled', 2)):
+    rt = Recorder(recycle_every=recycle_every)
+    try:
+      RoundDriver(algorithm, data, config, str(tmp_path / name), progress=lambda _: None,
+                  runtime=rt).run()
+      last = rt.worker_pids
+    finally:
+      rt.close()
+    assert wait_for_exit(last[0])
+    runs[name] = read_csv(tmp_path / name / 'metrics.csv')
+  recycled_pids = pids_seen[4:]
+  assert len(set(recycled_pids)) == 2  # Rounds 1-2 on one worker, 3-4 on the next.
+  for pid in set(recycled_pids):
+    assert wait_for_exit(pid[0])
+  columns = ('train_loss', 'train_accuracy', 'test_accuracy')
+  assert [[r[c] for c in columns] for r in runs['recycled']] == [[r[c] for c in columns]
+                                                                 for r in runs['plain']]

@@ -34,6 +34,7 @@ from absl import logging
 import gin
 import grpc
 
+from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.errors import RuntimeUnavailableError
 from fltff.errors import StopNow
@@ -274,7 +275,7 @@ class TffRuntime:
                rpc_timeout: float = 3600.0, max_retries: int = 2,
                log_dir: Optional[str] = None,
                credentials: Optional[grpc.ChannelCredentials] = None,
-               server_name: Optional[str] = None):
+               server_name: Optional[str] = None, recycle_every: int = 0):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     self._tff = tff
@@ -290,6 +291,7 @@ class TffRuntime:
     self.log_dir = log_dir
     self._credentials = credentials if workers else None  # Remote workers only.
     self._server_name = server_name
+    self.recycle_every = int(recycle_every)
     atexit.register(self.close)
     try:
       if not self.remote:
@@ -362,13 +364,26 @@ class TffRuntime:
             'are checkpointed: restart the workers and rerun with --resume.') from None
       logging.warning('%s Repeating the computation on %s.', error, ', '.join(self.workers))
     else:
-      for worker in self._owned:
-        worker.stop()
-      worker = self._start_worker()
-      self._owned = [worker]
-      self.workers = [worker.address]
-      logging.warning('%s Restarted the local worker at %s.', error, worker.address)
+      self._restart_local_worker()
+      logging.warning('%s Restarted the local worker at %s.', error, self.workers[0])
+      return
     self._install_context()
+
+  def _restart_local_worker(self) -> None:
+    for worker in self._owned:
+      worker.stop()
+    worker = self._start_worker()
+    self._owned = [worker]
+    self.workers = [worker.address]
+    self._install_context()
+
+  def after_round(self, round_num: int) -> None:
+    """Called by the driver after each completed round: with `recycle_every` = K > 0, the local
+    `worker_binary` is replaced by a fresh one every K rounds. All state lives in the driver, so
+    results are unchanged; the worker's memory (which TFF's C++ runtime grows every round,
+    issue 20) starts over. Remote workers are never recycled."""
+    if self.recycle_every > 0 and not self.remote and round_num % self.recycle_every == 0:
+      self._restart_local_worker()
 
   def close(self) -> None:
     """Replaces the default context and stops the owned workers."""
@@ -428,7 +443,7 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                  log_dir: Optional[str] = None,
                  tls_ca_file: Optional[str] = None, tls_cert_file: Optional[str] = None,
                  tls_key_file: Optional[str] = None, tls_server_name: Optional[str] = None,
-                 insecure_plaintext: bool = False) -> TffRuntime:
+                 insecure_plaintext: bool = False, recycle_every: int = 0) -> TffRuntime:
   """Builds the experiment's runtime.
 
   Args:
@@ -444,7 +459,12 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
       part of their addresses.
     insecure_plaintext: Talk to remote workers in plaintext (workers started with
       `--insecure_plaintext`): only on a trusted network.
+    recycle_every: Replace the local worker_binary by a fresh one every this many rounds (0:
+      never); bounds the worker's memory on long runs, results unchanged (`after_round`).
   """
+  check_number('runtime.recycle_every', recycle_every, integer=True)
+  if recycle_every < 0:
+    raise ConfigError(f'runtime.recycle_every must be >= 0 (0: never), got {recycle_every}.')
   from fltff.runtime import tls  # pylint: disable=g-import-not-at-top
 
   if isinstance(workers, str):
@@ -464,7 +484,7 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
     raise ConfigError('runtime.insecure_plaintext = True and TLS files are both set: choose one.')
   return TffRuntime(workers=workers, connect_timeout=connect_timeout, rpc_timeout=rpc_timeout,
                     max_retries=max_retries, log_dir=log_dir, credentials=credentials,
-                    server_name=tls_server_name)
+                    server_name=tls_server_name, recycle_every=recycle_every)
 
 
 @contextlib.contextmanager

@@ -106,6 +106,7 @@ class RoundDriver:
     # With a `TffRuntime`, computations run with failover (a lost worker's round is repeated
     # on the others); the round's inputs are deterministic, so the repeat is exact.
     self.call = runtime.call if runtime is not None else protocol.direct_call
+    self.runtime = runtime
     self.algorithm = algorithm
     self.process = algorithm.process
     self.data = data
@@ -333,6 +334,8 @@ class RoundDriver:
             f'round {r:4d}/{cfg.rounds} | test acc '
             f'{"  -   " if acc is None else f"{acc:.4f}"} | train loss {row["train_loss"]:.4f} '
             f'| {row["round_seconds"]:.2f} s | ETA {eta:.0f} s')
+        if self.runtime is not None and r < cfg.rounds:
+          self.runtime.after_round(r)  # E.g. recycles the local worker (runtime.recycle_every).
         if self.stop_event is not None and self.stop_event.is_set() and r < cfg.rounds:
           raise StopRequested(
               f'Stopped by signal after round {r}. '
