@@ -3,9 +3,11 @@
 import collections
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from fltff.data import pipeline
+from fltff.errors import ConfigError
 
 
 def _arrays(k):
@@ -107,3 +109,81 @@ def test_recycling_the_local_worker_changes_no_number_and_leaves_no_worker(tmp_p
   columns = ('train_loss', 'train_accuracy', 'test_accuracy')
   assert [[r[c] for c in columns] for r in runs['recycled']] == [[r[c] for c in columns]
                                                                  for r in runs['plain']]
+
+
+def _tree(seed):
+  rng = np.random.default_rng(seed)
+  return collections.OrderedDict(model=[rng.normal(size=(3, 2)).astype(np.float32)],
+                                 omega=np.int32(seed))
+
+
+def test_sqlite_store_keeps_versions_by_round_and_restores_any_kept_checkpoint(tmp_path):
+  from fltff.simulation import state_store  # pylint: disable=g-import-not-at-top
+
+  init = lambda k: _tree(1000 + k)
+  store = state_store.SqliteClientStateStore(str(tmp_path), init, cache_size=2)
+  assert 7 not in store and len(store) == 0
+  np.testing.assert_array_equal(store.get(7)['model'][0], _tree(1007)['model'][0])
+  for r in range(1, 7):  # Client k changes in the rounds r with r % (k + 1) == 0.
+    store.set_many({k: _tree(100 * r + k) for k in range(4) if r % (k + 1) == 0}, r)
+    assert len(store._cache) <= 2  # pylint: disable=protected-access
+    if r % 2 == 0:
+      store.checkpoint(r)
+      store.prune([max(2, r - 2), r])  # Two checkpoints kept.
+  assert len(store) == 4 and 7 not in store
+  assert int(store.get(3)['omega']) == 403 and int(store.get(2)['omega']) == 602
+  marker = store.checkpoint(6)
+  store.close()
+  # A new process: restoring round 4 drops rounds 5-6, every client is as after round 4.
+  store = state_store.SqliteClientStateStore(str(tmp_path), init)
+  store.restore(4, marker, init)
+  expected = {0: 400, 1: 401, 2: 302, 3: 403}
+  for k, omega in expected.items():
+    assert int(store.get(k)['omega']) == omega
+    np.testing.assert_array_equal(store.get(k)['model'][0], _tree(omega)['model'][0])
+  with pytest.raises(ConfigError, match="client_state_store = 'memory'"):
+    store.restore(4, {}, init)
+  store.close()
+  with pytest.raises(ConfigError, match="client_state_store = 'sqlite'"):
+    state_store.ClientStateStore(init).restore(4, marker, init)
+
+
+def test_kill_9_then_resume_with_the_sqlite_store_gives_the_uninterrupted_numbers(tmp_path):
+  import os  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+
+  from helpers import REPO  # pylint: disable=g-import-not-at-top
+  from helpers import pipeline_env  # pylint: disable=g-import-not-at-top
+  from helpers import read_csv  # pylint: disable=g-import-not-at-top
+  from helpers import run_pipeline  # pylint: disable=g-import-not-at-top
+
+  args = ['--gin_file=gin_configs/ccn/offline_mnist1003_scaffold.gin',
+          '--gin_bindings=experiment.rounds = 7',
+          '--gin_bindings=experiment.checkpoint_every = 2',
+          "--gin_bindings=experiment.client_state_store = 'sqlite'"]
+  full = run_pipeline(*args, f'--output_dir={tmp_path / "full"}')
+  assert full.returncode == 0, full.stderr[-2000:]
+  assert os.path.exists(tmp_path / 'full' / 'client_states.sqlite')
+  part = tmp_path / 'part'
+  proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *args, f'--output_dir={part}'],
+                          cwd=REPO, env=pipeline_env(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while time.time() < deadline:  # Killed once round 3 is done: its states are in the store,
+    try:                          # newer than the checkpoint of round 2.
+      if len(read_csv(part / 'metrics.csv')) >= 3:
+        break
+    except (OSError, KeyError):
+      pass
+    time.sleep(0.05)
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  resumed = run_pipeline(*args, f'--output_dir={part}', '--resume')
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert 'Resumed from the checkpoint of round' in resumed.stdout
+  columns = ('train_loss', 'train_accuracy', 'test_accuracy')
+  assert [[r[c] for c in columns] for r in read_csv(part / 'metrics.csv')] == [
+      [r[c] for c in columns] for r in read_csv(tmp_path / 'full' / 'metrics.csv')]

@@ -39,7 +39,8 @@ from fltff.simulation.checkpoint import kept_message
 from fltff.simulation.evaluation import Evaluator
 from fltff.simulation.outputs import RunOutputs
 from fltff.simulation.outputs import rounds_to_targets
-from fltff.simulation.state_store import ClientStateStore
+from fltff.simulation.state_store import STORE_KINDS
+from fltff.simulation.state_store import build_client_state_store
 
 
 @dataclasses.dataclass
@@ -59,6 +60,7 @@ class RoundConfig:
   straggler_mode: str = 'partial'
   round_deadline: Optional[float] = None
   compute_seconds_per_example: float = 1e-4
+  client_state_store: str = 'memory'
 
   def validate(self) -> None:
     for name in ('rounds', 'local_epochs', 'batch_size', 'eval_every', 'checkpoint_every'):
@@ -75,6 +77,9 @@ class RoundConfig:
     if self.round_deadline is not None and not self.round_deadline > 0:
       raise ConfigError(f'experiment.round_deadline must be > 0 seconds (or None), got '
                         f'{self.round_deadline!r}.')
+    if self.client_state_store not in STORE_KINDS:
+      raise ConfigError(f'experiment.client_state_store must be one of '
+                        f'{", ".join(map(repr, STORE_KINDS))}, got {self.client_state_store!r}.')
     if not self.compute_seconds_per_example > 0:
       raise ConfigError('experiment.compute_seconds_per_example must be > 0, got '
                         f'{self.compute_seconds_per_example!r}.')
@@ -117,8 +122,9 @@ class RoundDriver:
     self.participants = sampling.num_participants(self.num_clients, config.clients_per_round,
                                                   config.client_fraction)
     # The one per-client state store (SCAFFOLD's controls, MOON's previous models, personal
-    # models and server copies, local models of FedLap personalisation).
-    self.client_states = ClientStateStore(algorithm.initial_client_state)
+    # models and server copies, local models of FedLap personalisation): in memory or SQLite.
+    self.client_states = build_client_state_store(config.client_state_store, output_dir,
+                                                  algorithm.initial_client_state)
     self.datasets = ClientDatasets(data.client_arrays, config.batch_size)
     self.outputs = RunOutputs(output_dir)
     self.checkpointer = Checkpointer(output_dir)
@@ -270,7 +276,9 @@ class RoundDriver:
 
   # -- checkpoints -------------------------------------------------------------------------
   def save(self, round_num: int, state) -> None:
-    self.checkpointer.save(round_num, state, {'rows': self.rows}, self.client_states.to_arrays())
+    self.checkpointer.save(round_num, state, {'rows': self.rows},
+                           self.client_states.checkpoint(round_num))
+    self.client_states.prune(self.checkpointer.rounds())
     for name, array in self.algorithm.round_files(state).items():
       np.save(os.path.join(self.output_dir, name), array)
 
@@ -278,10 +286,7 @@ class RoundDriver:
     round_num, state, meta, arrays = self.checkpointer.restore(template_state)
     self.rows = [r for r in meta['rows'] if r['round'] <= round_num]
     self.outputs.truncate_measurements(round_num)
-    # Checkpoints before the single store kept the method's client states under 'method/'.
-    prefix = 'client' if any(key.startswith('client/') for key in arrays) else 'method'
-    self.client_states.load_arrays(arrays, template_fn=self.algorithm.initial_client_state,
-                                   prefix=prefix)
+    self.client_states.restore(round_num, arrays, self.algorithm.initial_client_state)
     return round_num, state
 
   # -- the loop ----------------------------------------------------------------------------
@@ -289,6 +294,8 @@ class RoundDriver:
     cfg = self.config
     state = self.algorithm.initialize(self.call)
     start_round = 1
+    if not resume or self.checkpointer.latest_round() is None:
+      self.client_states.reset()
     if resume:
       if self.checkpointer.latest_round() is None:
         self.progress(f'No checkpoint in {self.checkpointer.directory}; starting from round 1.')
@@ -310,8 +317,7 @@ class RoundDriver:
               'client_optimizer.learning_rate (or the server learning rate) and rerun.')
         self.check_loss_growth(row)
         state = new_state
-        for k, value in client_states.items():
-          self.client_states.set(k, value)
+        self.client_states.set_many(client_states, r)
         if r % cfg.eval_every == 0 or r == cfg.rounds:
           row.update(self.evaluate(state))
         previous = self.rows[-1] if self.rows else {}
@@ -348,6 +354,7 @@ class RoundDriver:
         self.outputs.write_json('summary.json', self.summary())
         self.outputs.plot(self.rows, f'{self.algorithm.name} on {self.data.dataset.name}')
       self.outputs.close()
+      self.client_states.close()
     return self.summary()
 
   LOSS_WARNING_FACTOR = 1e3

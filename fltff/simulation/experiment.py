@@ -96,6 +96,7 @@ def run_experiment(output_dir: str,
                    channel: Optional[Callable[..., Any]] = None,
                    round_deadline: Optional[float] = None,
                    compute_seconds_per_example: float = 1e-4,
+                   client_state_store: str = 'memory',
                    progress: Callable[[str], None] = print,
                    stop_event=None) -> dict:
   """Runs one experiment end to end and returns its summary (also in summary.json).
@@ -121,6 +122,9 @@ def run_experiment(output_dir: str,
     round_deadline: Optional deadline in simulated seconds: clients run only the epochs that
       fit (needs `channel`); see `RoundDriver.plan_round`.
     compute_seconds_per_example: The deadline's compute model (seconds per example-epoch).
+    client_state_store: Where per-client state lives: 'memory' (default; each checkpoint holds
+      every client's state) or 'sqlite' (`<output_dir>/client_states.sqlite`; RAM bounded by
+      the round's participants, checkpoints cost the clients changed; for large populations).
     progress: Where progress lines go.
   """
   prepare_output_dir(output_dir, resume)
@@ -131,7 +135,8 @@ def run_experiment(output_dir: str,
                        target_accuracies=tuple(target_accuracies), seed=seed,
                        straggler_fraction=straggler_fraction, straggler_mode=straggler_mode,
                        round_deadline=round_deadline,
-                       compute_seconds_per_example=compute_seconds_per_example)
+                       compute_seconds_per_example=compute_seconds_per_example,
+                       client_state_store=client_state_store)
   config.validate()
   data = build_federated_data()
   model_spec = build_model_spec(data, model, model_seed)

@@ -1,16 +1,40 @@
 """The per-client state store (DESIGN.md: stateful clients).
 
-Personal models, smoothed angles, control variates and stale layers live here, keyed by client
+Personal models, control variates, previous models and stale layers live here, keyed by client
 index, as nested NumPy structures. The round driver owns it, feeds participants' entries to a
-process as CLIENTS-placed values, writes the outputs back, and saves it in checkpoints.
+process as CLIENTS-placed values, writes the outputs back, and saves it with checkpoints.
+
+Two implementations with one interface (`get`, `set_many`, `__contains__`, `checkpoint`,
+`restore`), chosen by `experiment.client_state_store`:
+
+* `ClientStateStore` ('memory', the default): a dict; each checkpoint writes every client's
+  state into the checkpoint's `.npz`. Fastest for small populations.
+* `SqliteClientStateStore` ('sqlite'): the states in `<output_dir>/client_states.sqlite`
+  (SQLite from Python's standard library: one file, transactions, crash-safe journal, no extra
+  dependency). RAM holds only a bounded cache of recently used clients; a round writes its
+  participants' new states in one transaction, tagged with the round; a checkpoint writes
+  nothing more (its cost is the clients changed since the last one) and prunes versions no kept
+  checkpoint needs; a restore drops the versions newer than the checkpoint's round — so a
+  `kill -9` at any moment and `--resume` give the uninterrupted run's numbers.
 """
 
 from __future__ import annotations
 
+import collections
+import io
+import os
+import sqlite3
 from typing import Any, Callable, Optional
 
 import numpy as np
 import tensorflow as tf
+
+from fltff.errors import CheckpointError
+from fltff.errors import ConfigError
+
+STORE_KINDS = ('memory', 'sqlite')
+# The marker a checkpoint of the SQLite store carries instead of client arrays.
+_SQLITE_MARKER = 'client_store/sqlite'
 
 
 class ClientStateStore:
@@ -38,6 +62,37 @@ class ClientStateStore:
   def set(self, client_index: int, state: Any) -> None:
     self._states[client_index] = tf.nest.map_structure(np.asarray, state)
 
+  def set_many(self, states: dict, round_num: Optional[int] = None) -> None:
+    """Stores the participants' new states after round `round_num`."""
+    del round_num
+    for k, state in states.items():
+      self.set(int(k), state)
+
+  def checkpoint(self, round_num: int) -> dict[str, np.ndarray]:
+    """The arrays the checkpoint of round `round_num` holds: every client's state."""
+    del round_num
+    return self.to_arrays()
+
+  def prune(self, kept_rounds) -> None:
+    """Nothing to prune: each checkpoint file holds its own copy."""
+    del kept_rounds
+
+  def restore(self, round_num: int, arrays: dict, template_fn: Callable[[int], Any]) -> None:
+    """The states of the checkpoint of `round_num` (its `arrays`)."""
+    del round_num
+    if _SQLITE_MARKER in arrays:
+      raise ConfigError("This run's client states are in client_states.sqlite: resume it with "
+                        "experiment.client_state_store = 'sqlite'.")
+    # Checkpoints before the single store kept the method's client states under 'method/'.
+    prefix = 'client' if any(key.startswith('client/') for key in arrays) else 'method'
+    self.load_arrays(arrays, template_fn=template_fn, prefix=prefix)
+
+  def reset(self) -> None:
+    self._states = {}
+
+  def close(self) -> None:
+    pass
+
   def to_arrays(self, prefix: str = 'client') -> dict[str, np.ndarray]:
     """Flat `{name: array}` for `np.savez`; structure comes back through `from_arrays`."""
     out = {}
@@ -59,3 +114,136 @@ class ClientStateStore:
       template = template_fn(index)
       flat = [by_pos[j] for j in range(len(by_pos))]
       self._states[index] = tf.nest.pack_sequence_as(template, flat)
+
+
+def _pack(state) -> bytes:
+  buffer = io.BytesIO()
+  np.savez(buffer, *[np.asarray(leaf) for leaf in tf.nest.flatten(state)])
+  return buffer.getvalue()
+
+
+def _unpack(blob: bytes, template) -> Any:
+  with np.load(io.BytesIO(blob)) as arrays:
+    leaves = [arrays[f'arr_{j}'] for j in range(len(arrays.files))]
+  return tf.nest.pack_sequence_as(template, leaves)
+
+
+class SqliteClientStateStore:
+  """Client states in SQLite, RAM bounded by a small cache (module docstring).
+
+  Table `states(client, round, leaves)`: one row per client and round it changed in; a client's
+  state is its newest row. `cache_size` bounds the decoded states kept in RAM (the round's
+  participants are read, trained and written back, so a few rounds' worth suffices).
+  """
+
+  FILE_NAME = 'client_states.sqlite'
+
+  def __init__(self, directory: str, init_fn: Callable[[int], Any], cache_size: int = 256):
+    os.makedirs(directory, exist_ok=True)
+    self.path = os.path.join(directory, self.FILE_NAME)
+    self._init_fn = init_fn
+    self._cache: collections.OrderedDict[int, Any] = collections.OrderedDict()
+    self._cache_size = int(cache_size)
+    self._changed: set[int] = set()
+    self._db = sqlite3.connect(self.path, isolation_level=None)
+    # WAL: a round's transaction is durable once committed, and a kill mid-transaction leaves
+    # the previous state (SQLite rolls the torn transaction back on the next open).
+    self._db.execute('PRAGMA journal_mode=WAL')
+    self._db.execute('PRAGMA synchronous=FULL')
+    self._db.execute('CREATE TABLE IF NOT EXISTS states (client INTEGER NOT NULL, round INTEGER '
+                     'NOT NULL, leaves BLOB NOT NULL, PRIMARY KEY (client, round))')
+
+  def _remember(self, client_index: int, state) -> None:
+    self._cache[client_index] = state
+    self._cache.move_to_end(client_index)
+    while len(self._cache) > self._cache_size:
+      self._cache.popitem(last=False)
+
+  def __len__(self) -> int:
+    return self._db.execute('SELECT COUNT(DISTINCT client) FROM states').fetchone()[0]
+
+  def __contains__(self, client_index: int) -> bool:
+    return self._db.execute('SELECT 1 FROM states WHERE client = ? LIMIT 1',
+                            (int(client_index),)).fetchone() is not None
+
+  def get(self, client_index: int) -> Any:
+    """The client's newest state; a client never stored starts from `init_fn`."""
+    k = int(client_index)
+    if k in self._cache:
+      self._cache.move_to_end(k)
+      return self._cache[k]
+    row = self._db.execute('SELECT leaves FROM states WHERE client = ? ORDER BY round DESC '
+                           'LIMIT 1', (k,)).fetchone()
+    template = tf.nest.map_structure(np.asarray, self._init_fn(k))
+    state = template if row is None else _unpack(row[0], template)
+    self._remember(k, state)
+    return state
+
+  def set_many(self, states: dict, round_num: Optional[int] = None) -> None:
+    """Writes the participants' new states of round `round_num` in one transaction."""
+    if round_num is None:
+      raise ValueError('SqliteClientStateStore.set_many needs the round number.')
+    rows = []
+    for k, state in states.items():
+      state = tf.nest.map_structure(np.asarray, state)
+      rows.append((int(k), int(round_num), _pack(state)))
+      self._remember(int(k), state)
+      self._changed.add(int(k))
+    self._db.execute('BEGIN')
+    try:
+      self._db.executemany('INSERT OR REPLACE INTO states VALUES (?, ?, ?)', rows)
+      self._db.execute('COMMIT')
+    except BaseException:
+      self._db.execute('ROLLBACK')
+      raise
+
+  def checkpoint(self, round_num: int) -> dict[str, np.ndarray]:
+    """Everything up to `round_num` is written already (each round committed its own): the
+    checkpoint only records that its client states are here."""
+    return {_SQLITE_MARKER: np.asarray(round_num, np.int64)}
+
+  def prune(self, kept_rounds) -> None:
+    """After a checkpoint: for the clients changed since the last one, deletes the versions
+    older than what the oldest kept checkpoint needs (cost: the changed clients)."""
+    if not kept_rounds:
+      return
+    oldest = min(kept_rounds)
+    changed = sorted(self._changed)
+    self._db.execute('BEGIN')
+    self._db.executemany(
+        'DELETE FROM states WHERE client = ? AND round < (SELECT MAX(round) FROM states '
+        'WHERE client = ? AND round <= ?)', [(k, k, oldest) for k in changed])
+    self._db.execute('COMMIT')
+    self._changed.clear()
+
+  def restore(self, round_num: int, arrays: dict, template_fn: Callable[[int], Any]) -> None:
+    """Back to the states as of round `round_num`: newer versions (rounds after the checkpoint,
+    or a torn run) are deleted."""
+    del template_fn
+    if _SQLITE_MARKER not in arrays:
+      raise ConfigError("This run's checkpoints hold its client states in the checkpoint "
+                        "files: resume it with experiment.client_state_store = 'memory'.")
+    if not os.path.exists(self.path):
+      raise CheckpointError(f'{self.path} is missing: the client states of this run are gone.')
+    self._db.execute('DELETE FROM states WHERE round > ?', (int(round_num),))
+    self._cache.clear()
+    self._changed = {row[0] for row in self._db.execute('SELECT DISTINCT client FROM states')}
+
+  def reset(self) -> None:
+    """A new run in this folder: no states."""
+    self._db.execute('DELETE FROM states')
+    self._cache.clear()
+    self._changed.clear()
+
+  def close(self) -> None:
+    self._db.close()
+
+
+def build_client_state_store(kind: str, output_dir: str, init_fn: Callable[[int], Any]):
+  """The store `experiment.client_state_store` names ('memory' or 'sqlite')."""
+  if kind == 'memory':
+    return ClientStateStore(init_fn)
+  if kind == 'sqlite':
+    return SqliteClientStateStore(output_dir, init_fn)
+  raise ConfigError(f'experiment.client_state_store must be one of {", ".join(STORE_KINDS)}, '
+                    f'got {kind!r}.')
