@@ -9,6 +9,7 @@ their own model with the proximal term λ Σ_l ||w^l − s_i^l||² towards s_i.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 
@@ -43,7 +44,8 @@ def attentive_relationship(models: Sequence[tf.Tensor], num_layers: int, sigma: 
 
 @dataclasses.dataclass(frozen=True)
 class AttentiveRelation(process_lib.RelationRule):
-  """FedAMP's weights from the server's copies; R in the server state is never changed."""
+  """FedAMP's weights from the server's copies, recomputed every round: the server keeps no R
+  (its state holds an empty `[0, L, 0]` one), so nothing in it grows with the clients."""
   lambda_: float = 0.5
   sigma: float = 1.0
   alpha: float = 0.1
@@ -52,6 +54,9 @@ class AttentiveRelation(process_lib.RelationRule):
     del bls_mu
     if self.sigma <= 0:
       raise ConfigError(f'{name}.sigma must be > 0, got {self.sigma}.')
+
+  def initial_state(self, context):
+    return collections.OrderedDict(relation=tf.zeros([0, context.num_layers, 0]))
 
   def relation(self, state, server_input, context):
     del state

@@ -235,8 +235,10 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     return client_state['model']
 
   def round_files(self, state) -> dict:
-    """The relationship cube for the report's heat map (KAPC paper, Fig. 7)."""
-    return {'relationship.npy': np.asarray(state['relation'])}
+    """The relationship cube for the report's heat map (KAPC paper, Fig. 7); none for a rule
+    that keeps no R (FedAMP)."""
+    relation = np.asarray(state['relation'])
+    return {'relationship.npy': relation} if relation.size else {}
 
   def summary_extras(self, num_clients: int) -> dict:
     """The server's memory for the method: its state (KAPC's R `[N, L, N]`; pFedLA's

@@ -138,7 +138,7 @@ class SqliteClientStateStore:
 
   FILE_NAME = 'client_states.sqlite'
 
-  def __init__(self, directory: str, init_fn: Callable[[int], Any], cache_size: int = 256):
+  def __init__(self, directory: str, init_fn: Callable[[int], Any], cache_size: int = 64):
     os.makedirs(directory, exist_ok=True)
     self.path = os.path.join(directory, self.FILE_NAME)
     self._init_fn = init_fn
