@@ -103,3 +103,19 @@ def tiny_mlp(dim: int, classes: int, seed: int, hidden: int = 8):
                             name='latent')(inputs)
   outputs = tf.keras.layers.Dense(classes, kernel_initializer=init(1))(h)
   return tf.keras.Model(inputs, outputs)
+
+
+def mnist_sample_split(num_clients: int, seed: int, alpha: float = 0.5,
+                       local_test_examples: int = 0):
+  """The shared 1003-image MNIST sample split Dirichlet(alpha) over `num_clients` clients."""
+  import functools  # pylint: disable=g-import-not-at-top
+
+  from fltff.data import build_federated_data  # pylint: disable=g-import-not-at-top
+  from fltff.data import dirichlet_partition  # pylint: disable=g-import-not-at-top
+  from fltff.data import npz_source  # pylint: disable=g-import-not-at-top
+
+  path = os.path.join(REPO, '..', 'shared', 'data', 'mnist_first1003.npz')
+  return build_federated_data(
+      source=functools.partial(npz_source, path=path),
+      partitioner=functools.partial(dirichlet_partition, alpha=alpha),
+      num_clients=num_clients, seed=seed, local_test_examples=local_test_examples)

@@ -59,27 +59,18 @@ def test_a_client_examples_dataset_is_built_once_however_many_rounds():
 
 
 def test_recycling_the_local_worker_changes_no_number_and_leaves_no_worker(tmp_path):
-  import functools  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
-
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   from fltff import learning  # pylint: disable=g-import-not-at-top
-  from fltff.data import build_federated_data  # pylint: disable=g-import-not-at-top
-  from fltff.data import dirichlet_partition  # pylint: disable=g-import-not-at-top
-  from fltff.data import npz_source  # pylint: disable=g-import-not-at-top
   from fltff.runtime import TffRuntime  # pylint: disable=g-import-not-at-top
   from fltff.runtime.local import wait_for_exit  # pylint: disable=g-import-not-at-top
   from fltff.simulation import RoundConfig  # pylint: disable=g-import-not-at-top
   from fltff.simulation import RoundDriver  # pylint: disable=g-import-not-at-top
   from fltff.simulation import build_model_spec  # pylint: disable=g-import-not-at-top
-  from helpers import REPO  # pylint: disable=g-import-not-at-top
+  from helpers import mnist_sample_split  # pylint: disable=g-import-not-at-top
   from helpers import read_csv  # pylint: disable=g-import-not-at-top
 
-  data = build_federated_data(
-      source=functools.partial(npz_source, path=os.path.join(REPO, '..', 'shared', 'data',
-                                                             'mnist_first1003.npz')),
-      partitioner=functools.partial(dirichlet_partition, alpha=0.5), num_clients=5, seed=1)
+  data = mnist_sample_split(5, seed=1)
   algorithm = learning.build_scaffold(build_model_spec(data, 'mlp2', seed=0), num_clients=5,
                                       client_optimizer=tff.learning.optimizers.build_sgdm(0.05))
   config = RoundConfig(rounds=5, clients_per_round=3, batch_size=32, checkpoint_every=5)
@@ -187,3 +178,30 @@ def test_kill_9_then_resume_with_the_sqlite_store_gives_the_uninterrupted_number
   columns = ('train_loss', 'train_accuracy', 'test_accuracy')
   assert [[r[c] for c in columns] for r in read_csv(part / 'metrics.csv')] == [
       [r[c] for c in columns] for r in read_csv(tmp_path / 'full' / 'metrics.csv')]
+
+
+def test_scale_config_runs_a_personalised_method_with_the_sqlite_store(tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+
+  from helpers import run_pipeline  # pylint: disable=g-import-not-at-top
+
+  out = tmp_path / 'fedamp'
+  result = run_pipeline(
+      '--gin_file=gin_configs/scale/fmnist_fedamp.gin',
+      # The MNIST sample instead of the full Fashion-MNIST (kept out of CI), 50 clients.
+      "--gin_bindings=federated_data.source = @npz_source",
+      "--gin_bindings=npz_source.path = '../shared/data/mnist_first1003.npz'",
+      '--gin_bindings=federated_data.num_clients = 50',
+      '--gin_bindings=federated_data.local_test_examples = 4',
+      '--gin_bindings=experiment.rounds = 3', '--gin_bindings=experiment.eval_every = 1',
+      f'--output_dir={out}')
+  assert result.returncode == 0, result.stderr[-2000:]
+  summary = json.loads((out / 'summary.json').read_text())
+  assert summary['rounds_completed'] == 3 and 0.0 <= summary['best_mean_local_accuracy'] <= 1.0
+  assert os.path.getsize(out / 'client_states.sqlite') > 0
+  # No N x N relationship file for FedAMP, and the checkpoint holds no client arrays.
+  assert not os.path.exists(out / 'relationship.npy')
+  import numpy as np  # pylint: disable=g-import-not-at-top,reimported
+  with np.load(out / 'checkpoints' / 'round_00003.npz') as arrays:
+    assert not [k for k in arrays.files if k.startswith('client/')]

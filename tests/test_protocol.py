@@ -15,9 +15,6 @@ import tensorflow_federated as tff
 
 from fltff import learning
 from fltff import personalization
-from fltff.data import build_federated_data
-from fltff.data import dirichlet_partition
-from fltff.data import npz_source
 from fltff.errors import ConfigError
 from fltff.learning import protocol
 from fltff.personalization.fedlap_mixing import FedLapPersonalization
@@ -26,7 +23,7 @@ from fltff.simulation import RoundConfig
 from fltff.simulation import RoundDriver
 from fltff.simulation import build_model_spec
 from fltff.simulation.state_store import ClientStateStore
-from helpers import REPO
+from helpers import mnist_sample_split
 from helpers import read_csv
 
 NUM_CLIENTS = 5
@@ -35,11 +32,7 @@ SGD = functools.partial(tff.learning.optimizers.build_sgdm, learning_rate=0.05)
 
 @pytest.fixture(scope='module')
 def data():
-  path = os.path.join(REPO, '..', 'shared', 'data', 'mnist_first1003.npz')
-  return build_federated_data(
-      source=functools.partial(npz_source, path=path),
-      partitioner=functools.partial(dirichlet_partition, alpha=0.5),
-      num_clients=NUM_CLIENTS, seed=2, local_test_examples=20)
+  return mnist_sample_split(NUM_CLIENTS, seed=2, local_test_examples=20)
 
 
 @pytest.fixture(scope='module')

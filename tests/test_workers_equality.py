@@ -19,14 +19,11 @@ import tensorflow_federated as tff
 from fltff import aggregators
 from fltff import learning
 from fltff import personalization
-from fltff.data import build_federated_data
-from fltff.data import dirichlet_partition
-from fltff.data import npz_source
 from fltff.runtime import TffRuntime
 from fltff.simulation import RoundConfig
 from fltff.simulation import RoundDriver
 from fltff.simulation import build_model_spec
-from helpers import REPO
+from helpers import mnist_sample_split
 from helpers import read_csv
 from test_remote import Worker
 
@@ -68,11 +65,7 @@ METHODS = {
 
 @pytest.fixture(scope='module')
 def data():
-  path = os.path.join(REPO, '..', 'shared', 'data', 'mnist_first1003.npz')
-  return build_federated_data(
-      source=functools.partial(npz_source, path=path),
-      partitioner=functools.partial(dirichlet_partition, alpha=0.5),
-      num_clients=NUM_CLIENTS, seed=3, local_test_examples=20)
+  return mnist_sample_split(NUM_CLIENTS, seed=3, local_test_examples=20)
 
 
 @pytest.fixture(scope='module')

@@ -17,7 +17,6 @@ import numpy as np
 from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import protocol
-from fltff.learning.protocol import check_client_indices
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.model_spec import type_num_bytes
 
