@@ -157,10 +157,18 @@ def test_unauthorised_clients_are_refused(client, pki, worker):
         ca, _read(pki('rogue.key')), _read(pki('rogue.pem'))))
   with channel:
     assert _probe(channel) == grpc.StatusCode.UNAVAILABLE
-  # The authorised credentials get through the handshake (to the worker's own answer).
+  # The authorised credentials get through the handshake (to the worker's own answer). Tried
+  # up to 3 times: on a loaded 2-core machine the relay's hop to worker_binary was once
+  # transiently UNAVAILABLE (CI, with other jobs running); a refusal is not transient.
   with grpc.secure_channel(worker.address, grpc.ssl_channel_credentials(
       ca, _read(pki('driver.key')), _read(pki('driver.pem')))) as channel:
-    assert _probe(channel) != grpc.StatusCode.UNAVAILABLE
+    codes = []
+    for _ in range(3):
+      codes.append(_probe(channel))
+      if codes[-1] != grpc.StatusCode.UNAVAILABLE:
+        break
+      time.sleep(1.0)
+    assert codes[-1] != grpc.StatusCode.UNAVAILABLE, codes
 
 
 def test_worker_binary_lives_in_another_network_namespace(worker):
