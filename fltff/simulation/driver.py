@@ -374,11 +374,11 @@ class RoundDriver:
            'diverging; consider a lower client_optimizer.learning_rate.')
 
   def is_finite(self, new_state, client_states: dict) -> bool:
-    """Whether the new server state and the participants' new states are free of NaN/inf."""
-    if self.algorithm.personalized:
-      return _finite_tree(new_state) and all(_finite_tree(s) for s in client_states.values())
-    return _finite_tree(self.algorithm.global_model_weights(new_state).trainable) and all(
-        _finite_tree(s) for s in client_states.values())
+    """Whether the new server state (for global methods: the model weights) and the
+    participants' new states are free of NaN/inf."""
+    checked = (new_state if self.algorithm.personalized else
+               self.algorithm.global_model_weights(new_state).trainable)
+    return _finite_tree(checked) and all(_finite_tree(s) for s in client_states.values())
 
   def summary(self) -> dict:
     evals = [r for r in self.rows if 'test_accuracy' in r]
