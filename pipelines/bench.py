@@ -5,6 +5,9 @@ r"""Round-time benchmarks, always as ratios against a baseline measured in the s
   python -m pipelines.bench --compare=fedadp,fedlayerwise [--model=cnn_mnist_582k --batch_size=16]
       each listed method's round vs fltff's FedAvg round (same data, same client steps), e.g.
       the cost of an aggregation factory relative to FedAvg's weighted mean.
+  python -m pipelines.bench --executors [--executor_shapes=mlp2:10x600,mlp2:100x60,cnn2:10x600]
+      FedAvg rounds of TFF's built-in `build_weighted_fed_avg`, of fltff on TFF's C++ runtime and
+      of fltff on the in-process executor (`runtime.executor`), as ratios to the built-in.
   python -m pipelines.bench --runtimes [--clients_list=10,50,100 --examples=100]
       a FedAvg round on 1 and 2 remote TFF workers (started here, on loopback) vs the local
       runtime, for each number of clients per round.
@@ -56,6 +59,12 @@ _COMPARE = flags.DEFINE_list('compare', [], 'Methods to time against fltff FedAv
 _RUNTIMES = flags.DEFINE_bool('runtimes', False, 'Compare local vs 1 and 2 remote workers.')
 _CLIENTS_LIST = flags.DEFINE_list('clients_list', ['10', '50', '100'],
                                   'Clients per round for --runtimes.')
+_EXECUTORS = flags.DEFINE_bool('executors', False, "FedAvg rounds of TFF's built-in process, "
+                                'fltff on the C++ runtime and fltff on the in-process executor, '
+                                'for each --executor_shapes entry.')
+_EXECUTOR_SHAPES = flags.DEFINE_list('executor_shapes', ['mlp2:10x600', 'mlp2:100x60',
+                                                         'cnn2:10x600'],
+                                     'model:clients x examples per client, for --executors.')
 _MEMORY = flags.DEFINE_list('memory', [], 'Memory per round of the driver and its worker for '
                             'these runs (tff_fedavg, fedavg, fedlayerwise, kapc; "all": every '
                             'one), each in its own process (pipelines/memory_bench.py).')
@@ -192,6 +201,81 @@ def compare_methods(spec, data) -> int:
   return 0
 
 
+def _parse_shape(text: str):
+  try:
+    model, dims = text.split(':')
+    clients, examples = (int(v) for v in dims.lower().split('x'))
+  except ValueError:
+    raise ValueError(f'--executor_shapes entry {text!r} is not model:CLIENTSxEXAMPLES, e.g. '
+                     'mlp2:10x600') from None
+  return model, clients, examples
+
+
+def compare_executors() -> int:
+  """Median FedAvg round of TFF's built-in process (C++ runtime), fltff on the C++ runtime and
+  fltff on the in-process executor, alternating, per shape; ratios against TFF's built-in."""
+  import resource  # pylint: disable=g-import-not-at-top
+
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.in_process import InProcessContext  # pylint: disable=g-import-not-at-top
+
+  try:
+    shapes = [_parse_shape(t) for t in _EXECUTOR_SHAPES.value]
+  except ValueError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  names = ('tff_builtin', 'fltff_tff_cpp', 'fltff_in_process')
+  results = []
+  with runtime.local_runtime() as rt:
+    cpp_context = rt.context
+    in_process = InProcessContext()
+    contexts = {'tff_builtin': cpp_context, 'fltff_tff_cpp': cpp_context,
+                'fltff_in_process': in_process}
+    for model, clients, examples in shapes:
+      keras_fn = functools.partial(build_model, model, input_shape=(28, 28, 1), num_classes=10,
+                                   seed=0)
+      spec = learning.ModelSpec(keras_fn, (28, 28, 1), 10, name=model)
+      data = _client_data(clients, examples)
+      opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
+      builtin = tff.learning.algorithms.build_weighted_fed_avg(
+          spec.tff_model, client_optimizer_fn=tff.learning.optimizers.build_sgdm(_LR, _MOMENTUM),
+          server_optimizer_fn=tff.learning.optimizers.build_sgdm(1.0))
+      tff.framework.set_default_context(cpp_context)
+      builtin_state = {'state': builtin.initialize()}
+
+      def builtin_round(datasets, holder=builtin_state, process=builtin):
+        holder['state'] = process.next(holder['state'], datasets).state
+
+      rounds = {'tff_builtin': builtin_round}
+      for name in names[1:]:
+        tff.framework.set_default_context(contexts[name])
+        rounds[name] = _round_fn(learning.build_fedavg(spec, client_optimizer=opt))
+      times = {n: [] for n in names}
+      for r in range(_ROUNDS.value):
+        datasets = _round_datasets(data, r)
+        for n in (names if r % 2 == 0 else names[::-1]):
+          tff.framework.set_default_context(contexts[n])
+          t0 = time.perf_counter()
+          rounds[n](datasets)
+          times[n].append(time.perf_counter() - t0)
+        print(f'{model} {clients}x{examples} round {r + 1}: '
+              + ', '.join(f'{n} {times[n][-1]:.3f} s' for n in names), flush=True)
+      results.append(((model, clients, examples),
+                      {n: statistics.median(v[1:]) for n, v in times.items()}))
+    tff.framework.set_default_context(cpp_context)
+    worker_mib = sum(memory_bench.rss_mib(p) for p in rt.worker_pids)
+  peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+  print(f'\nFedAvg round, batch {_BATCH.value}, {_EPOCHS.value} epoch(s), SGD {_LR} momentum '
+        f'{_MOMENTUM}; median of rounds 2-{_ROUNDS.value}, ratio to TFF\'s built-in:')
+  print(f'  {"shape":18s}' + ''.join(f'{n:>26s}' for n in names))
+  for (model, clients, examples), med in results:
+    print(f'  {model + " " + str(clients) + "x" + str(examples):18s}' + ''.join(
+        f'{med[n]:>13.3f} s ({med[n] / med["tff_builtin"]:5.2f}x)' for n in names))
+  print(f'  peak RSS of this process (driver + in-process executor): {peak_mib:.0f} MiB; '
+        f'worker_binary at the end: {worker_mib:.0f} MiB')
+  return 0
+
+
 def compare_runtimes(spec) -> int:
   """Median FedAvg round on the local runtime and on 1 and 2 loopback workers, alternating."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
@@ -247,6 +331,8 @@ def main(argv) -> int:
     runtime.release_default_context()  # This process runs nothing on TFF itself.
     methods = memory_bench.METHODS if _MEMORY.value == ['all'] else _MEMORY.value
     return memory_bench.compare(methods, _MEMORY_ROUNDS.value, _RECYCLE_EVERY.value)
+  if _EXECUTORS.value:
+    return compare_executors()
   keras_fn = lambda: build_model(_MODEL.value, input_shape=(28, 28, 1), num_classes=10, seed=0)
   spec = learning.ModelSpec(keras_fn, (28, 28, 1), 10, name=_MODEL.value)
   if _RUNTIMES.value:

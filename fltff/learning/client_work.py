@@ -12,8 +12,9 @@ term). The per-client `info` travels as a one-element dataset because
 (shared/notes/environment.md); it carries the client's slot (for stateful aggregators) and its
 number of local epochs (stragglers do fewer).
 
-The dataset is iterated with `Dataset.reduce`, the loop TFF's own `model_delta_client_work`
-uses (measured faster than `for batch in dataset`). Unlike TFF, non-finite updates are *not*
+Each epoch reads the batches into `TensorArray`s with one `Dataset.reduce` and trains on them
+in a `tf.while_loop` (measured 1.5-2x faster per round than stepping inside `Dataset.reduce`,
+the loop TFF's own `model_delta_client_work` uses, with identical results). Unlike TFF, non-finite updates are *not*
 silently zeroed: divergence must surface so the round driver can stop and keep the last good
 checkpoint.
 """
@@ -203,7 +204,28 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
         return (examples + tf.cast(output.num_examples, tf.int64), steps + 1, optimizer_state,
                 gradient_sum)
 
-      return batches.reduce((examples, steps, optimizer_state, gradient_sum), reduce_fn)
+      # The epoch's batches are read into TensorArrays first (a `Dataset.reduce` with no model
+      # ops), then trained on in a `tf.while_loop`: the same steps in the same order, without
+      # tf.data invoking the step function once per batch (issue 19: 1.5-2x faster rounds
+      # for every method on TFF's C++ runtime, same numbers). Read per epoch, so a dataset
+      # that reshuffles each iteration still does.
+      arrays = tf.nest.map_structure(
+          lambda spec: tf.TensorArray(spec.dtype, size=0, dynamic_size=True, infer_shape=False,
+                                      element_shape=spec.shape), batches.element_spec)
+
+      def collect(state, batch):
+        i, arrays = state
+        return i + 1, tf.nest.map_structure(lambda a, t: a.write(i, t), arrays, batch)
+
+      count, arrays = batches.reduce((tf.constant(0), arrays), collect)
+
+      def body(i, state):
+        batch = tf.nest.map_structure(lambda a: a.read(i), arrays)
+        return i + 1, reduce_fn(state, batch)
+
+      _, state = tf.while_loop(lambda i, _: i < count, body,
+                               (tf.constant(0), (examples, steps, optimizer_state, gradient_sum)))
+      return state
 
     examples = tf.constant(0, tf.int64)
     steps = tf.constant(0, tf.int32)

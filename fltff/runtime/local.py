@@ -275,7 +275,8 @@ class TffRuntime:
                rpc_timeout: float = 3600.0, max_retries: int = 2,
                log_dir: Optional[str] = None,
                credentials: Optional[grpc.ChannelCredentials] = None,
-               server_name: Optional[str] = None, recycle_every: int = 0):
+               server_name: Optional[str] = None, recycle_every: int = 0,
+               executor: str = 'tff_cpp', device: Optional[str] = None):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     self._tff = tff
@@ -292,7 +293,17 @@ class TffRuntime:
     self._credentials = credentials if workers else None  # Remote workers only.
     self._server_name = server_name
     self.recycle_every = int(recycle_every)
+    self.executor = executor
+    self.device = device
     atexit.register(self.close)
+    if executor == 'in_process':
+      from fltff.runtime.in_process import InProcessContext  # pylint: disable=g-import-not-at-top
+
+      self._stubs = []
+      self.context = InProcessContext(device=device)
+      tff.framework.set_default_context(self.context)
+      logging.info('TFF runtime ready: in-process executor, device %s.', device or 'auto')
+      return
     try:
       if not self.remote:
         worker = self._start_worker()
@@ -330,6 +341,8 @@ class TffRuntime:
     for the program, then reinstall `self.context`. One worker only (TFF's mergeable context
     is synchronous)."""
 
+    if self.executor == 'in_process':
+      raise ConfigError("program_context needs TFF's C++ runtime (runtime.executor = 'tff_cpp').")
     if len(self._stubs) != 1:
       raise ConfigError(f'program_context needs one worker, this runtime has '
                         f'{len(self._stubs)}.')
@@ -382,7 +395,8 @@ class TffRuntime:
     `worker_binary` is replaced by a fresh one every K rounds. All state lives in the driver, so
     results are unchanged; the worker's memory (which TFF's C++ runtime grows every round,
     issue 20) starts over. Remote workers are never recycled."""
-    if self.recycle_every > 0 and not self.remote and round_num % self.recycle_every == 0:
+    if (self.recycle_every > 0 and not self.remote and self.executor == 'tff_cpp'
+        and round_num % self.recycle_every == 0):
       self._restart_local_worker()
 
   def close(self) -> None:
@@ -443,7 +457,8 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                  log_dir: Optional[str] = None,
                  tls_ca_file: Optional[str] = None, tls_cert_file: Optional[str] = None,
                  tls_key_file: Optional[str] = None, tls_server_name: Optional[str] = None,
-                 insecure_plaintext: bool = False, recycle_every: int = 0) -> TffRuntime:
+                 insecure_plaintext: bool = False, recycle_every: int = 0,
+                 executor: str = 'tff_cpp', device: str = 'auto') -> TffRuntime:
   """Builds the experiment's runtime.
 
   Args:
@@ -461,8 +476,16 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
       `--insecure_plaintext`): only on a trusted network.
     recycle_every: Replace the local worker_binary by a fresh one every this many rounds (0:
       never); bounds the worker's memory on long runs, results unchanged (`after_round`).
+    executor: 'tff_cpp' (default): TFF's C++ runtime, a local `worker_binary` or the remote
+      `workers`. 'in_process': the same compiled computations run in this process, no worker
+      (`fltff.runtime.in_process`; equal results, slower on the 2-core CPUs measured, see the
+      README's Performance section).
+    device: 'auto' | 'cpu' | 'gpu': where the in-process executor runs the computations
+      ('auto': TensorFlow's choice, its GPU when it sees one). TFF's C++ runtime never uses a
+      GPU (TFF issues 3709, 4600): with 'tff_cpp' only 'auto' and 'cpu' are accepted.
   """
   check_number('runtime.recycle_every', recycle_every, integer=True)
+  tf_device = check_executor(executor, device, workers, recycle_every)
   if recycle_every < 0:
     raise ConfigError(f'runtime.recycle_every must be >= 0 (0: never), got {recycle_every}.')
   from fltff.runtime import tls  # pylint: disable=g-import-not-at-top
@@ -484,13 +507,45 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
     raise ConfigError('runtime.insecure_plaintext = True and TLS files are both set: choose one.')
   return TffRuntime(workers=workers, connect_timeout=connect_timeout, rpc_timeout=rpc_timeout,
                     max_retries=max_retries, log_dir=log_dir, credentials=credentials,
-                    server_name=tls_server_name, recycle_every=recycle_every)
+                    server_name=tls_server_name, recycle_every=recycle_every,
+                    executor=executor, device=tf_device)
+
+
+EXECUTORS = ('tff_cpp', 'in_process')
+DEVICES = ('auto', 'cpu', 'gpu')
+
+
+def check_executor(executor: str, device: str, workers: Sequence[str] = (),
+                   recycle_every: int = 0) -> Optional[str]:
+  """Validates `runtime.executor`/`runtime.device`; returns the TensorFlow device (or None)."""
+  if executor not in EXECUTORS:
+    raise ConfigError(f'runtime.executor must be one of {EXECUTORS}, got {executor!r}.')
+  if device not in DEVICES:
+    raise ConfigError(f'runtime.device must be one of {DEVICES}, got {device!r}.')
+  if executor == 'tff_cpp':
+    if device == 'gpu':
+      raise ConfigError("runtime.device = 'gpu' needs runtime.executor = 'in_process': TFF's "
+                        'C++ runtime never uses a GPU (TFF issues 3709, 4600).')
+    return None
+  if workers:
+    raise ConfigError("runtime.executor = 'in_process' runs everything in this process: remove "
+                      "runtime.workers, or use runtime.executor = 'tff_cpp' for remote workers.")
+  if recycle_every:
+    raise ConfigError("runtime.recycle_every recycles TFF's local worker_binary; the in-process "
+                      'executor has none (set it to 0).')
+  if device == 'gpu':
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    if not tf.config.list_physical_devices('GPU'):
+      raise ConfigError("runtime.device = 'gpu' but TensorFlow sees no GPU (install "
+                        "tensorflow[and-cuda]==2.14.1 on a CUDA 11.8 machine, or use 'auto').")
+    return '/GPU:0'
+  return '/CPU:0' if device == 'cpu' else None
 
 
 @contextlib.contextmanager
-def local_runtime() -> Iterator[TffRuntime]:
+def local_runtime(executor: str = 'tff_cpp', device: str = 'auto') -> Iterator[TffRuntime]:
   """Context manager: a local TFF runtime for the duration of the block."""
-  runtime = TffRuntime()
+  runtime = TffRuntime(executor=executor, device=check_executor(executor, device))
   try:
     yield runtime
   finally:

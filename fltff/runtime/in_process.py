@@ -1,0 +1,504 @@
+"""An in-process TFF execution context: the compiled round runs in this Python process.
+
+TFF's local C++ runtime serialises every participant's `tf.data` pipeline and sends it, with one
+gRPC call per client, to a `worker_binary` (`../shared/notes/performance.md`: most of a small
+model's round is that dispatch). This context executes the *same* compiled computation without a
+worker:
+
+1. TFF's own native compiler (`desugar_and_transform_to_native`, the one the C++ context uses)
+   lowers the computation to call-dominant form: a tree of federated intrinsics over
+   `CompiledComputation`s (serialised TensorFlow graphs).
+2. Each `CompiledComputation` is imported once into a TensorFlow function (`wrap_function` +
+   `prune`), its variables' shared names made unique so that computations never alias, and its
+   init op run before each call, as TFF's TensorFlow executor does.
+3. A small interpreter evaluates the tree: values at CLIENTS are Python lists with one entry per
+   participant, datasets are passed to the graphs as `tf.data` variant tensors (rebuilt from
+   their graph in memory, as the C++ runtime would see them; no gRPC), `federated_aggregate` folds the clients in order (zero, accumulate, report),
+   exactly as TFF's federating executor does.
+4. A `device` (`runtime.device`) places the computations (e.g. on a GPU, which TFF's C++
+   runtime never uses); tf.data ops stay on the CPU.
+
+Measured on the 2-core CPU machines (`pipelines.bench --executors`): the same graphs run
+slower here than in TFF's `worker_binary`, so the C++ runtime stays the default; see the
+README's Performance section.
+
+No arithmetic is rewritten: every number comes from the graphs TFF compiled, so results equal
+the C++ runtime's up to floating-point scheduling (tests/test_in_process.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from typing import Any, Optional
+
+import numpy as np
+import tensorflow as tf
+from tensorflow_federated.python.core.impl.context_stack import context_base
+
+from fltff.errors import ConfigError
+
+_SESSION_TOKEN = 'fltff_in_process'
+
+
+def _tff_internals():
+  """TFF 0.87's compiler/type internals this context is built on (one place to update)."""
+  # pylint: disable=g-import-not-at-top
+  from tensorflow_federated.python.common_libs import structure
+  from tensorflow_federated.python.core.backends.native import compiler
+  from tensorflow_federated.python.core.impl.compiler import building_blocks
+  from tensorflow_federated.python.core.impl.computation import computation_impl
+  from tensorflow_federated.python.core.impl.types import computation_types
+  from tensorflow_federated.python.core.impl.types import type_conversions
+  from tensorflow_federated.python.core.impl.types import type_serialization
+  from tensorflow_federated.python.core.impl.utils import tensorflow_utils
+  from tensorflow_federated.python.tensorflow_libs import serialization_utils
+  # pylint: enable=g-import-not-at-top
+  return dict(structure=structure, compiler=compiler, bb=building_blocks,
+              computation_impl=computation_impl, types=computation_types,
+              type_conversions=type_conversions, type_serialization=type_serialization,
+              tensorflow_utils=tensorflow_utils, serialization_utils=serialization_utils)
+
+
+class InProcessError(ConfigError):
+  """A computation uses something this context cannot execute (named in the message)."""
+
+
+# ---- values ------------------------------------------------------------------------------
+# Internal representation: tf.Tensor (eager), tf.data.Dataset, structure.Struct of values,
+# `_Clients` (one value per participant), or a Python callable (functions).
+
+
+class _Clients(list):
+  """A CLIENTS-placed value: one member value per participant, in the argument's order."""
+
+
+def _flatten(value, type_spec, t) -> list:
+  """The leaves of `value` in the order of TFF's TensorFlow bindings for `type_spec`."""
+  if isinstance(type_spec, t['types'].StructType):
+    elements = t['structure'].to_elements(value) if isinstance(value, t['structure'].Struct) \
+        else list(enumerate(value))
+    out = []
+    for (_, member), (_, member_type) in zip(elements, t['structure'].to_elements(type_spec)):
+      out.extend(_flatten(member, member_type, t))
+    return out
+  if isinstance(type_spec, t['types'].SequenceType):
+    return [value._variant_tensor]  # pylint: disable=protected-access
+  return [value]
+
+
+def _unflatten(leaves, type_spec, t):
+  """Inverse of `_flatten` for results: tensors, datasets (from variants) and Structs."""
+  it = iter(leaves)
+
+  def build(ts):
+    if isinstance(ts, t['types'].StructType):
+      return t['structure'].Struct([(name, build(member))
+                                    for name, member in t['structure'].to_elements(ts)])
+    if isinstance(ts, t['types'].SequenceType):
+      spec = t['type_conversions'].type_to_tf_tensor_specs(ts.element)
+      return tf.data.experimental.from_variant(next(it), structure=spec)
+    return next(it)
+
+  return build(type_spec)
+
+
+_FRESH_NAMES = itertools.count()
+
+
+def _fresh_dataset(dataset: tf.data.Dataset) -> tf.data.Dataset:
+  """`dataset` rebuilt from its graph, as TFF's runtime receives it (it serialises datasets).
+
+  A dataset that reshuffles on every iteration keeps its seed generator in the Python object:
+  passed twice as it is (FedLap personalisation trains the global and the local model on the
+  same batches), the second pass would see another order than on the C++ runtime, where every
+  call gets a freshly deserialised pipeline. The round trip gives every call that fresh state.
+  """
+  serialized = tf.raw_ops.DatasetToGraphV2(
+      input_dataset=tf.data.experimental.to_variant(dataset)).numpy()
+  graph_def = tf.compat.v1.GraphDef()
+  graph_def.ParseFromString(serialized)
+  # The graph names the dataset's seed generators by handle; in this process the handle would
+  # find the live one (and its advanced state). A new name makes the runtime create a fresh
+  # generator, as in a worker that has never seen it.
+  renamed = False
+  for node in graph_def.node:
+    if node.op != 'Const' or node.attr['dtype'].type != tf.resource.as_datatype_enum:
+      continue
+    for handle in node.attr['value'].tensor.resource_handle_val:
+      if 'SeedGenerator' in handle.maybe_type_name:
+        handle.name = f'{handle.name}_fltff{next(_FRESH_NAMES)}'
+        renamed = True
+  if renamed:
+    serialized = graph_def.SerializeToString()
+  variant = tf.raw_ops.DatasetFromGraph(graph_def=serialized)
+  return tf.data.experimental.from_variant(variant, structure=dataset.element_spec)
+
+
+def _ingest(value, type_spec, t, num_clients: Optional[int]):
+  """A Python argument (numpy, lists, dicts, datasets) as an internal value of `type_spec`."""
+  types = t['types']
+  if isinstance(type_spec, types.FederatedType):
+    member_type = type_spec.member
+    if type_spec.placement.uri == 'clients' and not type_spec.all_equal:
+      return _Clients(_ingest(v, member_type, t, None) for v in value)
+    single = _ingest(value, member_type, t, None)
+    if type_spec.placement.uri == 'clients':
+      return _Clients([single] * (num_clients or 0))
+    return single
+  if isinstance(type_spec, types.StructType):
+    structure = t['structure']
+    if not isinstance(value, structure.Struct):
+      value = structure.from_container(value, recursive=False)
+    members = structure.to_elements(value)
+    member_types = structure.to_elements(type_spec)
+    if len(members) != len(member_types):
+      raise InProcessError(f'argument has {len(members)} elements, its type {type_spec} '
+                           f'has {len(member_types)}.')
+    return structure.Struct([(name, _ingest(v, mt, t, num_clients))
+                             for (_, v), (name, mt) in zip(members, member_types)])
+  if isinstance(type_spec, types.SequenceType):
+    if isinstance(value, tf.data.Dataset):
+      return _fresh_dataset(value)
+    spec = t['type_conversions'].type_to_tf_tensor_specs(type_spec.element)
+    return tf.data.Dataset.from_generator(lambda: iter(value), output_signature=spec)
+  if isinstance(type_spec, types.TensorType):
+    return tf.convert_to_tensor(np.asarray(value, dtype=type_spec.dtype)
+                                if not tf.is_tensor(value) else value)
+  raise InProcessError(f'cannot take an argument of type {type_spec}.')
+
+
+def _to_python(value, t):
+  """Internal value -> numpy/Struct/list, as TFF's contexts return results."""
+  if isinstance(value, _Clients):
+    return [_to_python(v, t) for v in value]
+  if isinstance(value, t['structure'].Struct):
+    return t['structure'].Struct([(n, _to_python(v, t))
+                                  for n, v in t['structure'].to_elements(value)])
+  if tf.is_tensor(value):
+    return value.numpy()
+  return value
+
+
+def _num_clients_of(value, type_spec, t) -> Optional[int]:
+  types = t['types']
+  if isinstance(type_spec, types.FederatedType):
+    if type_spec.placement.uri == 'clients' and not type_spec.all_equal:
+      return len(value)
+    return None
+  if isinstance(type_spec, types.StructType):
+    structure = t['structure']
+    if not isinstance(value, structure.Struct):
+      value = structure.from_container(value, recursive=False)
+    for (_, v), (_, vt) in zip(structure.to_elements(value), structure.to_elements(type_spec)):
+      n = _num_clients_of(v, vt, t)
+      if n is not None:
+        return n
+  return None
+
+
+# ---- TensorFlow computations ---------------------------------------------------------------
+
+
+def _rename_library_functions(graph_def, suffix: str) -> None:
+  """Gives the graph's function library unique names, in place.
+
+  TFF's compiler rewrites the call ops of traced functions (it disables Grappler in them) but
+  keeps their names, which this process's eager context already holds with the original bodies;
+  importing them under the same names would clash.
+  """
+  names = {f.signature.name for f in graph_def.library.function}
+  if not names:
+    return
+  rename = {n: f'{n}_{suffix}' for n in names}
+
+  def fix_attr(attr):
+    if attr.HasField('func') and attr.func.name in rename:
+      attr.func.name = rename[attr.func.name]
+    if attr.HasField('list'):
+      for f in attr.list.func:
+        if f.name in rename:
+          f.name = rename[f.name]
+
+  def fix_nodes(nodes):
+    for node in nodes:
+      if node.op in rename:
+        node.op = rename[node.op]
+      for attr in node.attr.values():
+        fix_attr(attr)
+
+  fix_nodes(graph_def.node)
+  for function in graph_def.library.function:
+    function.signature.name = rename[function.signature.name]
+    fix_nodes(function.node_def)
+    for attr in function.attr.values():
+      fix_attr(attr)
+  for gradient in graph_def.library.gradient:
+    gradient.function_name = rename.get(gradient.function_name, gradient.function_name)
+    gradient.gradient_func = rename.get(gradient.gradient_func, gradient.gradient_func)
+
+
+def _call_flat(function, leaves: list):
+  """Calls a pruned function on its flat tensor inputs.
+
+  The public call path binds the arguments to a structured signature, which formats every
+  tensor (measured: ~40 % of a small round); the inputs here are already flat and typed.
+  """
+  return function._call_flat(leaves, function.captured_inputs)  # pylint: disable=protected-access
+
+
+class _TensorFlowFunction:
+  """One `CompiledComputation` as a callable on internal values (imported once)."""
+
+  _suffixes = itertools.count()
+
+  def __init__(self, proto, t, device: Optional[str]):
+    self._t = t
+    self.device = device
+    self.type_signature = t['type_serialization'].deserialize_type(proto.type)
+    tensorflow = proto.tensorflow
+    graph_def = t['serialization_utils'].unpack_graph_def(tensorflow.graph_def)
+    # Unique shared names: two computations must never share a variable.
+    suffix = f'fltff{next(self._suffixes)}'
+    graph_def = t['tensorflow_utils']._uniquify_shared_names_with_suffix(  # pylint: disable=protected-access
+        graph_def, suffix)
+    _rename_library_functions(graph_def, suffix)
+    extract = t['tensorflow_utils'].extract_tensor_names_from_binding
+    parameter_names = (extract(tensorflow.parameter)
+                       if tensorflow.HasField('parameter') else [])
+    result_names = extract(tensorflow.result)
+    token_name = tensorflow.session_token_tensor_name
+    init_name = tensorflow.initialize_op
+
+    def import_graph():
+      input_map = {token_name: tf.constant(_SESSION_TOKEN)} if token_name else {}
+      tf.graph_util.import_graph_def(graph_def, input_map=input_map, name='')
+
+    wrapped = tf.compat.v1.wrap_function(import_graph, [])
+    graph = wrapped.graph
+    feeds = [graph.get_tensor_by_name(n) for n in parameter_names]
+    fetches = [graph.get_tensor_by_name(n) for n in result_names]
+    self._run = wrapped.prune(feeds, fetches)
+    # TFF's TensorFlow executor runs the init op (variable initialisers) before every call.
+    self._init = (wrapped.prune(feeds, graph.get_operation_by_name(init_name))
+                  if init_name else None)
+
+  def flat_call(self, leaves: list) -> list:
+    """Runs the graph on flattened argument leaves; returns the flattened result leaves."""
+    leaves = [x if tf.is_tensor(x) else tf.convert_to_tensor(x) for x in leaves]
+    if self._init is not None:
+      _call_flat(self._init, leaves)  # Eager: it has run before the graph's main part starts.
+    out = _call_flat(self._run, leaves)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+  def flatten_arg(self, arg) -> list:
+    if self.type_signature.parameter is None:
+      return []
+    return _flatten(arg, self.type_signature.parameter, self._t)
+
+  def unflatten_result(self, leaves: list):
+    return _unflatten(leaves, self.type_signature.result, self._t)
+
+  def __call__(self, arg=None):
+    leaves = self.flatten_arg(arg)
+    if self.device:
+      with tf.device(self.device):
+        out = self.flat_call(leaves)
+    else:
+      out = self.flat_call(leaves)
+    return self.unflatten_result(out)
+
+
+# ---- the interpreter -----------------------------------------------------------------------
+
+
+class _Env:
+  """Lexical scope: a name bound to a value, then the enclosing scope."""
+
+  __slots__ = ('_name', '_value', '_parent')
+
+  def __init__(self, name=None, value=None, parent: Optional['_Env'] = None):
+    self._name, self._value, self._parent = name, value, parent
+
+  def bind(self, name, value) -> '_Env':
+    return _Env(name, value, self)
+
+  def lookup(self, name):
+    env = self
+    while env is not None:
+      if env._name == name:  # pylint: disable=protected-access
+        return env._value  # pylint: disable=protected-access
+      env = env._parent  # pylint: disable=protected-access
+    raise InProcessError(f'unbound reference {name!r} in the compiled computation.')
+
+
+def _add(a, b, t):
+  structure = t['structure']
+  if isinstance(a, structure.Struct):
+    return structure.Struct([(n, _add(x, y, t)) for (n, x), (_, y) in
+                             zip(structure.to_elements(a), structure.to_elements(b))])
+  return a + b
+
+
+def _map_leaves(fn, value, t):
+  structure = t['structure']
+  if isinstance(value, structure.Struct):
+    return structure.Struct([(n, _map_leaves(fn, x, t)) for n, x in structure.to_elements(value)])
+  return fn(value)
+
+
+def _zip_clients(value, t) -> _Clients:
+  """A Struct of CLIENTS values (possibly nested) as CLIENTS Structs, member by member."""
+  structure = t['structure']
+  if isinstance(value, _Clients):
+    return value
+  elements = structure.to_elements(value)
+  zipped = [(name, _zip_clients(member, t)) for name, member in elements]
+  num = len(zipped[0][1]) if zipped else 0
+  return _Clients(structure.Struct([(name, member[i]) for name, member in zipped])
+                  for i in range(num))
+
+
+class _Interpreter:
+  """Evaluates a call-dominant TFF building block (see module docstring)."""
+
+  def __init__(self, context: 'InProcessContext', num_clients: int):
+    self._context = context
+    self._t = context.tff
+    self._num_clients = num_clients
+
+  # -- building blocks ---------------------------------------------------------------------
+  def evaluate(self, comp, env: _Env):
+    bb = self._t['bb']
+    if isinstance(comp, bb.Reference):
+      return env.lookup(comp.name)
+    if isinstance(comp, bb.Call):
+      fn = self.evaluate(comp.function, env)
+      if comp.argument is None:
+        return fn()
+      return fn(self.evaluate(comp.argument, env))
+    if isinstance(comp, bb.Block):
+      for name, local in comp.locals:
+        env = env.bind(name, self.evaluate(local, env))
+      return self.evaluate(comp.result, env)
+    if isinstance(comp, bb.Struct):
+      return self._t['structure'].Struct(
+          [(name, self.evaluate(member, env))
+           for name, member in self._t['structure'].to_elements(comp)])
+    if isinstance(comp, bb.Selection):
+      source = self.evaluate(comp.source, env)
+      return source[comp.as_index()]
+    if isinstance(comp, bb.Lambda):
+      return self._closure(comp, env)
+    if isinstance(comp, bb.CompiledComputation):
+      return self._context.tensorflow_function(comp)
+    if isinstance(comp, bb.Intrinsic):
+      return self._intrinsic(comp)
+    if isinstance(comp, bb.Literal):
+      return tf.constant(comp.value, dtype=comp.type_signature.dtype)
+    raise InProcessError(f'cannot execute a {type(comp).__name__} building block '
+                         f'({comp.compact_representation()[:200]}).')
+
+  def _closure(self, comp, env: _Env):
+    if comp.parameter_name is None:
+      return lambda: self.evaluate(comp.result, env)
+    return lambda arg: self.evaluate(comp.result, env.bind(comp.parameter_name, arg))
+
+  # -- intrinsics --------------------------------------------------------------------------
+  def _intrinsic(self, comp):
+    uri = comp.uri
+    n = self._num_clients
+    t = self._t
+    if uri == 'federated_broadcast' or uri == 'federated_value_at_clients':
+      return lambda x: _Clients([x] * n)
+    if uri in ('federated_value_at_server', 'federated_zip_at_server'):
+      return lambda x: x
+    if uri in ('federated_map', 'federated_map_all_equal'):
+      return lambda arg: self._map(arg[0], arg[1])
+    if uri == 'federated_apply':
+      return lambda arg: arg[0](arg[1])
+    if uri == 'federated_eval_at_clients':
+      return lambda fn: _Clients(fn() for _ in range(n))
+    if uri == 'federated_eval_at_server':
+      return lambda fn: fn()
+    if uri == 'federated_zip_at_clients':
+      return lambda x: _zip_clients(x, t)
+    if uri == 'federated_aggregate':
+      return self._aggregate
+    if uri == 'federated_sum':
+      return lambda x: self._sum(x)
+    if uri == 'federated_mean':
+      return lambda x: _map_leaves(lambda s: s / tf.cast(len(x), s.dtype), self._sum(x), t)
+    raise InProcessError(
+        f'the in-process executor does not implement the intrinsic {uri!r}; use '
+        "runtime.executor = 'tff_cpp' for this computation.")
+
+  def _map(self, fn, values: _Clients) -> _Clients:
+    return _Clients(fn(v) for v in values)
+
+  def _sum(self, values: _Clients):
+    if not values:
+      raise InProcessError('federated_sum over zero clients.')
+    total = values[0]
+    for v in values[1:]:
+      total = _add(total, v, self._t)
+    return total
+
+  def _aggregate(self, arg):
+    values, zero, accumulate, _, report = (arg[i] for i in range(5))
+    structure = self._t['structure']
+    acc = zero
+    # TFF's federating executor folds the clients in order into one accumulator (no merge).
+    for v in values:
+      acc = accumulate(structure.Struct([(None, acc), (None, v)]))
+    return report(acc)
+
+
+class InProcessContext(context_base.SyncContext):
+  """A TFF synchronous context that runs computations in this process (module docstring).
+
+  Args:
+    device: A TensorFlow device string (e.g. '/GPU:0') for the computations, or None for
+      TensorFlow's placement (its GPU when it sees one).
+  """
+
+  def __init__(self, device: Optional[str] = None):
+    self.tff = _tff_internals()
+    self.device = device
+    self._compiled: dict[int, tuple[Any, Any]] = {}
+    self._functions: dict[int, tuple[Any, _TensorFlowFunction]] = {}
+
+  # Called by the interpreter.
+  def tensorflow_function(self, comp) -> _TensorFlowFunction:
+    key = id(comp)
+    if key not in self._functions:
+      self._functions[key] = (comp, _TensorFlowFunction(comp.proto, self.tff, self.device))
+    return self._functions[key][1]
+
+  def _compile(self, comp):
+    key = id(comp)
+    if key not in self._compiled:
+      t = self.tff
+      native = t['compiler'].desugar_and_transform_to_native(comp)
+      proto = t['computation_impl'].ConcreteComputation.get_proto(native)
+      self._compiled[key] = (comp, t['bb'].ComputationBuildingBlock.from_proto(proto))
+    return self._compiled[key][1]
+
+  def invoke(self, comp, arg):
+    t = self.tff
+    block = self._compile(comp)
+    type_signature = comp.type_signature
+    parameter_type = type_signature.parameter
+    num_clients = 0
+    value = None
+    if parameter_type is not None:
+      num_clients = _num_clients_of(arg, parameter_type, t) or 0
+      value = _ingest(arg, parameter_type, t, num_clients)
+    interpreter = _Interpreter(self, num_clients)
+    if isinstance(block, t['bb'].CompiledComputation):
+      result = self.tensorflow_function(block)(value)
+    else:
+      fn = interpreter.evaluate(block, _Env())
+      result = fn() if parameter_type is None else fn(value)
+    return t['type_conversions'].type_to_py_container(_to_python(result, t),
+                                                      type_signature.result)
