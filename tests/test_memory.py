@@ -1,6 +1,7 @@
 """Bounded memory (issue 20): what the round loop builds per round must not accumulate."""
 
 import collections
+import os
 
 import numpy as np
 import pytest
@@ -56,6 +57,41 @@ def test_a_client_examples_dataset_is_built_once_however_many_rounds():
       maps.add(id(node._map_func))  # pylint: disable=protected-access
   assert built == {1: 1, 2: 1}
   assert len(maps) == 2
+
+
+def _rss_kib() -> int:
+  with open('/proc/self/status') as f:
+    return next(int(line.split()[1]) for line in f if line.startswith('VmRSS:'))
+
+
+def test_tensorboard_rows_keep_no_memory_and_read_back(tmp_path):
+  """`tf.summary` kept ~0.18 KiB per scalar for the whole run (7 KiB per 40-column row); the
+  event writer builds the same events as protobufs and keeps nothing."""
+  import gc  # pylint: disable=g-import-not-at-top
+
+  from fltff.simulation.outputs import RunOutputs  # pylint: disable=g-import-not-at-top
+
+  outputs = RunOutputs(str(tmp_path))
+  row = {'round': 0, **{f'metric_{i}': 0.25 * i for i in range(40)}}
+  for r in range(1, 101):
+    outputs.log_scalars(dict(row, round=r))
+  gc.collect()
+  before = _rss_kib()
+  for r in range(101, 1601):
+    outputs.log_scalars(dict(row, round=r))
+    outputs.log_arrays(r, {'relationship': np.full((4, 4), 0.5)})
+  gc.collect()
+  grown = _rss_kib() - before
+  outputs.close()
+  assert grown < 3 * 1024, f'{grown} KiB for 1500 rows (tf.summary: ~10,500 KiB)'
+  values = {}
+  events = tmp_path / 'tensorboard'
+  for name in os.listdir(events):
+    for event in tf.compat.v1.train.summary_iterator(str(events / name)):
+      for value in event.summary.value:
+        if value.tag == 'metric_3':
+          values[event.step] = float(tf.make_ndarray(value.tensor))
+  assert len(values) == 1600 and values[1600] == 0.75
 
 
 def test_recycling_the_local_worker_changes_no_number_and_leaves_no_worker(tmp_path):
