@@ -241,3 +241,31 @@ def test_scale_config_runs_a_personalised_method_with_the_sqlite_store(tmp_path)
   import numpy as np  # pylint: disable=g-import-not-at-top,reimported
   with np.load(out / 'checkpoints' / 'round_00003.npz') as arrays:
     assert not [k for k in arrays.files if k.startswith('client/')]
+  assert summary['checkpoint_megabytes'] > 0 and summary['checkpoint_seconds_max'] >= 0
+  assert summary['driver_peak_rss_mib'] > 100 and summary['round_seconds_median'] > 0
+
+
+def test_scale_config_runs_two_rounds_with_10000_clients(tmp_path):
+  """The scale config at its documented 10,000 clients (IDX files the test writes: 20,000
+  training and 10,000 test images, so 2 training examples and 1 local test example each)."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  from helpers import run_pipeline  # pylint: disable=g-import-not-at-top
+  from test_idx_source import _write_set  # pylint: disable=g-import-not-at-top
+
+  _write_set(tmp_path / 'idx', n_train=20000, n_test=10000, compress=False)
+  out = tmp_path / 'run'
+  result = run_pipeline(
+      '--gin_file=gin_configs/scale/fmnist_fedamp.gin',
+      f"--gin_bindings=idx_source.path = '{tmp_path / 'idx'}'",
+      '--gin_bindings=federated_data.num_clients = 10000',
+      '--gin_bindings=federated_data.local_test_examples = 1',
+      '--gin_bindings=experiment.rounds = 2', '--gin_bindings=experiment.eval_every = 1',
+      f'--output_dir={out}')
+  assert result.returncode == 0, result.stderr[-2000:]
+  summary = json.loads((out / 'summary.json').read_text())
+  assert summary['rounds_completed'] == 2
+  assert json.loads((out / 'partition.json').read_text())['num_clients'] == 10000
+  # The checkpoint holds the server state, not 10,000 clients' models (SQLite holds those).
+  assert summary['checkpoint_megabytes'] < 1.0
+  assert (out / 'client_states.sqlite').stat().st_size > 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import resource
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -128,6 +129,7 @@ class RoundDriver:
     self.datasets = ClientDatasets(data.client_arrays, config.batch_size)
     self.outputs = RunOutputs(output_dir)
     self.checkpointer = Checkpointer(output_dir)
+    self._checkpoint_costs: list[tuple[float, int]] = []  # (seconds, npz bytes) per save.
     self.evaluator = Evaluator(algorithm.model_spec)
     self.rows: list[dict] = []
     self.stop_event = stop_event
@@ -276,9 +278,13 @@ class RoundDriver:
 
   # -- checkpoints -------------------------------------------------------------------------
   def save(self, round_num: int, state) -> None:
-    self.checkpointer.save(round_num, state, {'rows': self.rows},
-                           self.client_states.checkpoint(round_num))
+    t0 = time.perf_counter()
+    stem = self.checkpointer.save(round_num, state, {'rows': self.rows},
+                                  self.client_states.checkpoint(round_num))
     self.client_states.prune(self.checkpointer.rounds())
+    # What a checkpoint costs (issue 20: it must grow with the clients changed, not with the
+    # population): seconds including the client store's part, and the file's size.
+    self._checkpoint_costs.append((time.perf_counter() - t0, os.path.getsize(stem + '.npz')))
     for name, array in self.algorithm.round_files(state).items():
       np.save(os.path.join(self.output_dir, name), array)
 
@@ -395,6 +401,14 @@ class RoundDriver:
       extra['sim_round_seconds_mean'] = float(np.mean([r['sim_round_seconds']
                                                        for r in self.rows]))
     extra.update(self.algorithm.summary_extras(self.num_clients))
+    if self._checkpoint_costs:
+      seconds = [c[0] for c in self._checkpoint_costs]
+      extra['checkpoint_seconds_median'] = float(np.median(seconds))
+      extra['checkpoint_seconds_max'] = float(np.max(seconds))
+      extra['checkpoint_megabytes'] = self._checkpoint_costs[-1][1] / 1e6
+    extra['driver_peak_rss_mib'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    if self.rows:
+      extra['round_seconds_median'] = float(np.median([r['round_seconds'] for r in self.rows]))
     return extra | {
         'method': self.algorithm.name,
         'dataset': self.data.dataset.name,
