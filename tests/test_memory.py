@@ -64,6 +64,42 @@ def _rss_kib() -> int:
     return next(int(line.split()[1]) for line in f if line.startswith('VmRSS:'))
 
 
+def test_recycling_leaves_no_thread_channel_or_compiled_computation_behind():
+  """Each recycle used to keep the old context's event-loop thread, its gRPC channel (held by
+  a connectivity-polling thread) and, in TFF's lru_cache, everything it compiled: ~2.2 MiB per
+  recycle for mlp2 FedAvg, ~12 MiB for FedLayerWise (issue 20)."""
+  import gc  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+
+  import grpc  # pylint: disable=g-import-not-at-top
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from tensorflow_federated.python.core.impl.execution_contexts import compiler_pipeline  # pylint: disable=g-import-not-at-top
+
+  from fltff.runtime import TffRuntime  # pylint: disable=g-import-not-at-top
+
+  @tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
+  def mean(x):
+    return tff.federated_mean(x)
+
+  def live_channels():
+    gc.collect()
+    return sum(isinstance(o, grpc.Channel) for o in gc.get_objects())
+
+  rt = TffRuntime(recycle_every=1)
+  try:
+    assert mean([1.0, 2.0, 6.0]) == 3.0
+    threads, channels = threading.active_count(), live_channels()
+    for r in range(1, 6):
+      rt.after_round(r)  # A fresh worker and context every round.
+      assert mean([1.0, 2.0, 6.0]) == 3.0
+    assert len(rt.worker_pids) == 1
+    assert threading.active_count() <= threads
+    assert live_channels() <= channels
+    assert compiler_pipeline.CompilerPipeline.compile.cache_info().currsize <= 2
+  finally:
+    rt.close()
+
+
 def test_tensorboard_rows_keep_no_memory_and_read_back(tmp_path):
   """`tf.summary` kept ~0.18 KiB per scalar for the whole run (7 KiB per 40-column row); the
   event writer builds the same events as protobufs and keeps nothing."""
