@@ -27,6 +27,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Optional
 
@@ -238,11 +239,30 @@ def _executor_factory(stub, default_num_clients: int = 0):
   return tff.framework.ResourceManagingExecutorFactory(executor_stack_fn=stack_fn)
 
 
+_COMPILED = weakref.WeakKeyDictionary()
+
+
+def _compile_once(comp):
+  """TFF's native compilation of `comp`, done once per computation for all contexts.
+
+  Each context's `CompilerPipeline` would compile a computation again after a recycle (and the
+  TensorFlow graph work of compiling stays in the driver: measured ~3 MiB per recycle for
+  FedLayerWise); the compiled form does not depend on the context, so it is shared.
+  """
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  compiled = _COMPILED.get(comp)
+  if compiled is None:
+    compiled = tff.backends.native.desugar_and_transform_to_native(comp)
+    _COMPILED[comp] = compiled
+  return compiled
+
+
 def _context_kwargs():
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation  # pylint: disable=g-import-not-at-top
 
-  return dict(compiler_fn=tff.backends.native.desugar_and_transform_to_native,
+  return dict(compiler_fn=_compile_once,
               transform_args=tensorflow_computation.transform_args,
               transform_result=tensorflow_computation.transform_result)
 
