@@ -28,3 +28,27 @@ def test_bench_prints_ratio(extra, pattern):
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
   assert result.returncode == 0, result.stderr[-3000:]
   assert re.search(pattern, result.stdout), result.stdout
+
+
+def test_bench_executors_prints_ratios_to_tffs_builtin():
+  result = subprocess.run(
+      [sys.executable, '-m', 'pipelines.bench', '--executors', '--executor_shapes=mlp2:3x20',
+       '--rounds=2'], cwd=REPO, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert re.search(r'mlp2 3x20\s+\d+\.\d+ s \( 1\.00x\)\s+\d+\.\d+ s \(\s*\d+\.\d+x\)\s+'
+                   r'\d+\.\d+ s \(\s*\d+\.\d+x\)', result.stdout), result.stdout
+  assert re.search(r'peak RSS of this process .*: \d+ MiB', result.stdout), result.stdout
+
+
+def test_short_soak_driver_memory_does_not_grow_per_round():
+  """80 rounds of fltff's FedAvg pipeline: the driver grew +0.42 MiB/round before issue 20's
+  fix (a traced `Dataset.map` per client per round); a quarter of that fails the test."""
+  result = subprocess.run(
+      [sys.executable, '-m', 'pipelines.bench', '--memory=fedavg', '--memory_rounds=80'],
+      cwd=REPO, capture_output=True, text=True, timeout=600,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+  assert result.returncode == 0, result.stderr[-3000:]
+  match = re.search(r'fedavg: driver \d+ -> \d+ MiB \(([-+]\d+\.\d+) MiB/round\)', result.stdout)
+  assert match, result.stdout
+  assert float(match.group(1)) < 0.105, result.stdout
