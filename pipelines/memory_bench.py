@@ -2,7 +2,8 @@
 
 Each method runs in its own process (so the driver's resident memory is its own): fltff's
 FedAvg, FedLayerWise and KAPC through the real pipeline (`run_experiment` on their offline
-configs), and TFF's built-in `build_weighted_fed_avg` in a plain loop on the same data (10
+configs; also SCAFFOLD, a global method with client state), and TFF's built-in
+`build_weighted_fed_avg` in a plain loop on the same data (10
 clients of the MNIST sample, all taking part, mlp2). Resident memory (VmRSS) of the process
 and of its current `worker_binary` is read after every round; the slope is the least-squares
 fit from 10 % of the rounds on (the first rounds trace and load).
@@ -23,6 +24,8 @@ CONFIGS = {
     'fedavg': 'gin_configs/foundation/mnist1003_shards_fedavg.gin',
     'fedlayerwise': 'gin_configs/fedlayerwise/offline_2iid_8noniid_fedlayerwise.gin',
     'kapc': 'gin_configs/kapc/offline_mnist1003_kapc.gin',
+    # A global method with per-client state (its c_i in the client state store).
+    'scaffold': 'gin_configs/ccn/offline_mnist1003_scaffold.gin',
 }
 METHODS = ('tff_fedavg',) + tuple(CONFIGS)
 _MARK = 'MEMORY_SAMPLES '
