@@ -257,26 +257,33 @@ def test_kill_9_then_resume_with_the_sqlite_store_gives_the_uninterrupted_number
       [r[c] for c in columns] for r in read_csv(tmp_path / 'full' / 'metrics.csv')]
 
 
-def test_scale_config_runs_a_personalised_method_with_the_sqlite_store(tmp_path):
+def _scale_run(out, rounds: int, *bindings) -> dict:
+  """`scale/fmnist_fedamp.gin` with `bindings` for `rounds` rounds into `out`; its summary."""
   import json  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
 
   from helpers import run_pipeline  # pylint: disable=g-import-not-at-top
 
-  out = tmp_path / 'fedamp'
   result = run_pipeline(
       '--gin_file=gin_configs/scale/fmnist_fedamp.gin',
-      # The MNIST sample instead of the full Fashion-MNIST (kept out of CI), 50 clients.
-      "--gin_bindings=federated_data.source = @npz_source",
-      "--gin_bindings=npz_source.path = '../shared/data/mnist_first1003.npz'",
-      '--gin_bindings=federated_data.num_clients = 50',
-      '--gin_bindings=federated_data.local_test_examples = 4',
-      '--gin_bindings=experiment.rounds = 3', '--gin_bindings=experiment.eval_every = 1',
+      *[f'--gin_bindings={b}' for b in bindings],
+      f'--gin_bindings=experiment.rounds = {rounds}', '--gin_bindings=experiment.eval_every = 1',
       f'--output_dir={out}')
   assert result.returncode == 0, result.stderr[-2000:]
   summary = json.loads((out / 'summary.json').read_text())
-  assert summary['rounds_completed'] == 3 and 0.0 <= summary['best_mean_local_accuracy'] <= 1.0
-  assert os.path.getsize(out / 'client_states.sqlite') > 0
+  assert summary['rounds_completed'] == rounds
+  assert (out / 'client_states.sqlite').stat().st_size > 0
+  return summary
+
+
+def test_scale_config_runs_a_personalised_method_with_the_sqlite_store(tmp_path):
+  import os  # pylint: disable=g-import-not-at-top
+
+  out = tmp_path / 'fedamp'
+  # The MNIST sample instead of the full Fashion-MNIST (kept out of CI), 50 clients.
+  summary = _scale_run(out, 3, 'federated_data.source = @npz_source',
+                       "npz_source.path = '../shared/data/mnist_first1003.npz'",
+                       'federated_data.num_clients = 50', 'federated_data.local_test_examples = 4')
+  assert 0.0 <= summary['best_mean_local_accuracy'] <= 1.0
   # No N x N relationship file for FedAMP, and the checkpoint holds no client arrays.
   assert not os.path.exists(out / 'relationship.npy')
   import numpy as np  # pylint: disable=g-import-not-at-top,reimported
@@ -291,22 +298,13 @@ def test_scale_config_runs_two_rounds_with_10000_clients(tmp_path):
   training and 10,000 test images, so 2 training examples and 1 local test example each)."""
   import json  # pylint: disable=g-import-not-at-top
 
-  from helpers import run_pipeline  # pylint: disable=g-import-not-at-top
   from test_idx_source import _write_set  # pylint: disable=g-import-not-at-top
 
   _write_set(tmp_path / 'idx', n_train=20000, n_test=10000, compress=False)
   out = tmp_path / 'run'
-  result = run_pipeline(
-      '--gin_file=gin_configs/scale/fmnist_fedamp.gin',
-      f"--gin_bindings=idx_source.path = '{tmp_path / 'idx'}'",
-      '--gin_bindings=federated_data.num_clients = 10000',
-      '--gin_bindings=federated_data.local_test_examples = 1',
-      '--gin_bindings=experiment.rounds = 2', '--gin_bindings=experiment.eval_every = 1',
-      f'--output_dir={out}')
-  assert result.returncode == 0, result.stderr[-2000:]
-  summary = json.loads((out / 'summary.json').read_text())
-  assert summary['rounds_completed'] == 2
+  summary = _scale_run(out, 2, f"idx_source.path = '{tmp_path / 'idx'}'",
+                       'federated_data.num_clients = 10000',
+                       'federated_data.local_test_examples = 1')
   assert json.loads((out / 'partition.json').read_text())['num_clients'] == 10000
   # The checkpoint holds the server state, not 10,000 clients' models (SQLite holds those).
   assert summary['checkpoint_megabytes'] < 1.0
-  assert (out / 'client_states.sqlite').stat().st_size > 0

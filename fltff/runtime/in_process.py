@@ -28,7 +28,6 @@ the C++ runtime's up to floating-point scheduling (tests/test_in_process.py).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from typing import Any, Optional
 
@@ -332,19 +331,15 @@ class _Env:
     raise InProcessError(f'unbound reference {name!r} in the compiled computation.')
 
 
-def _add(a, b, t):
+def _map_structs(fn, t, *values):
+  """`fn` applied leaf by leaf to values of one (possibly nested) Struct shape."""
   structure = t['structure']
-  if isinstance(a, structure.Struct):
-    return structure.Struct([(n, _add(x, y, t)) for (n, x), (_, y) in
-                             zip(structure.to_elements(a), structure.to_elements(b))])
-  return a + b
-
-
-def _map_leaves(fn, value, t):
-  structure = t['structure']
-  if isinstance(value, structure.Struct):
-    return structure.Struct([(n, _map_leaves(fn, x, t)) for n, x in structure.to_elements(value)])
-  return fn(value)
+  if isinstance(values[0], structure.Struct):
+    names = [n for n, _ in structure.to_elements(values[0])]
+    members = zip(*(structure.to_elements(v) for v in values))
+    return structure.Struct([(name, _map_structs(fn, t, *(m for _, m in group)))
+                             for name, group in zip(names, members)])
+  return fn(*values)
 
 
 def _zip_clients(value, t) -> _Clients:
@@ -428,7 +423,7 @@ class _Interpreter:
     if uri == 'federated_sum':
       return lambda x: self._sum(x)
     if uri == 'federated_mean':
-      return lambda x: _map_leaves(lambda s: s / tf.cast(len(x), s.dtype), self._sum(x), t)
+      return lambda x: _map_structs(lambda s: s / tf.cast(len(x), s.dtype), t, self._sum(x))
     raise InProcessError(
         f'the in-process executor does not implement the intrinsic {uri!r}; use '
         "runtime.executor = 'tff_cpp' for this computation.")
@@ -441,7 +436,7 @@ class _Interpreter:
       raise InProcessError('federated_sum over zero clients.')
     total = values[0]
     for v in values[1:]:
-      total = _add(total, v, self._t)
+      total = _map_structs(lambda a, b: a + b, self._t, total, v)
     return total
 
   def _aggregate(self, arg):
