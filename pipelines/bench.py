@@ -71,6 +71,9 @@ _MEMORY = flags.DEFINE_list('memory', [], 'Memory per round of the driver and it
 _MEMORY_ROUNDS = flags.DEFINE_integer('memory_rounds', 300, 'Rounds per run for --memory.')
 _RECYCLE_EVERY = flags.DEFINE_integer('recycle_every', 0, 'For --memory: recycle the local '
                                       'worker every this many rounds (0: never).')
+_MMAP_THRESHOLD = flags.DEFINE_integer(
+    'mmap_threshold_kib', 128, "For --memory: runtime.mmap_threshold_kib (0: glibc's default "
+    'malloc, no heap trim; fltff.runtime.heap).')
 _MEMORY_PROBE = flags.DEFINE_string('memory_probe', None, 'Internal: one --memory run.')
 _LR = 0.01
 _MOMENTUM = 0.9
@@ -326,11 +329,13 @@ def main(argv) -> int:
   del argv
   absl_logging.set_verbosity(absl_logging.WARNING)
   if _MEMORY_PROBE.value:
-    return memory_bench.run_probe(_MEMORY_PROBE.value, _MEMORY_ROUNDS.value, _RECYCLE_EVERY.value)
+    return memory_bench.run_probe(_MEMORY_PROBE.value, _MEMORY_ROUNDS.value, _RECYCLE_EVERY.value,
+                                  _MMAP_THRESHOLD.value)
   if _MEMORY.value:
     runtime.release_default_context()  # This process runs nothing on TFF itself.
     methods = memory_bench.METHODS if _MEMORY.value == ['all'] else _MEMORY.value
-    return memory_bench.compare(methods, _MEMORY_ROUNDS.value, _RECYCLE_EVERY.value)
+    return memory_bench.compare(methods, _MEMORY_ROUNDS.value, _RECYCLE_EVERY.value,
+                                _MMAP_THRESHOLD.value)
   if _EXECUTORS.value:
     return compare_executors()
   keras_fn = lambda: build_model(_MODEL.value, input_shape=(28, 28, 1), num_classes=10, seed=0)

@@ -31,12 +31,14 @@ METHODS = ('tff_fedavg',) + tuple(CONFIGS)
 _MARK = 'MEMORY_SAMPLES '
 
 
-def rss_mib(pid: int) -> float:
-  """Resident memory of process `pid` in MiB (0 if it is gone)."""
+def rss_mib(pid: int, field: str = 'VmRSS') -> float:
+  """Resident memory of process `pid` in MiB (0 if it is gone). `field='RssAnon'`: its
+  anonymous part only (heap, stacks, Python objects), without the pages of mapped files such as
+  TensorFlow's shared library, which the kernel can drop and reload at will."""
   try:
     with open(f'/proc/{pid}/status') as f:
       for line in f:
-        if line.startswith('VmRSS:'):
+        if line.startswith(field + ':'):
           return int(line.split()[1]) / 1024.0
   except OSError:
     pass
@@ -93,16 +95,18 @@ def _probe_tff_fedavg(rounds: int, recycle_every: int, rt, sample) -> None:
       rt.after_round(r)
 
 
-def probe(method: str, rounds: int, recycle_every: int) -> dict:
+def probe(method: str, rounds: int, recycle_every: int, mmap_threshold_kib: int) -> dict:
   """Runs `method` for `rounds` rounds here; returns the per-round samples (MiB)."""
   from fltff.runtime import TffRuntime  # pylint: disable=g-import-not-at-top
 
-  rt = TffRuntime(recycle_every=recycle_every)
-  driver, worker = [], []
+  rt = TffRuntime(recycle_every=recycle_every, mmap_threshold_kib=mmap_threshold_kib)
+  driver, worker, driver_anon, worker_anon = [], [], [], []
 
   def sample():
     driver.append(rss_mib(os.getpid()))
     worker.append(sum(rss_mib(p) for p in rt.worker_pids))
+    driver_anon.append(rss_mib(os.getpid(), 'RssAnon'))
+    worker_anon.append(sum(rss_mib(p, 'RssAnon') for p in rt.worker_pids))
 
   try:
     if method == 'tff_fedavg':
@@ -111,10 +115,11 @@ def probe(method: str, rounds: int, recycle_every: int) -> dict:
       _probe_fltff(method, rounds, recycle_every, rt, sample)
   finally:
     rt.close()
-  return {'driver': driver, 'worker': worker}
+  return {'driver': driver, 'worker': worker, 'driver_anon': driver_anon,
+          'worker_anon': worker_anon}
 
 
-def compare(methods, rounds: int, recycle_every: int) -> int:
+def compare(methods, rounds: int, recycle_every: int, mmap_threshold_kib: int) -> int:
   """Each method in its own `pipelines.bench --memory_probe` process; prints the table."""
   unknown = [m for m in methods if m not in METHODS]
   if unknown:
@@ -124,7 +129,8 @@ def compare(methods, rounds: int, recycle_every: int) -> int:
   results = {}
   for method in methods:
     cmd = [sys.executable, '-m', 'pipelines.bench', f'--memory_probe={method}',
-           f'--memory_rounds={rounds}', f'--recycle_every={recycle_every}']
+           f'--memory_rounds={rounds}', f'--recycle_every={recycle_every}',
+           f'--mmap_threshold_kib={mmap_threshold_kib}']
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
     lines = [l for l in proc.stdout.splitlines() if l.startswith(_MARK)]
     if proc.returncode or not lines:
@@ -133,22 +139,27 @@ def compare(methods, rounds: int, recycle_every: int) -> int:
             file=sys.stderr)
       return 1
     results[method] = json.loads(lines[-1][len(_MARK):])
-    d, w = results[method]['driver'], results[method]['worker']
-    print(f'{method}: driver {d[0]:.0f} -> {d[-1]:.0f} MiB ({slope(d):+.3f} MiB/round), worker '
-          f'{w[0]:.0f} -> {w[-1]:.0f} MiB ({slope(w):+.3f} MiB/round)', flush=True)
+    r = results[method]
+    d, w = r['driver'], r['worker']
+    print(f'{method}: driver {d[0]:.0f} -> {d[-1]:.0f} MiB ({slope(d):+.3f} MiB/round, '
+          f'anonymous {slope(r["driver_anon"]):+.3f}), worker {w[0]:.0f} -> {w[-1]:.0f} MiB '
+          f'({slope(w):+.3f} MiB/round, anonymous {slope(r["worker_anon"]):+.3f})', flush=True)
   print(f'\nResident memory per round over {rounds} rounds (least-squares slope from round '
         f'{max(1, rounds // 10) + 1} on), local TFF runtime'
-        f'{f", worker recycled every {recycle_every} rounds" if recycle_every else ""}:')
-  print('| run | driver MiB (first -> last) | driver MiB/round | worker MiB (first -> last) | '
-        'worker MiB/round |')
-  print('|---|---|---|---|---|')
+        f'{f", worker recycled every {recycle_every} rounds" if recycle_every else ""}, '
+        + (f'mmap threshold {mmap_threshold_kib} KiB + heap trim' if mmap_threshold_kib
+           else "glibc's default malloc") + ':')
+  print('| run | driver MiB (first -> last) | driver MiB/round | of it anonymous | '
+        'worker MiB (first -> last) | worker MiB/round | of it anonymous |')
+  print('|---|---|---|---|---|---|---|')
   for method, r in results.items():
     d, w = r['driver'], r['worker']
-    print(f'| {method} | {d[0]:.0f} -> {d[-1]:.0f} | {slope(d):+.3f} | {w[0]:.0f} -> '
-          f'{w[-1]:.0f} | {slope(w):+.3f} |')
+    print(f'| {method} | {d[0]:.0f} -> {d[-1]:.0f} | {slope(d):+.3f} | '
+          f'{slope(r["driver_anon"]):+.3f} | {w[0]:.0f} -> {w[-1]:.0f} | {slope(w):+.3f} | '
+          f'{slope(r["worker_anon"]):+.3f} |')
   return 0
 
 
-def run_probe(method: str, rounds: int, recycle_every: int) -> int:
-  print(_MARK + json.dumps(probe(method, rounds, recycle_every)), flush=True)
+def run_probe(method: str, rounds: int, recycle_every: int, mmap_threshold_kib: int) -> int:
+  print(_MARK + json.dumps(probe(method, rounds, recycle_every, mmap_threshold_kib)), flush=True)
   return 0

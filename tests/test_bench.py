@@ -49,6 +49,8 @@ def test_short_soak_driver_memory_does_not_grow_per_round():
       cwd=REPO, capture_output=True, text=True, timeout=600,
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
   assert result.returncode == 0, result.stderr[-3000:]
-  match = re.search(r'fedavg: driver \d+ -> \d+ MiB \(([-+]\d+\.\d+) MiB/round\)', result.stdout)
+  match = re.search(r'fedavg: driver \d+ -> \d+ MiB \(([-+]\d+\.\d+) MiB/round, '
+                    r'anonymous ([-+]\d+\.\d+)\)', result.stdout)
   assert match, result.stdout
   assert float(match.group(1)) < 0.105, result.stdout
+  assert float(match.group(2)) < 0.105, result.stdout

@@ -160,8 +160,9 @@ def test_recycling_the_local_worker_changes_no_number_and_leaves_no_worker(tmp_p
       super().after_round(round_num)
 
   runs = {}
-  for name, recycle_every in (('plain', 0), ('recycled', 2)):
-    rt = Recorder(recycle_every=recycle_every)
+  for name, recycle_every, mmap_kib in (('plain', 0, 128), ('recycled', 2, 128),
+                                        ('glibc_default_malloc', 0, 0)):
+    rt = Recorder(recycle_every=recycle_every, mmap_threshold_kib=mmap_kib)
     try:
       RoundDriver(algorithm, data, config, str(tmp_path / name), progress=lambda _: None,
                   runtime=rt).run()
@@ -170,13 +171,38 @@ def test_recycling_the_local_worker_changes_no_number_and_leaves_no_worker(tmp_p
       rt.close()
     assert wait_for_exit(last[0])
     runs[name] = read_csv(tmp_path / name / 'metrics.csv')
-  recycled_pids = pids_seen[4:]
+  recycled_pids = pids_seen[4:8]
   assert len(set(recycled_pids)) == 2  # Rounds 1-2 on one worker, 3-4 on the next.
   for pid in set(recycled_pids):
     assert wait_for_exit(pid[0])
   columns = ('train_loss', 'train_accuracy', 'test_accuracy')
-  assert [[r[c] for c in columns] for r in runs['recycled']] == [[r[c] for c in columns]
-                                                                 for r in runs['plain']]
+  plain = [[r[c] for c in columns] for r in runs['plain']]
+  assert [[r[c] for c in columns] for r in runs['recycled']] == plain
+  # Where malloc takes memory from (fltff.runtime.heap) changes no number either.
+  assert [[r[c] for c in columns] for r in runs['glibc_default_malloc']] == plain
+
+
+def test_the_local_worker_and_the_driver_get_the_fixed_mmap_threshold():
+  from fltff.runtime import TffRuntime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import heap  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.local import make_runtime  # pylint: disable=g-import-not-at-top
+
+  def worker_env(rt):
+    with open(f'/proc/{rt.worker_pids[0]}/environ', 'rb') as f:
+      return dict(item.split(b'=', 1) for item in f.read().split(b'\0') if b'=' in item)
+
+  with TffRuntime() as rt:
+    assert worker_env(rt)[b'MALLOC_MMAP_THRESHOLD_'] == b'131072'
+    rt.after_round(1)  # Trims the driver's heap; nothing else happens without recycling.
+  with TffRuntime(mmap_threshold_kib=0) as rt:
+    assert b'MALLOC_MMAP_THRESHOLD_' not in worker_env(rt) or 'MALLOC_MMAP_THRESHOLD_' in os.environ
+  assert heap.fix_mmap_threshold(128)  # glibc here: mallopt accepted the setting.
+  assert not heap.fix_mmap_threshold(0)
+  assert heap.worker_environment(64, {})['MALLOC_MMAP_THRESHOLD_'] == str(64 * 1024)
+  assert heap.worker_environment(0, {}) == {}
+  for bad in (-1, 1.5, True):
+    with pytest.raises(ConfigError, match='runtime.mmap_threshold_kib'):
+      make_runtime(mmap_threshold_kib=bad)
 
 
 def _tree(seed):

@@ -40,6 +40,7 @@ from fltff.errors import ConfigError
 from fltff.errors import RuntimeUnavailableError
 from fltff.errors import StopNow
 from fltff.errors import warn
+from fltff.runtime import heap
 
 _PR_SET_PDEATHSIG = 1
 _GRPC_OPTIONS = [
@@ -77,7 +78,8 @@ class WorkerProcess:
                host: str = '127.0.0.1',
                max_concurrent_computation_calls: int = -1,
                log_path: Optional[str] = None,
-               die_with_parent: bool = True):
+               die_with_parent: bool = True,
+               mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB):
     import portpicker  # pylint: disable=g-import-not-at-top
 
     self.port = port or portpicker.pick_unused_port()
@@ -101,7 +103,8 @@ class WorkerProcess:
         stdout=self._log,
         stderr=subprocess.STDOUT,
         preexec_fn=_die_with_parent if use_deathsig else None,
-        close_fds=True)
+        close_fds=True,
+        env=heap.worker_environment(mmap_threshold_kib))  # See fltff.runtime.heap.
     self.pid = self.process.pid
 
   @property
@@ -317,7 +320,8 @@ class TffRuntime:
                log_dir: Optional[str] = None,
                credentials: Optional[grpc.ChannelCredentials] = None,
                server_name: Optional[str] = None, recycle_every: int = 0,
-               executor: str = 'tff_cpp', device: Optional[str] = None):
+               executor: str = 'tff_cpp', device: Optional[str] = None,
+               mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     self._tff = tff
@@ -336,6 +340,8 @@ class TffRuntime:
     self.recycle_every = int(recycle_every)
     self.executor = executor
     self.device = device
+    self.mmap_threshold_kib = int(mmap_threshold_kib)
+    heap.fix_mmap_threshold(self.mmap_threshold_kib)
     atexit.register(self.close)
     if executor == 'in_process':
       from fltff.runtime.in_process import InProcessContext  # pylint: disable=g-import-not-at-top
@@ -358,7 +364,7 @@ class TffRuntime:
   def _start_worker(self) -> WorkerProcess:
     """A local worker logging to `<log_dir>/tff_worker.log` (appended), or a temporary file."""
     log_path = None if self.log_dir is None else os.path.join(self.log_dir, 'tff_worker.log')
-    return WorkerProcess(log_path=log_path)
+    return WorkerProcess(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
 
   def _install_context(self) -> None:
     stubs = []
@@ -451,7 +457,10 @@ class TffRuntime:
     """Called by the driver after each completed round: with `recycle_every` = K > 0, the local
     `worker_binary` is replaced by a fresh one every K rounds. All state lives in the driver, so
     results are unchanged; the worker's memory (which TFF's C++ runtime grows every round,
-    issue 20) starts over. Remote workers are never recycled."""
+    issue 20) starts over. Remote workers are never recycled. The driver's free heap pages go
+    back to the kernel (`heap.trim`)."""
+    if self.mmap_threshold_kib > 0:
+      heap.trim()
     if (self.recycle_every > 0 and not self.remote and self.executor == 'tff_cpp'
         and round_num % self.recycle_every == 0):
       self._restart_local_worker()
@@ -513,7 +522,8 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                  tls_ca_file: Optional[str] = None, tls_cert_file: Optional[str] = None,
                  tls_key_file: Optional[str] = None, tls_server_name: Optional[str] = None,
                  insecure_plaintext: bool = False, recycle_every: int = 0,
-                 executor: str = 'tff_cpp', device: str = 'auto') -> TffRuntime:
+                 executor: str = 'tff_cpp', device: str = 'auto',
+                 mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB) -> TffRuntime:
   """Builds the experiment's runtime.
 
   Args:
@@ -538,8 +548,16 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
     device: 'auto' | 'cpu' | 'gpu': where the in-process executor runs the computations
       ('auto': TensorFlow's choice, its GPU when it sees one). TFF's C++ runtime never uses a
       GPU (TFF issues 3709, 4600): with 'tff_cpp' only 'auto' and 'cpu' are accepted.
+    mmap_threshold_kib: glibc serves blocks of this many KiB or more with mmap, in the driver
+      and the local worker, and the driver trims its heap after each round
+      (`fltff.runtime.heap`: keeps resident memory from creeping up with rounds; results
+      unchanged). 0: glibc's default, no trimming.
   """
   check_number('runtime.recycle_every', recycle_every, integer=True)
+  check_number('runtime.mmap_threshold_kib', mmap_threshold_kib, integer=True)
+  if mmap_threshold_kib < 0:
+    raise ConfigError(f'runtime.mmap_threshold_kib must be >= 0 (0: glibc\'s default), got '
+                      f'{mmap_threshold_kib}.')
   tf_device = check_executor(executor, device, workers, recycle_every)
   if recycle_every < 0:
     raise ConfigError(f'runtime.recycle_every must be >= 0 (0: never), got {recycle_every}.')
@@ -563,7 +581,8 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
   return TffRuntime(workers=workers, connect_timeout=connect_timeout, rpc_timeout=rpc_timeout,
                     max_retries=max_retries, log_dir=log_dir, credentials=credentials,
                     server_name=tls_server_name, recycle_every=recycle_every,
-                    executor=executor, device=tf_device)
+                    executor=executor, device=tf_device,
+                    mmap_threshold_kib=mmap_threshold_kib)
 
 
 EXECUTORS = ('tff_cpp', 'in_process')

@@ -1,0 +1,66 @@
+"""Keeping glibc's heap from growing with rounds (issue 20).
+
+A federated round allocates and frees the same model-sized buffers again and again (client
+states, serialized datasets, gathered updates). glibc's malloc serves a block of 128 KiB or more
+with `mmap` (given back to the kernel at `free`) — until the first such block is freed: then it
+raises that threshold, up to 32 MiB, and later model-sized blocks come from the heap, where
+they fragment it. Resident memory then creeps up by a few KiB each round in the driver and by
+far more in TFF's `worker_binary`: measured over 1,000 SCAFFOLD rounds, driver +0.028 and
+worker +0.330 MiB/round with glibc's default, +0.019 and +0.066 with the threshold fixed at
+128 KiB. The arithmetic is untouched; only where memory comes from changes.
+
+* `fix_mmap_threshold(kib)`: `mallopt(M_MMAP_THRESHOLD)` in this process (which also turns off
+  the dynamic raise);
+* `worker_environment(kib)`: the same setting for a child process (`MALLOC_MMAP_THRESHOLD_`,
+  read by glibc at the child's start), used for the local `worker_binary`;
+* `trim()`: `malloc_trim(0)`, which hands the free pages inside the heap back to the kernel;
+  the round driver calls it after each round.
+
+All three are no-ops where libc is not glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import Optional
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h.
+# The default: glibc's own initial threshold, made fixed.
+DEFAULT_MMAP_THRESHOLD_KIB = 128
+
+
+@functools.lru_cache(maxsize=None)
+def _glibc() -> Optional[ctypes.CDLL]:
+  try:
+    libc = ctypes.CDLL('libc.so.6')
+    libc.mallopt  # pylint: disable=pointless-statement
+    libc.malloc_trim  # pylint: disable=pointless-statement
+  except (OSError, AttributeError):
+    return None
+  return libc
+
+
+def fix_mmap_threshold(kib: int) -> bool:
+  """Serves blocks of `kib` KiB or more with mmap in this process, without glibc's dynamic raise
+  (0: leave glibc's default). Returns whether the setting was applied."""
+  libc = _glibc()
+  if kib <= 0 or libc is None:
+    return False
+  return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(kib) * 1024))
+
+
+def worker_environment(kib: int, base: Optional[dict] = None) -> dict:
+  """`base` (default: this process's environment) with the threshold set for a child process."""
+  env = dict(os.environ if base is None else base)
+  if kib > 0:
+    env['MALLOC_MMAP_THRESHOLD_'] = str(int(kib) * 1024)
+  return env
+
+
+def trim() -> None:
+  """Returns the heap's free pages to the kernel (`malloc_trim(0)`)."""
+  libc = _glibc()
+  if libc is not None:
+    libc.malloc_trim(0)
