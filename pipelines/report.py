@@ -121,7 +121,9 @@ def personalized_tables(runs: list[dict]) -> str:
            'server memory (MB) |', '|---|---|---|---|---|---|---|']
   for run in runs:
     name = run['summary'].get('method', run['label'])
-    if name != run['label']:
+    if run['label'].startswith(name):  # E.g. 'kapc+bls (mu 0.5)' already names 'kapc+bls'.
+      name = run['label']
+    elif name != run['label']:
       name = f'{name} ({run["label"]})'
     rows = [r for r in run['rows'] if 'mean_local_accuracy' in r]
     best = max(rows, key=lambda r: r['mean_local_accuracy']) if rows else None
