@@ -5,9 +5,9 @@ states, serialized datasets, gathered updates). glibc's malloc serves a block of
 with `mmap` (given back to the kernel at `free`) — until the first such block is freed: then it
 raises that threshold, up to 32 MiB, and later model-sized blocks come from the heap, where
 they fragment it. Resident memory then creeps up by a few KiB each round in the driver and by
-far more in TFF's `worker_binary`: measured over 1,000 SCAFFOLD rounds, driver +0.028 and
-worker +0.330 MiB/round with glibc's default, +0.019 and +0.066 with the threshold fixed at
-128 KiB. The arithmetic is untouched; only where memory comes from changes.
+far more in TFF's `worker_binary`. Measured over 1,000 rounds (`pipelines.bench --memory`):
+SCAFFOLD's driver +0.028 -> +0.020 and its worker +0.330 -> +0.047 MiB/round, FedLayerWise's
+worker +0.227 -> +0.047. The arithmetic is untouched; only where memory comes from changes.
 
 * `fix_mmap_threshold(kib)`: `mallopt(M_MMAP_THRESHOLD)` in this process (which also turns off
   the dynamic raise);
