@@ -43,6 +43,7 @@ from fltff import runtime  # pylint: disable=g-import-not-at-top,wrong-import-po
 from fltff.data.pipeline import client_batches  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.learning import protocol  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.models import build_model  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff.runtime import heap  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.simulation.state_store import ClientStateStore  # pylint: disable=g-import-not-at-top,wrong-import-position
 from pipelines import memory_bench  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -72,7 +73,7 @@ _MEMORY_ROUNDS = flags.DEFINE_integer('memory_rounds', 300, 'Rounds per run for 
 _RECYCLE_EVERY = flags.DEFINE_integer('recycle_every', 0, 'For --memory: recycle the local '
                                       'worker every this many rounds (0: never).')
 _MMAP_THRESHOLD = flags.DEFINE_integer(
-    'mmap_threshold_kib', 128, "For --memory: runtime.mmap_threshold_kib (0: glibc's default "
+    'mmap_threshold_kib', heap.DEFAULT_MMAP_THRESHOLD_KIB, "For --memory: runtime.mmap_threshold_kib (0: glibc's default "
     'malloc, no heap trim; fltff.runtime.heap).')
 _MEMORY_PROBE = flags.DEFINE_string('memory_probe', None, 'Internal: one --memory run.')
 _LR = 0.01
