@@ -6,8 +6,9 @@ r"""Round-time benchmarks, always as ratios against a baseline measured in the s
       each listed method's round vs fltff's FedAvg round (same data, same client steps), e.g.
       the cost of an aggregation factory relative to FedAvg's weighted mean.
   python -m pipelines.bench --executors [--executor_shapes=mlp2:10x600,mlp2:100x60,cnn2:10x600]
-      FedAvg rounds of TFF's built-in `build_weighted_fed_avg`, of fltff on TFF's C++ runtime and
-      of fltff on the in-process executor (`runtime.executor`), as ratios to the built-in.
+      FedAvg rounds of TFF's built-in `build_weighted_fed_avg`, of fltff on TFF's C++ runtime, on
+      the in-process executor (`runtime.executor`) and with vectorised clients
+      (`runtime.vectorize_clients`), as ratios to the built-in.
   python -m pipelines.bench --runtimes [--clients_list=10,50,100 --examples=100]
       a FedAvg round on 1 and 2 remote TFF workers (started here, on loopback) vs the local
       runtime, for each number of clients per round.
@@ -216,8 +217,9 @@ def _parse_shape(text: str):
 
 
 def compare_executors() -> int:
-  """Median FedAvg round of TFF's built-in process (C++ runtime), fltff on the C++ runtime and
-  fltff on the in-process executor, alternating, per shape; ratios against TFF's built-in."""
+  """Median FedAvg round of TFF's built-in process (C++ runtime), fltff on the C++ runtime,
+  fltff on the in-process executor and fltff with vectorised clients (in-process), alternating,
+  per shape; ratios against TFF's built-in."""
   import resource  # pylint: disable=g-import-not-at-top
 
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
@@ -228,13 +230,13 @@ def compare_executors() -> int:
   except ValueError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  names = ('tff_builtin', 'fltff_tff_cpp', 'fltff_in_process')
+  names = ('tff_builtin', 'fltff_tff_cpp', 'fltff_in_process', 'fltff_vectorized')
   results = []
   with runtime.local_runtime() as rt:
     cpp_context = rt.context
     in_process = InProcessContext()
     contexts = {'tff_builtin': cpp_context, 'fltff_tff_cpp': cpp_context,
-                'fltff_in_process': in_process}
+                'fltff_in_process': in_process, 'fltff_vectorized': in_process}
     for model, clients, examples in shapes:
       keras_fn = functools.partial(build_model, model, input_shape=(28, 28, 1), num_classes=10,
                                    seed=0)
@@ -253,7 +255,10 @@ def compare_executors() -> int:
       rounds = {'tff_builtin': builtin_round}
       for name in names[1:]:
         tff.framework.set_default_context(contexts[name])
-        rounds[name] = _round_fn(learning.build_fedavg(spec, client_optimizer=opt))
+        algorithm = learning.build_fedavg(spec, client_optimizer=opt)
+        if name == 'fltff_vectorized':
+          algorithm.vectorize_clients()  # runtime.vectorize_clients = True
+        rounds[name] = _round_fn(algorithm)
       times = {n: [] for n in names}
       for r in range(_ROUNDS.value):
         datasets = _round_datasets(data, r)
@@ -271,10 +276,10 @@ def compare_executors() -> int:
   peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
   print(f'\nFedAvg round, batch {_BATCH.value}, {_EPOCHS.value} epoch(s), SGD {_LR} momentum '
         f'{_MOMENTUM}; median of rounds 2-{_ROUNDS.value}, ratio to TFF\'s built-in:')
-  print(f'  {"shape":18s}' + ''.join(f'{n:>26s}' for n in names))
+  print(f'  {"shape":18s}' + ''.join(f'{n:>24s}' for n in names))
   for (model, clients, examples), med in results:
     print(f'  {model + " " + str(clients) + "x" + str(examples):18s}' + ''.join(
-        f'{med[n]:>13.3f} s ({med[n] / med["tff_builtin"]:5.2f}x)' for n in names))
+        f'{med[n]:>11.3f} s ({med[n] / med["tff_builtin"]:5.2f}x)' for n in names))
   print(f'  peak RSS of this process (driver + in-process executor): {peak_mib:.0f} MiB; '
         f'worker_binary at the end: {worker_mib:.0f} MiB')
   return 0

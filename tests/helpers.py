@@ -119,3 +119,48 @@ def mnist_sample_split(num_clients: int, seed: int, alpha: float = 0.5,
       source=functools.partial(npz_source, path=path),
       partitioner=functools.partial(dirichlet_partition, alpha=alpha),
       num_clients=num_clients, seed=seed, local_test_examples=local_test_examples)
+
+
+def leaves(value) -> list:
+  """Every array in a (nested) result: Structs, attrs classes, dicts, lists."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  if isinstance(value, np.ndarray) or np.isscalar(value):
+    return [np.asarray(value)]
+  if isinstance(value, dict):
+    return [x for k in sorted(value, key=str) for x in leaves(value[k])]
+  if isinstance(value, (list, tuple)):
+    return [x for v in value for x in leaves(v)]
+  if value is None:
+    return []
+  return leaves(tff.structure.flatten(tff.structure.from_container(value, recursive=True)))
+
+
+def run_rounds(algorithm, data, context, num_clients: int, rounds: int = 3):
+  """`rounds` rounds of `algorithm` on `context`: 3 participants, different ones each round,
+  1 or 2 local epochs, batch 16, a reshuffling dataset per client; returns `(trace, state)`,
+  the trace holding each round's train metrics, new client states and measurements."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  from fltff.data.pipeline import client_batches  # pylint: disable=g-import-not-at-top
+  from fltff.learning import protocol  # pylint: disable=g-import-not-at-top
+  from fltff.simulation.state_store import ClientStateStore  # pylint: disable=g-import-not-at-top
+
+  tff.framework.set_default_context(context)
+  state = algorithm.initialize()
+  store = ClientStateStore(algorithm.initial_client_state)
+  trace = []
+  for r in range(rounds):
+    clients = [(r + k) % num_clients for k in range(3)]
+    out, _ = protocol.run_round(
+        algorithm, state, clients,
+        batches_of=lambda k: client_batches(*data.client_arrays(k), 16, shuffle_seed=r * 10 + k),
+        epochs_of=lambda k: 1 + k % 2, num_examples_of=lambda k: len(data.train_indices[k]),
+        client_state_of=store.get)
+    state = out.state
+    for k, value in out.client_states.items():
+      store.set(k, value)
+    trace.append((out.train, {k: out.client_states[k] for k in sorted(out.client_states)},
+                  out.measurements))
+  return trace, state

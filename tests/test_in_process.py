@@ -19,23 +19,22 @@ from fltff import learning
 from fltff import personalization
 from fltff import runtime
 from fltff.errors import ConfigError
-from fltff.learning import protocol
 from fltff.personalization.fedlap_mixing import FedLapPersonalization
 from fltff.personalization.fedlap_mixing import with_fedlap_personalization
 from fltff.runtime.in_process import InProcessContext
 from fltff.runtime.local import check_executor
 from fltff.simulation import build_model_spec
-from fltff.simulation.state_store import ClientStateStore
 from helpers import SMALL
 from helpers import assert_one_line_error
+from helpers import leaves
 from helpers import mnist_sample_split
 from helpers import read_csv
 from helpers import run_and_resume
 from helpers import run_pipeline
+from helpers import run_rounds
 from helpers import tagged_worker_pids
 
 NUM_CLIENTS = 4
-ROUNDS = 3
 SGDM = functools.partial(tff.learning.optimizers.build_sgdm, learning_rate=0.05, momentum=0.5)
 
 METHODS = {
@@ -80,54 +79,19 @@ def contexts():
     yield {'tff_cpp': rt.context, 'in_process': InProcessContext()}
 
 
-def _leaves(value) -> list:
-  """Every array in a (nested) result: Structs, attrs classes, dicts, lists."""
-  if isinstance(value, np.ndarray) or np.isscalar(value):
-    return [np.asarray(value)]
-  if isinstance(value, dict):
-    return [x for k in sorted(value, key=str) for x in _leaves(value[k])]
-  if isinstance(value, (list, tuple)):
-    return [x for v in value for x in _leaves(v)]
-  if value is None:
-    return []
-  return _leaves(tff.structure.flatten(tff.structure.from_container(value, recursive=True)))
-
-
-def _run(algorithm, data, context, rounds=ROUNDS):
-  from fltff.data.pipeline import client_batches  # pylint: disable=g-import-not-at-top
-
-  tff.framework.set_default_context(context)
-  state = algorithm.initialize()
-  store = ClientStateStore(algorithm.initial_client_state)
-  trace = []
-  for r in range(rounds):
-    clients = [(r + k) % NUM_CLIENTS for k in range(3)]  # Different participants each round.
-    out, _ = protocol.run_round(
-        algorithm, state, clients,
-        batches_of=lambda k: client_batches(*data.client_arrays(k), 16, shuffle_seed=r * 10 + k),
-        epochs_of=lambda k: 1 + k % 2, num_examples_of=lambda k: len(data.train_indices[k]),
-        client_state_of=store.get)
-    state = out.state
-    for k, value in out.client_states.items():
-      store.set(k, value)
-    trace.append((out.train, {k: out.client_states[k] for k in sorted(out.client_states)},
-                  out.measurements))
-  return trace, state
-
-
 @pytest.mark.parametrize('method', sorted(METHODS))
 def test_three_rounds_in_process_equal_the_cpp_runtime(method, data, spec, contexts):
   sizes = sorted(len(data.train_indices[k]) for k in range(NUM_CLIENTS))
   assert len(set(sizes)) == NUM_CLIENTS  # Unequal clients (and unequal epochs: 1 or 2).
-  results = {name: _run(METHODS[method](spec), data, ctx) for name, ctx in contexts.items()}
+  results = {name: run_rounds(METHODS[method](spec), data, ctx, NUM_CLIENTS) for name, ctx in contexts.items()}
   tff.framework.set_default_context(contexts['tff_cpp'])
   (cpp_trace, cpp_state), (ip_trace, ip_state) = results['tff_cpp'], results['in_process']
   for r, (cpp, ip) in enumerate(zip(cpp_trace, ip_trace)):
-    a, b = _leaves(cpp), _leaves(ip)
+    a, b = leaves(cpp), leaves(ip)
     assert len(a) == len(b) and len(a) > 3
     for x, y in zip(a, b):
       np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=f'{method} round {r + 1}')
-  a, b = _leaves(cpp_state), _leaves(ip_state)
+  a, b = leaves(cpp_state), leaves(ip_state)
   assert len(a) == len(b)
   for x, y in zip(a, b):
     np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=f'{method} final state')
@@ -193,9 +157,9 @@ GPUS = tf.config.list_physical_devices('GPU')
 
 @pytest.mark.skipif(not GPUS, reason='TensorFlow sees no GPU on this machine')
 def test_gpu_in_process_equals_cpu(data, spec):
-  cpu = _run(METHODS['fedavg'](spec), data, InProcessContext(device='/CPU:0'))
-  gpu = _run(METHODS['fedavg'](spec), data, InProcessContext(device='/GPU:0'))
-  for x, y in zip(_leaves(cpu), _leaves(gpu)):
+  cpu = run_rounds(METHODS['fedavg'](spec), data, InProcessContext(device='/CPU:0'), NUM_CLIENTS)
+  gpu = run_rounds(METHODS['fedavg'](spec), data, InProcessContext(device='/GPU:0'), NUM_CLIENTS)
+  for x, y in zip(leaves(cpu), leaves(gpu)):
     np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
 
 

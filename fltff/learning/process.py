@@ -7,12 +7,14 @@ it (a regulariser in the client work, an aggregation factory, the server optimiz
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any, Optional
 
 import numpy as np
+import tensorflow as tf
 
 from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
@@ -50,6 +52,12 @@ class Algorithm(protocol.FederatedAlgorithm):
   # Methods whose state is indexed by client (FedAdp/FedLayerWise's smoothed angles,
   # SCAFFOLD's and MOON's client states): the N it is sized for. Client indices must be < N.
   num_clients: Optional[int] = None
+  # The composed pieces (distributor, client work, aggregator, finalizer) and a builder of
+  # the client work's vectorised twin (`fltff.learning.vectorized.VectorizedClientWork`):
+  # set by `build_algorithm` for the default client work only.
+  components: Optional[tuple] = None
+  vectorized_client_work_fn: Optional[Callable[[Optional[str]], Any]] = None
+  _vectorized: Any = dataclasses.field(default=None, repr=False)
 
   # -- protocol.FederatedAlgorithm -----------------------------------------------------------
   def initialize(self, call: protocol.Call = protocol.direct_call):
@@ -79,7 +87,10 @@ class Algorithm(protocol.FederatedAlgorithm):
       raise ValueError(f'{self.name} takes no server input.')
     clients = [client_index_of_input(c) for c in client_inputs]
     self.check_client_indices(clients)
-    output = call(self.process.next, state, client_inputs)
+    if self._vectorized is not None:
+      output = self._vectorized_next(state, client_inputs, call)
+    else:
+      output = call(self.process.next, state, client_inputs)
     others = dict(output.metrics)
     client_work = dict(others.pop('client_work'))
     train = client_work.pop('train')
@@ -95,10 +106,42 @@ class Algorithm(protocol.FederatedAlgorithm):
   def global_model_weights(self, state):
     return self.process.get_model_weights(state)
 
+  def vectorize_clients(self, device: Optional[str] = None) -> None:
+    if self.vectorized_client_work_fn is None:
+      super().vectorize_clients(device)
+    self._vectorized = self.vectorized_client_work_fn(device)
+
+  def _vectorized_next(self, state, client_inputs: Sequence, call: protocol.Call):
+    """`process.next` with the client work run by `VectorizedClientWork`: the composition of
+    `tff.learning.templates.compose_learning_process` (distributor, client work, aggregator,
+    finalizer; same state and measurements), each other piece run by `call` as TFF computes
+    it."""
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+    distributor, client_work, aggregator, finalizer = self.components
+    distributed = call(distributor.next, state.distributor, state.global_model_weights)
+    results, train, regularizer_stats = self._vectorized(state.global_model_weights,
+                                                         client_inputs, call)
+    client_work_measurements = collections.OrderedDict(train=train)
+    if regularizer_stats is not None:
+      client_work_measurements['regularizer'] = regularizer_stats
+    aggregated = call(aggregator.next, state.aggregator, [r.update for r in results],
+                      [r.update_weight for r in results])
+    finalized = call(finalizer.next, state.finalizer, state.global_model_weights,
+                     aggregated.result)
+    new_state = tff.learning.templates.LearningAlgorithmState(
+        finalized.result, distributed.state, state.client_work, aggregated.state,
+        finalized.state)
+    metrics = collections.OrderedDict(
+        distributor=distributed.measurements, client_work=client_work_measurements,
+        aggregator=aggregated.measurements, finalizer=finalized.measurements)
+    return tff.learning.templates.LearningProcessOutput(new_state, metrics)
+
 
 def client_index_of_input(data) -> int:
   """The client index packed into one `client_work.client_input(...)`."""
-  return int(next(iter(data['info']))['client_index'])
+  # One op, not an iterator (measured: 0.08 vs 3.5-7 ms per client).
+  return int(tf.data.experimental.get_single_element(data['info'])['client_index'])
 
 
 def build_algorithm(name: str,
@@ -151,7 +194,8 @@ def build_algorithm(name: str,
     return tff.learning.models.ModelWeights.from_model(model_spec.tff_model())
 
   distributor = tff.learning.templates.build_broadcast_process(weights_type)
-  if client_work is None:
+  default_client_work = client_work is None
+  if default_client_work:
     client_work = client_work_lib.build_client_work(
         model_spec, client_optimizer, regularizer, weight_fields=weight_fields, frozen=frozen,
         client_weighting=client_weighting)
@@ -163,10 +207,19 @@ def build_algorithm(name: str,
                                                                      weights_type)
   process = tff.learning.templates.compose_learning_process(
       initial_model_weights_fn, distributor, client_work, aggregator, finalizer)
+  vectorized_client_work_fn = None
+  if default_client_work:
+    def vectorized_client_work_fn(device):
+      from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
+      return VectorizedClientWork(model_spec, client_optimizer, regularizer,
+                                  weight_fields=weight_fields, frozen=frozen,
+                                  client_weighting=client_weighting, device=device)
   return Algorithm(
       name=name,
       process=process,
       model_spec=model_spec,
+      components=(distributor, client_work, aggregator, finalizer),
+      vectorized_client_work_fn=vectorized_client_work_fn,
       # The distributor broadcasts the full ModelWeights; each client uploads its
       # ClientResult (update and weight) to the aggregator.
       bytes_down_per_client=type_num_bytes(weights_type),

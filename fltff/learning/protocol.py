@@ -118,6 +118,14 @@ class FederatedAlgorithm:
     """One round: the new server state and the participants' new client states."""
     raise NotImplementedError
 
+  def vectorize_clients(self, device: Optional[str] = None) -> None:
+    """Run each round's client work for all participants in one vectorised TensorFlow step
+    (`runtime.vectorize_clients`, `fltff.learning.vectorized`) from now on; `ConfigError` for
+    a method that cannot."""
+    del device
+    raise ConfigError(f'{self.name} cannot vectorise its clients (runtime.vectorize_clients '
+                      f'supports the FedAvg-family methods built on the default client work).')
+
   # -- evaluation, communication, outputs ----------------------------------------------------
   def global_model_weights(self, state):
     """The global model (`tff.learning.models.ModelWeights`), or None for personalised methods."""

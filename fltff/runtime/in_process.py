@@ -105,7 +105,7 @@ def _unflatten(leaves, type_spec, t):
 _FRESH_NAMES = itertools.count()
 
 
-def _fresh_dataset(dataset: tf.data.Dataset) -> tf.data.Dataset:
+def fresh_dataset(dataset: tf.data.Dataset) -> tf.data.Dataset:
   """`dataset` rebuilt from its graph, as TFF's runtime receives it (it serialises datasets).
 
   A dataset that reshuffles on every iteration keeps its seed generator in the Python object:
@@ -158,7 +158,7 @@ def _ingest(value, type_spec, t, num_clients: Optional[int]):
                              for (_, v), (name, mt) in zip(members, member_types)])
   if isinstance(type_spec, types.SequenceType):
     if isinstance(value, tf.data.Dataset):
-      return _fresh_dataset(value)
+      return fresh_dataset(value)
     spec = t['type_conversions'].type_to_tf_tensor_specs(type_spec.element)
     return tf.data.Dataset.from_generator(lambda: iter(value), output_signature=spec)
   if isinstance(type_spec, types.TensorType):

@@ -321,7 +321,8 @@ class TffRuntime:
                credentials: Optional[grpc.ChannelCredentials] = None,
                server_name: Optional[str] = None, recycle_every: int = 0,
                executor: str = 'tff_cpp', device: Optional[str] = None,
-               mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB):
+               mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
+               vectorize_clients: bool = False):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     self._tff = tff
@@ -340,6 +341,7 @@ class TffRuntime:
     self.recycle_every = int(recycle_every)
     self.executor = executor
     self.device = device
+    self.vectorize_clients = vectorize_clients
     self.mmap_threshold_kib = int(mmap_threshold_kib)
     heap.fix_mmap_threshold(self.mmap_threshold_kib)
     atexit.register(self.close)
@@ -523,7 +525,8 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                  tls_key_file: Optional[str] = None, tls_server_name: Optional[str] = None,
                  insecure_plaintext: bool = False, recycle_every: int = 0,
                  executor: str = 'tff_cpp', device: str = 'auto',
-                 mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB) -> TffRuntime:
+                 mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
+                 vectorize_clients: bool = False) -> TffRuntime:
   """Builds the experiment's runtime.
 
   Args:
@@ -552,13 +555,17 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
       and the local worker, and the driver trims its heap after each round
       (`fltff.runtime.heap`: keeps resident memory from creeping up with rounds; results
       unchanged). 0: glibc's default, no trimming.
+    vectorize_clients: With `executor='in_process'`: run each round's client work for all
+      participants in one vectorised TensorFlow step (`fltff.learning.vectorized`; the
+      FedAvg-family methods on models without BatchNorm; equal results, see the README's
+      Performance section).
   """
   check_number('runtime.recycle_every', recycle_every, integer=True)
   check_number('runtime.mmap_threshold_kib', mmap_threshold_kib, integer=True)
   if mmap_threshold_kib < 0:
     raise ConfigError(f'runtime.mmap_threshold_kib must be >= 0 (0: glibc\'s default), got '
                       f'{mmap_threshold_kib}.')
-  tf_device = check_executor(executor, device, workers, recycle_every)
+  tf_device = check_executor(executor, device, workers, recycle_every, vectorize_clients)
   if recycle_every < 0:
     raise ConfigError(f'runtime.recycle_every must be >= 0 (0: never), got {recycle_every}.')
   from fltff.runtime import tls  # pylint: disable=g-import-not-at-top
@@ -582,7 +589,8 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                     max_retries=max_retries, log_dir=log_dir, credentials=credentials,
                     server_name=tls_server_name, recycle_every=recycle_every,
                     executor=executor, device=tf_device,
-                    mmap_threshold_kib=mmap_threshold_kib)
+                    mmap_threshold_kib=mmap_threshold_kib,
+                    vectorize_clients=bool(vectorize_clients))
 
 
 EXECUTORS = ('tff_cpp', 'in_process')
@@ -590,8 +598,15 @@ DEVICES = ('auto', 'cpu', 'gpu')
 
 
 def check_executor(executor: str, device: str, workers: Sequence[str] = (),
-                   recycle_every: int = 0) -> Optional[str]:
-  """Validates `runtime.executor`/`runtime.device`; returns the TensorFlow device (or None)."""
+                   recycle_every: int = 0, vectorize_clients: bool = False) -> Optional[str]:
+  """Validates `runtime.executor`/`runtime.device`/`runtime.vectorize_clients`; returns the
+  TensorFlow device (or None)."""
+  if not isinstance(vectorize_clients, bool):
+    raise ConfigError(f'runtime.vectorize_clients must be True or False, got '
+                      f'{vectorize_clients!r}.')
+  if vectorize_clients and executor != 'in_process':
+    raise ConfigError("runtime.vectorize_clients = True trains the clients in this process: it "
+                      "needs runtime.executor = 'in_process'.")
   if executor not in EXECUTORS:
     raise ConfigError(f'runtime.executor must be one of {EXECUTORS}, got {executor!r}.')
   if device not in DEVICES:

@@ -113,6 +113,8 @@ class RoundDriver:
     # on the others); the round's inputs are deterministic, so the repeat is exact.
     self.call = runtime.call if runtime is not None else protocol.direct_call
     self.runtime = runtime
+    if runtime is not None and getattr(runtime, 'vectorize_clients', False):
+      algorithm.vectorize_clients(runtime.device)
     self.algorithm = algorithm
     self.process = algorithm.process
     self.data = data

@@ -1,0 +1,369 @@
+"""Client-vectorised local training: one round's participants trained in one TensorFlow step.
+
+TFF maps the client work over participants one at a time (one graph call per client; on the
+C++ runtime also one serialised dataset and one gRPC call each). Here the participants'
+weights get a leading client axis and every local step is one `tf.vectorized_map` over the
+clients: a batched matmul/convolution instead of K small ones (issue 19). It is the same
+computation as `client_work.build_local_training` — the same optimizer (`optimizer.next`,
+called per client inside the map), regulariser hooks, frozen tensors, metrics and update
+weight — so a round's results equal TFF's to float rounding (tests/test_vectorized.py).
+
+Clients differ in batch count, last-batch size and epochs: the round's batches are padded to
+`[epochs, steps, clients, batch, ...]`, padded examples are masked out of the loss (the mean
+is over the real examples only) and a client with no batch at a step keeps its weights and
+optimizer state (`tf.where`), so padding changes nothing.
+
+Scope (anything else raises a `ConfigError` naming it): models whose variables are all
+trainable (no BatchNorm statistics) and have no layer losses; the default client work of
+`process.build_algorithm` (FedAvg, FedProx, FedLap, SGDM, FedAdp, FedLayerWise, FedNova,
+FedBABU, CCN); regularisers without a batch-dependent term (MOON) or gradient tracking
+(SCAFFOLD), which build their own client work.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from fltff.errors import ConfigError
+from fltff.learning import client_work as client_work_lib
+from fltff.learning.model_spec import ModelSpec
+from fltff.learning.process import client_index_of_input
+
+
+def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.keras.Model] = None):
+  """`apply(trainable, x, training)`: `keras_model`'s output with the trainable weights of
+  `weights_model` (default: `keras_model`; e.g. the full model when `keras_model` is its
+  latent sub-model, which shares its layers) replaced by the tensors `trainable` (in
+  `trainable_weights` order).
+
+  Each weight is found as an attribute of its layer (Dense's `kernel`, Conv2D's `bias`, ...)
+  and swapped for the call, so the layers' own `call` code runs on plain tensors, which
+  `tf.vectorized_map` can stack along a client axis. Raises `ConfigError` for models this
+  cannot express (non-trainable weights, layer losses, weights not held as layer attributes).
+  """
+  weights_model = keras_model if weights_model is None else weights_model
+  if weights_model.non_trainable_weights:
+    raise ConfigError(
+        f'vectorised clients need a model whose weights are all trainable; {keras_model.name} '
+        f'has non-trainable weights (e.g. BatchNorm statistics): use '
+        f'runtime.vectorize_clients = False.')
+  if weights_model.losses:
+    raise ConfigError(f'vectorised clients do not support layer losses ({keras_model.name}).')
+  slots = []
+  for variable in weights_model.trainable_weights:
+    slot = next(((layer, name) for layer in weights_model.layers
+                 for name, value in vars(layer).items() if value is variable), None)
+    if slot is None:
+      raise ConfigError(f'vectorised clients cannot find the layer attribute holding '
+                        f'{variable.name} in {keras_model.name}.')
+    slots.append(slot)
+
+  def apply(trainable: Sequence[tf.Tensor], x: tf.Tensor, training: bool = True) -> tf.Tensor:
+    saved = [getattr(layer, name) for layer, name in slots]
+    try:
+      for (layer, name), value in zip(slots, trainable):
+        object.__setattr__(layer, name, value)  # No Keras tracking: restored below.
+      return keras_model(x, training=training)
+    finally:
+      for (layer, name), value in zip(slots, saved):
+        object.__setattr__(layer, name, value)
+
+  return apply
+
+
+def _read_options() -> tf.data.Options:
+  """tf.data's static graph optimisations off: they rewrite each client's pipeline when its
+  iterator is created (measured: ~70 of ~90 ms per 60-example client, `_read_epoch`), and
+  change no element or order."""
+  options = tf.data.Options()
+  options.experimental_optimization.apply_default_optimizations = False
+  options.autotune.enabled = False
+  return options
+
+
+@tf.function
+def _read_epoch(batches: tf.data.Dataset):
+  """One pass over `batches` in one call (not one `get_next` per batch): the examples `x`,
+  `y` of all batches concatenated, and each batch's size."""
+  spec = batches.element_spec
+
+  def array(s):
+    # Index 0 holds an empty block, so that `concat` works for a dataset without batches.
+    return tf.TensorArray(s.dtype, size=0, dynamic_size=True, infer_shape=False,
+                          element_shape=s.shape).write(0, tf.zeros([0, *s.shape[1:]], s.dtype))
+
+  def collect(state, batch):
+    i, xs, ys, sizes = state
+    return (i + 1, xs.write(i + 1, batch['x']), ys.write(i + 1, batch['y']),
+            sizes.write(i, tf.shape(batch['y'])[0]))
+
+  sizes = tf.TensorArray(tf.int32, size=0, dynamic_size=True, element_shape=[])
+  _, xs, ys, sizes = batches.reduce(
+      (tf.constant(0), array(spec['x']), array(spec['y']), sizes), collect)
+  return xs.concat(), ys.concat(), sizes.stack()
+
+
+def stack_client_batches(client_inputs: Sequence[Any]) -> collections.OrderedDict:
+  """The participants' batches for every local epoch, padded and stacked.
+
+  Returns NumPy arrays: `x [E, S, K, B, ...]`, `y [E, S, K, B]`, `mask [E, S, K, B]` (1 for
+  a real example), `valid [E, S, K]` (client k trains at epoch e, step s), `epochs [K]`.
+  Each client's dataset is rebuilt from its graph first and read once per epoch, as the
+  client work iterates it inside a TFF computation (a dataset that reshuffles every
+  iteration gives the same epoch orders). Epoch 0's batches are kept even for a client with
+  no epochs (they feed CCN's latent mean, computed over the data after training).
+  """
+  from fltff.runtime.in_process import fresh_dataset  # pylint: disable=g-import-not-at-top
+
+  per_client, epochs = [], []
+  for data in client_inputs:
+    e = int(tf.data.experimental.get_single_element(data['info'])['epochs'])  # One op.
+    dataset = fresh_dataset(data['batches']).with_options(_read_options())
+    epochs_read = []
+    for _ in range(max(e, 1)):
+      ex, ey, sizes = (t.numpy() for t in _read_epoch(dataset))
+      ends = np.cumsum(sizes)
+      epochs_read.append([(ex[end - n:end], ey[end - n:end]) for n, end in zip(sizes, ends)])
+    per_client.append(epochs_read)
+    epochs.append(e)
+  num_epochs = max(max(len(c) for c in per_client), 1)
+  steps = max((len(ep) for c in per_client for ep in c), default=0)
+  batch = max((len(y) for c in per_client for ep in c for _, y in ep), default=0)
+  example = next((x.shape[1:] for c in per_client for ep in c for x, _ in ep), ())
+  k = len(client_inputs)
+  x = np.zeros((num_epochs, steps, k, batch, *example), np.float32)
+  y = np.zeros((num_epochs, steps, k, batch), np.int32)
+  mask = np.zeros((num_epochs, steps, k, batch), np.float32)
+  valid = np.zeros((num_epochs, steps, k), bool)
+  for c, client in enumerate(per_client):
+    for e, batches in enumerate(client):
+      for s, (bx, by) in enumerate(batches):
+        n = len(by)
+        x[e, s, c, :n] = bx
+        y[e, s, c, :n] = by
+        mask[e, s, c, :n] = 1.0
+        valid[e, s, c] = e < epochs[c]
+  return collections.OrderedDict(x=x, y=y, mask=mask, valid=valid,
+                                 epochs=np.asarray(epochs, np.int32))
+
+
+def _stack(value, k):
+  """`value` repeated along a new leading client axis of size `k`."""
+  value = tf.convert_to_tensor(value)
+  return tf.broadcast_to(value[tf.newaxis], tf.concat([[k], tf.shape(value)], 0))
+
+
+class VectorizedClientWork:
+  """`client_work.build_client_work`'s computation for all of a round's participants at once.
+
+  `__call__(global_weights, client_inputs, call)` returns `(results, train_metrics,
+  regularizer_stats)`: one `ClientResult` per participant (NumPy; update `global − trained`,
+  weight as `client_work.client_result`), the round's training metrics (the participants'
+  unfinalized metrics through `tff.learning.metrics.sum_then_finalize`, run by `call`), and
+  the participants' mean regulariser measurements (None without them).
+  """
+
+  def __init__(self, model_spec: ModelSpec, optimizer,
+               regularizer: Optional[client_work_lib.LocalRegularizer] = None,
+               weight_fields: Sequence[str] = (), frozen: Sequence[int] = (),
+               client_weighting: str = 'num_examples', device: Optional[str] = None):
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+    client_work_lib.check_weight_fields(weight_fields)
+    client_work_lib.check_client_weighting(client_weighting)
+    for hook in ('batch_penalty',):
+      if regularizer is not None and hasattr(regularizer, hook):
+        raise ConfigError(f'vectorised clients do not support a regulariser with '
+                          f'{hook!r} ({type(regularizer).__name__}).')
+    with tf.Graph().as_default():
+      tff_model = model_spec.tff_model()
+      unfinalized = tff_model.report_local_unfinalized_metrics()
+      known = {'accuracy', 'loss', 'num_examples', 'num_batches'}
+      if set(unfinalized) != known:
+        raise ConfigError(f'vectorised clients compute the metrics {sorted(known)}; the model '
+                          f'reports {sorted(unfinalized)}.')
+      self._metric_dtypes = {name: [v.dtype.as_numpy_dtype for v in values]
+                             for name, values in unfinalized.items()}
+      metrics_type = tff.types.tensorflow_to_type(tf.nest.map_structure(
+          lambda t: tf.TensorSpec(t.shape, t.dtype), unfinalized))
+      metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
+          tff_model.metric_finalizers(), metrics_type)
+
+    # The client work's own metrics aggregation (sum over participants, then the model's
+    # finalizers), run by the round's `call` as TFF runs it.
+    @tff.federated_computation(tff.FederatedType(metrics_type, tff.CLIENTS))
+    def aggregate_metrics(model_outputs):
+      return metrics_aggregation_fn(model_outputs)
+
+    self._aggregate_metrics = aggregate_metrics
+    # Built after the graph-mode model above: Keras invalidates eager models made before one.
+    self._keras_fn = model_spec.keras_fn
+    self._keras_model = model_spec.keras_fn()
+    self._apply = functional_apply(self._keras_model)
+    self._latent_apply = None
+    if 'latent_mean' in weight_fields:
+      latent_model = client_work_lib.latent_fn_for(self._keras_model, weight_fields)
+      self._latent_apply = functional_apply(latent_model, self._keras_model)
+      self._latent_dim = int(latent_model.output_shape[-1])
+    self._optimizer = optimizer
+    self._regularizer = regularizer
+    self._weight_fields = tuple(weight_fields)
+    self._frozen = frozenset(frozen)
+    self._client_weighting = client_weighting
+    self._device = device
+    self._train = tf.function(self._train_fn, reduce_retracing=True)
+
+  def _restore_tf2_layer_classes(self) -> None:
+    """Makes the eager Keras model callable again after a model was built in a graph.
+
+    Building a Keras model inside a `tf.Graph` (TFF traces every computation that way) swaps
+    the Keras layer classes to their TF1 implementations, and a model built eagerly before then
+    refuses to be called ("invalid state") — e.g. when `_train` retraces for a new round shape.
+    Building one model eagerly swaps the classes back.
+    """
+    from keras.src.engine import base_layer_v1  # pylint: disable=g-import-not-at-top
+
+    if any(isinstance(layer, base_layer_v1.Layer)
+           for layer in (self._keras_model, *self._keras_model.layers)):
+      self._keras_fn()
+
+  # -- the TensorFlow part -----------------------------------------------------------------
+  def _train_fn(self, global_trainable, x, y, mask, valid, epochs):
+    """Local training of every participant (`build_local_training` with a client axis)."""
+    regularizer, optimizer, frozen = self._regularizer, self._optimizer, self._frozen
+    analytic_gradient = regularizer is not None and hasattr(regularizer, 'gradient')
+    has_affine = regularizer is not None and hasattr(regularizer, 'affine_gradient')
+    k = tf.shape(valid)[2]
+    global_trainable = tuple(global_trainable)
+    weights = tuple(_stack(g, k) for g in global_trainable)
+    optimizer_state = tf.nest.map_structure(
+        lambda s: _stack(s, k),
+        optimizer.initialize(tuple(tf.TensorSpec(g.shape, g.dtype) for g in global_trainable)))
+    zero = tf.zeros([k], tf.float32)
+    # Per client: Σ batch-loss·n, examples, correct predictions, batches.
+    sums = (zero, tf.zeros([k], tf.int64), zero, tf.zeros([k], tf.int64))
+
+    def epoch_context(local):
+      if regularizer is None:
+        return (), ()
+      context = regularizer.epoch_start(tuple(local), global_trainable)
+      affine = regularizer.affine_gradient(global_trainable, context) if has_affine else ()
+      # `None` scales (no w-term) cannot cross vectorized_map: zeros of the tensor's shape.
+      if has_affine:
+        affine = tuple(tuple(tf.zeros_like(w) if a is None else a for a, w in zip(part, local))
+                       for part in affine)
+      return context, affine
+
+    def client_step(args):
+      local, opt_state, bx, by, bmask, trains, context, affine = args
+      with tf.GradientTape() as tape:
+        tape.watch(local)
+        logits = self._apply(local, bx, training=True)
+        n = tf.reduce_sum(bmask)
+        per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.cast(by, tf.int64), logits=logits)
+        data_loss = tf.reduce_sum(per_example * bmask) / tf.maximum(n, 1.0)
+        loss = data_loss
+        if regularizer is not None and not analytic_gradient:
+          loss += regularizer.penalty(local, global_trainable, context)
+      gradients = tape.gradient(loss, local)
+      if has_affine:
+        gradients = [tf.add_n([g, a * w, o]) for g, w, a, o in zip(gradients, local, *affine)]
+      elif analytic_gradient:
+        gradients = [g + r for g, r in zip(
+            gradients, regularizer.gradient(local, global_trainable, context))]
+      if frozen:
+        gradients = [tf.zeros_like(g) if i in frozen else g for i, g in enumerate(gradients)]
+      new_state, updated = optimizer.next(opt_state, local, tuple(gradients))
+      updated = tuple(w if i in frozen else u for i, (w, u) in enumerate(zip(local, updated)))
+      # A client without a batch at this step (fewer batches or epochs) is left unchanged.
+      keep = lambda new, old: tf.where(trains, new, old)
+      local = tuple(keep(u, w) for u, w in zip(updated, local))
+      opt_state = tf.nest.map_structure(keep, new_state, opt_state)
+      correct = tf.reduce_sum(bmask * tf.cast(
+          tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), by), tf.float32))
+      count = tf.cast(trains, tf.float32)
+      step_sums = (data_loss * n * count, tf.cast(n * count, tf.int64), correct * count,
+                   tf.cast(trains, tf.int64))
+      return local, opt_state, step_sums
+
+    for e in tf.range(tf.shape(valid)[0]):
+      context, affine = tf.vectorized_map(epoch_context, weights)
+      for s in tf.range(tf.shape(valid)[1]):
+        weights, optimizer_state, step_sums = tf.vectorized_map(
+            client_step, (weights, optimizer_state, x[e, s], y[e, s], mask[e, s], valid[e, s],
+                          context, affine))
+        sums = tuple(a + b for a, b in zip(sums, step_sums))
+
+    out = collections.OrderedDict(trained=weights, sums=sums)
+    if self._latent_apply is not None:
+      latent_apply = self._latent_apply
+
+      def latent_sums(args):
+        local, bx, bmask = args
+        z = latent_apply(local, bx, training=False)
+        return tf.reduce_sum(z * bmask[:, tf.newaxis], axis=0), tf.reduce_sum(bmask)
+
+      total = tf.zeros([k, self._latent_dim])
+      count = tf.zeros([k])
+      for s in tf.range(tf.shape(valid)[1]):
+        step_total, step_count = tf.vectorized_map(latent_sums, (weights, x[0, s], mask[0, s]))
+        total += step_total
+        count += step_count
+      out['latent_mean'] = total / tf.maximum(count, 1.0)[:, tf.newaxis]
+    if regularizer is not None and hasattr(regularizer, 'measurements'):
+      out['regularizer'] = tf.vectorized_map(
+          lambda local: regularizer.measurements(tuple(local), global_trainable), weights)
+    return out
+
+  # -- the round ----------------------------------------------------------------------------
+  def __call__(self, global_weights, client_inputs: Sequence[Any], call=None):
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+    call = call or (lambda fn, *args: fn(*args))
+    if global_weights.non_trainable:
+      raise ConfigError('vectorised clients need a model without non-trainable weights.')
+    self._restore_tf2_layer_classes()
+    data = stack_client_batches(client_inputs)
+    global_trainable = tuple(np.asarray(w) for w in global_weights.trainable)
+    with tf.device(self._device) if self._device else contextlib.nullcontext():
+      out = self._train(global_trainable, data['x'], data['y'], data['mask'], data['valid'],
+                        data['epochs'])
+    trained = [t.numpy() for t in out['trained']]
+    loss_sum, examples, correct, batches = (t.numpy() for t in out['sums'])
+    epochs = data['epochs']
+    results = []
+    for c, client in enumerate(client_inputs):
+      examples_per_epoch = examples[c] // max(int(epochs[c]), 1)
+      update = [g - t[c] for g, t in zip(global_trainable, trained)]
+      update = tf.nest.pack_sequence_as(list(global_weights.trainable), update)
+      weight = np.float32(1.0 if self._client_weighting == 'uniform' else examples_per_epoch)
+      if self._weight_fields:
+        weight = collections.OrderedDict(num_examples=weight)
+        if 'client_index' in self._weight_fields:
+          weight['client_index'] = np.int32(client_index_of_input(client))
+        if 'latent_mean' in self._weight_fields:
+          weight['latent_mean'] = out['latent_mean'][c].numpy()
+        if 'local_steps' in self._weight_fields:
+          weight['local_steps'] = np.int32(batches[c])
+      results.append(tff.learning.templates.ClientResult(update=update, update_weight=weight))
+    model_outputs = [collections.OrderedDict(
+        (name, [np.asarray(v, d) for v, d in zip(values, self._metric_dtypes[name])])
+        for name, values in (('accuracy', [correct[c], examples[c]]),
+                             ('loss', [loss_sum[c], examples[c]]),
+                             ('num_examples', [examples[c]]),
+                             ('num_batches', [batches[c]])))
+                     for c in range(len(client_inputs))]
+    train = call(self._aggregate_metrics, model_outputs)
+    regularizer_stats = None
+    if 'regularizer' in out:
+      regularizer_stats = tf.nest.map_structure(lambda t: np.float32(np.mean(t.numpy())),
+                                                out['regularizer'])
+    return results, train, regularizer_stats
+
