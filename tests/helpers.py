@@ -164,3 +164,20 @@ def run_rounds(algorithm, data, context, num_clients: int, rounds: int = 3):
     trace.append((out.train, {k: out.client_states[k] for k in sorted(out.client_states)},
                   out.measurements))
   return trace, state
+
+
+def assert_equal_runs(expected, actual, what: str, rtol: float = 1e-5, atol: float = 1e-6):
+  """Two `run_rounds` results agree: every round's metrics, client states and measurements,
+  and the final server state, to `rtol` relative (`atol` near zero)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  (trace_a, state_a), (trace_b, state_b) = expected, actual
+  for r, (a, b) in enumerate(zip(trace_a, trace_b)):
+    a, b = leaves(a), leaves(b)
+    assert len(a) == len(b) and len(a) > 3, what
+    for x, y in zip(a, b):
+      np.testing.assert_allclose(y, x, rtol=rtol, atol=atol, err_msg=f'{what} round {r + 1}')
+  a, b = leaves(state_a), leaves(state_b)
+  assert len(a) == len(b), what
+  for x, y in zip(a, b):
+    np.testing.assert_allclose(y, x, rtol=rtol, atol=atol, err_msg=f'{what} final state')

@@ -25,6 +25,7 @@ from fltff.runtime.in_process import InProcessContext
 from fltff.runtime.local import check_executor
 from fltff.simulation import build_model_spec
 from helpers import SMALL
+from helpers import assert_equal_runs
 from helpers import assert_one_line_error
 from helpers import leaves
 from helpers import mnist_sample_split
@@ -83,18 +84,10 @@ def contexts():
 def test_three_rounds_in_process_equal_the_cpp_runtime(method, data, spec, contexts):
   sizes = sorted(len(data.train_indices[k]) for k in range(NUM_CLIENTS))
   assert len(set(sizes)) == NUM_CLIENTS  # Unequal clients (and unequal epochs: 1 or 2).
-  results = {name: run_rounds(METHODS[method](spec), data, ctx, NUM_CLIENTS) for name, ctx in contexts.items()}
+  results = {name: run_rounds(METHODS[method](spec), data, ctx, NUM_CLIENTS)
+             for name, ctx in contexts.items()}
   tff.framework.set_default_context(contexts['tff_cpp'])
-  (cpp_trace, cpp_state), (ip_trace, ip_state) = results['tff_cpp'], results['in_process']
-  for r, (cpp, ip) in enumerate(zip(cpp_trace, ip_trace)):
-    a, b = leaves(cpp), leaves(ip)
-    assert len(a) == len(b) and len(a) > 3
-    for x, y in zip(a, b):
-      np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=f'{method} round {r + 1}')
-  a, b = leaves(cpp_state), leaves(ip_state)
-  assert len(a) == len(b)
-  for x, y in zip(a, b):
-    np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=f'{method} final state')
+  assert_equal_runs(results['tff_cpp'], results['in_process'], method)
 
 
 def test_pipeline_in_process_equals_cpp_and_resumes_without_a_worker(tmp_path):

@@ -25,6 +25,7 @@ from fltff.runtime.in_process import InProcessContext
 from fltff.runtime.local import check_executor
 from fltff.simulation import build_model_spec
 from helpers import SMALL
+from helpers import assert_equal_runs
 from helpers import assert_one_line_error
 from helpers import leaves
 from helpers import mnist_sample_split
@@ -75,19 +76,6 @@ def cpp():
     yield rt.context
 
 
-def _assert_equal_runs(expected, actual, what):
-  (trace_a, state_a), (trace_b, state_b) = expected, actual
-  for r, (a, b) in enumerate(zip(trace_a, trace_b)):
-    a, b = leaves(a), leaves(b)
-    assert len(a) == len(b) and len(a) > 3, what
-    for x, y in zip(a, b):
-      np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=f'{what} round {r + 1}')
-  a, b = leaves(state_a), leaves(state_b)
-  assert len(a) == len(b)
-  for x, y in zip(a, b):
-    np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=f'{what} final state')
-
-
 def _vectorized(algorithm):
   algorithm.vectorize_clients()
   return algorithm
@@ -98,7 +86,7 @@ def test_three_vectorised_rounds_equal_the_cpp_runtime(method, data, spec, cpp):
   expected = run_rounds(METHODS[method](spec), data, cpp, NUM_CLIENTS)
   actual = run_rounds(_vectorized(METHODS[method](spec)), data, InProcessContext(), NUM_CLIENTS)
   tff.framework.set_default_context(cpp)
-  _assert_equal_runs(expected, actual, method)
+  assert_equal_runs(expected, actual, method)
 
 
 def test_a_convolutional_client_work_with_every_weight_field_equals_tffs(cpp):
