@@ -124,6 +124,22 @@ def client_index_of(data) -> tf.Tensor:
   return read_single(data['info'], _info_zero())['client_index']
 
 
+def step_gradients(gradients, values, regularizer: Optional[LocalRegularizer],
+                   global_trainable, context, affine, frozen: frozenset) -> list:
+  """A local step's gradients: the data gradients plus the regulariser's closed-form gradient
+  (its per-epoch `affine` terms when given, else `regularizer.gradient` when it has one; a
+  regulariser with neither was differentiated with the loss), frozen tensors zeroed."""
+  if affine is not None:
+    gradients = [tf.add_n([g, o] if a is None else [g, a * w, o])
+                 for g, w, a, o in zip(gradients, values, *affine)]
+  elif regularizer is not None and hasattr(regularizer, 'gradient'):
+    gradients = [g + r for g, r in zip(
+        gradients, regularizer.gradient(values, global_trainable, context))]
+  if frozen:
+    gradients = [tf.zeros_like(g) if i in frozen else g for i, g in enumerate(gradients)]
+  return list(gradients)
+
+
 def build_local_training(model, optimizer, regularizer: Optional[LocalRegularizer] = None,
                          frozen: Sequence[int] = (), latent_fn=None,
                          track_gradient_mean: bool = False):
@@ -189,14 +205,8 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
         if track_gradient_mean:
           gradient_sum = tuple(a + g for a, g in zip(gradient_sum, gradients))
         values = tuple(v.read_value() for v in variables)
-        if affine is not None:
-          gradients = [tf.add_n([g, o] if a is None else [g, a * w, o])
-                       for g, w, a, o in zip(gradients, values, *affine)]
-        elif analytic_gradient:
-          gradients = [g + r for g, r in zip(
-              gradients, regularizer.gradient(values, global_trainable, context))]
-        if frozen:
-          gradients = [tf.zeros_like(g) if i in frozen else g for i, g in enumerate(gradients)]
+        gradients = step_gradients(gradients, values, regularizer, global_trainable, context,
+                                   affine, frozen)
         optimizer_state, updated = optimizer.next(optimizer_state, values, tuple(gradients))
         for i, (v, u) in enumerate(zip(variables, updated)):
           if i not in frozen:

@@ -272,14 +272,9 @@ class VectorizedClientWork:
         loss = data_loss
         if regularizer is not None and not analytic_gradient:
           loss += regularizer.penalty(local, global_trainable, context)
-      gradients = tape.gradient(loss, local)
-      if has_affine:
-        gradients = [tf.add_n([g, a * w, o]) for g, w, a, o in zip(gradients, local, *affine)]
-      elif analytic_gradient:
-        gradients = [g + r for g, r in zip(
-            gradients, regularizer.gradient(local, global_trainable, context))]
-      if frozen:
-        gradients = [tf.zeros_like(g) if i in frozen else g for i, g in enumerate(gradients)]
+      gradients = client_work_lib.step_gradients(
+          tape.gradient(loss, local), local, regularizer, global_trainable, context,
+          affine if has_affine else None, frozen)
       new_state, updated = optimizer.next(opt_state, local, tuple(gradients))
       updated = tuple(w if i in frozen else u for i, (w, u) in enumerate(zip(local, updated)))
       # A client without a batch at this step (fewer batches or epochs) is left unchanged.
