@@ -79,34 +79,12 @@ def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.ker
 
 def _read_options() -> tf.data.Options:
   """tf.data's static graph optimisations off: they rewrite each client's pipeline when its
-  iterator is created (measured: ~70 of ~90 ms per 60-example client, `_read_epoch`), and
-  change no element or order."""
+  iterator is created (measured: ~70 of ~90 ms per 60-example client), and change no element
+  or order."""
   options = tf.data.Options()
   options.experimental_optimization.apply_default_optimizations = False
   options.autotune.enabled = False
   return options
-
-
-@tf.function
-def _read_epoch(batches: tf.data.Dataset):
-  """One pass over `batches` in one call (not one `get_next` per batch): the examples `x`,
-  `y` of all batches concatenated, and each batch's size."""
-  spec = batches.element_spec
-
-  def array(s):
-    # Index 0 holds an empty block, so that `concat` works for a dataset without batches.
-    return tf.TensorArray(s.dtype, size=0, dynamic_size=True, infer_shape=False,
-                          element_shape=s.shape).write(0, tf.zeros([0, *s.shape[1:]], s.dtype))
-
-  def collect(state, batch):
-    i, xs, ys, sizes = state
-    return (i + 1, xs.write(i + 1, batch['x']), ys.write(i + 1, batch['y']),
-            sizes.write(i, tf.shape(batch['y'])[0]))
-
-  sizes = tf.TensorArray(tf.int32, size=0, dynamic_size=True, element_shape=[])
-  _, xs, ys, sizes = batches.reduce(
-      (tf.constant(0), array(spec['x']), array(spec['y']), sizes), collect)
-  return xs.concat(), ys.concat(), sizes.stack()
 
 
 def stack_client_batches(client_inputs: Sequence[Any]) -> collections.OrderedDict:
@@ -125,12 +103,10 @@ def stack_client_batches(client_inputs: Sequence[Any]) -> collections.OrderedDic
   for data in client_inputs:
     e = int(tf.data.experimental.get_single_element(data['info'])['epochs'])  # One op.
     dataset = fresh_dataset(data['batches']).with_options(_read_options())
-    epochs_read = []
-    for _ in range(max(e, 1)):
-      ex, ey, sizes = (t.numpy() for t in _read_epoch(dataset))
-      ends = np.cumsum(sizes)
-      epochs_read.append([(ex[end - n:end], ey[end - n:end]) for n, end in zip(sizes, ends)])
-    per_client.append(epochs_read)
+    # Eager iteration (measured: 2-4 ms for 6 batches; a `tf.function` reading the epoch with
+    # one `Dataset.reduce` into TensorArrays costs ~16 ms per call).
+    per_client.append([[(b['x'].numpy(), b['y'].numpy()) for b in dataset]
+                       for _ in range(max(e, 1))])
     epochs.append(e)
   num_epochs = max(max(len(c) for c in per_client), 1)
   steps = max((len(ep) for c in per_client for ep in c), default=0)
