@@ -253,23 +253,31 @@ class VectorizedClientWork:
           affine if has_affine else None, frozen)
       new_state, updated = optimizer.next(opt_state, local, tuple(gradients))
       updated = tuple(w if i in frozen else u for i, (w, u) in enumerate(zip(local, updated)))
-      # A client without a batch at this step (fewer batches or epochs) is left unchanged.
-      keep = lambda new, old: tf.where(trains, new, old)
-      local = tuple(keep(u, w) for u, w in zip(updated, local))
-      opt_state = tf.nest.map_structure(keep, new_state, opt_state)
       correct = tf.reduce_sum(bmask * tf.cast(
           tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), by), tf.float32))
       count = tf.cast(trains, tf.float32)
       step_sums = (data_loss * n * count, tf.cast(n * count, tf.int64), correct * count,
                    tf.cast(trains, tf.int64))
-      return local, opt_state, step_sums
+      return updated, new_state, step_sums
+
+    def keep_idle(trains, new, old):
+      """A client without a batch at this step (fewer batches or epochs) is left unchanged;
+      skipped when every client trains (a full-size select per tensor and step)."""
+      def select():
+        return tf.nest.map_structure(
+            lambda n, o: tf.where(tf.reshape(trains, [-1] + [1] * (n.shape.rank - 1)), n, o),
+            new, old)
+      return tf.cond(tf.reduce_all(trains), lambda: new, select)
 
     for e in tf.range(tf.shape(valid)[0]):
       context, affine = tf.vectorized_map(epoch_context, weights)
       for s in tf.range(tf.shape(valid)[1]):
-        weights, optimizer_state, step_sums = tf.vectorized_map(
-            client_step, (weights, optimizer_state, x[e, s], y[e, s], mask[e, s], valid[e, s],
+        trains = valid[e, s]
+        new_weights, new_state, step_sums = tf.vectorized_map(
+            client_step, (weights, optimizer_state, x[e, s], y[e, s], mask[e, s], trains,
                           context, affine))
+        weights, optimizer_state = keep_idle(trains, (new_weights, new_state),
+                                             (weights, optimizer_state))
         sums = tuple(a + b for a, b in zip(sums, step_sums))
 
     out = collections.OrderedDict(trained=weights, sums=sums)
