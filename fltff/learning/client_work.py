@@ -124,6 +124,18 @@ def client_index_of(data) -> tf.Tensor:
   return read_single(data['info'], _info_zero())['client_index']
 
 
+def client_info_of_input(data) -> dict:
+  """The `info` packed into one `client_input(...)` (Python ints: client_index, epochs)."""
+  # One op, not an iterator (measured: 0.08 vs 3.5-7 ms per client).
+  info = data['info'].get_single_element()
+  return {name: int(value) for name, value in info.items()}
+
+
+def client_index_of_input(data) -> int:
+  """The client index packed into one `client_input(...)`."""
+  return client_info_of_input(data)['client_index']
+
+
 def step_gradients(gradients, values, regularizer: Optional[LocalRegularizer],
                    global_trainable, context, affine, frozen: frozenset) -> list:
   """A local step's gradients: the data gradients plus the regulariser's closed-form gradient

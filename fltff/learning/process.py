@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import numpy as np
-import tensorflow as tf
 
 from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
@@ -85,7 +84,7 @@ class Algorithm(protocol.FederatedAlgorithm):
 
     if server_input is not None:
       raise ValueError(f'{self.name} takes no server input.')
-    clients = [client_index_of_input(c) for c in client_inputs]
+    clients = [client_work_lib.client_index_of_input(c) for c in client_inputs]
     self.check_client_indices(clients)
     if self._vectorized is not None:
       output = self._vectorized_next(state, client_inputs, call)
@@ -136,12 +135,6 @@ class Algorithm(protocol.FederatedAlgorithm):
         distributor=distributed.measurements, client_work=client_work_measurements,
         aggregator=aggregated.measurements, finalizer=finalized.measurements)
     return tff.learning.templates.LearningProcessOutput(new_state, metrics)
-
-
-def client_index_of_input(data) -> int:
-  """The client index packed into one `client_work.client_input(...)`."""
-  # One op, not an iterator (measured: 0.08 vs 3.5-7 ms per client).
-  return int(tf.data.experimental.get_single_element(data['info'])['client_index'])
 
 
 def build_algorithm(name: str,
