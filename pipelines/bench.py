@@ -5,6 +5,8 @@ r"""Round-time benchmarks, always as ratios against a baseline measured in the s
   python -m pipelines.bench --compare=fedadp,fedlayerwise [--model=cnn_mnist_582k --batch_size=16]
       each listed method's round vs fltff's FedAvg round (same data, same client steps), e.g.
       the cost of an aggregation factory relative to FedAvg's weighted mean.
+  python -m pipelines.bench --compare=fedlap,fedlayerwise --vectorize_clients
+      the same with every method (FedAvg too) on vectorised clients (runtime.vectorize_clients).
   python -m pipelines.bench --executors [--executor_shapes=mlp2:10x600,mlp2:100x60,cnn2:10x600]
       FedAvg rounds of TFF's built-in `build_weighted_fed_avg`, of fltff on TFF's C++ runtime, on
       the in-process executor (`runtime.executor`) and with vectorised clients
@@ -41,6 +43,7 @@ from fltff import aggregators  # pylint: disable=g-import-not-at-top,wrong-impor
 from fltff import learning  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import personalization  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.data.pipeline import client_batches  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.learning import protocol  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.models import build_model  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -58,6 +61,9 @@ _COMPARE = flags.DEFINE_list('compare', [], 'Methods to time against fltff FedAv
                              '(fedprox, sgdm, fedlap, fedadp, fedlayerwise, fednova, fedbabu, scaffold, '
                              'moon, <base>+ccn, kapc, kapc+bls, fedamp, fedbn, local, pfedla); empty: '
                              'FedAvg vs plain TF.')
+_VECTORIZE = flags.DEFINE_bool('vectorize_clients', False, 'For --compare: every method '
+                               '(FedAvg too) with vectorised clients on the in-process executor '
+                               '(runtime.vectorize_clients).')
 _RUNTIMES = flags.DEFINE_bool('runtimes', False, 'Compare local vs 1 and 2 remote workers.')
 _CLIENTS_LIST = flags.DEFINE_list('clients_list', ['10', '50', '100'],
                                   'Clients per round for --runtimes.')
@@ -185,9 +191,16 @@ def compare_methods(spec, data) -> int:
   if unknown:
     print(f'error: unknown method(s) {unknown}; choose from {sorted(builders)}', file=sys.stderr)
     return 2
-  with runtime.local_runtime():
+  with runtime.local_runtime(executor='in_process' if _VECTORIZE.value else 'tff_cpp'):
     opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
     algorithms = {m: builders[m](opt) for m in names}
+    if _VECTORIZE.value:
+      try:
+        for algorithm in algorithms.values():
+          algorithm.vectorize_clients()
+      except ConfigError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
     rounds = {m: _round_fn(a) for m, a in algorithms.items()}
     times = {m: [] for m in names}
     for r in range(_ROUNDS.value):
@@ -200,7 +213,9 @@ def compare_methods(spec, data) -> int:
             flush=True)
   med = {m: statistics.median(v[1:]) for m, v in times.items()}
   print(f'\nRound time, {len(data)} clients x {_EXAMPLES.value} examples, {spec.name}, batch '
-        f'{_BATCH.value}, {_EPOCHS.value} epoch(s); median of rounds 2-{_ROUNDS.value}:')
+        f'{_BATCH.value}, {_EPOCHS.value} epoch(s)'
+        f'{", vectorised clients" if _VECTORIZE.value else ""}; median of rounds '
+        f'2-{_ROUNDS.value}:')
   for m in names:
     print(f'  {m:14s} {med[m]:.3f} s   ratio vs fedavg {med[m] / med["fedavg"]:.3f}')
   return 0

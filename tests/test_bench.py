@@ -18,6 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      r'fedlayerwise\s+\d+\.\d+ s\s+ratio vs fedavg \d+\.\d+(.|\n)*'
      r'scaffold\s+\d+\.\d+ s\s+ratio vs fedavg \d+\.\d+(.|\n)*'
      r'kapc\+bls\s+\d+\.\d+ s\s+ratio vs fedavg \d+\.\d+'),
+    (['--compare=fedlap', '--vectorize_clients'],
+     r'vectorised clients(.|\n)*fedlap\s+\d+\.\d+ s\s+ratio vs fedavg \d+\.\d+'),
     (['--runtimes', '--clients_list=4'], r'4 clients: local \d+\.\d+ s \| 1 worker \d+\.\d+x \| '
      r'2 workers \d+\.\d+x'),
 ])
