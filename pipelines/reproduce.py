@@ -5,7 +5,8 @@ r"""Runs the reproduction plan one run after another, resuming what a stopped se
 
 Each line of the plan is `run_name gin_file [binding; binding; ...]` (`#` starts a comment).
 For every line, in order: a run whose metrics.csv already has all its rounds is skipped; one
-with checkpoints is continued with `--resume`; otherwise it starts in `<runs_dir>/<run_name>`.
+with checkpoints is continued with `--resume`, and one that stopped before its first checkpoint
+is rerun from round 1 in place (also `--resume`); otherwise it starts in `<runs_dir>/<run_name>`.
 Each run is its own `python -m pipelines.run` process (its log: `<runs_dir>/<run_name>.log`), so
 a failing run is reported and the next one starts. Afterwards
 `python -m pipelines.report --reproduction=results --collect_from=<runs_dir>` copies the
@@ -61,7 +62,11 @@ def read_plan(path: str) -> list[PlannedRun]:
 
 
 def command(run: PlannedRun, runs_dir: str) -> tuple[list[str], str]:
-  """The `pipelines.run` command for `run`, and its state: 'done', 'resume' or 'start'."""
+  """The `pipelines.run` command for `run`, and its state.
+
+  The state is 'done', 'resume' (checkpoints to continue from), 'restart' (a run that stopped
+  before its first checkpoint left files: `--resume` reruns it from round 1 in place) or 'start'.
+  """
   out = os.path.join(runs_dir, run.name)
   done, wanted = reproduction.run_progress(out)
   if wanted is not None and done >= wanted:
@@ -70,6 +75,8 @@ def command(run: PlannedRun, runs_dir: str) -> tuple[list[str], str]:
           f'--output_dir={out}'] + [f'--gin_bindings={b}' for b in run.bindings]
   if os.path.isdir(os.path.join(out, 'checkpoints')):
     return args + ['--resume'], 'resume'
+  if os.path.isdir(out) and os.listdir(out):
+    return args + ['--resume'], 'restart'
   return args, 'start'
 
 

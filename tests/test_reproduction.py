@@ -140,9 +140,13 @@ def test_read_plan_and_commands(tmp_path):
   args, state = reproduce.command(runs[1], str(tmp_path))
   assert state == 'start' and args[-2:] == ['--gin_bindings=experiment.seed = 1',
                                             '--gin_bindings=federated_data.seed = 1']
-  (tmp_path / 'b' / 'checkpoints').mkdir(parents=True)
+  (tmp_path / 'b').mkdir()
   (tmp_path / 'b' / 'config.gin').write_text('experiment.rounds = 2\n')
   (tmp_path / 'b' / 'metrics.csv').write_text('round\n1\n')
+  # Stopped before its first checkpoint: pipelines.run refuses the folder without --resume.
+  args, state = reproduce.command(runs[1], str(tmp_path))
+  assert state == 'restart' and args[-1] == '--resume'
+  (tmp_path / 'b' / 'checkpoints').mkdir()
   assert reproduce.command(runs[1], str(tmp_path))[1] == 'resume'
   (tmp_path / 'b' / 'metrics.csv').write_text('round\n1\n2\n')
   assert reproduce.command(runs[1], str(tmp_path)) == ([], 'done')
