@@ -44,7 +44,7 @@ from fltff import learning  # pylint: disable=g-import-not-at-top,wrong-import-p
 from fltff import personalization  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top,wrong-import-position
-from fltff.data.pipeline import client_batches  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff.data.pipeline import ClientDatasets  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.learning import protocol  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.models import build_model  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.runtime import heap  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -87,10 +87,20 @@ _LR = 0.01
 _MOMENTUM = 0.9
 
 
-def _client_data(num_clients, examples, seed=0):
+class _BenchClients(list):
+  """The clients' `(x, y)` arrays, with their datasets built as the pipeline driver builds
+  them (`ClientDatasets`: each client's example pipeline once, a shuffle per round)."""
+
+  def __init__(self, arrays):
+    super().__init__(arrays)
+    self.datasets = ClientDatasets(self.__getitem__, _BATCH.value)
+
+
+def _client_data(num_clients, examples, seed=0) -> _BenchClients:
   rng = np.random.default_rng(seed)
-  return [(rng.integers(0, 256, size=(examples, 28, 28, 1), dtype=np.uint8),
-           rng.integers(0, 10, size=examples).astype(np.int32)) for _ in range(num_clients)]
+  return _BenchClients([(rng.integers(0, 256, size=(examples, 28, 28, 1), dtype=np.uint8),
+                         rng.integers(0, 10, size=examples).astype(np.int32))
+                        for _ in range(num_clients)])
 
 
 class PlainTfFedAvg:
@@ -133,9 +143,8 @@ class PlainTfFedAvg:
     return new
 
 
-def _round_datasets(data, r):
-  return [client_batches(x, y, _BATCH.value, shuffle_seed=r * 1000 + k)
-          for k, (x, y) in enumerate(data)]
+def _round_datasets(data: _BenchClients, r):
+  return [data.datasets.batches(k, shuffle_seed=r * 1000 + k) for k in range(len(data))]
 
 
 def _round_fn(algorithm):

@@ -131,10 +131,14 @@ def test_a_convolutional_client_work_with_every_weight_field_equals_tffs(cpp):
     np.testing.assert_allclose(train[name], value, rtol=1e-5)
 
 
-def test_padding_and_masks_follow_each_clients_batches():
-  batches = lambda n, seed: tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
-      x=np.arange(n * 2, dtype=np.float32).reshape(n, 2) + seed,
-      y=np.arange(n, dtype=np.int32))).batch(3)
+@pytest.mark.parametrize('known_batch_counts', [True, False])
+def test_padding_and_masks_follow_each_clients_batches(known_batch_counts):
+  # Unknown batch counts (a `filter`) take the client-by-client read; same layout.
+  def batches(n, seed):
+    dataset = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+        x=np.arange(n * 2, dtype=np.float32).reshape(n, 2) + seed,
+        y=np.arange(n, dtype=np.int32))).batch(3)
+    return dataset if known_batch_counts else dataset.filter(lambda b: True)
   from fltff.learning.client_work import client_input  # pylint: disable=g-import-not-at-top
   inputs = [client_input(batches(7, 0), 0, 2), client_input(batches(2, 100), 1, 1),
             client_input(batches(4, 200), 2, 0)]
@@ -152,6 +156,23 @@ def test_padding_and_masks_follow_each_clients_batches():
   np.testing.assert_array_equal(out['x'][0, 2, 0, 0], [12, 13])
   np.testing.assert_array_equal(out['x'][0, 0, 1, :2], [[100, 101], [102, 103]])
   assert not out['x'][0, 0, 1, 2].any() and not out['x'][0, 1, 1].any()
+
+
+def test_each_epoch_reshuffles_and_a_dataset_passed_again_starts_afresh():
+  # As on TFF's runtime: epochs of one call see successive shuffles, and the same dataset in a
+  # later call (TFF deserialises it anew) sees the same orders again, not the next ones.
+  from fltff.learning.client_work import client_input  # pylint: disable=g-import-not-at-top
+  examples = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+      x=np.arange(24, dtype=np.float32).reshape(12, 2), y=np.arange(12, dtype=np.int32)))
+  dataset = examples.shuffle(12, seed=5, reshuffle_each_iteration=True).batch(4)
+  expected = [np.concatenate([b['y'].numpy() for b in dataset]) for _ in range(3)]
+  assert not np.array_equal(expected[0], expected[1])
+  read_before = vectorized.weakref.WeakSet()
+  passed = examples.shuffle(12, seed=5, reshuffle_each_iteration=True).batch(4)
+  for _ in range(2):
+    out = vectorized.stack_client_batches([client_input(passed, 0, 3)], read_before)
+    for e in range(3):
+      np.testing.assert_array_equal(out['y'][e, :, 0].reshape(-1), expected[e])
 
 
 def test_a_model_built_in_a_graph_meanwhile_does_not_break_a_new_round_shape(spec, data):
