@@ -175,6 +175,35 @@ def test_each_epoch_reshuffles_and_a_dataset_passed_again_starts_afresh():
       np.testing.assert_array_equal(out['y'][e, :, 0].reshape(-1), expected[e])
 
 
+def test_the_drivers_datasets_read_from_their_arrays_give_the_same_round():
+  # `ClientDatasets` datasets carry their arrays and an index shuffle; reading those must give
+  # exactly what the datasets themselves give (uint8 images preprocessed, unequal clients,
+  # 0/1/2 epochs, reshuffled epochs, a dataset passed again).
+  from fltff.data.pipeline import ClientDatasets  # pylint: disable=g-import-not-at-top
+  from fltff.data.pipeline import array_source  # pylint: disable=g-import-not-at-top
+  from fltff.learning.client_work import client_input  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(3)
+  arrays = [(rng.integers(0, 256, size=(n, 4, 4, 1), dtype=np.uint8),
+             rng.integers(0, 10, size=n).astype(np.int64)) for n in (23, 7, 16)]
+  datasets = ClientDatasets(arrays.__getitem__, batch_size=5)
+  via_arrays = [datasets.batches(k, shuffle_seed=11 + k) for k in range(3)]
+  via_tf_data = [datasets.batches(k, shuffle_seed=11 + k).take(-1) for k in range(3)]
+  assert all(array_source(d) is not None for d in via_arrays)
+  assert all(array_source(d) is None for d in via_tf_data)
+  read_a, read_t = vectorized.weakref.WeakSet(), vectorized.weakref.WeakSet()
+  for _ in range(2):
+    a = vectorized.stack_client_batches(
+        [client_input(d, k, e) for k, (d, e) in enumerate(zip(via_arrays, (2, 1, 0)))], read_a)
+    t = vectorized.stack_client_batches(
+        [client_input(d, k, e) for k, (d, e) in enumerate(zip(via_tf_data, (2, 1, 0)))], read_t)
+    assert a.keys() == t.keys()
+    for name in a:
+      assert a[name].dtype == t[name].dtype, name
+      np.testing.assert_array_equal(a[name], t[name], err_msg=name)
+  assert a['x'].shape == (2, 5, 3, 5, 4, 4, 1) and a['x'].max() > 0.9
+  assert not np.array_equal(a['y'][0, :, 0], a['y'][1, :, 0])  # Epochs reshuffle.
+
+
 def test_a_model_built_in_a_graph_meanwhile_does_not_break_a_new_round_shape(spec, data):
   # TFF builds models in graphs while tracing; Keras then swaps its layer classes to TF1 and
   # the eager model would refuse the retrace that a new round shape needs.

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Optional
 
@@ -56,6 +58,31 @@ def client_batches(x: np.ndarray, y: np.ndarray, batch_size: int,
   return batch_examples(client_examples(x, y), len(x), batch_size, shuffle_seed)
 
 
+@dataclasses.dataclass(frozen=True)
+class ArraySource:
+  """What one of `ClientDatasets`' round datasets holds, for a reader that skips tf.data.
+
+  `order` yields the example indices 0..n-1 in the dataset's order, one pass per iteration: a
+  shuffle with the same seeds, so each iteration (epoch) gives the same permutation as the
+  dataset's own (tf.data's shuffle draws positions, whatever the elements). The dataset's
+  batches are `preprocess_batch` of `(x[i], y[i])` for consecutive `batch_size` chunks of the
+  order, with `(x, y) = arrays()` (a call, so that nothing holds a second copy of the client's
+  data between rounds). The vectorised client work reads rounds this way
+  (`learning/vectorized.py`).
+  """
+  arrays: Callable[[], tuple[np.ndarray, np.ndarray]]
+  order: tf.data.Dataset
+  batch_size: int
+
+
+_ARRAY_SOURCE = '_fltff_array_source'
+
+
+def array_source(dataset: tf.data.Dataset) -> Optional[ArraySource]:
+  """The `ArraySource` of a dataset made by `ClientDatasets.batches`, else None."""
+  return getattr(dataset, _ARRAY_SOURCE, None)
+
+
 class ClientDatasets:
   """Each client's batches per round, with its examples dataset built once.
 
@@ -77,4 +104,12 @@ class ClientDatasets:
       x, y = self._arrays_of(client_index)
       self._examples[client_index] = (client_examples(x, y), len(x))
     examples, num_examples = self._examples[client_index]
-    return batch_examples(examples, num_examples, self._batch_size, shuffle_seed)
+    batches = batch_examples(examples, num_examples, self._batch_size, shuffle_seed)
+    # The same shuffle (its seeds resolved now, as the examples' shuffle's just were) over the
+    # indices: a reader of `array_source` gets the batches' order without the per-example map.
+    order = tf.data.Dataset.range(num_examples)
+    if shuffle_seed is not None:
+      order = order.shuffle(num_examples, seed=int(shuffle_seed), reshuffle_each_iteration=True)
+    setattr(batches, _ARRAY_SOURCE, ArraySource(
+        functools.partial(self._arrays_of, client_index), order, self._batch_size))
+    return batches

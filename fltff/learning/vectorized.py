@@ -33,6 +33,9 @@ import tensorflow as tf
 
 from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
+from fltff.data.pipeline import ArraySource
+from fltff.data.pipeline import array_source
+from fltff.data.pipeline import preprocess_batch
 from fltff.learning.model_spec import ModelSpec
 
 
@@ -98,6 +101,10 @@ def stack_client_batches(client_inputs: Sequence[Any],
   `repeat`). Epoch 0's batches are kept even for a client with no epochs (they feed CCN's
   latent mean, computed over the data after training).
 
+  Datasets made by `ClientDatasets` (the pipeline driver's) are read from their arrays: one
+  pipeline draws the shuffled orders of indices, NumPy gathers, `preprocess_batch` runs once on
+  the round (`data.pipeline.ArraySource`). Other datasets are read through tf.data.
+
   A dataset in `read_before` (which collects every dataset read here) is rebuilt from its graph
   first (`fresh_dataset`): TFF's runtime deserialises every dataset it gets, so a dataset
   passed again starts its shuffle afresh there, not where its last read left it.
@@ -105,17 +112,98 @@ def stack_client_batches(client_inputs: Sequence[Any],
   from fltff.runtime.in_process import fresh_dataset  # pylint: disable=g-import-not-at-top
 
   read_before = weakref.WeakSet() if read_before is None else read_before
-  datasets, epochs, passes, counts = [], [], [], []
-  for data in client_inputs:
-    dataset = data['batches']
-    if dataset in read_before:
-      dataset = fresh_dataset(dataset)
-    read_before.add(data['batches'])
-    e = client_work_lib.client_info_of_input(data)['epochs']
-    datasets.append(dataset)
-    epochs.append(e)
-    passes.append(max(e, 1))
-    counts.append(int(dataset.cardinality()))
+  epochs = [client_work_lib.client_info_of_input(data)['epochs'] for data in client_inputs]
+  passes = [max(e, 1) for e in epochs]
+  sources = [array_source(data['batches']) for data in client_inputs]
+  if sources and all(source is not None for source in sources):
+    bx, by, sizes, counts = _read_array_sources(sources, passes, read_before)
+  else:
+    datasets = []
+    for data in client_inputs:
+      dataset = data['batches']
+      datasets.append(fresh_dataset(dataset) if dataset in read_before else dataset)
+      read_before.add(dataset)
+    bx, by, sizes, counts = _read_datasets(datasets, passes)
+  # Where each batch goes: client c's epochs one after another, each its steps in order.
+  client = np.repeat(np.arange(len(counts)), [c * p for c, p in zip(counts, passes)])
+  epoch = np.concatenate([np.repeat(np.arange(p), c) for c, p in zip(counts, passes)] or [[]])
+  step = np.concatenate([np.tile(np.arange(c), p) for c, p in zip(counts, passes)] or [[]])
+  client, epoch, step = (a.astype(np.int64) for a in (client, epoch, step))
+  num_epochs = max(passes, default=1)
+  steps = max(counts, default=0)
+  k = len(counts)
+  batch = bx.shape[1] if bx.ndim > 1 else 0
+  x = np.zeros((num_epochs, steps, k, batch, *bx.shape[2:]), bx.dtype)
+  y = np.zeros((num_epochs, steps, k, batch), by.dtype)
+  mask = np.zeros((num_epochs, steps, k, batch), np.float32)
+  valid = np.zeros((num_epochs, steps, k), bool)
+  x[epoch, step, client] = bx
+  y[epoch, step, client] = by
+  mask[epoch, step, client] = np.arange(batch) < sizes[:, np.newaxis]
+  valid[epoch, step, client] = epoch < np.asarray(epochs, np.int64)[client]
+  if sources and all(source is not None for source in sources):
+    # The pipeline's per-example preprocessing, on the whole round at once (elementwise, so
+    # the same values).
+    processed = preprocess_batch(collections.OrderedDict(x=x, y=y))
+    x, y = processed['x'].numpy(), processed['y'].numpy()
+  return collections.OrderedDict(x=x.astype(np.float32, copy=False),
+                                 y=y.astype(np.int32, copy=False), mask=mask, valid=valid,
+                                 epochs=np.asarray(epochs, np.int32))
+
+
+def _read_array_sources(sources: Sequence[ArraySource], passes: Sequence[int],
+                        read_before: weakref.WeakSet):
+  """`(x, y, sizes, batches per epoch)` of the round from the clients' arrays: one tf.data
+  pipeline draws every client's epoch orders (indices only), NumPy gathers the examples.
+  Measured, 100 clients of 60 examples: ~0.3 s through the datasets' per-example map, ~0.05 s
+  here. x and y are the raw arrays' values (`preprocess_batch` still to apply)."""
+  from fltff.runtime.in_process import fresh_dataset  # pylint: disable=g-import-not-at-top
+
+  orders, sizes_n = [], []
+  for source, p in zip(sources, passes):
+    order = source.order
+    orders.append((fresh_dataset(order) if order in read_before else order).repeat(p))
+    read_before.add(order)
+    sizes_n.append(int(order.cardinality()))
+  choice = np.repeat(np.arange(len(orders), dtype=np.int64),
+                     [n * p for n, p in zip(sizes_n, passes)])
+  flat = tf.data.Dataset.choose_from_datasets(
+      orders, tf.data.Dataset.from_tensor_slices(choice), stop_on_empty_dataset=False).batch(
+          max(len(choice), 1)).with_options(_read_options()).get_single_element().numpy() if len(
+              choice) else np.zeros(0, np.int64)
+  bxs, bys, sizes, counts = [], [], [], []
+  offset = 0
+  batch = max(source.batch_size for source in sources)
+  for source, n, p in zip(sources, sizes_n, passes):
+    x, y = source.arrays()
+    steps = -(-n // source.batch_size)
+    order = flat[offset:offset + n * p].reshape(p, n)
+    offset += n * p
+    # Each epoch's order cut into batches of `batch_size`, the last one padded (index -1).
+    index = np.full((p, steps, batch), -1, np.int64)
+    for s in range(steps):
+      chunk = order[:, s * source.batch_size:(s + 1) * source.batch_size]
+      index[:, s, :chunk.shape[1]] = chunk
+    index = index.reshape(p * steps, batch)
+    real = index >= 0
+    bx = x[np.where(real, index, 0)]
+    by = y[np.where(real, index, 0)]
+    bx[~real] = 0
+    by[~real] = 0
+    bxs.append(bx)
+    bys.append(by)
+    sizes.append(real.sum(axis=1))
+    counts.append(steps)
+  example = sources[0].arrays()[0].shape[1:] if sources else ()
+  bx = np.concatenate(bxs) if bxs else np.zeros((0, batch, *example), np.uint8)
+  by = np.concatenate(bys) if bys else np.zeros((0, batch), np.int32)
+  return bx, by, np.concatenate(sizes) if sizes else np.zeros(0, np.int64), counts
+
+
+def _read_datasets(datasets: Sequence[tf.data.Dataset], passes: Sequence[int]):
+  """`(x, y, sizes, batches per epoch)` of the round from the clients' datasets: x `[T, B,
+  ...]` (each client's epochs' batches in order, padded), y `[T, B]`, sizes `[T]`."""
+  counts = [int(dataset.cardinality()) for dataset in datasets]
   if any(c < 0 for c in counts):
     # Unknown batch counts (e.g. a `filter`): read the clients one by one.
     batches = [[[(b['x'].numpy(), b['y'].numpy()) for b in ds.with_options(_read_options())]
@@ -129,37 +217,20 @@ def stack_client_batches(client_inputs: Sequence[Any],
     sizes = np.zeros(len(flat), np.int64)
     for t, (x, y) in enumerate(flat):
       bx[t, :len(y)], by[t, :len(y)], sizes[t] = x, y, len(y)
-  else:
-    # One tf.data pipeline for the whole round (measured, 100 clients of 60 examples: ~0.2 s
-    # against ~2 s for an eager iterator per client and epoch).
-    choice = np.repeat(np.arange(len(datasets), dtype=np.int64),
-                       [c * p for c, p in zip(counts, passes)])
-    stream = tf.data.Dataset.choose_from_datasets(
-        [ds.repeat(p) for ds, p in zip(datasets, passes)],
-        tf.data.Dataset.from_tensor_slices(choice), stop_on_empty_dataset=False)
-    stream = stream.map(lambda b: (b['x'], b['y'], tf.shape(b['y'], out_type=tf.int64)[0]))
-    bx, by, sizes = (t.numpy() for t in stream.padded_batch(max(len(choice), 1)).with_options(
-        _read_options()).get_single_element()) if len(choice) else (
-            np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int32), np.zeros(0, np.int64))
-  # Where each batch goes: client c's epochs one after another, each its steps in order.
-  client = np.repeat(np.arange(len(datasets)), [c * p for c, p in zip(counts, passes)])
-  epoch = np.concatenate([np.repeat(np.arange(p), c) for c, p in zip(counts, passes)] or [[]])
-  step = np.concatenate([np.tile(np.arange(c), p) for c, p in zip(counts, passes)] or [[]])
-  client, epoch, step = (a.astype(np.int64) for a in (client, epoch, step))
-  num_epochs = max(passes, default=1)
-  steps = max(counts, default=0)
-  k = len(datasets)
-  batch = bx.shape[1] if bx.ndim > 1 else 0
-  x = np.zeros((num_epochs, steps, k, batch, *bx.shape[2:]), np.float32)
-  y = np.zeros((num_epochs, steps, k, batch), np.int32)
-  mask = np.zeros((num_epochs, steps, k, batch), np.float32)
-  valid = np.zeros((num_epochs, steps, k), bool)
-  x[epoch, step, client] = bx
-  y[epoch, step, client] = by
-  mask[epoch, step, client] = np.arange(batch) < sizes[:, np.newaxis]
-  valid[epoch, step, client] = epoch < np.asarray(epochs, np.int64)[client]
-  return collections.OrderedDict(x=x, y=y, mask=mask, valid=valid,
-                                 epochs=np.asarray(epochs, np.int32))
+    return bx, by, sizes, counts
+  # One tf.data pipeline for the whole round (measured, 100 clients of 60 examples: ~0.2 s
+  # against ~2 s for an eager iterator per client and epoch).
+  choice = np.repeat(np.arange(len(datasets), dtype=np.int64),
+                     [c * p for c, p in zip(counts, passes)])
+  if not len(choice):
+    return np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int32), np.zeros(0, np.int64), counts
+  stream = tf.data.Dataset.choose_from_datasets(
+      [ds.repeat(p) for ds, p in zip(datasets, passes)],
+      tf.data.Dataset.from_tensor_slices(choice), stop_on_empty_dataset=False)
+  stream = stream.map(lambda b: (b['x'], b['y'], tf.shape(b['y'], out_type=tf.int64)[0]))
+  bx, by, sizes = (t.numpy() for t in stream.padded_batch(len(choice)).with_options(
+      _read_options()).get_single_element())
+  return bx, by, sizes, counts
 
 
 def _stack(value, k):
