@@ -6,6 +6,7 @@ global model) must agree to 1e-5 relative. The executor runs the graphs TFF comp
 only differences are floating-point scheduling (measured: ≤ 3e-7 relative here).
 """
 
+import collections
 import functools
 import os
 
@@ -162,3 +163,36 @@ def test_gpu_is_refused_without_one():
   else:
     with pytest.raises(ConfigError, match='sees no GPU'):
       check_executor('in_process', 'gpu')
+
+
+def test_clients_are_mapped_and_folded_in_one_call_with_tffs_numbers(contexts):
+  # federated_map and federated_aggregate's fold run as one looped call over the stacked
+  # clients (the same graph per client, in order). TFF's weighted mean (a map, then a fold)
+  # over 5 clients: equal to the C++ runtime, and bit-equal to going client by client.
+  value_type = tff.StructType([('a', tff.TensorType(np.float32, [3])),
+                               ('b', tff.TensorType(np.float32, [2, 2]))])
+  mean = tff.aggregators.MeanFactory().create(value_type, tff.TensorType(np.float32))
+  rng = np.random.default_rng(0)
+  values = [collections.OrderedDict(a=rng.normal(size=3).astype(np.float32),
+                                    b=rng.normal(size=(2, 2)).astype(np.float32))
+            for _ in range(5)]
+  weights = [np.float32(w) for w in (1, 7, 2, 9, 4)]
+  context = InProcessContext()
+  results = {}
+  for name, ctx in (('tff_cpp', contexts['tff_cpp']), ('looped', context)):
+    tff.framework.set_default_context(ctx)
+    results[name] = mean.next(mean.initialize(), values, weights).result
+  functions = [fn for _, fn in context._functions.values()]  # pylint: disable=protected-access
+  assert any(fn._looped_map not in (None, False) for fn in functions)  # pylint: disable=protected-access
+  assert any(fn._looped_fold not in (None, False) for fn in functions)  # pylint: disable=protected-access
+  for fn in functions:  # Client by client from here on.
+    fn._looped_map = fn._looped_fold = False  # pylint: disable=protected-access
+  results['one_by_one'] = mean.next(mean.initialize(), values, weights).result
+  tff.framework.set_default_context(contexts['tff_cpp'])
+  expected = {k: sum(w * v[k] for w, v in zip(weights, values)) / sum(weights) for k in 'ab'}
+  for name in ('tff_cpp', 'looped', 'one_by_one'):
+    for k in 'ab':
+      np.testing.assert_allclose(results[name][k], expected[k], rtol=1e-5, err_msg=name)
+  for k in 'ab':
+    np.testing.assert_array_equal(results['looped'][k], results['one_by_one'][k])
+    np.testing.assert_allclose(results['looped'][k], results['tff_cpp'][k], rtol=1e-6)

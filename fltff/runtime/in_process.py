@@ -14,7 +14,10 @@ worker:
 3. A small interpreter evaluates the tree: values at CLIENTS are Python lists with one entry per
    participant, datasets are passed to the graphs as `tf.data` variant tensors (rebuilt from
    their graph in memory, as the C++ runtime would see them; no gRPC), `federated_aggregate` folds the clients in order (zero, accumulate, report),
-   exactly as TFF's federating executor does.
+   exactly as TFF's federating executor does. A `federated_map` and a fold whose function is
+   one compiled graph run as one call: a `tf.function` loops over the stacked participants
+   and calls that graph once per participant, in order (the same arithmetic; one Python call
+   instead of one per participant).
 4. A `device` (`runtime.device`) places the computations (e.g. on a GPU, which TFF's C++
    runtime never uses); tf.data ops stay on the CPU.
 
@@ -237,6 +240,29 @@ def _rename_library_functions(graph_def, suffix: str) -> None:
     gradient.gradient_func = rename.get(gradient.gradient_func, gradient.gradient_func)
 
 
+_UNSTACKABLE = (tf.variant, tf.resource, tf.string)
+
+
+def _as_list(out) -> list:
+  return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _stack_leaves(leaves_per_client: list) -> Optional[list]:
+  """Each leaf position stacked over the clients, or None when some position holds datasets,
+  strings, or tensors of unequal shape or dtype."""
+  if len(leaves_per_client) < 2:
+    return None
+  stacked = []
+  for column in zip(*leaves_per_client):
+    column = [x if tf.is_tensor(x) else tf.convert_to_tensor(x) for x in column]
+    first = column[0]
+    if first.dtype in _UNSTACKABLE or any(
+        c.dtype != first.dtype or c.shape != first.shape for c in column[1:]):
+      return None
+    stacked.append(tf.stack(column))
+  return stacked if stacked else None
+
+
 def _call_flat(function, leaves: list):
   """Calls a pruned function on its flat tensor inputs.
 
@@ -281,6 +307,85 @@ class _TensorFlowFunction:
     # TFF's TensorFlow executor runs the init op (variable initialisers) before every call.
     self._init = (wrapped.prune(feeds, graph.get_operation_by_name(init_name))
                   if init_name else None)
+    self._looped_map = None  # Built on first use; False when it cannot be.
+    self._looped_fold = None
+
+  # -- many clients in one call ------------------------------------------------------------
+  # A federated_map or a federated_aggregate's fold over K participants would cost K calls
+  # from Python (~1 ms each). Instead one tf.function loops over the stacked participants and
+  # calls the same graph once per participant, in order: the same arithmetic, one call.
+
+  def map_clients(self, args: list) -> Optional[list]:
+    """`[self(a) for a in args]` in one call; None when the arguments cannot be stacked
+    (datasets, unequal shapes) or the graph has an init op (variables)."""
+    if self._init is not None or self.type_signature.parameter is None:
+      return None
+    stacked = _stack_leaves([self.flatten_arg(a) for a in args])
+    if stacked is None:
+      return None
+    if self._looped_map is None:
+      run = self._run
+      specs = [tf.TensorSpec(o.shape, o.dtype) for o in _as_list(run.outputs)]
+
+      def mapped(*columns):
+        return tf.map_fn(lambda leaves: _as_list(run(*leaves)), list(columns),
+                         fn_output_signature=specs, parallel_iterations=1)
+
+      self._looped_map = tf.function(mapped)
+    out = self._call_looped('_looped_map', stacked)
+    if out is None:
+      return None
+    per_client = list(zip(*(tf.unstack(o) for o in _as_list(out))))
+    return [self.unflatten_result(list(leaves)) for leaves in per_client]
+
+  def fold_clients(self, zero, values: list):
+    """`acc = zero; for v in values: acc = self((acc, v))` in one call (federated_aggregate's
+    accumulate); None when it cannot (see `map_clients`)."""
+    parameter = self.type_signature.parameter
+    if self._init is not None or parameter is None or len(parameter) != 2:
+      return None
+    stacked = _stack_leaves([_flatten(v, parameter[1], self._t) for v in values])
+    if stacked is None:
+      return None
+    acc = [x if tf.is_tensor(x) else tf.convert_to_tensor(x)
+           for x in _flatten(zero, parameter[0], self._t)]
+    if any(a.dtype in _UNSTACKABLE for a in acc):
+      return None
+    if self._looped_fold is None:
+      run = self._run
+      num_acc = len(acc)
+
+      def fold(*leaves):
+        acc, columns = list(leaves[:num_acc]), leaves[num_acc:]
+
+        def body(i, acc):
+          return i + 1, _as_list(run(*acc, *(c[i] for c in columns)))
+
+        # Accumulators may grow (e.g. gathered values with an unknown leading size).
+        _, acc = tf.while_loop(
+            lambda i, _: i < tf.shape(columns[0])[0], body, (tf.constant(0), acc),
+            shape_invariants=(tf.TensorShape([]), [tf.TensorShape(None)] * num_acc),
+            parallel_iterations=1)
+        return acc
+
+      self._looped_fold = tf.function(fold)
+    out = self._call_looped('_looped_fold', acc + stacked)
+    return None if out is None else self.unflatten_result(_as_list(out))
+
+  def _call_looped(self, name: str, leaves: list):
+    """Calls the looped function `name`; on a first failure (a graph it cannot trace) marks it
+    unusable and returns None, so the caller goes client by client."""
+    fn = getattr(self, name)
+    if fn is False:
+      return None
+    try:
+      if self.device:
+        with tf.device(self.device):
+          return fn(*leaves)
+      return fn(*leaves)
+    except (TypeError, ValueError, tf.errors.OpError, NotImplementedError):
+      setattr(self, name, False)
+      return None
 
   def flat_call(self, leaves: list) -> list:
     """Runs the graph on flattened argument leaves; returns the flattened result leaves."""
@@ -429,6 +534,10 @@ class _Interpreter:
         "runtime.executor = 'tff_cpp' for this computation.")
 
   def _map(self, fn, values: _Clients) -> _Clients:
+    if isinstance(fn, _TensorFlowFunction):
+      mapped = fn.map_clients(list(values))
+      if mapped is not None:
+        return _Clients(mapped)
     return _Clients(fn(v) for v in values)
 
   def _sum(self, values: _Clients):
@@ -442,8 +551,12 @@ class _Interpreter:
   def _aggregate(self, arg):
     values, zero, accumulate, _, report = (arg[i] for i in range(5))
     structure = self._t['structure']
-    acc = zero
     # TFF's federating executor folds the clients in order into one accumulator (no merge).
+    if isinstance(accumulate, _TensorFlowFunction):
+      acc = accumulate.fold_clients(zero, list(values))
+      if acc is not None:
+        return report(acc)
+    acc = zero
     for v in values:
       acc = accumulate(structure.Struct([(None, acc), (None, v)]))
     return report(acc)
