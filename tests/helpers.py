@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = [
     '--gin_file=gin_configs/foundation/mnist1003_shards_fedavg.gin',
@@ -119,6 +121,31 @@ def mnist_sample_split(num_clients: int, seed: int, alpha: float = 0.5,
       source=functools.partial(npz_source, path=path),
       partitioner=functools.partial(dirichlet_partition, alpha=alpha),
       num_clients=num_clients, seed=seed, local_test_examples=local_test_examples)
+
+
+# The executor-equality suites (test_in_process, test_vectorized) share one federation:
+# 4 clients of unequal sizes (and, in run_rounds, unequal epochs). Importing the fixtures
+# `equality_data` / `equality_spec` into a test module provides `data` and `spec`.
+EQUALITY_CLIENTS = 4
+
+
+@pytest.fixture(scope='module', name='data')
+def equality_data():
+  return mnist_sample_split(EQUALITY_CLIENTS, seed=3, local_test_examples=10)
+
+
+@pytest.fixture(scope='module', name='spec')
+def equality_spec(data):
+  from fltff.simulation import build_model_spec  # pylint: disable=g-import-not-at-top
+
+  return build_model_spec(data, 'mlp2', seed=0)
+
+
+def equality_sgdm():
+  """The client optimizer of the executor-equality suites."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  return tff.learning.optimizers.build_sgdm(learning_rate=0.05, momentum=0.5)
 
 
 def leaves(value) -> list:

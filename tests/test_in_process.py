@@ -7,7 +7,6 @@ only differences are floating-point scheduling (measured: ≤ 3e-7 relative here
 """
 
 import collections
-import functools
 import os
 
 import numpy as np
@@ -24,20 +23,22 @@ from fltff.personalization.fedlap_mixing import FedLapPersonalization
 from fltff.personalization.fedlap_mixing import with_fedlap_personalization
 from fltff.runtime.in_process import InProcessContext
 from fltff.runtime.local import check_executor
-from fltff.simulation import build_model_spec
+from helpers import EQUALITY_CLIENTS
 from helpers import SMALL
 from helpers import assert_equal_runs
 from helpers import assert_one_line_error
+from helpers import equality_data  # noqa: F401  pylint: disable=unused-import (fixture)
+from helpers import equality_sgdm
+from helpers import equality_spec  # noqa: F401  pylint: disable=unused-import (fixture)
 from helpers import leaves
-from helpers import mnist_sample_split
 from helpers import read_csv
 from helpers import run_and_resume
 from helpers import run_pipeline
 from helpers import run_rounds
 from helpers import tagged_worker_pids
 
-NUM_CLIENTS = 4
-SGDM = functools.partial(tff.learning.optimizers.build_sgdm, learning_rate=0.05, momentum=0.5)
+NUM_CLIENTS = EQUALITY_CLIENTS
+SGDM = equality_sgdm
 
 METHODS = {
     'fedavg': lambda s: learning.build_fedavg(s, client_optimizer=SGDM()),
@@ -66,19 +67,9 @@ METHODS = {
 
 
 @pytest.fixture(scope='module')
-def data():
-  return mnist_sample_split(NUM_CLIENTS, seed=3, local_test_examples=10)
-
-
-@pytest.fixture(scope='module')
-def spec(data):
-  return build_model_spec(data, 'mlp2', seed=0)
-
-
-@pytest.fixture(scope='module')
-def contexts():
-  with runtime.local_runtime() as rt:
-    yield {'tff_cpp': rt.context, 'in_process': InProcessContext()}
+def contexts(tff_runtime):
+  # The session's C++ runtime (conftest) against the in-process executor.
+  return {'tff_cpp': tff_runtime.context, 'in_process': InProcessContext()}
 
 
 @pytest.mark.parametrize('method', sorted(METHODS))

@@ -18,25 +18,26 @@ import tensorflow_federated as tff
 from fltff import aggregators
 from fltff import learning
 from fltff import personalization
-from fltff import runtime
 from fltff.errors import ConfigError
 from fltff.learning import vectorized
 from fltff.runtime.in_process import InProcessContext
 from fltff.runtime.local import check_executor
 from fltff.simulation import build_model_spec
+from helpers import EQUALITY_CLIENTS
 from helpers import SMALL
 from helpers import assert_equal_runs
 from helpers import assert_one_line_error
-from helpers import leaves
-from helpers import mnist_sample_split
+from helpers import equality_data  # noqa: F401  pylint: disable=unused-import (fixture)
+from helpers import equality_sgdm
+from helpers import equality_spec  # noqa: F401  pylint: disable=unused-import (fixture)
 from helpers import read_csv
 from helpers import run_and_resume
 from helpers import run_pipeline
 from helpers import run_rounds
 from helpers import tagged_worker_pids
 
-NUM_CLIENTS = 4
-SGDM = functools.partial(tff.learning.optimizers.build_sgdm, learning_rate=0.05, momentum=0.5)
+NUM_CLIENTS = EQUALITY_CLIENTS
+SGDM = equality_sgdm
 
 METHODS = {
     'fedavg': lambda s: learning.build_fedavg(s, client_optimizer=SGDM()),
@@ -61,19 +62,8 @@ UNSUPPORTED = {
 
 
 @pytest.fixture(scope='module')
-def data():
-  return mnist_sample_split(NUM_CLIENTS, seed=3, local_test_examples=10)
-
-
-@pytest.fixture(scope='module')
-def spec(data):
-  return build_model_spec(data, 'mlp2', seed=0)
-
-
-@pytest.fixture(scope='module')
-def cpp():
-  with runtime.local_runtime() as rt:
-    yield rt.context
+def cpp(tff_runtime):
+  return tff_runtime.context  # The session's C++ runtime (conftest).
 
 
 def _vectorized(algorithm):
