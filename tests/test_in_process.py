@@ -187,3 +187,56 @@ def test_clients_are_mapped_and_folded_in_one_call_with_tffs_numbers(contexts):
   for k in 'ab':
     np.testing.assert_array_equal(results['looped'][k], results['one_by_one'][k])
     np.testing.assert_allclose(results['looped'][k], results['tff_cpp'][k], rtol=1e-6)
+
+
+def test_stacked_clients_stay_stacked_and_equal_the_per_client_list(contexts):
+  # A vectorised client work hands the aggregator its participants' values as one stacked
+  # structure (`StackedClients`); zip, map and fold keep it stacked (no per-participant
+  # split) and give the numbers of the per-participant list, bit for bit. A computation that
+  # returns a CLIENTS value gives it back per participant.
+  from fltff.runtime import in_process  # pylint: disable=g-import-not-at-top
+
+  value_type = tff.StructType([('a', tff.TensorType(np.float32, [3])),
+                               ('b', tff.TensorType(np.float32, [2, 2]))])
+  mean = tff.aggregators.MeanFactory().create(value_type, tff.TensorType(np.float32))
+  rng = np.random.default_rng(1)
+  stacked = collections.OrderedDict(a=rng.normal(size=(6, 3)).astype(np.float32),
+                                    b=rng.normal(size=(6, 2, 2)).astype(np.float32))
+  weights = rng.uniform(1, 9, size=6).astype(np.float32)
+  values = in_process.StackedClients(stacked, 6).members()
+  assert len(values) == 6 and np.array_equal(values[4]['b'], stacked['b'][4])
+  context = InProcessContext()
+  tff.framework.set_default_context(context)
+  splits = []
+  original = in_process._members  # pylint: disable=protected-access
+
+  def counting_members(value, t):
+    if isinstance(value, in_process._Stacked):  # pylint: disable=protected-access
+      splits.append(value.count)
+    return original(value, t)
+
+  in_process._members = counting_members  # pylint: disable=protected-access
+  try:
+    from_stacked = mean.next(mean.initialize(), in_process.StackedClients(stacked, 6),
+                             in_process.StackedClients(weights, 6)).result
+    assert in_process.clients_argument(in_process.StackedClients(weights, 6)).num_clients == 6
+  finally:
+    in_process._members = original  # pylint: disable=protected-access
+  assert not splits  # Zipped, mapped and folded stacked.
+  from_list = mean.next(mean.initialize(), values, list(weights)).result
+
+  @tff.federated_computation(tff.FederatedType(value_type, tff.CLIENTS))
+  def identity(x):
+    return x
+
+  returned = identity(in_process.StackedClients(stacked, 6))
+  tff.framework.set_default_context(contexts['tff_cpp'])
+  as_list = in_process.clients_argument(in_process.StackedClients(weights, 6))
+  assert isinstance(as_list, list) and np.array_equal(np.stack(as_list), weights)
+  for k in 'ab':
+    np.testing.assert_array_equal(from_stacked[k], from_list[k])
+    np.testing.assert_allclose(
+        from_stacked[k], np.tensordot(weights, stacked[k], axes=1) / weights.sum(), rtol=1e-5)
+    assert len(returned) == 6
+    for i in range(6):
+      np.testing.assert_array_equal(returned[i][k], stacked[k][i])

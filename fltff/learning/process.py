@@ -124,8 +124,7 @@ class Algorithm(protocol.FederatedAlgorithm):
     client_work_measurements = collections.OrderedDict(train=train)
     if regularizer_stats is not None:
       client_work_measurements['regularizer'] = regularizer_stats
-    aggregated = call(aggregator.next, state.aggregator, [r.update for r in results],
-                      [r.update_weight for r in results])
+    aggregated = call(aggregator.next, state.aggregator, *results.aggregator_arguments())
     finalized = call(finalizer.next, state.finalizer, state.global_model_weights,
                      aggregated.result)
     new_state = tff.learning.templates.LearningAlgorithmState(

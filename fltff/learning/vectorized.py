@@ -37,6 +37,8 @@ from fltff.data.pipeline import ArraySource
 from fltff.data.pipeline import array_source
 from fltff.data.pipeline import preprocess_batch
 from fltff.learning.model_spec import ModelSpec
+from fltff.runtime.in_process import StackedClients
+from fltff.runtime.in_process import clients_argument
 
 
 def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.keras.Model] = None):
@@ -422,32 +424,60 @@ class VectorizedClientWork:
     trained = [t.numpy() for t in out['trained']]
     loss_sum, examples, correct, batches = (t.numpy() for t in out['sums'])
     epochs = data['epochs']
-    results = []
-    for c, client in enumerate(client_inputs):
-      examples_per_epoch = examples[c] // max(int(epochs[c]), 1)
-      update = [g - t[c] for g, t in zip(global_trainable, trained)]
-      update = tf.nest.pack_sequence_as(list(global_weights.trainable), update)
-      weight = np.float32(1.0 if self._client_weighting == 'uniform' else examples_per_epoch)
-      if self._weight_fields:
-        weight = collections.OrderedDict(num_examples=weight)
-        if 'client_index' in self._weight_fields:
-          weight['client_index'] = np.int32(client_work_lib.client_index_of_input(client))
-        if 'latent_mean' in self._weight_fields:
-          weight['latent_mean'] = out['latent_mean'][c].numpy()
-        if 'local_steps' in self._weight_fields:
-          weight['local_steps'] = np.int32(batches[c])
-      results.append(tff.learning.templates.ClientResult(update=update, update_weight=weight))
-    model_outputs = [collections.OrderedDict(
-        (name, [np.asarray(v, d) for v, d in zip(values, self._metric_dtypes[name])])
-        for name, values in (('accuracy', [correct[c], examples[c]]),
-                             ('loss', [loss_sum[c], examples[c]]),
-                             ('num_examples', [examples[c]]),
-                             ('num_batches', [batches[c]])))
-                     for c in range(len(client_inputs))]
-    train = call(self._aggregate_metrics, model_outputs)
+    k = len(client_inputs)
+    update = tf.nest.pack_sequence_as(
+        list(global_weights.trainable),
+        [g[np.newaxis] - t for g, t in zip(global_trainable, trained)])
+    weight = (np.ones(k, np.float32) if self._client_weighting == 'uniform'
+              else (examples // np.maximum(epochs, 1)).astype(np.float32))
+    if self._weight_fields:
+      weight = collections.OrderedDict(num_examples=weight)
+      if 'client_index' in self._weight_fields:
+        weight['client_index'] = np.asarray(
+            [client_work_lib.client_index_of_input(c) for c in client_inputs], np.int32)
+      if 'latent_mean' in self._weight_fields:
+        weight['latent_mean'] = out['latent_mean'].numpy()
+      if 'local_steps' in self._weight_fields:
+        weight['local_steps'] = batches.astype(np.int32)
+    results = StackedClientResults(update, weight, k)
+    model_outputs = collections.OrderedDict(
+        (name, [np.asarray(v).astype(d) for v, d in zip(values, self._metric_dtypes[name])])
+        for name, values in (('accuracy', [correct, examples]), ('loss', [loss_sum, examples]),
+                             ('num_examples', [examples]), ('num_batches', [batches])))
+    train = call(self._aggregate_metrics,
+                 clients_argument(StackedClients(model_outputs, k)))
     regularizer_stats = None
     if 'regularizer' in out:
       regularizer_stats = tf.nest.map_structure(lambda t: np.float32(np.mean(t.numpy())),
                                                 out['regularizer'])
     return results, train, regularizer_stats
 
+
+class StackedClientResults(Sequence):
+  """A round's `ClientResult`s, stacked: `update` and `update_weight` hold the participants'
+  arrays along a leading axis (the layout the in-process context aggregates without splitting,
+  `runtime.in_process.StackedClients`); `results[k]` is participant k's `ClientResult`."""
+
+  def __init__(self, update, update_weight, num_clients: int):
+    self.update, self.update_weight, self._num_clients = update, update_weight, num_clients
+
+  def __len__(self) -> int:
+    return self._num_clients
+
+  def __getitem__(self, k):
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+    if isinstance(k, slice):
+      return [self[i] for i in range(*k.indices(self._num_clients))]
+    if not -self._num_clients <= k < self._num_clients:
+      raise IndexError(k)
+    pick = lambda a: np.asarray(a)[k]
+    weight = tf.nest.map_structure(pick, self.update_weight)
+    return tff.learning.templates.ClientResult(
+        update=tf.nest.map_structure(pick, self.update),
+        update_weight=weight if isinstance(weight, collections.OrderedDict) else np.float32(weight))
+
+  def aggregator_arguments(self) -> tuple:
+    """`(updates, weights)` as the aggregator's `next` takes them in the current context."""
+    return (clients_argument(StackedClients(self.update, self._num_clients)),
+            clients_argument(StackedClients(self.update_weight, self._num_clients)))

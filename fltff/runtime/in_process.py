@@ -17,7 +17,9 @@ worker:
    exactly as TFF's federating executor does. A `federated_map` and a fold whose function is
    one compiled graph run as one call: a `tf.function` loops over the stacked participants
    and calls that graph once per participant, in order (the same arithmetic; one Python call
-   instead of one per participant).
+   instead of one per participant). A CLIENTS argument given as `StackedClients` (one
+   structure with a leading participant axis, as vectorised client work produces it) stays
+   stacked through zip, map and fold, so no per-participant Python value is ever built.
 4. A `device` (`runtime.device`) places the computations (e.g. on a GPU, which TFF's C++
    runtime never uses); tf.data ops stay on the CPU.
 
@@ -73,6 +75,77 @@ class InProcessError(ConfigError):
 
 class _Clients(list):
   """A CLIENTS-placed value: one member value per participant, in the argument's order."""
+
+
+class StackedClients:
+  """A CLIENTS-placed argument given as one structure whose arrays all carry a leading
+  participant axis of length `num_clients`: the same argument as the list
+  `[value with every array a[k]] for k in range(num_clients)`, without splitting it.
+
+  The in-process context keeps such a value stacked through `federated_zip`, `federated_map`
+  and `federated_aggregate` over one compiled graph (each participant's slice still goes
+  through that graph, in order), so a vectorised client work (`fltff.learning.vectorized`)
+  hands its participants' results to the aggregator without one Python value per
+  participant. Only this context accepts it.
+  """
+
+  def __init__(self, value, num_clients: int):
+    self.value = value
+    self.num_clients = int(num_clients)
+
+  def __len__(self) -> int:
+    return self.num_clients
+
+  def members(self) -> list:
+    """The per-participant list this value stands for (NumPy leaves)."""
+    return [tf.nest.map_structure(lambda a, k=k: np.asarray(a)[k], self.value)
+            for k in range(self.num_clients)]
+
+
+def clients_argument(stacked: StackedClients):
+  """`stacked` as the current TFF context takes it: as it is in an `InProcessContext`, as the
+  per-participant list in any other (TFF's C++ runtime)."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  if isinstance(tff.framework.get_context_stack().current, InProcessContext):
+    return stacked
+  return stacked.members()
+
+
+class _Stacked:
+  """Internal CLIENTS-placed value kept stacked: `value` is an internal value (tensor or
+  Struct) whose every leaf is a tensor with a leading axis of `count` participants."""
+
+  __slots__ = ('value', 'count')
+
+  def __init__(self, value, count: int):
+    self.value, self.count = value, count
+
+
+def _members(value, t) -> _Clients:
+  """A CLIENTS-placed internal value as one value per participant (splits a `_Stacked`)."""
+  if not isinstance(value, _Stacked):
+    return value
+  structure = t['structure']
+
+  def split(v) -> list:
+    if isinstance(v, structure.Struct):
+      elements = structure.to_elements(v)
+      columns = [split(member) for _, member in elements]
+      return [structure.Struct([(name, column[k]) for (name, _), column in zip(elements, columns)])
+              for k in range(value.count)]
+    return tf.unstack(v, num=value.count)
+
+  return _Clients(split(value.value))
+
+
+def _has_sequence(type_spec, t) -> bool:
+  types = t['types']
+  if isinstance(type_spec, types.SequenceType):
+    return True
+  if isinstance(type_spec, types.StructType):
+    return any(_has_sequence(m, t) for _, m in t['structure'].to_elements(type_spec))
+  return False
 
 
 def _flatten(value, type_spec, t) -> list:
@@ -143,6 +216,10 @@ def _ingest(value, type_spec, t, num_clients: Optional[int]):
   if isinstance(type_spec, types.FederatedType):
     member_type = type_spec.member
     if type_spec.placement.uri == 'clients' and not type_spec.all_equal:
+      if isinstance(value, StackedClients):
+        if not _has_sequence(member_type, t):
+          return _Stacked(_ingest(value.value, member_type, t, None), value.num_clients)
+        value = value.members()
       return _Clients(_ingest(v, member_type, t, None) for v in value)
     single = _ingest(value, member_type, t, None)
     if type_spec.placement.uri == 'clients':
@@ -172,6 +249,8 @@ def _ingest(value, type_spec, t, num_clients: Optional[int]):
 
 def _to_python(value, t):
   """Internal value -> numpy/Struct/list, as TFF's contexts return results."""
+  if isinstance(value, _Stacked):
+    value = _members(value, t)
   if isinstance(value, _Clients):
     return [_to_python(v, t) for v in value]
   if isinstance(value, t['structure'].Struct):
@@ -321,7 +400,23 @@ class _TensorFlowFunction:
     if self._init is not None or self.type_signature.parameter is None:
       return None
     stacked = _stack_leaves([self.flatten_arg(a) for a in args])
-    if stacked is None:
+    out = None if stacked is None else self._map_stacked_leaves(stacked)
+    if out is None:
+      return None
+    per_client = list(zip(*(tf.unstack(o) for o in out)))
+    return [self.unflatten_result(list(leaves)) for leaves in per_client]
+
+  def map_stacked(self, stacked_arg):
+    """`self` applied to each participant's slice of `stacked_arg` (an internal value whose
+    leaves carry a leading participant axis), in one call; the result stacked the same way.
+    None when it cannot (see `map_clients`; also results holding datasets)."""
+    if self._init is not None or self.type_signature.parameter is None:
+      return None
+    out = self._map_stacked_leaves(self.flatten_arg(stacked_arg))
+    return None if out is None else self.unflatten_result(out)
+
+  def _map_stacked_leaves(self, stacked: list) -> Optional[list]:
+    if any(o.dtype in _UNSTACKABLE for o in _as_list(self._run.outputs)):
       return None
     if self._looped_map is None:
       run = self._run
@@ -333,10 +428,7 @@ class _TensorFlowFunction:
 
       self._looped_map = tf.function(mapped)
     out = self._call_looped('_looped_map', stacked)
-    if out is None:
-      return None
-    per_client = list(zip(*(tf.unstack(o) for o in _as_list(out))))
-    return [self.unflatten_result(list(leaves)) for leaves in per_client]
+    return None if out is None else _as_list(out)
 
   def fold_clients(self, zero, values: list):
     """`acc = zero; for v in values: acc = self((acc, v))` in one call (federated_aggregate's
@@ -345,11 +437,21 @@ class _TensorFlowFunction:
     if self._init is not None or parameter is None or len(parameter) != 2:
       return None
     stacked = _stack_leaves([_flatten(v, parameter[1], self._t) for v in values])
-    if stacked is None:
+    return None if stacked is None else self._fold_stacked_leaves(zero, stacked)
+
+  def fold_stacked(self, zero, stacked_values):
+    """`fold_clients` over the participants' slices of `stacked_values` (an internal value
+    whose leaves carry a leading participant axis), in order; None when it cannot."""
+    parameter = self.type_signature.parameter
+    if self._init is not None or parameter is None or len(parameter) != 2:
       return None
+    return self._fold_stacked_leaves(zero, _flatten(stacked_values, parameter[1], self._t))
+
+  def _fold_stacked_leaves(self, zero, stacked: list):
+    parameter = self.type_signature.parameter
     acc = [x if tf.is_tensor(x) else tf.convert_to_tensor(x)
            for x in _flatten(zero, parameter[0], self._t)]
-    if any(a.dtype in _UNSTACKABLE for a in acc):
+    if not stacked or any(a.dtype in _UNSTACKABLE for a in acc):
       return None
     if self._looped_fold is None:
       run = self._run
@@ -447,13 +549,18 @@ def _map_structs(fn, t, *values):
   return fn(*values)
 
 
-def _zip_clients(value, t) -> _Clients:
-  """A Struct of CLIENTS values (possibly nested) as CLIENTS Structs, member by member."""
+def _zip_clients(value, t):
+  """A Struct of CLIENTS values (possibly nested) as CLIENTS Structs, member by member; kept
+  stacked when every member is."""
   structure = t['structure']
-  if isinstance(value, _Clients):
+  if isinstance(value, (_Clients, _Stacked)):
     return value
   elements = structure.to_elements(value)
   zipped = [(name, _zip_clients(member, t)) for name, member in elements]
+  if zipped and all(isinstance(member, _Stacked) for _, member in zipped):
+    return _Stacked(structure.Struct([(name, member.value) for name, member in zipped]),
+                    zipped[0][1].count)
+  zipped = [(name, _members(member, t)) for name, member in zipped]
   num = len(zipped[0][1]) if zipped else 0
   return _Clients(structure.Struct([(name, member[i]) for name, member in zipped])
                   for i in range(num))
@@ -528,19 +635,25 @@ class _Interpreter:
     if uri == 'federated_sum':
       return lambda x: self._sum(x)
     if uri == 'federated_mean':
-      return lambda x: _map_structs(lambda s: s / tf.cast(len(x), s.dtype), t, self._sum(x))
+      return lambda x: _map_structs(lambda s: s / tf.cast(len(_members(x, t)), s.dtype), t,
+                                    self._sum(x))
     raise InProcessError(
         f'the in-process executor does not implement the intrinsic {uri!r}; use '
         "runtime.executor = 'tff_cpp' for this computation.")
 
-  def _map(self, fn, values: _Clients) -> _Clients:
+  def _map(self, fn, values):
     if isinstance(fn, _TensorFlowFunction):
-      mapped = fn.map_clients(list(values))
+      if isinstance(values, _Stacked):
+        mapped = fn.map_stacked(values.value)
+        if mapped is not None:
+          return _Stacked(mapped, values.count)
+      mapped = fn.map_clients(list(_members(values, self._t)))
       if mapped is not None:
         return _Clients(mapped)
-    return _Clients(fn(v) for v in values)
+    return _Clients(fn(v) for v in _members(values, self._t))
 
-  def _sum(self, values: _Clients):
+  def _sum(self, values):
+    values = _members(values, self._t)
     if not values:
       raise InProcessError('federated_sum over zero clients.')
     total = values[0]
@@ -553,11 +666,12 @@ class _Interpreter:
     structure = self._t['structure']
     # TFF's federating executor folds the clients in order into one accumulator (no merge).
     if isinstance(accumulate, _TensorFlowFunction):
-      acc = accumulate.fold_clients(zero, list(values))
+      acc = (accumulate.fold_stacked(zero, values.value) if isinstance(values, _Stacked)
+             else accumulate.fold_clients(zero, list(values)))
       if acc is not None:
         return report(acc)
     acc = zero
-    for v in values:
+    for v in _members(values, self._t):
       acc = accumulate(structure.Struct([(None, acc), (None, v)]))
     return report(acc)
 
