@@ -96,7 +96,8 @@ def stack_client_batches(client_inputs: Sequence[Any],
                          read_before: Optional[weakref.WeakSet] = None) -> collections.OrderedDict:
   """The participants' batches for every local epoch, padded and stacked.
 
-  Returns NumPy arrays: `x [E, S, K, B, ...]`, `y [E, S, K, B]`, `mask [E, S, K, B]` (1 for
+  Returns `x [E, S, K, B, ...]` (float32) and `y [E, S, K, B]` (int32) as tensors, and NumPy
+  arrays `mask [E, S, K, B]` (1 for
   a real example), `valid [E, S, K]` (client k trains at epoch e, step s), `epochs [K]`.
   Each client's dataset is read once per epoch, as the client work iterates it inside a TFF
   computation (a dataset that reshuffles every iteration gives the same epoch orders as its
@@ -142,10 +143,11 @@ def stack_client_batches(client_inputs: Sequence[Any],
     # The pipeline's per-example preprocessing, on the whole round at once (elementwise, so
     # the same values).
     processed = preprocess_batch(collections.OrderedDict(x=x, y=y))
-    x, y = processed['x'].numpy(), processed['y'].numpy()
-  return collections.OrderedDict(x=x.astype(np.float32, copy=False),
-                                 y=y.astype(np.int32, copy=False), mask=mask, valid=valid,
-                                 epochs=np.asarray(epochs, np.int32))
+    x, y = processed['x'], processed['y']
+  # x and y as tensors: the round's examples are copied once, into TensorFlow (measured: a
+  # NumPy round trip of a 100-client round's images cost 0.03-0.1 s).
+  return collections.OrderedDict(x=tf.cast(x, tf.float32), y=tf.cast(y, tf.int32), mask=mask,
+                                 valid=valid, epochs=np.asarray(epochs, np.int32))
 
 
 def _as_tff_reads(dataset: tf.data.Dataset, read_before: weakref.WeakSet) -> tf.data.Dataset:
@@ -245,8 +247,8 @@ class VectorizedClientWork:
   """`client_work.build_client_work`'s computation for all of a round's participants at once.
 
   `__call__(global_weights, client_inputs, call)` returns `(results, train_metrics,
-  regularizer_stats)`: one `ClientResult` per participant (NumPy; update `global − trained`,
-  weight as `client_work.client_result`), the round's training metrics (the participants'
+  regularizer_stats)`: the participants' `ClientResult`s (`StackedClientResults`: update
+  `global − trained`, weight as `client_work.client_result`), the round's training metrics (the participants'
   unfinalized metrics through `tff.learning.metrics.sum_then_finalize`, run by `call`), and
   the participants' mean regulariser measurements (None without them).
   """
@@ -387,7 +389,11 @@ class VectorizedClientWork:
                                              (weights, optimizer_state))
         sums = tuple(a + b for a, b in zip(sums, step_sums))
 
-    out = collections.OrderedDict(trained=weights, sums=sums)
+    # The update `global − trained`, computed here: the result stays a TensorFlow tensor on
+    # its way to the aggregator (measured: copying the model-sized stacked arrays out to NumPy
+    # and back cost up to 0.3 s of a 100-client mlp2 round, in fresh pages).
+    out = collections.OrderedDict(
+        update=tuple(g[tf.newaxis] - w for g, w in zip(global_trainable, weights)), sums=sums)
     if self._latent_apply is not None:
       latent_apply = self._latent_apply
 
@@ -421,13 +427,10 @@ class VectorizedClientWork:
     with tf.device(self._device) if self._device else contextlib.nullcontext():
       out = self._train(global_trainable, data['x'], data['y'], data['mask'], data['valid'],
                         data['epochs'])
-    trained = [t.numpy() for t in out['trained']]
     loss_sum, examples, correct, batches = (t.numpy() for t in out['sums'])
     epochs = data['epochs']
     k = len(client_inputs)
-    update = tf.nest.pack_sequence_as(
-        list(global_weights.trainable),
-        [g[np.newaxis] - t for g, t in zip(global_trainable, trained)])
+    update = tf.nest.pack_sequence_as(list(global_weights.trainable), list(out['update']))
     weight = (np.ones(k, np.float32) if self._client_weighting == 'uniform'
               else (examples // np.maximum(epochs, 1)).astype(np.float32))
     if self._weight_fields:
@@ -471,7 +474,7 @@ class StackedClientResults(Sequence):
       return [self[i] for i in range(*k.indices(self._num_clients))]
     if not -self._num_clients <= k < self._num_clients:
       raise IndexError(k)
-    pick = lambda a: np.asarray(a)[k]
+    pick = lambda a: a[k].numpy() if tf.is_tensor(a) else np.asarray(a)[k]
     weight = tf.nest.map_structure(pick, self.update_weight)
     return tff.learning.templates.ClientResult(
         update=tf.nest.map_structure(pick, self.update),

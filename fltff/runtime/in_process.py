@@ -98,8 +98,8 @@ class StackedClients:
 
   def members(self) -> list:
     """The per-participant list this value stands for (NumPy leaves)."""
-    return [tf.nest.map_structure(lambda a, k=k: np.asarray(a)[k], self.value)
-            for k in range(self.num_clients)]
+    arrays = tf.nest.map_structure(np.asarray, self.value)
+    return [tf.nest.map_structure(lambda a, k=k: a[k], arrays) for k in range(self.num_clients)]
 
 
 def clients_argument(stacked: StackedClients):
