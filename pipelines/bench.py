@@ -26,7 +26,6 @@ does not depend on pixel values, and no download is needed.
 """
 
 import functools
-import gc
 import os
 import statistics
 import sys
@@ -84,9 +83,6 @@ _MMAP_THRESHOLD = flags.DEFINE_integer(
     'mmap_threshold_kib', heap.DEFAULT_MMAP_THRESHOLD_KIB, "For --memory: runtime.mmap_threshold_kib (0: glibc's default "
     'malloc, no heap trim; fltff.runtime.heap).')
 _MEMORY_PROBE = flags.DEFINE_string('memory_probe', None, 'Internal: one --memory run.')
-_SETTLE = flags.DEFINE_float('settle_seconds', 0.0, 'For --executors: untimed pause (after a '
-                             'gc.collect) before each variant\'s round, so that one variant\'s '
-                             'spinning threads and garbage are not billed to the next.')
 _LR = 0.01
 _MOMENTUM = 0.9
 
@@ -145,15 +141,6 @@ class PlainTfFedAvg:
       for acc, w in zip(new, trained):
         acc += (n / total) * w.numpy()
     return new
-
-
-def _settle() -> None:
-  """Lets the previous variant's leftovers go before the next is timed: its garbage (collected
-  now, not inside the next round) and TensorFlow's thread pools, which spin for a while after
-  their work ends (here and in the worker_binary) and would take the cores from the next
-  variant. Not timed; `--settle_seconds`."""
-  gc.collect()
-  time.sleep(_SETTLE.value)
 
 
 def _round_datasets(data: _BenchClients, r):
@@ -301,7 +288,6 @@ def compare_executors() -> int:
         datasets = _round_datasets(data, r)
         for n in (names if r % 2 == 0 else names[::-1]):
           tff.framework.set_default_context(contexts[n])
-          _settle()
           t0 = time.perf_counter()
           rounds[n](datasets)
           times[n].append(time.perf_counter() - t0)
