@@ -254,3 +254,21 @@ def test_pipeline_refuses_vectorising_an_unsupported_method_in_one_line(tmp_path
       '--gin_bindings=runtime.executor = "in_process"',
       '--gin_bindings=runtime.vectorize_clients = True', f'--output_dir={tmp_path}')
   assert_one_line_error(result, 'cannot vectorise its clients')
+
+
+def test_a_vectorised_algorithms_client_inputs_carry_their_info_without_a_dataset(spec):
+  # Vectorised client work reads each participant's index and epochs in Python, so its
+  # algorithm skips the one-element `info` dataset TFF computations need; both forms read
+  # the same.
+  from fltff.learning import client_work as client_work_lib  # pylint: disable=g-import-not-at-top
+
+  batches = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+      x=np.zeros((4, 28, 28, 1), np.float32), y=np.zeros(4, np.int32))).batch(2)
+  algorithm = METHODS['fedavg'](spec)
+  plain = algorithm.client_input(batches, 7, 3)
+  assert isinstance(plain['info'], tf.data.Dataset)
+  algorithm.vectorize_clients()
+  fast = algorithm.client_input(batches, 7, 3)
+  assert not isinstance(fast['info'], tf.data.Dataset)
+  assert (client_work_lib.client_info_of_input(plain)
+          == client_work_lib.client_info_of_input(fast) == {'client_index': 7, 'epochs': 3})

@@ -69,7 +69,7 @@ class LocalRegularizer(Protocol):
 
 def client_input(batches: tf.data.Dataset, client_index: int, epochs: int,
                  client_state: Optional[Sequence[np.ndarray]] = None,
-                 state_in_dataset: bool = True):
+                 state_in_dataset: bool = True, info_in_dataset: bool = True):
   """Packs one participant's batches and info in the layout `build_client_work` expects.
 
   `client_state` (a nested structure of arrays: SCAFFOLD's control variate c_i, KAPC's personal
@@ -77,9 +77,13 @@ def client_input(batches: tf.data.Dataset, client_index: int, epochs: int,
   with `state_in_dataset=False`, for processes written as their own federated computation
   (the personalised ones) — as plain tensors, which are cheaper to ship to the runtime and to
   read there (a model-sized constant in a dataset graph is parsed on every call).
+  `info_in_dataset=False` keeps `info` as plain NumPy scalars: for inputs that only Python
+  reads (vectorised client work, `fltff.learning.vectorized`), which skips building one
+  dataset per participant (measured: 0.3 ms each, 0.03 s of a 100-client round).
   """
-  info = tf.data.Dataset.from_tensors(
-      collections.OrderedDict(client_index=np.int32(client_index), epochs=np.int32(epochs)))
+  info = collections.OrderedDict(client_index=np.int32(client_index), epochs=np.int32(epochs))
+  if info_in_dataset:
+    info = tf.data.Dataset.from_tensors(info)
   out = collections.OrderedDict(batches=batches, info=info)
   if client_state is not None:
     if isinstance(client_state, list):
@@ -126,8 +130,10 @@ def client_index_of(data) -> tf.Tensor:
 
 def client_info_of_input(data) -> dict:
   """The `info` packed into one `client_input(...)` (Python ints: client_index, epochs)."""
-  # One op, not an iterator (measured: 0.08 vs 3.5-7 ms per client).
-  info = data['info'].get_single_element()
+  info = data['info']
+  if isinstance(info, tf.data.Dataset):
+    # One op, not an iterator (measured: 0.08 vs 3.5-7 ms per client).
+    info = info.get_single_element()
   return {name: int(value) for name, value in info.items()}
 
 

@@ -74,7 +74,9 @@ class Algorithm(protocol.FederatedAlgorithm):
     return None if self.client_state_init is None else self.client_state_init()
 
   def client_input(self, batches, client_index: int, epochs: int, client_state=None):
-    return client_work_lib.client_input(batches, client_index, epochs, client_state=client_state)
+    # Vectorised client work reads the info in Python: no dataset for it.
+    return client_work_lib.client_input(batches, client_index, epochs, client_state=client_state,
+                                        info_in_dataset=self._vectorized is None)
 
   def next(self, state, server_input, client_inputs: Sequence,
            call: protocol.Call = protocol.direct_call) -> protocol.RoundOutput:
