@@ -157,9 +157,10 @@ def test_gpu_is_refused_without_one():
 
 
 def test_clients_are_mapped_and_folded_in_one_call_with_tffs_numbers(contexts):
-  # federated_map and federated_aggregate's fold run as one looped call over the stacked
-  # clients (the same graph per client, in order). TFF's weighted mean (a map, then a fold)
-  # over 5 clients: equal to the C++ runtime, and bit-equal to going client by client.
+  # federated_map runs as one vectorised call (pfor) over the stacked clients, or else one
+  # looped call (the same graph per client, in order); federated_aggregate's fold as one
+  # looped call. TFF's weighted mean (a map, then a fold) over 5 clients: equal to the C++
+  # runtime, and bit-equal to going client by client either way.
   value_type = tff.StructType([('a', tff.TensorType(np.float32, [3])),
                                ('b', tff.TensorType(np.float32, [2, 2]))])
   mean = tff.aggregators.MeanFactory().create(value_type, tff.TensorType(np.float32))
@@ -170,21 +171,28 @@ def test_clients_are_mapped_and_folded_in_one_call_with_tffs_numbers(contexts):
   weights = [np.float32(w) for w in (1, 7, 2, 9, 4)]
   context = InProcessContext()
   results = {}
-  for name, ctx in (('tff_cpp', contexts['tff_cpp']), ('looped', context)):
+  for name, ctx in (('tff_cpp', contexts['tff_cpp']), ('vectorized', context)):
     tff.framework.set_default_context(ctx)
     results[name] = mean.next(mean.initialize(), values, weights).result
   functions = [fn for _, fn in context._functions.values()]  # pylint: disable=protected-access
-  assert any(fn._looped_map not in (None, False) for fn in functions)  # pylint: disable=protected-access
-  assert any(fn._looped_fold not in (None, False) for fn in functions)  # pylint: disable=protected-access
+  # pylint: disable=protected-access
+  assert any(fn._vectorized_map not in (None, False) for fn in functions)
+  assert any(fn._looped_fold not in (None, False) for fn in functions)
+  for fn in functions:  # The looped map from here on.
+    fn._vectorized_map = False
+  results['looped'] = mean.next(mean.initialize(), values, weights).result
+  assert any(fn._looped_map not in (None, False) for fn in functions)
   for fn in functions:  # Client by client from here on.
-    fn._looped_map = fn._looped_fold = False  # pylint: disable=protected-access
+    fn._looped_map = fn._looped_fold = False
+  # pylint: enable=protected-access
   results['one_by_one'] = mean.next(mean.initialize(), values, weights).result
   tff.framework.set_default_context(contexts['tff_cpp'])
   expected = {k: sum(w * v[k] for w, v in zip(weights, values)) / sum(weights) for k in 'ab'}
-  for name in ('tff_cpp', 'looped', 'one_by_one'):
+  for name in ('tff_cpp', 'vectorized', 'looped', 'one_by_one'):
     for k in 'ab':
       np.testing.assert_allclose(results[name][k], expected[k], rtol=1e-5, err_msg=name)
   for k in 'ab':
+    np.testing.assert_array_equal(results['vectorized'][k], results['one_by_one'][k])
     np.testing.assert_array_equal(results['looped'][k], results['one_by_one'][k])
     np.testing.assert_allclose(results['looped'][k], results['tff_cpp'][k], rtol=1e-6)
 

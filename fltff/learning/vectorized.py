@@ -168,7 +168,7 @@ def _round_stream(datasets: Sequence[tf.data.Dataset], counts: Sequence[int],
   choice = np.repeat(np.arange(len(datasets), dtype=np.int64),
                      [c * p for c, p in zip(counts, passes)])
   stream = tf.data.Dataset.choose_from_datasets(
-      [ds.repeat(p) for ds, p in zip(datasets, passes)],
+      [ds if p == 1 else ds.repeat(p) for ds, p in zip(datasets, passes)],
       tf.data.Dataset.from_tensor_slices(choice), stop_on_empty_dataset=False)
   return stream, len(choice)
 

@@ -15,9 +15,10 @@ worker:
    participant, datasets are passed to the graphs as `tf.data` variant tensors (rebuilt from
    their graph in memory, as the C++ runtime would see them; no gRPC), `federated_aggregate` folds the clients in order (zero, accumulate, report),
    exactly as TFF's federating executor does. A `federated_map` and a fold whose function is
-   one compiled graph run as one call: a `tf.function` loops over the stacked participants
-   and calls that graph once per participant, in order (the same arithmetic; one Python call
-   instead of one per participant). A CLIENTS argument given as `StackedClients` (one
+   one compiled graph run as one call over the stacked participants: the map vectorised by
+   TensorFlow's pfor (`tf.vectorized_map`: the graph's own ops, batched along the participant
+   axis), or, where pfor cannot convert the graph, a `tf.function` that calls it once per
+   participant, in order; the fold always the latter (an accumulator is sequential). A CLIENTS argument given as `StackedClients` (one
    structure with a leading participant axis, as vectorised client work produces it) stays
    stacked through zip, map and fold, so no per-participant Python value is ever built.
 4. A `device` (`runtime.device`) places the computations (e.g. on a GPU, which TFF's C++
@@ -386,13 +387,16 @@ class _TensorFlowFunction:
     # TFF's TensorFlow executor runs the init op (variable initialisers) before every call.
     self._init = (wrapped.prune(feeds, graph.get_operation_by_name(init_name))
                   if init_name else None)
-    self._looped_map = None  # Built on first use; False when it cannot be.
+    self._vectorized_map = None  # Built on first use; False when it cannot be.
+    self._looped_map = None
     self._looped_fold = None
 
   # -- many clients in one call ------------------------------------------------------------
   # A federated_map or a federated_aggregate's fold over K participants would cost K calls
-  # from Python (~1 ms each). Instead one tf.function loops over the stacked participants and
-  # calls the same graph once per participant, in order: the same arithmetic, one call.
+  # from Python (~1 ms each). Instead a map is one pfor-vectorised call over the stacked
+  # participants (measured: 0.03 -> ~0.005 s for TFF's weighted-mean map over 100 mlp2
+  # updates), or one tf.function that loops over them calling the same graph once per
+  # participant, in order, where pfor fails; a fold is always the loop.
 
   def map_clients(self, args: list) -> Optional[list]:
     """`[self(a) for a in args]` in one call; None when the arguments cannot be stacked
@@ -418,6 +422,17 @@ class _TensorFlowFunction:
   def _map_stacked_leaves(self, stacked: list) -> Optional[list]:
     if any(o.dtype in _UNSTACKABLE for o in _as_list(self._run.outputs)):
       return None
+    if self._vectorized_map is None:
+      run = self._run
+
+      def vectorized(*columns):
+        return tf.vectorized_map(lambda leaves: _as_list(run(*leaves)), list(columns),
+                                 fallback_to_while_loop=False)
+
+      self._vectorized_map = tf.function(vectorized)
+    out = self._call_looped('_vectorized_map', stacked)
+    if out is not None:
+      return _as_list(out)
     if self._looped_map is None:
       run = self._run
       specs = [tf.TensorSpec(o.shape, o.dtype) for o in _as_list(run.outputs)]
