@@ -73,6 +73,7 @@ class ArraySource:
   arrays: Callable[[], tuple[np.ndarray, np.ndarray]]
   order: tf.data.Dataset
   batch_size: int
+  num_examples: int  # n, the length of `order` (known here: no cardinality op per read).
 
 
 _ARRAY_SOURCE = '_fltff_array_source'
@@ -111,5 +112,5 @@ class ClientDatasets:
     if shuffle_seed is not None:
       order = order.shuffle(num_examples, seed=int(shuffle_seed), reshuffle_each_iteration=True)
     setattr(batches, _ARRAY_SOURCE, ArraySource(
-        functools.partial(self._arrays_of, client_index), order, self._batch_size))
+        functools.partial(self._arrays_of, client_index), order, self._batch_size, num_examples))
     return batches
