@@ -303,7 +303,7 @@ def compare_executors() -> int:
   print(f'  {"shape":18s}' + ''.join(f'{n:>24s}' for n in names))
   for (model, clients, examples), med in results:
     print(f'  {model + " " + str(clients) + "x" + str(examples):18s}' + ''.join(
-        f'{med[n]:>11.3f} s ({med[n] / med["tff_builtin"]:5.2f}x)' for n in names))
+        f'{med[n]:>11.3f} s ({med[n] / med["tff_builtin"]:6.3f}x)' for n in names))
   print(f'  peak RSS of this process (driver + in-process executor): {peak_mib:.0f} MiB; '
         f'worker_binary at the end: {worker_mib:.0f} MiB')
   return 0
