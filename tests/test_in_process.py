@@ -248,3 +248,32 @@ def test_stacked_clients_stay_stacked_and_equal_the_per_client_list(contexts):
     assert len(returned) == 6
     for i in range(6):
       np.testing.assert_array_equal(returned[i][k], stacked[k][i])
+
+
+def test_a_mapped_graph_with_random_draws_gives_every_call_the_first_draw(contexts):
+  # TFF's runtime runs a graph afresh for a call, so a stateful random op gives the call its
+  # first draw (TFF's C++ runtime runs participants concurrently on shared kernels, and which
+  # of them see a later draw varies from run to run: measured here). In process, every call
+  # gets the first draw: never vectorised (one draw for all) or looped (the state advances).
+  @tff.tensorflow.computation(np.float32)
+  def add_noise(x):
+    return x + tf.random.stateless_uniform([], seed=[1, 2]) + tf.random.uniform([], seed=7)
+
+  @tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
+  def noisy(values):
+    return tff.federated_map(add_noise, values)
+
+  values = np.arange(1, 5, dtype=np.float32)
+  context = InProcessContext()
+  tff.framework.set_default_context(contexts['tff_cpp'])
+  first_draw = add_noise(np.float32(0))  # One call: the first draw.
+  tff.framework.set_default_context(context)
+  results = [noisy(list(values)) for _ in range(2)]
+  tff.framework.set_default_context(contexts['tff_cpp'])
+  functions = [fn for _, fn in context._functions.values()]  # pylint: disable=protected-access
+  # pylint: disable=protected-access
+  assert all(fn._vectorized_map in (None, False) and fn._looped_map in (None, False)
+             for fn in functions)
+  # pylint: enable=protected-access
+  for result in results:
+    np.testing.assert_allclose(result, values + first_draw, rtol=1e-6)

@@ -18,9 +18,12 @@ worker:
    one compiled graph run as one call over the stacked participants: the map vectorised by
    TensorFlow's pfor (`tf.vectorized_map`: the graph's own ops, batched along the participant
    axis), or, where pfor cannot convert the graph, a `tf.function` that calls it once per
-   participant, in order; the fold always the latter (an accumulator is sequential). A CLIENTS argument given as `StackedClients` (one
-   structure with a leading participant axis, as vectorised client work produces it) stays
-   stacked through zip, map and fold, so no per-participant Python value is ever built.
+   participant, in order; the fold always the latter (an accumulator is sequential). A graph
+   with stateful random ops is called participant by participant, pruned anew for each call:
+   TFF's runtime runs it afresh every time, so every call gets the op's first draw. A CLIENTS argument given as
+   `StackedClients` (one structure with a leading participant axis, as vectorised client work
+   produces it) stays stacked through zip, map and fold, so no per-participant Python value is
+   ever built.
 4. A `device` (`runtime.device`) places the computations (e.g. on a GPU, which TFF's C++
    runtime never uses); tf.data ops stay on the CPU.
 
@@ -84,8 +87,8 @@ class StackedClients:
   `[value with every array a[k]] for k in range(num_clients)`, without splitting it.
 
   The in-process context keeps such a value stacked through `federated_zip`, `federated_map`
-  and `federated_aggregate` over one compiled graph (each participant's slice still goes
-  through that graph, in order), so a vectorised client work (`fltff.learning.vectorized`)
+  and `federated_aggregate` over one compiled graph (see `_TensorFlowFunction.map_stacked`
+  and `fold_stacked`), so a vectorised client work (`fltff.learning.vectorized`)
   hands its participants' results to the aggregator without one Python value per
   participant. Only this context accepts it.
   """
@@ -323,6 +326,13 @@ def _rename_library_functions(graph_def, suffix: str) -> None:
 _UNSTACKABLE = (tf.variant, tf.resource, tf.string)
 
 
+def _is_stateful_random(op) -> bool:
+  """A random op that keeps state between runs (not the `Stateless*` ones)."""
+  return (op.op_def is not None and op.op_def.is_stateful
+          and ('Random' in op.type or op.type in ('TruncatedNormal', 'Multinomial',
+                                                  'ParameterizedTruncatedNormal')))
+
+
 def _as_list(out) -> list:
   return list(out) if isinstance(out, (list, tuple)) else [out]
 
@@ -390,6 +400,11 @@ class _TensorFlowFunction:
     self._vectorized_map = None  # Built on first use; False when it cannot be.
     self._looped_map = None
     self._looped_fold = None
+    # Stateful random ops: TFF's runtime runs the graph afresh on every call, so each call
+    # gets the op's first draw; a function called again here would advance the op's state.
+    # Such a graph is pruned anew for each call (and never looped or vectorised).
+    self._draws_random = any(_is_stateful_random(op) for op in self._run.graph.get_operations())
+    self._fresh_run = (lambda: wrapped.prune(feeds, fetches)) if self._draws_random else None
 
   # -- many clients in one call ------------------------------------------------------------
   # A federated_map or a federated_aggregate's fold over K participants would cost K calls
@@ -421,6 +436,8 @@ class _TensorFlowFunction:
 
   def _map_stacked_leaves(self, stacked: list) -> Optional[list]:
     if any(o.dtype in _UNSTACKABLE for o in _as_list(self._run.outputs)):
+      return None
+    if self._draws_random:
       return None
     if self._vectorized_map is None:
       run = self._run
@@ -463,6 +480,8 @@ class _TensorFlowFunction:
     return self._fold_stacked_leaves(zero, _flatten(stacked_values, parameter[1], self._t))
 
   def _fold_stacked_leaves(self, zero, stacked: list):
+    if self._draws_random:
+      return None
     parameter = self.type_signature.parameter
     acc = [x if tf.is_tensor(x) else tf.convert_to_tensor(x)
            for x in _flatten(zero, parameter[0], self._t)]
@@ -509,7 +528,7 @@ class _TensorFlowFunction:
     leaves = [x if tf.is_tensor(x) else tf.convert_to_tensor(x) for x in leaves]
     if self._init is not None:
       _call_flat(self._init, leaves)  # Eager: it has run before the graph's main part starts.
-    out = _call_flat(self._run, leaves)
+    out = _call_flat(self._fresh_run() if self._draws_random else self._run, leaves)
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
   def flatten_arg(self, arg) -> list:
