@@ -73,6 +73,10 @@ _EXECUTORS = flags.DEFINE_bool('executors', False, "FedAvg rounds of TFF's built
 _EXECUTOR_SHAPES = flags.DEFINE_list('executor_shapes', ['mlp2:10x600', 'mlp2:100x60',
                                                          'cnn2:10x600'],
                                      'model:clients x examples per client, for --executors.')
+_EXECUTOR_VARIANTS = flags.DEFINE_list(
+    'executor_variants', ['fltff_tff_cpp', 'fltff_in_process', 'fltff_vectorized'],
+    "For --executors: the fltff variants to time beside TFF's built-in (e.g. one at a time, "
+    'for the peak RSS of that variant alone).')
 _MEMORY = flags.DEFINE_list('memory', [], 'Memory per round of the driver and its worker for '
                             'these runs (tff_fedavg, fedavg, fedlayerwise, kapc; "all": every '
                             'one), each in its own process (pipelines/memory_bench.py).')
@@ -254,7 +258,14 @@ def compare_executors() -> int:
   except ValueError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  names = ('tff_builtin', 'fltff_tff_cpp', 'fltff_in_process', 'fltff_vectorized')
+  known = ('fltff_tff_cpp', 'fltff_in_process', 'fltff_vectorized')
+  unknown = [v for v in _EXECUTOR_VARIANTS.value if v not in known]
+  if unknown or not _EXECUTOR_VARIANTS.value:
+    print(f'error: --executor_variants {unknown or "(empty)"}: choose from {list(known)}',
+          file=sys.stderr)
+    return 2
+  # TFF's built-in is always measured: every ratio is against it.
+  names = ('tff_builtin', *[v for v in known if v in _EXECUTOR_VARIANTS.value])
   results = []
   with runtime.local_runtime() as rt:
     cpp_context = rt.context

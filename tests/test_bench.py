@@ -38,9 +38,18 @@ def test_bench_executors_prints_ratios_to_tffs_builtin():
        '--rounds=2'], cwd=REPO, capture_output=True, text=True, timeout=300,
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
   assert result.returncode == 0, result.stderr[-3000:]
-  assert re.search(r'mlp2 3x20\s+\d+\.\d+ s \( 1\.00x\)\s+\d+\.\d+ s \(\s*\d+\.\d+x\)\s+'
-                   r'\d+\.\d+ s \(\s*\d+\.\d+x\)', result.stdout), result.stdout
+  assert re.search(r'mlp2 3x20\s+\d+\.\d+ s \(\s*1\.000x\)(\s+\d+\.\d+ s \(\s*\d+\.\d{3}x\)){3}',
+                   result.stdout), result.stdout
   assert re.search(r'peak RSS of this process .*: \d+ MiB', result.stdout), result.stdout
+
+
+def test_bench_executors_refuses_an_unknown_variant_in_one_line():
+  result = subprocess.run(
+      [sys.executable, '-m', 'pipelines.bench', '--executors', '--executor_variants=fltff_gpu'],
+      cwd=REPO, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+  assert result.returncode == 2
+  assert "error: --executor_variants ['fltff_gpu']" in result.stderr, result.stderr[-2000:]
 
 
 def test_short_soak_driver_memory_does_not_grow_per_round():
