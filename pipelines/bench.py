@@ -285,6 +285,10 @@ def compare_executors() -> int:
       builtin_state = {'state': builtin.initialize()}
 
       def builtin_round(datasets, holder=builtin_state, process=builtin):
+        # TFF's built-in trains one pass over each dataset: --epochs passes are a repeat (a
+        # reshuffling dataset reshuffles on each, as fltff's epochs do).
+        if _EPOCHS.value > 1:
+          datasets = [d.repeat(_EPOCHS.value) for d in datasets]
         holder['state'] = process.next(holder['state'], datasets).state
 
       rounds = {'tff_builtin': builtin_round}

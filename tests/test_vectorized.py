@@ -133,7 +133,8 @@ def test_padding_and_masks_follow_each_clients_batches(known_batch_counts):
   inputs = [client_input(batches(7, 0), 0, 2), client_input(batches(2, 100), 1, 1),
             client_input(batches(4, 200), 2, 0)]
   out = vectorized.stack_client_batches(inputs)
-  assert out['x'].shape == (2, 3, 3, 3, 2)  # epochs, steps, clients, batch, example
+  x, _ = vectorized.round_batches(out)
+  assert x.shape == (2, 3, 3, 3, 2)  # epochs, steps, clients, batch, example
   np.testing.assert_array_equal(out['epochs'], [2, 1, 0])
   # Client 0: batches of 3, 3, 1 in both epochs; client 1: one batch of 2 in epoch 0 only;
   # client 2: no epochs (its batches are kept for latent means but never trained on).
@@ -143,9 +144,8 @@ def test_padding_and_masks_follow_each_clients_batches(known_batch_counts):
   np.testing.assert_array_equal(out['mask'][0, :, 2].sum(-1), [3, 1, 0])
   np.testing.assert_array_equal(out['valid'][0], [[1, 1, 0], [1, 0, 0], [1, 0, 0]])
   np.testing.assert_array_equal(out['valid'][1], [[1, 0, 0], [1, 0, 0], [1, 0, 0]])
-  np.testing.assert_array_equal(out['x'][0, 2, 0, 0], [12, 13])
-  np.testing.assert_array_equal(out['x'][0, 0, 1, :2], [[100, 101], [102, 103]])
-  x = np.asarray(out['x'])
+  np.testing.assert_array_equal(x[0, 2, 0, 0], [12, 13])
+  np.testing.assert_array_equal(x[0, 0, 1, :2], [[100, 101], [102, 103]])
   assert not x[0, 0, 1, 2].any() and not x[0, 1, 1].any()
 
 
@@ -163,7 +163,8 @@ def test_each_epoch_reshuffles_and_a_dataset_passed_again_starts_afresh():
   for _ in range(2):
     out = vectorized.stack_client_batches([client_input(passed, 0, 3)], read_before)
     for e in range(3):
-      np.testing.assert_array_equal(np.asarray(out['y'])[e, :, 0].reshape(-1), expected[e])
+      y = vectorized.round_batches(out)[1]
+      np.testing.assert_array_equal(y[e, :, 0].reshape(-1), expected[e])
 
 
 def test_the_drivers_datasets_read_from_their_arrays_give_the_same_round():
@@ -188,11 +189,17 @@ def test_the_drivers_datasets_read_from_their_arrays_give_the_same_round():
     t = vectorized.stack_client_batches(
         [client_input(d, k, e) for k, (d, e) in enumerate(zip(via_tf_data, (2, 1, 0)))], read_t)
     assert a.keys() == t.keys()
-    for name in a:
-      assert a[name].dtype == t[name].dtype, name
+    for name in ('mask', 'valid', 'epochs'):
       np.testing.assert_array_equal(a[name], t[name], err_msg=name)
-  assert a['x'].shape == (2, 5, 3, 5, 4, 4, 1) and np.max(a['x']) > 0.9
-  assert not np.array_equal(a['y'][0, :, 0], a['y'][1, :, 0])  # Epochs reshuffle.
+    for name, x, y in zip(('x', 'y'), vectorized.round_batches(a), vectorized.round_batches(t)):
+      assert x.dtype == y.dtype, name
+      np.testing.assert_array_equal(x, y, err_msg=name)
+  # From arrays, the table holds each example once (and the padding row), whatever the epochs;
+  # read through tf.data, every batch as read.
+  assert len(a['labels']) == 23 + 7 + 16 + 1 < len(t['labels'])
+  x, y = vectorized.round_batches(a)
+  assert x.shape == (2, 5, 3, 5, 4, 4, 1) and np.max(x) > 0.9
+  assert not np.array_equal(y[0, :, 0], y[1, :, 0])  # Epochs reshuffle.
 
 
 def test_a_model_built_in_a_graph_meanwhile_does_not_break_a_new_round_shape(spec, data):

@@ -94,19 +94,24 @@ def _read_options() -> tf.data.Options:
 
 def stack_client_batches(client_inputs: Sequence[Any],
                          read_before: Optional[weakref.WeakSet] = None) -> collections.OrderedDict:
-  """The participants' batches for every local epoch, padded and stacked.
+  """The participants' batches for every local epoch, as rows of one example table.
 
-  Returns `x [E, S, K, B, ...]` (float32) and `y [E, S, K, B]` (int32) as tensors, and NumPy
-  arrays `mask [E, S, K, B]` (1 for
-  a real example), `valid [E, S, K]` (client k trains at epoch e, step s), `epochs [K]`.
+  Returns `examples [N + 1, ...]` (float32) and `labels [N + 1]` (int32) as tensors, whose last
+  row is zeros (padding), and NumPy arrays `index [E, S, K, B]` (the row of each batch
+  position: epoch e, step s, client k's batch is `examples[index[e, s, k]]`), `mask
+  [E, S, K, B]` (1 for a real example), `valid [E, S, K]` (client k trains at epoch e, step s),
+  `epochs [K]`. `round_batches` gives the batches themselves.
+
   Each client's dataset is read once per epoch, as the client work iterates it inside a TFF
   computation (a dataset that reshuffles every iteration gives the same epoch orders as its
   `repeat`). Epoch 0's batches are kept even for a client with no epochs (they feed CCN's
   latent mean, computed over the data after training).
 
   Datasets made by `ClientDatasets` (the pipeline driver's) are read from their arrays: one
-  pipeline draws the shuffled orders of indices, NumPy gathers, `preprocess_batch` runs once on
-  the round (`data.pipeline.ArraySource`). Other datasets are read through tf.data.
+  pipeline draws the shuffled orders of indices, the table holds each participant's examples
+  once (whatever the number of epochs) and `preprocess_batch` runs once on it
+  (`data.pipeline.ArraySource`). Other datasets are read through tf.data, and the table holds
+  every batch as read (one copy per epoch).
 
   A dataset in `read_before` (which collects every dataset read here) is rebuilt from its graph
   first (`fresh_dataset`): TFF's runtime deserialises every dataset it gets, so a dataset
@@ -118,9 +123,9 @@ def stack_client_batches(client_inputs: Sequence[Any],
   sources = [array_source(data['batches']) for data in client_inputs]
   from_arrays = bool(sources) and all(source is not None for source in sources)
   if from_arrays:
-    bx, by, sizes, counts = _read_array_sources(sources, passes, read_before)
+    table_x, table_y, rows, sizes, counts = _read_array_sources(sources, passes, read_before)
   else:
-    bx, by, sizes, counts = _read_datasets(
+    table_x, table_y, rows, sizes, counts = _read_datasets(
         [_as_tff_reads(data['batches'], read_before) for data in client_inputs], passes)
   # Where each batch goes: client c's epochs one after another, each its steps in order.
   client = np.repeat(np.arange(len(counts)), [c * p for c, p in zip(counts, passes)])
@@ -130,24 +135,32 @@ def stack_client_batches(client_inputs: Sequence[Any],
   num_epochs = max(passes, default=1)
   steps = max(counts, default=0)
   k = len(counts)
-  batch = bx.shape[1] if bx.ndim > 1 else 0
-  x = np.zeros((num_epochs, steps, k, batch, *bx.shape[2:]), bx.dtype)
-  y = np.zeros((num_epochs, steps, k, batch), by.dtype)
+  batch = rows.shape[1] if rows.ndim > 1 else 0
+  padding = len(table_y)  # The zero row appended below.
+  index = np.full((num_epochs, steps, k, batch), padding, np.int64)
   mask = np.zeros((num_epochs, steps, k, batch), np.float32)
   valid = np.zeros((num_epochs, steps, k), bool)
-  x[epoch, step, client] = bx
-  y[epoch, step, client] = by
+  index[epoch, step, client] = np.where(rows >= 0, rows, padding)
   mask[epoch, step, client] = np.arange(batch) < sizes[:, np.newaxis]
   valid[epoch, step, client] = epoch < np.asarray(epochs, np.int64)[client]
+  table_x = np.concatenate([table_x, np.zeros((1, *table_x.shape[1:]), table_x.dtype)])
+  table_y = np.concatenate([table_y, np.zeros(1, table_y.dtype)])
   if from_arrays:
-    # The pipeline's per-example preprocessing, on the whole round at once (elementwise, so
-    # the same values).
-    processed = preprocess_batch(collections.OrderedDict(x=x, y=y))
-    x, y = processed['x'], processed['y']
-  # x and y as tensors: the round's examples are copied once, into TensorFlow (measured: a
-  # NumPy round trip of a 100-client round's images cost 0.03-0.1 s).
-  return collections.OrderedDict(x=tf.cast(x, tf.float32), y=tf.cast(y, tf.int32), mask=mask,
-                                 valid=valid, epochs=np.asarray(epochs, np.int32))
+    # The pipeline's per-example preprocessing, on the whole table at once (elementwise, so
+    # the same values; the padding row stays zeros).
+    processed = preprocess_batch(collections.OrderedDict(x=table_x, y=table_y))
+    table_x, table_y = processed['x'], processed['y']
+  # As tensors: the round's examples are copied once, into TensorFlow (measured: a NumPy round
+  # trip of a 100-client round's images cost 0.03-0.1 s).
+  return collections.OrderedDict(
+      examples=tf.cast(table_x, tf.float32), labels=tf.cast(table_y, tf.int32), index=index,
+      mask=mask, valid=valid, epochs=np.asarray(epochs, np.int32))
+
+
+def round_batches(data: collections.OrderedDict) -> tuple[np.ndarray, np.ndarray]:
+  """`(x [E, S, K, B, ...], y [E, S, K, B])`: the batches of a `stack_client_batches` result
+  (padding positions zeros), e.g. to inspect a round."""
+  return (np.asarray(data['examples'])[data['index']], np.asarray(data['labels'])[data['index']])
 
 
 def _as_tff_reads(dataset: tf.data.Dataset, read_before: weakref.WeakSet) -> tf.data.Dataset:
@@ -175,20 +188,24 @@ def _round_stream(datasets: Sequence[tf.data.Dataset], counts: Sequence[int],
 
 def _read_array_sources(sources: Sequence[ArraySource], passes: Sequence[int],
                         read_before: weakref.WeakSet):
-  """`(x, y, sizes, batches per epoch)` of the round from the clients' arrays (at least one):
-  one tf.data pipeline draws every client's epoch orders (indices only), NumPy gathers the
-  examples. Measured, 100 clients of 60 examples: ~0.3 s through the datasets' per-example
-  map, ~0.05 s here. x and y are the raw arrays' values (`preprocess_batch` still to apply)."""
+  """`(table_x, table_y, rows, sizes, batches per epoch)` of the round from the clients' arrays
+  (at least one client): the table is the participants' examples, each once, one client after
+  another (the raw arrays' values: `preprocess_batch` still to apply); `rows [T, B]` is each
+  batch's table rows (each client's epochs' batches in order; -1 pads a short batch). One
+  tf.data pipeline draws every client's epoch orders (indices only). Measured, 100 clients of
+  60 examples: ~0.3 s through the datasets' per-example map, ~0.05 s here."""
   orders = [_as_tff_reads(source.order, read_before) for source in sources]
   sizes_n = [source.num_examples for source in sources]
   stream, length = _round_stream(orders, sizes_n, passes)
   flat = (stream.batch(length).with_options(_read_options()).get_single_element().numpy()
           if length else np.zeros(0, np.int64))
-  bxs, bys, sizes, counts = [], [], [], []
-  offset = 0
+  xs, ys, rows, sizes, counts = [], [], [], [], []
+  offset = table_offset = 0
   batch = max(source.batch_size for source in sources)
   for source, n, p in zip(sources, sizes_n, passes):
     x, y = source.arrays()
+    xs.append(x)
+    ys.append(y)
     steps = -(-n // source.batch_size)
     order = flat[offset:offset + n * p].reshape(p, n)
     offset += n * p
@@ -196,21 +213,28 @@ def _read_array_sources(sources: Sequence[ArraySource], passes: Sequence[int],
     index = np.full((p, steps, batch), -1, np.int64)
     for s in range(steps):
       chunk = order[:, s * source.batch_size:(s + 1) * source.batch_size]
-      index[:, s, :chunk.shape[1]] = chunk
+      index[:, s, :chunk.shape[1]] = chunk + table_offset
     index = index.reshape(p * steps, batch)
-    real = index >= 0
-    bx = x[np.where(real, index, 0)]
-    by = y[np.where(real, index, 0)]
-    bx[~real] = 0
-    by[~real] = 0
-    bxs.append(bx)
-    bys.append(by)
-    sizes.append(real.sum(axis=1))
+    table_offset += len(y)
+    rows.append(index)
+    sizes.append((index >= 0).sum(axis=1))
     counts.append(steps)
-  return np.concatenate(bxs), np.concatenate(bys), np.concatenate(sizes), counts
+  return (np.concatenate(xs), np.concatenate(ys), np.concatenate(rows), np.concatenate(sizes),
+          counts)
 
 
 def _read_datasets(datasets: Sequence[tf.data.Dataset], passes: Sequence[int]):
+  """`(table_x, table_y, rows, sizes, batches per epoch)` of the round from the clients'
+  datasets (see `_read_array_sources`): the table holds every batch as read (each client's
+  epochs' batches in order, padded to the largest batch)."""
+  bx, by, sizes, counts = _read_dataset_batches(datasets, passes)
+  batch = by.shape[1] if by.ndim > 1 else 0
+  rows = np.arange(len(by) * batch, dtype=np.int64).reshape(len(by), batch)
+  rows = np.where(np.arange(batch) < sizes[:, np.newaxis], rows, -1)
+  return bx.reshape(-1, *bx.shape[2:]), by.reshape(-1), rows, sizes, counts
+
+
+def _read_dataset_batches(datasets: Sequence[tf.data.Dataset], passes: Sequence[int]):
   """`(x, y, sizes, batches per epoch)` of the round from the clients' datasets: x `[T, B,
   ...]` (each client's epochs' batches in order, padded), y `[T, B]`, sizes `[T]`."""
   counts = [int(dataset.cardinality()) for dataset in datasets]
@@ -319,8 +343,9 @@ class VectorizedClientWork:
       self._keras_fn()
 
   # -- the TensorFlow part -----------------------------------------------------------------
-  def _train_fn(self, global_trainable, x, y, mask, valid, epochs):
-    """Local training of every participant (`build_local_training` with a client axis)."""
+  def _train_fn(self, global_trainable, examples, labels, index, mask, valid, epochs):
+    """Local training of every participant (`build_local_training` with a client axis); each
+    step gathers its batches from the round's example table (`stack_client_batches`)."""
     regularizer, optimizer, frozen = self._regularizer, self._optimizer, self._frozen
     analytic_gradient = regularizer is not None and hasattr(regularizer, 'gradient')
     has_affine = regularizer is not None and hasattr(regularizer, 'affine_gradient')
@@ -383,7 +408,8 @@ class VectorizedClientWork:
       for s in tf.range(tf.shape(valid)[1]):
         trains = valid[e, s]
         new_weights, new_state, step_sums = tf.vectorized_map(
-            client_step, (weights, optimizer_state, x[e, s], y[e, s], mask[e, s], trains,
+            client_step, (weights, optimizer_state, tf.gather(examples, index[e, s]),
+                          tf.gather(labels, index[e, s]), mask[e, s], trains,
                           context, affine))
         weights, optimizer_state = keep_idle(trains, (new_weights, new_state),
                                              (weights, optimizer_state))
@@ -405,7 +431,8 @@ class VectorizedClientWork:
       total = tf.zeros([k, self._latent_dim])
       count = tf.zeros([k])
       for s in tf.range(tf.shape(valid)[1]):
-        step_total, step_count = tf.vectorized_map(latent_sums, (weights, x[0, s], mask[0, s]))
+        step_total, step_count = tf.vectorized_map(
+            latent_sums, (weights, tf.gather(examples, index[0, s]), mask[0, s]))
         total += step_total
         count += step_count
       out['latent_mean'] = total / tf.maximum(count, 1.0)[:, tf.newaxis]
@@ -425,8 +452,8 @@ class VectorizedClientWork:
     data = stack_client_batches(client_inputs, self._read_before)
     global_trainable = tuple(np.asarray(w) for w in global_weights.trainable)
     with tf.device(self._device) if self._device else contextlib.nullcontext():
-      out = self._train(global_trainable, data['x'], data['y'], data['mask'], data['valid'],
-                        data['epochs'])
+      out = self._train(global_trainable, data['examples'], data['labels'], data['index'],
+                        data['mask'], data['valid'], data['epochs'])
     loss_sum, examples, correct, batches = (t.numpy() for t in out['sums'])
     epochs = data['epochs']
     k = len(client_inputs)
