@@ -277,3 +277,46 @@ def test_a_mapped_graph_with_random_draws_gives_every_call_the_first_draw(contex
   # pylint: enable=protected-access
   for result in results:
     np.testing.assert_allclose(result, values + first_draw, rtol=1e-6)
+
+
+def test_a_layerwise_aggregation_folds_stacked_clients_in_one_call(contexts):
+  # FedLayerWise's single-pass aggregate gathers every participant's update; TFF's compiler
+  # wraps its accumulate in a lambda (`x -> let v = C(x) in v`), which the executor runs as C
+  # itself: no per-participant split, the C++ runtime's numbers.
+  from fltff.runtime import in_process  # pylint: disable=g-import-not-at-top
+
+  value_type = tff.types.tensorflow_to_type(
+      [tf.TensorSpec([4, 3], tf.float32), tf.TensorSpec([3], tf.float32)])
+  weight_type = tff.types.tensorflow_to_type(collections.OrderedDict(
+      num_examples=tf.TensorSpec([], tf.float32), client_index=tf.TensorSpec([], tf.int32)))
+  process = aggregators.layerwise_adaptive_factory([[0, 1]], num_clients=8).create(
+      value_type, weight_type)
+  rng = np.random.default_rng(2)
+  updates = [rng.normal(size=(6, 4, 3)).astype(np.float32),
+             rng.normal(size=(6, 3)).astype(np.float32)]
+  weights = collections.OrderedDict(num_examples=rng.uniform(1, 9, 6).astype(np.float32),
+                                    client_index=np.array([5, 0, 7, 2, 1, 3], np.int32))
+  stacked = (in_process.StackedClients(updates, 6), in_process.StackedClients(weights, 6))
+  tff.framework.set_default_context(contexts['tff_cpp'])
+  expected = process.next(process.initialize(), stacked[0].members(), stacked[1].members())
+  tff.framework.set_default_context(InProcessContext())
+  splits = []
+  original = in_process._members  # pylint: disable=protected-access
+
+  def counting_members(value, t):
+    if isinstance(value, in_process._Stacked):  # pylint: disable=protected-access
+      splits.append(value.count)
+    return original(value, t)
+
+  in_process._members = counting_members  # pylint: disable=protected-access
+  try:
+    actual = process.next(process.initialize(), *stacked)
+  finally:
+    in_process._members = original  # pylint: disable=protected-access
+    tff.framework.set_default_context(contexts['tff_cpp'])
+  assert not splits
+  for a, b in zip(tf.nest.flatten(actual.result), tf.nest.flatten(expected.result)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  for name in ('psi', 'smoothed_angle'):
+    np.testing.assert_allclose(actual.measurements[name], expected.measurements[name],
+                               rtol=1e-5, atol=1e-7)

@@ -641,9 +641,31 @@ class _Interpreter:
                          f'({comp.compact_representation()[:200]}).')
 
   def _closure(self, comp, env: _Env):
+    compiled = self._compiled_wrapper(comp)
+    if compiled is not None:
+      return self._context.tensorflow_function(compiled)
     if comp.parameter_name is None:
       return lambda: self.evaluate(comp.result, env)
     return lambda arg: self.evaluate(comp.result, env.bind(comp.parameter_name, arg))
+
+  def _compiled_wrapper(self, comp):
+    """The compiled computation C when `comp` is `(x -> C(x))` or `(x -> let v=C(x) in v)`,
+    else None. TFF's compiler leaves such wrappers around e.g. an aggregate's accumulate;
+    seen as C itself, the map and fold run over the stacked clients in one call instead of
+    one interpreted call per client (measured: FedLayerWise's gathering fold over 100 mlp2
+    updates)."""
+    bb = self._t['bb']
+    name, body = comp.parameter_name, comp.result
+    if name is None:
+      return None
+    result = None
+    if (isinstance(body, bb.Block) and len(body.locals) == 1
+        and isinstance(body.result, bb.Reference) and body.result.name == body.locals[0][0]):
+      body = body.locals[0][1]
+    if (isinstance(body, bb.Call) and isinstance(body.function, bb.CompiledComputation)
+        and isinstance(body.argument, bb.Reference) and body.argument.name == name):
+      result = body.function
+    return result
 
   # -- intrinsics --------------------------------------------------------------------------
   def _intrinsic(self, comp):
