@@ -282,7 +282,8 @@ def test_a_mapped_graph_with_random_draws_gives_every_call_the_first_draw(contex
 def test_a_layerwise_aggregation_folds_stacked_clients_in_one_call(contexts):
   # FedLayerWise's single-pass aggregate gathers every participant's update; TFF's compiler
   # wraps its accumulate in a lambda (`x -> let v = C(x) in v`), which the executor runs as C
-  # itself: no per-participant split, the C++ runtime's numbers.
+  # itself, and C only appends rows, so the fold is one concatenation: no per-participant
+  # split, the C++ runtime's numbers.
   from fltff.runtime import in_process  # pylint: disable=g-import-not-at-top
 
   value_type = tff.types.tensorflow_to_type(
@@ -299,7 +300,8 @@ def test_a_layerwise_aggregation_folds_stacked_clients_in_one_call(contexts):
   stacked = (in_process.StackedClients(updates, 6), in_process.StackedClients(weights, 6))
   tff.framework.set_default_context(contexts['tff_cpp'])
   expected = process.next(process.initialize(), stacked[0].members(), stacked[1].members())
-  tff.framework.set_default_context(InProcessContext())
+  context = InProcessContext()
+  tff.framework.set_default_context(context)
   splits = []
   original = in_process._members  # pylint: disable=protected-access
 
@@ -315,6 +317,8 @@ def test_a_layerwise_aggregation_folds_stacked_clients_in_one_call(contexts):
     in_process._members = original  # pylint: disable=protected-access
     tff.framework.set_default_context(contexts['tff_cpp'])
   assert not splits
+  # The gathering fold was one concatenation (it appends each client's value as a row).
+  assert any(fn._append_columns for _, fn in context._functions.values())  # pylint: disable=protected-access
   for a, b in zip(tf.nest.flatten(actual.result), tf.nest.flatten(expected.result)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
   for name in ('psi', 'smoothed_angle'):

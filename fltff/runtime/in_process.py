@@ -400,6 +400,7 @@ class _TensorFlowFunction:
     self._vectorized_map = None  # Built on first use; False when it cannot be.
     self._looped_map = None
     self._looped_fold = None
+    self._append_columns = None  # `_find_append_columns`, on first fold; False: not a gather.
     # Stateful random ops: TFF's runtime runs the graph afresh on every call, so each call
     # gets the op's first draw; a function called again here would advance the op's state.
     # Such a graph is pruned anew for each call (and never looped or vectorised).
@@ -487,6 +488,13 @@ class _TensorFlowFunction:
            for x in _flatten(zero, parameter[0], self._t)]
     if not stacked or any(a.dtype in _UNSTACKABLE for a in acc):
       return None
+    if self._append_columns is None:
+      self._append_columns = self._find_append_columns(len(acc)) or False
+    if self._append_columns:
+      # A gathering accumulate appends each client's value as a row: folding the stacked
+      # clients is one concatenation (the same rows, without copying the accumulator K times).
+      return self.unflatten_result([tf.concat([a, stacked[j]], 0)
+                                    for a, j in zip(acc, self._append_columns)])
     if self._looped_fold is None:
       run = self._run
       num_acc = len(acc)
@@ -507,6 +515,42 @@ class _TensorFlowFunction:
       self._looped_fold = tf.function(fold)
     out = self._call_looped('_looped_fold', acc + stacked)
     return None if out is None else self.unflatten_result(_as_list(out))
+
+  def _find_append_columns(self, num_acc: int) -> Optional[list]:
+    """For an accumulate `(acc, value) -> acc'` in which every output i is
+    `concat([acc_i, expand_dims(value_j, 0)], 0)` and nothing else happens (fltff's gather,
+    `aggregators/gather.py`): each output's value leaf j; None for any other graph."""
+    run = self._run
+    if run.captured_inputs:
+      return None
+    allowed = {'Placeholder', 'Const', 'ExpandDims', 'ConcatV2', 'Identity'}
+    if any(op.type not in allowed for op in run.graph.get_operations()):
+      return None
+    inputs = list(run.inputs)
+    acc_inputs, value_inputs = inputs[:num_acc], inputs[num_acc:]
+    outputs = _as_list(run.outputs)
+    if len(outputs) != num_acc:
+      return None
+
+    def source(t):
+      while t.op.type == 'Identity':
+        t = t.op.inputs[0]
+      return t
+
+    columns = []
+    for i, out in enumerate(outputs):
+      concat = source(out).op
+      if concat.type != 'ConcatV2' or len(concat.inputs) != 3:
+        return None
+      head, row, axis = (source(x) for x in concat.inputs)
+      if row.op.type != 'ExpandDims' or tf.get_static_value(axis) != 0:
+        return None
+      value, dim = (source(x) for x in row.op.inputs)
+      if (head is not acc_inputs[i] or tf.get_static_value(dim) != 0
+          or not any(value is v for v in value_inputs)):
+        return None
+      columns.append(next(j for j, v in enumerate(value_inputs) if v is value))
+    return columns
 
   def _call_looped(self, name: str, leaves: list):
     """Calls the looped function `name`; on a first failure (a graph it cannot trace) marks it
