@@ -197,7 +197,24 @@ def test_clients_are_mapped_and_folded_in_one_call_with_tffs_numbers(contexts):
     np.testing.assert_allclose(results['looped'][k], results['tff_cpp'][k], rtol=1e-6)
 
 
-def test_stacked_clients_stay_stacked_and_equal_the_per_client_list(contexts):
+def _count_stacked_splits(monkeypatch) -> list:
+  """From now on, records the size of every stacked CLIENTS value the in-process executor
+  splits into per-client values (none when it stays stacked)."""
+  from fltff.runtime import in_process  # pylint: disable=g-import-not-at-top
+
+  splits = []
+  original = in_process._members  # pylint: disable=protected-access
+
+  def counting_members(value, t):
+    if isinstance(value, in_process._Stacked):  # pylint: disable=protected-access
+      splits.append(value.count)
+    return original(value, t)
+
+  monkeypatch.setattr(in_process, '_members', counting_members)
+  return splits
+
+
+def test_stacked_clients_stay_stacked_and_equal_the_per_client_list(contexts, monkeypatch):
   # A vectorised client work hands the aggregator its participants' values as one stacked
   # structure (`StackedClients`); zip, map and fold keep it stacked (no per-participant
   # split) and give the numbers of the per-participant list, bit for bit. A computation that
@@ -215,22 +232,11 @@ def test_stacked_clients_stay_stacked_and_equal_the_per_client_list(contexts):
   assert len(values) == 6 and np.array_equal(values[4]['b'], stacked['b'][4])
   context = InProcessContext()
   tff.framework.set_default_context(context)
-  splits = []
-  original = in_process._members  # pylint: disable=protected-access
-
-  def counting_members(value, t):
-    if isinstance(value, in_process._Stacked):  # pylint: disable=protected-access
-      splits.append(value.count)
-    return original(value, t)
-
-  in_process._members = counting_members  # pylint: disable=protected-access
-  try:
-    from_stacked = mean.next(mean.initialize(), in_process.StackedClients(stacked, 6),
-                             in_process.StackedClients(weights, 6)).result
-    assert in_process.clients_argument(in_process.StackedClients(weights, 6)).num_clients == 6
-  finally:
-    in_process._members = original  # pylint: disable=protected-access
+  splits = _count_stacked_splits(monkeypatch)
+  from_stacked = mean.next(mean.initialize(), in_process.StackedClients(stacked, 6),
+                           in_process.StackedClients(weights, 6)).result
   assert not splits  # Zipped, mapped and folded stacked.
+  assert in_process.clients_argument(in_process.StackedClients(weights, 6)).num_clients == 6
   from_list = mean.next(mean.initialize(), values, list(weights)).result
 
   @tff.federated_computation(tff.FederatedType(value_type, tff.CLIENTS))
@@ -279,7 +285,7 @@ def test_a_mapped_graph_with_random_draws_gives_every_call_the_first_draw(contex
     np.testing.assert_allclose(result, values + first_draw, rtol=1e-6)
 
 
-def test_a_layerwise_aggregation_folds_stacked_clients_in_one_call(contexts):
+def test_a_layerwise_aggregation_folds_stacked_clients_in_one_call(contexts, monkeypatch):
   # FedLayerWise's single-pass aggregate gathers every participant's update; TFF's compiler
   # wraps its accumulate in a lambda (`x -> let v = C(x) in v`), which the executor runs as C
   # itself, and C only appends rows, so the fold is one concatenation: no per-participant
@@ -302,19 +308,10 @@ def test_a_layerwise_aggregation_folds_stacked_clients_in_one_call(contexts):
   expected = process.next(process.initialize(), stacked[0].members(), stacked[1].members())
   context = InProcessContext()
   tff.framework.set_default_context(context)
-  splits = []
-  original = in_process._members  # pylint: disable=protected-access
-
-  def counting_members(value, t):
-    if isinstance(value, in_process._Stacked):  # pylint: disable=protected-access
-      splits.append(value.count)
-    return original(value, t)
-
-  in_process._members = counting_members  # pylint: disable=protected-access
+  splits = _count_stacked_splits(monkeypatch)
   try:
     actual = process.next(process.initialize(), *stacked)
   finally:
-    in_process._members = original  # pylint: disable=protected-access
     tff.framework.set_default_context(contexts['tff_cpp'])
   assert not splits
   # The gathering fold was one concatenation (it appends each client's value as a row).
