@@ -9,8 +9,11 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# On TFF's C++ runtime, so that the tests using it see (and check the end of) a worker_binary;
+# the default executor ('auto') has tests of its own.
 SMALL = [
     '--gin_file=gin_configs/foundation/mnist1003_shards_fedavg.gin',
+    '--gin_bindings=runtime.executor = "tff_cpp"',
     '--gin_bindings=experiment.rounds = 3',
     '--gin_bindings=experiment.clients_per_round = 3',
     '--gin_bindings=experiment.local_epochs = 1',

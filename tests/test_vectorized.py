@@ -8,6 +8,7 @@ step pads batches and masks them, so this also checks that padding changes nothi
 
 import collections
 import functools
+import json
 import os
 
 import numpy as np
@@ -52,12 +53,19 @@ METHODS = {
         s, client_optimizer=SGDM(),
         model_aggregator=aggregators.contribution_normalization_factory()),
     'fedbabu': lambda s: learning.build_fedbabu(s, client_optimizer=SGDM()),
+    # The personalised methods (`fltff.personalization.vectorized`): per-client start models,
+    # per-client proximal anchors s_i and, with BLS, per-client layer masks and Ω searches.
+    'kapc': lambda s: personalization.build_kapc(s, NUM_CLIENTS, client_optimizer=SGDM()),
+    'kapc+bls': lambda s: personalization.build_kapc(s, NUM_CLIENTS, client_optimizer=SGDM(),
+                                                     bls_mu=0.5),
+    'fedamp': lambda s: personalization.build_fedamp(s, NUM_CLIENTS, client_optimizer=SGDM()),
+    'pfedla': lambda s: personalization.build_pfedla(s, NUM_CLIENTS, client_optimizer=SGDM()),
+    'local': lambda s: personalization.build_local(s, NUM_CLIENTS, client_optimizer=SGDM()),
 }
 
 UNSUPPORTED = {
     'scaffold': lambda s: learning.build_scaffold(s, NUM_CLIENTS, client_optimizer=SGDM()),
     'moon': lambda s: learning.build_moon(s, NUM_CLIENTS, client_optimizer=SGDM()),
-    'kapc': lambda s: personalization.build_kapc(s, NUM_CLIENTS, client_optimizer=SGDM()),
 }
 
 
@@ -77,6 +85,19 @@ def test_three_vectorised_rounds_equal_the_cpp_runtime(method, data, spec, cpp):
   actual = run_rounds(_vectorized(METHODS[method](spec)), data, InProcessContext(), NUM_CLIENTS)
   tff.framework.set_default_context(cpp)
   assert_equal_runs(expected, actual, method)
+
+
+def test_kapc_relationship_steps_after_training_equal_the_cpp_runtime(data, spec, cpp):
+  # One round: the R step after training (in `finish`) from vectorised results. Not three: in
+  # round 2 of this setting client 2's training sits on a knife edge — on TFF's own runtime a
+  # 1e-7 relative change of its s_i moves its model by 4.7e-4 — so float rounding alone
+  # decides that comparison (measured, issue 19 notes).
+  build = lambda: personalization.build_kapc(spec, NUM_CLIENTS, client_optimizer=SGDM(),
+                                             relationship_update='after_training')
+  expected = run_rounds(build(), data, cpp, NUM_CLIENTS, rounds=1)
+  actual = run_rounds(_vectorized(build()), data, InProcessContext(), NUM_CLIENTS, rounds=1)
+  tff.framework.set_default_context(cpp)
+  assert_equal_runs(expected, actual, 'kapc after_training')
 
 
 def test_a_convolutional_client_work_with_every_weight_field_equals_tffs(cpp):
@@ -239,25 +260,68 @@ def test_vectorize_clients_needs_the_in_process_executor():
     check_executor('tff_cpp', 'auto', vectorize_clients=True)
 
 
-def test_pipeline_vectorised_equals_cpp_and_resumes(tmp_path):
-  args = [*SMALL, '--gin_bindings=runtime.executor = "in_process"',
-          '--gin_bindings=runtime.vectorize_clients = True']
-  full, resumed, _ = run_and_resume(args, tmp_path, stop_round=2)
-  result = run_pipeline(*SMALL, f'--output_dir={tmp_path / "cpp"}')
+KAPC_BLS_SMALL = ['--gin_file=gin_configs/kapc/offline_mnist1003_kapc_bls0.5.gin',
+                  '--gin_bindings=experiment.rounds = 3',
+                  '--gin_bindings=experiment.local_epochs = 1',
+                  '--gin_bindings=experiment.checkpoint_every = 1']
+
+
+EXPLICIT = ['--gin_bindings=runtime.executor = "in_process"',
+            '--gin_bindings=runtime.vectorize_clients = True']
+CPP = ['--gin_bindings=runtime.executor = "tff_cpp"']
+
+
+@pytest.mark.parametrize('config,vectorised,columns', [
+    # SMALL pins the C++ runtime: vectorised clients asked for explicitly.
+    (SMALL, EXPLICIT, ('test_accuracy', 'test_loss')),
+    # The default executor ('auto') vectorises KAPC's clients.
+    (KAPC_BLS_SMALL, [], ('mean_local_accuracy', 'kapc/omega_mean', 'kapc/self_relation_mean')),
+], ids=['fedavg', 'kapc+bls'])
+def test_pipeline_vectorised_equals_cpp_and_resumes(config, vectorised, columns, tmp_path):
+  full, resumed, stdout = run_and_resume([*config, *vectorised], tmp_path, stop_round=2)
+  assert 'on the in-process executor, vectorised clients.' in stdout
+  summary = json.load(open(tmp_path / 'full' / 'summary.json'))
+  assert summary['executor'] == 'in-process executor, vectorised clients'
+  result = run_pipeline(*config, *CPP, f'--output_dir={tmp_path / "cpp"}')
   assert result.returncode == 0, result.stderr[-3000:]
+  assert "on the TFF's C++ runtime (local worker_binary)." in result.stdout
   cpp = read_csv(os.path.join(tmp_path, 'cpp', 'metrics.csv'))
   assert len(full) == len(resumed) == len(cpp) == 3
   for a, b, c in zip(full, resumed, cpp):
-    for column in ('train_loss', 'train_accuracy', 'test_accuracy', 'test_loss'):
+    for column in ('train_loss', 'train_accuracy', *columns):
       assert float(a[column]) == float(b[column])
       np.testing.assert_allclose(float(a[column]), float(c[column]), rtol=1e-5)
     assert a['examples'] == c['examples'] and a['bytes_up'] == c['bytes_up']
   assert not tagged_worker_pids()
 
 
+def test_the_default_executor_vectorises_what_it_can_and_runs_the_rest_on_cpp(data, spec, cpp):
+  from fltff.runtime.local import make_runtime  # pylint: disable=g-import-not-at-top
+
+  try:
+    with make_runtime() as rt:  # runtime.executor = 'auto'
+      assert rt.context is None and not rt.worker_pids  # Nothing started before the method.
+      rt.bind(METHODS['kapc+bls'](spec))
+      assert (rt.executor, rt.vectorize_clients, rt.auto_reason) == ('in_process', True, None)
+      assert isinstance(rt.context, InProcessContext) and not rt.worker_pids
+    with make_runtime() as rt:
+      rt.bind(UNSUPPORTED['moon'](spec))
+      assert rt.executor == 'tff_cpp' and len(rt.worker_pids) == 1
+      assert 'cannot vectorise its clients' in rt.auto_reason
+    with make_runtime() as rt:
+      rt.bind(learning.build_fedavg(build_model_spec(data, 'resnet18', seed=0),
+                                    client_optimizer=SGDM()))
+      assert rt.executor == 'tff_cpp' and 'non-trainable weights' in rt.auto_reason
+    # Recycling the worker is the C++ runtime's: chosen before any method.
+    with make_runtime(recycle_every=2) as rt:
+      assert rt.executor == 'tff_cpp' and len(rt.worker_pids) == 1
+  finally:
+    tff.framework.set_default_context(cpp)
+
+
 def test_pipeline_refuses_vectorising_an_unsupported_method_in_one_line(tmp_path):
   result = run_pipeline(
-      '--gin_file=gin_configs/kapc/offline_mnist1003_kapc.gin', '--gin_bindings=rounds = 1',
+      '--gin_file=gin_configs/kapc/offline_mnist1003_moon.gin', '--gin_bindings=rounds = 1',
       '--gin_bindings=runtime.executor = "in_process"',
       '--gin_bindings=runtime.vectorize_clients = True', f'--output_dir={tmp_path}')
   assert_one_line_error(result, 'cannot vectorise its clients')

@@ -124,7 +124,8 @@ class FederatedAlgorithm:
     a method that cannot."""
     del device
     raise ConfigError(f'{self.name} cannot vectorise its clients (runtime.vectorize_clients '
-                      f'supports the FedAvg-family methods built on the default client work).')
+                      f'supports the FedAvg-family methods built on the default client work and '
+                      f'the personalised ones: KAPC, FedAMP, Local, pFedLA).')
 
   # -- evaluation, communication, outputs ----------------------------------------------------
   def global_model_weights(self, state):

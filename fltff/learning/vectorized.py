@@ -16,8 +16,10 @@ optimizer state (`tf.where`), so padding changes nothing.
 Scope (anything else raises a `ConfigError` naming it): models whose variables are all
 trainable (no BatchNorm statistics) and have no layer losses; the default client work of
 `process.build_algorithm` (FedAvg, FedProx, FedLap, SGDM, FedAdp, FedLayerWise, FedNova,
-FedBABU, CCN); regularisers without a batch-dependent term (MOON) or gradient tracking
-(SCAFFOLD), which build their own client work.
+FedBABU, CCN) and, through `fltff.personalization.vectorized` (per-client start weights and
+regularisers), the personalised process (KAPC with or without BLS, FedAMP, Local, pFedLA); not
+regularisers with a batch-dependent term (MOON) or gradient tracking (SCAFFOLD), which build
+their own client work.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import collections
 import contextlib
 import weakref
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -280,11 +282,14 @@ class VectorizedClientWork:
   def __init__(self, model_spec: ModelSpec, optimizer,
                regularizer: Optional[client_work_lib.LocalRegularizer] = None,
                weight_fields: Sequence[str] = (), frozen: Sequence[int] = (),
-               client_weighting: str = 'num_examples', device: Optional[str] = None):
+               client_weighting: str = 'num_examples', device: Optional[str] = None,
+               client_regularizer: Optional[Callable[[Any], Any]] = None):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     client_work_lib.check_weight_fields(weight_fields)
     client_work_lib.check_client_weighting(client_weighting)
+    if regularizer is not None and client_regularizer is not None:
+      raise ValueError('give a shared regularizer or a client_regularizer, not both.')
     for hook in ('batch_penalty',):
       if regularizer is not None and hasattr(regularizer, hook):
         raise ConfigError(f'vectorised clients do not support a regulariser with '
@@ -321,6 +326,7 @@ class VectorizedClientWork:
       self._latent_dim = int(latent_model.output_shape[-1])
     self._optimizer = optimizer
     self._regularizer = regularizer
+    self._client_regularizer = client_regularizer
     self._weight_fields = tuple(weight_fields)
     self._frozen = frozenset(frozen)
     self._client_weighting = client_weighting
@@ -343,23 +349,45 @@ class VectorizedClientWork:
       self._keras_fn()
 
   # -- the TensorFlow part -----------------------------------------------------------------
-  def _train_fn(self, global_trainable, examples, labels, index, mask, valid, epochs):
+  def _train_fn(self, global_trainable, start, client_terms, examples, labels, index, mask,
+                valid, epochs):
     """Local training of every participant (`build_local_training` with a client axis); each
-    step gathers its batches from the round's example table (`stack_client_batches`)."""
-    regularizer, optimizer, frozen = self._regularizer, self._optimizer, self._frozen
-    analytic_gradient = regularizer is not None and hasattr(regularizer, 'gradient')
-    has_affine = regularizer is not None and hasattr(regularizer, 'affine_gradient')
+    step gathers its batches from the round's example table (`stack_client_batches`).
+
+    The clients start from `global_trainable` (FedAvg family) or, when given, from their own
+    `start` weights `[K, ...]` (personalised methods, whose clients keep a model). With
+    `client_terms` (a structure with a leading client axis), each client's regulariser is
+    `client_regularizer(its terms)` (KAPC's proximal term towards the client's own s_i);
+    otherwise every client uses the shared `regularizer` towards `global_trainable`.
+    """
+    optimizer, frozen = self._optimizer, self._frozen
+    shared = self._regularizer
+    probe = shared
+    if client_terms is not None:
+      probe = self._client_regularizer(tf.nest.map_structure(lambda t: t[0], client_terms))
+    analytic_gradient = probe is not None and hasattr(probe, 'gradient')
+    has_affine = probe is not None and hasattr(probe, 'affine_gradient')
     k = tf.shape(valid)[2]
-    global_trainable = tuple(global_trainable)
-    weights = tuple(_stack(g, k) for g in global_trainable)
+    if start is None:
+      global_trainable = tuple(global_trainable)
+      weights = tuple(_stack(g, k) for g in global_trainable)
+    else:
+      weights = tuple(start)
     optimizer_state = tf.nest.map_structure(
         lambda s: _stack(s, k),
-        optimizer.initialize(tuple(tf.TensorSpec(g.shape, g.dtype) for g in global_trainable)))
+        optimizer.initialize(tuple(tf.TensorSpec(w.shape[1:], w.dtype) for w in weights)))
     zero = tf.zeros([k], tf.float32)
     # Per client: Σ batch-loss·n, examples, correct predictions, batches.
     sums = (zero, tf.zeros([k], tf.int64), zero, tf.zeros([k], tf.int64))
+    # What the mapped functions get per client: the terms of its own regulariser, if any.
+    terms = () if client_terms is None else client_terms
 
-    def epoch_context(local):
+    def regularizer_of(client):
+      return shared if client_terms is None else self._client_regularizer(client)
+
+    def epoch_context(args):
+      local, client = args
+      regularizer = regularizer_of(client)
       if regularizer is None:
         return (), ()
       context = regularizer.epoch_start(tuple(local), global_trainable)
@@ -371,7 +399,8 @@ class VectorizedClientWork:
       return context, affine
 
     def client_step(args):
-      local, opt_state, bx, by, bmask, trains, context, affine = args
+      local, opt_state, bx, by, bmask, trains, context, affine, client = args
+      regularizer = regularizer_of(client)
       with tf.GradientTape() as tape:
         tape.watch(local)
         logits = self._apply(local, bx, training=True)
@@ -404,22 +433,23 @@ class VectorizedClientWork:
       return tf.cond(tf.reduce_all(trains), lambda: new, select)
 
     for e in tf.range(tf.shape(valid)[0]):
-      context, affine = tf.vectorized_map(epoch_context, weights)
+      context, affine = tf.vectorized_map(epoch_context, (weights, terms))
       for s in tf.range(tf.shape(valid)[1]):
         trains = valid[e, s]
         new_weights, new_state, step_sums = tf.vectorized_map(
             client_step, (weights, optimizer_state, tf.gather(examples, index[e, s]),
                           tf.gather(labels, index[e, s]), mask[e, s], trains,
-                          context, affine))
+                          context, affine, terms))
         weights, optimizer_state = keep_idle(trains, (new_weights, new_state),
                                              (weights, optimizer_state))
         sums = tuple(a + b for a, b in zip(sums, step_sums))
 
-    # The update `global − trained`, computed here: the result stays a TensorFlow tensor on
-    # its way to the aggregator (measured: copying the model-sized stacked arrays out to NumPy
-    # and back cost up to 0.3 s of a 100-client mlp2 round, in fresh pages).
-    out = collections.OrderedDict(
-        update=tuple(g[tf.newaxis] - w for g, w in zip(global_trainable, weights)), sums=sums)
+    out = collections.OrderedDict(trained=weights, sums=sums)
+    if start is None:
+      # The update `global − trained`, computed here: the result stays a TensorFlow tensor on
+      # its way to the aggregator (measured: copying the model-sized stacked arrays out to
+      # NumPy and back cost up to 0.3 s of a 100-client mlp2 round, in fresh pages).
+      out['update'] = tuple(g[tf.newaxis] - w for g, w in zip(global_trainable, weights))
     if self._latent_apply is not None:
       latent_apply = self._latent_apply
 
@@ -436,25 +466,40 @@ class VectorizedClientWork:
         total += step_total
         count += step_count
       out['latent_mean'] = total / tf.maximum(count, 1.0)[:, tf.newaxis]
-    if regularizer is not None and hasattr(regularizer, 'measurements'):
+    if shared is not None and hasattr(shared, 'measurements'):
       out['regularizer'] = tf.vectorized_map(
-          lambda local: regularizer.measurements(tuple(local), global_trainable), weights)
+          lambda local: shared.measurements(tuple(local), global_trainable), weights)
     return out
 
   # -- the round ----------------------------------------------------------------------------
-  def __call__(self, global_weights, client_inputs: Sequence[Any], call=None):
-    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  def train(self, client_inputs: Sequence[Any], global_trainable=None, start=None,
+            client_terms=None) -> tuple[collections.OrderedDict, collections.OrderedDict]:
+    """`(out, data)`: the participants' local training (`_train_fn`'s outputs: `trained`,
+    the metric `sums`, with a global model `update`, ...) and their round data
+    (`stack_client_batches`)."""
+    self._restore_tf2_layer_classes()
+    data = stack_client_batches(client_inputs, self._read_before)
+    with tf.device(self._device) if self._device else contextlib.nullcontext():
+      out = self._train(global_trainable, start, client_terms, data['examples'], data['labels'],
+                        data['index'], data['mask'], data['valid'], data['epochs'])
+    return out, data
 
+  def model_outputs(self, sums) -> collections.OrderedDict:
+    """The participants' unfinalized metrics (`[K]` arrays, the model's dtypes) from the
+    training's per-client sums."""
+    loss_sum, examples, correct, batches = (np.asarray(t) for t in sums)
+    return collections.OrderedDict(
+        (name, [np.asarray(v).astype(d) for v, d in zip(values, self._metric_dtypes[name])])
+        for name, values in (('accuracy', [correct, examples]), ('loss', [loss_sum, examples]),
+                             ('num_examples', [examples]), ('num_batches', [batches])))
+
+  def __call__(self, global_weights, client_inputs: Sequence[Any], call=None):
     call = call or (lambda fn, *args: fn(*args))
     if global_weights.non_trainable:
       raise ConfigError('vectorised clients need a model without non-trainable weights.')
-    self._restore_tf2_layer_classes()
-    data = stack_client_batches(client_inputs, self._read_before)
     global_trainable = tuple(np.asarray(w) for w in global_weights.trainable)
-    with tf.device(self._device) if self._device else contextlib.nullcontext():
-      out = self._train(global_trainable, data['examples'], data['labels'], data['index'],
-                        data['mask'], data['valid'], data['epochs'])
-    loss_sum, examples, correct, batches = (t.numpy() for t in out['sums'])
+    out, data = self.train(client_inputs, global_trainable)
+    _, examples, _, batches = (t.numpy() for t in out['sums'])
     epochs = data['epochs']
     k = len(client_inputs)
     update = tf.nest.pack_sequence_as(list(global_weights.trainable), list(out['update']))
@@ -470,12 +515,8 @@ class VectorizedClientWork:
       if 'local_steps' in self._weight_fields:
         weight['local_steps'] = batches.astype(np.int32)
     results = StackedClientResults(update, weight, k)
-    model_outputs = collections.OrderedDict(
-        (name, [np.asarray(v).astype(d) for v, d in zip(values, self._metric_dtypes[name])])
-        for name, values in (('accuracy', [correct, examples]), ('loss', [loss_sum, examples]),
-                             ('num_examples', [examples]), ('num_batches', [batches])))
     train = call(self._aggregate_metrics,
-                 clients_argument(StackedClients(model_outputs, k)))
+                 clients_argument(StackedClients(self.model_outputs(out['sums']), k)))
     regularizer_stats = None
     if 'regularizer' in out:
       regularizer_stats = tf.nest.map_structure(lambda t: np.float32(np.mean(t.numpy())),

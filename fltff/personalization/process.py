@@ -24,8 +24,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from collections.abc import Callable
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -184,7 +185,12 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   num_clients: Optional[int] = None
   personalized: bool = True
   personal_models: bool = True
+  # The round as `(prepare_round, end_round)` around the client work, and a builder of the
+  # client work's vectorised twin (`fltff.personalization.vectorized.VectorizedPersonalWork`).
+  split_round: Optional[tuple] = None
+  vectorized_fn: Optional[Callable[[Optional[str]], Any]] = None
   _initial: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
+  _vectorized: Any = dataclasses.field(default=None, repr=False, compare=False)
 
   # -- protocol.FederatedAlgorithm -----------------------------------------------------------
   def initialize(self, call: protocol.Call = protocol.direct_call):
@@ -211,7 +217,10 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
            call: protocol.Call = protocol.direct_call) -> protocol.RoundOutput:
     """`process.next(state, server_input, client_inputs)`; the participants' new states are
     rebuilt from the result and their previous server copies (in `server_input`)."""
-    output = call(self.process.next, state, server_input, client_inputs)
+    if self._vectorized is not None:
+      output = self._vectorized_next(state, server_input, client_inputs, call)
+    else:
+      output = call(self.process.next, state, server_input, client_inputs)
     result = output.result
     start = time.perf_counter()
     clients = [int(k) for k in np.asarray(server_input['clients'])]
@@ -229,6 +238,25 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
         bytes_up=np.asarray(result['bytes_up'], np.float64),
         arrays={'omega': np.asarray(result['omega']), 'clients': np.asarray(order)},
         server_seconds=server_seconds)
+
+  def vectorize_clients(self, device: Optional[str] = None) -> None:
+    if self.vectorized_fn is None:
+      super().vectorize_clients(device)
+    self._vectorized = self.vectorized_fn(device)
+
+  def _vectorized_next(self, state, server_input, client_inputs: Sequence,
+                       call: protocol.Call):
+    """`process.next` with the client work run by `VectorizedPersonalWork`: `prepare_round`,
+    the participants' training together, `end_round` (the same state and result)."""
+    from fltff.runtime.in_process import StackedClients  # pylint: disable=g-import-not-at-top
+    from fltff.runtime.in_process import clients_argument  # pylint: disable=g-import-not-at-top
+
+    prepare_round, end_round = self.split_round
+    server_msg = call(prepare_round, state, server_input)
+    value, weight, model_outputs = self._vectorized(server_msg, client_inputs)
+    k = len(client_inputs)
+    return call(end_round, state, server_input, server_msg,
+                *(clients_argument(StackedClients(v, k)) for v in (value, weight, model_outputs)))
 
   def personal_weights(self, state, client_state):
     del state
@@ -281,8 +309,10 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     if self.bls:
       personal['b_max'] = np.asarray(client_state['b_max'], np.float32)
       personal['tau_max'] = np.asarray(client_state['tau_max'], np.float32)
+    # Vectorised client work reads the info in Python: no dataset for it.
     return client_work_lib.client_input(batches, client_index, epochs, client_state=personal,
-                                        state_in_dataset=False)
+                                        state_in_dataset=False,
+                                        info_in_dataset=self._vectorized is None)
 
   def server_input(self, clients: Sequence[int], client_states: Sequence,
                    num_examples: Sequence[float]) -> collections.OrderedDict:
@@ -427,11 +457,10 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
 
   broadcast_type = prepare.type_signature.result
 
-  @tff.tensorflow.computation(broadcast_type, data_type)
-  def client_update(server_msg, data):
-    model = model_spec.tff_model()
-    personal = data['state']
-    k = client_work_lib.client_index_of(data)
+  # The client's work in three parts, so that the vectorised clients
+  # (`fltff.personalization.vectorized`) run the same code around their own training.
+  def client_start(server_msg, personal, k):
+    """Client k's start weights, its s_i, which tensors' layers it was sent, its own model."""
     pos = tf.argmax(tf.cast(tf.equal(server_msg['clients'], k), tf.int32), output_type=tf.int32)
     s = [m[pos] for m in server_msg['models']]
     skip = server_msg['skip'][pos]
@@ -445,17 +474,19 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     start = own
     if start_from == 'server':
       start = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
-    # λ Σ_l ||w^l − s^l||² is the proximal term with μ = 2λ towards s_i; without BLS every
-    # layer is sent and the mask is dropped (one op less per tensor and local step).
-    mask = None if bls_mu is None else [tf.cast(c, w.dtype) for c, w in zip(sent, own)]
-    regularizer = (regularizers.ProximalRegularizer(2.0 * lambda_, anchor=s, tensor_mask=mask)
-                   if lambda_ > 0 else None)
-    initial = tff.learning.models.ModelWeights(
-        trainable=list(start), non_trainable=list(personal.get('non_trainable', ())))
-    out = client_work_lib.build_local_training(model, client_optimizer, regularizer)(
-        initial, data['batches'], data['info'])
-    trained = list(out['trained'])
-    n_i = tf.cast(tf.maximum(out['examples_per_epoch'], 1), tf.float32)
+    return start, s, sent, own
+
+  def client_regularizer(s, sent):
+    """λ Σ_l ||w^l − s^l||²: the proximal term with μ = 2λ towards s_i; without BLS every
+    layer is sent and the mask is dropped (one op less per tensor and local step)."""
+    if lambda_ <= 0:
+      return None
+    mask = None if bls_mu is None else [tf.cast(c, w.dtype) for c, w in zip(sent, s)]
+    return regularizers.ProximalRegularizer(2.0 * lambda_, anchor=s, tensor_mask=mask)
+
+  def client_result(server_msg, personal, k, s, sent, own, trained, examples_per_epoch):
+    """What client k uploads after training: its model and `(index, Ω, BLS search)`."""
+    n_i = tf.cast(tf.maximum(examples_per_epoch, 1), tf.float32)
     if bls_mu is None:
       omega, steps = tf.constant(num_layers, tf.int32), tf.constant(0, tf.int32)
     else:
@@ -468,13 +499,27 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
           tf.cast(b, tf.float32), tf.cast(tau, tf.float32), personal['b_max'],
           personal['tau_max'], n_i, tf.maximum(server_msg['n_fed'], n_i), bls_kappa,
           personal['omega'], min_upload_layers)
-    value = collections.OrderedDict(trainable=tuple(trained))
-    if nspecs:
-      value['non_trainable'] = tuple(out['non_trainable'])
     weight = collections.OrderedDict(client_index=k, omega=omega, search_steps=steps,
                                      num_examples=n_i)
     if bls_mu is not None:
       weight['b_max'], weight['tau_max'] = b_max, tau_max
+    return collections.OrderedDict(trainable=tuple(trained)), weight
+
+  @tff.tensorflow.computation(broadcast_type, data_type)
+  def client_update(server_msg, data):
+    model = model_spec.tff_model()
+    personal = data['state']
+    k = client_work_lib.client_index_of(data)
+    start, s, sent, own = client_start(server_msg, personal, k)
+    initial = tff.learning.models.ModelWeights(
+        trainable=list(start), non_trainable=list(personal.get('non_trainable', ())))
+    out = client_work_lib.build_local_training(model, client_optimizer,
+                                               client_regularizer(s, sent))(
+        initial, data['batches'], data['info'])
+    value, weight = client_result(server_msg, personal, k, s, sent, own, list(out['trained']),
+                                  out['examples_per_epoch'])
+    if nspecs:
+      value['non_trainable'] = tuple(out['non_trainable'])
     return value, weight, out['metrics']
 
   value_type = client_update.type_signature.result[0]
@@ -523,13 +568,8 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   def init_fn():
     return tff.federated_eval(initial_state, tff.SERVER)
 
-  @tff.federated_computation(tff.FederatedType(state_type, tff.SERVER),
-                             tff.FederatedType(server_input_type, tff.SERVER),
-                             tff.FederatedType(data_type, tff.CLIENTS))
-  def next_fn(state, server_input, client_data):
-    server_msg = tff.federated_map(prepare, (state, server_input))
-    value, weight, model_outputs = tff.federated_map(
-        client_update, (tff.federated_broadcast(server_msg), client_data))
+  def round_end(state, server_input, server_msg, value, weight, model_outputs):
+    """Steps 3–4: the gathering aggregate, the server update and the measurements."""
     gathered = gather(value, weight)
     new_state, result, stats = tff.federated_map(
         finish, (state, server_input, server_msg, gathered))
@@ -537,8 +577,39 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
         train=metrics_aggregation_fn(model_outputs), kapc=stats))
     return tff.templates.MeasuredProcessOutput(new_state, result, measurements)
 
+  server_types = (tff.FederatedType(state_type, tff.SERVER),
+                  tff.FederatedType(server_input_type, tff.SERVER))
+
+  @tff.federated_computation(*server_types, tff.FederatedType(data_type, tff.CLIENTS))
+  def next_fn(state, server_input, client_data):
+    server_msg = tff.federated_map(prepare, (state, server_input))
+    value, weight, model_outputs = tff.federated_map(
+        client_update, (tff.federated_broadcast(server_msg), client_data))
+    return round_end(state, server_input, server_msg, value, weight, model_outputs)
+
+  # The same round split around the client work, for vectorised clients: `prepare_round`,
+  # the participants' `client_update` (outside TFF), `end_round`.
+  @tff.federated_computation(*server_types)
+  def prepare_round(state, server_input):
+    return tff.federated_map(prepare, (state, server_input))
+
+  @tff.federated_computation(
+      *server_types, tff.FederatedType(broadcast_type, tff.SERVER),
+      *(tff.FederatedType(t, tff.CLIENTS) for t in client_update.type_signature.result))
+  def end_round(state, server_input, server_msg, value, weight, model_outputs):
+    return round_end(state, server_input, server_msg, value, weight, model_outputs)
+
+  def vectorized_fn(device):
+    from fltff.personalization.vectorized import VectorizedPersonalWork  # pylint: disable=g-import-not-at-top
+    return VectorizedPersonalWork(
+        model_spec, client_optimizer, client_start=client_start,
+        client_regularizer=client_regularizer if lambda_ > 0 else None,
+        client_result=client_result, device=device)
+
   process = tff.templates.IterativeProcess(init_fn, next_fn)
   return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec,
                                layer_sizes_bytes=layer_sizes_bytes, tensor_layers=layer_of,
                                model_from_client=model_from_client, bls=bls_mu is not None,
-                               num_clients=num_clients)
+                               num_clients=num_clients,
+                               split_round=(prepare_round, end_round),
+                               vectorized_fn=vectorized_fn)

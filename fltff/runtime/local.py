@@ -343,15 +343,25 @@ class TffRuntime:
     self.device = device
     self.vectorize_clients = vectorize_clients
     self.mmap_threshold_kib = int(mmap_threshold_kib)
+    # Why 'auto' chose the C++ runtime (the method's reason it cannot vectorise); None else.
+    self.auto_reason: Optional[str] = None
+    self._stubs = []
+    self.context = None
     heap.fix_mmap_threshold(self.mmap_threshold_kib)
     atexit.register(self.close)
-    if executor == 'in_process':
+    if executor == 'auto':
+      return  # The executor is chosen for the method: `bind`.
+    self._start()
+
+  def _start(self) -> None:
+    """Installs the context of `self.executor` ('tff_cpp' or 'in_process')."""
+    if self.executor == 'in_process':
       from fltff.runtime.in_process import InProcessContext  # pylint: disable=g-import-not-at-top
 
-      self._stubs = []
-      self.context = InProcessContext(device=device)
-      tff.framework.set_default_context(self.context)
-      logging.info('TFF runtime ready: in-process executor, device %s.', device or 'auto')
+      self.context = InProcessContext(device=self.device)
+      self._tff.framework.set_default_context(self.context)
+      logging.info('TFF runtime ready: in-process executor, device %s%s.', self.device or 'auto',
+                   ', vectorised clients' if self.vectorize_clients else '')
       return
     try:
       if not self.remote:
@@ -362,6 +372,39 @@ class TffRuntime:
     except BaseException:
       self.close()
       raise
+
+  def bind(self, algorithm) -> None:
+    """Prepares the runtime for `algorithm` (the round driver calls this first).
+
+    `executor='auto'` (the pipeline's default) runs the method's clients vectorised on the
+    in-process executor when it can (`algorithm.vectorize_clients`: the FedAvg family and the
+    personalised methods on models without BatchNorm), and on TFF's C++ runtime otherwise —
+    or, with `device` '/GPU:0', on the in-process executor client by client (TFF's C++ runtime
+    never uses a GPU). With 'in_process' and `vectorize_clients`, the method must vectorise.
+    """
+    if self.executor != 'auto':
+      if self.vectorize_clients:
+        algorithm.vectorize_clients(self.device)
+      return
+    try:
+      algorithm.vectorize_clients(self.device)
+      self.executor, self.vectorize_clients = 'in_process', True
+    except ConfigError as e:
+      self.auto_reason = str(e)
+      self.executor = 'in_process' if self.device == '/GPU:0' else 'tff_cpp'
+    logging.info("runtime.executor = 'auto': %s for %s%s", self.description, algorithm.name,
+                 f' ({self.auto_reason})' if self.auto_reason else '.')
+    self._start()
+
+  @property
+  def description(self) -> str:
+    """The executor in words, e.g. for the run's summary."""
+    if self.executor == 'in_process':
+      return ('in-process executor, vectorised clients' if self.vectorize_clients
+              else 'in-process executor')
+    if self.executor == 'tff_cpp':
+      return f"TFF's C++ runtime ({'remote workers' if self.remote else 'local worker_binary'})"
+    return 'not chosen yet (auto)'
 
   def _start_worker(self) -> WorkerProcess:
     """A local worker logging to `<log_dir>/tff_worker.log` (appended), or a temporary file."""
@@ -390,7 +433,7 @@ class TffRuntime:
     for the program, then reinstall `self.context`. One worker only (TFF's mergeable context
     is synchronous)."""
 
-    if self.executor == 'in_process':
+    if self.executor != 'tff_cpp':
       raise ConfigError("program_context needs TFF's C++ runtime (runtime.executor = 'tff_cpp').")
     if len(self._stubs) != 1:
       raise ConfigError(f'program_context needs one worker, this runtime has '
@@ -524,7 +567,7 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                  tls_ca_file: Optional[str] = None, tls_cert_file: Optional[str] = None,
                  tls_key_file: Optional[str] = None, tls_server_name: Optional[str] = None,
                  insecure_plaintext: bool = False, recycle_every: int = 0,
-                 executor: str = 'tff_cpp', device: str = 'auto',
+                 executor: str = 'auto', device: str = 'auto',
                  mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
                  vectorize_clients: bool = False) -> TffRuntime:
   """Builds the experiment's runtime.
@@ -544,10 +587,12 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
       `--insecure_plaintext`): only on a trusted network.
     recycle_every: Replace the local worker_binary by a fresh one every this many rounds (0:
       never); bounds the worker's memory on long runs, results unchanged (`after_round`).
-    executor: 'tff_cpp' (default): TFF's C++ runtime, a local `worker_binary` or the remote
-      `workers`. 'in_process': the same compiled computations run in this process, no worker
-      (`fltff.runtime.in_process`; equal results, slower on the 2-core CPUs measured, see the
-      README's Performance section).
+    executor: 'auto' (default): vectorised clients on the in-process executor for the methods
+      and models that have them, TFF's C++ runtime for the others, for remote `workers` and
+      with `recycle_every` (`TffRuntime.bind`). 'tff_cpp': TFF's C++ runtime, a local
+      `worker_binary` or the remote `workers`. 'in_process': the same compiled computations
+      run in this process, no worker (`fltff.runtime.in_process`; equal results; client by
+      client it is slower on the 2-core CPUs measured, see the README's Executors section).
     device: 'auto' | 'cpu' | 'gpu': where the in-process executor runs the computations
       ('auto': TensorFlow's choice, its GPU when it sees one). TFF's C++ runtime never uses a
       GPU (TFF issues 3709, 4600): with 'tff_cpp' only 'auto' and 'cpu' are accepted.
@@ -555,16 +600,19 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
       and the local worker, and the driver trims its heap after each round
       (`fltff.runtime.heap`: keeps resident memory from creeping up with rounds; results
       unchanged). 0: glibc's default, no trimming.
-    vectorize_clients: With `executor='in_process'`: run each round's client work for all
+    vectorize_clients: With `executor='in_process'` ('auto' decides by itself): run each
+      round's client work for all
       participants in one vectorised TensorFlow step (`fltff.learning.vectorized`; the
-      FedAvg-family methods on models without BatchNorm; equal results, see the README's
-      Performance section).
+      FedAvg-family methods and the personalised KAPC, FedAMP, Local and pFedLA, on models
+      without BatchNorm; equal results, see the README's Performance section).
   """
   check_number('runtime.recycle_every', recycle_every, integer=True)
   check_number('runtime.mmap_threshold_kib', mmap_threshold_kib, integer=True)
   if mmap_threshold_kib < 0:
     raise ConfigError(f'runtime.mmap_threshold_kib must be >= 0 (0: glibc\'s default), got '
                       f'{mmap_threshold_kib}.')
+  if executor == 'auto' and (workers or recycle_every):
+    executor = 'tff_cpp'  # Only TFF's C++ runtime has workers to reach or to recycle.
   tf_device = check_executor(executor, device, workers, recycle_every, vectorize_clients)
   if recycle_every < 0:
     raise ConfigError(f'runtime.recycle_every must be >= 0 (0: never), got {recycle_every}.')
@@ -593,7 +641,7 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                     vectorize_clients=bool(vectorize_clients))
 
 
-EXECUTORS = ('tff_cpp', 'in_process')
+EXECUTORS = ('auto', 'tff_cpp', 'in_process')
 DEVICES = ('auto', 'cpu', 'gpu')
 
 

@@ -113,8 +113,8 @@ class RoundDriver:
     # on the others); the round's inputs are deterministic, so the repeat is exact.
     self.call = runtime.call if runtime is not None else protocol.direct_call
     self.runtime = runtime
-    if runtime is not None and getattr(runtime, 'vectorize_clients', False):
-      algorithm.vectorize_clients(runtime.device)
+    if runtime is not None:
+      runtime.bind(algorithm)  # Chooses the executor ('auto'), vectorises the clients.
     self.algorithm = algorithm
     self.process = algorithm.process
     self.data = data
@@ -300,6 +300,8 @@ class RoundDriver:
   # -- the loop ----------------------------------------------------------------------------
   def run(self, resume: bool = False) -> dict:
     cfg = self.config
+    if self.runtime is not None and getattr(self.runtime, 'description', None):
+      self.progress(f'{self.algorithm.name} on the {self.runtime.description}.')
     state = self.algorithm.initialize(self.call)
     start_round = 1
     if not resume or self.checkpointer.latest_round() is None:
@@ -409,6 +411,8 @@ class RoundDriver:
       extra['checkpoint_seconds_max'] = float(np.max(seconds))
       extra['checkpoint_megabytes'] = self._checkpoint_costs[-1][1] / 1e6
     extra['driver_peak_rss_mib'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    if self.runtime is not None:
+      extra['executor'] = getattr(self.runtime, 'description', None)
     if self.rows:
       extra['round_seconds_median'] = float(np.median([r['round_seconds'] for r in self.rows]))
     return extra | {

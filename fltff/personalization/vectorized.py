@@ -1,0 +1,73 @@
+"""Client-vectorised rounds for the personalised methods (KAPC, FedAMP, Local, pFedLA; issue 19).
+
+`build_personalized_process`'s client work — start from the client's own model (or s_i),
+train E epochs on `f_i(w) + λ Σ_l ||w^l − s_i^l||²`, BLS's choice of Ω (KAPC Algorithms 3–4)
+— for all of a round's participants in one TensorFlow step: the local training is
+`learning.vectorized.VectorizedClientWork` with per-client start weights and a per-client
+proximal term, and the parts before and after it are the process's own `client_start` and
+`client_result`, mapped over the clients with `tf.vectorized_map`. The server's parts of the
+round stay TFF computations (`PersonalizedAlgorithm.split_round`), so the state and result are
+the same as TFF's to float rounding (tests/test_vectorized.py).
+
+Scope: models whose weights are all trainable (FedBN's BatchNorm statistics are refused, as
+for the FedAvg family).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from fltff.learning import client_work as client_work_lib
+from fltff.learning.model_spec import ModelSpec
+from fltff.learning.vectorized import VectorizedClientWork
+
+
+class VectorizedPersonalWork:
+  """`__call__(server_msg, client_inputs)` → `(value, weight, model_outputs)`, each stacked
+  along the participants (in `client_inputs` order): what the process's `client_update` returns
+  per client, for `end_round`."""
+
+  def __init__(self, model_spec: ModelSpec, optimizer, client_start: Callable,
+               client_regularizer: Optional[Callable], client_result: Callable,
+               device: Optional[str] = None):
+    self._client_start, self._client_result = client_start, client_result
+    self._regularized = client_regularizer is not None
+    self._work = VectorizedClientWork(
+        model_spec, optimizer, device=device,
+        client_regularizer=(lambda terms: client_regularizer(*terms)) if self._regularized
+        else None)
+    self._device = device
+    self._starts = tf.function(self._starts_fn, reduce_retracing=True)
+    self._results = tf.function(self._results_fn, reduce_retracing=True)
+
+  def _starts_fn(self, server_msg, personal, clients):
+    return tf.vectorized_map(
+        lambda args: tuple(self._client_start(server_msg, *args)), (personal, clients))
+
+  def _results_fn(self, server_msg, personal, clients, s, sent, own, trained,
+                  examples_per_epoch):
+    return tf.vectorized_map(
+        lambda args: self._client_result(server_msg, *args),
+        (personal, clients, s, sent, own, trained, examples_per_epoch))
+
+  def __call__(self, server_msg, client_inputs: Sequence[Any]):
+    server_msg = tf.nest.map_structure(tf.convert_to_tensor, server_msg)
+    personal = tf.nest.map_structure(lambda *values: tf.convert_to_tensor(np.stack(values)),
+                                     *[data['state'] for data in client_inputs])
+    infos = [client_work_lib.client_info_of_input(data) for data in client_inputs]
+    clients = tf.constant([info['client_index'] for info in infos], tf.int32)
+    start, s, sent, own = (tuple(part) for part in self._starts(server_msg, personal, clients))
+    out, data = self._work.train(client_inputs, start=start,
+                                 client_terms=(s, sent) if self._regularized else None)
+    examples = out['sums'][1]
+    examples_per_epoch = examples // tf.cast(tf.maximum(data['epochs'], 1), tf.int64)
+    value, weight = self._results(server_msg, personal, clients, s, sent, own,
+                                  tuple(out['trained']), examples_per_epoch)
+    value = collections.OrderedDict(trainable=tuple(value['trainable']))
+    return value, weight, self._work.model_outputs(out['sums'])
