@@ -61,6 +61,9 @@ def read_plan(path: str) -> list[PlannedRun]:
   return runs
 
 
+REPRODUCTION_EXECUTOR = 'runtime.executor = "tff_cpp"'
+
+
 def command(run: PlannedRun, runs_dir: str) -> tuple[list[str], str]:
   """The `pipelines.run` command for `run`, and its state.
 
@@ -71,8 +74,11 @@ def command(run: PlannedRun, runs_dir: str) -> tuple[list[str], str]:
   done, wanted = reproduction.run_progress(out)
   if wanted is not None and done >= wanted:
     return [], 'done'
+  # The committed runs were made on TFF's C++ runtime: pinned, so that they replay and resume
+  # as they were made (vectorised clients, the default's choice, agree to float rounding only).
   args = [sys.executable, '-m', 'pipelines.run', f'--gin_file={run.gin_file}',
-          f'--output_dir={out}'] + [f'--gin_bindings={b}' for b in run.bindings]
+          f'--output_dir={out}', f'--gin_bindings={REPRODUCTION_EXECUTOR}'] + [
+              f'--gin_bindings={b}' for b in run.bindings]
   if os.path.isdir(os.path.join(out, 'checkpoints')):
     return args + ['--resume'], 'resume'
   if os.path.isdir(out) and os.listdir(out):

@@ -13,11 +13,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the default executor ('auto') has tests of its own.
 SMALL = [
     '--gin_file=gin_configs/foundation/mnist1003_shards_fedavg.gin',
-    '--gin_bindings=runtime.executor = "tff_cpp"',
     '--gin_bindings=experiment.rounds = 3',
     '--gin_bindings=experiment.clients_per_round = 3',
     '--gin_bindings=experiment.local_epochs = 1',
     '--gin_bindings=experiment.checkpoint_every = 1',
+    '--gin_bindings=runtime.executor = "tff_cpp"',
 ]
 
 
