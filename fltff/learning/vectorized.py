@@ -362,6 +362,8 @@ class VectorizedClientWork:
     """
     optimizer, frozen = self._optimizer, self._frozen
     shared = self._regularizer
+    # Which gradient path the regularisers take is a property of their class, the same for
+    # every client: read it off the shared one, or off the first client's.
     probe = shared
     if client_terms is not None:
       probe = self._client_regularizer(tf.nest.map_structure(lambda t: t[0], client_terms))

@@ -42,7 +42,6 @@ class VectorizedPersonalWork:
         model_spec, optimizer, device=device,
         client_regularizer=(lambda terms: client_regularizer(*terms)) if self._regularized
         else None)
-    self._device = device
     self._starts = tf.function(self._starts_fn, reduce_retracing=True)
     self._results = tf.function(self._results_fn, reduce_retracing=True)
 
