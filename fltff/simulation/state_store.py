@@ -142,6 +142,7 @@ class SqliteClientStateStore:
     os.makedirs(directory, exist_ok=True)
     self.path = os.path.join(directory, self.FILE_NAME)
     self._init_fn = init_fn
+    self._structure = None  # One initial state, for its structure only (`get`).
     self._cache: collections.OrderedDict[int, Any] = collections.OrderedDict()
     self._cache_size = int(cache_size)
     self._changed: set[int] = set()
@@ -174,8 +175,16 @@ class SqliteClientStateStore:
       return self._cache[k]
     row = self._db.execute('SELECT leaves FROM states WHERE client = ? ORDER BY round DESC '
                            'LIMIT 1', (k,)).fetchone()
-    template = tf.nest.map_structure(np.asarray, self._init_fn(k))
-    state = template if row is None else _unpack(row[0], template)
+    if row is None:
+      state = tf.nest.map_structure(np.asarray, self._init_fn(k))
+      if self._structure is None:
+        self._structure = state
+    else:
+      # A stored state needs only the states' structure (the same for every client of a
+      # method), not a fresh initial state (a model-sized copy for the personalised methods).
+      if self._structure is None:
+        self._structure = self._init_fn(k)
+      state = _unpack(row[0], self._structure)
     self._remember(k, state)
     return state
 
