@@ -253,6 +253,9 @@ def test_moon_offline_twin_pipeline(tmp_path):
                         '--gin_bindings=experiment.local_epochs = 1', f'--output_dir={out}')
   assert result.returncode == 0, result.stderr[-3000:]
   assert not tagged_worker_pids() - before
+  # The default executor ('auto') runs MOON, which cannot vectorise, on TFF's C++ runtime.
+  assert ("moon runs on TFF's C++ runtime (local worker_binary) (runtime.executor = 'auto': "
+          'moon cannot vectorise its clients') in result.stdout
   rows = read_csv(os.path.join(out, 'metrics.csv'))
   assert [r['round'] for r in rows] == ['1', '2']
   for r in rows:

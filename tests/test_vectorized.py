@@ -279,12 +279,12 @@ CPP = ['--gin_bindings=runtime.executor = "tff_cpp"']
 ], ids=['fedavg', 'kapc+bls'])
 def test_pipeline_vectorised_equals_cpp_and_resumes(config, vectorised, columns, tmp_path):
   full, resumed, stdout = run_and_resume([*config, *vectorised], tmp_path, stop_round=2)
-  assert 'on the in-process executor, vectorised clients.' in stdout
+  assert 'runs on the in-process executor, vectorised clients.' in stdout
   summary = json.load(open(tmp_path / 'full' / 'summary.json'))
-  assert summary['executor'] == 'in-process executor, vectorised clients'
+  assert summary['executor'] == 'the in-process executor, vectorised clients'
   result = run_pipeline(*config, *CPP, f'--output_dir={tmp_path / "cpp"}')
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "on the TFF's C++ runtime (local worker_binary)." in result.stdout
+  assert "runs on TFF's C++ runtime (local worker_binary)." in result.stdout
   cpp = read_csv(os.path.join(tmp_path, 'cpp', 'metrics.csv'))
   assert len(full) == len(resumed) == len(cpp) == 3
   for a, b, c in zip(full, resumed, cpp):

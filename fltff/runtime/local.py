@@ -400,8 +400,8 @@ class TffRuntime:
   def description(self) -> str:
     """The executor in words, e.g. for the run's summary."""
     if self.executor == 'in_process':
-      return ('in-process executor, vectorised clients' if self.vectorize_clients
-              else 'in-process executor')
+      return ('the in-process executor, vectorised clients' if self.vectorize_clients
+              else 'the in-process executor')
     if self.executor == 'tff_cpp':
       return f"TFF's C++ runtime ({'remote workers' if self.remote else 'local worker_binary'})"
     return 'not chosen yet (auto)'

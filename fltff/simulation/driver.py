@@ -301,7 +301,9 @@ class RoundDriver:
   def run(self, resume: bool = False) -> dict:
     cfg = self.config
     if self.runtime is not None and getattr(self.runtime, 'description', None):
-      self.progress(f'{self.algorithm.name} on the {self.runtime.description}.')
+      reason = getattr(self.runtime, 'auto_reason', None)
+      self.progress(f'{self.algorithm.name} runs on {self.runtime.description}'
+                    + (f" (runtime.executor = 'auto': {reason})" if reason else '.'))
     state = self.algorithm.initialize(self.call)
     start_round = 1
     if not resume or self.checkpointer.latest_round() is None:
