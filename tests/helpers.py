@@ -151,6 +151,46 @@ def equality_sgdm():
   return tff.learning.optimizers.build_sgdm(learning_rate=0.05, momentum=0.5)
 
 
+def equality_methods() -> dict:
+  """Builders `spec -> algorithm` of every method the executor-equality suites run
+  (`test_in_process.py`, `test_vectorized.py`: each takes its own subset by name), with
+  `equality_sgdm` and `EQUALITY_CLIENTS` clients."""
+  from fltff import aggregators  # pylint: disable=g-import-not-at-top
+  from fltff import learning  # pylint: disable=g-import-not-at-top
+  from fltff import personalization  # pylint: disable=g-import-not-at-top
+  from fltff.personalization.fedlap_mixing import FedLapPersonalization  # pylint: disable=g-import-not-at-top
+  from fltff.personalization.fedlap_mixing import with_fedlap_personalization  # pylint: disable=g-import-not-at-top
+
+  n, sgdm = EQUALITY_CLIENTS, equality_sgdm
+  ccn = aggregators.contribution_normalization_factory
+  return {
+      'fedavg': lambda s: learning.build_fedavg(s, client_optimizer=sgdm()),
+      'fedavg_uniform': lambda s: learning.build_fedavg(s, client_optimizer=sgdm(),
+                                                        client_weighting='uniform'),
+      'fedprox': lambda s: learning.build_fedprox(s, client_optimizer=sgdm()),
+      'sgdm': lambda s: learning.build_sgdm(s, client_optimizer=sgdm()),
+      'fedlap': lambda s: learning.build_fedlap(s, client_optimizer=sgdm()),
+      'fedadp': lambda s: learning.build_fedadp(s, n, client_optimizer=sgdm()),
+      'fedlayerwise': lambda s: learning.build_fedlayerwise(s, n, client_optimizer=sgdm()),
+      'fednova+ccn': lambda s: learning.build_fednova(s, client_optimizer=sgdm(),
+                                                      model_aggregator=ccn()),
+      'fedbabu': lambda s: learning.build_fedbabu(s, client_optimizer=sgdm()),
+      'scaffold': lambda s: learning.build_scaffold(s, n, client_optimizer=sgdm()),
+      'scaffold+ccn': lambda s: learning.build_scaffold(s, n, client_optimizer=sgdm(),
+                                                        model_aggregator=ccn()),
+      'moon': lambda s: learning.build_moon(s, n, client_optimizer=sgdm()),
+      'kapc': lambda s: personalization.build_kapc(s, n, client_optimizer=sgdm()),
+      'kapc+bls': lambda s: personalization.build_kapc(s, n, client_optimizer=sgdm(),
+                                                       bls_mu=0.5),
+      'fedamp': lambda s: personalization.build_fedamp(s, n, client_optimizer=sgdm()),
+      'pfedla': lambda s: personalization.build_pfedla(s, n, client_optimizer=sgdm()),
+      'fedbn': lambda s: personalization.build_fedbn(s, n, client_optimizer=sgdm()),
+      'local': lambda s: personalization.build_local(s, n, client_optimizer=sgdm()),
+      'fedavg+fedlap_personalization': lambda s: with_fedlap_personalization(
+          learning.build_fedavg(s, client_optimizer=sgdm()), FedLapPersonalization(s, sgdm())),
+  }
+
+
 def leaves(value) -> list:
   """Every array in a (nested) result: Structs, attrs classes, dicts, lists."""
   import numpy as np  # pylint: disable=g-import-not-at-top

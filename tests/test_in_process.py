@@ -15,12 +15,8 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from fltff import aggregators
-from fltff import learning
-from fltff import personalization
 from fltff import runtime
 from fltff.errors import ConfigError
-from fltff.personalization.fedlap_mixing import FedLapPersonalization
-from fltff.personalization.fedlap_mixing import with_fedlap_personalization
 from fltff.runtime.in_process import InProcessContext
 from fltff.runtime.local import check_executor
 from helpers import EQUALITY_CLIENTS
@@ -28,7 +24,7 @@ from helpers import SMALL
 from helpers import assert_equal_runs
 from helpers import assert_one_line_error
 from helpers import equality_data  # noqa: F401  pylint: disable=unused-import (fixture)
-from helpers import equality_sgdm
+from helpers import equality_methods
 from helpers import equality_spec  # noqa: F401  pylint: disable=unused-import (fixture)
 from helpers import leaves
 from helpers import read_csv
@@ -38,32 +34,10 @@ from helpers import run_rounds
 from helpers import tagged_worker_pids
 
 NUM_CLIENTS = EQUALITY_CLIENTS
-SGDM = equality_sgdm
 
-METHODS = {
-    'fedavg': lambda s: learning.build_fedavg(s, client_optimizer=SGDM()),
-    'fedprox': lambda s: learning.build_fedprox(s, client_optimizer=SGDM()),
-    'sgdm': lambda s: learning.build_sgdm(s, client_optimizer=SGDM()),
-    'fedlap': lambda s: learning.build_fedlap(s, client_optimizer=SGDM()),
-    'fedadp': lambda s: learning.build_fedadp(s, NUM_CLIENTS, client_optimizer=SGDM()),
-    'fedlayerwise': lambda s: learning.build_fedlayerwise(s, NUM_CLIENTS, client_optimizer=SGDM()),
-    'fednova+ccn': lambda s: learning.build_fednova(
-        s, client_optimizer=SGDM(),
-        model_aggregator=aggregators.contribution_normalization_factory()),
-    'fedbabu': lambda s: learning.build_fedbabu(s, client_optimizer=SGDM()),
-    'scaffold+ccn': lambda s: learning.build_scaffold(
-        s, NUM_CLIENTS, client_optimizer=SGDM(),
-        model_aggregator=aggregators.contribution_normalization_factory()),
-    'moon': lambda s: learning.build_moon(s, NUM_CLIENTS, client_optimizer=SGDM()),
-    'kapc+bls': lambda s: personalization.build_kapc(s, NUM_CLIENTS, client_optimizer=SGDM(),
-                                                     bls_mu=0.5),
-    'fedamp': lambda s: personalization.build_fedamp(s, NUM_CLIENTS, client_optimizer=SGDM()),
-    'pfedla': lambda s: personalization.build_pfedla(s, NUM_CLIENTS, client_optimizer=SGDM()),
-    'fedbn': lambda s: personalization.build_fedbn(s, NUM_CLIENTS, client_optimizer=SGDM()),
-    'local': lambda s: personalization.build_local(s, NUM_CLIENTS, client_optimizer=SGDM()),
-    'fedavg+fedlap_personalization': lambda s: with_fedlap_personalization(
-        learning.build_fedavg(s, client_optimizer=SGDM()), FedLapPersonalization(s, SGDM())),
-}
+# The 16 method families, each once.
+METHODS = {name: build for name, build in equality_methods().items()
+           if name not in ('fedavg_uniform', 'kapc', 'scaffold')}
 
 
 @pytest.fixture(scope='module')

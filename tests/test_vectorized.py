@@ -16,7 +16,6 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from fltff import aggregators
 from fltff import learning
 from fltff import personalization
 from fltff.errors import ConfigError
@@ -28,6 +27,7 @@ from helpers import EQUALITY_CLIENTS
 from helpers import SMALL
 from helpers import assert_equal_runs
 from helpers import assert_one_line_error
+from helpers import equality_methods
 from helpers import equality_data  # noqa: F401  pylint: disable=unused-import (fixture)
 from helpers import equality_sgdm
 from helpers import equality_spec  # noqa: F401  pylint: disable=unused-import (fixture)
@@ -40,33 +40,13 @@ from helpers import tagged_worker_pids
 NUM_CLIENTS = EQUALITY_CLIENTS
 SGDM = equality_sgdm
 
-METHODS = {
-    'fedavg': lambda s: learning.build_fedavg(s, client_optimizer=SGDM()),
-    'fedavg_uniform': lambda s: learning.build_fedavg(s, client_optimizer=SGDM(),
-                                                      client_weighting='uniform'),
-    'fedprox': lambda s: learning.build_fedprox(s, client_optimizer=SGDM()),
-    'sgdm': lambda s: learning.build_sgdm(s, client_optimizer=SGDM()),
-    'fedlap': lambda s: learning.build_fedlap(s, client_optimizer=SGDM()),
-    'fedadp': lambda s: learning.build_fedadp(s, NUM_CLIENTS, client_optimizer=SGDM()),
-    'fedlayerwise': lambda s: learning.build_fedlayerwise(s, NUM_CLIENTS, client_optimizer=SGDM()),
-    'fednova+ccn': lambda s: learning.build_fednova(
-        s, client_optimizer=SGDM(),
-        model_aggregator=aggregators.contribution_normalization_factory()),
-    'fedbabu': lambda s: learning.build_fedbabu(s, client_optimizer=SGDM()),
-    # The personalised methods (`fltff.personalization.vectorized`): per-client start models,
-    # per-client proximal anchors s_i and, with BLS, per-client layer masks and Ω searches.
-    'kapc': lambda s: personalization.build_kapc(s, NUM_CLIENTS, client_optimizer=SGDM()),
-    'kapc+bls': lambda s: personalization.build_kapc(s, NUM_CLIENTS, client_optimizer=SGDM(),
-                                                     bls_mu=0.5),
-    'fedamp': lambda s: personalization.build_fedamp(s, NUM_CLIENTS, client_optimizer=SGDM()),
-    'pfedla': lambda s: personalization.build_pfedla(s, NUM_CLIENTS, client_optimizer=SGDM()),
-    'local': lambda s: personalization.build_local(s, NUM_CLIENTS, client_optimizer=SGDM()),
-}
-
-UNSUPPORTED = {
-    'scaffold': lambda s: learning.build_scaffold(s, NUM_CLIENTS, client_optimizer=SGDM()),
-    'moon': lambda s: learning.build_moon(s, NUM_CLIENTS, client_optimizer=SGDM()),
-}
+# The FedAvg family and the personalised methods (`fltff.personalization.vectorized`: per-client
+# start models, per-client proximal anchors s_i and, with BLS, per-client layer masks and Ω
+# searches).
+VECTORISED = ('fedavg', 'fedavg_uniform', 'fedprox', 'sgdm', 'fedlap', 'fedadp', 'fedlayerwise',
+              'fednova+ccn', 'fedbabu', 'kapc', 'kapc+bls', 'fedamp', 'pfedla', 'local')
+METHODS = {name: equality_methods()[name] for name in VECTORISED}
+UNSUPPORTED = {name: equality_methods()[name] for name in ('scaffold', 'moon')}
 
 
 @pytest.fixture(scope='module')
