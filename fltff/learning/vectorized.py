@@ -4,9 +4,10 @@ TFF maps the client work over participants one at a time (one graph call per cli
 C++ runtime also one serialised dataset and one gRPC call each). Here the participants'
 weights get a leading client axis and every local step is one `tf.vectorized_map` over the
 clients: a batched matmul/convolution instead of K small ones (issue 19). It is the same
-computation as `client_work.build_local_training` — the same optimizer (`optimizer.next`,
-called per client inside the map), regulariser hooks, frozen tensors, metrics and update
-weight — so a round's results equal TFF's to float rounding (tests/test_vectorized.py).
+computation as `client_work.build_local_training` — the same regulariser hooks, frozen
+tensors, metrics and update weight, and the same optimizer arithmetic (`stacked_optimizer`:
+TFF's SGD(M) in place on the stacked weights, any other optimizer's `next` mapped over the
+clients) — so a round's results equal TFF's to float rounding (tests/test_vectorized.py).
 
 Clients differ in batch count, last-batch size and epochs: the round's batches are padded to
 `[epochs, steps, clients, batch, ...]`, padded examples are masked out of the loss (the mean
@@ -39,6 +40,8 @@ from fltff.data.pipeline import ArraySource
 from fltff.data.pipeline import array_source
 from fltff.data.pipeline import preprocess_batch
 from fltff.learning.model_spec import ModelSpec
+from fltff.learning.stacked_optimizer import broadcast_clients
+from fltff.learning.stacked_optimizer import stacked_optimizer
 from fltff.runtime.in_process import StackedClients
 from fltff.runtime.in_process import clients_argument
 
@@ -263,12 +266,6 @@ def _read_dataset_batches(datasets: Sequence[tf.data.Dataset], passes: Sequence[
   return bx, by, sizes, counts
 
 
-def _stack(value, k):
-  """`value` repeated along a new leading client axis of size `k`."""
-  value = tf.convert_to_tensor(value)
-  return tf.broadcast_to(value[tf.newaxis], tf.concat([[k], tf.shape(value)], 0))
-
-
 class VectorizedClientWork:
   """`client_work.build_client_work`'s computation for all of a round's participants at once.
 
@@ -324,7 +321,7 @@ class VectorizedClientWork:
       latent_model = client_work_lib.latent_fn_for(self._keras_model, weight_fields)
       self._latent_apply = functional_apply(latent_model, self._keras_model)
       self._latent_dim = int(latent_model.output_shape[-1])
-    self._optimizer = optimizer
+    self._updater = stacked_optimizer(optimizer, frozenset(frozen))
     self._regularizer = regularizer
     self._client_regularizer = client_regularizer
     self._weight_fields = tuple(weight_fields)
@@ -360,7 +357,7 @@ class VectorizedClientWork:
     `client_regularizer(its terms)` (KAPC's proximal term towards the client's own s_i);
     otherwise every client uses the shared `regularizer` towards `global_trainable`.
     """
-    optimizer, frozen = self._optimizer, self._frozen
+    frozen = self._frozen
     shared = self._regularizer
     # Which gradient path the regularisers take is a property of their class, the same for
     # every client: read it off the shared one, or off the first client's.
@@ -372,12 +369,11 @@ class VectorizedClientWork:
     k = tf.shape(valid)[2]
     if start is None:
       global_trainable = tuple(global_trainable)
-      weights = tuple(_stack(g, k) for g in global_trainable)
+      weights = tuple(broadcast_clients(g, k) for g in global_trainable)
     else:
       weights = tuple(start)
-    optimizer_state = tf.nest.map_structure(
-        lambda s: _stack(s, k),
-        optimizer.initialize(tuple(tf.TensorSpec(w.shape[1:], w.dtype) for w in weights)))
+    updater = self._updater
+    carry = updater.start(weights)
     zero = tf.zeros([k], tf.float32)
     # Per client: Σ batch-loss·n, examples, correct predictions, batches.
     sums = (zero, tf.zeros([k], tf.int64), zero, tf.zeros([k], tf.int64))
@@ -400,8 +396,8 @@ class VectorizedClientWork:
                        for part in affine)
       return context, affine
 
-    def client_step(args):
-      local, opt_state, bx, by, bmask, trains, context, affine, client = args
+    def client_gradients(args):
+      local, bx, by, bmask, trains, context, affine, client = args
       regularizer = regularizer_of(client)
       with tf.GradientTape() as tape:
         tape.watch(local)
@@ -416,35 +412,26 @@ class VectorizedClientWork:
       gradients = client_work_lib.step_gradients(
           tape.gradient(loss, local), local, regularizer, global_trainable, context,
           affine if has_affine else None, frozen)
-      new_state, updated = optimizer.next(opt_state, local, tuple(gradients))
-      updated = tuple(w if i in frozen else u for i, (w, u) in enumerate(zip(local, updated)))
       correct = tf.reduce_sum(bmask * tf.cast(
           tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), by), tf.float32))
       count = tf.cast(trains, tf.float32)
       step_sums = (data_loss * n * count, tf.cast(n * count, tf.int64), correct * count,
                    tf.cast(trains, tf.int64))
-      return updated, new_state, step_sums
-
-    def keep_idle(trains, new, old):
-      """A client without a batch at this step (fewer batches or epochs) is left unchanged;
-      skipped when every client trains (a full-size select per tensor and step)."""
-      def select():
-        return tf.nest.map_structure(
-            lambda n, o: tf.where(tf.reshape(trains, [-1] + [1] * (n.shape.rank - 1)), n, o),
-            new, old)
-      return tf.cond(tf.reduce_all(trains), lambda: new, select)
+      return tuple(gradients), step_sums
 
     for e in tf.range(tf.shape(valid)[0]):
-      context, affine = tf.vectorized_map(epoch_context, (weights, terms))
+      context, affine = tf.vectorized_map(epoch_context, (updater.weights(carry), terms))
       for s in tf.range(tf.shape(valid)[1]):
         trains = valid[e, s]
-        new_weights, new_state, step_sums = tf.vectorized_map(
-            client_step, (weights, optimizer_state, tf.gather(examples, index[e, s]),
-                          tf.gather(labels, index[e, s]), mask[e, s], trains,
-                          context, affine, terms))
-        weights, optimizer_state = keep_idle(trains, (new_weights, new_state),
-                                             (weights, optimizer_state))
+        # The clients' gradients in one vectorised step, then the optimizer's update of all of
+        # them (`stacked_optimizer`: in place for TFF's SGD(M)).
+        gradients, step_sums = tf.vectorized_map(
+            client_gradients, (updater.weights(carry), tf.gather(examples, index[e, s]),
+                               tf.gather(labels, index[e, s]), mask[e, s], trains,
+                               context, affine, terms))
+        carry = updater.step(carry, gradients, trains)
         sums = tuple(a + b for a, b in zip(sums, step_sums))
+    weights = updater.finish(carry)
 
     out = collections.OrderedDict(trained=weights, sums=sums)
     if start is None:
@@ -481,6 +468,8 @@ class VectorizedClientWork:
     (`stack_client_batches`)."""
     self._restore_tf2_layer_classes()
     data = stack_client_batches(client_inputs, self._read_before)
+    self._updater.prepare([tf.TensorSpec(w.shape, w.dtype)
+                           for w in self._keras_model.trainable_weights], self._device)
     with tf.device(self._device) if self._device else contextlib.nullcontext():
       out = self._train(global_trainable, start, client_terms, data['examples'], data['labels'],
                         data['index'], data['mask'], data['valid'], data['epochs'])

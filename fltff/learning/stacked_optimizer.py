@@ -1,0 +1,197 @@
+"""The client optimizer's local step for a round's stacked participants (vectorised clients).
+
+`learning.vectorized` trains every participant at once, their weights stacked along a leading
+client axis `[K, ...]`. Each step computes all clients' gradients in one `tf.vectorized_map`
+and then applies the client optimizer through one of these updaters:
+
+* `MappedOptimizer`: any TFF optimizer, `optimizer.next` per client in one
+  `tf.vectorized_map`, a client without a batch at this step keeping its weights and state.
+* `FusedSGDM`: TFF's `build_sgdm` (with or without momentum) as TensorFlow's in-place training
+  kernels (`ResourceApplyMomentum`, `ResourceApplyGradientDescent`) on variables holding the
+  stacked weights and accumulators. The arithmetic is `_SGD.next`'s (a ← μ·a + g, w ← w − η·a;
+  without momentum w ← w − η·g), but one pass over weights, accumulator and gradient per step
+  instead of elementwise ops that each write a fresh model-sized `[K, ...]` tensor. Measured on
+  mlp2 at 100 clients × 6 steps: 0.126 s against 0.17 s for the mapped update, of which the
+  gradients alone are 0.058 s.
+
+An updater is used as `carry = start(weights)`, then per step `weights(carry)` and
+`carry = step(carry, gradients, trains)`, and `finish(carry)` for the trained weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import tensorflow as tf
+
+
+def broadcast_clients(value, k):
+  """`value` repeated along a new leading client axis of size `k`."""
+  value = tf.convert_to_tensor(value)
+  return tf.broadcast_to(value[tf.newaxis], tf.concat([[k], tf.shape(value)], 0))
+
+
+def _client_mask(trains: tf.Tensor, rank: int) -> tf.Tensor:
+  return tf.reshape(trains, [-1] + [1] * (rank - 1))
+
+
+class MappedOptimizer:
+  """Any `tff.learning.optimizers.Optimizer`, run per client in one `tf.vectorized_map`.
+
+  The carry is `(weights, optimizer_state)`, both stacked. Frozen tensors keep their values.
+  """
+
+  def __init__(self, optimizer, frozen: frozenset = frozenset()):
+    self._optimizer, self._frozen = optimizer, frozen
+
+  def prepare(self, specs: Sequence[tf.TensorSpec], device: Optional[str] = None) -> None:
+    """Nothing to build outside the training function."""
+    del specs, device
+
+  def start(self, weights: Sequence[tf.Tensor]) -> Any:
+    k = tf.shape(weights[0])[0]
+    state = self._optimizer.initialize(tuple(tf.TensorSpec(w.shape[1:], w.dtype) for w in weights))
+    return tuple(weights), tf.nest.map_structure(lambda s: broadcast_clients(s, k), state)
+
+  def weights(self, carry) -> tuple:
+    return carry[0]
+
+  def step(self, carry, gradients: Sequence[tf.Tensor], trains: tf.Tensor):
+    weights, state = carry
+    new_state, updated = tf.vectorized_map(
+        lambda args: self._optimizer.next(*args), (state, weights, tuple(gradients)))
+    updated = tuple(w if i in self._frozen else u
+                    for i, (w, u) in enumerate(zip(weights, updated)))
+
+    def select():
+      # A client without a batch at this step (fewer batches or epochs) is left unchanged.
+      return tf.nest.map_structure(
+          lambda n, o: tf.where(_client_mask(trains, n.shape.rank), n, o),
+          (updated, new_state), (weights, state))
+
+    # Skipped when every client trains: a full-size select per tensor and step.
+    return tf.cond(tf.reduce_all(trains), lambda: (updated, new_state), select)
+
+  def finish(self, carry) -> tuple:
+    return carry[0]
+
+
+def sgdm_hyperparameters(optimizer) -> Optional[tuple[float, Optional[float]]]:
+  """`(learning_rate, momentum or None)` when `optimizer` is TFF's `build_sgdm`, else None.
+
+  Recognised by its module and its state's keys: `_SGD` is private to TFF, and an optimizer
+  that merely resembles it must not get `FusedSGDM`'s arithmetic.
+  """
+  if type(optimizer).__module__ != 'tensorflow_federated.python.learning.optimizers.sgdm':
+    return None
+  state = optimizer.initialize((tf.TensorSpec([], tf.float32),))
+  keys = set(state)
+  if keys == {'learning_rate'}:
+    return float(state['learning_rate']), None
+  if keys == {'learning_rate', 'momentum', 'accumulator'}:
+    return float(state['learning_rate']), float(state['momentum'])
+  return None
+
+
+class FusedSGDM:
+  """TFF's SGD(M) applied in place to variables holding the stacked weights and accumulators.
+
+  The variables (shape `[None, ...]`, any number of clients) are made by `prepare`, outside
+  the training function; `start` writes the round's starting weights (zero accumulators),
+  `finish` reads the trained weights and empties the variables, so nothing model-sized stays
+  held between rounds. A step where some client has no batch applies to the training clients'
+  rows only (the sparse kernels: the same arithmetic per row).
+  """
+
+  def __init__(self, learning_rate: float, momentum: Optional[float],
+               frozen: frozenset = frozenset()):
+    self._learning_rate, self._momentum, self._frozen = learning_rate, momentum, frozen
+    self._weights: Optional[list[tf.Variable]] = None
+    self._accumulators: list[tf.Variable] = []
+
+  def prepare(self, specs: Sequence[tf.TensorSpec], device: Optional[str] = None) -> None:
+    """Makes the variables (once) for one client's weight `specs`."""
+    if self._weights is not None:
+      if [tuple(v.shape[1:]) for v in self._weights] != [tuple(s.shape) for s in specs]:
+        raise ValueError('FusedSGDM was prepared for other weight shapes.')
+      return
+
+    def empty(spec):
+      return tf.Variable(tf.zeros([0, *spec.shape], spec.dtype), trainable=False,
+                         shape=tf.TensorShape([None, *spec.shape]))
+
+    with tf.device(device) if device else contextlib.nullcontext():
+      self._weights = [empty(s) for s in specs]
+      if self._momentum is not None:
+        self._accumulators = [empty(s) for s in specs]
+
+  # The carry is a token threaded through start, steps and finish: every read and update
+  # waits for it, so the order of the variables' writes is explicit data flow. (Automatic
+  # control dependencies alone were measured to let a retraced function's loop run before
+  # the accumulators' start assignment.)
+  def start(self, weights: Sequence[tf.Tensor]) -> tf.Tensor:
+    assigned = [variable.assign(value) for variable, value in zip(self._weights, weights)]
+    # `tf.zeros` of the shape, not `tf.zeros_like(value)`: traced with an unknown client
+    # count, the latter left the accumulators empty at the first step (seen in TF 2.14,
+    # tests/test_stacked_optimizer.py; the cause was not pinned down).
+    assigned += [accumulator.assign(tf.zeros(tf.shape(value), value.dtype))
+                 for accumulator, value in zip(self._accumulators, weights)]
+    with tf.control_dependencies([a.op if hasattr(a, 'op') else a for a in assigned]):
+      return tf.constant(True)
+
+  def weights(self, carry: tf.Tensor) -> tuple:
+    with tf.control_dependencies([carry]):
+      return tuple(v.read_value() for v in self._weights)
+
+  def _apply(self, gradients, rows: Optional[tf.Tensor]) -> tf.Tensor:
+    applied = []
+    for i, (variable, gradient) in enumerate(zip(self._weights, gradients)):
+      if i in self._frozen:
+        continue
+      lr = tf.cast(self._learning_rate, gradient.dtype)
+      if rows is not None:
+        gradient = tf.gather(gradient, rows)
+      if self._momentum is None:
+        if rows is None:
+          applied.append(tf.raw_ops.ResourceApplyGradientDescent(
+              var=variable.handle, alpha=lr, delta=gradient))
+        else:
+          applied.append(tf.raw_ops.ResourceScatterSub(
+              resource=variable.handle, indices=rows, updates=lr * gradient))
+        continue
+      momentum = tf.cast(self._momentum, gradient.dtype)
+      if rows is None:
+        applied.append(tf.raw_ops.ResourceApplyMomentum(
+            var=variable.handle, accum=self._accumulators[i].handle, lr=lr, grad=gradient,
+            momentum=momentum))
+      else:
+        applied.append(tf.raw_ops.ResourceSparseApplyMomentum(
+            var=variable.handle, accum=self._accumulators[i].handle, lr=lr, grad=gradient,
+            indices=rows, momentum=momentum))
+    with tf.control_dependencies(applied):
+      return tf.constant(True)
+
+  def step(self, carry: tf.Tensor, gradients: Sequence[tf.Tensor],
+           trains: tf.Tensor) -> tf.Tensor:
+    gradients = tuple(gradients)
+    with tf.control_dependencies([carry]):
+      return tf.cond(tf.reduce_all(trains), lambda: self._apply(gradients, None),
+                     lambda: self._apply(gradients, tf.where(trains)[:, 0]))
+
+  def finish(self, carry: tf.Tensor) -> tuple:
+    trained = self.weights(carry)
+    # The returned tensors keep the buffers; the variables let go of them.
+    with tf.control_dependencies(trained):
+      for variable in (*self._weights, *self._accumulators):
+        variable.assign(tf.zeros([0, *variable.shape[1:]], variable.dtype))
+    return trained
+
+
+def stacked_optimizer(optimizer, frozen: frozenset = frozenset()):
+  """The updater for `optimizer`: `FusedSGDM` for TFF's SGD(M), else `MappedOptimizer`."""
+  sgdm = sgdm_hyperparameters(optimizer)
+  if sgdm is None:
+    return MappedOptimizer(optimizer, frozen)
+  return FusedSGDM(*sgdm, frozen=frozen)

@@ -1,0 +1,104 @@
+"""The vectorised clients' optimizer updaters: in place (TFF's SGD(M)) and mapped (any
+optimizer) against TFF's own `next`, client by client, in NumPy."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from fltff.learning.stacked_optimizer import FusedSGDM
+from fltff.learning.stacked_optimizer import MappedOptimizer
+from fltff.learning.stacked_optimizer import sgdm_hyperparameters
+from fltff.learning.stacked_optimizer import stacked_optimizer
+
+K = 5
+SHAPES = [(4, 3), (3,)]
+# Steps of the clients that train (False: no batch at that step, the client must not move).
+TRAINS = [[True] * K, [True, False, True, True, False], [False, True, True, True, True],
+          [True] * K]
+
+
+def _steps(seed=0):
+  rng = np.random.default_rng(seed)
+  start = [rng.normal(size=(K, *s)).astype(np.float32) for s in SHAPES]
+  gradients = [[rng.normal(size=(K, *s)).astype(np.float32) for s in SHAPES] for _ in TRAINS]
+  return start, gradients
+
+
+def _run(updater, start, gradients, unknown_client_count=False):
+  """The updater through the steps of TRAINS inside one tf.function, as the training runs it
+  (traced for any number of clients with `unknown_client_count`, as `reduce_retracing`
+  retraces it for a round of another size)."""
+  updater.prepare([tf.TensorSpec(s, tf.float32) for s in SHAPES])
+  specs = [tf.TensorSpec([None, *s], tf.float32) for s in SHAPES]
+  signature = [specs, [specs] * len(TRAINS)] if unknown_client_count else None
+
+  @tf.function(input_signature=signature)
+  def train(start, gradients):
+    carry = updater.start(tuple(start))
+    for trains, step in zip(TRAINS, gradients):
+      carry = updater.step(carry, tuple(step), tf.constant(trains))
+    return updater.finish(carry)
+
+  return [t.numpy() for t in train(start, gradients)]
+
+
+def _reference(optimizer, start, gradients, frozen=frozenset()):
+  """TFF's `optimizer.next`, client by client, skipping a client's idle steps (the gradients
+  given for them are not zero: an updater that applied them would differ)."""
+  out = []
+  for k in range(K):
+    weights = tuple(tf.constant(w[k]) for w in start)
+    state = optimizer.initialize(tuple(tf.TensorSpec(s, tf.float32) for s in SHAPES))
+    for trains, step in zip(TRAINS, gradients):
+      if trains[k]:
+        state, updated = optimizer.next(state, weights, tuple(tf.constant(g[k]) for g in step))
+        weights = tuple(w if i in frozen else u for i, (w, u) in enumerate(zip(weights, updated)))
+    out.append([w.numpy() for w in weights])
+  return [np.stack([client[i] for client in out]) for i in range(len(SHAPES))]
+
+
+@pytest.mark.parametrize('momentum', [None, 0.9])
+@pytest.mark.parametrize('frozen', [frozenset(), frozenset({1})])
+@pytest.mark.parametrize('unknown_client_count', [False, True])
+def test_fused_sgdm_equals_tff_sgdm_client_by_client(momentum, frozen, unknown_client_count):
+  optimizer = tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=momentum)
+  updater = stacked_optimizer(optimizer, frozen)
+  assert isinstance(updater, FusedSGDM)
+  start, gradients = _steps()
+  got = _run(updater, start, gradients, unknown_client_count)
+  want = _reference(optimizer, start, gradients, frozen)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+  if frozen:
+    np.testing.assert_array_equal(got[1], start[1])
+
+
+def test_the_fused_update_lets_go_of_its_buffers_and_runs_again():
+  optimizer = tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
+  updater = stacked_optimizer(optimizer)
+  start, gradients = _steps()
+  first = _run(updater, start, gradients)
+  assert all(v.numpy().shape[0] == 0 for v in updater._weights + updater._accumulators)  # pylint: disable=protected-access
+  # Another round on the same variables.
+  again = _run(updater, start, gradients)
+  for a, b in zip(first, again):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_other_optimizers_are_mapped_and_equal_tff():
+  optimizer = tff.learning.optimizers.build_adam(learning_rate=0.05)
+  updater = stacked_optimizer(optimizer)
+  assert isinstance(updater, MappedOptimizer)
+  start, gradients = _steps(1)
+  got = _run(updater, start, gradients)
+  for g, w in zip(got, _reference(optimizer, start, gradients)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_sgdm_hyperparameters_recognise_only_tffs_sgdm():
+  assert sgdm_hyperparameters(tff.learning.optimizers.build_sgdm(0.01, 0.9)) == (
+      pytest.approx(0.01), pytest.approx(0.9))
+  assert sgdm_hyperparameters(tff.learning.optimizers.build_sgdm(0.5)) == (0.5, None)
+  assert sgdm_hyperparameters(tff.learning.optimizers.build_adam(0.01)) is None
+  assert sgdm_hyperparameters(tff.learning.optimizers.build_adagrad(0.01)) is None
