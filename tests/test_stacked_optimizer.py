@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from fltff.learning import client_work
 from fltff.learning.stacked_optimizer import FusedSGDM
 from fltff.learning.stacked_optimizer import MappedOptimizer
 from fltff.learning.stacked_optimizer import sgdm_hyperparameters
@@ -25,7 +26,17 @@ def _steps(seed=0):
   return start, gradients
 
 
-def _run(updater, start, gradients, unknown_client_count=False):
+def _affine(seed=2):
+  """FedProx-like terms: a scalar scale per client for the kernel, a per-element scale (the
+  client's `(3,)` against its `(3,)` bias) for the bias; offsets of the weights' shapes."""
+  rng = np.random.default_rng(seed)
+  scales = [rng.uniform(0.1, 1.0, size=K).astype(np.float32),
+            rng.uniform(0.1, 1.0, size=(K, 3)).astype(np.float32)]
+  offsets = [rng.normal(size=(K, *s)).astype(np.float32) for s in SHAPES]
+  return scales, offsets
+
+
+def _run(updater, start, gradients, unknown_client_count=False, affine=None):
   """The updater through the steps of TRAINS inside one tf.function, as the training runs it
   (traced for any number of clients with `unknown_client_count`, as `reduce_retracing`
   retraces it for a round of another size)."""
@@ -37,22 +48,26 @@ def _run(updater, start, gradients, unknown_client_count=False):
   def train(start, gradients):
     carry = updater.start(tuple(start))
     for trains, step in zip(TRAINS, gradients):
-      carry = updater.step(carry, tuple(step), tf.constant(trains))
+      carry = updater.step(carry, tuple(step), tf.constant(trains), affine)
     return updater.finish(carry)
 
   return [t.numpy() for t in train(start, gradients)]
 
 
-def _reference(optimizer, start, gradients, frozen=frozenset()):
+def _reference(optimizer, start, gradients, frozen=frozenset(), affine=None):
   """TFF's `optimizer.next`, client by client, skipping a client's idle steps (the gradients
-  given for them are not zero: an updater that applied them would differ)."""
+  given for them are not zero: an updater that applied them would differ), with the affine
+  terms added as `client_work.step_gradients` adds them."""
   out = []
   for k in range(K):
     weights = tuple(tf.constant(w[k]) for w in start)
     state = optimizer.initialize(tuple(tf.TensorSpec(s, tf.float32) for s in SHAPES))
     for trains, step in zip(TRAINS, gradients):
       if trains[k]:
-        state, updated = optimizer.next(state, weights, tuple(tf.constant(g[k]) for g in step))
+        client_affine = None if affine is None else [[t[k] for t in part] for part in affine]
+        grads = client_work.step_gradients([tf.constant(g[k]) for g in step], weights, None,
+                                           None, None, client_affine, frozen)
+        state, updated = optimizer.next(state, weights, tuple(grads))
         weights = tuple(w if i in frozen else u for i, (w, u) in enumerate(zip(weights, updated)))
     out.append([w.numpy() for w in weights])
   return [np.stack([client[i] for client in out]) for i in range(len(SHAPES))]
@@ -61,15 +76,18 @@ def _reference(optimizer, start, gradients, frozen=frozenset()):
 @pytest.mark.parametrize('momentum', [None, 0.9])
 @pytest.mark.parametrize('frozen', [frozenset(), frozenset({1})])
 @pytest.mark.parametrize('unknown_client_count', [False, True])
-def test_fused_sgdm_equals_tff_sgdm_client_by_client(momentum, frozen, unknown_client_count):
+@pytest.mark.parametrize('with_affine', [False, True])
+def test_fused_sgdm_equals_tff_sgdm_client_by_client(momentum, frozen, unknown_client_count,
+                                                     with_affine):
   optimizer = tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=momentum)
   updater = stacked_optimizer(optimizer, frozen)
   assert isinstance(updater, FusedSGDM)
   start, gradients = _steps()
-  got = _run(updater, start, gradients, unknown_client_count)
-  want = _reference(optimizer, start, gradients, frozen)
+  affine = _affine() if with_affine else None
+  got = _run(updater, start, gradients, unknown_client_count, affine)
+  want = _reference(optimizer, start, gradients, frozen, affine)
   for g, w in zip(got, want):
-    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
   if frozen:
     np.testing.assert_array_equal(got[1], start[1])
 
@@ -86,13 +104,15 @@ def test_the_fused_update_lets_go_of_its_buffers_and_runs_again():
     np.testing.assert_array_equal(a, b)
 
 
-def test_other_optimizers_are_mapped_and_equal_tff():
+@pytest.mark.parametrize('with_affine', [False, True])
+def test_other_optimizers_are_mapped_and_equal_tff(with_affine):
   optimizer = tff.learning.optimizers.build_adam(learning_rate=0.05)
   updater = stacked_optimizer(optimizer)
   assert isinstance(updater, MappedOptimizer)
   start, gradients = _steps(1)
-  got = _run(updater, start, gradients)
-  for g, w in zip(got, _reference(optimizer, start, gradients)):
+  affine = _affine() if with_affine else None
+  got = _run(updater, start, gradients, affine=affine)
+  for g, w in zip(got, _reference(optimizer, start, gradients, affine=affine)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 

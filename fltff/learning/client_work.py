@@ -142,6 +142,13 @@ def client_index_of_input(data) -> int:
   return client_info_of_input(data)['client_index']
 
 
+def examples_per_epoch(examples, epochs):
+  """A client's examples per local epoch (FedAvg's update weight n_i): the examples it trained
+  on over all its epochs, divided by its epochs (at least 1). Works on one client's scalars
+  and on `[K]` vectors of participants."""
+  return tf.cast(examples, tf.int64) // tf.cast(tf.maximum(epochs, 1), tf.int64)
+
+
 def step_gradients(gradients, values, regularizer: Optional[LocalRegularizer],
                    global_trainable, context, affine, frozen: frozenset) -> list:
   """A local step's gradients: the data gradients plus the regulariser's closed-form gradient
@@ -265,7 +272,7 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
     result = collections.OrderedDict(
         trained=tuple(v.read_value() for v in variables),
         non_trainable=tuple(v.read_value() for v in tf.nest.flatten(model_weights.non_trainable)),
-        examples_per_epoch=examples // tf.cast(tf.maximum(epochs, 1), tf.int64),
+        examples_per_epoch=examples_per_epoch(examples, epochs),
         steps=steps,
         metrics=model.report_local_unfinalized_metrics())
     if track_gradient_mean:

@@ -55,7 +55,7 @@ class Algorithm(protocol.FederatedAlgorithm):
   # the client work's vectorised twin (`fltff.learning.vectorized.VectorizedClientWork`):
   # set by `build_algorithm` for the default client work only.
   components: Optional[tuple] = None
-  vectorized_client_work_fn: Optional[Callable[[Optional[str]], Any]] = None
+  vectorized_fn: Optional[Callable[[Optional[str]], Any]] = None
   _vectorized: Any = dataclasses.field(default=None, repr=False)
 
   # -- protocol.FederatedAlgorithm -----------------------------------------------------------
@@ -76,7 +76,7 @@ class Algorithm(protocol.FederatedAlgorithm):
   def client_input(self, batches, client_index: int, epochs: int, client_state=None):
     # Vectorised client work reads the info in Python: no dataset for it.
     return client_work_lib.client_input(batches, client_index, epochs, client_state=client_state,
-                                        info_in_dataset=self._vectorized is None)
+                                        info_in_dataset=not self.vectorized)
 
   def next(self, state, server_input, client_inputs: Sequence,
            call: protocol.Call = protocol.direct_call) -> protocol.RoundOutput:
@@ -88,7 +88,7 @@ class Algorithm(protocol.FederatedAlgorithm):
       raise ValueError(f'{self.name} takes no server input.')
     clients = [client_work_lib.client_index_of_input(c) for c in client_inputs]
     self.check_client_indices(clients)
-    if self._vectorized is not None:
+    if self.vectorized:
       output = self._vectorized_next(state, client_inputs, call)
     else:
       output = call(self.process.next, state, client_inputs)
@@ -106,11 +106,6 @@ class Algorithm(protocol.FederatedAlgorithm):
 
   def global_model_weights(self, state):
     return self.process.get_model_weights(state)
-
-  def vectorize_clients(self, device: Optional[str] = None) -> None:
-    if self.vectorized_client_work_fn is None:
-      super().vectorize_clients(device)
-    self._vectorized = self.vectorized_client_work_fn(device)
 
   def _vectorized_next(self, state, client_inputs: Sequence, call: protocol.Call):
     """`process.next` with the client work run by `VectorizedClientWork`: the composition of
@@ -201,9 +196,9 @@ def build_algorithm(name: str,
                                                                      weights_type)
   process = tff.learning.templates.compose_learning_process(
       initial_model_weights_fn, distributor, client_work, aggregator, finalizer)
-  vectorized_client_work_fn = None
+  vectorized_fn = None
   if default_client_work:
-    def vectorized_client_work_fn(device):
+    def vectorized_fn(device):
       from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
       return VectorizedClientWork(model_spec, client_optimizer, regularizer,
                                   weight_fields=weight_fields, frozen=frozen,
@@ -213,7 +208,7 @@ def build_algorithm(name: str,
       process=process,
       model_spec=model_spec,
       components=(distributor, client_work, aggregator, finalizer),
-      vectorized_client_work_fn=vectorized_client_work_fn,
+      vectorized_fn=vectorized_fn,
       # The distributor broadcasts the full ModelWeights; each client uploads its
       # ClientResult (update and weight) to the aggregator.
       bytes_down_per_client=type_num_bytes(weights_type),

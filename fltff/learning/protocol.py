@@ -86,6 +86,10 @@ class FederatedAlgorithm:
   num_clients: Optional[int] = None
   personalized: bool = False
   personal_models: bool = False
+  # `device -> vectorised client work` where the method can vectorise its clients, and the
+  # work once `vectorize_clients` made it (the round runs it instead of the TFF client work).
+  vectorized_fn: Optional[Callable[[Optional[str]], Any]] = None
+  _vectorized: Any = None
 
   # -- state ---------------------------------------------------------------------------------
   def initialize(self, call: Call = direct_call):
@@ -101,6 +105,12 @@ class FederatedAlgorithm:
     """A client's state before its first round (nested NumPy), or None without client state."""
     del client_index
     return None
+
+  @property
+  def vectorized(self) -> bool:
+    """Whether `vectorize_clients` switched the round to the vectorised client work (its
+    client inputs then carry their info as plain values, not as a dataset)."""
+    return self._vectorized is not None
 
   # -- one round -----------------------------------------------------------------------------
   def client_input(self, batches, client_index: int, epochs: int, client_state=None):
@@ -120,9 +130,12 @@ class FederatedAlgorithm:
 
   def vectorize_clients(self, device: Optional[str] = None) -> None:
     """Run each round's client work for all participants in one vectorised TensorFlow step
-    (`runtime.vectorize_clients`, `fltff.learning.vectorized`) from now on; `ConfigError` for
-    a method that cannot."""
-    del device
+    (`runtime.vectorize_clients`, `fltff.learning.vectorized`) from now on: the work
+    `vectorized_fn(device)` makes (the builders set it where the method can); `ConfigError`
+    for a method that cannot."""
+    if self.vectorized_fn is not None:
+      self._vectorized = self.vectorized_fn(device)
+      return
     raise ConfigError(f'{self.name} cannot vectorise its clients (runtime.vectorize_clients '
                       f'supports the FedAvg-family methods built on the default client work and '
                       f'the personalised ones: KAPC, FedAMP, Local, pFedLA).')

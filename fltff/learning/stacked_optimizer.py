@@ -6,20 +6,24 @@ and then applies the client optimizer through one of these updaters:
 
 * `MappedOptimizer`: any TFF optimizer, `optimizer.next` per client in one
   `tf.vectorized_map`, a client without a batch at this step keeping its weights and state.
-* `FusedSGDM`: TFF's `build_sgdm` (with or without momentum) as TensorFlow's in-place training
-  kernels (`ResourceApplyMomentum`, `ResourceApplyGradientDescent`) on variables holding the
-  stacked weights and accumulators. The arithmetic is `_SGD.next`'s (a ← μ·a + g, w ← w − η·a;
-  without momentum w ← w − η·g), but one pass over weights, accumulator and gradient per step
-  instead of elementwise ops that each write a fresh model-sized `[K, ...]` tensor. Measured on
-  mlp2 at 100 clients × 6 steps: 0.126 s against 0.17 s for the mapped update, of which the
-  gradients alone are 0.058 s. Tried and dropped: the same update (and FedProx's affine gradient
-  terms with it) as one XLA-compiled function on the variables; alone on the `[100, 784, 200]`
-  kernel it matched these kernels (plain momentum) or beat TensorFlow's ops 0.07 s to 0.19 s
-  (FedProx), but inside the training the rounds got slower: FedAvg 0.225 → 0.352 s, FedProx
-  0.335 → 0.436 s (100 × 60, median of 8 rounds).
+* `FusedSGDM`: TFF's `build_sgdm` (with or without momentum) applied in place to variables
+  holding the stacked weights and accumulators: TensorFlow's fused training kernels
+  (`ResourceApplyMomentum`, `ResourceApplyGradientDescent`; their sparse forms on the
+  training clients' rows when some client has no batch at the step). The arithmetic is
+  `_SGD.next`'s (a ← μ·a + g, w ← w − η·a; without momentum w ← w − η·g), but one pass over
+  weights, accumulator and gradient per step instead of elementwise ops that each write a
+  fresh model-sized `[K, ...]` tensor. Measured on mlp2 at 100 clients × 6 steps: 0.126 s
+  against 0.17 s for the mapped update, of which the gradients alone are 0.058 s.
+
+An affine regulariser's gradient terms (`client_work.step_gradients`: `g + s ⊙ w + o`; FedProx,
+FedLap, KAPC) are passed to `step` instead of being added inside the clients' map. `FusedSGDM`
+adds them in the same pass as the update, one XLA-compiled elementwise function, when every
+client trains at the step. Measured at 100 × 60 (median of 8 rounds): FedProx 0.332 → 0.298 s,
+FedLap 0.424 → 0.368 s. The XLA function has no idle-client select: with one (a broadcast
+`tf.where`) it was slower than the separate ops, and a FedAvg round went 0.225 → 0.352 s.
 
 An updater is used as `carry = start(weights)`, then per step `weights(carry)` and
-`carry = step(carry, gradients, trains)`, and `finish(carry)` for the trained weights.
+`carry = step(carry, gradients, trains, affine)`, and `finish(carry)` for the trained weights.
 """
 
 from __future__ import annotations
@@ -39,6 +43,26 @@ def broadcast_clients(value, k):
 
 def _client_mask(trains: tf.Tensor, rank: int) -> tf.Tensor:
   return tf.reshape(trains, [-1] + [1] * (rank - 1))
+
+
+def _per_client(term, weight: tf.Tensor) -> tf.Tensor:
+  """A stacked per-client term `[K, *shape]` shaped to broadcast against the stacked weight
+  `[K, ...]` as one client's term broadcasts against its weight (trailing axes aligned)."""
+  term = tf.convert_to_tensor(term, weight.dtype)
+  missing = weight.shape.rank - term.shape.rank
+  if missing <= 0:
+    return term
+  return tf.reshape(term, tf.concat([tf.shape(term)[:1], tf.ones([missing], tf.int32),
+                                     tf.shape(term)[1:]], 0))
+
+
+def add_affine(gradients, weights, affine) -> list:
+  """`g + s ⊙ w + o` per tensor for stacked clients: `client_work.step_gradients`'s affine
+  regulariser terms (`affine = (scales, offsets)`, each with a leading client axis)."""
+  if affine is None:
+    return list(gradients)
+  return [tf.add_n([g, _per_client(a, w) * w, _per_client(o, w)])
+          for g, w, a, o in zip(gradients, weights, *affine)]
 
 
 class MappedOptimizer:
@@ -62,8 +86,9 @@ class MappedOptimizer:
   def weights(self, carry) -> tuple:
     return carry[0]
 
-  def step(self, carry, gradients: Sequence[tf.Tensor], trains: tf.Tensor):
+  def step(self, carry, gradients: Sequence[tf.Tensor], trains: tf.Tensor, affine=None):
     weights, state = carry
+    gradients = add_affine(gradients, weights, affine)
     new_state, updated = tf.vectorized_map(
         lambda args: self._optimizer.next(*args), (state, weights, tuple(gradients)))
     updated = tuple(w if i in self._frozen else u
@@ -114,6 +139,7 @@ class FusedSGDM:
     self._learning_rate, self._momentum, self._frozen = learning_rate, momentum, frozen
     self._weights: Optional[list[tf.Variable]] = None
     self._accumulators: list[tf.Variable] = []
+    self._affine_update = tf.function(self._affine_update_fn, jit_compile=True)
 
   def prepare(self, specs: Sequence[tf.TensorSpec], device: Optional[str] = None) -> None:
     """Makes the variables (once) for one client's weight `specs`."""
@@ -176,12 +202,43 @@ class FusedSGDM:
     with tf.control_dependencies(applied):
       return tf.constant(True)
 
-  def step(self, carry: tf.Tensor, gradients: Sequence[tf.Tensor],
-           trains: tf.Tensor) -> tf.Tensor:
+  def _affine_update_fn(self, gradients, scales, offsets) -> tf.Tensor:
+    """Every client's step with the affine terms, `g + s ⊙ w + o` (in `step_gradients`'s
+    order) and the update in one XLA-compiled elementwise pass per tensor."""
+    for i, (variable, gradient) in enumerate(zip(self._weights, gradients)):
+      if i in self._frozen:
+        continue
+      w = variable.read_value()
+      gradient = gradient + _per_client(scales[i], w) * w + _per_client(offsets[i], w)
+      lr = tf.cast(self._learning_rate, w.dtype)
+      if self._momentum is None:
+        variable.assign(w - lr * gradient)
+        continue
+      accumulator = self._accumulators[i]
+      a = tf.cast(self._momentum, w.dtype) * accumulator.read_value() + gradient
+      accumulator.assign(a)
+      variable.assign(w - lr * a)
+    return tf.constant(True)
+
+  def step(self, carry: tf.Tensor, gradients: Sequence[tf.Tensor], trains: tf.Tensor,
+           affine=None) -> tf.Tensor:
+    """One local step of every client; `affine` (an affine regulariser's `(scales, offsets)`,
+    stacked) is added to the gradients here, fused with the update when every client trains.
+    (A broadcast `tf.where` for idle clients inside the XLA function made it slower than the
+    separate ops, so steps with idle clients take the sparse kernels.)"""
     gradients = tuple(gradients)
+
+    def some_idle():
+      return self._apply(add_affine(gradients, self.weights(carry), affine),
+                         tf.where(trains)[:, 0])
+
+    if affine is None:
+      every = lambda: self._apply(gradients, None)
+    else:
+      scales, offsets = (tuple(part) for part in affine)
+      every = lambda: self._affine_update(gradients, scales, offsets)
     with tf.control_dependencies([carry]):
-      return tf.cond(tf.reduce_all(trains), lambda: self._apply(gradients, None),
-                     lambda: self._apply(gradients, tf.where(trains)[:, 0]))
+      return tf.cond(tf.reduce_all(trains), every, some_idle)
 
   def finish(self, carry: tf.Tensor) -> tuple:
     trained = self.weights(carry)

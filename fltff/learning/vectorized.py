@@ -409,9 +409,10 @@ class VectorizedClientWork:
         loss = data_loss
         if regularizer is not None and not analytic_gradient:
           loss += regularizer.penalty(local, global_trainable, context)
+      # An affine regulariser's terms are added by the updater (with the update, in one pass).
       gradients = client_work_lib.step_gradients(
-          tape.gradient(loss, local), local, regularizer, global_trainable, context,
-          affine if has_affine else None, frozen)
+          tape.gradient(loss, local), local, None if has_affine else regularizer,
+          global_trainable, context, None, frozen)
       correct = tf.reduce_sum(bmask * tf.cast(
           tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), by), tf.float32))
       count = tf.cast(trains, tf.float32)
@@ -429,7 +430,7 @@ class VectorizedClientWork:
             client_gradients, (updater.weights(carry), tf.gather(examples, index[e, s]),
                                tf.gather(labels, index[e, s]), mask[e, s], trains,
                                context, affine, terms))
-        carry = updater.step(carry, gradients, trains)
+        carry = updater.step(carry, gradients, trains, affine if has_affine else None)
         sums = tuple(a + b for a, b in zip(sums, step_sums))
     weights = updater.finish(carry)
 
@@ -495,7 +496,8 @@ class VectorizedClientWork:
     k = len(client_inputs)
     update = tf.nest.pack_sequence_as(list(global_weights.trainable), list(out['update']))
     weight = (np.ones(k, np.float32) if self._client_weighting == 'uniform'
-              else (examples // np.maximum(epochs, 1)).astype(np.float32))
+              else client_work_lib.examples_per_epoch(examples, epochs).numpy().astype(
+                  np.float32))
     if self._weight_fields:
       weight = collections.OrderedDict(num_examples=weight)
       if 'client_index' in self._weight_fields:

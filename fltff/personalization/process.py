@@ -217,7 +217,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
            call: protocol.Call = protocol.direct_call) -> protocol.RoundOutput:
     """`process.next(state, server_input, client_inputs)`; the participants' new states are
     rebuilt from the result and their previous server copies (in `server_input`)."""
-    if self._vectorized is not None:
+    if self.vectorized:
       output = self._vectorized_next(state, server_input, client_inputs, call)
     else:
       output = call(self.process.next, state, server_input, client_inputs)
@@ -238,11 +238,6 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
         bytes_up=np.asarray(result['bytes_up'], np.float64),
         arrays={'omega': np.asarray(result['omega']), 'clients': np.asarray(order)},
         server_seconds=server_seconds)
-
-  def vectorize_clients(self, device: Optional[str] = None) -> None:
-    if self.vectorized_fn is None:
-      super().vectorize_clients(device)
-    self._vectorized = self.vectorized_fn(device)
 
   def _vectorized_next(self, state, server_input, client_inputs: Sequence,
                        call: protocol.Call):
@@ -312,7 +307,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     # Vectorised client work reads the info in Python: no dataset for it.
     return client_work_lib.client_input(batches, client_index, epochs, client_state=personal,
                                         state_in_dataset=False,
-                                        info_in_dataset=self._vectorized is None)
+                                        info_in_dataset=not self.vectorized)
 
   def server_input(self, clients: Sequence[int], client_states: Sequence,
                    num_examples: Sequence[float]) -> collections.OrderedDict:

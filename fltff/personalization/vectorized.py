@@ -65,7 +65,7 @@ class VectorizedPersonalWork:
     out, data = self._work.train(client_inputs, start=start,
                                  client_terms=(s, sent) if self._regularized else None)
     examples = out['sums'][1]
-    examples_per_epoch = examples // tf.cast(tf.maximum(data['epochs'], 1), tf.int64)
+    examples_per_epoch = client_work_lib.examples_per_epoch(examples, data['epochs'])
     value, weight = self._results(server_msg, personal, clients, s, sent, own,
                                   tuple(out['trained']), examples_per_epoch)
     value = collections.OrderedDict(trainable=tuple(value['trainable']))
