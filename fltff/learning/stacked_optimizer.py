@@ -56,13 +56,17 @@ def _per_client(term, weight: tf.Tensor) -> tf.Tensor:
                                      tf.shape(term)[1:]], 0))
 
 
+def _affine_gradient(gradient, weight, scale, offset) -> tf.Tensor:
+  """`g + s ⊙ w + o` for one stacked tensor, in `client_work.step_gradients`'s order."""
+  return tf.add_n([gradient, _per_client(scale, weight) * weight, _per_client(offset, weight)])
+
+
 def add_affine(gradients, weights, affine) -> list:
   """`g + s ⊙ w + o` per tensor for stacked clients: `client_work.step_gradients`'s affine
   regulariser terms (`affine = (scales, offsets)`, each with a leading client axis)."""
   if affine is None:
     return list(gradients)
-  return [tf.add_n([g, _per_client(a, w) * w, _per_client(o, w)])
-          for g, w, a, o in zip(gradients, weights, *affine)]
+  return [_affine_gradient(g, w, a, o) for g, w, a, o in zip(gradients, weights, *affine)]
 
 
 class MappedOptimizer:
@@ -209,7 +213,7 @@ class FusedSGDM:
       if i in self._frozen:
         continue
       w = variable.read_value()
-      gradient = gradient + _per_client(scales[i], w) * w + _per_client(offsets[i], w)
+      gradient = _affine_gradient(gradient, w, scales[i], offsets[i])
       lr = tf.cast(self._learning_rate, w.dtype)
       if self._momentum is None:
         variable.assign(w - lr * gradient)

@@ -409,7 +409,7 @@ class VectorizedClientWork:
         loss = data_loss
         if regularizer is not None and not analytic_gradient:
           loss += regularizer.penalty(local, global_trainable, context)
-      # An affine regulariser's terms are added by the updater (with the update, in one pass).
+      # An affine regulariser's terms are added by the updater (fused with the update there).
       gradients = client_work_lib.step_gradients(
           tape.gradient(loss, local), local, None if has_affine else regularizer,
           global_trainable, context, None, frozen)
