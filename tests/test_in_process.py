@@ -171,6 +171,37 @@ def test_clients_are_mapped_and_folded_in_one_call_with_tffs_numbers(contexts):
     np.testing.assert_allclose(results['looped'][k], results['tff_cpp'][k], rtol=1e-6)
 
 
+def test_tensor_results_return_tensors_that_go_back_in_without_a_copy(contexts):
+  # Inside `tensor_results()` a computation returns TensorFlow tensors (the same numbers as
+  # the NumPy it returns outside), and a tensor passed back in is used as it is.
+  from fltff.runtime.in_process import tensor_results  # pylint: disable=g-import-not-at-top
+
+  @tff.tensorflow.computation(tff.TensorType(np.float32, [3]), tff.TensorType(np.float32, [3]))
+  def scaled_pair(x, y):
+    return x * 2.0, x + y
+
+  x = np.array([1.0, -2.0, 0.5], np.float32)
+  tff.framework.set_default_context(InProcessContext())
+  try:
+    plain = scaled_pair(x, x)
+    with tensor_results() as keeping:
+      assert keeping
+      kept = scaled_pair(x, x)
+      again = scaled_pair(kept[0], kept[1])
+    after = scaled_pair(x, x)
+  finally:
+    tff.framework.set_default_context(contexts['tff_cpp'])
+  assert all(isinstance(v, np.ndarray) for v in (*plain, *after))
+  assert all(tf.is_tensor(v) and not isinstance(v, np.ndarray) for v in (*kept, *again))
+  np.testing.assert_array_equal(kept[0].numpy(), plain[0])
+  np.testing.assert_array_equal(again[0].numpy(), 4.0 * x)
+  np.testing.assert_array_equal(again[1].numpy(), 4.0 * x)
+  # In any other context it is a no-op: the C++ runtime returns NumPy as always.
+  with tensor_results() as keeping:
+    assert not keeping
+    assert all(isinstance(v, np.ndarray) for v in scaled_pair(x, x))
+
+
 def _count_stacked_splits(monkeypatch) -> list:
   """From now on, records the size of every stacked CLIENTS value the in-process executor
   splits into per-client values (none when it stays stacked)."""

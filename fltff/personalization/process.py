@@ -245,9 +245,17 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     the participants' training together, `end_round` (the same state and result)."""
     from fltff.runtime.in_process import StackedClients  # pylint: disable=g-import-not-at-top
     from fltff.runtime.in_process import clients_argument  # pylint: disable=g-import-not-at-top
+    from fltff.runtime.in_process import tensor_results  # pylint: disable=g-import-not-at-top
 
     prepare_round, end_round = self.split_round
-    server_msg = call(prepare_round, state, server_input)
+    # The participants' model copies and their s_i (each `[P, ...]`, model-sized per
+    # participant) go from one computation to the next as tensors: converted once, never
+    # copied out to NumPy and back (measured, KAPC at 100 × 60 mlp2: `end_round` 0.10–0.12 →
+    # 0.035 s, the round 0.58–0.73 → 0.44 s).
+    with tensor_results() as in_process:
+      if in_process:
+        server_input = tf.nest.map_structure(tf.convert_to_tensor, server_input)
+      server_msg = call(prepare_round, state, server_input)
     value, weight, model_outputs = self._vectorized(server_msg, client_inputs)
     k = len(client_inputs)
     return call(end_round, state, server_input, server_msg,

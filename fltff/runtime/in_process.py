@@ -37,6 +37,7 @@ the C++ runtime's up to floating-point scheduling (tests/test_in_process.py).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any, Optional
 
@@ -104,6 +105,18 @@ class StackedClients:
     """The per-participant list this value stands for (NumPy leaves)."""
     arrays = tf.nest.map_structure(np.asarray, self.value)
     return [tf.nest.map_structure(lambda a, k=k: a[k], arrays) for k in range(self.num_clients)]
+
+
+def tensor_results():
+  """`InProcessContext.tensor_results()` of the current TFF context when it is one (it
+  yields True); in any other a no-op that yields False (results are NumPy as TFF returns
+  them)."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  current = tff.framework.get_context_stack().current
+  if isinstance(current, InProcessContext):
+    return current.tensor_results()
+  return contextlib.nullcontext(False)
 
 
 def clients_argument(stacked: StackedClients):
@@ -251,16 +264,17 @@ def _ingest(value, type_spec, t, num_clients: Optional[int]):
   raise InProcessError(f'cannot take an argument of type {type_spec}.')
 
 
-def _to_python(value, t):
-  """Internal value -> numpy/Struct/list, as TFF's contexts return results."""
+def _to_python(value, t, keep_tensors: bool = False):
+  """Internal value -> numpy/Struct/list, as TFF's contexts return results (with
+  `keep_tensors`, the tensors as they are: `InProcessContext.tensor_results`)."""
   if isinstance(value, _Stacked):
     value = _members(value, t)
   if isinstance(value, _Clients):
-    return [_to_python(v, t) for v in value]
+    return [_to_python(v, t, keep_tensors) for v in value]
   if isinstance(value, t['structure'].Struct):
-    return t['structure'].Struct([(n, _to_python(v, t))
+    return t['structure'].Struct([(n, _to_python(v, t, keep_tensors))
                                   for n, v in t['structure'].to_elements(value)])
-  if tf.is_tensor(value):
+  if tf.is_tensor(value) and not keep_tensors:
     return value.numpy()
   return value
 
@@ -789,6 +803,19 @@ class InProcessContext(context_base.SyncContext):
     self.device = device
     self._compiled: dict[int, tuple[Any, Any]] = {}
     self._functions: dict[int, tuple[Any, _TensorFlowFunction]] = {}
+    self._tensor_results = 0
+
+  @contextlib.contextmanager
+  def tensor_results(self):
+    """Within the block, computations return their tensors as TensorFlow tensors instead of
+    NumPy copies, and take them back without another copy: for a caller that feeds one
+    computation's result into the next (the personalised vectorised round passes its
+    participants' model-sized s_i from `prepare_round` to the clients and to `end_round`)."""
+    self._tensor_results += 1
+    try:
+      yield True
+    finally:
+      self._tensor_results -= 1
 
   # Called by the interpreter.
   def tensorflow_function(self, comp) -> _TensorFlowFunction:
@@ -822,5 +849,5 @@ class InProcessContext(context_base.SyncContext):
     else:
       fn = interpreter.evaluate(block, _Env())
       result = fn() if parameter_type is None else fn(value)
-    return t['type_conversions'].type_to_py_container(_to_python(result, t),
-                                                      type_signature.result)
+    return t['type_conversions'].type_to_py_container(
+        _to_python(result, t, keep_tensors=self._tensor_results > 0), type_signature.result)
