@@ -111,6 +111,11 @@ def test_relationship_gradient_matches_numpy_and_rows_stay_normalised():
     # ∂/∂r_ij: 2λ <s_i − w_i, w_j> + β (r_ij − 1/P)
     want[:, l, :] = 2 * lam * (s - flat) @ flat.T + beta * (rel[:, l, :] - 1 / 3)
   np.testing.assert_allclose(grad, want, rtol=2e-4, atol=1e-3)
+  # The closed form the R step uses (through the layers' Gram matrices) is the same gradient.
+  closed = kapc_lib.relationship_gradient(
+      r, kapc_lib.layer_grams([tf.constant(m) for m in models], LAYER_OF), lam, beta).numpy()
+  np.testing.assert_allclose(closed, want, rtol=2e-4, atol=1e-3)
+  np.testing.assert_allclose(closed, grad, rtol=2e-4, atol=1e-3)
   updated = kapc_lib.update_relationship(r, [tf.constant(m) for m in models], LAYER_OF, lam,
                                          beta, 0.01, 3).numpy()
   np.testing.assert_allclose(updated.sum(-1), 1.0, atol=1e-6)

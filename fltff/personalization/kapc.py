@@ -83,15 +83,42 @@ def relationship_objective(relation: tf.Tensor, models: Sequence[tf.Tensor],
   return lambda_ * fit + 0.5 * beta * tf.reduce_sum(tf.square(relation - 1.0 / num))
 
 
+def layer_grams(models: Sequence[tf.Tensor], layer_of: Sequence[int]) -> tf.Tensor:
+  """`G[:, l, :] = Σ_{t∈l} W_t W_tᵀ` (`[P, L, P]`, R's layout): the participants' models'
+  inner products per layer, all the R step needs of them."""
+  flats = [tf.reshape(w, [tf.shape(w)[0], -1]) for w in models]
+  grams = []
+  for layer in range(max(layer_of) + 1):
+    grams.append(tf.add_n([tf.matmul(f, f, transpose_b=True)
+                           for f, l in zip(flats, layer_of) if l == layer]))
+  return tf.stack(grams, axis=1)
+
+
+def relationship_gradient(relation: tf.Tensor, grams: tf.Tensor, lambda_: float,
+                          beta: float) -> tf.Tensor:
+  """∂/∂R of `relationship_objective` in closed form: per layer, with `S = R W`,
+  `2λ (S − W) Wᵀ + β (R − 1/P) = 2λ (R G − G) + β (R − 1/P)`, `G = layer_grams(W)`."""
+  num = tf.cast(tf.shape(relation)[-1], relation.dtype)
+  fit = tf.einsum('ilk,klj->ilj', relation, grams) - grams
+  return 2.0 * lambda_ * fit + beta * (relation - 1.0 / num)
+
+
 def update_relationship(relation: tf.Tensor, models: Sequence[tf.Tensor],
                         layer_of: Sequence[int], lambda_: float, beta: float,
                         learning_rate: float, steps: int) -> tf.Tensor:
-  """E_r projected gradient steps on `relationship_objective` (KAPC, Algorithm 2)."""
+  """E_r projected gradient steps on `relationship_objective` (KAPC, Algorithm 2).
+
+  The gradient is `relationship_gradient`'s closed form (tests/test_kapc.py checks it against
+  differentiating the objective): the models enter through their `[P, P]` inner products,
+  computed once, so a step costs `O(P³ L)` instead of two model-sized products `O(P² d)`
+  (measured: KAPC's `prepare` at 100 mlp2 clients, one step, 0.09–0.10 → 0.06 s).
+  """
+  if steps <= 0:
+    return relation
+  grams = layer_grams(models, layer_of)
   for _ in range(steps):
-    with tf.GradientTape() as tape:
-      tape.watch(relation)
-      loss = relationship_objective(relation, models, layer_of, lambda_, beta)
-    relation = normalize_rows(relation - learning_rate * tape.gradient(loss, relation))
+    relation = normalize_rows(
+        relation - learning_rate * relationship_gradient(relation, grams, lambda_, beta))
   return relation
 
 
