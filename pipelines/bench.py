@@ -77,6 +77,10 @@ _EXECUTOR_VARIANTS = flags.DEFINE_list(
     'executor_variants', ['fltff_tff_cpp', 'fltff_in_process', 'fltff_vectorized'],
     "For --executors: the fltff variants to time beside TFF's built-in (e.g. one at a time, "
     'for the peak RSS of that variant alone).')
+_EXECUTOR_METHODS = flags.DEFINE_list(
+    'executor_methods', ['fedlap', 'fedlayerwise', 'kapc'],
+    "For --executors: methods (as --compare names them) also timed with vectorised clients "
+    "on the in-process executor, as ratios to the same run's TFF built-in FedAvg.")
 _MEMORY = flags.DEFINE_list('memory', [], 'Memory per round of the driver and its worker for '
                             'these runs (tff_fedavg, fedavg, fedlayerwise, kapc; "all": every '
                             'one), each in its own process (pipelines/memory_bench.py).')
@@ -169,36 +173,43 @@ def _round_fn(algorithm):
   return one_round
 
 
-def compare_methods(spec, data) -> int:
-  """Median round time of each `--compare` method relative to FedAvg, alternating rounds."""
-  builders = {'fedavg': lambda opt: learning.build_fedavg(spec, client_optimizer=opt),
-              'fedprox': lambda opt: learning.build_fedprox(spec, client_optimizer=opt),
-              'sgdm': lambda opt: learning.build_sgdm(spec, client_optimizer=opt),
-              'fedlap': lambda opt: learning.build_fedlap(spec, client_optimizer=opt),
-              'fedadp': lambda opt: learning.build_fedadp(spec, len(data), client_optimizer=opt),
-              'fedlayerwise': lambda opt: learning.build_fedlayerwise(spec, len(data),
-                                                                client_optimizer=opt)}
-  builders['fednova'] = lambda opt: learning.build_fednova(spec, client_optimizer=opt)
-  builders['fedbabu'] = lambda opt: learning.build_fedbabu(spec, client_optimizer=opt)
-  builders['scaffold'] = lambda opt: learning.build_scaffold(spec, len(data), client_optimizer=opt)
-  builders['scaffold+ccn'] = lambda opt: learning.build_scaffold(
-      spec, len(data), client_optimizer=opt,
-      model_aggregator=aggregators.contribution_normalization_factory())
-  builders['moon'] = lambda opt: learning.build_moon(spec, len(data), client_optimizer=opt)
-  # Personalised processes (their round includes the server's R update and the stale copies).
-  builders['kapc'] = lambda opt: personalization.build_kapc(spec, len(data), client_optimizer=opt)
-  builders['kapc+bls'] = lambda opt: personalization.build_kapc(spec, len(data),
-                                                                client_optimizer=opt, bls_mu=0.5)
-  builders['fedamp'] = lambda opt: personalization.build_fedamp(spec, len(data), client_optimizer=opt)
-  builders['fedbn'] = lambda opt: personalization.build_fedbn(spec, len(data), client_optimizer=opt)
-  builders['local'] = lambda opt: personalization.build_local(spec, len(data),
-                                                              client_optimizer=opt)
-  builders['pfedla'] = lambda opt: personalization.build_pfedla(spec, len(data), client_optimizer=opt)
+def method_builders(spec, num_clients: int) -> dict:
+  """`{method name: build(client_optimizer)}` for every method the bench can time."""
+  n = num_clients
+  builders = {
+      'fedavg': lambda opt: learning.build_fedavg(spec, client_optimizer=opt),
+      'fedprox': lambda opt: learning.build_fedprox(spec, client_optimizer=opt),
+      'sgdm': lambda opt: learning.build_sgdm(spec, client_optimizer=opt),
+      'fedlap': lambda opt: learning.build_fedlap(spec, client_optimizer=opt),
+      'fedadp': lambda opt: learning.build_fedadp(spec, n, client_optimizer=opt),
+      'fedlayerwise': lambda opt: learning.build_fedlayerwise(spec, n, client_optimizer=opt),
+      'fednova': lambda opt: learning.build_fednova(spec, client_optimizer=opt),
+      'fedbabu': lambda opt: learning.build_fedbabu(spec, client_optimizer=opt),
+      'scaffold': lambda opt: learning.build_scaffold(spec, n, client_optimizer=opt),
+      'scaffold+ccn': lambda opt: learning.build_scaffold(
+          spec, n, client_optimizer=opt,
+          model_aggregator=aggregators.contribution_normalization_factory()),
+      'moon': lambda opt: learning.build_moon(spec, n, client_optimizer=opt),
+      # Personalised processes (their round includes the server's R update, stale copies).
+      'kapc': lambda opt: personalization.build_kapc(spec, n, client_optimizer=opt),
+      'kapc+bls': lambda opt: personalization.build_kapc(spec, n, client_optimizer=opt,
+                                                         bls_mu=0.5),
+      'fedamp': lambda opt: personalization.build_fedamp(spec, n, client_optimizer=opt),
+      'fedbn': lambda opt: personalization.build_fedbn(spec, n, client_optimizer=opt),
+      'local': lambda opt: personalization.build_local(spec, n, client_optimizer=opt),
+      'pfedla': lambda opt: personalization.build_pfedla(spec, n, client_optimizer=opt),
+  }
   for base in ('fedavg', 'fedprox', 'sgdm', 'fednova', 'fedbabu'):  # '<base>+ccn': with CCN
     builders[f'{base}+ccn'] = functools.partial(
         lambda opt, b: getattr(learning, f'build_{b}')(
             spec, client_optimizer=opt,
             model_aggregator=aggregators.contribution_normalization_factory()), b=base)
+  return builders
+
+
+def compare_methods(spec, data) -> int:
+  """Median round time of each `--compare` method relative to FedAvg, alternating rounds."""
+  builders = method_builders(spec, len(data))
   names = ['fedavg'] + [m for m in _COMPARE.value if m != 'fedavg']
   unknown = [m for m in names if m not in builders]
   if unknown:
@@ -264,14 +275,22 @@ def compare_executors() -> int:
     print(f'error: --executor_variants {unknown or "(empty)"}: choose from {list(known)}',
           file=sys.stderr)
     return 2
+  methods = [m for m in _EXECUTOR_METHODS.value if m != 'fedavg']
+  unknown = [m for m in methods if m not in method_builders(None, 1)]
+  if unknown:
+    print(f'error: --executor_methods {unknown}: choose from '
+          f'{sorted(method_builders(None, 1))}', file=sys.stderr)
+    return 2
   # TFF's built-in is always measured: every ratio is against it.
-  names = ('tff_builtin', *[v for v in known if v in _EXECUTOR_VARIANTS.value])
+  names = ('tff_builtin', *[v for v in known if v in _EXECUTOR_VARIANTS.value],
+           *(f'vectorized:{m}' for m in methods))
   results = []
   with runtime.local_runtime() as rt:
     cpp_context = rt.context
     in_process = InProcessContext()
     contexts = {'tff_builtin': cpp_context, 'fltff_tff_cpp': cpp_context,
-                'fltff_in_process': in_process, 'fltff_vectorized': in_process}
+                'fltff_in_process': in_process, 'fltff_vectorized': in_process,
+                **{f'vectorized:{m}': in_process for m in methods}}
     for model, clients, examples in shapes:
       keras_fn = functools.partial(build_model, model, input_shape=(28, 28, 1), num_classes=10,
                                    seed=0)
@@ -292,11 +311,17 @@ def compare_executors() -> int:
         holder['state'] = process.next(holder['state'], datasets).state
 
       rounds = {'tff_builtin': builtin_round}
+      builders = method_builders(spec, clients)
       for name in names[1:]:
         tff.framework.set_default_context(contexts[name])
-        algorithm = learning.build_fedavg(spec, client_optimizer=opt)
-        if name == 'fltff_vectorized':
-          algorithm.vectorize_clients()  # runtime.vectorize_clients = True
+        method = name.split(':')[1] if name.startswith('vectorized:') else 'fedavg'
+        algorithm = builders[method](opt)
+        if name == 'fltff_vectorized' or method != 'fedavg':
+          try:
+            algorithm.vectorize_clients()  # runtime.vectorize_clients = True
+          except ConfigError as e:
+            print(f'error: {e}', file=sys.stderr)
+            return 2
         rounds[name] = _round_fn(algorithm)
       times = {n: [] for n in names}
       for r in range(_ROUNDS.value):
@@ -313,12 +338,23 @@ def compare_executors() -> int:
     tff.framework.set_default_context(cpp_context)
     worker_mib = sum(memory_bench.rss_mib(p) for p in rt.worker_pids)
   peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+  fedavg_names = [n for n in names if not n.startswith('vectorized:')]
   print(f'\nFedAvg round, batch {_BATCH.value}, {_EPOCHS.value} epoch(s), SGD {_LR} momentum '
         f'{_MOMENTUM}; median of rounds 2-{_ROUNDS.value}, ratio to TFF\'s built-in:')
-  print(f'  {"shape":18s}' + ''.join(f'{n:>24s}' for n in names))
+  print(f'  {"shape":18s}' + ''.join(f'{n:>24s}' for n in fedavg_names))
   for (model, clients, examples), med in results:
     print(f'  {model + " " + str(clients) + "x" + str(examples):18s}' + ''.join(
-        f'{med[n]:>11.3f} s ({med[n] / med["tff_builtin"]:6.3f}x)' for n in names))
+        f'{med[n]:>11.3f} s ({med[n] / med["tff_builtin"]:6.3f}x)' for n in fedavg_names))
+  if methods:
+    print('\nOther methods with vectorised clients (in-process), same runs: ratio to TFF\'s '
+          'built-in FedAvg [and to fltff_vectorized FedAvg]:')
+    print(f'  {"shape":18s}' + ''.join(f'{m:>32s}' for m in methods))
+    for (model, clients, examples), med in results:
+      ours = med.get('fltff_vectorized')
+      print(f'  {model + " " + str(clients) + "x" + str(examples):18s}' + ''.join(
+          f'{med["vectorized:" + m]:>11.3f} s ({med["vectorized:" + m] / med["tff_builtin"]:6.3f}x'
+          + (f' [{med["vectorized:" + m] / ours:5.2f}x])' if ours else ')' + ' ' * 9)
+          for m in methods))
   print(f'  peak RSS of this process (driver + in-process executor): {peak_mib:.0f} MiB; '
         f'worker_binary at the end: {worker_mib:.0f} MiB')
   return 0
@@ -373,11 +409,13 @@ def compare_runtimes(spec) -> int:
 def main(argv) -> int:
   del argv
   absl_logging.set_verbosity(absl_logging.WARNING)
+  # Every comparison installs the contexts it times; TFF's import-time one is never used (and
+  # would print a traceback at exit after an early `error:` return).
+  runtime.release_default_context()
   if _MEMORY_PROBE.value:
     return memory_bench.run_probe(_MEMORY_PROBE.value, _MEMORY_ROUNDS.value, _RECYCLE_EVERY.value,
                                   _MMAP_THRESHOLD.value)
   if _MEMORY.value:
-    runtime.release_default_context()  # This process runs nothing on TFF itself.
     methods = memory_bench.METHODS if _MEMORY.value == ['all'] else _MEMORY.value
     return memory_bench.compare(methods, _MEMORY_ROUNDS.value, _RECYCLE_EVERY.value,
                                 _MMAP_THRESHOLD.value)

@@ -35,21 +35,34 @@ def test_bench_prints_ratio(extra, pattern):
 def test_bench_executors_prints_ratios_to_tffs_builtin():
   result = subprocess.run(
       [sys.executable, '-m', 'pipelines.bench', '--executors', '--executor_shapes=mlp2:3x20',
-       '--rounds=2'], cwd=REPO, capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+       '--executor_methods=fedlap,kapc', '--rounds=2'], cwd=REPO, capture_output=True,
+      text=True, timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
   assert result.returncode == 0, result.stderr[-3000:]
   assert re.search(r'mlp2 3x20\s+\d+\.\d+ s \(\s*1\.000x\)(\s+\d+\.\d+ s \(\s*\d+\.\d{3}x\)){3}',
                    result.stdout), result.stdout
+  # The other methods, vectorised, in the same runs: to the built-in and to fltff's FedAvg.
+  table = result.stdout.split('Other methods with vectorised clients')[-1]
+  assert re.search(r'\s+fedlap\s+kapc\n', table), result.stdout
+  assert re.search(r'mlp2 3x20(\s+\d+\.\d+ s \(\s*\d+\.\d{3}x \[\s*\d+\.\d{2}x\]\)){2}',
+                   table), result.stdout
   assert re.search(r'peak RSS of this process .*: \d+ MiB', result.stdout), result.stdout
 
 
-def test_bench_executors_refuses_an_unknown_variant_in_one_line():
+def test_bench_executors_refuses_an_unknown_variant_or_method_in_one_line():
   result = subprocess.run(
       [sys.executable, '-m', 'pipelines.bench', '--executors', '--executor_variants=fltff_gpu'],
       cwd=REPO, capture_output=True, text=True, timeout=300,
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
   assert result.returncode == 2
   assert "error: --executor_variants ['fltff_gpu']" in result.stderr, result.stderr[-2000:]
+  result = subprocess.run(
+      [sys.executable, '-m', 'pipelines.bench', '--executors', '--executor_methods=fedsgd'],
+      cwd=REPO, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+  assert result.returncode == 2
+  assert "error: --executor_methods ['fedsgd']: choose from" in result.stderr, (
+      result.stderr[-2000:])
+  assert 'Traceback' not in result.stderr
 
 
 def test_short_soak_driver_memory_does_not_grow_per_round():
