@@ -40,13 +40,14 @@ from helpers import tagged_worker_pids
 NUM_CLIENTS = EQUALITY_CLIENTS
 SGDM = equality_sgdm
 
-# The FedAvg family and the personalised methods (`fltff.personalization.vectorized`: per-client
-# start models, per-client proximal anchors s_i and, with BLS, per-client layer masks and Ω
-# searches).
+# The FedAvg family, SCAFFOLD (per-client corrections c − c_i, its controls and c updated) and
+# the personalised methods (`fltff.personalization.vectorized`: per-client start models,
+# per-client proximal anchors s_i and, with BLS, per-client layer masks and Ω searches).
 VECTORISED = ('fedavg', 'fedavg_uniform', 'fedprox', 'sgdm', 'fedlap', 'fedadp', 'fedlayerwise',
-              'fednova+ccn', 'fedbabu', 'kapc', 'kapc+bls', 'fedamp', 'pfedla', 'local')
+              'fednova+ccn', 'fedbabu', 'scaffold', 'scaffold+ccn', 'kapc', 'kapc+bls', 'fedamp',
+              'pfedla', 'local')
 METHODS = {name: equality_methods()[name] for name in VECTORISED}
-UNSUPPORTED = {name: equality_methods()[name] for name in ('scaffold', 'moon')}
+UNSUPPORTED = {name: equality_methods()[name] for name in ('moon',)}
 
 
 @pytest.fixture(scope='module')

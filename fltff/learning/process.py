@@ -74,8 +74,9 @@ class Algorithm(protocol.FederatedAlgorithm):
     return None if self.client_state_init is None else self.client_state_init()
 
   def client_input(self, batches, client_index: int, epochs: int, client_state=None):
-    # Vectorised client work reads the info in Python: no dataset for it.
+    # Vectorised client work reads the info and state in Python: no datasets for them.
     return client_work_lib.client_input(batches, client_index, epochs, client_state=client_state,
+                                        state_in_dataset=not self.vectorized,
                                         info_in_dataset=not self.vectorized)
 
   def next(self, state, server_input, client_inputs: Sequence,
@@ -114,18 +115,15 @@ class Algorithm(protocol.FederatedAlgorithm):
     it."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-    distributor, client_work, aggregator, finalizer = self.components
+    distributor, _, aggregator, finalizer = self.components
     distributed = call(distributor.next, state.distributor, state.global_model_weights)
-    results, train, regularizer_stats = self._vectorized(state.global_model_weights,
-                                                         client_inputs, call)
-    client_work_measurements = collections.OrderedDict(train=train)
-    if regularizer_stats is not None:
-      client_work_measurements['regularizer'] = regularizer_stats
+    client_work_state, results, client_work_measurements = self._vectorized.next(
+        state.client_work, state.global_model_weights, client_inputs, call)
     aggregated = call(aggregator.next, state.aggregator, *results.aggregator_arguments())
     finalized = call(finalizer.next, state.finalizer, state.global_model_weights,
                      aggregated.result)
     new_state = tff.learning.templates.LearningAlgorithmState(
-        finalized.result, distributed.state, state.client_work, aggregated.state,
+        finalized.result, distributed.state, client_work_state, aggregated.state,
         finalized.state)
     metrics = collections.OrderedDict(
         distributor=distributed.measurements, client_work=client_work_measurements,

@@ -20,6 +20,7 @@ are gathered and their deltas summed by two independent aggregates.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 
 import gin
@@ -106,6 +107,44 @@ def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: in
       model_spec, client_fn, server_init_fn=zeros, server_update_fn=update_control)
 
 
+class VectorizedScaffoldWork:
+  """SCAFFOLD's client work for a round's participants together (`runtime.vectorize_clients`):
+  `learning.vectorized.VectorizedClientWork` with each client's correction `c − c_i` as its
+  regulariser (`ControlVariateCorrection`, per-client terms) and its minibatch gradients'
+  mean tracked; then, as `build_scaffold_client_work`, the new controls (a client that took
+  no step keeps its own) and `c ← c + (1/N) Σ Δc_i`. `next` has the client work process's
+  shape: the same state and measurements (tests/test_vectorized.py)."""
+
+  def __init__(self, model_spec: ModelSpec, optimizer, num_clients: int,
+               weight_fields: Sequence[str] = (), device=None):
+    from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
+
+    self._num_clients = num_clients
+    self._work = VectorizedClientWork(
+        model_spec, optimizer, weight_fields=weight_fields, device=device,
+        client_regularizer=ControlVariateCorrection, track_gradient_mean=True)
+
+  def next(self, state, global_weights, client_inputs, call=None):
+    server_control = tuple(tf.convert_to_tensor(c) for c in state)
+    controls = tuple(tf.convert_to_tensor(np.stack(values)) for values in
+                     zip(*[tuple(data['state']) for data in client_inputs]))
+    correction = tuple(c[tf.newaxis] - ci for c, ci in zip(server_control, controls))
+    results, train, _, out = self._work.round_results(global_weights, client_inputs, call,
+                                                      client_terms=correction)
+    took_steps = out['sums'][3] > 0
+    new_controls = tuple(
+        tf.where(tf.reshape(took_steps, [-1] + [1] * (g.shape.rank - 1)), g, ci)
+        for g, ci in zip(out['gradient_mean'], controls))
+    delta_sum = tuple(tf.reduce_sum(n - o, axis=0) for n, o in zip(new_controls, controls))
+    new_state = server_control_update(server_control, delta_sum, self._num_clients)
+    indices = np.asarray([client_work_lib.client_index_of_input(data) for data in client_inputs],
+                         np.int32)
+    measurements = collections.OrderedDict(train=train)
+    measurements[CLIENT_STATES_KEY] = collections.OrderedDict(
+        update=tuple(n.numpy() for n in new_controls), weight=indices)
+    return type(state)(c.numpy() for c in new_state), results, measurements
+
+
 @gin.configurable('scaffold')
 def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
                    server_learning_rate: float = 1.0, server_optimizer=None,
@@ -139,5 +178,7 @@ def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=Non
   algorithm.bytes_down_per_client += control_bytes
   algorithm.bytes_up_per_client += control_bytes
   algorithm.num_clients = num_clients
+  algorithm.vectorized_fn = lambda device: VectorizedScaffoldWork(
+      model_spec, optimizer, num_clients, getattr(model_aggregator, 'weight_fields', ()), device)
   return client_state.with_client_states(algorithm,
                                          lambda: [np.zeros_like(z) for z in specs])

@@ -17,10 +17,10 @@ optimizer state (`tf.where`), so padding changes nothing.
 Scope (anything else raises a `ConfigError` naming it): models whose variables are all
 trainable (no BatchNorm statistics) and have no layer losses; the default client work of
 `process.build_algorithm` (FedAvg, FedProx, FedLap, SGDM, FedAdp, FedLayerWise, FedNova,
-FedBABU, CCN) and, through `fltff.personalization.vectorized` (per-client start weights and
-regularisers), the personalised process (KAPC with or without BLS, FedAMP, Local, pFedLA); not
-regularisers with a batch-dependent term (MOON) or gradient tracking (SCAFFOLD), which build
-their own client work.
+FedBABU, CCN); SCAFFOLD (`scaffold.VectorizedScaffoldWork`: per-client corrections, the
+gradient mean tracked); and, through `fltff.personalization.vectorized` (per-client start
+weights and regularisers), the personalised process (KAPC with or without BLS, FedAMP, Local,
+pFedLA). Not a regulariser with a batch-dependent term (MOON).
 """
 
 from __future__ import annotations
@@ -280,7 +280,8 @@ class VectorizedClientWork:
                regularizer: Optional[client_work_lib.LocalRegularizer] = None,
                weight_fields: Sequence[str] = (), frozen: Sequence[int] = (),
                client_weighting: str = 'num_examples', device: Optional[str] = None,
-               client_regularizer: Optional[Callable[[Any], Any]] = None):
+               client_regularizer: Optional[Callable[[Any], Any]] = None,
+               track_gradient_mean: bool = False):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     client_work_lib.check_weight_fields(weight_fields)
@@ -327,6 +328,7 @@ class VectorizedClientWork:
     self._weight_fields = tuple(weight_fields)
     self._frozen = frozenset(frozen)
     self._client_weighting = client_weighting
+    self._track_gradient_mean = track_gradient_mean
     self._device = device
     self._train = tf.function(self._train_fn, reduce_retracing=True)
     self._read_before = weakref.WeakSet()
@@ -390,10 +392,11 @@ class VectorizedClientWork:
         return (), ()
       context = regularizer.epoch_start(tuple(local), global_trainable)
       affine = regularizer.affine_gradient(global_trainable, context) if has_affine else ()
-      # `None` scales (no w-term) cannot cross vectorized_map: zeros of the tensor's shape.
+      # `None` scales (no w-term, SCAFFOLD's correction) cannot cross vectorized_map: a
+      # scalar zero per client, which broadcasts (not a model-sized zero tensor).
       if has_affine:
-        affine = tuple(tuple(tf.zeros_like(w) if a is None else a for a, w in zip(part, local))
-                       for part in affine)
+        affine = tuple(tuple(tf.zeros([], w.dtype) if a is None else a
+                             for a, w in zip(part, local)) for part in affine)
       return context, affine
 
     def client_gradients(args):
@@ -420,6 +423,11 @@ class VectorizedClientWork:
                    tf.cast(trains, tf.int64))
       return tuple(gradients), step_sums
 
+    # SCAFFOLD's new control: the data gradients summed over each client's steps (an empty
+    # tuple when not tracked, so the loop carries nothing extra). A client without a batch at
+    # a step adds exactly zero: its masked loss is 0.
+    gradient_sum = (tuple(tf.zeros(tf.shape(w), w.dtype) for w in weights)
+                    if self._track_gradient_mean else ())
     for e in tf.range(tf.shape(valid)[0]):
       context, affine = tf.vectorized_map(epoch_context, (updater.weights(carry), terms))
       for s in tf.range(tf.shape(valid)[1]):
@@ -432,9 +440,17 @@ class VectorizedClientWork:
                                context, affine, terms))
         carry = updater.step(carry, gradients, trains, affine if has_affine else None)
         sums = tuple(a + b for a, b in zip(sums, step_sums))
+        if self._track_gradient_mean:
+          gradient_sum = tuple(a + g for a, g in zip(gradient_sum, gradients))
     weights = updater.finish(carry)
 
     out = collections.OrderedDict(trained=weights, sums=sums)
+    if self._track_gradient_mean:
+      # `build_local_training`'s `gradient_mean`: over the client's own steps (at least 1).
+      steps = tf.maximum(sums[3], 1)
+      out['gradient_mean'] = tuple(
+          g / tf.reshape(tf.cast(steps, g.dtype), [-1] + [1] * (g.shape.rank - 1))
+          for g in gradient_sum)
     if start is None:
       # The update `global − trained`, computed here: the result stays a TensorFlow tensor on
       # its way to the aggregator (measured: copying the model-sized stacked arrays out to
@@ -486,11 +502,29 @@ class VectorizedClientWork:
                              ('num_examples', [examples]), ('num_batches', [batches])))
 
   def __call__(self, global_weights, client_inputs: Sequence[Any], call=None):
+    return self.round_results(global_weights, client_inputs, call)[:3]
+
+  def next(self, state, global_weights, client_inputs: Sequence[Any], call=None):
+    """The client work process's `next` for the participants together: `(state, results,
+    measurements)`, the state unchanged (the default client work keeps none) and the
+    measurements `train` and, with a measuring regulariser, `regularizer`."""
+    results, train, regularizer_stats, _ = self.round_results(global_weights, client_inputs,
+                                                              call)
+    measurements = collections.OrderedDict(train=train)
+    if regularizer_stats is not None:
+      measurements['regularizer'] = regularizer_stats
+    return state, results, measurements
+
+  def round_results(self, global_weights, client_inputs: Sequence[Any], call=None,
+                    client_terms=None):
+    """`(results, train, regularizer_stats, out)`: `__call__`'s results and the training's
+    outputs `out` (`trained`, `sums`, `gradient_mean` when tracked); with `client_terms`
+    (a leading client axis), each client's regulariser is `client_regularizer(its row)`."""
     call = call or (lambda fn, *args: fn(*args))
     if global_weights.non_trainable:
       raise ConfigError('vectorised clients need a model without non-trainable weights.')
     global_trainable = tuple(np.asarray(w) for w in global_weights.trainable)
-    out, data = self.train(client_inputs, global_trainable)
+    out, data = self.train(client_inputs, global_trainable, client_terms=client_terms)
     _, examples, _, batches = (t.numpy() for t in out['sums'])
     epochs = data['epochs']
     k = len(client_inputs)
@@ -514,7 +548,7 @@ class VectorizedClientWork:
     if 'regularizer' in out:
       regularizer_stats = tf.nest.map_structure(lambda t: np.float32(np.mean(t.numpy())),
                                                 out['regularizer'])
-    return results, train, regularizer_stats
+    return results, train, regularizer_stats, out
 
 
 class StackedClientResults(Sequence):
