@@ -202,6 +202,37 @@ def test_tensor_results_return_tensors_that_go_back_in_without_a_copy(contexts):
     assert all(isinstance(v, np.ndarray) for v in scaled_pair(x, x))
 
 
+def test_results_are_not_held_in_reference_cycles(contexts):
+  # A result's tensors are freed when the caller drops them, not when Python's cycle
+  # collector next runs: a recursive closure in the result's unflattening once made every
+  # call a reference cycle that held its tensors (~320 MB a KAPC round at 100 × 60 mlp2).
+  import gc  # pylint: disable=g-import-not-at-top
+
+  @tff.tensorflow.computation(tff.TensorType(np.float32, [3]))
+  def nested(x):
+    return x * 2.0, (x + 1.0, x - 1.0)
+
+  x = np.array([1.0, -2.0, 0.5], np.float32)
+  tff.framework.set_default_context(InProcessContext())
+  enabled = gc.isenabled()
+  try:
+    nested(x)  # Imported and traced before counting.
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    for _ in range(3):
+      nested(x)
+    gc.collect()
+    held = [o for o in gc.garbage if tf.is_tensor(o)]
+  finally:
+    gc.set_debug(0)
+    gc.garbage.clear()
+    if enabled:
+      gc.enable()
+    tff.framework.set_default_context(contexts['tff_cpp'])
+  assert not held, f'{len(held)} result tensors were only reachable through reference cycles'
+
+
 def _count_stacked_splits(monkeypatch) -> list:
   """From now on, records the size of every stacked CLIENTS value the in-process executor
   splits into per-client values (none when it stays stacked)."""

@@ -181,18 +181,20 @@ def _flatten(value, type_spec, t) -> list:
 
 def _unflatten(leaves, type_spec, t):
   """Inverse of `_flatten` for results: tensors, datasets (from variants) and Structs."""
-  it = iter(leaves)
+  return _build(iter(leaves), type_spec, t)
 
-  def build(ts):
-    if isinstance(ts, t['types'].StructType):
-      return t['structure'].Struct([(name, build(member))
-                                    for name, member in t['structure'].to_elements(ts)])
-    if isinstance(ts, t['types'].SequenceType):
-      spec = t['type_conversions'].type_to_tf_tensor_specs(ts.element)
-      return tf.data.experimental.from_variant(next(it), structure=spec)
-    return next(it)
 
-  return build(type_spec)
+def _build(leaves, type_spec, t):
+  """`_unflatten`'s recursion, a module function: a nested recursive closure is a reference
+  cycle that held each call's result tensors until Python's cycle collector ran (measured:
+  ~320 MB of model-sized tensors per KAPC round at 100 × 60 mlp2)."""
+  if isinstance(type_spec, t['types'].StructType):
+    return t['structure'].Struct([(name, _build(leaves, member, t))
+                                  for name, member in t['structure'].to_elements(type_spec)])
+  if isinstance(type_spec, t['types'].SequenceType):
+    spec = t['type_conversions'].type_to_tf_tensor_specs(type_spec.element)
+    return tf.data.experimental.from_variant(next(leaves), structure=spec)
+  return next(leaves)
 
 
 _FRESH_NAMES = itertools.count()
