@@ -40,14 +40,17 @@ from helpers import tagged_worker_pids
 NUM_CLIENTS = EQUALITY_CLIENTS
 SGDM = equality_sgdm
 
-# The FedAvg family, SCAFFOLD (per-client corrections c − c_i, its controls and c updated) and
-# the personalised methods (`fltff.personalization.vectorized`: per-client start models,
-# per-client proximal anchors s_i and, with BLS, per-client layer masks and Ω searches).
+# The FedAvg family, SCAFFOLD (per-client corrections c − c_i, its controls and c updated),
+# MOON (a per-client batch term: the contrastive loss against each client's previous model,
+# over the batch's real examples) and the personalised methods
+# (`fltff.personalization.vectorized`: per-client start models, per-client proximal anchors s_i
+# and, with BLS, per-client layer masks and Ω searches). FedBN vectorises on this model, which
+# has no BatchNorm (with BatchNorm every method is refused: below).
 VECTORISED = ('fedavg', 'fedavg_uniform', 'fedprox', 'sgdm', 'fedlap', 'fedadp', 'fedlayerwise',
-              'fednova+ccn', 'fedbabu', 'scaffold', 'scaffold+ccn', 'kapc', 'kapc+bls', 'fedamp',
-              'pfedla', 'local')
+              'fednova+ccn', 'fedbabu', 'scaffold', 'scaffold+ccn', 'moon', 'kapc', 'kapc+bls',
+              'fedamp', 'pfedla', 'local', 'fedbn')
 METHODS = {name: equality_methods()[name] for name in VECTORISED}
-UNSUPPORTED = {name: equality_methods()[name] for name in ('moon',)}
+UNSUPPORTED = {name: equality_methods()[name] for name in ('fedavg+fedlap_personalization',)}
 
 
 @pytest.fixture(scope='module')
@@ -286,7 +289,7 @@ def test_the_default_executor_vectorises_what_it_can_and_runs_the_rest_on_cpp(da
       assert (rt.executor, rt.vectorize_clients, rt.auto_reason) == ('in_process', True, None)
       assert isinstance(rt.context, InProcessContext) and not rt.worker_pids
     with make_runtime() as rt:
-      rt.bind(UNSUPPORTED['moon'](spec))
+      rt.bind(UNSUPPORTED['fedavg+fedlap_personalization'](spec))
       assert rt.executor == 'tff_cpp' and len(rt.worker_pids) == 1
       assert 'cannot vectorise its clients' in rt.auto_reason
     with make_runtime() as rt:
@@ -302,7 +305,8 @@ def test_the_default_executor_vectorises_what_it_can_and_runs_the_rest_on_cpp(da
 
 def test_pipeline_refuses_vectorising_an_unsupported_method_in_one_line(tmp_path):
   result = run_pipeline(
-      '--gin_file=gin_configs/kapc/offline_mnist1003_moon.gin', '--gin_bindings=rounds = 1',
+      '--gin_file=gin_configs/fedlap/offline_mnist1003_fedlap_personalized.gin',
+      '--gin_bindings=rounds = 1',
       '--gin_bindings=runtime.executor = "in_process"',
       '--gin_bindings=runtime.vectorize_clients = True', f'--output_dir={tmp_path}')
   assert_one_line_error(result, 'cannot vectorise its clients')

@@ -22,9 +22,12 @@ In fltff:
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
+from typing import Callable, Optional
 
 import gin
+import numpy as np
 import tensorflow as tf
 
 from fltff.errors import ConfigError
@@ -37,7 +40,7 @@ from fltff.learning.process import build_algorithm
 
 
 def model_contrastive_loss(z: tf.Tensor, z_glob: tf.Tensor, z_prev: tf.Tensor,
-                           temperature: float) -> tf.Tensor:
+                           temperature: float, mask: Optional[tf.Tensor] = None) -> tf.Tensor:
   """MOON's model-contrastive loss (Li, He, Song, CVPR 2021, eq. (3)), averaged over examples.
 
   `ℓ_con = −log( exp(sim(z, z_glob)/τ) / (exp(sim(z, z_glob)/τ) + exp(sim(z, z_prev)/τ)) )`
@@ -47,13 +50,18 @@ def model_contrastive_loss(z: tf.Tensor, z_glob: tf.Tensor, z_prev: tf.Tensor,
     z, z_glob, z_prev: `[B, D]` representations of the same B examples under the local, the
       global and the previous local model.
     temperature: τ > 0.
+    mask: Optional `[B]`, 1 for the examples to average over (a padded batch's real ones).
 
   Returns:
-    The mean of ℓ_con over the B examples (a zero vector has similarity 0 to everything).
+    The mean of ℓ_con over the B examples, or over the masked ones (0 if none); a zero vector
+    has similarity 0 to everything.
   """
   z, z_glob, z_prev = (tf.math.l2_normalize(t, axis=-1) for t in (z, z_glob, z_prev))
   logits = tf.stack([tf.reduce_sum(z * z_glob, -1), tf.reduce_sum(z * z_prev, -1)], -1)
-  return -tf.reduce_mean(tf.nn.log_softmax(logits / temperature, axis=-1)[:, 0])
+  losses = -tf.nn.log_softmax(logits / temperature, axis=-1)[:, 0]
+  if mask is None:
+    return tf.reduce_mean(losses)
+  return tf.reduce_sum(losses * mask) / tf.maximum(tf.reduce_sum(mask), 1.0)
 
 
 def _flat(z: tf.Tensor) -> tf.Tensor:
@@ -102,9 +110,10 @@ class ModelContrastiveRegularizer:
     del local, global_, context
     return tf.constant(0.0)
 
-  def batch_penalty(self, local, batch, context):
-    """`μ ℓ_con(z, z_glob, z_prev)` on `batch['x']`; differentiable through the local model."""
-    del local, context
+  def batch_penalty(self, local, global_, batch, context):
+    """`μ ℓ_con(z, z_glob, z_prev)` on `batch['x']`; differentiable through the local model
+    (the global model is the Keras model loaded at the epoch start)."""
+    del local, global_, context
     x = batch['x']
     # The data loss's forward pass has already updated BatchNorm statistics on this batch;
     # this second pass (in training mode, as the representation being trained) must not.
@@ -115,6 +124,66 @@ class ModelContrastiveRegularizer:
     z_glob = tf.stop_gradient(_flat(self._global_latent(x, training=False)))
     z_prev = tf.stop_gradient(_flat(self._previous_latent(x, training=False)))
     return self.mu * model_contrastive_loss(z, z_glob, z_prev, self.temperature)
+
+
+class StackedModelContrastive:
+  """MOON's `μ ℓ_con` for one client of a vectorised round (`VectorizedMoonWork`): the same
+  term as `ModelContrastiveRegularizer`, with the three models as one functional latent
+  apply (`vectorized.functional_apply`) on the local weights, the global weights and the
+  client's previous weights (its row of the stacked client states), averaged over the batch's
+  real examples (`batch['mask']`)."""
+
+  def __init__(self, latent_apply: Callable, previous: Sequence[tf.Tensor], mu: float,
+               temperature: float):
+    self._latent_apply = latent_apply
+    self.previous = tuple(previous)
+    self.mu, self.temperature = float(mu), float(temperature)
+
+  def epoch_start(self, local, global_):
+    del local, global_
+    return ()
+
+  def penalty(self, local, global_, context):
+    del local, global_, context
+    return tf.constant(0.0)
+
+  def batch_penalty(self, local, global_, batch, context):
+    del context
+    x = batch['x']
+    z = _flat(self._latent_apply(local, x, training=True))
+    z_glob = tf.stop_gradient(_flat(self._latent_apply(global_, x, training=False)))
+    z_prev = tf.stop_gradient(_flat(self._latent_apply(self.previous, x, training=False)))
+    return self.mu * model_contrastive_loss(z, z_glob, z_prev, self.temperature,
+                                            batch['mask'])
+
+
+class VectorizedMoonWork:
+  """MOON's client work for a round's participants together (`runtime.vectorize_clients`):
+  `learning.vectorized.VectorizedClientWork` with `StackedModelContrastive` as each client's
+  regulariser (its previous model, from the client states, as its term); the new client states
+  are the trained models, as `build_moon_client_work` gathers them. `next` has the client work
+  process's shape (no server state; measurements `train` and the gathered states)."""
+
+  def __init__(self, model_spec: ModelSpec, optimizer, mu: float, temperature: float,
+               device: Optional[str] = None):
+    from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
+
+    self._work = VectorizedClientWork(
+        model_spec, optimizer, device=device, latent=True,
+        client_regularizer=lambda previous: StackedModelContrastive(
+            self._work.latent_apply, previous, mu, temperature))
+
+  def next(self, state, global_weights, client_inputs, call=None):
+    previous = tuple(tf.convert_to_tensor(np.stack(values)) for values in
+                     zip(*[tuple(data['state']) for data in client_inputs]))
+    results, train, _, out = self._work.round_results(global_weights, client_inputs, call,
+                                                      client_terms=previous)
+    indices = np.asarray([client_work_lib.client_index_of_input(data) for data in client_inputs],
+                         np.int32)
+    measurements = collections.OrderedDict(train=train)
+    measurements[client_state.CLIENT_STATES_KEY] = collections.OrderedDict(
+        update=tuple(w.numpy() for w in out['trained']), weight=indices)
+    return state, results, measurements
 
 
 def build_moon_client_work(model_spec: ModelSpec, optimizer, mu: float, temperature: float):
@@ -163,5 +232,7 @@ def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, m
       'moon', model_spec, optimizer, optimizers.server_sgd(server_optimizer, 1.0, 'moon'),
       client_work=build_moon_client_work(model_spec, optimizer, mu, temperature))
   algorithm.num_clients = num_clients
+  algorithm.vectorized_fn = lambda device: VectorizedMoonWork(model_spec, optimizer, mu,
+                                                              temperature, device)
   initial = [w.copy() for w in model_spec.initial_weights().trainable]
   return client_state.with_client_states(algorithm, lambda: [w.copy() for w in initial])

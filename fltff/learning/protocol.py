@@ -138,7 +138,7 @@ class FederatedAlgorithm:
       return
     raise ConfigError(f'{self.name} cannot vectorise its clients (runtime.vectorize_clients '
                       f'supports the FedAvg-family methods built on the default client work, '
-                      f'SCAFFOLD and the personalised ones: KAPC, FedAMP, Local, pFedLA).')
+                      f'SCAFFOLD, MOON and the personalised ones: KAPC, FedAMP, Local, pFedLA).')
 
   # -- evaluation, communication, outputs ----------------------------------------------------
   def global_model_weights(self, state):

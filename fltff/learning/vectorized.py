@@ -20,7 +20,8 @@ trainable (no BatchNorm statistics) and have no layer losses; the default client
 FedBABU, CCN); SCAFFOLD (`scaffold.VectorizedScaffoldWork`: per-client corrections, the
 gradient mean tracked); and, through `fltff.personalization.vectorized` (per-client start
 weights and regularisers), the personalised process (KAPC with or without BLS, FedAMP, Local,
-pFedLA). Not a regulariser with a batch-dependent term (MOON).
+pFedLA); MOON (`moon.VectorizedMoonWork`: a per-client regulariser with a batch-dependent
+term, the contrastive loss over the batch's representations, masked to its real examples).
 """
 
 from __future__ import annotations
@@ -281,7 +282,7 @@ class VectorizedClientWork:
                weight_fields: Sequence[str] = (), frozen: Sequence[int] = (),
                client_weighting: str = 'num_examples', device: Optional[str] = None,
                client_regularizer: Optional[Callable[[Any], Any]] = None,
-               track_gradient_mean: bool = False):
+               track_gradient_mean: bool = False, latent: bool = False):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     client_work_lib.check_weight_fields(weight_fields)
@@ -317,11 +318,13 @@ class VectorizedClientWork:
     self._keras_fn = model_spec.keras_fn
     self._keras_model = model_spec.keras_fn()
     self._apply = functional_apply(self._keras_model)
-    self._latent_apply = None
-    if 'latent_mean' in weight_fields:
-      latent_model = client_work_lib.latent_fn_for(self._keras_model, weight_fields)
-      self._latent_apply = functional_apply(latent_model, self._keras_model)
-      self._latent_dim = int(latent_model.output_shape[-1])
+    self._latent = None
+    if latent or 'latent_mean' in weight_fields:
+      # Built here, eagerly, like the model (not while `_train` is traced).
+      from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
+      latent_keras = latent_model(self._keras_model)
+      self._latent = (functional_apply(latent_keras, self._keras_model),
+                      int(latent_keras.output_shape[-1]))
     self._updater = stacked_optimizer(optimizer, frozenset(frozen))
     self._regularizer = regularizer
     self._client_regularizer = client_regularizer
@@ -332,6 +335,15 @@ class VectorizedClientWork:
     self._device = device
     self._train = tf.function(self._train_fn, reduce_retracing=True)
     self._read_before = weakref.WeakSet()
+
+  @property
+  def latent_apply(self):
+    """`apply(trainable, x, training)` of the model's latent layer (`models.latent_model`,
+    sharing the model's layers; `functional_apply`): CCN's latent mean, MOON's
+    representation. Needs `latent=True` (or a `latent_mean` weight field)."""
+    if self._latent is None:
+      raise ValueError('VectorizedClientWork(latent=True) builds the latent-layer model.')
+    return self._latent[0]
 
   def _restore_tf2_layer_classes(self) -> None:
     """Makes the eager Keras model callable again after a model was built in a graph.
@@ -368,6 +380,7 @@ class VectorizedClientWork:
       probe = self._client_regularizer(tf.nest.map_structure(lambda t: t[0], client_terms))
     analytic_gradient = probe is not None and hasattr(probe, 'gradient')
     has_affine = probe is not None and hasattr(probe, 'affine_gradient')
+    batch_dependent = probe is not None and hasattr(probe, 'batch_penalty')
     k = tf.shape(valid)[2]
     if start is None:
       global_trainable = tuple(global_trainable)
@@ -412,6 +425,10 @@ class VectorizedClientWork:
         loss = data_loss
         if regularizer is not None and not analytic_gradient:
           loss += regularizer.penalty(local, global_trainable, context)
+        if batch_dependent:  # MOON's contrastive term, over the batch's real examples.
+          loss += regularizer.batch_penalty(
+              local, global_trainable, collections.OrderedDict(x=bx, y=by, mask=bmask),
+              context)
       # An affine regulariser's terms are added by the updater (fused with the update there).
       gradients = client_work_lib.step_gradients(
           tape.gradient(loss, local), local, None if has_affine else regularizer,
@@ -456,15 +473,15 @@ class VectorizedClientWork:
       # its way to the aggregator (measured: copying the model-sized stacked arrays out to
       # NumPy and back cost up to 0.3 s of a 100-client mlp2 round, in fresh pages).
       out['update'] = tuple(g[tf.newaxis] - w for g, w in zip(global_trainable, weights))
-    if self._latent_apply is not None:
-      latent_apply = self._latent_apply
+    if 'latent_mean' in self._weight_fields:
+      latent_apply, latent_dim = self._latent
 
       def latent_sums(args):
         local, bx, bmask = args
         z = latent_apply(local, bx, training=False)
         return tf.reduce_sum(z * bmask[:, tf.newaxis], axis=0), tf.reduce_sum(bmask)
 
-      total = tf.zeros([k, self._latent_dim])
+      total = tf.zeros([k, latent_dim])
       count = tf.zeros([k])
       for s in tf.range(tf.shape(valid)[1]):
         step_total, step_count = tf.vectorized_map(

@@ -120,6 +120,12 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
   def initialize(self, call: protocol.Call = protocol.direct_call):
     return self.inner.initialize(call)
 
+  def vectorize_clients(self, device=None) -> None:
+    del device
+    raise ConfigError(f'{self.name} with FedLap personalisation cannot vectorise its clients '
+                      f'(its local models mix with the global one in client computations of '
+                      f'their own); runtime.vectorize_clients supports the methods without it.')
+
   @property
   def has_client_state(self) -> bool:
     return True
