@@ -319,12 +319,18 @@ class VectorizedClientWork:
     self._keras_model = model_spec.keras_fn()
     self._apply = functional_apply(self._keras_model)
     self._latent = None
+    self._latent_and_output = None
     if latent or 'latent_mean' in weight_fields:
       # Built here, eagerly, like the model (not while `_train` is traced).
       from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
       latent_keras = latent_model(self._keras_model)
       self._latent = (functional_apply(latent_keras, self._keras_model),
                       int(latent_keras.output_shape[-1]))
+      # The latent layer and the logits from one forward pass (a regulariser that contrasts
+      # the training pass's representation, MOON, gets it without a second pass).
+      self._latent_and_output = functional_apply(
+          tf.keras.Model(self._keras_model.inputs,
+                         [latent_keras.output, self._keras_model.output]), self._keras_model)
     self._updater = stacked_optimizer(optimizer, frozenset(frozen))
     self._regularizer = regularizer
     self._client_regularizer = client_regularizer
@@ -381,6 +387,10 @@ class VectorizedClientWork:
     analytic_gradient = probe is not None and hasattr(probe, 'gradient')
     has_affine = probe is not None and hasattr(probe, 'affine_gradient')
     batch_dependent = probe is not None and hasattr(probe, 'batch_penalty')
+    # A batch term that reads the training pass's latent representation (`batch['latent']`).
+    latent_in_batch = batch_dependent and getattr(probe, 'reads_latent', False)
+    if latent_in_batch and self._latent_and_output is None:
+      raise ValueError('a regulariser that reads the latent layer needs latent=True.')
     k = tf.shape(valid)[2]
     if start is None:
       global_trainable = tuple(global_trainable)
@@ -417,7 +427,10 @@ class VectorizedClientWork:
       regularizer = regularizer_of(client)
       with tf.GradientTape() as tape:
         tape.watch(local)
-        logits = self._apply(local, bx, training=True)
+        if latent_in_batch:
+          latent, logits = self._latent_and_output(local, bx, training=True)
+        else:
+          logits = self._apply(local, bx, training=True)
         n = tf.reduce_sum(bmask)
         per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=tf.cast(by, tf.int64), logits=logits)
@@ -426,9 +439,10 @@ class VectorizedClientWork:
         if regularizer is not None and not analytic_gradient:
           loss += regularizer.penalty(local, global_trainable, context)
         if batch_dependent:  # MOON's contrastive term, over the batch's real examples.
-          loss += regularizer.batch_penalty(
-              local, global_trainable, collections.OrderedDict(x=bx, y=by, mask=bmask),
-              context)
+          batch = collections.OrderedDict(x=bx, y=by, mask=bmask)
+          if latent_in_batch:
+            batch['latent'] = latent
+          loss += regularizer.batch_penalty(local, global_trainable, batch, context)
       # An affine regulariser's terms are added by the updater (fused with the update there).
       gradients = client_work_lib.step_gradients(
           tape.gradient(loss, local), local, None if has_affine else regularizer,
