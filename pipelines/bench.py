@@ -74,9 +74,11 @@ _EXECUTOR_SHAPES = flags.DEFINE_list('executor_shapes', ['mlp2:10x600', 'mlp2:10
                                                          'cnn2:10x600'],
                                      'model:clients x examples per client, for --executors.')
 _EXECUTOR_VARIANTS = flags.DEFINE_list(
-    'executor_variants', ['fltff_tff_cpp', 'fltff_in_process', 'fltff_vectorized'],
+    'executor_variants', ['fltff_tff_cpp', 'fltff_in_process', 'fltff_vectorized',
+                          'one_model_floor'],
     "For --executors: the fltff variants to time beside TFF's built-in (e.g. one at a time, "
-    'for the peak RSS of that variant alone).')
+    'for the peak RSS of that variant alone), and one_model_floor: one model trained on every '
+    "client's batch at once, no per-client weights (the arithmetic's floor, not FL).")
 _EXECUTOR_METHODS = flags.DEFINE_list(
     'executor_methods', ['fedlap', 'fedlayerwise', 'kapc'],
     "For --executors: methods (as --compare names them) also timed with vectorised clients "
@@ -149,6 +151,46 @@ class PlainTfFedAvg:
       for acc, w in zip(new, trained):
         acc += (n / total) * w.numpy()
     return new
+
+
+class OneModelFloor:
+  """The round's arithmetic without federated learning, as a floor for the executors: ONE Keras
+  model trained (SGD with momentum) on all the clients' examples, each step taking one batch
+  from every client (clients × batch examples), as many steps as one client's epochs. Per-client
+  weights make the same FLOPs as K small convolutions/matmuls instead of one K-times-larger
+  one; this is how fast that one larger one runs here."""
+
+  def __init__(self, keras_fn, data: _BenchClients):
+    self.model = keras_fn()
+    variables = self.model.trainable_variables
+    examples = len(data[0][1])
+    batch = min(_BATCH.value, examples)
+    steps = examples // batch  # Full batches (a smaller last one is dropped).
+    # [steps, clients × batch, ...]: client k's step-s batch is a contiguous slice.
+    x = np.stack([x for x, _ in data], 1)[:steps * batch]
+    y = np.stack([y for _, y in data], 1)[:steps * batch]
+    self._x = tf.constant(x.reshape(steps, -1, *x.shape[2:]).astype(np.float32) / 255.0)
+    self._y = tf.constant(y.reshape(steps, -1))
+
+    @tf.function
+    def epoch(x, y):
+      velocity = tuple(tf.zeros_like(v) for v in variables)
+      for s in tf.range(tf.shape(x)[0]):
+        with tf.GradientTape() as tape:
+          loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+              y[s], self.model(x[s], training=True)))
+        grads = tape.gradient(loss, variables)
+        velocity = tuple(_MOMENTUM * m + g for m, g in zip(velocity, grads))
+        for v, m in zip(variables, velocity):
+          v.assign_sub(_LR * m)
+      return loss
+
+    self._epoch = epoch
+
+  def round(self, datasets):
+    del datasets  # The examples are held as one tensor (not read per round).
+    for _ in range(_EPOCHS.value):
+      self._epoch(self._x, self._y).numpy()
 
 
 def _round_datasets(data: _BenchClients, r):
@@ -269,7 +311,7 @@ def compare_executors() -> int:
   except ValueError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  known = ('fltff_tff_cpp', 'fltff_in_process', 'fltff_vectorized')
+  known = ('fltff_tff_cpp', 'fltff_in_process', 'fltff_vectorized', 'one_model_floor')
   unknown = [v for v in _EXECUTOR_VARIANTS.value if v not in known]
   if unknown or not _EXECUTOR_VARIANTS.value:
     print(f'error: --executor_variants {unknown or "(empty)"}: choose from {list(known)}',
@@ -290,6 +332,7 @@ def compare_executors() -> int:
     in_process = InProcessContext()
     contexts = {'tff_builtin': cpp_context, 'fltff_tff_cpp': cpp_context,
                 'fltff_in_process': in_process, 'fltff_vectorized': in_process,
+                'one_model_floor': in_process,
                 **{f'vectorized:{m}': in_process for m in methods}}
     for model, clients, examples in shapes:
       keras_fn = functools.partial(build_model, model, input_shape=(28, 28, 1), num_classes=10,
@@ -313,6 +356,9 @@ def compare_executors() -> int:
       rounds = {'tff_builtin': builtin_round}
       builders = method_builders(spec, clients)
       for name in names[1:]:
+        if name == 'one_model_floor':
+          rounds[name] = OneModelFloor(keras_fn, data).round
+          continue
         tff.framework.set_default_context(contexts[name])
         method = name.split(':')[1] if name.startswith('vectorized:') else 'fedavg'
         algorithm = builders[method](opt)

@@ -38,7 +38,10 @@ def test_bench_executors_prints_ratios_to_tffs_builtin():
        '--executor_methods=fedlap,kapc', '--rounds=2'], cwd=REPO, capture_output=True,
       text=True, timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
   assert result.returncode == 0, result.stderr[-3000:]
-  assert re.search(r'mlp2 3x20\s+\d+\.\d+ s \(\s*1\.000x\)(\s+\d+\.\d+ s \(\s*\d+\.\d{3}x\)){3}',
+  # Built-in, C++ runtime, in-process, vectorised, and the one-model floor.
+  assert re.search(r'tff_builtin\s+fltff_tff_cpp\s+fltff_in_process\s+fltff_vectorized\s+'
+                   r'one_model_floor\n', result.stdout), result.stdout
+  assert re.search(r'mlp2 3x20\s+\d+\.\d+ s \(\s*1\.000x\)(\s+\d+\.\d+ s \(\s*\d+\.\d{3}x\)){4}',
                    result.stdout), result.stdout
   # The other methods, vectorised, in the same runs: to the built-in and to fltff's FedAvg.
   table = result.stdout.split('Other methods with vectorised clients')[-1]
