@@ -58,6 +58,9 @@ class LocalRegularizer(Protocol):
   # loop forms them once per epoch and adds them to the data gradient in one `tf.add_n` per
   # tensor and step — one full-size op instead of three for a proximal term (measured:
   # FedProx's per-step overhead 15.4 → 9.6 ms per 60 mlp2 steps). None: use `gradient`.
+  # Optional: `global_anchor -> bool`: the offsets are `−scale ⊙ global_` (FedProx, FedLap).
+  # Vectorised clients then add `scale ⊙ (w − global_)` with the one global model instead of
+  # forming a `[clients, ...]` offset per epoch (`stacked_optimizer`).
   # Optional: `batch_penalty(local, global_, batch, context) -> scalar tensor`, a term that
   # depends on the minibatch (MOON's model-contrastive loss on the batch's representations);
   # `batch` has `x` and `y` and, with vectorised clients, `mask` (1 for a real example of a

@@ -127,6 +127,11 @@ class FedLapRegularizer:
     return fedlap_gradient(local, global_, neuron_dissimilarities(local, global_), self.q,
                            self.mu)
 
+  @property
+  def global_anchor(self) -> bool:
+    """`c ⊙ (w − w_global)`: vectorised clients use the one global model as the anchor."""
+    return self.refresh == 'epoch'
+
   def affine_gradient(self, global_, context):
     """With λ fixed per epoch the gradient is `c ⊙ w − c ⊙ w_global` (None per step)."""
     if self.refresh != 'epoch':

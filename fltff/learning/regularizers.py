@@ -57,6 +57,12 @@ class ProximalRegularizer:
     coefficients = self._coefficients or (self.mu,) * len(anchor)
     return [c * (w - a) for w, a, c in zip(local, anchor, coefficients)]
 
+  @property
+  def global_anchor(self) -> bool:
+    """The anchor is the global model (FedProx): vectorised clients use `scale ⊙ (w − global)`
+    with the one global model instead of per-client offsets (`LocalRegularizer`)."""
+    return self.anchor is None
+
   def affine_gradient(self, global_, context):
     """The gradient as `c_t w_t + (−c_t a_t)`, c_t = μ m_t (see `LocalRegularizer`)."""
     del context

@@ -57,13 +57,27 @@ def _per_client(term, weight: tf.Tensor) -> tf.Tensor:
 
 
 def _affine_gradient(gradient, weight, scale, offset) -> tf.Tensor:
-  """`g + s ⊙ w + o` for one stacked tensor, in `client_work.step_gradients`'s order."""
+  """`g + s ⊙ w + o` for one stacked tensor, in `client_work.step_gradients`'s order; with
+  `offset` an `Anchor`, `g + s ⊙ (w − a)` for the one anchor `a` every client shares."""
+  if isinstance(offset, Anchor):
+    return gradient + _per_client(scale, weight) * (weight - offset.value)
   return tf.add_n([gradient, _per_client(scale, weight) * weight, _per_client(offset, weight)])
+
+
+class Anchor:
+  """An offset given as `−s ⊙ a` by the anchor `a` (no client axis) all clients share, e.g. the
+  global model (FedProx, FedLap: `LocalRegularizer.global_anchor`): read once per step from
+  the one copy, not from a `[clients, ...]` offset formed per epoch (measured at 100 × 60:
+  see the README's Executors section)."""
+
+  def __init__(self, value: tf.Tensor):
+    self.value = value
 
 
 def add_affine(gradients, weights, affine) -> list:
   """`g + s ⊙ w + o` per tensor for stacked clients: `client_work.step_gradients`'s affine
-  regulariser terms (`affine = (scales, offsets)`, each with a leading client axis)."""
+  regulariser terms (`affine = (scales, offsets)`, each with a leading client axis; an offset
+  may be an `Anchor`)."""
   if affine is None:
     return list(gradients)
   return [_affine_gradient(g, w, a, o) for g, w, a, o in zip(gradients, weights, *affine)]
@@ -206,14 +220,16 @@ class FusedSGDM:
     with tf.control_dependencies(applied):
       return tf.constant(True)
 
-  def _affine_update_fn(self, gradients, scales, offsets) -> tf.Tensor:
+  def _affine_update_fn(self, gradients, scales, offsets, anchors) -> tf.Tensor:
     """Every client's step with the affine terms, `g + s ⊙ w + o` (in `step_gradients`'s
-    order) and the update in one XLA-compiled elementwise pass per tensor."""
+    order; `g + s ⊙ (w − a)` with shared `anchors` instead of `offsets`) and the update in one
+    XLA-compiled elementwise pass per tensor."""
     for i, (variable, gradient) in enumerate(zip(self._weights, gradients)):
       if i in self._frozen:
         continue
       w = variable.read_value()
-      gradient = _affine_gradient(gradient, w, scales[i], offsets[i])
+      offset = Anchor(anchors[i]) if anchors else offsets[i]
+      gradient = _affine_gradient(gradient, w, scales[i], offset)
       lr = tf.cast(self._learning_rate, w.dtype)
       if self._momentum is None:
         variable.assign(w - lr * gradient)
@@ -240,7 +256,10 @@ class FusedSGDM:
       every = lambda: self._apply(gradients, None)
     else:
       scales, offsets = (tuple(part) for part in affine)
-      every = lambda: self._affine_update(gradients, scales, offsets)
+      # The XLA function takes tensors: shared anchors as their own argument.
+      anchors = tuple(o.value for o in offsets) if isinstance(offsets[0], Anchor) else ()
+      every = lambda: self._affine_update(gradients, scales, () if anchors else offsets,
+                                          anchors)
     with tf.control_dependencies([carry]):
       return tf.cond(tf.reduce_all(trains), every, some_idle)
 

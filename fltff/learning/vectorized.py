@@ -41,6 +41,7 @@ from fltff.data.pipeline import ArraySource
 from fltff.data.pipeline import array_source
 from fltff.data.pipeline import preprocess_batch
 from fltff.learning.model_spec import ModelSpec
+from fltff.learning.stacked_optimizer import Anchor
 from fltff.learning.stacked_optimizer import broadcast_clients
 from fltff.learning.stacked_optimizer import stacked_optimizer
 from fltff.runtime.in_process import StackedClients
@@ -387,6 +388,10 @@ class VectorizedClientWork:
     analytic_gradient = probe is not None and hasattr(probe, 'gradient')
     has_affine = probe is not None and hasattr(probe, 'affine_gradient')
     batch_dependent = probe is not None and hasattr(probe, 'batch_penalty')
+    # Offsets `−scale ⊙ global` (FedProx, FedLap): only the scales cross the map; the update
+    # reads the one global model (`stacked_optimizer.Anchor`).
+    global_anchor = (has_affine and client_terms is None
+                     and getattr(probe, 'global_anchor', False))
     # A batch term that reads the training pass's latent representation (`batch['latent']`).
     latent_in_batch = batch_dependent and getattr(probe, 'reads_latent', False)
     if latent_in_batch and self._latent_and_output is None:
@@ -417,13 +422,15 @@ class VectorizedClientWork:
       affine = regularizer.affine_gradient(global_trainable, context) if has_affine else ()
       # `None` scales (no w-term, SCAFFOLD's correction) cannot cross vectorized_map: a
       # scalar zero per client, which broadcasts (not a model-sized zero tensor).
+      if global_anchor:
+        affine = affine[:1]
       if has_affine:
         affine = tuple(tuple(tf.zeros([], w.dtype) if a is None else a
                              for a, w in zip(part, local)) for part in affine)
       return context, affine
 
     def client_gradients(args):
-      local, bx, by, bmask, trains, context, affine, client = args
+      local, bx, by, bmask, trains, context, client = args
       regularizer = regularizer_of(client)
       with tf.GradientTape() as tape:
         tape.watch(local)
@@ -461,6 +468,8 @@ class VectorizedClientWork:
                     if self._track_gradient_mean else ())
     for e in tf.range(tf.shape(valid)[0]):
       context, affine = tf.vectorized_map(epoch_context, (updater.weights(carry), terms))
+      if global_anchor:
+        affine = (affine[0], tuple(Anchor(g) for g in global_trainable))
       for s in tf.range(tf.shape(valid)[1]):
         trains = valid[e, s]
         # The clients' gradients in one vectorised step, then the optimizer's update of all of
@@ -468,7 +477,7 @@ class VectorizedClientWork:
         gradients, step_sums = tf.vectorized_map(
             client_gradients, (updater.weights(carry), tf.gather(examples, index[e, s]),
                                tf.gather(labels, index[e, s]), mask[e, s], trains,
-                               context, affine, terms))
+                               context, terms))
         carry = updater.step(carry, gradients, trains, affine if has_affine else None)
         sums = tuple(a + b for a, b in zip(sums, step_sums))
         if self._track_gradient_mean:
