@@ -138,19 +138,25 @@ def _latent_numpy(params, x):
   return np.maximum(x @ w + b, 0.0)
 
 
+def _regularizer_on_three_models(seeds, mu):
+  """`(local model, global ModelWeights, previous trainable weights, regulariser)`: three
+  tiny_mlps with these seeds; the regulariser's fixed models loaded (epoch start)."""
+  local, glob, prev = (tiny_mlp(DIM, CLASSES, s) for s in seeds)
+  glob_weights = tff.learning.models.ModelWeights(
+      trainable=[w.numpy() for w in glob.trainable_weights], non_trainable=[])
+  prev_trainable = [w.numpy() for w in prev.trainable_weights]
+  reg = ModelContrastiveRegularizer(local, tiny_mlp(DIM, CLASSES, 30), tiny_mlp(DIM, CLASSES, 31),
+                                    glob_weights, prev_trainable, mu, TAU)
+  reg.epoch_start((), ())
+  return local, glob_weights, prev_trainable, reg
+
+
 def test_regularizer_gradient_matches_finite_differences():
   """∂(μ ℓ_con)/∂w of `batch_penalty` against central differences of a float64 NumPy ℓ_con; the
   head gets no gradient (the latent layer is tiny_mlp's first Dense layer)."""
   mu = 3.0
   rng = np.random.default_rng(11)
-  local, glob, prev = (tiny_mlp(DIM, CLASSES, s) for s in (17, 18, 19))
-  glob_weights = tff.learning.models.ModelWeights(
-      trainable=[w.numpy() for w in glob.trainable_weights], non_trainable=[])
-  prev_trainable = [w.numpy() for w in prev.trainable_weights]
-  glob_model, prev_model = tiny_mlp(DIM, CLASSES, 30), tiny_mlp(DIM, CLASSES, 31)
-  reg = ModelContrastiveRegularizer(local, glob_model, prev_model, glob_weights, prev_trainable,
-                                    mu, TAU)
-  reg.epoch_start((), ())
+  local, glob_weights, prev_trainable, reg = _regularizer_on_three_models((17, 18, 19), mu)
   x = rng.normal(size=(6, DIM)).astype(np.float32)
   batch = collections.OrderedDict(x=tf.constant(x), y=tf.zeros([6], tf.int32))
   variables = local.trainable_weights
@@ -192,13 +198,7 @@ def test_stacked_term_on_a_padded_batch_equals_the_regularizer_on_its_real_examp
 
   mu = 2.0
   rng = np.random.default_rng(5)
-  local, glob, prev = (tiny_mlp(DIM, CLASSES, s) for s in (21, 22, 23))
-  glob_weights = tff.learning.models.ModelWeights(
-      trainable=[w.numpy() for w in glob.trainable_weights], non_trainable=[])
-  prev_trainable = [w.numpy() for w in prev.trainable_weights]
-  reg = ModelContrastiveRegularizer(local, tiny_mlp(DIM, CLASSES, 30), tiny_mlp(DIM, CLASSES, 31),
-                                    glob_weights, prev_trainable, mu, TAU)
-  reg.epoch_start((), ())
+  local, glob_weights, prev_trainable, reg = _regularizer_on_three_models((21, 22, 23), mu)
   x = rng.normal(size=(4, DIM)).astype(np.float32)
   variables = local.trainable_weights
   with tf.GradientTape() as tape:
