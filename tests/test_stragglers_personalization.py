@@ -117,6 +117,8 @@ def test_personalization_reports_and_resumes_exactly(tmp_path):
   full = str(tmp_path / 'full')
   result = run_pipeline(*args, '--gin_bindings=experiment.rounds = 3', f'--output_dir={full}')
   assert result.returncode == 0, result.stderr[-3000:]
+  # The default executor vectorises the method's clients and the local models' training.
+  assert 'runs on the in-process executor, vectorised clients.' in result.stdout
   rows = read_csv(os.path.join(full, 'metrics.csv'))
   for row in rows:
     assert 0.0 <= float(row['personalized_accuracy']) <= 1.0

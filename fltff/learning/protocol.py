@@ -136,9 +136,9 @@ class FederatedAlgorithm:
     if self.vectorized_fn is not None:
       self._vectorized = self.vectorized_fn(device)
       return
-    raise ConfigError(f'{self.name} cannot vectorise its clients (runtime.vectorize_clients '
-                      f'supports the FedAvg-family methods built on the default client work, '
-                      f'SCAFFOLD, MOON and the personalised ones: KAPC, FedAMP, Local, pFedLA).')
+    raise ConfigError(f'{self.name} cannot vectorise its clients: its client work is not '
+                      f"one of fltff's (runtime.vectorize_clients supports every fltff method "
+                      f'built by its builders, which know their client work).')
 
   # -- evaluation, communication, outputs ----------------------------------------------------
   def global_model_weights(self, state):

@@ -268,6 +268,10 @@ def _read_dataset_batches(datasets: Sequence[tf.data.Dataset], passes: Sequence[
   return bx, by, sizes, counts
 
 
+# Every dataset a vectorised client work has read in this process (weakly held).
+_DATASETS_READ: 'weakref.WeakSet[tf.data.Dataset]' = weakref.WeakSet()
+
+
 class VectorizedClientWork:
   """`client_work.build_client_work`'s computation for all of a round's participants at once.
 
@@ -341,7 +345,10 @@ class VectorizedClientWork:
     self._track_gradient_mean = track_gradient_mean
     self._device = device
     self._train = tf.function(self._train_fn, reduce_retracing=True)
-    self._read_before = weakref.WeakSet()
+    # Shared by every vectorised client work: a dataset one of them read (e.g. the method's
+    # clients) and another reads again (FedLap personalisation's local models) is rebuilt, as
+    # TFF's runtime deserialises it afresh for each computation.
+    self._read_before = _DATASETS_READ
 
   @property
   def latent_apply(self):

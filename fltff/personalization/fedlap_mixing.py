@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import gin
 import numpy as np
+import tensorflow as tf
 
 from fltff.errors import ConfigError
 from fltff.learning import protocol
@@ -79,6 +80,7 @@ class FedLapPersonalization:
                         f'{mixing!r}.')
     self.degree, self.mixing = float(degree), mixing
     self.layers = model_spec.trainable_layers()[0]
+    self.model_spec, self.optimizer = model_spec, optimizer
     self.local_update = build_local_update(model_spec, optimizer)
 
   def personalized_weights(self, local, global_):
@@ -112,6 +114,7 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
     self.num_clients = algorithm.num_clients
     self.bytes_down_per_client = algorithm.bytes_down_per_client
     self.bytes_up_per_client = algorithm.bytes_up_per_client
+    self._local_work = None  # `vectorize_clients`.
     initial = algorithm.model_spec.initial_weights()
     self._initial_local = collections.OrderedDict(
         trainable=[np.asarray(w) for w in initial.trainable],
@@ -121,10 +124,18 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
     return self.inner.initialize(call)
 
   def vectorize_clients(self, device=None) -> None:
-    del device
-    raise ConfigError(f'{self.name} with FedLap personalisation cannot vectorise its clients '
-                      f'(its local models mix with the global one in client computations of '
-                      f'their own); runtime.vectorize_clients supports the methods without it.')
+    """The method's clients vectorised (its own `vectorize_clients`: a `ConfigError` where it
+    cannot) and the participants' local models trained together: `VectorizedClientWork` from
+    each one's own start weights, no regulariser — `build_local_update`'s computation."""
+    from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
+
+    self.inner.vectorize_clients(device)
+    self._local_work = VectorizedClientWork(self.personalization.model_spec,
+                                            self.personalization.optimizer, device=device)
+
+  @property
+  def vectorized(self) -> bool:
+    return self._local_work is not None
 
   @property
   def has_client_state(self) -> bool:
@@ -151,7 +162,10 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
     """The method's round, then each participant's local model trained on the same data."""
     inputs = [c.method for c in client_inputs]
     out = self.inner.next(state, server_input, inputs, call)
-    updated = call(self.personalization.local_update, [c.local for c in client_inputs], inputs)
+    if self._local_work is None:
+      updated = call(self.personalization.local_update, [c.local for c in client_inputs], inputs)
+    else:
+      updated = self._vectorized_local_update([c.local for c in client_inputs], inputs)
     client_states = {}
     for index, weights in updated:
       k = int(index)
@@ -162,6 +176,20 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
         client_states[k]['method'] = out.client_states[k]
     out.client_states = client_states
     return out
+
+  def _vectorized_local_update(self, local_models, inputs) -> list:
+    """`(client index, trained ModelWeights)` per participant, as `local_update` returns them."""
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+    from fltff.learning import client_work as client_work_lib  # pylint: disable=g-import-not-at-top
+
+    start = tuple(tf.convert_to_tensor(np.stack(values)) for values in
+                  zip(*[model['trainable'] for model in local_models]))
+    out, _ = self._local_work.train(inputs, start=start)
+    trained = [t.numpy() for t in out['trained']]
+    return [(client_work_lib.client_index_of_input(data),
+             tff.learning.models.ModelWeights(trainable=[t[k] for t in trained],
+                                              non_trainable=list(model['non_trainable'])))
+            for k, (data, model) in enumerate(zip(inputs, local_models))]
 
   def global_model_weights(self, state):
     return self.inner.global_model_weights(state)
