@@ -268,8 +268,14 @@ def _read_dataset_batches(datasets: Sequence[tf.data.Dataset], passes: Sequence[
   return bx, by, sizes, counts
 
 
-# Every dataset a vectorised client work has read in this process (weakly held).
-_DATASETS_READ: 'weakref.WeakSet[tf.data.Dataset]' = weakref.WeakSet()
+class _EveryDataset:
+  """A `read_before` set that holds every dataset (`train(..., read_before_elsewhere=True)`)."""
+
+  def __contains__(self, dataset) -> bool:
+    return True
+
+  def add(self, dataset) -> None:
+    del dataset
 
 
 class VectorizedClientWork:
@@ -345,10 +351,7 @@ class VectorizedClientWork:
     self._track_gradient_mean = track_gradient_mean
     self._device = device
     self._train = tf.function(self._train_fn, reduce_retracing=True)
-    # Shared by every vectorised client work: a dataset one of them read (e.g. the method's
-    # clients) and another reads again (FedLap personalisation's local models) is rebuilt, as
-    # TFF's runtime deserialises it afresh for each computation.
-    self._read_before = _DATASETS_READ
+    self._read_before = weakref.WeakSet()
 
   @property
   def latent_apply(self):
@@ -526,12 +529,16 @@ class VectorizedClientWork:
 
   # -- the round ----------------------------------------------------------------------------
   def train(self, client_inputs: Sequence[Any], global_trainable=None, start=None,
-            client_terms=None) -> tuple[collections.OrderedDict, collections.OrderedDict]:
+            client_terms=None, read_before_elsewhere: bool = False
+            ) -> tuple[collections.OrderedDict, collections.OrderedDict]:
     """`(out, data)`: the participants' local training (`_train_fn`'s outputs: `trained`,
     the metric `sums`, with a global model `update`, ...) and their round data
-    (`stack_client_batches`)."""
+    (`stack_client_batches`). `read_before_elsewhere`: the inputs' datasets were read already
+    this round (FedLap personalisation's local models train on the data its method's clients
+    read): each is rebuilt first, as TFF deserialises it afresh for every computation."""
     self._restore_tf2_layer_classes()
-    data = stack_client_batches(client_inputs, self._read_before)
+    data = stack_client_batches(
+        client_inputs, _EveryDataset() if read_before_elsewhere else self._read_before)
     self._updater.prepare([tf.TensorSpec(w.shape, w.dtype)
                            for w in self._keras_model.trainable_weights], self._device)
     with tf.device(self._device) if self._device else contextlib.nullcontext():

@@ -184,7 +184,8 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
 
     start = tuple(tf.convert_to_tensor(np.stack(values)) for values in
                   zip(*[model['trainable'] for model in local_models]))
-    out, _ = self._local_work.train(inputs, start=start)
+    # The method's clients read these datasets this round: read them afresh, as TFF would.
+    out, _ = self._local_work.train(inputs, start=start, read_before_elsewhere=True)
     trained = [t.numpy() for t in out['trained']]
     return [(client_work_lib.client_index_of_input(data),
              tff.learning.models.ModelWeights(trainable=[t[k] for t in trained],
