@@ -337,6 +337,7 @@ class VectorizedClientWork:
       latent_keras = latent_model(self._keras_model)
       self._latent = (functional_apply(latent_keras, self._keras_model),
                       int(latent_keras.output_shape[-1]))
+    if latent:
       # The latent layer and the logits from one forward pass (a regulariser that contrasts
       # the training pass's representation, MOON, gets it without a second pass).
       self._latent_and_output = functional_apply(
