@@ -182,8 +182,9 @@ class VectorizedMoonWork:
             self._work.latent_apply, previous, mu, temperature))
 
   def next(self, state, global_weights, client_inputs, call=None):
-    previous = tuple(tf.convert_to_tensor(np.stack(values)) for values in
-                     zip(*[tuple(data['state']) for data in client_inputs]))
+    from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
+
+    previous = stack_clients([tuple(data['state']) for data in client_inputs])
     results, train, _, out = self._work.round_results(global_weights, client_inputs, call,
                                                       client_terms=previous)
     indices = np.asarray([client_work_lib.client_index_of_input(data) for data in client_inputs],

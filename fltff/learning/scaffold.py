@@ -125,9 +125,10 @@ class VectorizedScaffoldWork:
         client_regularizer=ControlVariateCorrection, track_gradient_mean=True)
 
   def next(self, state, global_weights, client_inputs, call=None):
+    from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
+
     server_control = tuple(tf.convert_to_tensor(c) for c in state)
-    controls = tuple(tf.convert_to_tensor(np.stack(values)) for values in
-                     zip(*[tuple(data['state']) for data in client_inputs]))
+    controls = stack_clients([tuple(data['state']) for data in client_inputs])
     correction = tuple(c[tf.newaxis] - ci for c, ci in zip(server_control, controls))
     results, train, _, out = self._work.round_results(global_weights, client_inputs, call,
                                                       client_terms=correction)

@@ -268,6 +268,12 @@ def _read_dataset_batches(datasets: Sequence[tf.data.Dataset], passes: Sequence[
   return bx, by, sizes, counts
 
 
+def stack_clients(values: Sequence[Any]) -> Any:
+  """The participants' values (one nested structure of arrays each: client states, local
+  models) stacked along a new leading client axis, as tensors."""
+  return tf.nest.map_structure(lambda *rows: tf.convert_to_tensor(np.stack(rows)), *values)
+
+
 class _EveryDataset:
   """A `read_before` set that holds every dataset (`train(..., read_before_elsewhere=True)`)."""
 

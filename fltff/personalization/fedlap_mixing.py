@@ -31,7 +31,6 @@ from collections.abc import Sequence
 
 import gin
 import numpy as np
-import tensorflow as tf
 
 from fltff.errors import ConfigError
 from fltff.learning import protocol
@@ -182,8 +181,9 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
     from fltff.learning import client_work as client_work_lib  # pylint: disable=g-import-not-at-top
 
-    start = tuple(tf.convert_to_tensor(np.stack(values)) for values in
-                  zip(*[model['trainable'] for model in local_models]))
+    from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
+
+    start = stack_clients([tuple(model['trainable']) for model in local_models])
     # The method's clients read these datasets this round: read them afresh, as TFF would.
     out, _ = self._local_work.train(inputs, start=start, read_before_elsewhere=True)
     trained = [t.numpy() for t in out['trained']]

@@ -20,12 +20,12 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any, Optional
 
-import numpy as np
 import tensorflow as tf
 
 from fltff.learning import client_work as client_work_lib
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.vectorized import VectorizedClientWork
+from fltff.learning.vectorized import stack_clients
 
 
 class VectorizedPersonalWork:
@@ -57,8 +57,7 @@ class VectorizedPersonalWork:
 
   def __call__(self, server_msg, client_inputs: Sequence[Any]):
     server_msg = tf.nest.map_structure(tf.convert_to_tensor, server_msg)
-    personal = tf.nest.map_structure(lambda *values: tf.convert_to_tensor(np.stack(values)),
-                                     *[data['state'] for data in client_inputs])
+    personal = stack_clients([data['state'] for data in client_inputs])
     infos = [client_work_lib.client_info_of_input(data) for data in client_inputs]
     clients = tf.constant([info['client_index'] for info in infos], tf.int32)
     start, s, sent, own = (tuple(part) for part in self._starts(server_msg, personal, clients))
