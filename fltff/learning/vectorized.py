@@ -483,8 +483,20 @@ class VectorizedClientWork:
     # a step adds exactly zero: its masked loss is 0.
     gradient_sum = (tuple(tf.zeros(tf.shape(w), w.dtype) for w in weights)
                     if self._track_gradient_mean else ())
+    # The first epoch's context when every client starts from the global model with the shared
+    # regulariser: one client's, the same for all (FedLap's λ at local = global), computed
+    # once instead of per client (measured at 100 × 60 mlp2: see the README's Executors section).
+    same_first_context = start is None and client_terms is None
+    if same_first_context:
+      first_context = tf.nest.map_structure(
+          lambda t: broadcast_clients(t, k), epoch_context((global_trainable, ())))
     for e in tf.range(tf.shape(valid)[0]):
-      context, affine = tf.vectorized_map(epoch_context, (updater.weights(carry), terms))
+      if same_first_context:
+        context, affine = tf.cond(
+            tf.equal(e, 0), lambda: first_context,
+            lambda: tf.vectorized_map(epoch_context, (updater.weights(carry), terms)))
+      else:
+        context, affine = tf.vectorized_map(epoch_context, (updater.weights(carry), terms))
       if global_anchor:
         affine = (affine[0], tuple(Anchor(g) for g in global_trainable))
       for s in tf.range(tf.shape(valid)[1]):
