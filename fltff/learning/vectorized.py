@@ -490,6 +490,7 @@ class VectorizedClientWork:
     if same_first_context:
       first_context = tf.nest.map_structure(
           lambda t: broadcast_clients(t, k), epoch_context((global_trainable, ())))
+    anchored = tf.constant(True)  # Set per epoch below (autograph wants it before the loop).
     for e in tf.range(tf.shape(valid)[0]):
       if same_first_context:
         context, affine = tf.cond(
@@ -499,6 +500,10 @@ class VectorizedClientWork:
         context, affine = tf.vectorized_map(epoch_context, (updater.weights(carry), terms))
       if global_anchor:
         affine = (affine[0], tuple(Anchor(g) for g in global_trainable))
+        # `s ⊙ (w − global)` with every scale zero adds exactly nothing: the epoch takes the
+        # plain update (FedLap's first epoch, where λ = 0 at local = global; FedProx, μ = 0).
+        anchored = tf.reduce_any([tf.reduce_any(tf.not_equal(scale, 0.0))
+                                  for scale in affine[0]])
       for s in tf.range(tf.shape(valid)[1]):
         trains = valid[e, s]
         # The clients' gradients in one vectorised step, then the optimizer's update of all of
@@ -507,7 +512,13 @@ class VectorizedClientWork:
             client_gradients, (updater.weights(carry), tf.gather(examples, index[e, s]),
                                tf.gather(labels, index[e, s]), mask[e, s], trains,
                                context, terms))
-        carry = updater.step(carry, gradients, trains, affine if has_affine else None)
+        if global_anchor:
+          carry = tf.cond(
+              anchored,
+              lambda: updater.step(carry, gradients, trains, affine),  # pylint: disable=cell-var-from-loop
+              lambda: updater.step(carry, gradients, trains, None))  # pylint: disable=cell-var-from-loop
+        else:
+          carry = updater.step(carry, gradients, trains, affine if has_affine else None)
         sums = tuple(a + b for a, b in zip(sums, step_sums))
         if self._track_gradient_mean:
           gradient_sum = tuple(a + g for a, g in zip(gradient_sum, gradients))

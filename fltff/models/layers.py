@@ -190,7 +190,8 @@ def row_cosine(a: tf.Tensor, b: tf.Tensor, eps: float = 1e-8) -> tf.Tensor:
   FedLap's per-neuron weight `λ_lj = 1 − cos(w_lj^local, w_lj^global)` is `1 − row_cosine`.
 
   A row whose Euclidean norm is at most `eps` in either tensor has no direction; its cosine is
-  defined as 1 (no dissimilarity, so FedLap adds no penalty for it). The result is clipped to
+  defined as 1 (no dissimilarity, so FedLap adds no penalty for it); so is that of identical
+  rows, exactly (not 1 up to rounding: FedLap's λ is 0 at local = global). The result is clipped to
   [-1, 1], always finite, and its gradient is finite everywhere (including zero rows, whose
   gradient is 0).
 
@@ -214,7 +215,11 @@ def row_cosine(a: tf.Tensor, b: tf.Tensor, eps: float = 1e-8) -> tf.Tensor:
   inv_a = tf.math.rsqrt(tf.where(valid, sq_a, one))
   inv_b = tf.math.rsqrt(tf.where(valid, sq_b, one))
   cos = tf.clip_by_value(dot * inv_a * inv_b, -1.0, 1.0)
-  return tf.where(valid, cos, one)
+  # Identical rows (a·b, |a|² and |b|² the same sums of the same products) have cosine exactly
+  # 1; rsqrt's rounding would leave it a few ulps off (FedLap's λ at local = global, which its
+  # Algorithm 1 takes as 0).
+  same = tf.logical_and(tf.equal(dot, sq_a), tf.equal(dot, sq_b))
+  return tf.where(tf.logical_and(valid, tf.logical_not(same)), cos, one)
 
 
 def row_squared_distance(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
