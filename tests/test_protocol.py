@@ -138,3 +138,31 @@ def test_a_checkpoint_from_before_the_single_store_resumes_exactly(method, data,
   assert sorted(final[0]) == sorted(final[1])
   for key in final[0]:
     np.testing.assert_array_equal(final[0][key], final[1][key], err_msg=key)
+
+
+def test_a_layer_not_uploaded_keeps_the_servers_stale_copy_as_its_own_array(data, spec):
+  # KAPC+BLS with κ = 0: Ω = 1 (`test_kapc.test_bls_search_starts_below_full_upload`), so
+  # mlp2's second layer is not uploaded and the server keeps its previous copy of it.
+  kapc = personalization.build_kapc(spec, NUM_CLIENTS, client_optimizer=SGD(), bls_mu=0.5,
+                                    bls_kappa=0.0)
+  store = ClientStateStore(kapc.initial_client_state)
+  rng = np.random.default_rng(0)
+  stale = {}
+  for k in (1, 3):
+    state = store.get(k)
+    state['server_copy'] = [rng.normal(size=np.shape(w)).astype(np.float32)
+                            for w in state['server_copy']]
+    stale[k] = [w.copy() for w in state['server_copy']]
+    store.set(k, state)
+  out = _round(kapc, kapc.initialize(), store, data, [1, 3])
+  layer_of = kapc.tensor_layers
+  for p, k in enumerate(out.clients):
+    omega = int(out.arrays['omega'][p])
+    assert omega < max(layer_of) + 1  # Something was not uploaded.
+    new = out.client_states[k]
+    for t, layer in enumerate(layer_of):
+      if layer < omega:  # Uploaded: the server's copy is the client's new model.
+        np.testing.assert_array_equal(new['server_copy'][t], new['model']['trainable'][t])
+      else:  # Not uploaded: the stale copy, in an array of its own (no view of the round's
+        np.testing.assert_array_equal(new['server_copy'][t], stale[k][t])  # [P, ...] stack).
+        assert new['server_copy'][t].base is None
