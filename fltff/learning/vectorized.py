@@ -14,6 +14,11 @@ Clients differ in batch count, last-batch size and epochs: the round's batches a
 is over the real examples only) and a client with no batch at a step keeps its weights and
 optimizer state (`tf.where`), so padding changes nothing.
 
+When every client starts from the global model with the shared regulariser, the first epoch's
+regulariser context is the same for all of them and is computed once; an epoch whose anchored
+term `s ⊙ (w − global)` has every scale zero (FedLap's first epoch: λ = 0 at local = global)
+takes the plain update. Both are exact: the same numbers, less work.
+
 Scope (anything else raises a `ConfigError` naming it): models whose variables are all
 trainable (no BatchNorm statistics) and have no layer losses; the default client work of
 `process.build_algorithm` (FedAvg, FedProx, FedLap, SGDM, FedAdp, FedLayerWise, FedNova,
