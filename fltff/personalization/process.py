@@ -90,6 +90,15 @@ def scatter_relationship(relation: tf.Tensor, clients: tf.Tensor,
   return tf.tensor_scatter_nd_update(relation, clients[:, None], rows)
 
 
+def message_rows(server_msg) -> collections.OrderedDict:
+  """The per-participant entries of a personalised round's broadcast, each `[P, ...]` in the
+  order of `server_msg['clients']`: `models` (s_i per tensor), `skip` and, when sent, `own`."""
+  rows = collections.OrderedDict(models=tuple(server_msg['models']), skip=server_msg['skip'])
+  if 'own' in server_msg:
+    rows['own'] = tuple(server_msg['own'])
+  return rows
+
+
 def initial_relationship(num_clients: int, num_layers: int, init: str) -> np.ndarray:
   """R at round 0: `'uniform'` (1/N) or `'identity'`."""
   if init == 'uniform':
@@ -475,18 +484,23 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
 
   broadcast_type = prepare.type_signature.result
 
-  # The client's work in three parts, so that the vectorised clients
+  # The client's work in parts, so that the vectorised clients
   # (`fltff.personalization.vectorized`) run the same code around their own training.
-  def client_start(server_msg, personal, k):
-    """Client k's start weights, its s_i, which tensors' layers it was sent, its own model."""
+  def client_row(server_msg, k):
+    """Client k's entries of the broadcast: its s_i per tensor, its skip row and, when the
+    message carries them, its own weights (`own`)."""
     pos = tf.argmax(tf.cast(tf.equal(server_msg['clients'], k), tf.int32), output_type=tf.int32)
-    s = [m[pos] for m in server_msg['models']]
-    skip = server_msg['skip'][pos]
-    sent = [tf.logical_not(skip[l]) for l in layer_of]
+    return tf.nest.map_structure(lambda m: m[pos], message_rows(server_msg))
+
+  def client_start(row, personal):
+    """From a client's `client_row`: its start weights, its s_i, which tensors' layers it was
+    sent, its own model."""
+    s = list(row['models'])
+    sent = [tf.logical_not(row['skip'][l]) for l in layer_of]
     if model_from_client:
       own = list(personal['trainable'])
     elif start_from == 'own':
-      own = [m[pos] for m in server_msg['own']]
+      own = list(row['own'])
     else:
       own = s  # Every layer is sent (no BLS) and the client starts from s_i.
     start = own
@@ -528,7 +542,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     model = model_spec.tff_model()
     personal = data['state']
     k = client_work_lib.client_index_of(data)
-    start, s, sent, own = client_start(server_msg, personal, k)
+    start, s, sent, own = client_start(client_row(server_msg, k), personal)
     initial = tff.learning.models.ModelWeights(
         trainable=list(start), non_trainable=list(personal.get('non_trainable', ())))
     out = client_work_lib.build_local_training(model, client_optimizer,
@@ -552,7 +566,11 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     # Results arrive in any order (several workers): matched to clients by index.
     rows = tf.argmax(tf.cast(tf.equal(clients[:, None], ids[None, :]), tf.int32), axis=1,
                      output_type=tf.int32)
-    values = [tf.gather(v, rows) for v in gathered['update']]
+    # In the server's order already (one worker, vectorised clients): the gathered tensors as
+    # they are, not a gathered copy of every participant's model.
+    in_order = tf.reduce_all(tf.equal(rows, tf.range(tf.size(rows))))
+    values = [tf.cond(in_order, lambda v=v: tf.identity(v), lambda v=v: tf.gather(v, rows))
+              for v in gathered['update']]
     omega = tf.gather(gathered['weight']['omega'], rows)
     uploaded = tf.range(num_layers)[None, :] < omega[:, None]                   # [P, L]
     if not communicates:
