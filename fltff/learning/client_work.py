@@ -61,6 +61,9 @@ class LocalRegularizer(Protocol):
   # Optional: `global_anchor -> bool`: the offsets are `−scale ⊙ global_` (FedProx, FedLap).
   # Vectorised clients then add `scale ⊙ (w − global_)` with the one global model instead of
   # forming a `[clients, ...]` offset per epoch (`stacked_optimizer`).
+  # Optional: `offset_anchor(global_) -> list of tensors`: the offsets are `−scale ⊙ anchor`
+  # for this anchor (KAPC: the client's s_i); vectorised clients with per-client regularisers
+  # read the stacked anchors instead of forming offsets.
   # Optional: `batch_penalty(local, global_, batch, context) -> scalar tensor`, a term that
   # depends on the minibatch (MOON's model-contrastive loss on the batch's representations);
   # `batch` has `x` and `y` and, with vectorised clients, `mask` (1 for a real example of a

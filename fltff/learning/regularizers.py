@@ -63,6 +63,12 @@ class ProximalRegularizer:
     with the one global model instead of per-client offsets (`LocalRegularizer`)."""
     return self.anchor is None
 
+  def offset_anchor(self, global_):
+    """The anchor `a` of `affine_gradient`'s offsets `−c_t a_t`: vectorised clients with
+    their own anchors (KAPC's s_i) add `c ⊙ (w − a)` reading it, without forming the
+    offsets (`stacked_optimizer.Anchor`)."""
+    return global_ if self.anchor is None else self.anchor
+
   def affine_gradient(self, global_, context):
     """The gradient as `c_t w_t + (−c_t a_t)`, c_t = μ m_t (see `LocalRegularizer`)."""
     del context

@@ -69,10 +69,11 @@ def _affine_gradient(gradient, weight, scale, offset) -> tf.Tensor:
 
 
 class Anchor:
-  """An offset given as `−s ⊙ a` by the anchor `a` (no client axis) all clients share, e.g. the
-  global model (FedProx, FedLap: `LocalRegularizer.global_anchor`): read once per step from
-  the one copy, not from a `[clients, ...]` offset formed per epoch (measured at 100 × 60:
-  see the README's Executors section)."""
+  """An offset given as `−s ⊙ a` by the anchor `a`: one all clients share, without a client
+  axis (the global model: FedProx, FedLap, `LocalRegularizer.global_anchor`), or each client's
+  own, stacked `[clients, ...]` (KAPC's s_i, `offset_anchor`). Read at every step as it is,
+  not from a `[clients, ...]` offset formed per epoch (measured at 100 × 60: see the README's
+  Executors section)."""
 
   def __init__(self, value: tf.Tensor):
     self.value = value

@@ -414,6 +414,10 @@ class VectorizedClientWork:
     # reads the one global model (`stacked_optimizer.Anchor`).
     global_anchor = (has_affine and client_terms is None
                      and getattr(probe, 'global_anchor', False))
+    # Offsets `−scale ⊙ a_i` with each client's own anchor (KAPC's s_i): the update reads the
+    # stacked anchors as they came in, instead of offsets formed per epoch.
+    client_anchor = (has_affine and client_terms is not None
+                     and hasattr(probe, 'offset_anchor'))
     # A batch term that reads the training pass's latent representation (`batch['latent']`).
     latent_in_batch = batch_dependent and getattr(probe, 'reads_latent', False)
     if latent_in_batch and self._latent_and_output is None:
@@ -446,6 +450,8 @@ class VectorizedClientWork:
       # scalar zero per client, which broadcasts (not a model-sized zero tensor).
       if global_anchor:
         affine = affine[:1]
+      elif client_anchor:
+        affine = (affine[0], tuple(regularizer.offset_anchor(global_trainable)))
       if has_affine:
         affine = tuple(tuple(tf.zeros([], w.dtype) if a is None else a
                              for a, w in zip(part, local)) for part in affine)
@@ -503,6 +509,8 @@ class VectorizedClientWork:
             lambda: tf.vectorized_map(epoch_context, (updater.weights(carry), terms)))
       else:
         context, affine = tf.vectorized_map(epoch_context, (updater.weights(carry), terms))
+      if client_anchor:
+        affine = (affine[0], tuple(Anchor(a) for a in affine[1]))
       if global_anchor:
         affine = (affine[0], tuple(Anchor(g) for g in global_trainable))
         # `s ⊙ (w − global)` with every scale zero adds exactly nothing: the epoch takes the
