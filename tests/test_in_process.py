@@ -357,3 +357,41 @@ def test_a_layerwise_aggregation_folds_stacked_clients_in_one_call(contexts, mon
   for name in ('psi', 'smoothed_angle'):
     np.testing.assert_allclose(actual.measurements[name], expected.measurements[name],
                                rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('dtype', [np.float32, np.int64, np.bool_])
+def test_aligned_stack_equals_np_stack_and_its_tensor_shares_the_buffer(dtype):
+  from fltff.runtime.in_process import aligned_stack  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.in_process import stacked_tensor  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(0)
+  rows = [(rng.normal(size=(300, 1000)) * 10).astype(dtype) for _ in range(3)]
+  stacked = aligned_stack(rows)
+  np.testing.assert_array_equal(stacked, np.stack(rows))
+  assert stacked.dtype == np.stack(rows).dtype and stacked.ctypes.data % 64 == 0
+  tensor = stacked_tensor(stacked)
+  np.testing.assert_array_equal(tensor.numpy(), np.stack(rows))
+  if dtype is np.bool_:  # Not a DLPack dtype here: copied.
+    return
+  # Shared, not copied (what makes it cheap): a write to the array shows in the tensor. The
+  # array stays alive while the tensor does.
+  stacked[1, 2, 3] = 7
+  assert tensor[1, 2, 3].numpy() == 7
+  del stacked
+  assert tensor[1, 2, 3].numpy() == 7
+
+
+def test_stacked_tensor_copies_what_tensorflow_cannot_take_as_it_is():
+  from fltff.runtime.in_process import stacked_tensor  # pylint: disable=g-import-not-at-top
+
+  raw = np.zeros(300 * 1000 * 4 + 64 + 4, np.uint8)
+  start = (-raw.ctypes.data) % 64 + 4  # 4 bytes past a 64-byte boundary.
+  misaligned = raw[start:start + 300 * 1000 * 4].view(np.float32).reshape(300, 1000)
+  misaligned[:] = 1.5
+  for value in (misaligned, misaligned[:, ::2], np.ones(10, np.float32)):
+    tensor = stacked_tensor(value)  # A misaligned buffer shared would abort the process.
+    np.testing.assert_array_equal(tensor.numpy(), value)
+    if value.size > 10:
+      value[0, 0] = 3.0
+      assert tensor[0, 0].numpy() == 1.5  # A copy.
+      value[0, 0] = 1.5

@@ -50,6 +50,8 @@ from fltff.learning.stacked_optimizer import Anchor
 from fltff.learning.stacked_optimizer import broadcast_clients
 from fltff.learning.stacked_optimizer import stacked_optimizer
 from fltff.runtime.in_process import StackedClients
+from fltff.runtime.in_process import aligned_stack
+from fltff.runtime.in_process import stacked_tensor
 from fltff.runtime.in_process import clients_argument
 
 
@@ -276,7 +278,7 @@ def _read_dataset_batches(datasets: Sequence[tf.data.Dataset], passes: Sequence[
 def stack_clients(values: Sequence[Any]) -> Any:
   """The participants' values (one nested structure of arrays each: client states, local
   models) stacked along a new leading client axis, as tensors."""
-  return tf.nest.map_structure(lambda *rows: tf.convert_to_tensor(np.stack(rows)), *values)
+  return tf.nest.map_structure(lambda *rows: stacked_tensor(aligned_stack(rows)), *values)
 
 
 class _EveryDataset:

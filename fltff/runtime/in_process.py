@@ -107,6 +107,44 @@ class StackedClients:
     return [tf.nest.map_structure(lambda a, k=k: a[k], arrays) for k in range(self.num_clients)]
 
 
+# TensorFlow's CPU tensors must start on this boundary (Eigen's EIGEN_MAX_ALIGN_BYTES): a
+# tensor made on a misaligned buffer aborts the process.
+_TENSOR_ALIGNMENT = 64
+# Below this a copy costs less than the DLPack hand-over.
+_SHARE_MIN_BYTES = 1 << 20
+_SHAREABLE_DTYPES = frozenset(np.dtype(d) for d in (np.float16, np.float32, np.float64, np.int8,
+                                                     np.int16, np.int32, np.int64, np.uint8))
+
+
+def aligned_stack(rows) -> np.ndarray:
+  """`np.stack(rows)` (the same array) in a buffer aligned for TensorFlow, so that
+  `stacked_tensor` hands it to TensorFlow without a copy."""
+  rows = [np.asarray(r) for r in rows]
+  dtype = np.result_type(*rows)
+  shape = (len(rows), *rows[0].shape)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  raw = np.empty(nbytes + _TENSOR_ALIGNMENT, np.uint8)
+  start = (-raw.ctypes.data) % _TENSOR_ALIGNMENT
+  out = raw[start:start + nbytes].view(dtype).reshape(shape)
+  np.stack(rows, out=out)
+  return out
+
+
+def stacked_tensor(array) -> tf.Tensor:
+  """`tf.convert_to_tensor(array)` for an `aligned_stack` result: the tensor shares the
+  array's buffer (DLPack; the array stays alive while the tensor does) instead of copying it.
+  Model-sized stacks are what a vectorised round hands in (KAPC's server copies, SCAFFOLD's
+  controls, MOON's previous models: 63 MB each at 100 mlp2 clients; measured, the copy took
+  25 ms, and up to 0.16 s on fresh pages). The array must not be written afterwards. Any
+  other value (misaligned, non-contiguous, read-only, small, another dtype) is copied as
+  `tf.convert_to_tensor` does."""
+  if (isinstance(array, np.ndarray) and array.nbytes >= _SHARE_MIN_BYTES
+      and array.dtype in _SHAREABLE_DTYPES and array.flags.c_contiguous
+      and array.flags.writeable and array.ctypes.data % _TENSOR_ALIGNMENT == 0):
+    return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+  return tf.convert_to_tensor(array)
+
+
 def tensor_results():
   """`InProcessContext.tensor_results()` of the current TFF context when it is one (it
   yields True); in any other a no-op that yields False (results are NumPy as TFF returns
