@@ -110,7 +110,7 @@ class StackedClients:
 # TensorFlow's CPU tensors must start on this boundary (Eigen's EIGEN_MAX_ALIGN_BYTES): a
 # tensor made on a misaligned buffer aborts the process.
 _TENSOR_ALIGNMENT = 64
-# Below this a copy costs less than the DLPack hand-over.
+# Only model-sized arrays are handed over; smaller ones are copied as before.
 _SHARE_MIN_BYTES = 1 << 20
 _SHAREABLE_DTYPES = frozenset(np.dtype(d) for d in (np.float16, np.float32, np.float64, np.int8,
                                                      np.int16, np.int32, np.int64, np.uint8))
