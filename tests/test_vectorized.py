@@ -87,6 +87,7 @@ def test_three_vectorised_rounds_equal_the_cpp_runtime(method, data, spec, cpp):
 
 
 def test_participant_rows_are_the_broadcasts_own_tensors_in_its_order_and_gathered_otherwise():
+  from fltff.personalization.process import message_rows  # pylint: disable=g-import-not-at-top
   from fltff.personalization.vectorized import participant_rows  # pylint: disable=g-import-not-at-top
 
   rng = np.random.default_rng(0)
@@ -97,16 +98,17 @@ def test_participant_rows_are_the_broadcasts_own_tensors_in_its_order_and_gather
       skip=tf.constant([[True, False], [False, False], [False, True]]),
       own=(tf.constant(rng.normal(size=(3, 4, 2)), tf.float32),
            tf.constant(rng.normal(size=(3, 2)), tf.float32)))
-  same = participant_rows(msg, [7, 2, 5])
+  rows, listed = message_rows(msg), msg['clients'].numpy()
+  same = participant_rows(rows, listed, [7, 2, 5])
   assert same['models'][0] is msg['models'][0] and same['own'][1] is msg['own'][1]
   assert same['skip'] is msg['skip']
-  moved = participant_rows(msg, [5, 7, 2])
+  moved = participant_rows(rows, listed, [5, 7, 2])
   for field in ('models', 'own'):
     for got, full in zip(moved[field], msg[field]):
       np.testing.assert_array_equal(got.numpy(), full.numpy()[[2, 0, 1]])
   np.testing.assert_array_equal(moved['skip'].numpy(), msg['skip'].numpy()[[2, 0, 1]])
   with pytest.raises(ValueError, match=r'clients \[4\] are not in'):
-    participant_rows(msg, [7, 4, 5])
+    participant_rows(rows, listed, [7, 4, 5])
 
 
 def test_kapc_relationship_steps_after_training_equal_the_cpp_runtime(data, spec, cpp):

@@ -642,7 +642,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   def vectorized_fn(device):
     from fltff.personalization.vectorized import VectorizedPersonalWork  # pylint: disable=g-import-not-at-top
     return VectorizedPersonalWork(
-        model_spec, client_optimizer, client_start=client_start,
+        model_spec, client_optimizer, message_rows=message_rows, client_start=client_start,
         client_regularizer=client_regularizer if lambda_ > 0 else None,
         client_result=client_result, device=device)
 

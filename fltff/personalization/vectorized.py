@@ -27,17 +27,16 @@ from fltff.learning import client_work as client_work_lib
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.vectorized import VectorizedClientWork
 from fltff.learning.vectorized import stack_clients
-from fltff.personalization.process import message_rows
 
 
-def participant_rows(server_msg, order: Sequence[int]) -> collections.OrderedDict:
-  """`process.message_rows` of the broadcast for the participants `order`: each client's
-  `client_row`, stacked. The broadcast already lists them in that order when the round's
+def participant_rows(rows, listed: Sequence[int], order: Sequence[int]) -> collections.OrderedDict:
+  """Each participant's `client_row`, stacked in the order `order`, from the broadcast's
+  per-participant entries `rows` (`process.message_rows`: `[P, ...]` in the order `listed`, the
+  broadcast's clients). The broadcast already lists them in that order when the round's
   clients are trained in the order the server listed them (always, in `_vectorized_next`):
   then the rows are the message's own tensors, not a gathered copy (measured, KAPC at 100 × 60
   mlp2: gathering s_i and the own models per client took 19 ms a round)."""
-  rows = message_rows(server_msg)
-  listed = [int(k) for k in np.asarray(server_msg['clients'])]
+  listed = [int(k) for k in listed]
   if listed == list(order):
     return rows
   position = {k: p for p, k in enumerate(listed)}
@@ -53,9 +52,10 @@ class VectorizedPersonalWork:
   along the participants (in `client_inputs` order): what the process's `client_update` returns
   per client, for `end_round`."""
 
-  def __init__(self, model_spec: ModelSpec, optimizer, client_start: Callable,
-               client_regularizer: Optional[Callable], client_result: Callable,
-               device: Optional[str] = None):
+  def __init__(self, model_spec: ModelSpec, optimizer, message_rows: Callable,
+               client_start: Callable, client_regularizer: Optional[Callable],
+               client_result: Callable, device: Optional[str] = None):
+    self._message_rows = message_rows
     self._client_start, self._client_result = client_start, client_result
     self._regularized = client_regularizer is not None
     self._work = VectorizedClientWork(
@@ -80,8 +80,9 @@ class VectorizedPersonalWork:
     infos = [client_work_lib.client_info_of_input(data) for data in client_inputs]
     order = [int(info['client_index']) for info in infos]
     clients = tf.constant(order, tf.int32)
-    start, s, sent, own = (tuple(part) for part in self._starts(
-        participant_rows(server_msg, order), personal))
+    rows = participant_rows(self._message_rows(server_msg), np.asarray(server_msg['clients']),
+                            order)
+    start, s, sent, own = (tuple(part) for part in self._starts(rows, personal))
     out, data = self._work.train(client_inputs, start=start,
                                  client_terms=(s, sent) if self._regularized else None)
     examples = out['sums'][1]
