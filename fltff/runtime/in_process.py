@@ -135,9 +135,9 @@ def stacked_tensor(array) -> tf.Tensor:
   array's buffer (DLPack; the array stays alive while the tensor does) instead of copying it.
   Model-sized stacks are what a vectorised round hands in (KAPC's server copies, SCAFFOLD's
   controls, MOON's previous models: 63 MB each at 100 mlp2 clients; measured, the copy took
-  25 ms, and up to 0.16 s on memory idle for seconds: the README's Executors section). The array must not be written afterwards. Any
-  other value (misaligned, non-contiguous, read-only, small, another dtype) is copied as
-  `tf.convert_to_tensor` does."""
+  25 ms, and up to 0.16 s on memory idle for seconds, see the README's Executors section).
+  The array must not be written afterwards. Any other value (misaligned, non-contiguous,
+  read-only, small, another dtype) is copied as `tf.convert_to_tensor` does."""
   if (isinstance(array, np.ndarray) and array.nbytes >= _SHARE_MIN_BYTES
       and array.dtype in _SHAREABLE_DTYPES and array.flags.c_contiguous
       and array.flags.writeable and array.ctypes.data % _TENSOR_ALIGNMENT == 0):
