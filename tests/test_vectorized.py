@@ -86,6 +86,32 @@ def test_three_vectorised_rounds_equal_the_cpp_runtime(method, data, spec, cpp):
   assert_equal_runs(expected, actual, method)
 
 
+@pytest.mark.parametrize('method', ['fedavg', 'kapc+bls'])
+def test_rounds_traced_with_a_dynamic_client_axis_equal_the_cpp_runtime(method, data, spec, cpp,
+                                                                        monkeypatch):
+  # Beyond MAX_STATIC_CLIENT_COUNTS distinct participant counts, rounds share one trace whose
+  # client axis is unknown (`with_clients` leaves it): the same numbers.
+  monkeypatch.setattr(vectorized, 'MAX_STATIC_CLIENT_COUNTS', 0)
+  expected = run_rounds(METHODS[method](spec), data, cpp, NUM_CLIENTS)
+  actual = run_rounds(_vectorized(METHODS[method](spec)), data, InProcessContext(), NUM_CLIENTS)
+  tff.framework.set_default_context(cpp)
+  assert_equal_runs(expected, actual, method)
+
+
+def test_a_few_client_counts_are_traced_fixed_then_one_dynamic_trace(spec):
+  work = vectorized.VectorizedClientWork(spec, SGDM())
+  fixed = list(range(1, vectorized.MAX_STATIC_CLIENT_COUNTS + 1))
+  assert [work.traced_client_count(k) for k in fixed] == fixed
+  assert work.traced_client_count(99) is None  # One count too many: the dynamic trace.
+  assert work.traced_client_count(fixed[0]) == fixed[0]  # Known counts keep their trace.
+  x = tf.zeros([3, 4, 2])
+  assert vectorized.with_clients(x, 3).shape.as_list() == [3, 4, 2]
+  assert vectorized.with_clients({'a': x}, 3, axis=0)['a'].shape.as_list() == [3, 4, 2]
+  assert vectorized.with_clients(x, None) is x
+  with pytest.raises((ValueError, tf.errors.InvalidArgumentError)):
+    vectorized.with_clients(x, 5)
+
+
 def test_participant_rows_are_the_broadcasts_own_tensors_in_its_order_and_gathered_otherwise():
   from fltff.personalization.process import message_rows  # pylint: disable=g-import-not-at-top
   from fltff.personalization.vectorized import participant_rows  # pylint: disable=g-import-not-at-top

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
@@ -275,6 +276,32 @@ def _read_dataset_batches(datasets: Sequence[tf.data.Dataset], passes: Sequence[
   return bx, by, sizes, counts
 
 
+# How many distinct client counts `_train_fn` is traced for with the count fixed (one trace
+# each, a few seconds); rounds with further counts share one trace with a dynamic axis.
+MAX_STATIC_CLIENT_COUNTS = 4
+
+
+def with_clients(structure: Any, num_clients: Optional[int], axis: int = 0) -> Any:
+  """`structure`'s tensors with their client axis `axis` fixed at `num_clients` (unchanged
+  when None).
+
+  `tf.vectorized_map` hands each client its row through `gather(x, i)`, which pfor turns
+  back into `x` itself only when both `x`'s leading dimension and the number of clients are
+  known at trace time; otherwise it copies every mapped argument, the stacked weights
+  included, at every local step (measured, cnn2 10 × 600: 0.4 s of a 3.9 s round).
+  """
+  if num_clients is None or structure is None:
+    return structure
+
+  def fix(t):
+    t = tf.convert_to_tensor(t)
+    shape = t.shape.as_list()
+    shape[axis] = num_clients
+    return tf.ensure_shape(t, shape)
+
+  return tf.nest.map_structure(fix, structure)
+
+
 def stack_clients(values: Sequence[Any]) -> Any:
   """The participants' values (one nested structure of arrays each: client states, local
   models) stacked along a new leading client axis, as tensors."""
@@ -365,6 +392,7 @@ class VectorizedClientWork:
     self._track_gradient_mean = track_gradient_mean
     self._device = device
     self._train = tf.function(self._train_fn, reduce_retracing=True)
+    self._static_client_counts: set[int] = set()
     self._read_before = weakref.WeakSet()
 
   @property
@@ -392,7 +420,7 @@ class VectorizedClientWork:
 
   # -- the TensorFlow part -----------------------------------------------------------------
   def _train_fn(self, global_trainable, start, client_terms, examples, labels, index, mask,
-                valid, epochs):
+                valid, epochs, num_clients=None):
     """Local training of every participant (`build_local_training` with a client axis); each
     step gathers its batches from the round's example table (`stack_client_batches`).
 
@@ -424,7 +452,13 @@ class VectorizedClientWork:
     latent_in_batch = batch_dependent and getattr(probe, 'reads_latent', False)
     if latent_in_batch and self._latent_and_output is None:
       raise ValueError('a regulariser that reads the latent layer needs latent=True.')
-    k = tf.shape(valid)[2]
+    # `num_clients` (a Python int, when given) fixes the client axis at trace time; see
+    # `with_clients`.
+    clients = functools.partial(with_clients, num_clients=num_clients)
+    index, mask, valid, epochs, start, client_terms = (
+        clients(index, axis=2), clients(mask, axis=2), clients(valid, axis=2), clients(epochs),
+        clients(start), clients(client_terms))
+    k = tf.shape(valid)[2] if num_clients is None else num_clients
     if start is None:
       global_trainable = tuple(global_trainable)
       weights = tuple(broadcast_clients(g, k) for g in global_trainable)
@@ -432,6 +466,7 @@ class VectorizedClientWork:
       weights = tuple(start)
     updater = self._updater
     carry = updater.start(weights)
+    read_weights = lambda carry: clients(updater.weights(carry))
     zero = tf.zeros([k], tf.float32)
     # Per client: Σ batch-loss·n, examples, correct predictions, batches.
     sums = (zero, tf.zeros([k], tf.int64), zero, tf.zeros([k], tf.int64))
@@ -508,9 +543,9 @@ class VectorizedClientWork:
       if same_first_context:
         context, affine = tf.cond(
             tf.equal(e, 0), lambda: first_context,
-            lambda: tf.vectorized_map(epoch_context, (updater.weights(carry), terms)))
+            lambda: tf.vectorized_map(epoch_context, (read_weights(carry), terms)))
       else:
-        context, affine = tf.vectorized_map(epoch_context, (updater.weights(carry), terms))
+        context, affine = tf.vectorized_map(epoch_context, (read_weights(carry), terms))
       if client_anchor:
         affine = (affine[0], tuple(Anchor(a) for a in affine[1]))
       if global_anchor:
@@ -524,7 +559,7 @@ class VectorizedClientWork:
         # The clients' gradients in one vectorised step, then the optimizer's update of all of
         # them (`stacked_optimizer`: in place for TFF's SGD(M)).
         gradients, step_sums = tf.vectorized_map(
-            client_gradients, (updater.weights(carry), tf.gather(examples, index[e, s]),
+            client_gradients, (read_weights(carry), tf.gather(examples, index[e, s]),
                                tf.gather(labels, index[e, s]), mask[e, s], trains,
                                context, terms))
         if global_anchor:
@@ -537,7 +572,7 @@ class VectorizedClientWork:
         sums = tuple(a + b for a, b in zip(sums, step_sums))
         if self._track_gradient_mean:
           gradient_sum = tuple(a + g for a, g in zip(gradient_sum, gradients))
-    weights = updater.finish(carry)
+    weights = clients(updater.finish(carry))
 
     out = collections.OrderedDict(trained=weights, sums=sums)
     if self._track_gradient_mean:
@@ -573,6 +608,15 @@ class VectorizedClientWork:
     return out
 
   # -- the round ----------------------------------------------------------------------------
+  def traced_client_count(self, k: int) -> Optional[int]:
+    """`k`, for tracing the round's functions with a fixed client axis (`with_clients`), for
+    up to `MAX_STATIC_CLIENT_COUNTS` distinct counts; None (a dynamic axis) beyond them."""
+    if k in self._static_client_counts or len(
+        self._static_client_counts) < MAX_STATIC_CLIENT_COUNTS:
+      self._static_client_counts.add(k)
+      return k
+    return None
+
   def train(self, client_inputs: Sequence[Any], global_trainable=None, start=None,
             client_terms=None, read_before_elsewhere: bool = False
             ) -> tuple[collections.OrderedDict, collections.OrderedDict]:
@@ -586,9 +630,11 @@ class VectorizedClientWork:
         client_inputs, _EveryDataset() if read_before_elsewhere else self._read_before)
     self._updater.prepare([tf.TensorSpec(w.shape, w.dtype)
                            for w in self._keras_model.trainable_weights], self._device)
+    k = self.traced_client_count(len(client_inputs))
     with tf.device(self._device) if self._device else contextlib.nullcontext():
       out = self._train(global_trainable, start, client_terms, data['examples'], data['labels'],
-                        data['index'], data['mask'], data['valid'], data['epochs'])
+                        data['index'], data['mask'], data['valid'], data['epochs'],
+                        num_clients=k)
     return out, data
 
   def model_outputs(self, sums) -> collections.OrderedDict:

@@ -27,6 +27,7 @@ from fltff.learning import client_work as client_work_lib
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.vectorized import VectorizedClientWork
 from fltff.learning.vectorized import stack_clients
+from fltff.learning.vectorized import with_clients
 
 
 def participant_rows(rows, listed: Sequence[int], order: Sequence[int]) -> collections.OrderedDict:
@@ -65,14 +66,16 @@ class VectorizedPersonalWork:
     self._starts = tf.function(self._starts_fn, reduce_retracing=True)
     self._results = tf.function(self._results_fn, reduce_retracing=True)
 
-  def _starts_fn(self, rows, personal):
+  def _starts_fn(self, rows, personal, num_clients=None):
+    rows, personal = with_clients((rows, personal), num_clients)
     return tf.vectorized_map(lambda args: tuple(self._client_start(*args)), (rows, personal))
 
   def _results_fn(self, server_msg, personal, clients, s, sent, own, trained,
-                  examples_per_epoch):
+                  examples_per_epoch, num_clients=None):
     return tf.vectorized_map(
         lambda args: self._client_result(server_msg, *args),
-        (personal, clients, s, sent, own, trained, examples_per_epoch))
+        with_clients((personal, clients, s, sent, own, trained, examples_per_epoch),
+                     num_clients))
 
   def __call__(self, server_msg, client_inputs: Sequence[Any]):
     server_msg = tf.nest.map_structure(tf.convert_to_tensor, server_msg)
@@ -82,12 +85,13 @@ class VectorizedPersonalWork:
     clients = tf.constant(order, tf.int32)
     rows = participant_rows(self._message_rows(server_msg), np.asarray(server_msg['clients']),
                             order)
-    start, s, sent, own = (tuple(part) for part in self._starts(rows, personal))
+    k = self._work.traced_client_count(len(client_inputs))
+    start, s, sent, own = (tuple(part) for part in self._starts(rows, personal, num_clients=k))
     out, data = self._work.train(client_inputs, start=start,
                                  client_terms=(s, sent) if self._regularized else None)
     examples = out['sums'][1]
     examples_per_epoch = client_work_lib.examples_per_epoch(examples, data['epochs'])
     value, weight = self._results(server_msg, personal, clients, s, sent, own,
-                                  tuple(out['trained']), examples_per_epoch)
+                                  tuple(out['trained']), examples_per_epoch, num_clients=k)
     value = collections.OrderedDict(trainable=tuple(value['trainable']))
     return value, weight, self._work.model_outputs(out['sums'])
