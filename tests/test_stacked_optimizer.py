@@ -122,3 +122,39 @@ def test_sgdm_hyperparameters_recognise_only_tffs_sgdm():
   assert sgdm_hyperparameters(tff.learning.optimizers.build_sgdm(0.5)) == (0.5, None)
   assert sgdm_hyperparameters(tff.learning.optimizers.build_adam(0.01)) is None
   assert sgdm_hyperparameters(tff.learning.optimizers.build_adagrad(0.01)) is None
+
+
+def test_a_loop_of_steps_with_per_client_offsets_runs_repeatedly():
+  # Every client trains at every step, so the step's other branch (some clients idle, the
+  # affine terms added outside the fused update) is not taken. When that branch summed with
+  # one `tf.add_n`, Grappler turned the model-sized AddN into a named temporary variable that
+  # was created but never destroyed: the next call failed with AlreadyExistsError.
+  clients, shapes = 100, [(784, 200), (200,)]
+  rng = np.random.default_rng(0)
+  start = [tf.constant(rng.normal(size=(clients, *s)), tf.float32) for s in shapes]
+  gradients = [tf.constant(rng.normal(size=(clients, *s)), tf.float32) for s in shapes]
+  offsets = tuple(tf.constant(rng.normal(size=(clients, *s)), tf.float32) for s in shapes)
+  scales = tuple(tf.fill([clients], 0.5) for _ in shapes)
+  updater = FusedSGDM(0.01, 0.9)
+  updater.prepare([tf.TensorSpec(s, tf.float32) for s in shapes])
+
+  @tf.function
+  def train(start, gradients):
+    carry = updater.start(tuple(start))
+    for _ in tf.range(3):
+      carry = updater.step(carry, tuple(gradients), tf.ones([clients], tf.bool),
+                           (scales, offsets))
+    return updater.finish(carry)
+
+  first = [t.numpy() for t in train(start, gradients)]
+  for _ in range(3):
+    again = [t.numpy() for t in train(start, gradients)]
+  # Three steps of SGDM 0.01 / 0.9 on g + 0.5 w + o, in NumPy.
+  for w, g, o, got in zip(start, gradients, offsets, first):
+    w, a = w.numpy(), np.zeros(w.shape, np.float32)
+    for _ in range(3):
+      a = 0.9 * a + (g.numpy() + 0.5 * w + o.numpy())
+      w = w - 0.01 * a
+    np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+  for x, y in zip(first, again):
+    np.testing.assert_array_equal(x, y)

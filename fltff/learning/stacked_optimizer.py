@@ -163,6 +163,7 @@ class FusedSGDM:
     self._weights: Optional[list[tf.Variable]] = None
     self._accumulators: list[tf.Variable] = []
     self._affine_update = tf.function(self._affine_update_fn, jit_compile=True)
+    self._affine_gradients = tf.function(self._affine_gradients_fn, jit_compile=True)
 
   def prepare(self, specs: Sequence[tf.TensorSpec], device: Optional[str] = None) -> None:
     """Makes the variables (once) for one client's weight `specs`."""
@@ -245,6 +246,14 @@ class FusedSGDM:
       variable.assign(w - lr * a)
     return tf.constant(True)
 
+  def _affine_gradients_fn(self, gradients, weights, scales, offsets, anchors) -> list:
+    """`add_affine` compiled with XLA, for the steps where some client is idle. Not as TF ops:
+    in the graph, Grappler may turn the model-sized sum into a named temporary variable, which
+    this branch, when not taken, creates and never destroys, and the training loop's next
+    step fails with AlreadyExistsError (tests/test_stacked_optimizer.py)."""
+    offsets = tuple(Anchor(a) for a in anchors) if anchors else offsets
+    return add_affine(gradients, weights, (scales, offsets))
+
   def step(self, carry: tf.Tensor, gradients: Sequence[tf.Tensor], trains: tf.Tensor,
            affine=None) -> tf.Tensor:
     """One local step of every client; `affine` (an affine regulariser's `(scales, offsets)`,
@@ -253,18 +262,18 @@ class FusedSGDM:
     separate ops, so steps with idle clients take the sparse kernels.)"""
     gradients = tuple(gradients)
 
-    def some_idle():
-      return self._apply(add_affine(gradients, self.weights(carry), affine),
-                         tf.where(trains)[:, 0])
-
     if affine is None:
       every = lambda: self._apply(gradients, None)
+      some_idle = lambda: self._apply(gradients, tf.where(trains)[:, 0])
     else:
       scales, offsets = (tuple(part) for part in affine)
-      # The XLA function takes tensors: shared anchors as their own argument.
+      # The XLA functions take tensors: anchors as their own argument.
       anchors = tuple(o.value for o in offsets) if isinstance(offsets[0], Anchor) else ()
-      every = lambda: self._affine_update(gradients, scales, () if anchors else offsets,
-                                          anchors)
+      offsets = () if anchors else offsets
+      every = lambda: self._affine_update(gradients, scales, offsets, anchors)
+      some_idle = lambda: self._apply(
+          self._affine_gradients(gradients, self.weights(carry), scales, offsets, anchors),
+          tf.where(trains)[:, 0])
     with tf.control_dependencies([carry]):
       return tf.cond(tf.reduce_all(trains), every, some_idle)
 
