@@ -288,7 +288,8 @@ def with_clients(structure: Any, num_clients: Optional[int], axis: int = 0) -> A
   `tf.vectorized_map` hands each client its row through `gather(x, i)`, which pfor turns
   back into `x` itself only when both `x`'s leading dimension and the number of clients are
   known at trace time; otherwise it copies every mapped argument, the stacked weights
-  included, at every local step (measured, cnn2 10 × 600: 0.4 s of a 3.9 s round).
+  included, at every local step (measured, cnn2 10 × 600: 0.40 s of op time in a 3.9 s
+  round; mlp2 100 × 60: the round 0.217 → 0.189 s without the copies).
   """
   if num_clients is None or structure is None:
     return structure
