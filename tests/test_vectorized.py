@@ -98,6 +98,19 @@ def test_rounds_traced_with_a_dynamic_client_axis_equal_the_cpp_runtime(method, 
   assert_equal_runs(expected, actual, method)
 
 
+@pytest.mark.parametrize('method', ['fedavg', 'kapc'])
+def test_rounds_of_one_client_count_share_one_trace(method, data, spec, cpp):
+  # run_rounds' rounds differ in examples, epochs and steps but have 3 participants each: the
+  # training is traced once for them (on the first round's exact shapes, TensorFlow traced
+  # again as the shapes changed: seconds per round on larger models).
+  algorithm = _vectorized(METHODS[method](spec))
+  run_rounds(algorithm, data, InProcessContext(), NUM_CLIENTS)
+  tff.framework.set_default_context(cpp)
+  work = algorithm._vectorized  # pylint: disable=protected-access
+  work = getattr(work, '_work', work)  # The personalised work wraps the client work.
+  assert work._train.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
+
+
 def test_a_few_client_counts_are_traced_fixed_then_one_dynamic_trace(spec):
   work = vectorized.VectorizedClientWork(spec, SGDM())
   fixed = list(range(1, vectorized.MAX_STATIC_CLIENT_COUNTS + 1))
