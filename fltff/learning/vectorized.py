@@ -328,25 +328,29 @@ def stack_clients(values: Sequence[Any]) -> Any:
 
 def _round_specs(args: Sequence[Any], num_clients: Optional[int]) -> list:
   """`_train_fn`'s arguments as `tf.TensorSpec`s for a trace that serves every round with
-  `num_clients` participants (None: any number): the model-shaped arguments (the global
-  weights, starts, client terms) as they are; the round's example table and its `[E, S, K, B]`
-  batch index, mask and `[E, S, K]` step flags with only the client axis fixed."""
+  `num_clients` participants (None: any number): the global weights as they are; the starts
+  and client terms (`[K, ...]`) with their client axis `num_clients`; the round's example
+  table and its `[E, S, K, B]` batch index, mask and `[E, S, K]` step flags with only the
+  client axis fixed."""
   global_trainable, start, client_terms, examples, labels, index, mask, valid, epochs = args
-  exact = lambda t: tf.TensorSpec(np.shape(t), tf.as_dtype(t.dtype))
 
-  def relaxed(t, client_axis=None):
-    shape = [None] * np.ndim(t)
+  def spec(t, unknown=(), client_axis=None):
+    shape = list(np.shape(t))
+    for axis in unknown:
+      shape[axis] = None
     if client_axis is not None:
       shape[client_axis] = num_clients
     return tf.TensorSpec(shape, tf.as_dtype(t.dtype))
 
-  def model_shaped(structure):
-    return None if structure is None else tf.nest.map_structure(exact, structure)
+  def specs(structure, client_axis=None):
+    return None if structure is None else tf.nest.map_structure(
+        lambda t: spec(t, client_axis=client_axis), structure)
 
-  return [model_shaped(global_trainable), model_shaped(start), model_shaped(client_terms),
-          tf.TensorSpec([None, *np.shape(examples)[1:]], tf.as_dtype(examples.dtype)),
-          relaxed(labels), relaxed(index, 2), relaxed(mask, 2), relaxed(valid, 2),
-          relaxed(epochs, 0)]
+  return [specs(global_trainable), specs(start, 0), specs(client_terms, 0),
+          spec(examples, unknown=[0]), spec(labels, unknown=[0]),
+          spec(index, unknown=[0, 1, 3], client_axis=2),
+          spec(mask, unknown=[0, 1, 3], client_axis=2),
+          spec(valid, unknown=[0, 1], client_axis=2), spec(epochs, client_axis=0)]
 
 
 class _EveryDataset:
@@ -494,12 +498,10 @@ class VectorizedClientWork:
     latent_in_batch = batch_dependent and getattr(probe, 'reads_latent', False)
     if latent_in_batch and self._latent_and_output is None:
       raise ValueError('a regulariser that reads the latent layer needs latent=True.')
-    # `num_clients` (a Python int, when given) fixes the client axis at trace time; see
-    # `with_clients`.
+    # `num_clients` (a Python int, when given) fixes the client axis at trace time (see
+    # `with_clients`): `train` traces the arguments with it (`_round_specs`); the weights read
+    # from the updater's `[None, ...]` variables get it here.
     clients = functools.partial(with_clients, num_clients=num_clients)
-    index, mask, valid, epochs, start, client_terms = (
-        clients(index, axis=2), clients(mask, axis=2), clients(valid, axis=2), clients(epochs),
-        clients(start), clients(client_terms))
     k = tf.shape(valid)[2] if num_clients is None else num_clients
     if start is None:
       global_trainable = tuple(global_trainable)
