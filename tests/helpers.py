@@ -111,8 +111,9 @@ def tiny_mlp(dim: int, classes: int, seed: int, hidden: int = 8):
 
 
 def mnist_sample_split(num_clients: int, seed: int, alpha: float = 0.5,
-                       local_test_examples: int = 0):
-  """The shared 1003-image MNIST sample split Dirichlet(alpha) over `num_clients` clients."""
+                       local_test_examples: int = 0, data_fraction: float = 1.0):
+  """The shared 1003-image MNIST sample (or `data_fraction` of it) split Dirichlet(alpha) over
+  `num_clients` clients."""
   import functools  # pylint: disable=g-import-not-at-top
 
   from fltff.data import build_federated_data  # pylint: disable=g-import-not-at-top
@@ -123,7 +124,8 @@ def mnist_sample_split(num_clients: int, seed: int, alpha: float = 0.5,
   return build_federated_data(
       source=functools.partial(npz_source, path=path),
       partitioner=functools.partial(dirichlet_partition, alpha=alpha),
-      num_clients=num_clients, seed=seed, local_test_examples=local_test_examples)
+      num_clients=num_clients, seed=seed, local_test_examples=local_test_examples,
+      data_fraction=data_fraction)
 
 
 # The executor-equality suites (test_in_process, test_vectorized) share one federation:

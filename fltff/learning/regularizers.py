@@ -57,6 +57,10 @@ class ProximalRegularizer:
     coefficients = self._coefficients or (self.mu,) * len(anchor)
     return [c * (w - a) for w, a, c in zip(local, anchor, coefficients)]
 
+  # Each `affine_gradient` scale is one number per tensor (μ m_t): vectorised clients may
+  # train dense kernels in factored form (`learning.factored_dense`).
+  scalar_affine_scales = True
+
   @property
   def global_anchor(self) -> bool:
     """The anchor is the global model (FedProx): vectorised clients use `scale ⊙ (w − global)`

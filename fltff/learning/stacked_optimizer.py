@@ -165,6 +165,11 @@ class FusedSGDM:
     self._affine_update = tf.function(self._affine_update_fn, jit_compile=True)
     self._affine_gradients = tf.function(self._affine_gradients_fn, jit_compile=True)
 
+  @property
+  def hyperparameters(self) -> tuple[float, Optional[float]]:
+    """`(learning_rate, momentum or None)`."""
+    return self._learning_rate, self._momentum
+
   def prepare(self, specs: Sequence[tf.TensorSpec], device: Optional[str] = None) -> None:
     """Makes the variables (once) for one client's weight `specs`."""
     if self._weights is not None:
@@ -198,10 +203,10 @@ class FusedSGDM:
     with tf.control_dependencies([carry]):
       return tuple(v.read_value() for v in self._weights)
 
-  def _apply(self, gradients, rows: Optional[tf.Tensor]) -> tf.Tensor:
+  def _apply(self, gradients, rows: Optional[tf.Tensor], skip: frozenset) -> tf.Tensor:
     applied = []
     for i, (variable, gradient) in enumerate(zip(self._weights, gradients)):
-      if i in self._frozen:
+      if i in self._frozen or i in skip:
         continue
       lr = tf.cast(self._learning_rate, gradient.dtype)
       if rows is not None:
@@ -226,12 +231,12 @@ class FusedSGDM:
     with tf.control_dependencies(applied):
       return tf.constant(True)
 
-  def _affine_update_fn(self, gradients, scales, offsets, anchors) -> tf.Tensor:
+  def _affine_update_fn(self, gradients, scales, offsets, anchors, skip) -> tf.Tensor:
     """Every client's step with the affine terms, `g + s ⊙ w + o` (in `step_gradients`'s
     order; `g + s ⊙ (w − a)` with shared `anchors` instead of `offsets`) and the update in one
     XLA-compiled elementwise pass per tensor."""
     for i, (variable, gradient) in enumerate(zip(self._weights, gradients)):
-      if i in self._frozen:
+      if i in self._frozen or i in skip:
         continue
       w = variable.read_value()
       offset = Anchor(anchors[i]) if anchors else offsets[i]
@@ -246,34 +251,38 @@ class FusedSGDM:
       variable.assign(w - lr * a)
     return tf.constant(True)
 
-  def _affine_gradients_fn(self, gradients, weights, scales, offsets, anchors) -> list:
+  def _affine_gradients_fn(self, gradients, weights, scales, offsets, anchors, skip) -> list:
     """`add_affine` compiled with XLA, for the steps where some client is idle. Not as TF ops:
     in the graph, Grappler may turn the model-sized sum into a named temporary variable, which
     this branch, when not taken, creates and never destroys, and the training loop's next
     step fails with AlreadyExistsError (tests/test_stacked_optimizer.py)."""
     offsets = tuple(Anchor(a) for a in anchors) if anchors else offsets
-    return add_affine(gradients, weights, (scales, offsets))
+    return [g if i in skip else _affine_gradient(g, w, a, o) for i, (g, w, a, o)
+            in enumerate(zip(gradients, weights, scales, offsets))]
 
   def step(self, carry: tf.Tensor, gradients: Sequence[tf.Tensor], trains: tf.Tensor,
-           affine=None) -> tf.Tensor:
+           affine=None, skip: frozenset = frozenset()) -> tf.Tensor:
     """One local step of every client; `affine` (an affine regulariser's `(scales, offsets)`,
     stacked) is added to the gradients here, fused with the update when every client trains.
     (A broadcast `tf.where` for idle clients inside the XLA function made it slower than the
-    separate ops, so steps with idle clients take the sparse kernels.)"""
+    separate ops, so steps with idle clients take the sparse kernels.) The tensors in `skip`
+    are left as they are (kernels trained in factored form, `factored_dense`)."""
     gradients = tuple(gradients)
+    skip = frozenset(skip)
 
     if affine is None:
-      every = lambda: self._apply(gradients, None)
-      some_idle = lambda: self._apply(gradients, tf.where(trains)[:, 0])
+      every = lambda: self._apply(gradients, None, skip)
+      some_idle = lambda: self._apply(gradients, tf.where(trains)[:, 0], skip)
     else:
       scales, offsets = (tuple(part) for part in affine)
       # The XLA functions take tensors: anchors as their own argument.
       anchors = tuple(o.value for o in offsets) if isinstance(offsets[0], Anchor) else ()
       offsets = () if anchors else offsets
-      every = lambda: self._affine_update(gradients, scales, offsets, anchors)
+      every = lambda: self._affine_update(gradients, scales, offsets, anchors, skip)
       some_idle = lambda: self._apply(
-          self._affine_gradients(gradients, self.weights(carry), scales, offsets, anchors),
-          tf.where(trains)[:, 0])
+          self._affine_gradients(gradients, self.weights(carry), scales, offsets, anchors,
+                                 skip),
+          tf.where(trains)[:, 0], skip)
     with tf.control_dependencies([carry]):
       return tf.cond(tf.reduce_all(trains), every, some_idle)
 

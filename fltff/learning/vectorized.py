@@ -43,11 +43,13 @@ import tensorflow as tf
 
 from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
+from fltff.learning import factored_dense
 from fltff.data.pipeline import ArraySource
 from fltff.data.pipeline import array_source
 from fltff.data.pipeline import preprocess_batch
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.stacked_optimizer import Anchor
+from fltff.learning.stacked_optimizer import FusedSGDM
 from fltff.learning.stacked_optimizer import broadcast_clients
 from fltff.learning.stacked_optimizer import stacked_optimizer
 from fltff.runtime.in_process import StackedClients
@@ -68,6 +70,35 @@ def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.ker
   cannot express (non-trainable weights, layer losses, weights not held as layer attributes).
   """
   weights_model = keras_model if weights_model is None else weights_model
+  slots = weight_slots(keras_model, weights_model)
+
+  def apply(trainable: Sequence[tf.Tensor], x: tf.Tensor, training: bool = True,
+            kernel_products: Optional[dict[int, Callable]] = None) -> tf.Tensor:
+    """`kernel_products` (`{trainable index: product}`, plain `Dense` kernels only): that
+    layer computes `product(x)` in place of `x @ kernel` (`factored_dense.dense_call`)."""
+    saved = [getattr(layer, name) for layer, name in slots]
+    products = kernel_products or {}
+    try:
+      for (layer, name), value in zip(slots, trainable):
+        object.__setattr__(layer, name, value)  # No Keras tracking: restored below.
+      for i, product in products.items():
+        layer = slots[i][0]
+        object.__setattr__(layer, 'call', factored_dense.dense_call(layer, product))
+      return keras_model(x, training=training)
+    finally:
+      for (layer, name), value in zip(slots, saved):
+        object.__setattr__(layer, name, value)
+      for i in products:
+        object.__delattr__(slots[i][0], 'call')  # The class's `call` again.
+
+  apply.slots = slots
+  return apply
+
+
+def weight_slots(keras_model: tf.keras.Model, weights_model: tf.keras.Model
+                 ) -> list[tuple[Any, str]]:
+  """`(layer, attribute)` holding each of `weights_model`'s trainable weights, for
+  `functional_apply` (`ConfigError` for what it cannot express)."""
   if weights_model.non_trainable_weights:
     raise ConfigError(
         f'vectorised clients need a model whose weights are all trainable; {keras_model.name} '
@@ -83,18 +114,7 @@ def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.ker
       raise ConfigError(f'vectorised clients cannot find the layer attribute holding '
                         f'{variable.name} in {keras_model.name}.')
     slots.append(slot)
-
-  def apply(trainable: Sequence[tf.Tensor], x: tf.Tensor, training: bool = True) -> tf.Tensor:
-    saved = [getattr(layer, name) for layer, name in slots]
-    try:
-      for (layer, name), value in zip(slots, trainable):
-        object.__setattr__(layer, name, value)  # No Keras tracking: restored below.
-      return keras_model(x, training=training)
-    finally:
-      for (layer, name), value in zip(slots, saved):
-        object.__setattr__(layer, name, value)
-
-  return apply
+  return slots
 
 
 def _read_options() -> tf.data.Options:
@@ -378,7 +398,8 @@ class VectorizedClientWork:
                weight_fields: Sequence[str] = (), frozen: Sequence[int] = (),
                client_weighting: str = 'num_examples', device: Optional[str] = None,
                client_regularizer: Optional[Callable[[Any], Any]] = None,
-               track_gradient_mean: bool = False, latent: bool = False):
+               track_gradient_mean: bool = False, latent: bool = False,
+               factor_dense: bool = True):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     client_work_lib.check_weight_fields(weight_fields)
@@ -429,6 +450,10 @@ class VectorizedClientWork:
           tf.keras.Model(self._keras_model.inputs,
                          [latent_keras.output, self._keras_model.output]), self._keras_model)
     self._updater = stacked_optimizer(optimizer, frozenset(frozen))
+    # Dense kernels that rounds with a short history train in factored form (`factored_dense`).
+    self._dense_kernels = (factored_dense.dense_kernels(self._apply.slots, frozenset(frozen))
+                           if factor_dense and isinstance(self._updater, FusedSGDM)
+                           and not track_gradient_mean else {})
     self._regularizer = regularizer
     self._client_regularizer = client_regularizer
     self._weight_fields = tuple(weight_fields)
@@ -438,7 +463,7 @@ class VectorizedClientWork:
     self._device = device
     self._train = tf.function(self._train_fn, reduce_retracing=True)
     self._static_client_counts: set[int] = set()
-    self._traced_for: set[Optional[int]] = set()
+    self._traced_for: set[tuple[Optional[int], frozenset]] = set()
     self._read_before = weakref.WeakSet()
 
   @property
@@ -466,7 +491,7 @@ class VectorizedClientWork:
 
   # -- the TensorFlow part -----------------------------------------------------------------
   def _train_fn(self, global_trainable, start, client_terms, examples, labels, index, mask,
-                valid, epochs, num_clients=None):
+                valid, epochs, num_clients=None, factored=frozenset()):
     """Local training of every participant (`build_local_training` with a client axis); each
     step gathers its batches from the round's example table (`stack_client_batches`).
 
@@ -498,6 +523,7 @@ class VectorizedClientWork:
     latent_in_batch = batch_dependent and getattr(probe, 'reads_latent', False)
     if latent_in_batch and self._latent_and_output is None:
       raise ValueError('a regulariser that reads the latent layer needs latent=True.')
+    plan = self._factored_plan(factored, probe, global_anchor or client_anchor, start)
     # `num_clients` (a Python int, when given) fixes the client axis at trace time (see
     # `with_clients`): `train` traces the arguments with it (`_round_specs`); the weights read
     # from the updater's `[None, ...]` variables get it here.
@@ -539,14 +565,29 @@ class VectorizedClientWork:
       return context, affine
 
     def client_gradients(args):
-      local, bx, by, bmask, trains, context, client = args
+      local, bx, by, bmask, trains, context, client, rows, anchors = args
       regularizer = regularizer_of(client)
+      products, inputs, probes = {}, {}, {}
       with tf.GradientTape() as tape:
         tape.watch(local)
+        for n, i in enumerate(plan.indices if plan else ()):
+          # The factored kernel's `x w_t` (`factored_dense`); the gradient with respect to a
+          # zero added to the pre-activations is δ, the kernel's own gradient never formed.
+          probes[i] = tf.zeros([tf.shape(bx)[0], local[i].shape[-1]], local[i].dtype)
+          tape.watch(probes[i])
+          base = global_trainable[i] if start is None else local[i]
+          anchor = (None if not plan.with_anchor else
+                    anchors[n] if client_anchor else global_trainable[i])
+
+          def product(x, n=n, i=i, base=base, anchor=anchor):
+            inputs[i] = x
+            return plan.product(x, base, rows[n], anchor, probes[i])
+
+          products[i] = product
         if latent_in_batch:
           latent, logits = self._latent_and_output(local, bx, training=True)
         else:
-          logits = self._apply(local, bx, training=True)
+          logits = self._apply(local, bx, training=True, kernel_products=products)
         n = tf.reduce_sum(bmask)
         per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=tf.cast(by, tf.int64), logits=logits)
@@ -560,15 +601,22 @@ class VectorizedClientWork:
             batch['latent'] = latent
           loss += regularizer.batch_penalty(local, global_trainable, batch, context)
       # An affine regulariser's terms are added by the updater (fused with the update there).
+      sources = [w for i, w in enumerate(local) if i not in probes]
+      found = iter(tape.gradient(loss, sources + [probes[i] for i in sorted(probes)]))
+      # A factored kernel's place holds a scalar zero (the updater skips it).
+      gradients = [tf.zeros([], w.dtype) if i in probes else next(found)
+                   for i, w in enumerate(local)]
+      deltas = list(found)
       gradients = client_work_lib.step_gradients(
-          tape.gradient(loss, local), local, None if has_affine else regularizer,
+          gradients, local, None if has_affine else regularizer,
           global_trainable, context, None, frozen)
       correct = tf.reduce_sum(bmask * tf.cast(
           tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), by), tf.float32))
       count = tf.cast(trains, tf.float32)
       step_sums = (data_loss * n * count, tf.cast(n * count, tf.int64), correct * count,
                    tf.cast(trains, tf.int64))
-      return tuple(gradients), step_sums
+      factors = tuple((inputs[i], d) for i, d in zip(sorted(probes), deltas))
+      return tuple(gradients), step_sums, factors
 
     # SCAFFOLD's new control: the data gradients summed over each client's steps (an empty
     # tuple when not tracked, so the loop carries nothing extra). A client without a batch at
@@ -582,6 +630,19 @@ class VectorizedClientWork:
     if same_first_context:
       first_context = tf.nest.map_structure(
           lambda t: broadcast_clients(t, k), epoch_context((global_trainable, ())))
+    # Kernels trained in factored form this round (`factored_dense`), their history and
+    # coefficients carried through the loop.
+    factored_state = ()
+    plan_anchors = ()
+    if plan is not None:
+      factored_state = plan.initial_state(
+          weights, k, tf.shape(valid)[0] * tf.shape(valid)[1], tf.shape(index)[3])
+      if plan.with_anchor and client_anchor:
+        # Each client's anchor (KAPC's s_i), fixed for the round.
+        offset_anchors = tf.vectorized_map(
+            lambda client: tuple(regularizer_of(client).offset_anchor(global_trainable)), terms)
+        plan_anchors = tuple(offset_anchors[i] for i in plan.indices)
+    skip = frozenset(plan.indices) if plan is not None else frozenset()
     anchored = tf.constant(True)  # Set per epoch below (autograph wants it before the loop).
     for e in tf.range(tf.shape(valid)[0]):
       if same_first_context:
@@ -602,21 +663,39 @@ class VectorizedClientWork:
         trains = valid[e, s]
         # The clients' gradients in one vectorised step, then the optimizer's update of all of
         # them (`stacked_optimizer`: in place for TFF's SGD(M)).
-        gradients, step_sums = tf.vectorized_map(
+        gradients, step_sums, factors = tf.vectorized_map(
             client_gradients, (read_weights(carry), tf.gather(examples, index[e, s]),
                                tf.gather(labels, index[e, s]), mask[e, s], trains,
-                               context, terms))
+                               context, terms, plan.client_rows(factored_state) if plan else (),
+                               plan_anchors))
         if global_anchor:
           carry = tf.cond(
               anchored,
-              lambda: updater.step(carry, gradients, trains, affine),  # pylint: disable=cell-var-from-loop
-              lambda: updater.step(carry, gradients, trains, None))  # pylint: disable=cell-var-from-loop
+              lambda: updater.step(carry, gradients, trains, affine, skip),  # pylint: disable=cell-var-from-loop
+              lambda: updater.step(carry, gradients, trains, None, skip))  # pylint: disable=cell-var-from-loop
         else:
-          carry = updater.step(carry, gradients, trains, affine if has_affine else None)
+          carry = updater.step(carry, gradients, trains, affine if has_affine else None, skip)
+        if plan is not None:
+          # The regulariser's scale per client (zeros without one; `s ⊙ (w − a)`'s s).
+          scales = tuple(affine[0][i] if has_affine else tf.zeros([k], weights[i].dtype)
+                         for i in plan.indices)
+          factored_state = plan.advance(factored_state, e * tf.shape(valid)[1] + s, factors,
+                                        scales, trains)
         sums = tuple(a + b for a, b in zip(sums, step_sums))
         if self._track_gradient_mean:
           gradient_sum = tuple(a + g for a, g in zip(gradient_sum, gradients))
     weights = clients(updater.finish(carry))
+    if plan is not None:
+      # The factored kernels formed once: the updater left them at the round's start.
+      formed = plan.kernels(
+          factored_state,
+          [global_trainable[i] if start is None else weights[i] for i in plan.indices],
+          [None if not plan.with_anchor else plan_anchors[n] if client_anchor
+           else global_trainable[i] for n, i in enumerate(plan.indices)])
+      weights = list(weights)
+      for i, kernel in zip(plan.indices, formed):
+        weights[i] = kernel
+      weights = clients(tuple(weights))
 
     out = collections.OrderedDict(trained=weights, sums=sums)
     if self._track_gradient_mean:
@@ -651,6 +730,30 @@ class VectorizedClientWork:
           lambda local: shared.measurements(tuple(local), global_trainable), weights)
     return out
 
+  def factored_kernels(self, data) -> frozenset:
+    """The trainable indices of the Dense kernels worth training in factored form in the round
+    of `data` (`stack_client_batches`): `factored_dense.worth_factoring` for its history of
+    epochs × steps × batch rows."""
+    epochs, steps, _, batch = np.shape(data['index'])
+    rows = epochs * steps * batch
+    return frozenset(i for i, (fan_in, fan_out) in self._dense_kernels.items()
+                     if rows and factored_dense.worth_factoring(fan_in, fan_out, rows))
+
+  def _factored_plan(self, requested: frozenset, regularizer, anchored: bool, start
+                     ) -> Optional[factored_dense.FactoredKernels]:
+    """The round's `FactoredKernels`, or None: factoring needs no regulariser, or an affine one
+    anchored at the global model or each client's own anchor with one scale per tensor
+    (`scalar_affine_scales`: FedProx, KAPC), whose gradient is not taken through the loss."""
+    if not requested:
+      return None
+    if regularizer is not None and not (
+        anchored and getattr(regularizer, 'scalar_affine_scales', False)):
+      return None
+    learning_rate, momentum = self._updater.hyperparameters
+    return factored_dense.FactoredKernels(
+        tuple(sorted(requested)), learning_rate, momentum,
+        with_anchor=regularizer is not None and start is not None)
+
   # -- the round ----------------------------------------------------------------------------
   def traced_client_count(self, k: int) -> Optional[int]:
     """`k`, for tracing the round's functions with a fixed client axis (`with_clients`), for
@@ -675,17 +778,19 @@ class VectorizedClientWork:
     self._updater.prepare([tf.TensorSpec(w.shape, w.dtype)
                            for w in self._keras_model.trainable_weights], self._device)
     k = self.traced_client_count(len(client_inputs))
+    factored = self.factored_kernels(data)
     args = (global_trainable, start, client_terms, data['examples'], data['labels'],
             data['index'], data['mask'], data['valid'], data['epochs'])
     with tf.device(self._device) if self._device else contextlib.nullcontext():
-      if k not in self._traced_for:
+      if (k, factored) not in self._traced_for:
         # Traced once for every round of this client count: the round's example count, epochs,
         # steps and batch size left unknown. Traced on the first round's exact shapes instead,
         # `reduce_retracing` traced again in the next rounds as those changed (measured, FedLap
         # personalisation's offline twin: 4.5 s, then 2.5 s again in round 2).
-        self._train.get_concrete_function(*_round_specs(args, k), num_clients=k)
-        self._traced_for.add(k)
-      out = self._train(*args, num_clients=k)
+        self._train.get_concrete_function(*_round_specs(args, k), num_clients=k,
+                                          factored=factored)
+        self._traced_for.add((k, factored))
+      out = self._train(*args, num_clients=k, factored=factored)
     return out, data
 
   def model_outputs(self, sums) -> collections.OrderedDict:

@@ -1,0 +1,151 @@
+"""Dense kernels trained in factored form on vectorised clients (`learning.factored_dense`).
+
+The factored kernels must give TFF's numbers: every method that factors runs 3 rounds against
+TFF's C++ runtime with factoring forced for every Dense kernel of mlp2 (on a quarter of the equality
+data: rounds of a few steps, as factoring is used for), and the vectorised training with and without
+factoring is compared on rounds with idle steps, several epochs, per-client start weights and
+anchors, with and without momentum.
+"""
+
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from fltff.learning import client_work as client_work_lib
+from fltff.learning import factored_dense
+from fltff.learning import vectorized
+from fltff.learning.regularizers import ProximalRegularizer
+from fltff.runtime.in_process import InProcessContext
+from helpers import EQUALITY_CLIENTS
+from helpers import assert_equal_runs
+from helpers import equality_methods
+from helpers import equality_spec  # noqa: F401  pylint: disable=unused-import (fixture)
+from helpers import mnist_sample_split
+from helpers import run_rounds
+
+# Methods whose vectorised clients factor mlp2's Dense kernels: no regulariser (the FedAvg
+# family, FedBABU with its frozen head, the personalised Local and pFedLA with per-client
+# starts), FedProx's proximal term at the global model, KAPC's at each client's s_i.
+FACTORING = ('fedavg', 'fedprox', 'fedadp', 'fedbabu', 'kapc', 'kapc+bls', 'local', 'pfedla',
+             'fedamp')
+
+
+@pytest.fixture(scope='module', name='data')
+def short_rounds_data():
+  # A quarter of the equality federation's data: rounds of a few steps (batch 16, 1 or 2
+  # epochs), histories of the length factoring is used for (`worth_factoring`; forced below
+  # for the smaller kernel too).
+  return mnist_sample_split(EQUALITY_CLIENTS, seed=3, local_test_examples=10,
+                            data_fraction=0.25)
+
+
+@pytest.fixture(scope='module')
+def cpp(tff_runtime):
+  return tff_runtime.context
+
+
+def _trained_works(algorithm):
+  work = algorithm._vectorized  # pylint: disable=protected-access
+  return getattr(work, '_work', work)
+
+
+@pytest.mark.parametrize('method', FACTORING)
+def test_rounds_with_factored_kernels_equal_the_cpp_runtime(method, data, spec, cpp,
+                                                            monkeypatch):
+  monkeypatch.setattr(factored_dense, 'worth_factoring', lambda *args: True)
+  expected = run_rounds(equality_methods()[method](spec), data, cpp, EQUALITY_CLIENTS)
+  algorithm = equality_methods()[method](spec)
+  algorithm.vectorize_clients()
+  actual = run_rounds(algorithm, data, InProcessContext(), EQUALITY_CLIENTS)
+  tff.framework.set_default_context(cpp)
+  work = _trained_works(algorithm)
+  # Factoring ran: both mlp2 kernels (FedBABU: the body's only, its head is frozen).
+  assert work._traced_for and all(  # pylint: disable=protected-access
+      factored == ({0} if method == 'fedbabu' else {0, 2})
+      for _, factored in work._traced_for)  # pylint: disable=protected-access
+  assert_equal_runs(expected, actual, method)
+
+
+def _client_inputs(rng, sizes, epochs, batch):
+  inputs = []
+  for k, (n, e) in enumerate(zip(sizes, epochs)):
+    examples = collections.OrderedDict(
+        x=rng.normal(size=(n, 28, 28, 1)).astype(np.float32),
+        y=rng.integers(0, 10, size=n).astype(np.int32))
+    batches = tf.data.Dataset.from_tensor_slices(examples).batch(batch)
+    inputs.append(client_work_lib.client_input(batches, k, e))
+  return inputs
+
+
+@pytest.mark.parametrize('momentum', [0.9, None])
+@pytest.mark.parametrize('case', ['global', 'prox', 'own_start', 'own_anchor'])
+def test_factored_training_equals_the_per_step_update(spec, case, momentum):
+  """Clients of 7, 23 and 12 examples in batches of 5 (partial batches, idle steps), 2, 1 and
+  3 epochs: the factored training gives the per-step update's kernels and metrics."""
+  rng = np.random.default_rng(7)
+  optimizer = tff.learning.optimizers.build_sgdm(learning_rate=0.05, momentum=momentum)
+  inputs = _client_inputs(rng, (7, 23, 12), (2, 1, 3), 5)
+  model = spec.keras_fn()
+  global_trainable = tuple(w.numpy() for w in model.trainable_weights)
+  k = len(inputs)
+  start = client_terms = None
+  regularizer = client_regularizer = None
+  if case == 'prox':
+    regularizer = ProximalRegularizer(0.3)
+  if case in ('own_start', 'own_anchor'):
+    start = tuple(np.stack([w + 0.01 * rng.normal(size=w.shape).astype(np.float32)
+                            for _ in range(k)]) for w in global_trainable)
+  if case == 'own_anchor':
+    client_terms = collections.OrderedDict(
+        anchor=tuple(np.stack([w + 0.05 * rng.normal(size=w.shape).astype(np.float32)
+                               for _ in range(k)]) for w in global_trainable),
+        mask=np.asarray([[1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 1]], np.float32))
+    client_regularizer = lambda terms: ProximalRegularizer(  # pylint: disable=g-long-lambda
+        0.4, anchor=terms['anchor'], tensor_mask=tuple(terms['mask'][i] for i in range(4)))
+  outs = []
+  for factor in (True, False):
+    work = vectorized.VectorizedClientWork(spec, optimizer, regularizer,
+                                           client_regularizer=client_regularizer,
+                                           factor_dense=factor)
+    if factor:  # Forced: these rounds are longer than `worth_factoring` takes.
+      work.factored_kernels = lambda data: frozenset({0, 2})
+    out, _ = work.train(inputs, global_trainable, start=start, client_terms=client_terms)
+    outs.append(out)
+    assert {f for _, f in work._traced_for} == {  # pylint: disable=protected-access
+        frozenset({0, 2}) if factor else frozenset()}
+  factored, per_step = outs
+  for a, b in zip(factored['trained'], per_step['trained']):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+  for a, b in zip(factored['sums'], per_step['sums']):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+  # The clients moved (the comparison is not of untouched start weights).
+  moved = factored['trained'][0].numpy() - (
+      global_trainable[0] if start is None else start[0])
+  assert np.min(np.abs(moved).reshape(k, -1).max(axis=1)) > 1e-4
+
+
+def test_worth_factoring_compares_the_history_with_the_kernel():
+  # mlp2's hidden kernel, 784 x 200: 6 steps of 10 (100 clients x 60) factor, 60 do not.
+  assert factored_dense.worth_factoring(784, 200, 60)
+  assert factored_dense.worth_factoring(784, 200, 159)
+  assert not factored_dense.worth_factoring(784, 200, 160)
+  assert not factored_dense.worth_factoring(784, 200, 600)
+  assert not factored_dense.worth_factoring(784, 10, 10)  # Logistic regression's kernel.
+
+
+def test_which_kernels_a_round_factors(spec):
+  optimizer = tff.learning.optimizers.build_sgdm(learning_rate=0.05, momentum=0.9)
+  work = vectorized.VectorizedClientWork(spec, optimizer)
+  assert work._dense_kernels == {0: (784, 200), 2: (200, 10)}  # pylint: disable=protected-access
+  short = {'index': np.zeros([1, 6, 100, 10])}
+  long = {'index': np.zeros([1, 60, 10, 10])}
+  assert work.factored_kernels(short) == frozenset({0})
+  assert work.factored_kernels(long) == frozenset()
+  # Not with another optimizer (its update is not SGD(M)'s), nor when switched off.
+  adam = vectorized.VectorizedClientWork(spec, tff.learning.optimizers.build_adam(0.01))
+  assert adam.factored_kernels(short) == frozenset()
+  off = vectorized.VectorizedClientWork(spec, optimizer, factor_dense=False)
+  assert off.factored_kernels(short) == frozenset()
