@@ -63,9 +63,7 @@ def test_rounds_with_factored_kernels_equal_the_cpp_runtime(method, data, spec, 
   tff.framework.set_default_context(cpp)
   work = _trained_works(algorithm)
   # Factoring ran: both mlp2 kernels (FedBABU: the body's only, its head is frozen).
-  assert work._traced_for and all(  # pylint: disable=protected-access
-      factored == ({0} if method == 'fedbabu' else {0, 2})
-      for _, factored in work._traced_for)  # pylint: disable=protected-access
+  assert work.factored_traces == {(0,) if method == 'fedbabu' else (0, 2)}
   assert_equal_runs(expected, actual, method)
 
 
@@ -114,8 +112,7 @@ def test_factored_training_equals_the_per_step_update(spec, case, momentum):
       work.factored_kernels = lambda data: frozenset({0, 2})
     out, _ = work.train(inputs, global_trainable, start=start, client_terms=client_terms)
     outs.append(out)
-    assert {f for _, f in work._traced_for} == {  # pylint: disable=protected-access
-        frozenset({0, 2}) if factor else frozenset()}
+    assert work.factored_traces == ({(0, 2)} if factor else set())
   factored, per_step = outs
   for a, b in zip(factored['trained'], per_step['trained']):
     np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)

@@ -465,6 +465,8 @@ class VectorizedClientWork:
     self._static_client_counts: set[int] = set()
     self._traced_for: set[tuple[Optional[int], frozenset]] = set()
     self._read_before = weakref.WeakSet()
+    # The factored kernel sets the training was traced with (`factored_dense`), for inspection.
+    self.factored_traces: set[tuple[int, ...]] = set()
 
   @property
   def latent_apply(self):
@@ -750,6 +752,7 @@ class VectorizedClientWork:
         anchored and getattr(regularizer, 'scalar_affine_scales', False)):
       return None
     learning_rate, momentum = self._updater.hyperparameters
+    self.factored_traces.add(tuple(sorted(requested)))
     return factored_dense.FactoredKernels(
         tuple(sorted(requested)), learning_rate, momentum,
         with_anchor=regularizer is not None and start is not None)
