@@ -91,22 +91,37 @@ class FactoredKernels:
   with_anchor: bool
 
   def initial_state(self, weights: Sequence[tf.Tensor], k, steps, batch) -> tuple:
-    """Per index `(X [K, T, B, in], Δ [K, T, B, out], β [K, T], γ [K, T], α [K], a^D [K])`,
-    zeros, for `steps` (T) steps of `batch` examples."""
+    """Per index `(X, Δ, β [K, T], γ [K, T], α [K], a^D [K])`, zeros, for `steps` (T) steps of
+    `batch` examples: the histories are `tf.TensorArray`s of a `[K, B, in]` (`[K, B, out]`)
+    element per step, so writing a step does not copy the history."""
     state = []
     for i in self.indices:
       fan_in, fan_out = weights[i].shape[-2], weights[i].shape[-1]
       dtype = weights[i].dtype
-      state.append((tf.zeros([k, steps, batch, fan_in], dtype),
-                    tf.zeros([k, steps, batch, fan_out], dtype),
+
+      def history(width, dtype=dtype):
+        # Zeros to start with: every step's element exists when the prefix is gathered.
+        return tf.TensorArray(dtype, size=steps, clear_after_read=False,
+                              element_shape=tf.TensorShape([None, None, width])).unstack(
+                                  tf.zeros([steps, k, batch, width], dtype))
+
+      state.append((history(fan_in), history(fan_out),
                     tf.zeros([k, steps], dtype), tf.zeros([k, steps], dtype),
                     tf.zeros([k], dtype), tf.zeros([k], dtype)))
     return tuple(state)
 
   @staticmethod
-  def client_rows(state) -> tuple:
-    """What the clients' map gets per index: `(X, Δ, β, α)`."""
-    return tuple((x, d, beta, alpha) for x, d, beta, _, alpha, _ in state)
+  def client_rows(state, t) -> tuple:
+    """What the clients' map gets per index at step `t`: `(X [K, t', B, in], Δ [K, t', B,
+    out], β [K, t'], α [K])` for the steps before `t` (t' = max(t, 1): at step 0 one step of
+    zeros), not the later ones (zeros; reading them cost as much again)."""
+    steps = tf.maximum(t, 1)
+
+    def prefix(history):
+      return tf.transpose(history.gather(tf.range(steps)), [1, 0, 2, 3])
+
+    return tuple((prefix(x), prefix(d), beta[:, :steps], alpha)
+                 for x, d, beta, _, alpha, _ in state)
 
   @staticmethod
   def product(x: tf.Tensor, base: tf.Tensor, rows, anchor: Optional[tf.Tensor],
@@ -132,10 +147,7 @@ class FactoredKernels:
     lr = self.learning_rate
     new_state = []
     for (hx, hd, beta, gamma, alpha, alpha_acc), (x, d), c in zip(state, factors, scales):
-      k = tf.shape(hx)[0]
-      at = tf.stack([tf.range(k), tf.fill([k], tf.cast(t, tf.int32))], axis=1)
-      hx = tf.tensor_scatter_nd_update(hx, at, x)
-      hd = tf.tensor_scatter_nd_update(hd, at, d)
+      hx, hd = hx.write(t, x), hd.write(t, d)
       c = tf.convert_to_tensor(c, beta.dtype)
       if c.shape.rank != 1:
         raise ValueError(f'factored kernels need one regulariser scale per client and tensor; '
@@ -162,6 +174,8 @@ class FactoredKernels:
     clients' start kernels `bases` (`[K, in, out]`, or `[in, out]` shared) and anchors."""
     out = []
     for (hx, hd, beta, _, alpha, _), base, anchor in zip(state, bases, anchors):
+      hx = tf.transpose(hx.stack(), [1, 0, 2, 3])
+      hd = tf.transpose(hd.stack(), [1, 0, 2, 3])
       k, steps, batch = tf.shape(hx)[0], tf.shape(hx)[1], tf.shape(hx)[2]
       history_x = tf.reshape(hx, [k, steps * batch, hx.shape[-1]])
       history_d = tf.reshape(hd * beta[:, :, tf.newaxis, tf.newaxis],

@@ -668,7 +668,7 @@ class VectorizedClientWork:
         gradients, step_sums, factors = tf.vectorized_map(
             client_gradients, (read_weights(carry), tf.gather(examples, index[e, s]),
                                tf.gather(labels, index[e, s]), mask[e, s], trains,
-                               context, terms, plan.client_rows(factored_state) if plan else (),
+                               context, terms, plan.client_rows(factored_state, e * tf.shape(valid)[1] + s) if plan else (),
                                plan_anchors))
         if global_anchor:
           carry = tf.cond(
