@@ -146,3 +146,23 @@ def test_which_kernels_a_round_factors(spec):
   assert adam.factored_kernels(short) == frozenset()
   off = vectorized.VectorizedClientWork(spec, optimizer, factor_dense=False)
   assert off.factored_kernels(short) == frozenset()
+
+
+def test_runtime_factor_dense_false_reaches_the_vectorised_work(spec, data, cpp):
+  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.local import TffRuntime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.local import make_runtime  # pylint: disable=g-import-not-at-top
+
+  short = {'index': np.zeros([1, 6, 100, 10])}
+  for factor, expected in ((True, frozenset({0})), (False, frozenset())):
+    for method in ('fedavg', 'kapc'):
+      rt = TffRuntime(executor='in_process', vectorize_clients=True, factor_dense=factor)
+      try:
+        algorithm = equality_methods()[method](spec)
+        rt.bind(algorithm)
+        assert _trained_works(algorithm).factored_kernels(short) == expected, (method, factor)
+      finally:
+        rt.close()
+  tff.framework.set_default_context(cpp)
+  with pytest.raises(ConfigError, match='runtime.factor_dense must be True or False'):
+    make_runtime(executor='in_process', factor_dense='no')

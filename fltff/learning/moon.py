@@ -241,7 +241,8 @@ def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, m
       'moon', model_spec, optimizer, optimizers.server_sgd(server_optimizer, 1.0, 'moon'),
       client_work=build_moon_client_work(model_spec, optimizer, mu, temperature))
   algorithm.num_clients = num_clients
-  algorithm.vectorized_fn = lambda device: VectorizedMoonWork(model_spec, optimizer, mu,
-                                                              temperature, device)
+  # MOON's batch term reads the model: its kernels are never factored (`factor_dense` unused).
+  algorithm.vectorized_fn = lambda device, factor_dense=True: VectorizedMoonWork(
+      model_spec, optimizer, mu, temperature, device)
   initial = [w.copy() for w in model_spec.initial_weights().trainable]
   return client_state.with_client_states(algorithm, lambda: [w.copy() for w in initial])

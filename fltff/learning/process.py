@@ -196,11 +196,12 @@ def build_algorithm(name: str,
       initial_model_weights_fn, distributor, client_work, aggregator, finalizer)
   vectorized_fn = None
   if default_client_work:
-    def vectorized_fn(device):
+    def vectorized_fn(device, factor_dense=True):
       from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
       return VectorizedClientWork(model_spec, client_optimizer, regularizer,
                                   weight_fields=weight_fields, frozen=frozen,
-                                  client_weighting=client_weighting, device=device)
+                                  client_weighting=client_weighting, device=device,
+                                  factor_dense=factor_dense)
   return Algorithm(
       name=name,
       process=process,

@@ -128,13 +128,14 @@ class FederatedAlgorithm:
     """One round: the new server state and the participants' new client states."""
     raise NotImplementedError
 
-  def vectorize_clients(self, device: Optional[str] = None) -> None:
+  def vectorize_clients(self, device: Optional[str] = None, factor_dense: bool = True) -> None:
     """Run each round's client work for all participants in one vectorised TensorFlow step
     (`runtime.vectorize_clients`, `fltff.learning.vectorized`) from now on: the work
-    `vectorized_fn(device)` makes (the builders set it where the method can); `ConfigError`
-    for a method that cannot."""
+    `vectorized_fn(device, factor_dense)` makes (the builders set it where the method can);
+    `ConfigError` for a method that cannot. `factor_dense=False`: no Dense kernel is trained
+    in factored form (`runtime.factor_dense`, `fltff.learning.factored_dense`)."""
     if self.vectorized_fn is not None:
-      self._vectorized = self.vectorized_fn(device)
+      self._vectorized = self.vectorized_fn(device, factor_dense)
       return
     raise ConfigError(f'{self.name} cannot vectorise its clients: its client work is not '
                       f"one of fltff's (runtime.vectorize_clients supports every fltff method "

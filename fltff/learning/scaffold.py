@@ -179,7 +179,8 @@ def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=Non
   algorithm.bytes_down_per_client += control_bytes
   algorithm.bytes_up_per_client += control_bytes
   algorithm.num_clients = num_clients
-  algorithm.vectorized_fn = lambda device: VectorizedScaffoldWork(
+  # SCAFFOLD sums its clients' gradients: its kernels are never factored (`factor_dense` unused).
+  algorithm.vectorized_fn = lambda device, factor_dense=True: VectorizedScaffoldWork(
       model_spec, optimizer, num_clients, getattr(model_aggregator, 'weight_fields', ()), device)
   return client_state.with_client_states(algorithm,
                                          lambda: [np.zeros_like(z) for z in specs])

@@ -122,15 +122,16 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
   def initialize(self, call: protocol.Call = protocol.direct_call):
     return self.inner.initialize(call)
 
-  def vectorize_clients(self, device=None) -> None:
+  def vectorize_clients(self, device=None, factor_dense: bool = True) -> None:
     """The method's clients vectorised (its own `vectorize_clients`: a `ConfigError` where it
     cannot) and the participants' local models trained together: `VectorizedClientWork` from
     each one's own start weights, no regulariser — `build_local_update`'s computation."""
     from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
 
-    self.inner.vectorize_clients(device)
+    self.inner.vectorize_clients(device, factor_dense)
     self._local_work = VectorizedClientWork(self.personalization.model_spec,
-                                            self.personalization.optimizer, device=device)
+                                            self.personalization.optimizer, device=device,
+                                            factor_dense=factor_dense)
 
   @property
   def vectorized(self) -> bool:

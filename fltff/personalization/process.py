@@ -639,12 +639,12 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   def end_round(state, server_input, server_msg, value, weight, model_outputs):
     return round_end(state, server_input, server_msg, value, weight, model_outputs)
 
-  def vectorized_fn(device):
+  def vectorized_fn(device, factor_dense=True):
     from fltff.personalization.vectorized import VectorizedPersonalWork  # pylint: disable=g-import-not-at-top
     return VectorizedPersonalWork(
         model_spec, client_optimizer, message_rows=message_rows, client_start=client_start,
         client_regularizer=client_regularizer if lambda_ > 0 else None,
-        client_result=client_result, device=device)
+        client_result=client_result, device=device, factor_dense=factor_dense)
 
   process = tff.templates.IterativeProcess(init_fn, next_fn)
   return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec,

@@ -55,12 +55,13 @@ class VectorizedPersonalWork:
 
   def __init__(self, model_spec: ModelSpec, optimizer, message_rows: Callable,
                client_start: Callable, client_regularizer: Optional[Callable],
-               client_result: Callable, device: Optional[str] = None):
+               client_result: Callable, device: Optional[str] = None,
+               factor_dense: bool = True):
     self._message_rows = message_rows
     self._client_start, self._client_result = client_start, client_result
     self._regularized = client_regularizer is not None
     self._work = VectorizedClientWork(
-        model_spec, optimizer, device=device,
+        model_spec, optimizer, device=device, factor_dense=factor_dense,
         client_regularizer=(lambda terms: client_regularizer(*terms)) if self._regularized
         else None)
     self._starts = tf.function(self._starts_fn, reduce_retracing=True)

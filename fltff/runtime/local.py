@@ -322,7 +322,7 @@ class TffRuntime:
                server_name: Optional[str] = None, recycle_every: int = 0,
                executor: str = 'tff_cpp', device: Optional[str] = None,
                mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
-               vectorize_clients: bool = False):
+               vectorize_clients: bool = False, factor_dense: bool = True):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     self._tff = tff
@@ -342,6 +342,7 @@ class TffRuntime:
     self.executor = executor
     self.device = device
     self.vectorize_clients = vectorize_clients
+    self.factor_dense = factor_dense
     self.mmap_threshold_kib = int(mmap_threshold_kib)
     # Why 'auto' chose the C++ runtime (the method's reason it cannot vectorise); None else.
     self.auto_reason: Optional[str] = None
@@ -384,10 +385,10 @@ class TffRuntime:
     """
     if self.executor != 'auto':
       if self.vectorize_clients:
-        algorithm.vectorize_clients(self.device)
+        algorithm.vectorize_clients(self.device, self.factor_dense)
       return
     try:
-      algorithm.vectorize_clients(self.device)
+      algorithm.vectorize_clients(self.device, self.factor_dense)
       self.executor, self.vectorize_clients = 'in_process', True
     except ConfigError as e:
       self.auto_reason = str(e)
@@ -569,7 +570,7 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                  insecure_plaintext: bool = False, recycle_every: int = 0,
                  executor: str = 'auto', device: str = 'auto',
                  mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
-                 vectorize_clients: bool = False) -> TffRuntime:
+                 vectorize_clients: bool = False, factor_dense: bool = True) -> TffRuntime:
   """Builds the experiment's runtime.
 
   Args:
@@ -605,7 +606,12 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
       participants in one vectorised TensorFlow step (`fltff.learning.vectorized`; the
       FedAvg-family methods and the personalised KAPC, FedAMP, Local and pFedLA, on models
       without BatchNorm; equal results, see the README's Performance section).
+    factor_dense: With vectorised clients, train Dense kernels in factored form in rounds
+      whose history is short against the kernel (`fltff.learning.factored_dense`; the same
+      numbers up to float rounding). False: every kernel takes the per-step update.
   """
+  if not isinstance(factor_dense, bool):
+    raise ConfigError(f'runtime.factor_dense must be True or False, got {factor_dense!r}.')
   check_number('runtime.recycle_every', recycle_every, integer=True)
   check_number('runtime.mmap_threshold_kib', mmap_threshold_kib, integer=True)
   if mmap_threshold_kib < 0:
@@ -638,7 +644,7 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                     server_name=tls_server_name, recycle_every=recycle_every,
                     executor=executor, device=tf_device,
                     mmap_threshold_kib=mmap_threshold_kib,
-                    vectorize_clients=bool(vectorize_clients))
+                    vectorize_clients=bool(vectorize_clients), factor_dense=factor_dense)
 
 
 EXECUTORS = ('auto', 'tff_cpp', 'in_process')
