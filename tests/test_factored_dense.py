@@ -144,6 +144,12 @@ def test_which_kernels_a_round_factors(spec):
   # Not with another optimizer (its update is not SGD(M)'s), nor when switched off.
   adam = vectorized.VectorizedClientWork(spec, tff.learning.optimizers.build_adam(0.01))
   assert adam.factored_kernels(short) == frozenset()
+  # ... and its rounds train (the mapped optimizer's step; nothing factored).
+  model = spec.keras_fn()
+  out, _ = adam.train(_client_inputs(np.random.default_rng(1), (7, 12), (1, 2), 5),
+                      tuple(w.numpy() for w in model.trainable_weights))
+  assert adam.factored_traces == set()
+  assert np.abs(out['trained'][0].numpy() - model.trainable_weights[0].numpy()).max() > 0
   off = vectorized.VectorizedClientWork(spec, optimizer, factor_dense=False)
   assert off.factored_kernels(short) == frozenset()
 

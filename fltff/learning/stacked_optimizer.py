@@ -109,7 +109,10 @@ class MappedOptimizer:
   def weights(self, carry) -> tuple:
     return carry[0]
 
-  def step(self, carry, gradients: Sequence[tf.Tensor], trains: tf.Tensor, affine=None):
+  def step(self, carry, gradients: Sequence[tf.Tensor], trains: tf.Tensor, affine=None,
+           skip: frozenset = frozenset()):
+    if skip:
+      raise ValueError('factored kernels (`skip`) need TFF\'s SGD(M) (`FusedSGDM`).')
     weights, state = carry
     gradients = add_affine(gradients, weights, affine)
     new_state, updated = tf.vectorized_map(
