@@ -395,3 +395,24 @@ def test_stacked_tensor_copies_what_tensorflow_cannot_take_as_it_is():
       value[0, 0] = 3.0
       assert tensor[0, 0].numpy() == 1.5  # A copy.
       value[0, 0] = 1.5
+
+
+def test_results_are_read_only_views_of_the_computations_tensors(tff_runtime):
+  # A model-sized result is handed back without a copy (`_array_view`), read-only so nothing
+  # writes into a buffer TensorFlow may share; the values are the computation's.
+  @tff.tensorflow.computation(tff.TensorType(np.float32, [300, 200]))
+  def double(x):
+    return x * 2.0
+
+  x = np.arange(60000, dtype=np.float32).reshape(300, 200)
+  context = InProcessContext()
+  tff.framework.set_default_context(context)
+  try:
+    result = double(x)
+  finally:
+    tff.framework.set_default_context(tff_runtime.context)
+  np.testing.assert_array_equal(result, 2.0 * x)
+  assert not result.flags.writeable
+  with pytest.raises(ValueError, match='read-only'):
+    result[0, 0] = 1.0
+  assert result.copy().flags.writeable  # A copy is the caller's own.
