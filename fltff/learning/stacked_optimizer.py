@@ -79,13 +79,14 @@ class Anchor:
     self.value = value
 
 
-def add_affine(gradients, weights, affine) -> list:
+def add_affine(gradients, weights, affine, skip: frozenset = frozenset()) -> list:
   """`g + s ⊙ w + o` per tensor for stacked clients: `client_work.step_gradients`'s affine
   regulariser terms (`affine = (scales, offsets)`, each with a leading client axis; an offset
-  may be an `Anchor`)."""
+  may be an `Anchor`); the tensors in `skip` as they are."""
   if affine is None:
     return list(gradients)
-  return [_affine_gradient(g, w, a, o) for g, w, a, o in zip(gradients, weights, *affine)]
+  return [g if i in skip else _affine_gradient(g, w, a, o)
+          for i, (g, w, a, o) in enumerate(zip(gradients, weights, *affine))]
 
 
 class MappedOptimizer:
@@ -260,8 +261,7 @@ class FusedSGDM:
     this branch, when not taken, creates and never destroys, and the training loop's next
     step fails with AlreadyExistsError (tests/test_stacked_optimizer.py)."""
     offsets = tuple(Anchor(a) for a in anchors) if anchors else offsets
-    return [g if i in skip else _affine_gradient(g, w, a, o) for i, (g, w, a, o)
-            in enumerate(zip(gradients, weights, scales, offsets))]
+    return add_affine(gradients, weights, (scales, offsets), skip)
 
   def step(self, carry: tf.Tensor, gradients: Sequence[tf.Tensor], trains: tf.Tensor,
            affine=None, skip: frozenset = frozenset()) -> tf.Tensor:

@@ -566,6 +566,16 @@ class VectorizedClientWork:
                              for a, w in zip(part, local)) for part in affine)
       return context, affine
 
+    # A factored kernel's start W_0 and anchor A (`factored_dense`), from the clients' weights
+    # and the plan's anchors (one client's inside the map, stacked outside it).
+    def factored_base(i, weights_now):
+      return global_trainable[i] if start is None else weights_now[i]
+
+    def factored_anchor(n, i, anchors):
+      if not plan.with_anchor:
+        return None
+      return anchors[n] if client_anchor else global_trainable[i]
+
     def client_gradients(args):
       local, bx, by, bmask, trains, context, client, rows, anchors = args
       regularizer = regularizer_of(client)
@@ -577,9 +587,7 @@ class VectorizedClientWork:
           # zero added to the pre-activations is δ, the kernel's own gradient never formed.
           probes[i] = tf.zeros([tf.shape(bx)[0], local[i].shape[-1]], local[i].dtype)
           tape.watch(probes[i])
-          base = global_trainable[i] if start is None else local[i]
-          anchor = (None if not plan.with_anchor else
-                    anchors[n] if client_anchor else global_trainable[i])
+          base, anchor = factored_base(i, local), factored_anchor(n, i, anchors)
 
           def product(x, n=n, i=i, base=base, anchor=anchor):
             inputs[i] = x
@@ -663,12 +671,14 @@ class VectorizedClientWork:
                                   for scale in affine[0]])
       for s in tf.range(tf.shape(valid)[1]):
         trains = valid[e, s]
+        t = e * tf.shape(valid)[1] + s  # The step's place in the round's history.
         # The clients' gradients in one vectorised step, then the optimizer's update of all of
         # them (`stacked_optimizer`: in place for TFF's SGD(M)).
         gradients, step_sums, factors = tf.vectorized_map(
             client_gradients, (read_weights(carry), tf.gather(examples, index[e, s]),
                                tf.gather(labels, index[e, s]), mask[e, s], trains,
-                               context, terms, plan.client_rows(factored_state, e * tf.shape(valid)[1] + s) if plan else (),
+                               context, terms,
+                               plan.client_rows(factored_state, t) if plan else (),
                                plan_anchors))
         if global_anchor:
           carry = tf.cond(
@@ -681,8 +691,7 @@ class VectorizedClientWork:
           # The regulariser's scale per client (zeros without one; `s ⊙ (w − a)`'s s).
           scales = tuple(affine[0][i] if has_affine else tf.zeros([k], weights[i].dtype)
                          for i in plan.indices)
-          factored_state = plan.advance(factored_state, e * tf.shape(valid)[1] + s, factors,
-                                        scales, trains)
+          factored_state = plan.advance(factored_state, t, factors, scales, trains)
         sums = tuple(a + b for a, b in zip(sums, step_sums))
         if self._track_gradient_mean:
           gradient_sum = tuple(a + g for a, g in zip(gradient_sum, gradients))
@@ -690,10 +699,8 @@ class VectorizedClientWork:
     if plan is not None:
       # The factored kernels formed once: the updater left them at the round's start.
       formed = plan.kernels(
-          factored_state,
-          [global_trainable[i] if start is None else weights[i] for i in plan.indices],
-          [None if not plan.with_anchor else plan_anchors[n] if client_anchor
-           else global_trainable[i] for n, i in enumerate(plan.indices)])
+          factored_state, [factored_base(i, weights) for i in plan.indices],
+          [factored_anchor(n, i, plan_anchors) for n, i in enumerate(plan.indices)])
       weights = list(weights)
       for i, kernel in zip(plan.indices, formed):
         weights[i] = kernel
