@@ -31,6 +31,7 @@ import csv
 import json
 import os
 import sys
+from typing import Optional
 
 from absl import app
 from absl import flags
@@ -107,9 +108,37 @@ def gain_table(runs: list[dict]) -> str:
   return '\n'.join(lines)
 
 
+# Local-accuracy columns, most specific first; 'mean_local_accuracy' is the single local
+# column of runs made before the evaluation protocols.
+LOCAL_COLUMNS = ('personal_local_accuracy', 'trained_local_accuracy', 'finetuned_local_accuracy',
+                 'global_local_accuracy', 'mean_local_accuracy')
+
+
+def headline_column(run: dict) -> Optional[str]:
+  """The metrics.csv column of the run's headline protocol (summary.json), else None."""
+  head = run.get('summary', {}).get('headline')
+  return head.get('column') if isinstance(head, dict) else None
+
+
 def _accuracy_key(run: dict) -> str:
-  has_test = any('test_accuracy' in r for r in run['rows'])
-  return 'test_accuracy' if has_test else 'mean_local_accuracy'
+  """The column a run's curve is drawn from: its headline protocol's, else central test
+  accuracy, else its first local column."""
+  head = headline_column(run)
+  if head and any(head in r for r in run['rows']):
+    return head
+  if any('test_accuracy' in r for r in run['rows']):
+    return 'test_accuracy'
+  return local_key(run)
+
+
+def local_key(run: dict) -> str:
+  """The run's local (pFL) accuracy column: its headline protocol's when that is a local
+  one, else the first local column it has."""
+  head = headline_column(run)
+  if head in LOCAL_COLUMNS and any(head in r for r in run['rows']):
+    return head
+  return next((c for c in LOCAL_COLUMNS if any(c in r for r in run['rows'])),
+              'mean_local_accuracy')
 
 
 def personalized_tables(runs: list[dict]) -> str:
@@ -125,11 +154,12 @@ def personalized_tables(runs: list[dict]) -> str:
       name = run['label']
     elif name != run['label']:
       name = f'{name} ({run["label"]})'
-    rows = [r for r in run['rows'] if 'mean_local_accuracy' in r]
-    best = max(rows, key=lambda r: r['mean_local_accuracy']) if rows else None
-    acc.append(f'| {name} | ' + (f'{_fmt(best["mean_local_accuracy"])} ({int(best["round"])})'
-                                 if best else '–') +
-               f' | {_fmt(rows[-1]["mean_local_accuracy"]) if rows else "–"} |')
+    key = local_key(run)
+    rows = [r for r in run['rows'] if key in r]
+    best = max(rows, key=lambda r: r[key]) if rows else None
+    acc.append(f'| {name} ({key}) | ' + (f'{_fmt(best[key])} ({int(best["round"])})'
+                                         if best else '–') +
+               f' | {_fmt(rows[-1][key]) if rows else "–"} |')
     up = sum(r.get('bytes_up', 0) for r in run['rows']) / 1e6
     down = sum(r.get('bytes_down', 0) for r in run['rows']) / 1e6
     until = ('–' if best is None else

@@ -1,7 +1,7 @@
 r"""Runs the reproduction plan one run after another, resuming what a stopped session left.
 
   python -m pipelines.reproduce [--plan=results/plan.txt] [--runs_dir=~/fltff-runs] \
-      [--only=fedlap_,kapc_] [--dry_run]
+      [--only=fedlap_,kapc_] [--gin_bindings=...] [--dry_run]
 
 Each line of the plan is `run_name gin_file [binding; binding; ...]` (`#` starts a comment).
 For every line, in order: a run whose metrics.csv already has all its rounds is skipped; one
@@ -30,6 +30,9 @@ _PLAN = flags.DEFINE_string('plan', 'results/plan.txt', 'The list of runs.')
 _RUNS_DIR = flags.DEFINE_string('runs_dir', '~/fltff-runs', 'Where run folders go.')
 _ONLY = flags.DEFINE_list('only', [], 'Only runs whose name starts with one of these.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Print what would run, run nothing.')
+_BINDINGS = flags.DEFINE_multi_string(
+    'gin_bindings', [], 'Bindings added to every run, e.g. '
+    "\"idx_source.path = '../shared/data/fashion-mnist'\".")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +64,8 @@ def read_plan(path: str) -> list[PlannedRun]:
   return runs
 
 
-REPRODUCTION_EXECUTOR = 'runtime.executor = "tff_cpp"'
-
-
-def command(run: PlannedRun, runs_dir: str) -> tuple[list[str], str]:
+def command(run: PlannedRun, runs_dir: str,
+            extra_bindings: tuple[str, ...] = ()) -> tuple[list[str], str]:
   """The `pipelines.run` command for `run`, and its state.
 
   The state is 'done', 'resume' (checkpoints to continue from), 'restart' (a run that stopped
@@ -74,11 +75,11 @@ def command(run: PlannedRun, runs_dir: str) -> tuple[list[str], str]:
   done, wanted = reproduction.run_progress(out)
   if wanted is not None and done >= wanted:
     return [], 'done'
-  # The committed runs were made on TFF's C++ runtime: pinned, so that they replay and resume
-  # as they were made (vectorised clients, the default's choice, agree to float rounding only).
+  # The executor is the default's choice ('auto': vectorised clients where the model allows;
+  # summary.json names it). `extra_bindings` (e.g. where the data lie) come before the plan's.
   args = [sys.executable, '-m', 'pipelines.run', f'--gin_file={run.gin_file}',
-          f'--output_dir={out}', f'--gin_bindings={REPRODUCTION_EXECUTOR}'] + [
-              f'--gin_bindings={b}' for b in run.bindings]
+          f'--output_dir={out}'] + [f'--gin_bindings={b}'
+                                    for b in tuple(extra_bindings) + run.bindings]
   if os.path.isdir(os.path.join(out, 'checkpoints')):
     return args + ['--resume'], 'resume'
   if os.path.isdir(out) and os.listdir(out):
@@ -99,7 +100,7 @@ def main(argv) -> int:
   for run in plan:
     if _ONLY.value and not any(run.name.startswith(p) for p in _ONLY.value):
       continue
-    args, state = command(run, runs_dir)
+    args, state = command(run, runs_dir, tuple(_BINDINGS.value))
     print(f'{time.strftime("%H:%M:%S")} {run.name}: {state}', flush=True)
     if state == 'done' or _DRY_RUN.value:
       continue

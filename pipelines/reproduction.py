@@ -32,7 +32,7 @@ def _load(report: types.ModuleType, runs_dir: str, name: str) -> Optional[dict]:
   return run
 
 
-TEST, LOCAL = 'test_accuracy', 'mean_local_accuracy'
+TEST = 'test_accuracy'
 
 
 def curve(run: dict, key: str = TEST) -> list[tuple[int, float]]:
@@ -227,7 +227,7 @@ KINDS = {'early_gain': early_gain, 'rounds_to_target': rounds_to_target,
          'personalized': personalized, 'pairs': pairs, 'seeds': seeds}
 
 
-def plot_section(section: dict, runs: dict, path: str) -> bool:
+def plot_section(section: dict, runs: dict, path: str, report: types.ModuleType) -> bool:
   """One panel per group, one curve per method; False if no run of the section exists."""
   groups = [g for g in section['groups']
             if any(runs.get(n) for v in g['runs'].values()
@@ -244,7 +244,7 @@ def plot_section(section: dict, runs: dict, path: str) -> bool:
         run = runs.get(run_name)
         if run is None:
           continue
-        points = curve(run, LOCAL if section['kind'] == 'personalized' else TEST)
+        points = curve(run, report.local_key(run) if section['kind'] == 'personalized' else TEST)
         label = name if not isinstance(value, list) else (
             f'{name} ({"CCN" if i else "original"})' if section['kind'] == 'pairs'
             else (name if i == 0 else None))
@@ -342,7 +342,7 @@ def write(results_dir: str, report: types.ModuleType) -> str:
       parts.append(line + '\n')
     parts.append(KINDS[section['kind']](section, runs, paper, report) + '\n')
     png = os.path.join(results_dir, 'figures', f'{section["id"]}.png')
-    if section['kind'] != 'seeds' and plot_section(section, runs, png):
+    if section['kind'] != 'seeds' and plot_section(section, runs, png, report):
       parts.append(f'![{section["id"]}](figures/{section["id"]}.png)\n')
   md = '\n'.join(parts)
   with open(os.path.join(results_dir, 'reproduction.md'), 'w') as f:

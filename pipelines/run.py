@@ -122,11 +122,12 @@ def main(argv) -> int:
       rt.close()
     else:
       runtime.release_default_context()
-  acc, label = summary.get('final_accuracy'), 'final test accuracy'
-  if acc is None and summary.get('final_mean_local_accuracy') is not None:
-    acc, label = summary['final_mean_local_accuracy'], 'final mean local accuracy'
-  print(f'done: {summary["rounds_completed"]} rounds, {label} '
-        f'{acc if acc is None else round(acc, 4)}; outputs in {output_dir}')
+  head = summary['headline']
+  value = head['value']
+  where = f' (round {head["round"]})' if 'round' in head else ''
+  print(f'done: {summary["rounds_completed"]} rounds, {head["protocol"]} accuracy by '
+        f'{head["statistic"]}: {value if value is None else round(value, 4)}{where}; outputs in '
+        f'{output_dir}')
   return 0
 
 

@@ -464,22 +464,22 @@ def test_kapc_pipeline_with_client_selection_channel_and_resume(tmp_path):
           '--gin_bindings=experiment.checkpoint_every = 2']
   rows, resumed, stdout = run_and_resume(args, tmp_path, stop_round=2)
   full = tmp_path / 'full'
-  assert 'final mean local accuracy' in stdout
+  assert 'personal_local accuracy by best_round_mean' in stdout
   for row in rows:
     assert row['clients'] == '4'
-    assert float(row['mean_local_accuracy']) > 0.2
+    assert float(row['personal_local_accuracy']) > 0.2
     assert float(row['sim_round_seconds']) > float(row['sim_compute_seconds'])
   assert float(rows[-1]['mb_down_cumulative']) == pytest.approx(
       sum(int(r['bytes_down']) for r in rows) / 1e6)
   with open(os.path.join(full, 'summary.json')) as f:
     summary = json.load(f)
-  assert summary['best_mean_local_accuracy'] == max(float(r['mean_local_accuracy'])
+  assert summary['best_personal_local_accuracy'] == max(float(r['personal_local_accuracy'])
                                                     for r in rows)
   # R [10, 2, 10] float32 + one mlp2 copy (784·200 + 200 + 200·10 + 10 floats) per client.
   assert summary['server_memory_mb'] == pytest.approx((4 * 10 * 2 * 10 + 10 * 4 * 159010) / 1e6)
   assert [r['round'] for r in resumed] == [r['round'] for r in rows]
   for a, b in zip(resumed, rows):
-    assert abs(float(a['mean_local_accuracy']) - float(b['mean_local_accuracy'])) < 1e-6
+    assert abs(float(a['personal_local_accuracy']) - float(b['personal_local_accuracy'])) < 1e-6
     assert a['bytes_up'] == b['bytes_up']
   # The report's pFL tables and the relationship heatmap.
   report = subprocess.run(
@@ -489,7 +489,7 @@ def test_kapc_pipeline_with_client_selection_channel_and_resume(tmp_path):
   assert report.returncode == 0, report.stderr[-2000:]
   lines = open(tmp_path / 'report' / 'report.md').read().splitlines()
   best = [c.strip() for c in lines[2].strip('|').split('|')]
-  assert best[1] == f'{summary["best_mean_local_accuracy"]:.4f} ({summary["best_mean_local_round"]})'
+  assert best[1] == f'{summary["best_personal_local_accuracy"]:.4f} ({summary["best_personal_local_accuracy_round"]})'
   comm = [c.strip() for c in lines[6].strip('|').split('|')]
   assert float(comm[1]) == pytest.approx(summary['mb_up_total'], abs=0.01)
   assert float(comm[2]) == pytest.approx(summary['mb_down_total'], abs=0.01)

@@ -304,10 +304,10 @@ def test_moon_offline_twin_pipeline(tmp_path):
   assert [r['round'] for r in rows] == ['1', '2']
   for r in rows:
     assert 0.0 <= float(r['test_accuracy']) <= 1.0
-    assert 0.0 <= float(r['mean_local_accuracy']) <= 1.0
+    assert 0.0 <= float(r['global_local_accuracy']) <= 1.0
   summary = json.load(open(os.path.join(out, 'summary.json')))
   assert summary['method'] == 'moon'
-  assert math.isfinite(summary['best_mean_local_accuracy'])
+  assert math.isfinite(summary['best_global_local_accuracy'])
 
 
 def _bn_mlp():

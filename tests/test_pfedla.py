@@ -160,10 +160,10 @@ def test_pfedla_pipeline_and_resume(tmp_path):
   rows, resumed, _ = run_and_resume(args, tmp_path, stop_round=2)
   full = tmp_path / 'full'
   assert [int(r['round']) for r in rows] == [1, 2, 3]
-  assert all(float(r['mean_local_accuracy']) > 0.2 for r in rows)
+  assert all(float(r['personal_local_accuracy']) > 0.2 for r in rows)
   with open(os.path.join(full, 'summary.json')) as f:
     summary = json.load(f)
-  assert summary['best_mean_local_accuracy'] > 0.2
+  assert summary['best_personal_local_accuracy'] > 0.2
   # Server memory: R, the ten hypernetworks (d = h = 100, L = 2 heads of N = 10 outputs) and
   # one mlp2 copy per client, float32.
   hypernetworks = 10 * (100 + 100 * 100 + 100 + 100 * 100 + 100 + 100 * 20 + 20)
@@ -173,4 +173,4 @@ def test_pfedla_pipeline_and_resume(tmp_path):
   np.testing.assert_allclose(relation.sum(-1), 1.0, atol=1e-5)
   assert [r['round'] for r in resumed] == [r['round'] for r in rows]
   for a, b in zip(resumed, rows):
-    assert abs(float(a['mean_local_accuracy']) - float(b['mean_local_accuracy'])) < 1e-6
+    assert abs(float(a['personal_local_accuracy']) - float(b['personal_local_accuracy'])) < 1e-6

@@ -131,7 +131,8 @@ def test_a_checkpoint_from_before_the_single_store_resumes_exactly(method, data,
   _drive(algorithm, data, tmp_path / 'part', rounds=2)
   _as_legacy_checkpoint(tmp_path / 'part', 2)
   resumed = _drive(algorithm, data, tmp_path / 'part', rounds=4, resume=True)
-  columns = ('train_loss', 'train_accuracy', 'mean_local_accuracy', 'bytes_up')
+  local = 'global_local_accuracy' if method == 'scaffold' else 'personal_local_accuracy'
+  columns = ('train_loss', 'train_accuracy', local, 'bytes_up')
   assert [[r[c] for c in columns] for r in resumed] == [[r[c] for c in columns] for r in full]
   final = [np.load(os.path.join(tmp_path / run, 'checkpoints', 'round_00004.npz'))
            for run in ('full', 'part')]

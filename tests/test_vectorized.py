@@ -338,7 +338,7 @@ CPP = ['--gin_bindings=runtime.executor = "tff_cpp"']
     # SMALL pins the C++ runtime: vectorised clients asked for explicitly.
     (SMALL, EXPLICIT, ('test_accuracy', 'test_loss')),
     # The default executor ('auto') vectorises KAPC's clients.
-    (KAPC_BLS_SMALL, [], ('mean_local_accuracy', 'kapc/omega_mean', 'kapc/self_relation_mean')),
+    (KAPC_BLS_SMALL, [], ('personal_local_accuracy', 'kapc/omega_mean', 'kapc/self_relation_mean')),
 ], ids=['fedavg', 'kapc+bls'])
 def test_pipeline_vectorised_equals_cpp_and_resumes(config, vectorised, columns, tmp_path):
   full, resumed, stdout = run_and_resume([*config, *vectorised], tmp_path, stop_round=2)

@@ -10,6 +10,7 @@ import numpy as np
 
 from fltff.data import partition as partition_lib
 from fltff.data.sources import ArrayDataset
+from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 
 
@@ -176,13 +177,14 @@ def subsample(dataset: ArrayDataset, fraction: float, seed: int) -> ArrayDataset
                              y_test=dataset.y_test[test])
 
 
-@gin.configurable('federated_data')
+@gin.configurable('federated_data', denylist=['run_seed'])
 def build_federated_data(source: Callable[[], ArrayDataset] = gin.REQUIRED,
                          partitioner: Callable[..., list[np.ndarray]] = gin.REQUIRED,
                          num_clients: int = 10,
-                         seed: int = 0,
+                         seed: Optional[int] = None,
                          local_test_examples: int = 0,
-                         data_fraction: float = 1.0) -> FederatedData:
+                         data_fraction: float = 1.0,
+                         run_seed: int = 0) -> FederatedData:
   """Loads a source, partitions its training set and (optionally) makes local test splits.
 
   Args:
@@ -190,13 +192,15 @@ def build_federated_data(source: Callable[[], ArrayDataset] = gin.REQUIRED,
     partitioner: A callable `(labels=, num_clients=, seed=)` returning the partition (in gin:
       `@shard_partition`); one that also takes `dataset=` receives the dataset.
     num_clients: Number of clients.
-    seed: Seed of the partition and of the local test splits.
+    seed: Seed of the partition, of the local test splits and of the `data_fraction` draw;
+      None (default): `run_seed`, so one `experiment.seed` changes them with everything else.
     local_test_examples: Per-client local test examples; 0 for none. With the natural
       partition of a source that has per-client held-out data (synthetic), each client's
       own held-out examples are used (at most this many); otherwise they are drawn from the
       central test set with the client's training label distribution (`local_test_split`).
     data_fraction: Fraction of the training and of the test examples drawn at random (seeded
       by `seed`) before partitioning; 1 keeps everything (`subsample`).
+    run_seed: The experiment's seed (`experiment.seed`), used when `seed` is None.
 
   Returns:
     A `FederatedData`.
@@ -210,6 +214,11 @@ def build_federated_data(source: Callable[[], ArrayDataset] = gin.REQUIRED,
   if local_test_examples < 0:
     raise ConfigError(f'federated_data.local_test_examples must be >= 0, got '
                       f'{local_test_examples}.')
+  if seed is None:
+    seed = run_seed
+  check_number('federated_data.seed', seed, integer=True)
+  if seed < 0:
+    raise ConfigError(f'federated_data.seed must be >= 0, got {seed}.')
   dataset = source()
   if not isinstance(dataset, ArrayDataset):
     raise ConfigError(f'federated_data.source must return an ArrayDataset, got '

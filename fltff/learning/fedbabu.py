@@ -26,10 +26,14 @@ def head_indices(model_spec: ModelSpec) -> list[int]:
 def build_fedbabu(model_spec: ModelSpec, client_optimizer=None,
                   server_learning_rate: float = 1.0, server_optimizer=None,
                   model_aggregator=None) -> Algorithm:
-  """FedBABU: FedAvg on the body; the head stays at its initialisation."""
-  return build_algorithm(
+  """FedBABU: FedAvg on the body; the head stays at its initialisation. Its evaluation
+  fine-tunes the whole global model on each client's data first (`experiment.evaluation`'s
+  'finetuned_local', `fltff.simulation.evaluation.Finetuner`)."""
+  algorithm = build_algorithm(
       ccn_name('fedbabu', model_aggregator), model_spec,
       client_optimizer or optimizers.default_client_optimizer(),
       optimizers.server_sgd(server_optimizer, server_learning_rate, 'fedbabu'),
       frozen=head_indices(model_spec),
       model_aggregator=model_aggregator)
+  algorithm.finetunes = True
+  return algorithm

@@ -108,6 +108,18 @@ class Algorithm(protocol.FederatedAlgorithm):
   def global_model_weights(self, state):
     return self.process.get_model_weights(state)
 
+  @property
+  def reports_trained_weights(self) -> bool:
+    """Whether `trained_weights` can give the participants' models (vectorised rounds)."""
+    return self.vectorized
+
+  def trained_weights(self) -> Optional[tuple]:
+    """The last round's participants' models after local training (one `[K, ...]` array per
+    trainable tensor, in the order of the round's clients), or None when the round did not run
+    the vectorised client work."""
+    work = getattr(self._vectorized, '_work', self._vectorized)  # MOON's and SCAFFOLD's wrap it.
+    return getattr(work, 'last_trained', None)
+
   def _vectorized_next(self, state, client_inputs: Sequence, call: protocol.Call):
     """`process.next` with the client work run by `VectorizedClientWork`: the composition of
     `tff.learning.templates.compose_learning_process` (distributor, client work, aggregator,

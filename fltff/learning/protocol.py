@@ -147,6 +147,14 @@ class FederatedAlgorithm:
     del state
     return None
 
+  finetunes: bool = False  # Whether the method fine-tunes before testing (FedBABU).
+  reports_trained_weights: bool = False  # Whether `trained_weights` gives the round's models.
+
+  def trained_weights(self) -> Optional[tuple]:
+    """The last round's participants' models after local training (one `[K, ...]` array per
+    trainable tensor, in the round's client order), where the method reports them; else None."""
+    return None
+
   def personal_weights(self, state, client_state):
     """The personal model of the client with state `client_state` (`personal_models`)."""
     raise NotImplementedError(f'{self.name} keeps no personal models.')

@@ -853,6 +853,8 @@ class VectorizedClientWork:
       if 'local_steps' in self._weight_fields:
         weight['local_steps'] = batches.astype(np.int32)
     results = StackedClientResults(update, weight, k)
+    # The participants' trained models, kept for the `trained_local` evaluation protocol.
+    self.last_trained = out['trained']
     train = call(self._aggregate_metrics,
                  clients_argument(StackedClients(self.model_outputs(out['sums']), k)))
     regularizer_stats = None

@@ -2,11 +2,10 @@
 
 One driver for every method: it speaks only `fltff.learning.protocol` (server state and the
 participants' client states in and out of `algorithm.next`) and keeps the client states in one
-`ClientStateStore`, saved in every checkpoint. Evaluation follows the method: the global model
-on the central test set (and on the round's clients' local test splits when there are any);
-for personalised methods each client's own model on its local test split (the KAPC paper's
-metric; the best over rounds is the summary's `best_mean_local_accuracy`); with FedLap
-personalisation both.
+`ClientStateStore`, saved in every checkpoint. Evaluation runs under the protocols `experiment.evaluation` names (`evaluation.PROTOCOL_COLUMNS`: the global
+model on the central test set or on the clients' local test splits, each client's own model,
+a participant's model after its local training, after the method's fine-tuning); the summary
+takes the first protocol's headline number by `experiment.headline_statistic`.
 
 Data flows one way (DESIGN.md): gin → pipeline → (data, model, process, runtime) → this driver
 → metrics/checkpoints → report. Every random choice (participants, data order) is a function of
@@ -37,6 +36,7 @@ from fltff.learning import protocol
 from fltff.simulation import sampling
 from fltff.simulation.checkpoint import Checkpointer
 from fltff.simulation.checkpoint import kept_message
+from fltff.simulation import evaluation as evaluation_lib
 from fltff.simulation.evaluation import Evaluator
 from fltff.simulation.outputs import RunOutputs
 from fltff.simulation.outputs import rounds_to_targets
@@ -62,6 +62,8 @@ class RoundConfig:
   round_deadline: Optional[float] = None
   compute_seconds_per_example: float = 1e-4
   client_state_store: str = 'memory'
+  evaluation: Optional[Sequence[str]] = None
+  headline_statistic: str = 'best_round_mean'
 
   def validate(self) -> None:
     for name in ('rounds', 'local_epochs', 'batch_size', 'eval_every', 'checkpoint_every'):
@@ -72,6 +74,8 @@ class RoundConfig:
     check_number('experiment.clients_per_round', self.clients_per_round, integer=True,
                  allow_none=True)
     check_number('experiment.seed', self.seed, integer=True)
+    if self.seed < 0:
+      raise ConfigError(f'experiment.seed must be >= 0, got {self.seed}.')
     check_number('experiment.client_fraction', self.client_fraction, allow_none=True)
     sampling.straggler_plan(np.arange(1), self.local_epochs, self.straggler_fraction,
                             self.straggler_mode, self.seed, 1)  # Validates both settings.
@@ -81,6 +85,10 @@ class RoundConfig:
     if self.client_state_store not in STORE_KINDS:
       raise ConfigError(f'experiment.client_state_store must be one of '
                         f'{", ".join(map(repr, STORE_KINDS))}, got {self.client_state_store!r}.')
+    if self.headline_statistic not in evaluation_lib.HEADLINE_STATISTICS:
+      raise ConfigError(f'experiment.headline_statistic must be one of '
+                        f'{", ".join(evaluation_lib.HEADLINE_STATISTICS)}, got '
+                        f'{self.headline_statistic!r}.')
     if not self.compute_seconds_per_example > 0:
       raise ConfigError('experiment.compute_seconds_per_example must be > 0, got '
                         f'{self.compute_seconds_per_example!r}.')
@@ -100,7 +108,7 @@ class RoundDriver:
 
   def __init__(self, algorithm: protocol.FederatedAlgorithm, data, config: RoundConfig,
                output_dir: str, progress: Callable[[str], None] = print, runtime=None,
-               stop_event=None, channel=None):
+               stop_event=None, channel=None, finetuner=None):
     config.validate()
     if config.round_deadline is not None and channel is None:
       raise ConfigError('experiment.round_deadline needs a channel model: set '
@@ -118,6 +126,15 @@ class RoundDriver:
     self.algorithm = algorithm
     self.process = algorithm.process
     self.data = data
+    has_local = data.local_test_indices is not None
+    self.protocols = evaluation_lib.check_protocols(
+        config.evaluation or evaluation_lib.default_protocols(algorithm.personalized, has_local),
+        algorithm.personalized, has_local, algorithm.reports_trained_weights)
+    if 'finetuned_local' in self.protocols and finetuner is None:
+      raise ConfigError(f'experiment.evaluation: finetuned_local needs a fine-tuning '
+                        f'procedure, and {algorithm.name} has none (FedBABU has).')
+    self.finetuner = finetuner
+    self.run_info: dict = {}  # Written into the summary as it is (e.g. the run's seeds).
     self.config = config
     self.output_dir = output_dir
     self.progress = progress
@@ -136,6 +153,8 @@ class RoundDriver:
     self.rows: list[dict] = []
     self.stop_event = stop_event
     self._round_clients: list[int] = []
+    self._round_arrays: dict = {}
+    self._trained: Optional[tuple] = None
     self._loss_warned = False
 
   # -- one round ---------------------------------------------------------------------------
@@ -226,38 +245,69 @@ class RoundDriver:
     row.update(self.system_columns(out.clients, epochs, out.bytes_down, out.bytes_up, seconds,
                                    out.server_seconds))
     arrays.update(out.arrays)
-    if arrays:
-      self.outputs.log_arrays(round_num, arrays)
+    self._round_arrays = arrays  # Logged with the evaluation's per-client arrays (`run`).
+    self._round_clients = list(out.clients)
+    self._trained = (self.algorithm.trained_weights() if 'trained_local' in self.protocols
+                     else None)
     return out.state, row, out.client_states
 
-  def evaluate(self, state) -> dict[str, float]:
-    """Personalised methods: the round's clients' own models on their local test splits.
-    Otherwise the global model on the central test set (and on the round's clients' local
-    splits), with personal models (FedLap personalisation) also `evaluate_personalized`."""
-    if self.algorithm.personalized:
-      return {'mean_local_accuracy': self.mean_local_accuracy(
-          lambda k: self.algorithm.personal_weights(state, self.client_states.get(k)))}
-    global_weights = self.algorithm.global_model_weights(state)
-    self.evaluator.set_weights(global_weights)
-    x, y = self.data.central_test()
-    result = self.evaluator.evaluate(x, y)
-    out = {'test_loss': result['loss'], 'test_accuracy': result['accuracy']}
-    if self.data.local_test_indices is not None:
-      out['mean_local_accuracy'] = self.mean_local_accuracy(lambda k: global_weights)
-    if self.algorithm.personal_models:
+  def evaluate(self, state, round_num: int) -> dict:
+    """The round's evaluation under each of `self.protocols` (`evaluation.PROTOCOL_COLUMNS`).
+
+    The local protocols test the round's participants on their own local test splits (the
+    KAPC paper's "selected clients", §7.2); each writes the clients' mean to its column and the
+    per-client values to the row's `_clients` (for the per-client bests) and to
+    measurements.jsonl. FedLap personalisation adds its own columns (`evaluate_personalized`).
+    """
+    out: dict = {}
+    per_client: dict = {}
+    global_weights = (None if self.algorithm.personalized else
+                      self.algorithm.global_model_weights(state))
+    clients = self._round_clients
+    for protocol in self.protocols:
+      column = evaluation_lib.PROTOCOL_COLUMNS[protocol]
+      if protocol == 'central':
+        self.evaluator.set_weights(global_weights)
+        x, y = self.data.central_test()
+        result = self.evaluator.evaluate(x, y)
+        out.update(test_loss=result['loss'], test_accuracy=result['accuracy'])
+        continue
+      if protocol == 'global_local':
+        weights_of = lambda k: global_weights
+      elif protocol == 'personal_local':
+        weights_of = lambda k: self.algorithm.personal_weights(state, self.client_states.get(k))
+      elif protocol == 'trained_local':
+        weights_of = self._stacked_weights(self._trained, global_weights)
+      else:  # finetuned_local
+        tuned = self.finetuner(global_weights,
+                               [(k, self.client_batches(round_num, k)) for k in clients])
+        weights_of = self._stacked_weights(tuned, global_weights)
+      accuracies = self.local_accuracies(weights_of)
+      out[column] = float(np.mean(list(accuracies.values()))) if accuracies else float('nan')
+      per_client[protocol] = [[int(k), float(a)] for k, a in accuracies.items()]
+    if per_client:
+      out['_clients'] = per_client
+    if self.algorithm.personal_models and not self.algorithm.personalized:
       out.update(self.evaluate_personalized(state, global_weights))
     return out
 
-  def mean_local_accuracy(self, weights_of: Callable[[int], Any]) -> float:
-    """Mean accuracy of the round's clients on their own local test splits (the pFL metric
-    of the KAPC paper's Tables 1–2), each with the model `weights_of(client)`."""
-    accuracies = []
+  def _stacked_weights(self, stacked, global_weights) -> Callable[[int], Any]:
+    """`client -> weights` for participant models stacked `[K, ...]` in the round's order."""
+    position = {k: i for i, k in enumerate(self._round_clients)}
+    non_trainable = list(global_weights.non_trainable)
+    return lambda k: {'trainable': [np.asarray(t[position[k]]) for t in stacked],
+                      'non_trainable': non_trainable}
+
+  def local_accuracies(self, weights_of: Callable[[int], Any]) -> dict[int, float]:
+    """Accuracy of each of the round's clients on its own local test split, with the model
+    `weights_of(client)` (clients without local test examples are left out)."""
+    accuracies = {}
     for k in self._round_clients:
       x, y = self.data.local_test_arrays(k)
       if len(y):
         self.evaluator.set_weights(weights_of(k))
-        accuracies.append(self.evaluator.evaluate(x, y)['accuracy'])
-    return float(np.mean(accuracies)) if accuracies else float('nan')
+        accuracies[k] = self.evaluator.evaluate(x, y)['accuracy']
+    return accuracies
 
   def evaluate_personalized(self, state, global_weights) -> dict[str, float]:
     """Mean over all clients of accuracy on their own local test split: personal model and
@@ -330,8 +380,14 @@ class RoundDriver:
         self.check_loss_growth(row)
         state = new_state
         self.client_states.set_many(client_states, r)
+        arrays = self._round_arrays
         if r % cfg.eval_every == 0 or r == cfg.rounds:
-          row.update(self.evaluate(state))
+          row.update(self.evaluate(state, r))
+          for protocol, values in row.get('_clients', {}).items():
+            arrays[f'eval/{protocol}/clients'] = np.asarray([k for k, _ in values], np.int64)
+            arrays[f'eval/{protocol}/accuracy'] = np.asarray([a for _, a in values])
+        if arrays:
+          self.outputs.log_arrays(r, arrays)
         previous = self.rows[-1] if self.rows else {}
         row['mb_down_cumulative'] = previous.get('mb_down_cumulative', 0.0) + row['bytes_down'] / 1e6
         row['mb_up_cumulative'] = previous.get('mb_up_cumulative', 0.0) + row['bytes_up'] / 1e6
@@ -347,9 +403,9 @@ class RoundDriver:
           last_saved = r
         done = r - start_round + 1
         eta = (time.perf_counter() - t0) / done * (cfg.rounds - r)
-        acc = row.get('test_accuracy', row.get('mean_local_accuracy'))
+        acc = row.get(self.headline_column)
         self.progress(
-            f'round {r:4d}/{cfg.rounds} | test acc '
+            f'round {r:4d}/{cfg.rounds} | {self.protocols[0]} acc '
             f'{"  -   " if acc is None else f"{acc:.4f}"} | train loss {row["train_loss"]:.4f} '
             f'| {row["round_seconds"]:.2f} s | ETA {eta:.0f} s')
         if self.runtime is not None and r < cfg.rounds:
@@ -368,6 +424,11 @@ class RoundDriver:
       self.outputs.close()
       self.client_states.close()
     return self.summary()
+
+  @property
+  def headline_column(self) -> str:
+    """The metrics.csv column of the run's first (headline) protocol."""
+    return evaluation_lib.PROTOCOL_COLUMNS[self.protocols[0]]
 
   LOSS_WARNING_FACTOR = 1e3
 
@@ -395,13 +456,20 @@ class RoundDriver:
   def summary(self) -> dict:
     evals = [r for r in self.rows if 'test_accuracy' in r]
     best = max(evals, key=lambda r: r['test_accuracy']) if evals else None
-    local = [r for r in self.rows if _finite(r.get('mean_local_accuracy'))]
-    extra = {}
-    if local:
-      best_local = max(local, key=lambda r: r['mean_local_accuracy'])
-      extra = {'final_mean_local_accuracy': local[-1]['mean_local_accuracy'],
-               'best_mean_local_accuracy': best_local['mean_local_accuracy'],
-               'best_mean_local_round': best_local['round']}
+    extra = {**self.run_info, 'evaluation': list(self.protocols),
+             'headline': evaluation_lib.headline(self.rows, self.protocols[0],
+                                                 self.config.headline_statistic)}
+    for protocol in self.protocols:
+      if protocol == 'central':
+        continue
+      column = evaluation_lib.PROTOCOL_COLUMNS[protocol]
+      local = [r for r in self.rows if _finite(r.get(column))]
+      if local:
+        best_local = max(local, key=lambda r: r[column])
+        bests = evaluation_lib.client_bests(self.rows, protocol)
+        extra.update({f'final_{column}': local[-1][column], f'best_{column}': best_local[column],
+                      f'best_{column}_round': best_local['round'],
+                      f'mean_client_best_{column}': float(np.mean(list(bests.values())))})
     if self.rows and 'sim_time_cumulative' in self.rows[-1]:
       extra['sim_time_total'] = self.rows[-1]['sim_time_cumulative']
       extra['sim_round_seconds_mean'] = float(np.mean([r['sim_round_seconds']

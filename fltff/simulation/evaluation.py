@@ -47,3 +47,137 @@ class Evaluator:
       total_correct += float(correct)
     n = max(len(x), 1)
     return {'loss': total_loss / n, 'accuracy': total_correct / n}
+
+
+# Evaluation protocols: what model is tested on which data. The metrics.csv column each one
+# writes (the mean over the clients it evaluates; per-client values go to measurements.jsonl
+# and into the summary's per-client bests).
+PROTOCOL_COLUMNS = {
+    # The global model on the central test set (FedAvg-family papers: FedLap, FedLayerWise, CCN).
+    'central': 'test_accuracy',
+    # The global model on each evaluated client's local test split (KAPC paper §7.1: its FedAvg
+    # baseline).
+    'global_local': 'global_local_accuracy',
+    # Each client's own model (personalised methods: KAPC, FedAMP, FedBN, pFedLA, local training)
+    # on its local test split.
+    'personal_local': 'personal_local_accuracy',
+    # Each participant's model right after its local training in the round, on its local test
+    # split: the personalised reading of a global method (the KAPC paper counts FedProx and MOON
+    # among the personalised methods, §7.2).
+    'trained_local': 'trained_local_accuracy',
+    # The global model after the method's own fine-tuning on the client's training data
+    # (FedBABU: the whole model fine-tuned, Oh et al. §3), on its local test split.
+    'finetuned_local': 'finetuned_local_accuracy',
+}
+LOCAL_PROTOCOLS = ('global_local', 'personal_local', 'trained_local', 'finetuned_local')
+# How a run's headline number is taken over rounds: the best round of the clients' mean (KAPC
+# §7.2, "best mean accuracy"), or the mean over clients of each client's best round (KAPC §7.1
+# for its local-training and FedAvg baselines).
+HEADLINE_STATISTICS = ('best_round_mean', 'mean_client_best')
+
+
+def default_protocols(personalized: bool, has_local_splits: bool) -> tuple[str, ...]:
+  """The protocols a run evaluates when `experiment.evaluation` is not set."""
+  if personalized:
+    return ('personal_local',)
+  return ('central', 'global_local') if has_local_splits else ('central',)
+
+
+def check_protocols(protocols, personalized: bool, has_local_splits: bool,
+                    can_report_trained: bool) -> tuple[str, ...]:
+  """`protocols` as a tuple, or `ConfigError` naming what cannot be evaluated and why."""
+  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+  if isinstance(protocols, str) or not protocols:
+    raise ConfigError('experiment.evaluation must be a non-empty list of protocols '
+                      f'({", ".join(PROTOCOL_COLUMNS)}), got {protocols!r}.')
+  protocols = tuple(protocols)
+  for p in protocols:
+    if p not in PROTOCOL_COLUMNS:
+      raise ConfigError(f'experiment.evaluation: unknown protocol {p!r}; choose from '
+                        f'{", ".join(PROTOCOL_COLUMNS)}.')
+  if len(set(protocols)) != len(protocols):
+    raise ConfigError(f'experiment.evaluation names a protocol twice: {list(protocols)}.')
+  if personalized:
+    wrong = [p for p in protocols if p != 'personal_local']
+    if wrong:
+      raise ConfigError(f'experiment.evaluation: a personalised method has no global model, so '
+                        f'only personal_local applies (got {", ".join(wrong)}).')
+  elif 'personal_local' in protocols:
+    raise ConfigError("experiment.evaluation: personal_local needs a personalised method; for a "
+                      "global method's clients after local training use trained_local.")
+  if not has_local_splits and any(p in LOCAL_PROTOCOLS for p in protocols):
+    raise ConfigError('experiment.evaluation: the local protocols need local test splits: set '
+                      'federated_data.local_test_examples > 0.')
+  if 'trained_local' in protocols and not can_report_trained:
+    raise ConfigError("experiment.evaluation: trained_local reads the participants' trained "
+                      'models from the vectorised client work; this run does not vectorise its '
+                      "clients (runtime.executor = 'in_process' or 'auto' with a model "
+                      'without non-trainable weights).')
+  return protocols
+
+
+def headline(rows, protocol: str, statistic: str) -> dict:
+  """The run's headline number: `protocol`'s accuracy taken over rounds by `statistic`.
+
+  Returns `{protocol, column, statistic, value, round}` (`round` only for 'best_round_mean';
+  `value` None when nothing was evaluated). Per-client values come from each row's `_clients`.
+  """
+  column = PROTOCOL_COLUMNS[protocol]
+  out = {'protocol': protocol, 'column': column, 'statistic': statistic, 'value': None}
+  if statistic == 'best_round_mean':
+    evaluated = [r for r in rows if isinstance(r.get(column), float) and np.isfinite(r[column])]
+    if evaluated:
+      best = max(evaluated, key=lambda r: r[column])
+      out.update(value=best[column], round=best['round'])
+  else:
+    best = client_bests(rows, protocol)
+    if best:
+      out['value'] = float(np.mean(list(best.values())))
+      out['clients'] = len(best)
+  return out
+
+
+def client_bests(rows, protocol: str) -> dict[int, float]:
+  """Each client's best accuracy under `protocol` over the rounds it was evaluated in."""
+  best: dict[int, float] = {}
+  for row in rows:
+    for k, acc in row.get('_clients', {}).get(protocol, []):
+      best[int(k)] = max(best.get(int(k), -np.inf), float(acc))
+  return best
+
+
+class Finetuner:
+  """The `finetuned_local` protocol's fine-tuning, as FedBABU defines it (Oh et al., ICLR 2022,
+  §3: the global model's body and head are both trained on the client's own data before it is
+  tested). The epochs and the optimizer (the run's client optimizer) are our choice: the KAPC
+  paper, whose FedBABU baseline this serves, does not state them.
+
+  Runs fltff's one local training (`VectorizedClientWork`, no regulariser, nothing frozen) for
+  all the round's clients together.
+  """
+
+  def __init__(self, model_spec, client_optimizer, epochs: int):
+    from fltff.config_checks import check_number  # pylint: disable=g-import-not-at-top
+    from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+    check_number('experiment.finetune_epochs', epochs, integer=True)
+    if epochs < 1:
+      raise ConfigError(f'experiment.finetune_epochs must be >= 1, got {epochs}.')
+    self.epochs = epochs
+    self._model_spec, self._optimizer = model_spec, client_optimizer
+    self._work = None
+
+  def __call__(self, global_weights, client_batches) -> tuple:
+    """Fine-tunes `global_weights` on each `(client index, batches)`; returns the models stacked
+    `[K, ...]` per trainable tensor, in the order given."""
+    from fltff.learning import client_work as client_work_lib  # pylint: disable=g-import-not-at-top
+    from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
+
+    if self._work is None:
+      self._work = VectorizedClientWork(self._model_spec, self._optimizer, None)
+    inputs = [client_work_lib.client_input(batches, k, self.epochs, state_in_dataset=False,
+                                           info_in_dataset=False)
+              for k, batches in client_batches]
+    out, _ = self._work.train(inputs, tuple(np.asarray(w) for w in global_weights.trainable))
+    return out['trained']

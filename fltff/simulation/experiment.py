@@ -20,12 +20,14 @@ import gin
 
 from fltff.data import build_federated_data
 from fltff.data.pipeline import example_shape
+from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.personalization.fedlap_mixing import with_fedlap_personalization
 from fltff.simulation.driver import RoundConfig
 from fltff.simulation.driver import RoundDriver
+from fltff.simulation.evaluation import Finetuner
 from fltff.simulation.outputs import prepare_output_dir
 
 
@@ -39,6 +41,15 @@ def build_model_spec(data, model: str, seed: int) -> ModelSpec:
   keras_fn()  # Fail fast (unknown name, incompatible shape) before TFF traces it.
   return ModelSpec(keras_fn=keras_fn, input_shape=shape, num_classes=data.dataset.num_classes,
                    name=model)
+
+
+def _bound(selector: str) -> bool:
+  """Whether gin binds `selector` (e.g. 'federated_data.seed')."""
+  try:
+    gin.query_parameter(selector)
+    return True
+  except ValueError:
+    return False
 
 
 def server_optimizer_bound() -> bool:
@@ -80,7 +91,7 @@ def run_experiment(output_dir: str,
                    runtime=None,
                    method: Callable[..., Any] = gin.REQUIRED,
                    model: str = gin.REQUIRED,
-                   model_seed: int = 0,
+                   model_seed: Optional[int] = None,
                    rounds: int = 10,
                    clients_per_round: Optional[int] = None,
                    client_fraction: Optional[float] = None,
@@ -97,6 +108,9 @@ def run_experiment(output_dir: str,
                    round_deadline: Optional[float] = None,
                    compute_seconds_per_example: float = 1e-4,
                    client_state_store: str = 'memory',
+                   evaluation: Optional[Sequence[str]] = None,
+                   headline_statistic: str = 'best_round_mean',
+                   finetune_epochs: int = 5,
                    progress: Callable[[str], None] = print,
                    stop_event=None) -> dict:
   """Runs one experiment end to end and returns its summary (also in summary.json).
@@ -110,9 +124,11 @@ def run_experiment(output_dir: str,
       with its checkpoint saved (`StopRequested`).
     method: A method builder taking a `ModelSpec` (gin: `@fedavg`, `@fedprox`, `@sgdm`).
     model: Model zoo name (see `fltff.models.MODEL_NAMES`).
-    model_seed: Seed of the initial weights.
+    model_seed: Seed of the initial weights; None (default): `seed`.
     rounds, clients_per_round, client_fraction, local_epochs, batch_size, eval_every,
-    checkpoint_every, target_accuracies, seed: See `RoundConfig`.
+    checkpoint_every, target_accuracies: See `RoundConfig`.
+    seed: The run's seed: participants, data order, stragglers, and (unless bound on their
+      own) the initial weights (`model_seed`) and the partition (`federated_data.seed`).
     straggler_fraction, straggler_mode: System heterogeneity, see
       `sampling.straggler_plan` ('partial': random epochs in [1, E]; 'drop').
     personalization: Optional builder taking the `ModelSpec` (gin:
@@ -125,6 +141,15 @@ def run_experiment(output_dir: str,
     client_state_store: Where per-client state lives: 'memory' (default; each checkpoint holds
       every client's state) or 'sqlite' (`<output_dir>/client_states.sqlite`; RAM bounded by
       the round's participants, checkpoints cost the clients changed; for large populations).
+    evaluation: The evaluation protocols, headline first (`fltff.simulation.evaluation`:
+      'central', 'global_local', 'personal_local', 'trained_local', 'finetuned_local');
+      None: the method's default (personal_local for personalised methods; else central, and
+      global_local with local test splits).
+    headline_statistic: How the headline protocol's accuracy is taken over rounds:
+      'best_round_mean' (best round of the clients' mean) or 'mean_client_best' (mean of each
+      client's best round).
+    finetune_epochs: Epochs of the finetuned_local protocol's fine-tuning (the whole model,
+      with the client optimizer, on the client's training data).
     progress: Where progress lines go.
   """
   prepare_output_dir(output_dir, resume)
@@ -136,17 +161,29 @@ def run_experiment(output_dir: str,
                        straggler_fraction=straggler_fraction, straggler_mode=straggler_mode,
                        round_deadline=round_deadline,
                        compute_seconds_per_example=compute_seconds_per_example,
-                       client_state_store=client_state_store)
+                       client_state_store=client_state_store, evaluation=evaluation,
+                       headline_statistic=headline_statistic)
   config.validate()
-  data = build_federated_data()
+  if model_seed is None:
+    model_seed = seed
+  check_number('experiment.model_seed', model_seed, integer=True)
+  data = build_federated_data(run_seed=seed)
   model_spec = build_model_spec(data, model, model_seed)
   algorithm = build_method(method, model_spec, data.num_clients())
   if personalization is not None:
     algorithm = with_fedlap_personalization(
         algorithm, personalization(model_spec, client_optimizer=optimizers.client_optimizer()))
+  finetuner = None
+  if evaluation is not None and 'finetuned_local' in evaluation and getattr(
+      algorithm, 'finetunes', False):
+    finetuner = Finetuner(model_spec, optimizers.client_optimizer(), finetune_epochs)
   driver = RoundDriver(algorithm, data, config, output_dir, progress=progress, runtime=runtime,
                        stop_event=stop_event,
-                       channel=channel(num_clients=data.num_clients()) if channel else None)
+                       channel=channel(num_clients=data.num_clients()) if channel else None,
+                       finetuner=finetuner)
+  driver.run_info['seeds'] = {'run': seed, 'model': model_seed,
+                              'data': gin.query_parameter('federated_data.seed')
+                              if _bound('federated_data.seed') else seed}
   driver.outputs.write_json('partition.json', data.summary())
   with open(os.path.join(output_dir, 'config.gin'), 'w') as f:
     f.write(gin.operative_config_str())

@@ -151,8 +151,8 @@ class RunOutputs:
   def write_rows(self, rows: Sequence[dict]) -> None:
     """Rewrites metrics.csv from all rows (cheap; keeps it exact after a resume)."""
     fields = []
-    for row in rows:
-      fields.extend(k for k in row if k not in fields)
+    for row in rows:  # Keys starting with '_' are in-memory only (per-client evaluations).
+      fields.extend(k for k in row if k not in fields and not k.startswith('_'))
     tmp = self.csv_path + '.tmp'
     with open(tmp, 'w', newline='') as f:
       w = csv.DictWriter(f, fieldnames=fields)
@@ -211,23 +211,29 @@ class RunOutputs:
     os.replace(path + '.tmp', path)
 
   def plot(self, rows: Sequence[dict], title: str) -> str:
-    """accuracy_loss.png: test accuracy and training loss per round."""
+    """accuracy_loss.png: each evaluated protocol's accuracy and the losses per round."""
     import matplotlib  # pylint: disable=g-import-not-at-top
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
+    from fltff.simulation.evaluation import PROTOCOL_COLUMNS  # pylint: disable=g-import-not-at-top
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for protocol, column in PROTOCOL_COLUMNS.items():  # One line per protocol the run evaluated.
+      ev = [r for r in rows if _finite(r.get(column))]
+      if ev:
+        label = 'central test' if protocol == 'central' else f'{protocol} (mean over clients)'
+        ax1.plot([r['round'] for r in ev], [r[column] for r in ev], marker='.', label=label)
     ev = [r for r in rows if _finite(r.get('test_accuracy'))]
-    ax1.plot([r['round'] for r in ev], [r['test_accuracy'] for r in ev], marker='.',
-             label='test (central)')
     ax1.plot([r['round'] for r in rows], [r.get('train_accuracy') for r in rows], alpha=0.6,
              label='train (participants)')
     ax1.set_xlabel('round')
     ax1.set_ylabel('accuracy')
     ax1.legend()
     ax2.plot([r['round'] for r in rows], [r.get('train_loss') for r in rows], label='train')
-    ax2.plot([r['round'] for r in ev], [r.get('test_loss') for r in ev], marker='.',
-             label='test')
+    if ev:
+      ax2.plot([r['round'] for r in ev], [r.get('test_loss') for r in ev], marker='.',
+               label='central test')
     ax2.set_xlabel('round')
     ax2.set_ylabel('loss')
     ax2.legend()
