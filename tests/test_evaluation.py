@@ -1,0 +1,217 @@
+"""Evaluation protocols (`fltff.simulation.evaluation`): each against a NumPy reference on a
+tiny federation, the headline statistics against NumPy on hand-made rows, and the refusals."""
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow_federated as tff
+
+from fltff import learning
+from fltff import personalization
+from fltff.errors import ConfigError
+from fltff.runtime.in_process import InProcessContext
+from fltff.simulation import RoundConfig
+from fltff.simulation import RoundDriver
+from fltff.simulation import build_model_spec
+from fltff.simulation import evaluation
+from helpers import mnist_sample_split
+
+NUM_CLIENTS = 4
+LR = 0.05
+SGD = functools.partial(tff.learning.optimizers.build_sgdm, learning_rate=LR)
+
+
+@pytest.fixture(autouse=True)
+def in_process(session_context):
+  """Vectorised clients run on the in-process executor (after conftest's C++ context)."""
+  del session_context
+  tff.framework.set_default_context(InProcessContext())
+  yield
+
+
+@pytest.fixture(scope='module')
+def data():
+  return mnist_sample_split(NUM_CLIENTS, seed=5, local_test_examples=20)
+
+
+@pytest.fixture(scope='module')
+def spec(data):
+  return build_model_spec(data, 'mlp2', seed=0)
+
+
+def numpy_accuracy(weights, x, y) -> float:
+  """mlp2 (784-200-10, ReLU) in NumPy: the fraction of `y` its argmax logit gets right."""
+  kernel1, bias1, kernel2, bias2 = (np.asarray(w, np.float64) for w in weights)
+  h = np.maximum(x.reshape(len(x), -1).astype(np.float64) / 255.0 @ kernel1 + bias1, 0.0)
+  return float(np.mean(np.argmax(h @ kernel2 + bias2, axis=-1) == y))
+
+
+def drive(algorithm, data, tmp_path, evaluation_protocols, rounds=2, finetuner=None,
+          headline='best_round_mean', clients_per_round=NUM_CLIENTS):
+  algorithm.vectorize_clients()
+  config = RoundConfig(rounds=rounds, clients_per_round=clients_per_round, local_epochs=1,
+                       batch_size=16, checkpoint_every=10, evaluation=evaluation_protocols,
+                       headline_statistic=headline)
+  driver = RoundDriver(algorithm, data, config, str(tmp_path), progress=lambda _: None,
+                       finetuner=finetuner)
+  return driver
+
+
+def test_every_global_protocol_matches_numpy_on_the_models_it_names(data, spec, tmp_path):
+  """One FedAvg round by hand: global_local tests the new global model, trained_local each
+  participant's trained model (whose example-weighted mean is the new global model), central the
+  global model on the central test set."""
+  algorithm = learning.build_fedavg(spec, client_optimizer=SGD())
+  driver = drive(algorithm, data, tmp_path, ['trained_local', 'global_local', 'central'])
+  state = algorithm.initialize()
+  state, row, _ = driver.run_round(state, 1)
+  row.update(driver.evaluate(state, 1))
+  trained = [np.asarray(t) for t in algorithm.trained_weights()]
+  clients = driver._round_clients  # pylint: disable=protected-access
+  assert sorted(clients) == list(range(NUM_CLIENTS))
+  sizes = np.asarray([len(data.train_indices[k]) for k in clients], np.float64)
+  global_weights = [np.asarray(w) for w in algorithm.global_model_weights(state).trainable]
+  for t, g in zip(trained, global_weights):  # FedAvg's aggregate of the reported models.
+    np.testing.assert_allclose(np.tensordot(sizes / sizes.sum(), t, axes=1), g, atol=2e-6)
+
+  expected_trained = {k: numpy_accuracy([t[i] for t in trained], *data.local_test_arrays(k))
+                      for i, k in enumerate(clients)}
+  expected_global = {k: numpy_accuracy(global_weights, *data.local_test_arrays(k))
+                     for k in clients}
+  got = {p: dict(v) for p, v in row['_clients'].items()}
+  assert got['trained_local'] == pytest.approx(expected_trained)
+  assert got['global_local'] == pytest.approx(expected_global)
+  assert row['trained_local_accuracy'] == pytest.approx(np.mean(list(expected_trained.values())))
+  assert row['global_local_accuracy'] == pytest.approx(np.mean(list(expected_global.values())))
+  assert row['test_accuracy'] == pytest.approx(
+      numpy_accuracy(global_weights, *data.central_test()))
+  # After local training the clients' own models fit their skewed labels better than the
+  # global model does: the two protocols really test different models.
+  assert row['trained_local_accuracy'] > row['global_local_accuracy']
+
+
+def test_one_participant_at_server_rate_one_trains_the_global_model(data, spec, tmp_path):
+  """With a single participant, FedAvg's new global model is that client's trained model, so
+  trained_local and global_local agree exactly."""
+  algorithm = learning.build_fedavg(spec, client_optimizer=SGD())
+  driver = drive(algorithm, data, tmp_path, ['trained_local', 'global_local'],
+                 clients_per_round=1)
+  state = algorithm.initialize()
+  for r in (1, 2):
+    state, row, _ = driver.run_round(state, r)
+    row.update(driver.evaluate(state, r))
+    assert row['trained_local_accuracy'] == pytest.approx(row['global_local_accuracy'], abs=1e-9)
+
+
+def test_finetuned_local_is_fedavg_local_training_of_the_whole_model(data, spec, tmp_path):
+  """FedBABU's fine-tuning trains body and head from the global model: the same numbers as a
+  FedAvg participant's local training on the same batches; with learning rate 0 it changes
+  nothing, so finetuned_local equals global_local."""
+  fedbabu = learning.build_fedbabu(spec, client_optimizer=SGD())
+  tuner = evaluation.Finetuner(spec, SGD(), epochs=1)
+  driver = drive(fedbabu, data, tmp_path / 'babu', ['finetuned_local', 'global_local'],
+                 finetuner=tuner)
+  state = fedbabu.initialize()
+  state, row, _ = driver.run_round(state, 1)
+  row.update(driver.evaluate(state, 1))
+  clients = list(driver._round_clients)  # pylint: disable=protected-access
+  global_weights = fedbabu.global_model_weights(state)
+  tuned = [np.asarray(t) for t in tuner(global_weights, [(k, driver.client_batches(1, k))
+                                                         for k in clients])]
+  # The reference: FedAvg's vectorised round from FedBABU's global model on the same batches.
+  fedavg = learning.build_fedavg(spec, client_optimizer=SGD())
+  fedavg.vectorize_clients()
+  ref_state = fedavg.process.set_model_weights(fedavg.initialize(), global_weights)
+  from fltff.learning import protocol  # pylint: disable=g-import-not-at-top
+  protocol.run_round(fedavg, ref_state, clients, batches_of=lambda k: driver.client_batches(1, k),
+                     epochs_of=lambda k: 1, num_examples_of=lambda k: 1.0,
+                     client_state_of=lambda k: None)
+  for a, b in zip(tuned, fedavg.trained_weights()):
+    np.testing.assert_allclose(a, np.asarray(b), rtol=1e-5, atol=1e-6)
+  expected = {k: numpy_accuracy([t[i] for t in tuned], *data.local_test_arrays(k))
+              for i, k in enumerate(clients)}
+  assert dict(row['_clients']['finetuned_local']) == pytest.approx(expected)
+
+  frozen = evaluation.Finetuner(
+      spec, tff.learning.optimizers.build_sgdm(learning_rate=0.0), epochs=1)
+  driver = drive(learning.build_fedbabu(spec, client_optimizer=SGD()), data, tmp_path / 'zero',
+                 ['finetuned_local', 'global_local'], finetuner=frozen)
+  state = driver.algorithm.initialize()
+  state, row, _ = driver.run_round(state, 1)
+  row.update(driver.evaluate(state, 1))
+  assert row['finetuned_local_accuracy'] == row['global_local_accuracy']
+
+
+def test_personal_local_tests_each_clients_own_model(data, spec, tmp_path):
+  algorithm = personalization.build_local(spec, NUM_CLIENTS, client_optimizer=SGD())
+  driver = drive(algorithm, data, tmp_path, None)
+  assert driver.protocols == ('personal_local',)
+  state = algorithm.initialize()
+  state, row, client_states = driver.run_round(state, 1)
+  driver.client_states.set_many(client_states, 1)
+  row.update(driver.evaluate(state, 1))
+  expected = {}
+  for k in range(NUM_CLIENTS):
+    weights = algorithm.personal_weights(state, driver.client_states.get(k))
+    weights = weights['trainable'] if isinstance(weights, dict) else weights.trainable
+    expected[k] = numpy_accuracy(weights, *data.local_test_arrays(k))
+  assert dict(row['_clients']['personal_local']) == pytest.approx(expected)
+
+
+ROWS = [
+    {'round': 1, 'trained_local_accuracy': 0.5, '_clients': {'trained_local': [[0, 0.2], [1, 0.8]]}},
+    {'round': 2, 'trained_local_accuracy': 0.6, '_clients': {'trained_local': [[0, 0.7], [1, 0.5]]}},
+    {'round': 3, 'trained_local_accuracy': 0.55, '_clients': {'trained_local': [[1, 0.55], [2, 0.9]]}},
+]
+
+
+def test_headline_statistics_against_numpy():
+  per_round = np.array([0.5, 0.6, 0.55])
+  best = evaluation.headline(ROWS, 'trained_local', 'best_round_mean')
+  assert best['value'] == per_round.max() and best['round'] == 2
+  # Client 0's best is round 2, client 1's round 1, client 2 was evaluated once.
+  clients = evaluation.headline(ROWS, 'trained_local', 'mean_client_best')
+  assert clients['value'] == pytest.approx(np.mean([0.7, 0.8, 0.9]))
+  assert clients['clients'] == 3
+  # Never below the best round's mean (each client's best is at least its value there).
+  assert clients['value'] >= best['value']
+  assert evaluation.headline([], 'central', 'best_round_mean')['value'] is None
+
+
+@pytest.mark.parametrize('protocols, personalized, local, trained, fragment', [
+    (['central', 'nonsense'], False, True, True, "unknown protocol 'nonsense'"),
+    ('central', False, True, True, 'non-empty list'),
+    (['central', 'central'], False, True, True, 'twice'),
+    (['central'], True, True, True, 'only personal_local'),
+    (['personal_local'], False, True, True, 'use trained_local'),
+    (['global_local'], False, False, True, 'local_test_examples'),
+    (['trained_local'], False, True, False, 'vectorised client work'),
+])
+def test_protocols_that_cannot_run_are_refused_in_one_line(protocols, personalized, local,
+                                                           trained, fragment):
+  with pytest.raises(ConfigError, match=fragment):
+    evaluation.check_protocols(protocols, personalized, local, trained)
+
+
+def test_finetuned_local_needs_a_method_that_fine_tunes(data, spec, tmp_path):
+  algorithm = learning.build_fedavg(spec, client_optimizer=SGD())
+  with pytest.raises(ConfigError, match='FedBABU has'):
+    drive(algorithm, data, tmp_path, ['finetuned_local'])
+
+
+def test_the_summary_names_the_protocols_and_the_headline(data, spec, tmp_path):
+  algorithm = learning.build_fedavg(spec, client_optimizer=SGD())
+  driver = drive(algorithm, data, tmp_path, ['global_local', 'central'],
+                 headline='mean_client_best')
+  summary = driver.run()
+  assert summary['evaluation'] == ['global_local', 'central']
+  head = summary['headline']
+  assert head['protocol'] == 'global_local' and head['statistic'] == 'mean_client_best'
+  bests = evaluation.client_bests(driver.rows, 'global_local')
+  assert head['value'] == pytest.approx(np.mean(list(bests.values())))
+  assert summary['mean_client_best_global_local_accuracy'] == pytest.approx(head['value'])
+  assert summary['best_global_local_accuracy'] == max(r['global_local_accuracy']
+                                                      for r in driver.rows)
+  header = open(tmp_path / 'metrics.csv').readline().strip().split(',')
+  assert 'global_local_accuracy' in header and '_clients' not in header
