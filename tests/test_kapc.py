@@ -16,6 +16,7 @@ from fltff import learning
 from fltff.errors import ConfigError
 from fltff.learning import ModelSpec
 from fltff.personalization import bls as bls_lib
+from fltff.simulation import driver as driver_lib
 from helpers import REPO
 from helpers import pipeline_env
 from helpers import run_and_resume
@@ -497,8 +498,16 @@ def test_default_order_skips_layers_by_the_stepped_self_relationship():
     sizes = np.array(sim.algorithm.layer_sizes_bytes, np.float64)
     out = sim.round(clients, _datasets([8] * 3, seed=0))
     down[order] = np.asarray(out.result['bytes_down'])
-    np.testing.assert_allclose(out.measurements['kapc']['self_relation_mean'], self_rel.mean(),
-                               rtol=1e-4)
+    kapc_stats = out.measurements['kapc']
+    np.testing.assert_allclose(kapc_stats['self_relation_mean'], self_rel.mean(), rtol=1e-4)
+    # r_ii^l logged per layer: the participants' mean (CSV) and every value (`[P, L]`, JSONL).
+    for l in range(2):
+      np.testing.assert_allclose(kapc_stats[f'self_relation_layer_{l}'], self_rel[:, l].mean(),
+                                 rtol=1e-4)
+    np.testing.assert_allclose(kapc_stats['self_relation'], self_rel, rtol=1e-4)
+    scalars, arrays = driver_lib.split_measurements(out.measurements)
+    assert {f'kapc/self_relation_layer_{l}' for l in range(2)} <= set(scalars)
+    assert arrays['kapc/self_relation'].shape == (3, 2)
     np.testing.assert_allclose(out.measurements['kapc']['skipped_layer_fraction'],
                                (self_rel > mu).mean())
     np.testing.assert_allclose(down[order], ((self_rel <= mu) * sizes).sum(1))
@@ -636,6 +645,19 @@ def test_kapc_pipeline_with_client_selection_channel_and_resume(tmp_path):
   assert relation.shape == (10, 2, 10)  # mlp2: two dense layers.
   np.testing.assert_allclose(relation.sum(-1), 1.0, atol=1e-5)
   assert os.path.getsize(tmp_path / 'report' / f'relationship_{full.name}_client1.png') > 1000
+  # r_ii per layer, every round: CSV columns (means over the round's 4 clients) and the JSONL
+  # arrays (`[P, L]`, in the order of the round's `clients`); their mean is the CSV value.
+  with open(full / 'measurements.jsonl') as f:
+    records = [json.loads(line) for line in f]
+  assert [r['round'] for r in records] == [int(r['round']) for r in rows]
+  for row, record in zip(rows, records):
+    values = np.asarray(record['kapc/self_relation'])
+    assert values.shape == (4, 2) and len(record['clients']) == 4
+    for l in range(2):
+      assert float(row[f'kapc/self_relation_layer_{l}']) == pytest.approx(values[:, l].mean(),
+                                                                          rel=1e-5)
+  assert float(rows[-1]['kapc/self_relation_mean']) == pytest.approx(
+      np.mean([float(rows[-1][f'kapc/self_relation_layer_{l}']) for l in range(2)]), rel=1e-5)
 
 
 @pytest.mark.parametrize('alpha,beta', [('0.1', 0.005), ('0.3', 0.5)])

@@ -620,6 +620,11 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
             tf.gather(gathered['weight']['search_steps'], rows), tf.float32)),
         skipped_layer_fraction=tf.reduce_mean(tf.cast(server_msg['skip'], tf.float32)),
         self_relation_mean=tf.reduce_mean(server_msg['self_relation']))
+    # r_ii^l of the slice s_i came from, per layer: its mean over the participants (CSV
+    # columns) and every participant's value (`[P, L]`, in `clients` order: measurements.jsonl).
+    for l in range(num_layers):
+      stats[f'self_relation_layer_{l}'] = tf.reduce_mean(server_msg['self_relation'][:, l])
+    stats['self_relation'] = server_msg['self_relation']
     return new_state, result, stats
 
   @tff.federated_computation
