@@ -658,6 +658,11 @@ def test_kapc_pipeline_with_client_selection_channel_and_resume(tmp_path):
                                                                           rel=1e-5)
   assert float(rows[-1]['kapc/self_relation_mean']) == pytest.approx(
       np.mean([float(rows[-1][f'kapc/self_relation_layer_{l}']) for l in range(2)]), rel=1e-5)
+  # The report links the heat map and the r_ii-by-round plot.
+  text = '\n'.join(lines)
+  assert f'(relationship_{full.name}_client1.png)' in text
+  assert f'(self_relation_{full.name}.png)' in text
+  assert os.path.getsize(tmp_path / 'report' / f'self_relation_{full.name}.png') > 1000
 
 
 @pytest.mark.parametrize('alpha,beta', [('0.1', 0.005), ('0.3', 0.5)])
