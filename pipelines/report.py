@@ -18,7 +18,9 @@ With `--personalized` it writes the KAPC paper's tables instead: best mean accur
 round's clients on their local test splits (Tables 1–2), communication — cumulative U-Comm /
 D-Comm MB and MB until the best round (Tables 3, 6) — and the per-round time breakdown from
 the channel model with the server's memory (Table 5); plus, for runs that saved their
-relationship cube (`relationship.npy`), a heatmap of one client's R (Fig. 7).
+relationship cube (`relationship.npy`), a heatmap of one client's R (Fig. 7; fixed colour
+scale [0, --heatmap_vmax]) and, for runs that logged it, r_ii per layer by round; both are
+linked from report.md.
 
   python -m pipelines.report --reproduction=results
 
@@ -43,7 +45,10 @@ _TARGETS = flags.DEFINE_list('targets', [], 'Target accuracies (default: each ru
 _PERSONALIZED = flags.DEFINE_bool('personalized', False,
                                   'Write the pFL tables (mean local accuracy, comms, time).')
 _HEATMAP_CLIENT = flags.DEFINE_integer('heatmap_client', 0,
-                                       'Client whose relationship matrix is drawn.')
+                                       'Client whose relationship matrix is drawn (the KAPC '
+                                       'paper\'s Fig. 7 shows client 9).')
+_HEATMAP_VMAX = flags.DEFINE_float('heatmap_vmax', 1.0,
+                                   'Top of the heat map\'s fixed colour scale (bottom: 0).')
 _REPRODUCTION = flags.DEFINE_string(
     'reproduction', None, 'A results folder (reproduction.json, paper_numbers.json, runs/): '
     'write its Reproduction report instead.')
@@ -176,22 +181,74 @@ def personalized_tables(runs: list[dict]) -> str:
   return '\n'.join(acc + [''] + comm + [''] + times)
 
 
-def relationship_heatmap(run_dir: str, client: int, path: str) -> bool:
-  """Fig. 7: client `client`'s relationship matrix R[client] (layers × clients) as a PNG."""
+def relationship_heatmap(run_dir: str, client: int, path: str, vmax: float = 1.0,
+                         round_num=None) -> bool:
+  """Fig. 7 (KAPC paper, §7.4): client `client`'s relationship matrix R[client] from the run's
+  `relationship.npy` (the R saved with the last checkpoint, `PersonalizedAlgorithm.
+  round_files`) as a PNG: layers on the vertical axis (layer 0 at the top), clients on the
+  horizontal one, on a fixed colour scale [0, vmax] (R's entries lie in [0, 1]; the scale is not
+  fitted to the matrix, so maps of different rounds and runs compare), with the values written
+  in the cells when there are at most 20 clients. False when the run saved no R."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   source = os.path.join(run_dir, 'relationship.npy')
   if not os.path.exists(source):
     return False
   relation = np.load(source)
+  if not 0 <= client < relation.shape[0]:
+    raise ValueError(f'--heatmap_client={client} is not a client of {run_dir} '
+                     f'(R has {relation.shape[0]}).')
+  matrix = relation[client]                                   # [L, N]
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, ax = plt.subplots(figsize=(6, 3))
-  image = ax.imshow(relation[client], aspect='auto', cmap='viridis')
+  layers, clients = matrix.shape
+  fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * min(clients, 40) + 2.0),
+                                  max(2.6, 0.45 * layers + 1.6)))
+  image = ax.imshow(matrix, aspect='auto', cmap='viridis', vmin=0.0, vmax=vmax,
+                    interpolation='nearest')
+  step = max(1, clients // 20)
+  ax.set_xticks(range(0, clients, step))
+  ax.set_yticks(range(layers))
   ax.set_xlabel('client j')
   ax.set_ylabel('layer l')
-  ax.set_title(f'r_{client}j^l of {os.path.basename(os.path.normpath(run_dir))}')
-  fig.colorbar(image, ax=ax)
+  if clients <= 20:
+    for l in range(layers):
+      for j in range(clients):
+        value = float(matrix[l, j])
+        ax.text(j, l, f'{value:.2f}', ha='center', va='center', fontsize=7,
+                color='black' if value > 0.6 * vmax else 'white')
+  when = '' if round_num is None else f', round {int(round_num)}'
+  entry = f'$r_{{{client}j}}^{{l}}$'
+  ax.set_title(f'relationship matrix of client {client} ({entry}), '
+               f'{os.path.basename(os.path.normpath(run_dir))}{when}', fontsize=9)
+  bar = fig.colorbar(image, ax=ax)
+  bar.set_label(f'{entry} (fixed scale 0–{vmax:g})')
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
+def self_relation_plot(run: dict, path: str) -> bool:
+  """r_ii^l by round, one line per layer: the mean over the round's participants of the
+  self-relationship of the slice their s_i came from (metrics.csv's
+  `kapc/self_relation_layer_<l>` columns). False when the run logged none."""
+  prefix = 'kapc/self_relation_layer_'
+  layers = sorted({int(k[len(prefix):]) for r in run['rows'] for k in r if k.startswith(prefix)})
+  if not layers:
+    return False
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for l in layers:
+    rows = [r for r in run['rows'] if f'{prefix}{l}' in r]
+    ax.plot([r['round'] for r in rows], [r[f'{prefix}{l}'] for r in rows], label=f'layer {l}')
+  ax.set_xlabel('communication round')
+  ax.set_ylabel('mean $r_{ii}^{l}$ over the round\'s clients')
+  ax.set_title(f'self-relationship by layer: {run["label"]}', fontsize=9)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8, ncol=2)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -257,10 +314,25 @@ def main(argv) -> int:
     md = gain_table(runs) + '\n\n' + md
   if _PERSONALIZED.value:
     md = personalized_tables(runs)
+    figures = []
     for path, run in zip(_RUNS.value, runs):
-      png = os.path.join(_OUT.value, f'relationship_{run["label"]}_client{_HEATMAP_CLIENT.value}.png')
-      if relationship_heatmap(path, _HEATMAP_CLIENT.value, png):
-        print(f'wrote {png}')
+      name = f'relationship_{run["label"]}_client{_HEATMAP_CLIENT.value}.png'
+      last = run['rows'][-1]['round'] if run['rows'] else None
+      try:
+        drawn = relationship_heatmap(path, _HEATMAP_CLIENT.value, os.path.join(_OUT.value, name),
+                                     _HEATMAP_VMAX.value, last)
+      except ValueError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+      if drawn:
+        figures.append(f'![relationship matrix of client {_HEATMAP_CLIENT.value}, '
+                       f'{run["label"]}]({name})')
+      name = f'self_relation_{run["label"]}.png'
+      if self_relation_plot(run, os.path.join(_OUT.value, name)):
+        figures.append(f'![r_ii per layer by round, {run["label"]}]({name})')
+    if figures:
+      md += ('\n\nRelationship cube (KAPC paper Fig. 7: one client\'s R after the last round, '
+             'layers × clients; and r_ii per layer by round):\n\n' + '\n\n'.join(figures))
   with open(os.path.join(_OUT.value, 'report.md'), 'w') as f:
     f.write(md + '\n')
   plot(runs, os.path.join(_OUT.value, 'accuracy.png'))

@@ -16,6 +16,7 @@ from fltff import learning
 from fltff.errors import ConfigError
 from fltff.learning import ModelSpec
 from fltff.personalization import bls as bls_lib
+from fltff.simulation import driver as driver_lib
 from helpers import REPO
 from helpers import pipeline_env
 from helpers import run_and_resume
@@ -52,16 +53,40 @@ def _np_flat(models, layer):
                          if l == layer], 1).astype(np.float64)
 
 
-def _np_relationship_steps(rel, models, lam, beta, lr, steps):
-  """E_r projected gradient steps on KAPC's R objective in NumPy (Algorithm 2):
-  ∂/∂r_ij^l = 2λ <s_i^l − w_i^l, w_j^l> + β (r_ij^l − 1/P), then clip at 0 and renormalise."""
+def _np_relationship_gradient(r, flats, lam, beta, coaching_loss='norm'):
+  """KAPC's R gradient (Eqs. (12)–(13)) in NumPy, per layer l with `d_i = s_i − w_i`:
+  'norm' (f_s = ||·||, §4.2): λ <d_i, w_j> / ||d_i|| (0 where d_i = 0) + β (r_ij − 1/P);
+  'squared': 2λ <d_i, w_j> + β (r_ij − 1/P).
+
+  `d_i = s_i − w_i` as the paper writes it: with float32 rows, whose sums are 1 only to
+  ~1e-7, identical models give `d_i ≈ 1e-7 w_i`, not 0, so "zero" here is ||d_i|| at most
+  1e-6 of the largest ||w_j||."""
+  grads = []
+  for l, f in enumerate(flats):
+    d = r[:, l] @ f - f
+    inner = d @ f.T
+    if coaching_loss == 'norm':
+      norm = np.linalg.norm(d, axis=1, keepdims=True)
+      zero = norm <= 1e-6 * np.linalg.norm(f, axis=1).max()
+      fit = np.divide(inner, norm, out=np.zeros_like(inner), where=~zero)
+    else:
+      fit = 2 * inner
+    grads.append(lam * fit + beta * (r[:, l] - 1 / r.shape[0]))
+  return np.stack(grads, 1)
+
+
+def _np_relationship_steps(rel, models, lam, beta, lr, steps, coaching_loss='norm'):
+  """E_r projected gradient steps on KAPC's R objective in NumPy (Eq. (12)): the gradient of
+  `_np_relationship_gradient`, then clip at 0 and renormalise."""
   r = np.asarray(rel, np.float64)
   flats = [_np_flat(models, l) for l in range(r.shape[1])]
   for _ in range(steps):
-    grad = np.stack([2 * lam * (r[:, l] @ f - f) @ f.T + beta * (r[:, l] - 1 / r.shape[0])
-                     for l, f in enumerate(flats)], 1)
-    r = _np_normalize(r - lr * grad)
+    r = _np_normalize(r - lr * _np_relationship_gradient(r, flats, lam, beta, coaching_loss))
   return r
+
+
+# The defaults of `build_kapc` / `KapcRule` (λ, β of gin_configs/kapc/kapc_dir0.1_common.gin).
+LAM, BETA = 1.0, 0.005
 
 
 def _np_server_models(rel, models):
@@ -95,14 +120,15 @@ def test_personalized_server_models_match_numpy():
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
 
 
-def test_relationship_gradient_matches_numpy_and_rows_stay_normalised():
+def test_squared_relationship_gradient_matches_numpy_and_rows_stay_normalised():
+  """`coaching_loss='squared'` (fltff's earlier reading of f_s)."""
   models, rel = _models(3), _relation(3)
   lam, beta = 0.7, 0.3
   r = tf.constant(rel)
   with tf.GradientTape() as tape:
     tape.watch(r)
     loss = kapc_lib.relationship_objective(r, [tf.constant(m) for m in models], LAYER_OF, lam,
-                                           beta)
+                                           beta, coaching_loss='squared')
   grad = tape.gradient(loss, r).numpy()
   want = np.zeros_like(rel, np.float64)
   for l in range(2):
@@ -116,13 +142,120 @@ def test_relationship_gradient_matches_numpy_and_rows_stay_normalised():
       r, kapc_lib.layer_grams([tf.constant(m) for m in models], LAYER_OF), lam, beta).numpy()
   np.testing.assert_allclose(closed, want, rtol=2e-4, atol=1e-3)
   np.testing.assert_allclose(closed, grad, rtol=2e-4, atol=1e-3)
-  updated = kapc_lib.update_relationship(r, [tf.constant(m) for m in models], LAYER_OF, lam,
-                                         beta, 0.01, 3).numpy()
+  tf_models = [tf.constant(m) for m in models]
+  updated = kapc_lib.update_relationship(r, tf_models, LAYER_OF, lam, beta, 0.01, 3,
+                                         coaching_loss='squared').numpy()
   np.testing.assert_allclose(updated.sum(-1), 1.0, atol=1e-6)
   assert updated.min() >= 0
-  step = kapc_lib.update_relationship(r, [tf.constant(m) for m in models], LAYER_OF, lam,
-                                      beta, 1e-4, 1).numpy()
+  step = kapc_lib.update_relationship(r, tf_models, LAYER_OF, lam, beta, 1e-4, 1,
+                                      coaching_loss='squared').numpy()
   np.testing.assert_allclose(step, _np_normalize(rel - 1e-4 * want), atol=1e-5)
+
+
+def test_norm_relationship_gradient_matches_numpy_and_autodiff():
+  """The R step with f_s the L2 norm (§4.2; Eqs. (11)–(13)) on N = 3 clients, 2 layers:
+  `relationship_gradient_norm` = a NumPy reference of the paper's gradient
+  λ <d_i^l, w_j^l> / ||d_i^l|| + β (r_ij^l − 1/N), d_i^l = s_i^l − w_i^l, = the gradient of
+  `relationship_objective(coaching_loss='norm')`; `update_relationship` = NumPy's steps."""
+  models, rel = _models(3), _relation(3)
+  lam, beta = 0.7, 0.3
+  r = tf.constant(rel)
+  tf_models = [tf.constant(m) for m in models]
+  flats = [_np_flat(models, l) for l in range(2)]
+  want = _np_relationship_gradient(np.float64(rel), flats, lam, beta)
+  # Written out for client 0, layer 1, entry j = 2 (independent of the vectorised reference).
+  d = sum(rel[0, 1, j] * flats[1][j] for j in range(3)) - flats[1][0]
+  assert want[0, 1, 2] == pytest.approx(
+      lam * d @ flats[1][2] / np.sqrt(d @ d) + beta * (rel[0, 1, 2] - 1 / 3))
+  got = kapc_lib.relationship_gradient_norm(r, tf_models, LAYER_OF, lam, beta).numpy()
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  with tf.GradientTape() as tape:
+    tape.watch(r)
+    loss = kapc_lib.relationship_objective(r, tf_models, LAYER_OF, lam, beta)
+  np.testing.assert_allclose(tape.gradient(loss, r).numpy(), want, rtol=1e-3, atol=1e-3)
+  # The objective itself: λ Σ_i Σ_l ||d_i^l|| + β/2 ||R − 1/N||².
+  fit = sum(np.linalg.norm(rel[:, l] @ f - f, axis=1).sum() for l, f in enumerate(flats))
+  assert float(loss) == pytest.approx(lam * fit + beta / 2 * ((rel - 1 / 3) ** 2).sum(),
+                                      rel=1e-5)
+  # It is not the squared loss's gradient (the test would not notice a silent fallback).
+  assert np.abs(want - _np_relationship_gradient(np.float64(rel), flats, lam, beta,
+                                                 'squared')).max() > 0.1
+  for lr, steps in ((1e-3, 1), (0.01, 3)):
+    updated = kapc_lib.update_relationship(r, tf_models, LAYER_OF, lam, beta, lr, steps).numpy()
+    np.testing.assert_allclose(updated, _np_relationship_steps(rel, models, lam, beta, lr, steps),
+                               atol=1e-5)
+    np.testing.assert_allclose(updated.sum(-1), 1.0, atol=1e-6)
+    assert updated.min() >= 0
+
+
+def test_norm_relationship_gradient_at_zero_is_the_beta_term():
+  """Where d_i^l = s_i^l − w_i^l = 0 the norm has no gradient: the fit term contributes 0 (its
+  minimum-norm subgradient) and the step is β's alone — finite, not NaN. Three cases:
+  every copy the initial model (round 1), one layer identical across clients, and a row that
+  is the identity (s_i = w_i whatever the other models)."""
+  lam, beta = 0.7, 0.3
+  rel = _relation(3)
+  base = _models(1)
+  same = [np.repeat(m, 3, axis=0) for m in base]
+  got = kapc_lib.relationship_gradient_norm(tf.constant(rel), [tf.constant(m) for m in same],
+                                            LAYER_OF, lam, beta).numpy()
+  np.testing.assert_allclose(got, beta * (rel - 1 / 3), atol=1e-7)
+  # Uniform R on identical models: the step changes nothing (the Algorithm 5 order's round 1).
+  uniform = tf.constant(np.full((3, 2, 3), 1 / 3, np.float32))
+  np.testing.assert_allclose(
+      kapc_lib.update_relationship(uniform, [tf.constant(m) for m in same], LAYER_OF, lam,
+                                   beta, 0.01, 3).numpy(), 1 / 3, atol=1e-7)
+  # Layer 0 identical across clients, layer 1 not: only layer 1 has a fit term.
+  mixed = [same[0], same[1], *_models(3)[2:]]
+  got = kapc_lib.relationship_gradient_norm(tf.constant(rel), [tf.constant(m) for m in mixed],
+                                            LAYER_OF, lam, beta).numpy()
+  want = _np_relationship_gradient(np.float64(rel), [_np_flat(mixed, l) for l in range(2)], lam,
+                                   beta)
+  assert np.isfinite(got).all()
+  np.testing.assert_allclose(got[:, 0], beta * (rel[:, 0] - 1 / 3), atol=1e-6)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  assert np.abs(got[:, 1] - beta * (rel[:, 1] - 1 / 3)).max() > 0.1
+  # Client 1's rows are e_1: d_1 = 0 in both layers; the other clients keep their fit terms.
+  models = _models(3)
+  rel_eye = rel.copy()
+  rel_eye[1] = np.eye(3, dtype=np.float32)[1]
+  got = kapc_lib.relationship_gradient_norm(tf.constant(rel_eye),
+                                            [tf.constant(m) for m in models], LAYER_OF, lam,
+                                            beta).numpy()
+  np.testing.assert_allclose(got[1], beta * (rel_eye[1] - 1 / 3), atol=1e-6)
+  np.testing.assert_allclose(
+      got, _np_relationship_gradient(np.float64(rel_eye), [_np_flat(models, l) for l in range(2)],
+                                     lam, beta), rtol=1e-4, atol=1e-4)
+
+
+def test_random_initial_relationship_is_seeded_with_normalised_rows():
+  """§4.4: R starts random. Ours: U(0, 1) entries, each row r_i^l (over clients) divided by its
+  sum; the same seed gives the same cube."""
+  r = process_lib.initial_relationship(5, 3, 'random', seed=7)
+  assert r.shape == (5, 3, 5) and r.dtype == np.float32
+  np.testing.assert_allclose(r.sum(-1), 1.0, atol=1e-6)
+  assert r.min() > 0
+  want = np.random.default_rng(7).uniform(size=(5, 3, 5))
+  np.testing.assert_allclose(r, want / want.sum(-1, keepdims=True), rtol=1e-6)
+  np.testing.assert_array_equal(r, process_lib.initial_relationship(5, 3, 'random', seed=7))
+  assert np.abs(r - process_lib.initial_relationship(5, 3, 'random', seed=8)).max() > 0.01
+  assert np.abs(r - 0.2).max() > 0.05                     # Not the uniform start.
+  assert np.abs(r[:, 0] - r[:, 1]).max() > 0.01          # Each layer drawn on its own.
+  np.testing.assert_array_equal(process_lib.initial_relationship(4, 2, 'uniform'), 0.25)
+  with pytest.raises(ConfigError, match='relationship_init'):
+    process_lib.initial_relationship(4, 2, 'gaussian')
+  # KAPC starts from it by default, seeded by `relationship_seed`; 'uniform' stays available.
+  for kwargs, want in (({}, process_lib.initial_relationship(4, 2, 'random', 0)),
+                       ({'relationship_seed': 3},
+                        process_lib.initial_relationship(4, 2, 'random', 3)),
+                       ({'relationship_init': 'uniform'}, np.full((4, 2, 4), 0.25))):
+    algorithm = kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), **kwargs)
+    np.testing.assert_array_equal(algorithm.process.initialize()['relation'],
+                                  np.float32(want))
+  with pytest.raises(ConfigError, match='relationship_init'):
+    kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), relationship_init='gaussian')
+  with pytest.raises(ConfigError, match='coaching_loss'):
+    kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), coaching_loss='l1')
 
 
 def test_slice_and_scatter_keep_full_rows_normalised():
@@ -256,11 +389,14 @@ def test_bls_with_mu_above_one_and_full_upload_equals_kapc(order):
   np.testing.assert_allclose(plain.state['relation'], bls.state['relation'], atol=1e-6)
   relation = np.asarray(plain.state['relation'])
   np.testing.assert_allclose(relation.sum(-1), 1.0, atol=1e-5)      # Rows stay normalised.
-  assert np.abs(relation - 0.25).max() > 1e-4                        # R was learned.
+  start = process_lib.initial_relationship(4, 2, 'random')
+  assert np.abs(relation - start).max() > 1e-4                       # R was learned.
 
 
 def test_byte_counts_equal_the_tensors_exchanged():
-  algorithm = kapc_lib.build_kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.5, bls_kappa=0.0)
+  # R starts uniform here (not KAPC's random start): r_ii = 1/3 ≤ μ in round 1.
+  algorithm = kapc_lib.build_kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.5, bls_kappa=0.0,
+                                  relationship_init='uniform')
   sim = Sim(algorithm, 3)
   sizes = [sum(np.asarray(w).nbytes for w in SPEC.initial_weights().trainable[t:t + 2])
            for t in (0, 2)]
@@ -281,15 +417,16 @@ def test_byte_counts_equal_the_tensors_exchanged():
   np.testing.assert_allclose(sim2.copies(0)[2], SPEC.initial_weights().trainable[2])
   assert np.abs(sim2.copies(0)[0] - SPEC.initial_weights().trainable[0]).max() > 1e-4
   # Default order (Algorithm 5): round 1 stepped R on the copies held *before* it — all the
-  # initial model, so s_i = w_i and the step leaves the uniform R unchanged — and stored the
-  # fresh uploads without stepping on them; round 2 steps on exactly those stored copies.
+  # initial model, so s_i = w_i, the norm's term is 0 and so is β's at the uniform R: the step
+  # leaves R unchanged — and stored the fresh uploads without stepping on them; round 2 steps
+  # on exactly those stored copies.
   uniform = process_lib.initial_relationship(3, 2, 'uniform')
   np.testing.assert_allclose(sim2.state['relation'], uniform, atol=1e-6)
 
   def one_step(relation, sim):
     stacked = [tf.constant(np.stack([sim.copies(k)[t] for k in range(3)])) for t in range(4)]
     return kapc_lib.update_relationship(tf.constant(relation), stacked,
-                                        algorithm.tensor_layers, 0.5, 0.1, 0.01, 1).numpy()
+                                        algorithm.tensor_layers, LAM, BETA, 0.01, 1).numpy()
 
   want = one_step(uniform, sim2)
   sim2.round([0, 1, 2], _datasets((8, 8, 8), seed=1))
@@ -298,7 +435,8 @@ def test_byte_counts_equal_the_tensors_exchanged():
   # copies it stored in that round (uniform R, all clients: the slice is the whole cube, so
   # R⁺ = one projected step from 1/3 on the copies the driver keeps).
   old = Sim(kapc_lib.build_kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.5, bls_kappa=0.0,
-                          relationship_update='after_training'), 3)
+                                relationship_update='after_training',
+                                relationship_init='uniform'), 3)
   old.round([0, 1, 2], _datasets((8, 8, 8), seed=0))
   np.testing.assert_allclose(old.state['relation'], one_step(uniform, old), atol=1e-6)
   # μ = 0 skips every layer once r_ii > 0: nothing is sent down.
@@ -347,7 +485,7 @@ def test_default_order_skips_layers_by_the_stepped_self_relationship():
   clients = [2, 0, 3]
   models = _random_models(range(4), scale=1.0, seed=1)
   copies = [np.stack([models[k][t] for k in clients]) for t in range(4)]
-  stepped = _np_relationship_steps(np.full((3, 2, 3), 1 / 3), copies, 0.5, 0.1, 0.01, 1)
+  stepped = _np_relationship_steps(np.full((3, 2, 3), 1 / 3), copies, LAM, BETA, 0.01, 1)
   stepped_self = stepped[np.arange(3), :, np.arange(3)]
   mu = float(np.median(stepped_self))
   assert mu > 1 / 3 + 1e-2
@@ -355,13 +493,21 @@ def test_default_order_skips_layers_by_the_stepped_self_relationship():
   for order, self_rel in (('before_send', stepped_self),
                           ('after_training', np.full((3, 2), 1 / 3))):
     sim = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=mu,
-                            relationship_update=order), 4)
+                                  relationship_update=order, relationship_init='uniform'), 4)
     _randomize(sim, models)
     sizes = np.array(sim.algorithm.layer_sizes_bytes, np.float64)
     out = sim.round(clients, _datasets([8] * 3, seed=0))
     down[order] = np.asarray(out.result['bytes_down'])
-    np.testing.assert_allclose(out.measurements['kapc']['self_relation_mean'], self_rel.mean(),
-                               rtol=1e-4)
+    kapc_stats = out.measurements['kapc']
+    np.testing.assert_allclose(kapc_stats['self_relation_mean'], self_rel.mean(), rtol=1e-4)
+    # r_ii^l logged per layer: the participants' mean (CSV) and every value (`[P, L]`, JSONL).
+    for l in range(2):
+      np.testing.assert_allclose(kapc_stats[f'self_relation_layer_{l}'], self_rel[:, l].mean(),
+                                 rtol=1e-4)
+    np.testing.assert_allclose(kapc_stats['self_relation'], self_rel, rtol=1e-4)
+    scalars, arrays = driver_lib.split_measurements(out.measurements)
+    assert {f'kapc/self_relation_layer_{l}' for l in range(2)} <= set(scalars)
+    assert arrays['kapc/self_relation'].shape == (3, 2)
     np.testing.assert_allclose(out.measurements['kapc']['skipped_layer_fraction'],
                                (self_rel > mu).mean())
     np.testing.assert_allclose(down[order], ((self_rel <= mu) * sizes).sum(1))
@@ -413,7 +559,7 @@ def test_bls_running_maxima_and_omega_match_numpy():
   for r, clients in enumerate(([0, 1, 2, 3], [1, 3], [0, 2, 3], [3, 1])):
     relation, copies = _snapshot(sim, clients)
     stepped = _np_relationship_steps(
-        _np_normalize(relation[clients][:, :, clients].astype(np.float64)), copies, 0.5, 0.1,
+        _np_normalize(relation[clients][:, :, clients].astype(np.float64)), copies, LAM, BETA,
         0.01, 1)
     s = _np_server_models(stepped, copies)
     out = sim.round(clients, _datasets([8] * len(clients), seed=20 + r))
@@ -499,3 +645,46 @@ def test_kapc_pipeline_with_client_selection_channel_and_resume(tmp_path):
   assert relation.shape == (10, 2, 10)  # mlp2: two dense layers.
   np.testing.assert_allclose(relation.sum(-1), 1.0, atol=1e-5)
   assert os.path.getsize(tmp_path / 'report' / f'relationship_{full.name}_client1.png') > 1000
+  # r_ii per layer, every round: CSV columns (means over the round's 4 clients) and the JSONL
+  # arrays (`[P, L]`, in the order of the round's `clients`); their mean is the CSV value.
+  with open(full / 'measurements.jsonl') as f:
+    records = [json.loads(line) for line in f]
+  assert [r['round'] for r in records] == [int(r['round']) for r in rows]
+  for row, record in zip(rows, records):
+    values = np.asarray(record['kapc/self_relation'])
+    assert values.shape == (4, 2) and len(record['clients']) == 4
+    for l in range(2):
+      assert float(row[f'kapc/self_relation_layer_{l}']) == pytest.approx(values[:, l].mean(),
+                                                                          rel=1e-5)
+  assert float(rows[-1]['kapc/self_relation_mean']) == pytest.approx(
+      np.mean([float(rows[-1][f'kapc/self_relation_layer_{l}']) for l in range(2)]), rel=1e-5)
+  # The report links the heat map and the r_ii-by-round plot.
+  text = '\n'.join(lines)
+  assert f'(relationship_{full.name}_client1.png)' in text
+  assert f'(self_relation_{full.name}.png)' in text
+  assert os.path.getsize(tmp_path / 'report' / f'self_relation_{full.name}.png') > 1000
+
+
+@pytest.mark.parametrize('alpha,beta', [('0.1', 0.005), ('0.3', 0.5)])
+def test_kapc_paper_configs_bind_r_settings(alpha, beta, monkeypatch):
+  """Every KAPC paper config: R starts random, the R step uses the norm, η_r = 0.01, E_r = 1
+  (§4.2, §4.4, §7.1), and λ, β of its α (ours, from the §7.3.1 ablation)."""
+  import glob  # pylint: disable=g-import-not-at-top
+  import fltff  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(REPO)
+  fltff.register_configurables()
+  paths = sorted(glob.glob(f'gin_configs/kapc/*_dir{alpha}_kapc*.gin'))
+  if alpha == '0.1':
+    paths.append('gin_configs/kapc/offline_mnist1003_kapc.gin')
+  assert len(paths) == 50 + (alpha == '0.1')  # 4 datasets × 2 N × 5 (+ FMNIST IDX twins).
+  want = {'lambda_': 1.0, 'beta': beta, 'relationship_learning_rate': 0.01,
+          'relationship_steps': 1, 'coaching_loss': 'norm', 'relationship_init': 'random',
+          'relationship_seed': 0}
+  for path in paths:
+    gin.clear_config()
+    try:
+      gin.parse_config_files_and_bindings([path], [], skip_unknown=False)
+      got = {k: gin.query_parameter(f'kapc.{k}') for k in want}
+      assert got == want, path
+    finally:
+      gin.clear_config()

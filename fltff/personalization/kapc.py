@@ -11,9 +11,10 @@ uploaded). Per round, for the participants P (default order, `relationship_updat
    each uploaded the last time it took part, with the layers it did not upload filled with the
    latest older copies (stale layers; a client that never took part: the initial model). On
    these copies the server takes E_r gradient steps with learning rate η_r on
-   `λ Σ_l ||s_i^l(R) − w_i^l||² + β/2 Σ_l ||r_i^l − 1/|P| ||²` for every participant
-   (`update_relationship`, Algorithm 2), projecting the rows back onto the simplex
-   (`normalize_rows`: clip at 0, renormalise) after each step;
+   `λ Σ_l ||s_i^l(R) − w_i^l|| + β/2 Σ_l ||r_i^l − 1/|P| ||²` for every participant
+   (Eqs. (11)–(13) with f_s the L2 norm of §4.2, `update_relationship`; `coaching_loss=
+   'squared'` squares the first term, fltff's earlier reading), projecting the rows back onto
+   the simplex (`normalize_rows`: clip at 0, renormalise) after each step;
 3. from that stepped slice R': personalised server models `s_i^l = Σ_{j∈P} r'_ij^l w_j^l`
    (`personalized_server_models`); BLS (Algorithm 3) skips layer l of client i when
    `r'_ii^l > μ`;
@@ -29,9 +30,21 @@ uploaded). Per round, for the participants P (default order, `relationship_updat
 the un-stepped slice (step 3 before step 2), and the E_r steps after training, on the freshly
 uploaded layers filled with the stale copies, in step 5.
 
+R at round 0 (§4.4: "randomly"; Algorithm 1 line 2): `relationship_init='random'`, entries
+U(0, 1) with a seeded generator, each row r_i^l normalised to sum 1 (`process.
+initial_relationship`); 'uniform' (1/N, fltff's earlier start) stays available.
+
+Hyperparameters: η_r = 0.01 and E_r = 1 (§7.1). λ and β are not given for Tables 1–2; the gin
+configs take them from the §7.3.1 ablation (CIFAR-10), see gin_configs/kapc/kapc_dir*_common.gin.
+
 Assumptions (the paper's text is our only source for these and we state our reading): the
 uniform target of the β term is 1/|P| on the slice (1/N with full participation); the
-projection after each R step is clip-and-renormalise; R starts uniform.
+projection after each R step is clip-and-renormalise; U(0, 1) as the distribution of the
+random start; where s_i^l = w_i^l the norm's (sub)gradient is taken as 0
+(`relationship_gradient_norm`). The clients' term stays the squared distance (step 4) although
+Eq. (16) uses the same f_s: with the norm, its gradient would be λ (w_i^l − s_i^l)/||w_i^l − s_i^l||
+per layer (0 at w_i^l = s_i^l), a pull of constant size λ. The paper's "L2-norm" may be the
+squared norm throughout: §4.5 calls the squared G(R) an "L2-norm" term and assumes H smooth.
 
 The round itself is `process.build_personalized_process`; this module is KAPC's rule
 (`KapcRule`: R in the server state, its E_r steps, writing it back). The personalised
@@ -72,20 +85,36 @@ from fltff.personalization.process import slice_relationship
 # When KAPC takes its E_r steps on R: before s_i is sent (Algorithm 5, the default) or after
 # the clients trained (fltff's earlier order).
 RELATIONSHIP_UPDATES = ('before_send', 'after_training')
+# f_s of the R step (Eq. (6)/(11)): the L2 norm (§4.2) or its square (fltff's earlier reading).
+COACHING_LOSSES = ('norm', 'squared')
+
+
+def _layer_squares(differences: Sequence[tf.Tensor], layer_of: Sequence[int]) -> tf.Tensor:
+  """`[P, L]`: per participant and layer, the sum of squares of its tensors in `differences`
+  (each `[P, ...]`)."""
+  per_tensor = [tf.reduce_sum(tf.reshape(tf.square(d), [tf.shape(d)[0], -1]), axis=1)
+                for d in differences]
+  return tf.stack([tf.add_n([q for q, l in zip(per_tensor, layer_of) if l == layer])
+                   for layer in range(max(layer_of) + 1)], axis=1)
 
 
 def relationship_objective(relation: tf.Tensor, models: Sequence[tf.Tensor],
-                           layer_of: Sequence[int], lambda_: float, beta: float) -> tf.Tensor:
-  """`Σ_i [λ Σ_l ||s_i^l(R) − w_i^l||² + β/2 Σ_l ||r_i^l − 1/P||²]` (KAPC's R-step objective)."""
+                           layer_of: Sequence[int], lambda_: float, beta: float,
+                           coaching_loss: str = 'norm') -> tf.Tensor:
+  """KAPC's R-step objective (Eq. (11), summed over the participants i):
+  `Σ_i [λ Σ_l f_s(s_i^l(R), w_i^l) + β/2 Σ_l ||r_i^l − 1/P||²]`, with `f_s` the L2 norm
+  `||s_i^l − w_i^l||` of the layer's tensors together (`coaching_loss='norm'`, §4.2) or its
+  square (`'squared'`, fltff's earlier reading)."""
   s = personalized_server_models(relation, models, layer_of)
-  fit = tf.add_n([tf.reduce_sum(tf.square(a - w)) for a, w in zip(s, models)])
+  squares = _layer_squares([a - w for a, w in zip(s, models)], layer_of)
+  fit = tf.reduce_sum(tf.sqrt(squares) if coaching_loss == 'norm' else squares)
   num = tf.cast(tf.shape(relation)[-1], relation.dtype)
   return lambda_ * fit + 0.5 * beta * tf.reduce_sum(tf.square(relation - 1.0 / num))
 
 
 def layer_grams(models: Sequence[tf.Tensor], layer_of: Sequence[int]) -> tf.Tensor:
   """`G[:, l, :] = Σ_{t∈l} W_t W_tᵀ` (`[P, L, P]`, R's layout): the participants' models'
-  inner products per layer, all the R step needs of them."""
+  inner products per layer, all the squared-loss R step needs of them."""
   flats = [tf.reshape(w, [tf.shape(w)[0], -1]) for w in models]
   grams = []
   for layer in range(max(layer_of) + 1):
@@ -96,44 +125,90 @@ def layer_grams(models: Sequence[tf.Tensor], layer_of: Sequence[int]) -> tf.Tens
 
 def relationship_gradient(relation: tf.Tensor, grams: tf.Tensor, lambda_: float,
                           beta: float) -> tf.Tensor:
-  """∂/∂R of `relationship_objective` in closed form: per layer, with `S = R W`,
-  `2λ (S − W) Wᵀ + β (R − 1/P) = 2λ (R G − G) + β (R − 1/P)`, `G = layer_grams(W)`."""
+  """∂/∂R of `relationship_objective(coaching_loss='squared')` in closed form: per layer,
+  with `S = R W`, `2λ (S − W) Wᵀ + β (R − 1/P) = 2λ (R G − G) + β (R − 1/P)`,
+  `G = layer_grams(W)`."""
   num = tf.cast(tf.shape(relation)[-1], relation.dtype)
   fit = tf.einsum('ilk,klj->ilj', relation, grams) - grams
   return 2.0 * lambda_ * fit + beta * (relation - 1.0 / num)
 
 
+def relationship_gradient_norm(relation: tf.Tensor, models: Sequence[tf.Tensor],
+                               layer_of: Sequence[int], lambda_: float,
+                               beta: float) -> tf.Tensor:
+  """∂/∂R of `relationship_objective(coaching_loss='norm')` (Eqs. (12)–(13) with f_s the L2
+  norm of §4.2): with `d_i^l = s_i^l − w_i^l = Σ_j r_ij^l w_j^l − w_i^l`,
+
+      ∂/∂r_ij^l = λ <d_i^l, w_j^l> / ||d_i^l|| + β (r_ij^l − 1/P).
+
+  At `d_i^l = 0` (s_i^l = w_i^l: e.g. round 1, when every copy is the initial model) the norm
+  has no gradient; its minimum-norm subgradient there is 0, so the fit term contributes 0 and
+  the step is the β term alone (ours: the paper does not discuss the point). `d_i^l` is formed
+  from the models centred on the first participant's, `Σ_j r_ij^l c_j^l − c_i^l` with
+  `c_j = w_j − w_0` (equal to `s_i^l − w_i^l` because rows sum to 1): identical models then
+  give exactly `d = 0` instead of rounding noise whose direction would be arbitrary while the
+  quotient keeps the magnitude `||w^l||`.
+  """
+  num_layers = max(layer_of) + 1
+  inner = [0.0] * num_layers   # Per layer: <d_i, w_j>, [P, P].
+  squares = [0.0] * num_layers  # Per layer: ||d_i||², [P].
+  for w, layer in zip(models, layer_of):
+    flat = tf.reshape(w, [tf.shape(w)[0], -1])
+    centred = flat - flat[:1]
+    d = tf.matmul(relation[:, layer, :], centred) - centred
+    inner[layer] += tf.matmul(d, flat, transpose_b=True)
+    squares[layer] += tf.reduce_sum(tf.square(d), axis=1)
+  inner = tf.stack(inner, axis=1)                                    # [P, L, P]
+  norm = tf.sqrt(tf.stack(squares, axis=1))[:, :, None]              # [P, L, 1]
+  fit = tf.where(norm > 0, inner / tf.where(norm > 0, norm, 1.0), 0.0)
+  num = tf.cast(tf.shape(relation)[-1], relation.dtype)
+  return lambda_ * fit + beta * (relation - 1.0 / num)
+
+
 def update_relationship(relation: tf.Tensor, models: Sequence[tf.Tensor],
                         layer_of: Sequence[int], lambda_: float, beta: float,
-                        learning_rate: float, steps: int) -> tf.Tensor:
-  """E_r projected gradient steps on `relationship_objective` (KAPC, Algorithm 2).
+                        learning_rate: float, steps: int,
+                        coaching_loss: str = 'norm') -> tf.Tensor:
+  """E_r projected gradient steps on `relationship_objective` (KAPC, Eq. (12), Algorithm 1
+  lines 4–6), each followed by `normalize_rows` (clip at 0, renormalise).
 
-  The gradient is `relationship_gradient`'s closed form (tests/test_kapc.py checks it against
-  differentiating the objective): the models enter through their `[P, P]` inner products,
-  computed once, so a step costs `O(P³ L)` instead of two model-sized products `O(P² d)`
+  `coaching_loss='norm'`: `relationship_gradient_norm` (two `[P, P] × [P, d]`-sized products
+  per step). `'squared'`: `relationship_gradient`'s closed form, where the models enter through
+  their `[P, P]` inner products, computed once, so a step costs `O(P³ L)` instead of `O(P² d)`
   (measured: KAPC's `prepare` at 100 mlp2 clients, one step, 0.09–0.10 → 0.06 s).
+  tests/test_kapc.py checks both against differentiating the objective and against NumPy.
   """
   if steps <= 0:
     return relation
-  grams = layer_grams(models, layer_of)
+  if coaching_loss == 'squared':
+    grams = layer_grams(models, layer_of)
+    gradient = lambda r: relationship_gradient(r, grams, lambda_, beta)
+  else:
+    gradient = lambda r: relationship_gradient_norm(r, models, layer_of, lambda_, beta)
   for _ in range(steps):
-    relation = normalize_rows(
-        relation - learning_rate * relationship_gradient(relation, grams, lambda_, beta))
+    relation = normalize_rows(relation - learning_rate * gradient(relation))
   return relation
 
 
 @dataclasses.dataclass(frozen=True)
 class KapcRule(process_lib.RelationRule):
-  """KAPC's rule: R learned by E_r projected steps (Algorithm 2) in the order of Algorithm 5.
+  """KAPC's rule: R learned by E_r projected steps (Eq. (12)) in the order of Algorithm 5.
+
+  Defaults: R starts random (§4.4; `process.initial_relationship`), the R step's f_s is the L2
+  norm (§4.2; `relationship_gradient_norm`), λ = 1 and β = 0.005 (the point of the §7.3.1
+  ablation at α = 0.1 that both of its sweeps share; see gin_configs/kapc/kapc_dir0.1_common.gin).
 
   `start_from='server'` (clients start from s_i instead of their own model) is not KAPC; it
   exists for tests that read s_i back from the clients.
   """
-  lambda_: float = 0.5
-  beta: float = 0.1
+  lambda_: float = 1.0
+  beta: float = 0.005
   relationship_learning_rate: float = 0.01
   relationship_steps: int = 1
   relationship_update: str = 'before_send'
+  coaching_loss: str = 'norm'
+  relationship_init: str = 'random'
+  relationship_seed: int = 0
   start_from: str = 'own'
 
   def check(self, name: str, bls_mu: Optional[float]) -> None:
@@ -141,13 +216,17 @@ class KapcRule(process_lib.RelationRule):
     if self.relationship_update not in RELATIONSHIP_UPDATES:
       raise ConfigError(f'{name}.relationship_update must be one of '
                         f'{", ".join(RELATIONSHIP_UPDATES)}, got {self.relationship_update!r}.')
+    if self.coaching_loss not in COACHING_LOSSES:
+      raise ConfigError(f'{name}.coaching_loss must be one of {", ".join(COACHING_LOSSES)}, '
+                        f'got {self.coaching_loss!r}.')
     for label in ('beta', 'relationship_learning_rate', 'relationship_steps'):
       if getattr(self, label) < 0:
         raise ConfigError(f'{name}.{label} must be >= 0, got {getattr(self, label)}.')
 
   def _step(self, relation, models, context):
     return update_relationship(relation, models, context.layer_of, self.lambda_, self.beta,
-                               self.relationship_learning_rate, self.relationship_steps)
+                               self.relationship_learning_rate, self.relationship_steps,
+                               self.coaching_loss)
 
   def relation(self, state, server_input, context):
     rel = normalize_rows(slice_relationship(state['relation'], server_input['clients']))
@@ -176,19 +255,26 @@ class KapcRule(process_lib.RelationRule):
 
 @gin.configurable('kapc')
 def build_kapc(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
-               lambda_: float = 0.5, beta: float = 0.1,
+               lambda_: float = 1.0, beta: float = 0.005,
                relationship_learning_rate: float = 0.01, relationship_steps: int = 1,
                bls_mu: Optional[float] = None, bls_kappa: float = 1.0,
                min_upload_layers: int = 1,
-               relationship_update: str = 'before_send') -> process_lib.PersonalizedAlgorithm:
+               relationship_update: str = 'before_send', coaching_loss: str = 'norm',
+               relationship_init: str = 'random',
+               relationship_seed: int = 0) -> process_lib.PersonalizedAlgorithm:
   """KAPC; with `bls_mu` set, KAPC+BLS (μ = bls_mu).
 
   `relationship_update`: 'before_send' (Algorithm 5: R stepped on the server's copies, then
   s_i and the skip mask from the stepped R) or 'after_training' (fltff's earlier order).
+  `coaching_loss`: f_s of the R step, 'norm' (§4.2) or 'squared' (fltff's earlier reading).
+  `relationship_init`: 'random' (§4.4; U(0, 1) rows normalised, seeded by
+  `relationship_seed`), 'uniform' (fltff's earlier start) or 'identity'.
   """
   rule = KapcRule(lambda_=lambda_, beta=beta,
                   relationship_learning_rate=relationship_learning_rate,
-                  relationship_steps=relationship_steps, relationship_update=relationship_update)
+                  relationship_steps=relationship_steps, relationship_update=relationship_update,
+                  coaching_loss=coaching_loss, relationship_init=relationship_init,
+                  relationship_seed=relationship_seed)
   return process_lib.build_personalized_process(
       model_spec, num_clients, client_optimizer or optimizers.default_client_optimizer(), rule,
       bls_mu=bls_mu, bls_kappa=bls_kappa, min_upload_layers=min_upload_layers,

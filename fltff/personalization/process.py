@@ -99,13 +99,28 @@ def message_rows(server_msg) -> collections.OrderedDict:
   return rows
 
 
-def initial_relationship(num_clients: int, num_layers: int, init: str) -> np.ndarray:
-  """R at round 0: `'uniform'` (1/N) or `'identity'`."""
+RELATIONSHIP_INITS = ('uniform', 'identity', 'random')
+
+
+def initial_relationship(num_clients: int, num_layers: int, init: str,
+                         seed: int = 0) -> np.ndarray:
+  """R at round 0: `'uniform'` (1/N), `'identity'` or `'random'`.
+
+  `'random'` (KAPC §4.4: the server initialises R randomly, Algorithm 1 line 2): every entry
+  drawn from U(0, 1) with `np.random.default_rng(seed)`, then each row r_i^l divided by its sum
+  (rows are distributions over clients, as Algorithm 5 lines 6 and 12 normalise them). The
+  distribution is ours: the paper names none.
+  """
+  shape = [num_clients, num_layers, num_clients]
   if init == 'uniform':
-    return np.full([num_clients, num_layers, num_clients], 1.0 / num_clients, np.float32)
+    return np.full(shape, 1.0 / num_clients, np.float32)
   if init == 'identity':
     return np.tile(np.eye(num_clients, dtype=np.float32)[:, None, :], [1, num_layers, 1])
-  raise ConfigError(f"relationship_init must be 'uniform' or 'identity', got {init!r}.")
+  if init == 'random':
+    draw = np.random.default_rng(seed).uniform(size=shape)
+    return (draw / draw.sum(-1, keepdims=True)).astype(np.float32)
+  raise ConfigError(f'relationship_init must be one of {", ".join(RELATIONSHIP_INITS)}, '
+                    f'got {init!r}.')
 
 
 def refreshed_models(trained: Sequence[tf.Tensor], stale: Sequence[tf.Tensor],
@@ -131,7 +146,8 @@ class RelationRule:
 
   Attributes (set by subclasses): `lambda_` (λ of the client term towards s_i; 0: none),
   `start_from` ('own' or 'server'), `local_layer_kinds` (layer kinds whose rows are the
-  identity, FedBN's normalisation layers), `relationship_init` ('uniform' or 'identity').
+  identity, FedBN's normalisation layers), `relationship_init` (`RELATIONSHIP_INITS`) and
+  `relationship_seed` (for 'random').
   Every method runs inside `tff.tensorflow.computation`s built by
   `build_personalized_process`.
   """
@@ -139,6 +155,7 @@ class RelationRule:
   start_from: str = 'own'
   local_layer_kinds: tuple = ()
   relationship_init: str = 'uniform'
+  relationship_seed: int = 0
 
   def check(self, name: str, bls_mu: Optional[float]) -> None:
     """Raises `ConfigError` for settings the rule cannot run with."""
@@ -146,7 +163,8 @@ class RelationRule:
   def initial_state(self, context: RoundContext) -> collections.OrderedDict:
     """The server state at round 0 (TF ops; `relation` is R ∈ ℝ^{N×L×N})."""
     return collections.OrderedDict(relation=tf.constant(initial_relationship(
-        context.num_clients, context.num_layers, self.relationship_init)))
+        context.num_clients, context.num_layers, self.relationship_init,
+        self.relationship_seed)))
 
   def relation(self, state, server_input, context: RoundContext):
     """(the `[P, L, P]` slice s_i and the skip mask come from, extra broadcast entries)."""
@@ -602,6 +620,11 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
             tf.gather(gathered['weight']['search_steps'], rows), tf.float32)),
         skipped_layer_fraction=tf.reduce_mean(tf.cast(server_msg['skip'], tf.float32)),
         self_relation_mean=tf.reduce_mean(server_msg['self_relation']))
+    # r_ii^l of the slice s_i came from, per layer: its mean over the participants (CSV
+    # columns) and every participant's value (`[P, L]`, in `clients` order: measurements.jsonl).
+    for l in range(num_layers):
+      stats[f'self_relation_layer_{l}'] = tf.reduce_mean(server_msg['self_relation'][:, l])
+    stats['self_relation'] = server_msg['self_relation']
     return new_state, result, stats
 
   @tff.federated_computation
