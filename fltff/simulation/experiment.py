@@ -52,17 +52,26 @@ def _bound(selector: str) -> bool:
     return False
 
 
+def _bound_selectors() -> list[str]:
+  """Every `configurable.parameter` gin binds now."""
+  return [f'{selector.rsplit(".", 1)[-1]}.{name}'
+          for (_, selector), params in gin.config._CONFIG.items()  # pylint: disable=protected-access
+          for name in params]
+
+
 def server_optimizer_bound() -> bool:
   """Whether the user bound any `server_optimizer.*` parameter in gin."""
   return any(selector.rsplit('.', 1)[-1] == 'server_optimizer' and params
              for (_, selector), params in gin.config._CONFIG.items())  # pylint: disable=protected-access
 
 
-def build_method(method: Callable[..., Any], model_spec: ModelSpec, num_clients: int):
+def build_method(method: Callable[..., Any], model_spec: ModelSpec, num_clients: int,
+                 seed: int = 0):
   """Calls a method builder with what the experiment gives it.
 
   Every builder gets the gin-configured `client_optimizer()`; those declaring `num_clients`
-  (stateful aggregators, per-client state) get the experiment's number of clients; when a
+  (stateful aggregators, per-client state) get the experiment's number of clients, those
+  declaring `relationship_seed` (KAPC) the run's `seed` unless gin binds it; when a
   `server_optimizer.*` parameter is bound, FedAvg-family builders get `server_optimizer()`
   (and a method without a server optimizer refuses it in one line).
   """
@@ -76,6 +85,9 @@ def build_method(method: Callable[..., Any], model_spec: ModelSpec, num_clients:
     kwargs['client_optimizer'] = optimizers.client_optimizer()
   if 'num_clients' in params:
     kwargs['num_clients'] = num_clients
+  if 'relationship_seed' in params and not any(
+      selector.endswith('.relationship_seed') for selector in _bound_selectors()):
+    kwargs['relationship_seed'] = seed  # KAPC's random R follows the run seed unless bound.
   if server_optimizer_bound():
     if 'server_optimizer' not in params:
       name = getattr(target, '__name__', str(method)).replace('build_', '')
@@ -169,7 +181,7 @@ def run_experiment(output_dir: str,
   check_number('experiment.model_seed', model_seed, integer=True)
   data = build_federated_data(run_seed=seed)
   model_spec = build_model_spec(data, model, model_seed)
-  algorithm = build_method(method, model_spec, data.num_clients())
+  algorithm = build_method(method, model_spec, data.num_clients(), seed)
   if personalization is not None:
     algorithm = with_fedlap_personalization(
         algorithm, personalization(model_spec, client_optimizer=optimizers.client_optimizer()))
