@@ -167,3 +167,33 @@ def test_a_layer_not_uploaded_keeps_the_servers_stale_copy_as_its_own_array(data
       else:  # Not uploaded: the stale copy, in an array of its own (no view of the round's
         np.testing.assert_array_equal(new['server_copy'][t], stale[k][t])  # [P, ...] stack).
         assert new['server_copy'][t].base is None
+
+
+@pytest.mark.parametrize('store', ['memory', 'sqlite'])
+def test_a_resume_whose_client_states_are_gone_is_refused_not_reset(store, data, spec, tmp_path):
+  """Deleting client_states.sqlite (or the checkpoint's client arrays) must not resume with
+  every client silently back at its initial state: one CheckpointError, nothing resumed."""
+  from fltff.errors import CheckpointError  # pylint: disable=g-import-not-at-top
+
+  def drive(rounds, resume):
+    config = RoundConfig(rounds=rounds, clients_per_round=3, batch_size=32, checkpoint_every=2,
+                         seed=4, client_state_store=store)
+    algorithm = personalization.build_local(spec, NUM_CLIENTS, client_optimizer=SGD())
+    RoundDriver(algorithm, data, config, str(tmp_path), progress=lambda _: None).run(
+        resume=resume)
+
+  drive(2, resume=False)
+  drive(3, resume=True)  # Intact: resumes.
+  assert [r['round'] for r in read_csv(tmp_path / 'metrics.csv')] == ['1', '2', '3']
+  checkpoint = tmp_path / 'checkpoints' / 'round_00003.npz'
+  if store == 'sqlite':
+    for name in os.listdir(tmp_path):
+      if name.startswith('client_states.sqlite'):
+        os.remove(tmp_path / name)
+  else:
+    arrays = {k: v for k, v in np.load(checkpoint).items() if not k.startswith('client/')}
+    with open(checkpoint, 'wb') as f:
+      np.savez(f, **arrays)
+  with pytest.raises(CheckpointError, match='client states do not match the checkpoint of round 3'):
+    drive(4, resume=True)
+  assert [r['round'] for r in read_csv(tmp_path / 'metrics.csv')] == ['1', '2', '3']

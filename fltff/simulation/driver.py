@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from fltff.data.pipeline import ClientDatasets
 from fltff.config_checks import check_number
+from fltff.errors import CheckpointError
 from fltff.errors import ConfigError
 from fltff.errors import DivergenceError
 from fltff.errors import StopRequested
@@ -331,8 +332,10 @@ class RoundDriver:
   # -- checkpoints -------------------------------------------------------------------------
   def save(self, round_num: int, state) -> None:
     t0 = time.perf_counter()
-    stem = self.checkpointer.save(round_num, state, {'rows': self.rows},
-                                  self.client_states.checkpoint(round_num))
+    stem = self.checkpointer.save(
+        round_num, state, {'rows': self.rows,
+                           'client_states': self.client_states.fingerprint(round_num)},
+        self.client_states.checkpoint(round_num))
     self.client_states.prune(self.checkpointer.rounds())
     # What a checkpoint costs (issue 20: it must grow with the clients changed, not with the
     # population): seconds including the client store's part, and the file's size.
@@ -345,6 +348,16 @@ class RoundDriver:
     self.rows = [r for r in meta['rows'] if r['round'] <= round_num]
     self.outputs.truncate_measurements(round_num)
     self.client_states.restore(round_num, arrays, self.algorithm.initial_client_state)
+    expected = meta.get('client_states')  # Absent in checkpoints written before the check.
+    if expected is not None:
+      found = self.client_states.fingerprint(round_num)
+      if found != expected:
+        raise CheckpointError(
+            f'the client states do not match the checkpoint of round {round_num} (it has '
+            f'{expected["clients"]} clients with a state, the store has {found["clients"]}'
+            f'{"" if found["clients"] != expected["clients"] else ", with other contents"}): '
+            f'{self.config.client_state_store} store of {self.output_dir} missing or changed. '
+            'Nothing was resumed; restore the file or start the run again without --resume.')
     return round_num, state
 
   # -- the loop ----------------------------------------------------------------------------

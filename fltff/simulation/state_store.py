@@ -21,6 +21,7 @@ Two implementations with one interface (`get`, `set_many`, `__contains__`, `chec
 from __future__ import annotations
 
 import collections
+import hashlib
 import io
 import os
 import sqlite3
@@ -89,6 +90,13 @@ class ClientStateStore:
 
   def reset(self) -> None:
     self._states = {}
+
+  def fingerprint(self, round_num: int) -> dict:
+    """What a checkpoint records of the states (`fingerprint_of`): the clients with a state
+    and the shapes of each one's arrays."""
+    del round_num
+    return fingerprint_of((k, [np.shape(leaf) for leaf in tf.nest.flatten(self._states[k])])
+                          for k in sorted(self._states))
 
   def close(self) -> None:
     pass
@@ -238,6 +246,13 @@ class SqliteClientStateStore:
     self._cache.clear()
     self._changed = {row[0] for row in self._db.execute('SELECT DISTINCT client FROM states')}
 
+  def fingerprint(self, round_num: int) -> dict:
+    """What a checkpoint records of the states (`fingerprint_of`): each client with a state as
+    of round `round_num` and the round of its newest version."""
+    return fingerprint_of(self._db.execute(
+        'SELECT client, MAX(round) FROM states WHERE round <= ? GROUP BY client ORDER BY client',
+        (int(round_num),)))
+
   def reset(self) -> None:
     """A new run in this folder: no states."""
     self._db.execute('DELETE FROM states')
@@ -246,6 +261,17 @@ class SqliteClientStateStore:
 
   def close(self) -> None:
     self._db.close()
+
+
+def fingerprint_of(entries) -> dict:
+  """`{'clients': count, 'digest': sha256}` of `(client, detail)` entries in client order: a
+  resumed run checks the store against its checkpoint's (`RoundDriver.restore`)."""
+  digest = hashlib.sha256()
+  count = 0
+  for client, detail in entries:
+    digest.update(f'{int(client)}:{detail};'.encode())
+    count += 1
+  return {'clients': count, 'digest': digest.hexdigest()}
 
 
 def build_client_state_store(kind: str, output_dir: str, init_fn: Callable[[int], Any]):
