@@ -138,9 +138,10 @@ def test_read_plan_and_commands(tmp_path):
                   reproduce.PlannedRun('b', 'gin_configs/y.gin',
                                        ('experiment.seed = 1', 'federated_data.seed = 1'))]
   args, state = reproduce.command(runs[1], str(tmp_path))
-  assert state == 'start' and args[-3:] == ['--gin_bindings=runtime.executor = "tff_cpp"',
-                                            '--gin_bindings=experiment.seed = 1',
+  # No executor pin (the default 'auto' chooses); the plan's bindings come last.
+  assert state == 'start' and args[-2:] == ['--gin_bindings=experiment.seed = 1',
                                             '--gin_bindings=federated_data.seed = 1']
+  assert not any('runtime.executor' in a for a in args)
   (tmp_path / 'b').mkdir()
   (tmp_path / 'b' / 'config.gin').write_text('experiment.rounds = 2\n')
   (tmp_path / 'b' / 'metrics.csv').write_text('round\n1\n')
