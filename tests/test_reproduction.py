@@ -14,87 +14,256 @@ from pipelines import reproduction
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _write_run(root, name, accs, key='test_accuracy'):
+def _write_run(root, name, columns, summary=None, measurements=None):
+  """A run folder: metrics.csv with `columns` ({column: [accuracy per round]}), summary.json."""
   path = os.path.join(root, 'runs', name)
   os.makedirs(path)
+  rounds = len(next(iter(columns.values())))
   with open(os.path.join(path, 'metrics.csv'), 'w', newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=['round', key, 'bytes_up', 'bytes_down'])
+    writer = csv.DictWriter(f, fieldnames=['round', *columns, 'bytes_up', 'bytes_down'])
     writer.writeheader()
-    for i, a in enumerate(accs, start=1):
-      writer.writerow({'round': i, key: a, 'bytes_up': 1e6, 'bytes_down': 2e6})
+    for i in range(rounds):
+      row = {'round': i + 1, 'bytes_up': 1e6, 'bytes_down': 2e6}
+      row.update({k: v[i] for k, v in columns.items() if v[i] is not None})
+      writer.writerow(row)
   with open(os.path.join(path, 'summary.json'), 'w') as f:
-    json.dump({'method': name}, f)
+    json.dump(dict({'method': name}, **(summary or {})), f)
+  if measurements:
+    with open(os.path.join(path, 'measurements.jsonl'), 'w') as f:
+      for record in measurements:
+        f.write(json.dumps(record) + '\n')
+
+
+def _head(protocol, column, statistic, value):
+  return {'headline': {'protocol': protocol, 'column': column, 'statistic': statistic,
+                       'value': value}}
 
 
 @pytest.fixture
 def results(tmp_path):
-  root = str(tmp_path)
-  # FedLap-style curves over 4 rounds; at_round = 2.
-  _write_run(root, 'avg', [0.1, 0.3, 0.5, 0.6])
-  _write_run(root, 'prox', [0.2, 0.35, 0.45, 0.65])
-  _write_run(root, 'lap', [0.3, 0.4, 0.55, 0.7])
-  # Rounds to 0.5: fedavg 4, fedadp 2, fedlayerwise 1.
-  _write_run(root, 'f_avg', [0.1, 0.2, 0.3, 0.5])
-  _write_run(root, 'f_adp', [0.1, 0.6, 0.7, 0.8])
-  _write_run(root, 'f_lw', [0.5, 0.6, 0.7, 0.8])
-  _write_run(root, 's0', [0.5, 0.9], key='mean_local_accuracy')
-  _write_run(root, 's1', [0.6, 0.7], key='mean_local_accuracy')
+  root = str(tmp_path / 'results')
+  # KAPC-style: KAPC over two of three seeds (headline 0.90, 0.94), FedAvg one seed with other
+  # protocols, local training not run, one earlier run without a headline.
+  _write_run(root, 'kapc_s0', {'personal_local_accuracy': [0.80, 0.90, 0.85]},
+             _head('personal_local', 'personal_local_accuracy', 'best_round_mean', 0.90))
+  _write_run(root, 'kapc_s1', {'personal_local_accuracy': [0.94, 0.90, 0.93]},
+             _head('personal_local', 'personal_local_accuracy', 'best_round_mean', 0.94))
+  _write_run(root, 'avg_k_s0', {'test_accuracy': [0.55, 0.65], 'global_local_accuracy': [0.5, 0.6],
+                                'trained_local_accuracy': [0.7, 0.8]},
+             dict(_head('global_local', 'global_local_accuracy', 'mean_client_best', 0.62),
+                  mean_client_best_global_local_accuracy=0.62,
+                  mean_client_best_trained_local_accuracy=0.83))
+  _write_run(root, 'old_s0', {'mean_local_accuracy': [0.70, 0.75, 0.72]})
+  # FedLap-style, first_rounds = 2: FedLap and FedAvg over seeds 0-1, FedProx seed 0 only.
+  _write_run(root, 'lap_s0', {'test_accuracy': [0.3, 0.5, 0.6, 0.7]})
+  _write_run(root, 'avg_s0', {'test_accuracy': [0.2, 0.3, 0.65, 0.6]})
+  _write_run(root, 'lap_s1', {'test_accuracy': [0.4, 0.4, 0.5, 0.5]})
+  _write_run(root, 'avg_s1', {'test_accuracy': [0.3, 0.4, 0.5, 0.45]})
+  _write_run(root, 'prox_s0', {'test_accuracy': [0.3, 0.6, 0.6, 0.7]})
+  # Rounds to 0.5: fedavg 4, fedadp 2, fedlayerwise 1; to 0.75 only fedadp (4); 0.9 nobody.
+  _write_run(root, 'f_avg', {'test_accuracy': [0.1, 0.2, 0.3, 0.5]})
+  _write_run(root, 'f_adp', {'test_accuracy': [0.1, 0.6, 0.7, 0.8]})
+  _write_run(root, 'f_lw', {'test_accuracy': [0.5, 0.6, 0.7, 0.72]})
+  # CCN: original and T = 1 (with Λ and ω of 3 clients over 2 rounds); T = 0.5 not run.
+  _write_run(root, 'c_orig', {'test_accuracy': [0.5, 0.7, 0.6]})
+  _write_run(root, 'c_t1', {'test_accuracy': [0.55, 0.72, 0.69]}, measurements=[
+      {'round': 1, 'aggregator/client_index': [0, 1, 2], 'aggregator/contribution': [0.5, 0.8, 0.7],
+       'aggregator/weight': [0.25, 0.4, 0.35]},
+      {'round': 2, 'aggregator/client_index': [0, 1, 2], 'aggregator/contribution': [0.9, 0.6, 0.5],
+       'aggregator/weight': [0.45, 0.3, 0.25]}])
+  _write_run(root, 'c2_orig', {'test_accuracy': [0.5, 0.6]})
+  _write_run(root, 'c2_t1', {'test_accuracy': [0.5, 0.58]})
   manifest = {'sections': [
-      {'id': 'gain', 'kind': 'early_gain', 'paper': 'p', 'title': 'Gain', 'at_round': 2,
-       'method': 'lap', 'baselines': ['avg', 'prox'],
-       'groups': [{'label': 'g', 'claim': 'c1',
-                   'runs': {'avg': 'avg', 'prox': 'prox', 'lap': 'lap'}},
-                  {'label': 'missing', 'runs': {'avg': 'avg', 'prox': 'nope', 'lap': 'lap'}}]},
-      {'id': 'rtt', 'kind': 'rounds_to_target', 'paper': 'p', 'title': 'Rounds',
-       'target': 0.5, 'targets': [0.5, 0.9],
-       'groups': [{'label': 'mix', 'runs': {'fedavg': 'f_avg', 'fedadp': 'f_adp',
-                                            'fedlayerwise': 'f_lw'}}]},
-      {'id': 'seeds', 'kind': 'seeds', 'title': 'Seeds',
-       'groups': [{'label': 'k', 'metric': 'mean_local_accuracy',
-                   'runs': {'kapc': ['s0', 's1', 's2']}}]},
+      {'id': 'kapc', 'kind': 'paper_table', 'paper': 'kp', 'title': 'KAPC',
+       'groups': [{'label': 'T1 a0.1', 'table': 'Table 1', 'dataset': 'FMNIST', 'alpha': '0.1',
+                   'runs': {'KAPC': ['kapc_s0', 'kapc_s1', 'kapc_s2'], 'FedAvg': ['avg_k_s0'],
+                            'local': ['local_s0'], 'old': ['old_s0']},
+                   'paper_rows': {'KAPC': 'kapc', 'FedAvg': 'fedavg', 'local': 'local_training',
+                                  'old': 'moon'}}]},
+      {'id': 'gain', 'kind': 'claim_gaps', 'paper': 'p', 'title': 'Gain', 'first_rounds': 2,
+       'rounds_to': 0.5,
+       'groups': [{'label': 'g', 'runs': {'lap': ['lap_s0', 'lap_s1'], 'avg': ['avg_s0', 'avg_s1'],
+                                          'prox': ['prox_s0', 'prox_s1']},
+                   'comparisons': [['lap', 'avg', ['c1', 'c2']], ['lap', 'prox', ['c1']]]}]},
+      {'id': 'rtt', 'kind': 'rounds_to_target', 'paper': 'fl', 'title': 'Rounds',
+       'targets': [0.5, 0.75, 0.9],
+       'comparisons': [['fedlayerwise', 'fedadp'], ['fedlayerwise', 'fedavg'],
+                       ['fedadp', 'fedavg']],
+       'groups': [{'label': 'mix', 'paper_key': 'mix',
+                   'runs': {'fedavg': ['f_avg'], 'fedadp': ['f_adp'], 'fedlayerwise': ['f_lw']}}]},
+      {'id': 'ccn', 'kind': 'pairs', 'paper': 'cc', 'title': 'CCN', 'original': 'original',
+       'extra_files': ['measurements.jsonl'],
+       'groups': [{'label': 'fedavg', 'paper_row': 'fedavg',
+                   'runs': {'original': ['c_orig'], 'T = 1': ['c_t1'], 'T = 0.5': ['c_t05']}},
+                  {'label': 'sgdm', 'paper_row': 'sgdm',
+                   'runs': {'original': ['c2_orig'], 'T = 1': ['c2_t1'], 'T = 0.5': ['c2_t05']}}]},
+      {'id': 'far', 'kind': 'out_of_reach', 'title': 'Out of reach',
+       'entries': [{'setting': 'KAPC MNIST', 'paper': 'kp', 'data': 'MNIST',
+                    'configs': ['gin_configs/x/mnist_*.gin'],
+                    'numbers': [{'kind': 'kapc_table', 'table': 'Table 1', 'dataset': 'FMNIST'}]},
+                   {'setting': 'nothing', 'data': 'CIFAR', 'configs': ['gin_configs/x/cifar_*.gin']}]},
   ]}
-  paper = {'p': {'paper': 'A paper', 'claims': [
-      {'id': 'c1', 'source': 'abstract', 'text': 'three to five points'}],
-                 'not_available': ['Fig. 1']}}
+  paper = {
+      'p': {'paper': 'A paper', 'claims': [
+          {'id': 'c1', 'statistic': 'mean_first', 'short': '+3 to +5', 'source': 'abstract',
+           'text': 'three to five points'},
+          {'id': 'c2', 'statistic': 'max', 'source': 'abstract', 'text': 'up to ten points'}]},
+      'kp': {'paper': 'K paper', 'plusminus': 'PLUSMINUS NOTE',
+             'values': {'Table 1': {'FMNIST': {'0.1': {
+                 'kapc': [96.71, 0.17], 'fedavg': [57.85, 0.42], 'local_training': [88.33, 0.09],
+                 'moon': [96.61, 0.35]}}}},
+             'flags': [{'cell': 'Table 1/FMNIST/0.1/moon', 'note': 'MOON FLAG'}]},
+      'fl': {'paper': 'F paper', 'table_I': {'source': 'Table I', 'dataset': 'MNIST', 'target': 0.95,
+                                             'rounds': {'mix': {'fedlayerwise': 12, 'fedadp': 21,
+                                                                'fedavg': 25}}},
+             'claims': [{'id': 'x', 'source': 'abstract', 'text': 'about 40 % fewer'}]},
+      'cc': {'paper': 'C paper', 'tables': {
+          'Table I': {'dataset': 'CIFAR-10', 'columns': {'α = 0.1': {
+              'fedavg': {'original': 69.68, 'normalized': 74.44, 'gain_printed': 4.76}}}},
+          'Table II': {'dataset': 'FEMNIST', 'columns': {'10 clients': {
+              'fedavg': {'original': 62.26, 'normalized': 71.12, 'gain_printed': 6.86}}}}}},
+  }
   with open(os.path.join(root, 'reproduction.json'), 'w') as f:
     json.dump(manifest, f)
   with open(os.path.join(root, 'paper_numbers.json'), 'w') as f:
     json.dump(paper, f)
+  for name in ('mnist_a.gin', 'mnist_b.gin'):
+    os.makedirs(tmp_path / 'gin_configs' / 'x', exist_ok=True)
+    (tmp_path / 'gin_configs' / 'x' / name).write_text('# config\n')
   return root
 
 
-def _row(md, start):
-  """Cells of the last line starting with `start` (the summary tables follow the run tables)."""
-  line = [l for l in md.splitlines() if l.startswith(start)][-1]
+def _row(md, start, which=-1):
+  """Cells of the last (or `which`) line starting with `start`."""
+  line = [l for l in md.splitlines() if l.startswith(start)][which]
   return [c.strip() for c in line.strip('|').split('|')]
 
 
-def test_gains_reductions_and_seeds(results):
-  md = reproduction.write(results, report)
-  # lap at round 2: 0.40 vs avg 0.30 / prox 0.35; mean over rounds 1-2: lap 0.35, avg 0.2,
-  # prox 0.275; final 0.70 vs 0.60 / 0.65.
-  assert _row(md, '| g | avg |') == ['g', 'avg', '+10.00', '+15.00', '+10.00',
-                                     'three to five points']
-  assert _row(md, '| g | prox |') == ['g', 'prox', '+5.00', '+7.50', '+5.00',
-                                      'three to five points']
-  assert _row(md, '| missing | prox |')[2] == 'not run'
-  assert _row(md, '| missing | avg |')[2] == '+10.00'
-  assert _row(md, '| g | lap')[3:5] == ['0.4000', '0.3500']
-  # Rounds to 0.5: 1 vs 4 -> 75 % fewer; 1 vs 2 -> 50 %; fedadp 2 vs 4 -> 50 %.
-  assert _row(md, '| mix | 0.5 (main)')[2:] == ['+75.0 %', '+50.0 %', '+50.0 %']
-  assert _row(md, '| mix | 0.9 |')[2:] == ['–', '–', '–']
-  assert _row(md, '| mix | fedlayerwise')[3:5] == ['1', '–']
-  # Seeds: best 0.9 and 0.7 -> 0.8 ± 0.1414 (n=2); s2 missing and named.
-  seeds = _row(md, '| k | kapc')
-  assert seeds[2] == '0.8000 ± 0.1414 (n=2)' and seeds[3] == '0.8000 ± 0.1414 (n=2)'
-  assert seeds[4] == 's2'
-  assert 'Not available to us (paper PDF not reachable here): Fig. 1.' in md
-  assert os.path.getsize(os.path.join(results, 'figures', 'gain.png')) > 1000
+def _write(results):
+  return reproduction.write(results, report, repo_root=os.path.dirname(results))
+
+
+def test_paper_table_puts_the_paper_number_beside_ours(results):
+  md = _write(results)
+  # KAPC: headline 0.90 and 0.94 -> 92.00, gap 92.00 - 96.71, seed 2 missing and named.
+  assert _row(md, '| KAPC |') == [
+      'KAPC', '96.71 ± 0.17', '92.00', 'personal_local, best-round mean', '-4.71',
+      '92.00 ± 2.83 (n=2)', 's0 90.00, s1 94.00', '–', 'kapc_s2']
+  # FedAvg: the headline is the mean of client bests of global_local; the other readings beside.
+  assert _row(md, '| FedAvg |') == [
+      'FedAvg', '57.85 ± 0.42', '62.00', 'global_local, mean of client bests', '+4.15',
+      '62.00 (n=1, no std)', 's0 62.00',
+      'central best-round 65.00; global_local best-round 60.00; trained_local best-round 80.00; '
+      'trained_local client-best 83.00', 'none']
+  assert _row(md, '| local |') == ['local', '88.33 ± 0.09'] + ['not run'] * 6 + ['local_s0']
+  # An earlier run (no headline): best round of its one local column, said so; flagged paper cell.
+  old = _row(md, '| old |')
+  assert old[1:6] == ['96.61 ± 0.35 [1]', '75.00', 'mean_local (earlier run), best-round mean',
+                      '-21.61', '75.00 (n=1, no std)']
+  assert '[1] MOON FLAG' in md and 'PLUSMINUS NOTE' in md
+
+
+def test_claim_gaps_per_seed_and_over_seeds(results):
+  md = _write(results)
+  # lap - avg: s0 gaps +10 +20 -5 +10, s1 +10 0 0 +5 (points).
+  assert _row(md, '| g | lap − avg | mean gap, rounds 1–2') == [
+      'g', 'lap − avg', 'mean gap, rounds 1–2 (declared)', 's0 +15.00, s1 +5.00',
+      '+10.00 ± 7.07 (n=2)', '+3 to +5 [c1]']
+  assert _row(md, '| g | lap − avg | largest') == [
+      'g', 'lap − avg', 'largest per-round gap (declared)', 's0 +20.00 (r2), s1 +10.00 (r1)',
+      '+15.00 ± 7.07 (n=2)', 'up to ten points [c2]']
+  assert _row(md, '| g | lap − avg | gap at the last')[3:5] == ['s0 +10.00, s1 +5.00',
+                                                                '+7.50 ± 3.54 (n=2)']
+  # lap - prox: seed 1 of prox not run.
+  assert _row(md, '| g | lap − prox | mean gap')[3:5] == ['s0 -5.00, not run: s1',
+                                                          '-5.00 (n=1, no std)']
+  assert _row(md, '| g | prox |') == ['g', 'prox', 's0', '60.00 (n=1, no std)',
+                                       '45.00 (n=1, no std)', '70.00 (n=1, no std)',
+                                       '70.00 (n=1, no std)', 's0 2', 'prox_s1']
+  assert _row(md, '| g | lap |')[3:8] == ['45.00 ± 7.07 (n=2)', '40.00 ± 0.00 (n=2)',
+                                          '60.00 ± 14.14 (n=2)', '60.00 ± 14.14 (n=2)',
+                                          's0 2, s1 3']
+  assert '- [c1] three to five points (abstract)' in md
+
+
+def test_rounds_to_target_beside_table_i_with_bounds(results):
+  md = _write(results)
+  assert _row(md, '| fedlayerwise | 12 |') == ['fedlayerwise', '12', '1', '> 4', '> 4',
+                                                '72.00 (4)', '4', 'none']
+  assert _row(md, '| fedavg | 25 |')[2:5] == ['4', '> 4', '> 4']
+  assert _row(md, '| 50 % |') == ['50 %', '+50.0 %', '+42.9 % (21 → 12)', '+75.0 %',
+                                  '+52.0 % (25 → 12)', '+50.0 %', '+16.0 % (25 → 21)']
+  # 75 %: fedlayerwise never (needs >= 5 rounds), fedadp 4, fedavg never.
+  assert _row(md, '| 75 % |')[1::2] == ['≤ -25.0 %', 'neither reached', '≥ +20.0 %']
+  assert _row(md, '| 90 % |')[1::2] == ['neither reached'] * 3
+  assert '- about 40 % fewer (abstract)' in md
+
+
+def test_pairs_gains_paper_ranges_and_contribution_spread(results):
+  md = _write(results)
+  assert _row(md, '| fedavg | T = 1 |', 0) == ['fedavg', 'T = 1', '1 run', '72.00 (n=1, no std)',
+                                            '69.00 (n=1, no std)', '+2.00 (n=1, no std)',
+                                            '+9.00 (n=1, no std)', 'none']
+  assert _row(md, '| fedavg | T = 0.5 |', 0)[2:7] == ['not run'] * 5
+  # Paper gains from its own columns (the printed 6.86 contradicts 71.12 - 62.26) beside ours.
+  assert _row(md, '| fedavg | +4.76') == ['fedavg', '+4.76', '+8.86 [1]', '+2.00', '–']
+  assert 'the paper prints 6.86 in brackets; its own Original and Normalized give 8.86' in md
+  # Λ of 3 clients over 2 rounds; equal base weights; weight moved 8.33 % and 11.67 %.
+  assert _row(md, '| fedavg | T = 1 | 2 rounds') == [
+      'fedavg', 'T = 1', '2 rounds, 3 clients in round 1', '0.5000 – 0.9000', '0.3500 (max 0.4000)',
+      '0.7500 – 1.3500', '10.000 / 11.667', '33.333']
+  assert _row(md, '| sgdm | T = 1 | not recorded')[3:] == ['–'] * 5
+
+
+def test_out_of_reach_lists_configs_and_paper_numbers(results):
+  md = _write(results)
+  assert _row(md, '| KAPC MNIST |') == [
+      'KAPC MNIST', 'MNIST', '`gin_configs/x/mnist_*.gin` (2 files)',
+      'Table 1 FMNIST: α = 0.1: kapc 96.71, fedavg 57.85, local_training 88.33, moon 96.61']
+  assert _row(md, '| nothing |')[2] == '`gin_configs/x/cifar_*.gin` (none here)'
+
+
+def test_figures_have_a_band_over_seeds(results):
+  runs = {n: reproduction._load(report, os.path.join(results, 'runs'), n)  # pylint: disable=protected-access
+          for n in ('lap_s0', 'lap_s1')}
+  x, mean, lo, hi = reproduction.band(list(runs.values()), lambda r: 'test_accuracy')
+  assert x == [1, 2, 3, 4]
+  assert mean == pytest.approx([0.35, 0.45, 0.55, 0.6])
+  assert lo == [0.3, 0.4, 0.5, 0.5] and hi == [0.4, 0.5, 0.6, 0.7]
+  md = _write(results)
+  for section in ('kapc', 'gain', 'rtt', 'ccn'):
+    assert os.path.getsize(os.path.join(results, 'figures', f'{section}.png')) > 1000
+    assert f'![{section}](figures/{section}.png)' in md
+  assert not os.path.exists(os.path.join(results, 'figures', 'far.png'))
   assert open(os.path.join(results, 'reproduction.md')).read() == md
 
 
+def test_weight_shift_bounds():
+  """CCN's weights against the bound the report states: equal base weights move < 1/N."""
+  import numpy as np
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    n = int(rng.integers(2, 40))
+    scores = rng.normal(size=n) * rng.choice([0.1, 1.0, 5.0])  # no Λ_r rounds to 0
+    soft = np.exp(scores - scores.max())
+    soft /= soft.sum()
+    lam = 1 - soft
+    assert lam.sum() == pytest.approx(n - 1)
+    for nu in (np.ones(n), rng.dirichlet(np.full(n, 0.3)) + 1e-3):
+      w = lam * nu / (lam * nu).sum()
+      shift = reproduction.weight_shift(list(lam), list(w))
+      p = nu / nu.sum()
+      assert shift['p'] == pytest.approx(list(p), abs=1e-9)
+      assert shift['moved'] <= shift['bound'] + 1e-12
+      assert shift['ratio'][1] <= 1 / (1 - p.max()) + 1e-9
+      if np.all(nu == 1):
+        assert shift['bound'] == pytest.approx(1 / n) and w.max() <= 1 / (n - 1) + 1e-12
+  assert reproduction.weight_shift([0.0], [1.0]) is None
+
+
 def test_shipped_results_report_builds(tmp_path):
-  """The repository's results/ manifest and paper numbers are consistent (CLI, exit 0)."""
+  """The repository's results/ manifest and paper numbers are consistent (CLI, exit 0), and
+  every Fashion-MNIST cell of KAPC Tables 1-2 appears beside its row."""
   import shutil
   shutil.copytree(os.path.join(REPO, 'results'), tmp_path / 'results')
   result = subprocess.run([sys.executable, '-m', 'pipelines.report',
@@ -108,24 +277,41 @@ def test_shipped_results_report_builds(tmp_path):
   paper = json.load(open(os.path.join(REPO, 'results', 'paper_numbers.json')))
   for section in manifest['sections']:
     assert section.get('paper') in (None, *paper)
+  checked = 0
+  for section in manifest['sections']:
+    if section['kind'] != 'paper_table':
+      continue
+    for group in section['groups']:
+      cells = paper[section['paper']]['values'][group['table']][group['dataset']][group['alpha']]
+      assert set(cells) <= set(group['paper_rows'].values())
+      table = md.split(f'### {group["label"]}\n')[1].split('\n### ')[0].split('\n## ')[0]
+      for row, key in group['paper_rows'].items():
+        assert _row(table, f'| {row} |')[1].startswith(f'{cells[key][0]:.2f} ± {cells[key][1]:.2f}')
+        checked += 1
+  assert checked >= 40
 
 
 def test_collect_copies_only_finished_runs(results, tmp_path):
   source = tmp_path / 'runs_out'
-  for name, rounds_done, rounds in (('avg', 4, 4), ('prox', 2, 4)):
+  for name, rounds_done, rounds in (('avg_s0', 4, 4), ('prox_s0', 2, 4), ('c_t05', 3, 3)):
     d = source / name
     d.mkdir(parents=True)
     rows = ['round,test_accuracy'] + [f'{i},0.5' for i in range(1, rounds_done + 1)]
     (d / 'metrics.csv').write_text('\n'.join(rows) + '\n')
     (d / 'summary.json').write_text('{}')
     (d / 'config.gin').write_text(f'experiment.model = "mlp2"\nexperiment.rounds = {rounds}\n')
+    (d / 'measurements.jsonl').write_text('{"round": 1}\n')
     (d / 'checkpoints').mkdir()
   status = reproduction.collect(results, str(source))
-  assert status['avg'] == 'copied' and status['prox'] == 'in progress 2/4'
-  assert status['lap'] == 'absent'
-  copied = sorted(os.listdir(os.path.join(results, 'runs', 'avg')))
-  assert copied == ['config.gin', 'metrics.csv', 'summary.json']
-  assert open(os.path.join(results, 'runs', 'avg', 'metrics.csv')).read().count('\n') == 5
+  assert status['avg_s0'] == 'copied' and status['prox_s0'] == 'in progress 2/4'
+  assert status['lap_s1'] == 'absent' and status['c_t05'] == 'copied'
+  # Only the CCN section asks for measurements.jsonl (extra_files).
+  assert sorted(os.listdir(os.path.join(results, 'runs', 'avg_s0'))) == [
+      'config.gin', 'metrics.csv', 'summary.json']
+  assert sorted(os.listdir(os.path.join(results, 'runs', 'c_t05'))) == [
+      'config.gin', 'measurements.jsonl', 'metrics.csv', 'summary.json']
+  assert open(os.path.join(results, 'runs', 'avg_s0', 'metrics.csv')).read().count('\n') == 5
+  assert open(os.path.join(results, 'runs', 'prox_s0', 'metrics.csv')).read().count('0.6') == 2  # kept
 
 
 def test_read_plan_and_commands(tmp_path):
@@ -138,9 +324,10 @@ def test_read_plan_and_commands(tmp_path):
                   reproduce.PlannedRun('b', 'gin_configs/y.gin',
                                        ('experiment.seed = 1', 'federated_data.seed = 1'))]
   args, state = reproduce.command(runs[1], str(tmp_path))
-  assert state == 'start' and args[-3:] == ['--gin_bindings=runtime.executor = "tff_cpp"',
-                                            '--gin_bindings=experiment.seed = 1',
+  # No executor pin (the default 'auto' chooses); the plan's bindings come last.
+  assert state == 'start' and args[-2:] == ['--gin_bindings=experiment.seed = 1',
                                             '--gin_bindings=federated_data.seed = 1']
+  assert not any('runtime.executor' in a for a in args)
   (tmp_path / 'b').mkdir()
   (tmp_path / 'b' / 'config.gin').write_text('experiment.rounds = 2\n')
   (tmp_path / 'b' / 'metrics.csv').write_text('round\n1\n')
@@ -158,9 +345,10 @@ def test_read_plan_and_commands(tmp_path):
 
 
 def test_shipped_plan_names_every_manifest_run_and_existing_configs():
+  """Every manifest run is planned, or an earlier run already in results/runs/."""
   from pipelines import reproduce
   plan = reproduce.read_plan(os.path.join(REPO, 'results', 'plan.txt'))
-  names = {r.name for r in plan}
+  names = {r.name for r in plan} | set(os.listdir(os.path.join(REPO, 'results', 'runs')))
   assert set(reproduction.manifest_runs(os.path.join(REPO, 'results'))) <= names
   for run in plan:
     assert os.path.isfile(os.path.join(REPO, run.gin_file)), run.gin_file
@@ -186,6 +374,10 @@ def test_reproduce_runs_then_skips_a_finished_run(tmp_path):
 
 
 def test_one_seed_has_no_spread_and_none_is_a_dash():
-  assert reproduction._mean_std([0.5]) == '0.5000 (n=1, no std)'  # pylint: disable=protected-access
-  assert reproduction._mean_std([]) == '–'  # pylint: disable=protected-access
-  assert reproduction._mean_std([0.9, 0.7]) == '0.8000 ± 0.1414 (n=2)'  # pylint: disable=protected-access
+  assert reproduction._pm([50.0]) == '50.00 (n=1, no std)'  # pylint: disable=protected-access
+  assert reproduction._pm([]) == '–'  # pylint: disable=protected-access
+  assert reproduction._pm([90.0, 70.0]) == '80.00 ± 14.14 (n=2)'  # pylint: disable=protected-access
+  assert reproduction._pm([1.0, -3.0], signed=True) == '-1.00 ± 2.83 (n=2)'  # pylint: disable=protected-access
+  assert reproduction.mean_std([0.9]) == (0.9, None, 1)
+  assert [reproduction.seed_of(n) for n in ('a_s0', 'a_s12', 'ccn_fmnist_fedavg')] == [
+      's0', 's12', 'run']
