@@ -561,7 +561,9 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   value_type = client_update.type_signature.result[0]
   weight_type = client_update.type_signature.result[1]
   gather, gathered_type = build_gather(value_type, weight_type)
-  num_trainable = len(tspecs)
+  # The gathered update is the value flattened by `tf.nest`, which orders a dict's entries by
+  # key: 'non_trainable' before 'trainable'. Packed back into the value's structure, not sliced.
+  value_template = tff.types.type_to_tf_tensor_specs(value_type)
 
   @tff.tensorflow.computation(state_type, server_input_type, broadcast_type, gathered_type)
   def finish(state, server_input, server_msg, gathered):
@@ -579,7 +581,9 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     uploaded = tf.range(num_layers)[None, :] < omega[:, None]                   # [P, L]
     if not communicates:
       uploaded = tf.zeros_like(uploaded)
-    new_state = rule.server_update(state, server_input, server_msg, values[:num_trainable],
+    update = tf.nest.pack_sequence_as(value_template, values)
+    trained = list(update['trainable'])
+    new_state = rule.server_update(state, server_input, server_msg, trained,
                                    uploaded, context)
     sizes = tf.constant(layer_sizes_bytes, tf.float64)
     sent = tf.logical_not(server_msg['skip'])
@@ -587,9 +591,9 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
       sent = tf.zeros_like(sent)
     bytes_down = tf.reduce_sum(tf.cast(sent, tf.float64) * sizes, axis=1)
     bytes_up = tf.reduce_sum(tf.cast(uploaded, tf.float64) * sizes, axis=1)
-    personal = collections.OrderedDict(trainable=tuple(values[:num_trainable]))
+    personal = collections.OrderedDict(trainable=tuple(trained))
     if nspecs:
-      personal['non_trainable'] = tuple(values[num_trainable:])
+      personal['non_trainable'] = tuple(update['non_trainable'])
     result = collections.OrderedDict(
         clients=clients, personal=personal, omega=omega, uploaded=uploaded)
     if bls_mu is not None:
