@@ -101,6 +101,22 @@ def test_fedbn_keeps_batchnorm_local_and_averages_the_rest_by_examples():
   np.testing.assert_array_equal(out.result['clients'], clients)
 
 
+def test_fedbn_counts_no_bytes_for_the_batchnorm_layers():
+  """The BN layers never cross the network (the KAPC paper's Table 6 counts FedBN's
+  communication without them): 4 bytes per parameter of the other layers, by hand."""
+  conv1, conv2 = 5 * 5 * 1 * 32 + 32, 5 * 5 * 32 * 64 + 64
+  dense1, dense2, logits = 2 * 2 * 64 * 512 + 512, 512 * 128 + 128, 128 * CLASSES + CLASSES
+  shared = 4 * (conv1 + conv2 + dense1 + dense2 + logits)
+  algorithm = fedbn_lib.build_fedbn(SPEC, 2, client_optimizer=tff.learning.optimizers.build_sgdm(
+      learning_rate=0.1))
+  bn = 4 * 2 * (32 + 64 + 512 + 128)
+  assert sum(algorithm.layer_sizes_bytes) == shared + bn
+  assert algorithm.bytes_down_per_client == algorithm.bytes_up_per_client == shared
+  out = Sim(algorithm, 2).round([0, 1], _datasets((4, 4), seed=2), [4.0, 4.0], epochs=1)
+  np.testing.assert_array_equal(out.result['bytes_down'], [shared, shared])
+  np.testing.assert_array_equal(out.result['bytes_up'], [shared, shared])
+
+
 def test_fedbn_on_cnn2_bn_is_not_vectorised():
   # 'auto' therefore runs it on TFF's C++ runtime (the pipeline test below).
   algorithm = fedbn_lib.build_fedbn(SPEC, 3)

@@ -198,6 +198,10 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   # client work's vectorised twin (`fltff.personalization.vectorized.VectorizedPersonalWork`).
   split_round: Optional[tuple] = None
   vectorized_fn: Optional[Callable[[Optional[str]], Any]] = None
+  # Per layer: kept on its client and never sent either way (the rule's `local_layer_kinds`,
+  # FedBN's BatchNorm layers). The server's copy of such a layer is the client's own, which
+  # the driver keeps for it; it is not counted in the bytes. Empty: none.
+  local_layers: tuple = ()
   _initial: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
   _vectorized: Any = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -214,13 +218,20 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     return self.new_client_state()
 
   @property
+  def communicated_layer_bytes(self) -> list:
+    """The bytes of each layer that crosses the network: 0 for a local layer."""
+    local = self.local_layers or (False,) * len(self.layer_sizes_bytes)
+    return [0 if keep else int(size) for size, keep in zip(self.layer_sizes_bytes, local)]
+
+  @property
   def bytes_down_per_client(self) -> int:
-    """All layers (BLS may send fewer: the round's `bytes_down` counts what was sent)."""
-    return int(sum(self.layer_sizes_bytes))
+    """All layers but the local ones (BLS may send fewer: the round's `bytes_down` counts what
+    was sent)."""
+    return int(sum(self.communicated_layer_bytes))
 
   @property
   def bytes_up_per_client(self) -> int:
-    return int(sum(self.layer_sizes_bytes))
+    return int(sum(self.communicated_layer_bytes))
 
   def next(self, state, server_input, client_inputs: Sequence,
            call: protocol.Call = protocol.direct_call) -> protocol.RoundOutput:
@@ -585,7 +596,8 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     trained = list(update['trainable'])
     new_state = rule.server_update(state, server_input, server_msg, trained,
                                    uploaded, context)
-    sizes = tf.constant(layer_sizes_bytes, tf.float64)
+    # A local layer's s_i is the client's own layer: neither sent nor uploaded.
+    sizes = tf.constant(np.where(local_layers, 0, layer_sizes_bytes), tf.float64)
     sent = tf.logical_not(server_msg['skip'])
     if not communicates:
       sent = tf.zeros_like(sent)
@@ -653,6 +665,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   process = tff.templates.IterativeProcess(init_fn, next_fn)
   return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec,
                                layer_sizes_bytes=layer_sizes_bytes, tensor_layers=layer_of,
+                               local_layers=tuple(bool(x) for x in local_layers),
                                model_from_client=model_from_client, bls=bls_mu is not None,
                                num_clients=num_clients,
                                split_round=(prepare_round, end_round),
