@@ -17,6 +17,7 @@ SHAPES = {
     'cnn_cifar_tutorial': (32, 32, 3),
     'cnn_mnist_582k': (28, 28, 1),
     'cnn2': (28, 28, 1),
+    'cnn2_bn': (28, 28, 1),
     'resnet18': (32, 32, 3),
     'vgg16': (32, 32, 3),
 }
@@ -26,6 +27,7 @@ LATENT_DIMS = {
     'cnn_cifar_tutorial': 64,
     'cnn_mnist_582k': 512,
     'cnn2': 128,
+    'cnn2_bn': 128,
     'resnet18': 512,
     'vgg16': 128,
 }
@@ -36,6 +38,8 @@ GROUP_COUNTS = {
     'cnn_cifar_tutorial': (5, 0),
     'cnn_mnist_582k': (4, 0),
     'cnn2': (5, 0),
+    # cnn2's five layers, a BN after each conv and each hidden dense layer.
+    'cnn2_bn': (9, 4),
     # stem conv + 16 block convs + 3 projection convs, each with a BN, + classifier.
     'resnet18': (41, 20),
     # 13 conv + 13 BN + latent + classifier.
@@ -125,6 +129,50 @@ def test_param_count_resnet18(built):
   # BN moving mean and variance are non-trainable.
   assert _num_params(model.non_trainable_weights) == 2 * _resnet18_bn_channels()
   assert model.count_params() == trainable + 2 * _resnet18_bn_channels()
+
+
+def test_param_count_cnn2_bn(built):
+  model = built['cnn2_bn']
+  cnn2 = (_conv(5, 1, 32) + _conv(5, 32, 64) + _dense(7 * 7 * 64, 512) + _dense(512, 128)
+          + _dense(128, 10))
+  bn_channels = 32 + 64 + 512 + 128
+  assert cnn2 == 1_725_194
+  assert _num_params(model.trainable_weights) == cnn2 + 2 * bn_channels == 1_726_666
+  assert _num_params(model.non_trainable_weights) == 2 * bn_channels == 1_472
+  assert model.count_params() == 1_728_138
+
+
+def test_cnn2_bn_is_cnn2_with_batchnorm(built):
+  # Same conv/dense layers, sizes and seeded initial kernels as cnn2; a BN before each ReLU.
+  plain, bn = built['cnn2'], built['cnn2_bn']
+  for name, layer in (('conv1', 'conv1'), ('conv2', 'conv2'), ('dense1', 'dense1'),
+                      ('latent', 'dense2'), ('logits', 'logits')):
+    np.testing.assert_array_equal(plain.get_layer(name).kernel.numpy(),
+                                  bn.get_layer(layer).kernel.numpy())
+  for conv_or_dense, norm, relu in (('conv1', 'bn1', 'relu1'), ('conv2', 'bn2', 'relu2'),
+                                    ('dense1', 'bn3', 'relu3'), ('dense2', 'bn4', 'latent')):
+    assert bn.get_layer(conv_or_dense).activation is tf.keras.activations.linear
+    assert bn.get_layer(norm).input is bn.get_layer(conv_or_dense).output
+    assert bn.get_layer(relu).input is bn.get_layer(norm).output
+    assert isinstance(bn.get_layer(relu), tf.keras.layers.ReLU)
+  # Output shapes on 28x28x1: 'same' convs, two 2x2 pools, 7·7·64 = 3136 flattened.
+  assert bn.get_layer('bn1').output.shape[1:] == (28, 28, 32)
+  assert bn.get_layer('bn2').output.shape[1:] == (14, 14, 64)
+  assert bn.get_layer('flatten').output.shape[1:] == (3136,)
+  assert bn.get_layer('bn3').output.shape[1:] == (512,)
+  assert bn.get_layer('latent').output.shape[1:] == (128,)
+
+
+def test_cnn2_bn_trains_its_batchnorm_statistics():
+  model = models.build_model('cnn2_bn', (8, 8, 1), 3, seed=0)
+  x = tf.random.stateless_normal((4, 8, 8, 1), seed=(5, 6), mean=2.0)
+  before = [w.numpy() for w in model.non_trainable_weights]
+  model(x, training=False)
+  for a, w in zip(before, model.non_trainable_weights, strict=True):
+    np.testing.assert_array_equal(a, w.numpy())  # Inference leaves the statistics alone.
+  model(x, training=True)
+  assert all(not np.array_equal(a, w.numpy())
+             for a, w in zip(before, model.non_trainable_weights, strict=True))
 
 
 def test_param_count_vgg16(built):
@@ -288,6 +336,30 @@ def test_layer_groups_small_models(built):
   assert kinds == ['conv', 'conv', 'dense', 'dense']
   resnet = models.layer_groups(built['resnet18'])
   assert [g.name for g in resnet[:2]] == ['stem_conv', 'stem_bn']
+
+
+def test_layer_groups_cnn2_bn(built):
+  # Each BN layer is a group of its own (kind 'norm', which FedBN keeps local) holding its
+  # gamma and beta and its moving mean and variance.
+  model = built['cnn2_bn']
+  groups = models.layer_groups(model)
+  assert [(g.name, g.kind) for g in groups] == [
+      ('conv1', 'conv'), ('bn1', 'norm'), ('conv2', 'conv'), ('bn2', 'norm'),
+      ('dense1', 'dense'), ('bn3', 'norm'), ('dense2', 'dense'), ('bn4', 'norm'),
+      ('logits', 'dense')]
+  trainable_sizes = [[int(model.trainable_weights[i].shape.num_elements())
+                      for i in g.trainable_indices] for g in groups]
+  assert trainable_sizes == [
+      [5 * 5 * 1 * 32, 32], [32, 32], [5 * 5 * 32 * 64, 64], [64, 64], [3136 * 512, 512],
+      [512, 512], [512 * 128, 128], [128, 128], [128 * 10, 10]]
+  for g in groups:
+    names = [model.trainable_weights[i].name for i in g.trainable_indices]
+    stats = [model.non_trainable_weights[i].name for i in g.non_trainable_indices]
+    if g.kind == 'norm':
+      assert names == [f'{g.name}/gamma:0', f'{g.name}/beta:0']
+      assert stats == [f'{g.name}/moving_mean:0', f'{g.name}/moving_variance:0']
+    else:
+      assert names == [f'{g.name}/kernel:0', f'{g.name}/bias:0'] and not stats
 
 
 def test_layer_groups_nested_models():

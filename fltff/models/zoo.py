@@ -160,6 +160,45 @@ def _cnn2(name, input_shape, num_classes, init):
   return tf.keras.Model(inputs, logits, name=name)
 
 
+def _cnn2_bn(name, input_shape, num_classes, init):
+  """`cnn2` with BatchNorm, for FedBN on the KAPC paper's MNIST/FMNIST setting (issue 36).
+
+  The KAPC paper (§7.1; NUMBERS.md §5.1) gives the 2CNN's two 5x5 conv layers and its 512- and
+  128-unit hidden FC layers but says nothing about normalisation, so FedBN (which keeps the
+  BatchNorm layers local) has nothing to keep local on `cnn2`. The BatchNorm placement here is
+  OUR choice: a BatchNorm after every conv and after both hidden dense layers, each between
+  the layer and its ReLU (as in FedBN's reference digit model, med-air/FedBN `DigitModel`),
+  with the zoo's PyTorch-equivalent momentum 0.9 and epsilon 1e-5:
+
+    conv1 5x5·32 → bn1 → ReLU → pool1 → conv2 5x5·64 → bn2 → ReLU → pool2 → flatten (3136)
+    → dense1 512 → bn3 → ReLU → dense2 128 → bn4 → ReLU ('latent') → logits.
+
+  The conv and dense layers are `cnn2`'s ('same' padding, biases kept, same sizes and seeds),
+  so on 28x28x1 inputs with 10 classes it has cnn2's 1,725,194 parameters plus
+  2·(32 + 64 + 512 + 128) = 1,472 trainable BatchNorm parameters (gamma, beta) and as many
+  moving statistics (mean, variance): 1,726,666 trainable, 1,728,138 in all. The latent
+  layer is the ReLU after bn4 (128-d), the representation the classifier reads.
+  """
+  inputs, x = _image_input(name, input_shape, min_hw=4)
+  x = _conv(32, 5, init, 'conv1', padding='same')(x)
+  x = _bn('bn1')(x)
+  x = tf.keras.layers.ReLU(name='relu1')(x)
+  x = tf.keras.layers.MaxPool2D(2, name='pool1')(x)
+  x = _conv(64, 5, init, 'conv2', padding='same')(x)
+  x = _bn('bn2')(x)
+  x = tf.keras.layers.ReLU(name='relu2')(x)
+  x = tf.keras.layers.MaxPool2D(2, name='pool2')(x)
+  x = tf.keras.layers.Flatten(name='flatten')(x)
+  x = _dense(512, init, 'dense1')(x)
+  x = _bn('bn3')(x)
+  x = tf.keras.layers.ReLU(name='relu3')(x)
+  x = _dense(128, init, 'dense2')(x)
+  x = _bn('bn4')(x)
+  x = tf.keras.layers.ReLU(name=LATENT_LAYER)(x)
+  logits = _dense(num_classes, init, 'logits')(x)
+  return tf.keras.Model(inputs, logits, name=name)
+
+
 def _basic_block(x: tf.Tensor, filters: int, strides: int, init: _Init,
                  prefix: str) -> tf.Tensor:
   """ResNet BasicBlock (He et al., 2016): two 3x3 conv-BN, identity or 1x1-conv-BN shortcut."""
@@ -234,6 +273,7 @@ _REGISTRY: dict[str, _Builder] = {
     'cnn_cifar_tutorial': _cnn_cifar_tutorial,
     'cnn_mnist_582k': _cnn_mnist_582k,
     'cnn2': _cnn2,
+    'cnn2_bn': _cnn2_bn,
     'resnet18': _resnet18,
     'vgg16': _vgg16,
 }

@@ -216,6 +216,10 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   # client work's vectorised twin (`fltff.personalization.vectorized.VectorizedPersonalWork`).
   split_round: Optional[tuple] = None
   vectorized_fn: Optional[Callable[[Optional[str]], Any]] = None
+  # Per layer: kept on its client and never sent either way (the rule's `local_layer_kinds`,
+  # FedBN's BatchNorm layers). The server's copy of such a layer is the client's own, which
+  # the driver keeps for it; it is not counted in the bytes. Empty: none.
+  local_layers: tuple = ()
   _initial: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
   _vectorized: Any = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -232,13 +236,20 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     return self.new_client_state()
 
   @property
+  def communicated_layer_bytes(self) -> list:
+    """The bytes of each layer that crosses the network: 0 for a local layer."""
+    local = self.local_layers or (False,) * len(self.layer_sizes_bytes)
+    return [0 if keep else int(size) for size, keep in zip(self.layer_sizes_bytes, local)]
+
+  @property
   def bytes_down_per_client(self) -> int:
-    """All layers (BLS may send fewer: the round's `bytes_down` counts what was sent)."""
-    return int(sum(self.layer_sizes_bytes))
+    """All layers but the local ones (BLS may send fewer: the round's `bytes_down` counts what
+    was sent)."""
+    return int(sum(self.communicated_layer_bytes))
 
   @property
   def bytes_up_per_client(self) -> int:
-    return int(sum(self.layer_sizes_bytes))
+    return int(sum(self.communicated_layer_bytes))
 
   def next(self, state, server_input, client_inputs: Sequence,
            call: protocol.Call = protocol.direct_call) -> protocol.RoundOutput:
@@ -579,7 +590,9 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   value_type = client_update.type_signature.result[0]
   weight_type = client_update.type_signature.result[1]
   gather, gathered_type = build_gather(value_type, weight_type)
-  num_trainable = len(tspecs)
+  # The gathered update is the value flattened by `tf.nest`, which orders a dict's entries by
+  # key: 'non_trainable' before 'trainable'. Packed back into the value's structure, not sliced.
+  value_template = tff.types.type_to_tf_tensor_specs(value_type)
 
   @tff.tensorflow.computation(state_type, server_input_type, broadcast_type, gathered_type)
   def finish(state, server_input, server_msg, gathered):
@@ -597,17 +610,20 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     uploaded = tf.range(num_layers)[None, :] < omega[:, None]                   # [P, L]
     if not communicates:
       uploaded = tf.zeros_like(uploaded)
-    new_state = rule.server_update(state, server_input, server_msg, values[:num_trainable],
+    update = tf.nest.pack_sequence_as(value_template, values)
+    trained = list(update['trainable'])
+    new_state = rule.server_update(state, server_input, server_msg, trained,
                                    uploaded, context)
-    sizes = tf.constant(layer_sizes_bytes, tf.float64)
+    # A local layer's s_i is the client's own layer: neither sent nor uploaded.
+    sizes = tf.constant(np.where(local_layers, 0, layer_sizes_bytes), tf.float64)
     sent = tf.logical_not(server_msg['skip'])
     if not communicates:
       sent = tf.zeros_like(sent)
     bytes_down = tf.reduce_sum(tf.cast(sent, tf.float64) * sizes, axis=1)
     bytes_up = tf.reduce_sum(tf.cast(uploaded, tf.float64) * sizes, axis=1)
-    personal = collections.OrderedDict(trainable=tuple(values[:num_trainable]))
+    personal = collections.OrderedDict(trainable=tuple(trained))
     if nspecs:
-      personal['non_trainable'] = tuple(values[num_trainable:])
+      personal['non_trainable'] = tuple(update['non_trainable'])
     result = collections.OrderedDict(
         clients=clients, personal=personal, omega=omega, uploaded=uploaded)
     if bls_mu is not None:
@@ -672,6 +688,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   process = tff.templates.IterativeProcess(init_fn, next_fn)
   return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec,
                                layer_sizes_bytes=layer_sizes_bytes, tensor_layers=layer_of,
+                               local_layers=tuple(bool(x) for x in local_layers),
                                model_from_client=model_from_client, bls=bls_mu is not None,
                                num_clients=num_clients,
                                split_round=(prepare_round, end_round),
