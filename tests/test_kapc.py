@@ -260,7 +260,7 @@ def test_bls_with_mu_above_one_and_full_upload_equals_kapc(order):
 
 
 def test_byte_counts_equal_the_tensors_exchanged():
-  algorithm = kapc_lib.build_kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.5, bls_kappa=0.0)
+  algorithm = kapc_lib.build_kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.5)
   sim = Sim(algorithm, 3)
   sizes = [sum(np.asarray(w).nbytes for w in SPEC.initial_weights().trainable[t:t + 2])
            for t in (0, 2)]
@@ -270,10 +270,10 @@ def test_byte_counts_equal_the_tensors_exchanged():
     rel = np.asarray(out.measurements['kapc']['self_relation_mean'])
     assert np.isfinite(rel)
     omega = np.asarray(out.result['omega'])
-    # κ = 0: the bound is the bias term alone, which grows with Ω: every client uploads Ω = 1.
-    np.testing.assert_array_equal(omega, 1)
-    np.testing.assert_allclose(out.result['bytes_up'], [sizes[0]] * 3)
-  # Round 1: R uniform (r_ii = 1/3 ≤ 0.5): every layer is sent.
+    if r == 0:  # Algorithm 4 on a first selection: Ω = L − 1 = 1.
+      np.testing.assert_array_equal(omega, 1)
+    np.testing.assert_allclose(out.result['bytes_up'], [sum(sizes[:w]) for w in omega])
+  # Round 1: R uniform (r_ii = 1/3 ≤ 0.5): every layer is sent; Ω = 1 (first selection).
   sim2 = Sim(algorithm, 3)
   out = sim2.round([0, 1, 2], _datasets((8, 8, 8), seed=0))
   np.testing.assert_allclose(out.result['bytes_down'], [sum(sizes)] * 3)
@@ -297,7 +297,7 @@ def test_byte_counts_equal_the_tensors_exchanged():
   # The earlier order ('after_training'): the server's R step after round 1 used exactly the
   # copies it stored in that round (uniform R, all clients: the slice is the whole cube, so
   # R⁺ = one projected step from 1/3 on the copies the driver keeps).
-  old = Sim(kapc_lib.build_kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.5, bls_kappa=0.0,
+  old = Sim(kapc_lib.build_kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.5,
                           relationship_update='after_training'), 3)
   old.round([0, 1, 2], _datasets((8, 8, 8), seed=0))
   np.testing.assert_allclose(old.state['relation'], one_step(uniform, old), atol=1e-6)
@@ -381,53 +381,56 @@ def test_relationship_update_is_validated_and_gin_configurable():
     gin.clear_config()
 
 
-def test_bls_search_starts_below_full_upload():
-  """Algorithm 4: the search starts from L − 1 on a client's first selection and after a
-  round with Ω = L (here L = 2, so from Ω = 1)."""
-  # κ = 0: G grows with Ω, so Ω = 1 — reached with no move from the start L − 1 = 1.
-  sim = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.5, bls_kappa=0.0), 4)
-  out = sim.round([0, 1, 2, 3], _datasets([8] * 4, seed=0))
-  np.testing.assert_array_equal(out.result['omega'], 1)
-  assert float(out.measurements['kapc']['search_steps_mean']) == 0.0
-  # κ = 100, n_i = 8, n_fed = 32: the estimation terms favour Ω = L = 2. Every round the walk
-  # starts again at 1 and makes one move (without the restart round 2 would make none).
-  sim = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.5, bls_kappa=100.0), 4)
-  for r in range(2):
-    out = sim.round([0, 1, 2, 3], _datasets([8] * 4, seed=r))
-    np.testing.assert_array_equal(out.result['omega'], 2)
-    assert float(out.measurements['kapc']['search_steps_mean']) == 1.0
-    assert all(int(sim.states[k]['omega']) == 2 for k in range(4))
-
-
-def test_bls_running_maxima_and_omega_match_numpy():
-  """B̂, τ̂ kept in the client state are the per-layer maxima of B^l = ||w^l|| and
-  τ^l = ||w^l − s^l|| over the client's rounds, and Ω is `bls.select_omega` on them."""
+def test_bls_algorithm4_in_rounds_matches_select_omega_tf():
+  """Algorithm 4 in the process: the B^l = ||w^l||, τ^l = ||w^l − s^l|| each client computes,
+  the Ω and stored bounds it keeps, round after round, equal `bls.select_omega_tf` on NumPy
+  norms (itself tested line by line in test_bls.py). Round 1 is every client's first selection
+  (branch A: Ω = L − 1 = 1, no search, stored bounds = this round's); later rounds go through
+  branch B (Ω^{k−1} = 1), where the stored bounds must not change."""
   algorithm = kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.5)  # Nothing skipped.
+  columns, out_dims = bls_lib.layer_dimensions(
+      [[np.shape(w) for w in SPEC.initial_weights().trainable[t:t + 2]] for t in (0, 2)])
+  assert (columns, out_dims) == ([DIM, 8], [8, CLASSES])
   sim = Sim(algorithm, 4)
   state = sim.states[0]
+  assert int(state['omega']) == 2
   np.testing.assert_array_equal(state['b_max'], np.zeros(2, np.float32))
   np.testing.assert_array_equal(state['tau_max'], np.zeros(2, np.float32))
-  b_max = {k: np.zeros(2) for k in range(4)}
-  tau_max = {k: np.zeros(2) for k in range(4)}
-  omega_prev = {k: 2 for k in range(4)}
-  for r, clients in enumerate(([0, 1, 2, 3], [1, 3], [0, 2, 3], [3, 1])):
+  branches = []
+  for r, clients in enumerate(([0, 1, 2, 3], [1, 3], [0, 2, 3], [3, 1], [0, 1, 2, 3])):
     relation, copies = _snapshot(sim, clients)
     stepped = _np_relationship_steps(
         _np_normalize(relation[clients][:, :, clients].astype(np.float64)), copies, 0.5, 0.1,
         0.01, 1)
     s = _np_server_models(stepped, copies)
+    before = {k: {key: np.array(sim.states[k][key]) for key in ('omega', 'b_max', 'tau_max')}
+              for k in clients}
     out = sim.round(clients, _datasets([8] * len(clients), seed=20 + r))
+    steps = []
     for p, k in enumerate(clients):
       b = _np_norms(sim.models(k))
       tau = _np_norms(sim.models(k), [x[p] for x in s])
-      omega, _, b_max[k], tau_max[k] = bls_lib.select_omega(
-          b, tau, b_max[k], tau_max[k], 8, 8 * len(clients), 1.0, omega_prev[k])
-      np.testing.assert_allclose(sim.states[k]['b_max'], b_max[k], rtol=1e-5)
-      np.testing.assert_allclose(sim.states[k]['tau_max'], tau_max[k], rtol=1e-4, atol=1e-6)
-      assert int(np.asarray(out.result['omega'])[p]) == omega == int(sim.states[k]['omega'])
-      omega_prev[k] = omega
-  for k in range(4):  # The maxima are maxima over rounds, not the last round's values.
-    assert (sim.states[k]['b_max'] >= _np_norms(sim.models(k)) - 1e-5).all()
+      omega, step, b_max, tau_max = bls_lib.select_omega_tf(
+          b.astype(np.float32), tau.astype(np.float32), before[k]['b_max'],
+          before[k]['tau_max'], int(before[k]['omega']), columns, out_dims)
+      assert int(np.asarray(out.result['omega'])[p]) == int(omega) == int(sim.states[k]['omega'])
+      np.testing.assert_allclose(sim.states[k]['b_max'], b_max, rtol=1e-5)
+      np.testing.assert_allclose(sim.states[k]['tau_max'], tau_max, rtol=1e-4, atol=1e-6)
+      steps.append(int(step))
+      if int(before[k]['omega']) == 2:  # Branch A: Ω = 1, the stored bounds take maxima.
+        branches.append('A')
+        assert int(omega) == 1 and int(step) == 0
+        np.testing.assert_allclose(sim.states[k]['b_max'],
+                                   np.maximum(before[k]['b_max'], b), rtol=1e-5)
+      else:  # Branch B: the stored bounds are kept bit for bit.
+        branches.append('B')
+        np.testing.assert_array_equal(sim.states[k]['b_max'], before[k]['b_max'])
+        np.testing.assert_array_equal(sim.states[k]['tau_max'], before[k]['tau_max'])
+    assert float(out.measurements['kapc']['search_steps_mean']) == pytest.approx(np.mean(steps))
+    if r == 0:
+      np.testing.assert_array_equal(out.result['omega'], 1)
+      assert float(out.measurements['kapc']['search_steps_mean']) == 0.0
+  assert branches[:4] == ['A'] * 4 and 'B' in branches
 
 
 def test_fedbn_without_norm_layers_equals_fedavg():
