@@ -188,6 +188,17 @@ class Sim:
     self.states.update(self.algorithm.next_client_states(out.result, self.states.get))
     return out
 
+  def driver_round(self, clients, datasets, epochs=1):
+    """The round through `PersonalizedAlgorithm.next`, as the driver runs it."""
+    inputs = [self.algorithm.client_input(d, k, epochs, self.states[k])
+              for k, d in zip(clients, datasets)]
+    server_input = self.algorithm.server_input(clients, [self.states[k] for k in clients],
+                                               [8.0] * len(clients))
+    out = self.algorithm.next(self.state, server_input, inputs)
+    self.state = out.state
+    self.states.update(out.client_states)
+    return out
+
 
 def _sgd(learning_rate=LR):
   return tff.learning.optimizers.build_sgdm(learning_rate=learning_rate)
@@ -431,6 +442,44 @@ def test_bls_algorithm4_in_rounds_matches_select_omega_tf():
       np.testing.assert_array_equal(out.result['omega'], 1)
       assert float(out.measurements['kapc']['search_steps_mean']) == 0.0
   assert branches[:4] == ['A'] * 4 and 'B' in branches
+
+
+def test_bls_stale_server_layers_measurement():
+  """`kapc/stale_server_layers`: the participants' layers whose server copy still equals the
+  initial model after the round. Round 1 (first selections) uploads Ω = L − 1 = 1 layer, so
+  each participant's second layer is stale: 3 of 3 · 2 layers."""
+  algorithm = kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=0.5)
+  initial = SPEC.initial_weights().trainable
+  sim = Sim(algorithm, 4)
+
+  def count(states):
+    return sum(all(np.array_equal(st['server_copy'][t], initial[t])
+                   for t in range(4) if LAYER_OF[t] == l)
+               for st in states.values() for l in range(2))
+
+  out = sim.driver_round([0, 2, 3], _datasets([8] * 3, seed=0))
+  assert out.measurements['kapc']['stale_server_layers'] == 3 == count(out.client_states)
+  assert out.measurements['kapc']['stale_server_layer_fraction'] == pytest.approx(0.5)
+  assert 'omega_mean' in out.measurements['kapc']  # The process's own measurements stay.
+  for r, clients in enumerate(([1, 2], [0, 1, 2, 3])):
+    out = sim.driver_round(clients, _datasets([8] * len(clients), seed=r + 1))
+    want = count(out.client_states)
+    assert out.measurements['kapc']['stale_server_layers'] == want
+    assert out.measurements['kapc']['stale_server_layer_fraction'] == pytest.approx(
+        want / (2 * len(clients)))
+    # A layer is stale only if it was not uploaded this round.
+    omega = dict(zip(out.clients, out.arrays['omega']))
+    assert want <= sum(2 - int(omega[k]) for k in clients)
+  # Bit for bit: one changed element makes the layer fresh; every tensor of it counts.
+  states = {0: collections.OrderedDict(server_copy=[w.copy() for w in initial])}
+  assert algorithm.stale_server_layers(states) == 2
+  states[0]['server_copy'][3] = states[0]['server_copy'][3].copy()
+  states[0]['server_copy'][3][-1] += 1e-7  # The bias of layer 2, last element.
+  assert algorithm.stale_server_layers(states) == 1
+  # Without BLS nothing is measured (every participant uploads every layer).
+  plain = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd()), 4)
+  out = plain.driver_round([0, 1], _datasets([8] * 2, seed=0))
+  assert 'stale_server_layers' not in out.measurements['kapc']
 
 
 def test_fedbn_without_norm_layers_equals_fedavg():

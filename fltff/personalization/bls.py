@@ -113,7 +113,8 @@ when this round's bounds are the stored ones), for ResNet18 (L = 41 in fltff's g
 −0.8 at every Ω < L, with τ/B drawn between 0.01 and 0.5. So
 the second selection of a client (branch B from L − 1) walks down to min_layers and stays
 there; the paper's Fig. 8 reports 19 of 21 layers uploaded in most rounds (CIFAR10), which this
-reading of (29) does not reproduce.
+reading of (29) does not reproduce. `process.PersonalizedAlgorithm` measures the result
+(`kapc/stale_server_layers`: server copies still at initialisation).
 """
 
 from __future__ import annotations

@@ -181,6 +181,13 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   stored bounds B^l, τ^l, maxima over the client's full-layer rounds, `bls.select_omega_tf`);
   `new_client_state`, `server_input`, `client_input` and `next_client_states` are the one
   implementation of that bookkeeping.
+
+  With BLS, `next` adds to the `kapc` measurements `stale_server_layers`: how many of the
+  round's participants' layers the server still holds at the initial weights after the round
+  (every tensor of the layer equal to the initial model's, bit for bit, in the copies
+  `next_client_states` returns), and `stale_server_layer_fraction` (that count over P·L).
+  Every participant has taken part at least once by then, so such a layer is one it never
+  uploaded. (`process.next` alone does not compute them: the server's copies are rebuilt here.)
   """
   name: str
   process: object
@@ -242,6 +249,12 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     server_seconds = time.perf_counter() - start
     measurements = dict(output.measurements)
     train = measurements.pop('train')
+    if self.bls:  # Server copies still at the initial weights (class docstring).
+      stale = self.stale_server_layers(client_states)
+      measurements['kapc'] = collections.OrderedDict(
+          measurements['kapc'], stale_server_layers=stale,
+          stale_server_layer_fraction=stale / max(
+              1, len(client_states) * len(self.layer_sizes_bytes)))
     return protocol.RoundOutput(
         state=output.state, client_states=client_states, train=train,
         measurements=measurements, clients=order,
@@ -295,11 +308,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   def new_client_state(self) -> collections.OrderedDict:
     """A client that never took part: the initial model, Ω = L (BLS: Algorithm 4's branch
     for a first selection, `bls.py` C2), with BLS stored bounds B = τ = 0."""
-    if self._initial is None:  # Building the Keras model once, not once per client.
-      initial = self.model_spec.initial_weights()
-      self._initial = ([np.array(w) for w in initial.trainable],
-                       [np.array(w) for w in initial.non_trainable])
-    trainable, non_trainable = self._initial
+    trainable, non_trainable = self._initial_weights()
     num_layers = len(self.layer_sizes_bytes)
     state = collections.OrderedDict(
         model=collections.OrderedDict(trainable=[w.copy() for w in trainable],
@@ -310,6 +319,33 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
       state['b_max'] = np.zeros([num_layers], np.float32)
       state['tau_max'] = np.zeros([num_layers], np.float32)
     return state
+
+  def _initial_weights(self) -> tuple:
+    """(trainable, non-trainable) NumPy weights of the initial model, built once."""
+    if self._initial is None:  # Building the Keras model once, not once per client.
+      initial = self.model_spec.initial_weights()
+      self._initial = ([np.array(w) for w in initial.trainable],
+                       [np.array(w) for w in initial.non_trainable])
+    return self._initial
+
+  def stale_server_layers(self, client_states: dict) -> int:
+    """How many layers of these clients' server copies equal the initial model's, bit for bit
+    (all the layer's tensors). `client_states`: `{client: state}` as `next_client_states`
+    returns them."""
+    initial = self._initial_weights()[0]
+    num_layers = len(self.layer_sizes_bytes)
+    count = 0
+    for state in client_states.values():
+      copy = state['server_copy']
+      fresh = np.zeros(num_layers, bool)
+      for t, layer in enumerate(self.tensor_layers):
+        if not fresh[layer]:
+          a, b = np.asarray(copy[t]), initial[t]
+          # The first element decides at once for nearly every trained tensor.
+          fresh[layer] = a.shape != b.shape or (a.size and a.flat[0] != b.flat[0]) or (
+              not np.array_equal(a, b))
+      count += int(num_layers - fresh.sum())
+    return count
 
   def client_input(self, batches, client_index: int, epochs: int, client_state):
     """One participant's client data: `client_work.client_input` with its personal model
@@ -604,7 +640,8 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
         search_steps_mean=tf.reduce_mean(tf.cast(
             tf.gather(gathered['weight']['search_steps'], rows), tf.float32)),
         skipped_layer_fraction=tf.reduce_mean(tf.cast(server_msg['skip'], tf.float32)),
-        self_relation_mean=tf.reduce_mean(server_msg['self_relation']))
+        self_relation_mean=tf.reduce_mean(server_msg['self_relation']),
+        self_relation_max=tf.reduce_max(server_msg['self_relation']))
     return new_state, result, stats
 
   @tff.federated_computation
