@@ -487,7 +487,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     personal_fields.append(('non_trainable', tff.types.to_type(tuple(shape_of(s)
                                                                       for s in nspecs))))
   personal_fields.append(('omega', tff.TensorType(np.int32)))
-  if bls_mu is not None:  # Algorithm 4's running maxima B̂, τ̂ (bls.py, Assumption 6).
+  if bls_mu is not None:  # Algorithm 4's stored bounds B, τ (bls.py, C1).
     personal_fields.append(('b_max', tff.TensorType(np.float32, [num_layers])))
     personal_fields.append(('tau_max', tff.TensorType(np.float32, [num_layers])))
   personal_type = tff.StructWithPythonType(personal_fields, collections.OrderedDict)
