@@ -321,6 +321,17 @@ class Sim:
     self.states.update(self.algorithm.next_client_states(out.result, self.states.get))
     return out
 
+  def driver_round(self, clients, datasets, epochs=1):
+    """The round through `PersonalizedAlgorithm.next`, as the driver runs it."""
+    inputs = [self.algorithm.client_input(d, k, epochs, self.states[k])
+              for k, d in zip(clients, datasets)]
+    server_input = self.algorithm.server_input(clients, [self.states[k] for k in clients],
+                                               [8.0] * len(clients))
+    out = self.algorithm.next(self.state, server_input, inputs)
+    self.state = out.state
+    self.states.update(out.client_states)
+    return out
+
 
 def _sgd(learning_rate=LR):
   return tff.learning.optimizers.build_sgdm(learning_rate=learning_rate)
@@ -395,7 +406,7 @@ def test_bls_with_mu_above_one_and_full_upload_equals_kapc(order):
 
 def test_byte_counts_equal_the_tensors_exchanged():
   # R starts uniform here (not KAPC's random start): r_ii = 1/3 ≤ μ in round 1.
-  algorithm = kapc_lib.build_kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.5, bls_kappa=0.0,
+  algorithm = kapc_lib.build_kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.5,
                                   relationship_init='uniform')
   sim = Sim(algorithm, 3)
   sizes = [sum(np.asarray(w).nbytes for w in SPEC.initial_weights().trainable[t:t + 2])
@@ -406,10 +417,10 @@ def test_byte_counts_equal_the_tensors_exchanged():
     rel = np.asarray(out.measurements['kapc']['self_relation_mean'])
     assert np.isfinite(rel)
     omega = np.asarray(out.result['omega'])
-    # κ = 0: the bound is the bias term alone, which grows with Ω: every client uploads Ω = 1.
-    np.testing.assert_array_equal(omega, 1)
-    np.testing.assert_allclose(out.result['bytes_up'], [sizes[0]] * 3)
-  # Round 1: R uniform (r_ii = 1/3 ≤ 0.5): every layer is sent.
+    if r == 0:  # Algorithm 4 on a first selection: Ω = L − 1 = 1.
+      np.testing.assert_array_equal(omega, 1)
+    np.testing.assert_allclose(out.result['bytes_up'], [sum(sizes[:w]) for w in omega])
+  # Round 1: R uniform (r_ii = 1/3 ≤ 0.5): every layer is sent; Ω = 1 (first selection).
   sim2 = Sim(algorithm, 3)
   out = sim2.round([0, 1, 2], _datasets((8, 8, 8), seed=0))
   np.testing.assert_allclose(out.result['bytes_down'], [sum(sizes)] * 3)
@@ -434,7 +445,7 @@ def test_byte_counts_equal_the_tensors_exchanged():
   # The earlier order ('after_training'): the server's R step after round 1 used exactly the
   # copies it stored in that round (uniform R, all clients: the slice is the whole cube, so
   # R⁺ = one projected step from 1/3 on the copies the driver keeps).
-  old = Sim(kapc_lib.build_kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.5, bls_kappa=0.0,
+  old = Sim(kapc_lib.build_kapc(SPEC, 3, client_optimizer=_sgd(), bls_mu=0.5,
                                 relationship_update='after_training',
                                 relationship_init='uniform'), 3)
   old.round([0, 1, 2], _datasets((8, 8, 8), seed=0))
@@ -527,53 +538,94 @@ def test_relationship_update_is_validated_and_gin_configurable():
     gin.clear_config()
 
 
-def test_bls_search_starts_below_full_upload():
-  """Algorithm 4: the search starts from L − 1 on a client's first selection and after a
-  round with Ω = L (here L = 2, so from Ω = 1)."""
-  # κ = 0: G grows with Ω, so Ω = 1 — reached with no move from the start L − 1 = 1.
-  sim = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.5, bls_kappa=0.0), 4)
-  out = sim.round([0, 1, 2, 3], _datasets([8] * 4, seed=0))
-  np.testing.assert_array_equal(out.result['omega'], 1)
-  assert float(out.measurements['kapc']['search_steps_mean']) == 0.0
-  # κ = 100, n_i = 8, n_fed = 32: the estimation terms favour Ω = L = 2. Every round the walk
-  # starts again at 1 and makes one move (without the restart round 2 would make none).
-  sim = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.5, bls_kappa=100.0), 4)
-  for r in range(2):
-    out = sim.round([0, 1, 2, 3], _datasets([8] * 4, seed=r))
-    np.testing.assert_array_equal(out.result['omega'], 2)
-    assert float(out.measurements['kapc']['search_steps_mean']) == 1.0
-    assert all(int(sim.states[k]['omega']) == 2 for k in range(4))
-
-
-def test_bls_running_maxima_and_omega_match_numpy():
-  """B̂, τ̂ kept in the client state are the per-layer maxima of B^l = ||w^l|| and
-  τ^l = ||w^l − s^l|| over the client's rounds, and Ω is `bls.select_omega` on them."""
+def test_bls_algorithm4_in_rounds_matches_select_omega_tf():
+  """Algorithm 4 in the process: the B^l = ||w^l||, τ^l = ||w^l − s^l|| each client computes,
+  the Ω and stored bounds it keeps, round after round, equal `bls.select_omega_tf` on NumPy
+  norms (itself tested line by line in test_bls.py). Round 1 is every client's first selection
+  (branch A: Ω = L − 1 = 1, no search, stored bounds = this round's); later rounds go through
+  branch B (Ω^{k−1} = 1), where the stored bounds must not change."""
   algorithm = kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.5)  # Nothing skipped.
+  columns, out_dims = bls_lib.layer_dimensions(
+      [[np.shape(w) for w in SPEC.initial_weights().trainable[t:t + 2]] for t in (0, 2)])
+  assert (columns, out_dims) == ([DIM, 8], [8, CLASSES])
   sim = Sim(algorithm, 4)
   state = sim.states[0]
+  assert int(state['omega']) == 2
   np.testing.assert_array_equal(state['b_max'], np.zeros(2, np.float32))
   np.testing.assert_array_equal(state['tau_max'], np.zeros(2, np.float32))
-  b_max = {k: np.zeros(2) for k in range(4)}
-  tau_max = {k: np.zeros(2) for k in range(4)}
-  omega_prev = {k: 2 for k in range(4)}
-  for r, clients in enumerate(([0, 1, 2, 3], [1, 3], [0, 2, 3], [3, 1])):
+  branches = []
+  for r, clients in enumerate(([0, 1, 2, 3], [1, 3], [0, 2, 3], [3, 1], [0, 1, 2, 3])):
     relation, copies = _snapshot(sim, clients)
     stepped = _np_relationship_steps(
         _np_normalize(relation[clients][:, :, clients].astype(np.float64)), copies, LAM, BETA,
         0.01, 1)
     s = _np_server_models(stepped, copies)
+    before = {k: {key: np.array(sim.states[k][key]) for key in ('omega', 'b_max', 'tau_max')}
+              for k in clients}
     out = sim.round(clients, _datasets([8] * len(clients), seed=20 + r))
+    steps = []
     for p, k in enumerate(clients):
       b = _np_norms(sim.models(k))
       tau = _np_norms(sim.models(k), [x[p] for x in s])
-      omega, _, b_max[k], tau_max[k] = bls_lib.select_omega(
-          b, tau, b_max[k], tau_max[k], 8, 8 * len(clients), 1.0, omega_prev[k])
-      np.testing.assert_allclose(sim.states[k]['b_max'], b_max[k], rtol=1e-5)
-      np.testing.assert_allclose(sim.states[k]['tau_max'], tau_max[k], rtol=1e-4, atol=1e-6)
-      assert int(np.asarray(out.result['omega'])[p]) == omega == int(sim.states[k]['omega'])
-      omega_prev[k] = omega
-  for k in range(4):  # The maxima are maxima over rounds, not the last round's values.
-    assert (sim.states[k]['b_max'] >= _np_norms(sim.models(k)) - 1e-5).all()
+      omega, step, b_max, tau_max = bls_lib.select_omega_tf(
+          b.astype(np.float32), tau.astype(np.float32), before[k]['b_max'],
+          before[k]['tau_max'], int(before[k]['omega']), columns, out_dims)
+      assert int(np.asarray(out.result['omega'])[p]) == int(omega) == int(sim.states[k]['omega'])
+      np.testing.assert_allclose(sim.states[k]['b_max'], b_max, rtol=1e-5)
+      np.testing.assert_allclose(sim.states[k]['tau_max'], tau_max, rtol=1e-4, atol=1e-6)
+      steps.append(int(step))
+      if int(before[k]['omega']) == 2:  # Branch A: Ω = 1, the stored bounds take maxima.
+        branches.append('A')
+        assert int(omega) == 1 and int(step) == 0
+        np.testing.assert_allclose(sim.states[k]['b_max'],
+                                   np.maximum(before[k]['b_max'], b), rtol=1e-5)
+      else:  # Branch B: the stored bounds are kept bit for bit.
+        branches.append('B')
+        np.testing.assert_array_equal(sim.states[k]['b_max'], before[k]['b_max'])
+        np.testing.assert_array_equal(sim.states[k]['tau_max'], before[k]['tau_max'])
+    assert float(out.measurements['kapc']['search_steps_mean']) == pytest.approx(np.mean(steps))
+    if r == 0:
+      np.testing.assert_array_equal(out.result['omega'], 1)
+      assert float(out.measurements['kapc']['search_steps_mean']) == 0.0
+  assert branches[:4] == ['A'] * 4 and 'B' in branches
+
+
+def test_bls_stale_server_layers_measurement():
+  """`kapc/stale_server_layers`: the participants' layers whose server copy still equals the
+  initial model after the round. Round 1 (first selections) uploads Ω = L − 1 = 1 layer, so
+  each participant's second layer is stale: 3 of 3 · 2 layers."""
+  algorithm = kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=0.5)
+  initial = SPEC.initial_weights().trainable
+  sim = Sim(algorithm, 4)
+
+  def count(states):
+    return sum(all(np.array_equal(st['server_copy'][t], initial[t])
+                   for t in range(4) if LAYER_OF[t] == l)
+               for st in states.values() for l in range(2))
+
+  out = sim.driver_round([0, 2, 3], _datasets([8] * 3, seed=0))
+  assert out.measurements['kapc']['stale_server_layers'] == 3 == count(out.client_states)
+  assert out.measurements['kapc']['stale_server_layer_fraction'] == pytest.approx(0.5)
+  assert 'omega_mean' in out.measurements['kapc']  # The process's own measurements stay.
+  for r, clients in enumerate(([1, 2], [0, 1, 2, 3])):
+    out = sim.driver_round(clients, _datasets([8] * len(clients), seed=r + 1))
+    want = count(out.client_states)
+    assert out.measurements['kapc']['stale_server_layers'] == want
+    assert out.measurements['kapc']['stale_server_layer_fraction'] == pytest.approx(
+        want / (2 * len(clients)))
+    # A layer is stale only if it was not uploaded this round.
+    omega = dict(zip(out.clients, out.arrays['omega']))
+    assert want <= sum(2 - int(omega[k]) for k in clients)
+  # Bit for bit: one changed element makes the layer fresh; every tensor of it counts.
+  states = {0: collections.OrderedDict(server_copy=[w.copy() for w in initial])}
+  assert algorithm.stale_server_layers(states) == 2
+  states[0]['server_copy'][3] = states[0]['server_copy'][3].copy()
+  states[0]['server_copy'][3][-1] += 1e-7  # The bias of layer 2, last element.
+  assert algorithm.stale_server_layers(states) == 1
+  # Without BLS nothing is measured (every participant uploads every layer).
+  plain = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd()), 4)
+  out = plain.driver_round([0, 1], _datasets([8] * 2, seed=0))
+  assert 'stale_server_layers' not in out.measurements['kapc']
 
 
 def test_fedbn_without_norm_layers_equals_fedavg():

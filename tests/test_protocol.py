@@ -142,10 +142,9 @@ def test_a_checkpoint_from_before_the_single_store_resumes_exactly(method, data,
 
 
 def test_a_layer_not_uploaded_keeps_the_servers_stale_copy_as_its_own_array(data, spec):
-  # KAPC+BLS with κ = 0: Ω = 1 (`test_kapc.test_bls_search_starts_below_full_upload`), so
-  # mlp2's second layer is not uploaded and the server keeps its previous copy of it.
-  kapc = personalization.build_kapc(spec, NUM_CLIENTS, client_optimizer=SGD(), bls_mu=0.5,
-                                    bls_kappa=0.0)
+  # KAPC+BLS on a first selection: Ω = L − 1 = 1 (Algorithm 4, `test_bls`), so mlp2's second
+  # layer is not uploaded and the server keeps its previous copy of it.
+  kapc = personalization.build_kapc(spec, NUM_CLIENTS, client_optimizer=SGD(), bls_mu=0.5)
   store = ClientStateStore(kapc.initial_client_state)
   rng = np.random.default_rng(0)
   stale = {}

@@ -1,77 +1,120 @@
 """BLS: bidirectional layer selection of KAPC (server skips layers, clients upload a prefix).
 
-Source: "Communication-Efficient Personalized Federated Learning ..." (KAPC + BLS, IEEE TMC
-2024). Client i keeps a personal model w_i of L layers (a layer is the list of its tensors,
-e.g. kernel and bias). The server keeps the relationship cube R `[N, L, N]` and sends client i
-its personalised server model, layer by layer s_i^l = Σ_j r_ij^l w_j^l, which regularises the
-client's local training. BLS saves communication in both directions:
+Source: the KAPC + BLS paper (IEEE TMC 2024), §5. Client i keeps a personal model w_i of L
+layers (a layer is the list of its tensors, e.g. kernel and bias). The server keeps the
+relationship cube R `[N, L, N]` and sends client i its personalised server model, layer by
+layer s_i^l = Σ_j r_ij^l w_j^l, which regularises the client's local training. BLS saves
+communication in both directions:
 
-* Server side (Algorithm 3): layer l is not sent to client i when its self-relationship
-  r_ii^l > μ (the client's own model already dominates its personalised layer; in KAPC's
-  default order r_ii^l of the relationship slice after this round's R step, Algorithm 5). The
-  client then trains that layer without a regulariser. `server_skip_mask` (NumPy) and
-  `server_skip_mask_tf`; `self_relationships` extracts r_ii^l from R.
-* Client side (Algorithm 4, Definition 1, inequality 29): client i uploads only its first
-  Ω_i layers. `select_omega`/`select_omega_tf` are Algorithm 4 as one step of a client's
-  round (running maxima of B and τ, the start of the search, the search); inside it
-  `bound_curve`/`bound_curve_tf` evaluate the bound below for every Ω, `search_start`/
-  `search_start_tf` give the Ω the search starts from, `search_omega`/`search_omega_tf` walk
-  the curve from there; `upload_mask`/`upload_mask_tf` turn Ω into a per-layer mask and
-  `layer_bytes` counts what is sent.
+* Server side (§5.1, Algorithm 3): layer l is not sent to client i when its self-relationship
+  r_ii^l exceeds μ. The client then trains that layer without a regulariser.
+  `server_skip_mask_tf` (used in rounds), `server_skip_mask`, `self_relationships`.
+* Client side (§5.2, Definition 1, inequality (29), Algorithm 4): after local training client i
+  uploads only its first Ω_i layers. `select_omega_tf` is Algorithm 4 for one client and round;
+  `layer_bounds` gives Eqs. (30)–(31), `criterion_sides_tf`/`criterion_tf` inequality (29) at
+  every Ω, `search_tf` Algorithm 4's search (lines 15–24), `layer_dimensions` the per-layer
+  sizes (29) needs; `upload_mask_tf`, `layer_bytes` turn Ω into what is sent.
 
-Assumptions (the paper's inequality 29 and Algorithm 4 are partly garbled; this is the
-structure implemented, and what is our reading is said so):
+Everything used in rounds is TensorFlow (usable inside a `tf.function`/TFF computation); the
+NumPy references of Algorithm 4 and (29) live in tests/test_bls.py.
 
-1. Per-layer quantities from Frobenius norms over all tensors of the layer together:
-   B^l = ||w_i^l||_F (scale of the client's layer after its local training) and
-   τ^l = ||w_i^l − s_i^l||_F (its distance to the personalised server model). For a layer
-   the server skipped this round (r_ii^l > μ) the client received no s_i^l; KAPC (`kapc.py`)
-   then passes the client's own model at the round's start in place of s_i^l, so τ^l is how
-   far this round's local training moved that layer (our choice; the paper does not say).
-   These functions only take arrays: which s to use is the caller's decision.
-2. Perturbation-style generalisation bound of client i's model when its first Ω layers are
-   shared with the federation (trained on n_fed examples) and layers Ω+1..L stay personal
-   (trained on its own n_i examples), up to the common factor Π_l B^l, which cancels when
-   Ω's are compared:
+Algorithm 4, line by line (our wording; "B^l, τ^l" are the client's stored full-layer bounds,
+"B̂^l, τ̂^l" this round's values; the stored pair is `b_max`, `tau_max` in KAPC's client state):
 
-       G_i(Ω) = Σ_{l ≤ Ω} τ^l / B^l + κ (sqrt(Ω / n_fed) + sqrt((L − Ω) / n_i)),
-       Ω ∈ {min_layers, ..., L}.
+  In.  The number of local iterations E (not used below), the client's model after this
+       round's training, the round k, how often the client was selected before (q), and its Ω
+       from its previous selection (Ω^{k−1}).
+  1.   Fix per client the class count c_i, its data size m_i and each layer's column count n^l
+       (from the data and the model).
+  2.   The stored B^l and τ^l start at 0 for every layer.
+  3.   Branch A — the client is selected for the first time (q = 0) or uploaded all L layers
+       last time (Ω^{k−1} = L), so its regulariser was the full-layered one:
+  4–5.   per layer, this round's B^{l,k} = ||w^l||_F (Eq. 30) and τ^{l,k} = ||w^l − s^l||_F
+         (Eq. 31), s^l the regulariser layer it received;
+  6.     the stored values become the elementwise maxima: B^l ← max(B^{l,k}, B^l),
+         τ^l ← max(τ^{l,k}, τ^l);
+  8–9.   Ω^k ← L − 1, returned at once: no search, (29) is not evaluated.
+  10.  Branch B — otherwise (last upload was partial, so the regulariser was partial-layered):
+  11–12. per layer, this round's B̂^{l,k} (Eq. 30) and τ̂^{l,k} (Eq. 31) against what it
+         received;
+  13.    the full-layer bounds of this round are the stored ones (B^{l,k} ← B^l,
+         τ^{l,k} ← τ^l): the stored maxima are NOT updated in this branch;
+  15.    the search starts at the previous value, Ω ← Ω^{k−1};
+  16–19. if (29) holds at Ω: lower Ω by one, and again, until (29) fails (a repeat-until loop:
+         at least one step; it stops on the first Ω below the start where (29) fails);
+  20–23. else: raise Ω by one, and again, until (29) holds (at least one step; it stops on the
+         first Ω above the start where (29) holds);
+  26–27. Ω^k ← Ω, returned.
 
-   The first term is the bias of sharing (how far the personal layers are from what the
-   federation would give, relative to each layer's scale), the second the estimation terms of
-   the shared and of the personal layers; κ ≥ 0 weighs them. A zero-norm layer (B^l = 0) has
-   relative deviation 0 when τ^l = 0 and +∞ otherwise.
-3. Ω ≥ min_layers ≥ 1: the first layer is always uploaded. A client that uploads nothing
-   contributes nothing from which the server could update its row of R (the relationships
-   are computed from the uploaded layers), so it would never be re-weighted; `min_layers`
-   (default 1) keeps at least that many layers in the upload.
-4. Definition 1 (our reading): Ω is admissible when G_i(Ω) ≤ G_i(Ω') for its neighbours
-   Ω' = Ω ± 1 inside [min_layers, L], i.e. Ω is a local minimum of the curve
-   (`is_admissible`).
-5. Algorithm 4's walk (our reading): from the start Ω_0 (Assumption 6), while a neighbour has
-   a strictly smaller G, move to the neighbour with the smallest G (the lower Ω on ties);
-   stop at a local minimum. G strictly decreases along the walk, so it ends after at most
-   L − min_layers steps. A NaN entry of the curve counts as +∞ (never moved onto). The NumPy
-   and the TF search use the same comparisons and agree exactly on the same curve values.
-6. Algorithm 4's initialisation and running maxima. What the paper states: on a client's
-   first selection, or when its Ω is L (it uploaded every layer), Ω is reset to L − 1, and B
-   and τ are kept as running maxima. Implemented (`select_omega`):
-   - the start is Ω_0 = L − 1 when last time's Ω_prev ≥ L, else Ω_prev, then clipped into
-     [min_layers, L] (`search_start`). A client that never took part has Ω_prev = L in its
-     state (`kapc.PersonalizedAlgorithm.new_client_state`), so it starts from L − 1 too;
-     the walk may go back up to L. The clip to min_layers (a start of L − 1 < min_layers
-     becomes min_layers; with min_layers = L every Ω is L) is ours.
-   - per layer, B̂^l ← max(B̂^l, B^l) and τ̂^l ← max(τ̂^l, τ^l) in every round the client takes
-     part (B̂ = τ̂ = 0 before its first round, so they are this round's values then), and the
-     curve is G_i built from (τ̂, B̂) in place of (τ, B). Our reading of the garbled text: the
-     maxima are taken elementwise per layer, separately for B and τ (not of the ratio), over
-     all the client's rounds (not only over the rounds in which Ω was reset), and they are
-     never reset. B̂, τ̂ are client state (`b_max`, `tau_max` in KAPC's client state, saved
-     in checkpoints).
+Inequality (29) (§5.2.2), as reconstructed here from the OCR of Eqs. (23) and (26)–(29):
+Definition 1 asks that the generalisation gap per shared layer with the partial-layered
+regulariser (Theorem 4's bound divided by Ω) be below that with the full-layered one (Theorem
+3's bound divided by L); dividing the two bounds and dropping the confidence term (the paper
+neglects it between (28) and (29)) leaves
 
-The NumPy functions run on the server/driver side; the `_tf` ones (and `layer_bounds`) are
-usable inside a `tf.function`/TFF computation on the client and return int32 scalars where the
-NumPy ones return Python ints.
+    L · d^Ω · M̂(Ω) / (Ω · c · M · 2^{L−Ω})  <  Π_{l=Ω+1}^{L} B^l,                 (29)
+
+    M̂(Ω) = Σ_{l=1}^{Ω} τ̂^l / (2 B̂^l) · Π_{m=l+1}^{Ω} sqrt(n^m),   M = M̂(L) with (τ, B).
+
+The paper writes the sum as τ^Ω/(2B^Ω) + Σ_{k=1}^{Ω−1} τ^{Ω−k} Π_{j=1}^{k} sqrt(n^{Ω+1−j}) /
+(2B^{Ω−k}); with l = Ω − k this is the form above. d^Ω is the output dimension of layer Ω, c the
+class count, n^m the number of columns of layer m's weight matrix. The data size m_i, the
+Lipschitz constant and the input bound of Theorems 3–4 cancel in (29).
+
+What is reconstructed from garbled OCR (the text file, not the printed paper):
+  R1. Line 3's test "q = 0 or Ω^{k−1} = L", line 6's maxima, line 8's "Ω^k ← L − 1", and which
+      of lines 12–13 carry hats: the symbols are mangled; the reading is the one the prose
+      after the algorithm states (§5.2.3).
+  R2. The shape of M and M̂(Ω) (the nested product of sqrt(n)) is read from the three garbled
+      copies in (23), (26), (27).
+  R3. M (the full-layer sum) in the denominator of (29): the OCR of (28)–(29) shows only
+      "Ω · c · 2^{L−Ω}" there, but dividing (27)'s two sides requires it, and (27) defines M
+      for this use. Which bounds carry hats in (29) is not legible: we use this round's values
+      (B̂, τ̂) inside M̂(Ω) (Theorem 4's family, §5.2.2) and the stored (B, τ) in M and in the
+      product on the right (line 13).
+  R4. Definition 1 divides each side by its number of layers (Ω_i and L): of the two
+      denominators the OCR keeps only "Ω_i = L" under the inequality, §5.2.1 speaks of the
+      average generalisation error, and these factors are where the L and Ω of (28)–(29) come
+      from.
+
+Our choices where the paper is silent:
+  C1. Line 2 runs once per client (the stored maxima start at 0 before its first selection and
+      persist in its state), not on every call, which would make line 6's maximum void.
+  C2. q = 0 is carried as Ω = L in the state of a client that never took part
+      (`process.PersonalizedAlgorithm.new_client_state`): both conditions lead to branch A,
+      whose result does not depend on which one fired, so no counter q is kept. Ω^{k−1} is the
+      client's Ω from its previous selection (with client selection it missed rounds).
+  C3. Ω stays in [min_layers, L] (the paper's range is Ω ∈ [1, L], §5.2.1): the downward loop
+      stops at min_layers even if (29) still holds there, the upward loop stops at L even if
+      (29) never held; branch A's L − 1 is raised to min_layers (L = 1, or min_layers = L); a
+      start outside the range is clipped into it. `min_layers` (default 1) exists because a
+      client that uploads nothing gives the server nothing to re-weight it by.
+  C4. τ for a layer the server skipped this round (Algorithm 3, the client received no s^l):
+      the client's own layer at the round's start takes the place of s^l, so τ^l is how far
+      local training moved it. The paper's ŝ (Eq. 20) fills unshared layers with the client's
+      own previous layer too, but says nothing about layers skipped by Algorithm 3.
+  C5. Per-layer sizes from the kernel (the layer's tensor of highest rank, Keras layout, last
+      axis = outputs): d^l = the last axis (units or output channels; spatial size not
+      counted), n^l = the product of the other axes (fan-in: the columns of the weight matrix
+      in the paper's PyTorch layout `[out, in·kh·kw]`); a layer of vectors only (normalisation)
+      has n^l = d^l = its length. c = d^L, the output size of the last layer (the class count
+      for a classifier); with it (29) at Ω = L reads M̂(L) < M, i.e. Definition 1 at Ω = L.
+  C6. Arithmetic in float64 logarithms (products of up to L norms and L − 1 square roots
+      overflow float32 for deep models). A ratio τ/B with τ = 0 is 0 (also when B = 0); τ > 0
+      with B = 0 is +∞. Where a side of (29) is undefined (0/0, ∞/∞) the inequality counts as
+      not satisfied.
+  C7. `steps` counts Ω's moves in branch B (|Ω^k − start|) and is 0 in branch A.
+
+Observed consequence (not a choice): with real layer sizes (29) holds by a wide margin at every
+Ω < L — the right side multiplies norms B^l ≫ 1, the left divides by 2^{L−Ω} and by M, whose
+products of sqrt(n) are far larger than M̂(Ω)'s. For fltff's cnn2 at its initial weights the
+log-margin is about −22, −16, −7, −2 at Ω = 1..4 (0 at Ω = L = 5, where both sides are equal
+when this round's bounds are the stored ones), for ResNet18 (L = 41 in fltff's grouping) below
+−0.8 at every Ω < L, with τ/B drawn between 0.01 and 0.5. So
+the second selection of a client (branch B from L − 1) walks down to min_layers and stays
+there; the paper's Fig. 8 reports 19 of 21 layers uploaded in most rounds (CIFAR10), which this
+reading of (29) does not reproduce. `process.PersonalizedAlgorithm` measures the result
+(`kapc/stale_server_layers`: server copies still at initialisation).
 """
 
 from __future__ import annotations
@@ -102,15 +145,6 @@ def _as_dtype(x: TensorLike, dtype: tf.DType) -> tf.Tensor:
   return tf.cast(tf.convert_to_tensor(np.asarray(x, dtype.as_numpy_dtype)), dtype)
 
 
-def _check_sample_sizes(n_i, n_fed, kappa) -> None:
-  """n_i > 0, n_fed > 0 and κ ≥ 0 (checked where they are Python/NumPy numbers)."""
-  for name, n in (('n_i', n_i), ('n_fed', n_fed)):
-    if _is_python_number(n) and not n > 0:
-      raise ConfigError(f'BLS {name} (number of training examples) must be > 0, got {n}.')
-  if _is_python_number(kappa) and not kappa >= 0:
-    raise ConfigError(f'BLS kappa must be >= 0, got {kappa}.')
-
-
 def _check_min_layers(min_layers, num_layers) -> None:
   if _is_python_number(min_layers):
     if int(min_layers) != min_layers:
@@ -138,53 +172,43 @@ def _check_layer_structure(weights_layers, server_layers) -> None:
                           f'{sb} in the server model.')
 
 
-def _check_curve_inputs(tau: np.ndarray, b: np.ndarray) -> None:
-  if tau.ndim != 1 or b.ndim != 1:
-    raise ConfigError(f'BLS tau and B must be vectors [L], got shapes {tau.shape}, {b.shape}.')
-  if tau.shape != b.shape:
-    raise ConfigError(f'BLS tau has {tau.shape[0]} layers, B {b.shape[0]}.')
-  if tau.shape[0] == 0:
-    raise ConfigError('BLS: a model needs at least one layer.')
-  if np.any(tau < 0) or np.any(b < 0):
-    raise ConfigError('BLS tau and B are norms and must be >= 0.')
+def _check_dimensions(columns, out_dims, num_classes, num_layers) -> None:
+  """n^l, d^l: L positive integers each; c a positive integer (Python values)."""
+  for name, values in (('columns', columns), ('out_dims', out_dims)):
+    values = list(values)
+    if num_layers is not None and len(values) != num_layers:
+      raise ConfigError(f'BLS {name} has {len(values)} entries for L={num_layers} layers.')
+    if not values:
+      raise ConfigError('BLS: a model needs at least one layer.')
+    if any(int(v) != v or v < 1 for v in values):
+      raise ConfigError(f'BLS {name} must be positive integers, got {values}.')
+  if len(list(columns)) != len(list(out_dims)):
+    raise ConfigError(f'BLS columns has {len(list(columns))} entries, out_dims '
+                      f'{len(list(out_dims))}.')
+  if num_classes is not None and (int(num_classes) != num_classes or num_classes < 1):
+    raise ConfigError(f'BLS num_classes must be a positive integer, got {num_classes}.')
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-layer quantities (Assumption 1).
-
-
-def layer_bounds_np(weights_layers: Sequence[Sequence[np.ndarray]],
-                    server_layers: Sequence[Sequence[np.ndarray]]
-                    ) -> tuple[np.ndarray, np.ndarray]:
-  """(B, τ) per layer: B^l = ||w_i^l||_F, τ^l = ||w_i^l − s_i^l||_F (NumPy, float64).
-
-  Args:
-    weights_layers: L lists of arrays, the client's personal model w_i layer by layer.
-    server_layers: L lists of arrays of the same shapes, the personalised server model s_i
-      (for a layer the server skipped, KAPC passes the client's own model at the round's
-      start: Assumption 1).
-
-  Returns:
-    `(B, tau)`, two float64 arrays `[L]`.
-
-  Raises:
-    ConfigError: The two models do not have the same layers and shapes.
-  """
-  _check_layer_structure(weights_layers, server_layers)
-  b, tau = [], []
-  for w_layer, s_layer in zip(weights_layers, server_layers):
-    w_layer = [np.asarray(w, np.float64) for w in w_layer]
-    s_layer = [np.asarray(s, np.float64) for s in s_layer]
-    b.append(np.sqrt(sum(float(np.sum(w * w)) for w in w_layer)))
-    tau.append(np.sqrt(sum(float(np.sum((w - s)**2)) for w, s in zip(w_layer, s_layer))))
-  return np.array(b), np.array(tau)
+# Per-layer quantities: Eqs. (30)–(31) and the sizes in (29).
 
 
 def layer_bounds(weights_layers: Sequence[Sequence[TensorLike]],
                  server_layers: Sequence[Sequence[TensorLike]]) -> tuple[tf.Tensor, tf.Tensor]:
-  """TF version of `layer_bounds_np` (usable in a `tf.function`); float tensors `[L]`.
+  """(B, τ) per layer, Eqs. (30)–(31): B^l = ||w^l||_F and τ^l = ||w^l − s^l||_F, the Frobenius
+  norms over all tensors of layer l together.
 
-  The dtype is that of the client's weights (float32 for ordinary models).
+  Args:
+    weights_layers: L lists of tensors, the client's model after local training, by layer.
+    server_layers: L lists of tensors of the same shapes, the regulariser the client received
+      (for a layer the server skipped, the caller passes the client's own layer at the
+      round's start: module docstring, C4).
+
+  Returns:
+    `(B, tau)`, two tensors `[L]` in the dtype of the client's weights.
+
+  Raises:
+    ConfigError: The two models do not have the same layers and shapes.
   """
   _check_layer_structure(weights_layers, server_layers)
   b, tau = [], []
@@ -197,286 +221,223 @@ def layer_bounds(weights_layers: Sequence[Sequence[TensorLike]],
   return tf.stack(b), tf.stack(tau)
 
 
+def layer_dimensions(layer_shapes: Sequence[Sequence[Sequence[int]]]
+                     ) -> tuple[list[int], list[int]]:
+  """(n^l, d^l) per layer from its tensors' static shapes (module docstring, C5).
+
+  Args:
+    layer_shapes: L lists of shapes (Keras layout), e.g. `[[(784, 200), (200,)], ...]`.
+
+  Returns:
+    `(columns, out_dims)`: n^l, the fan-in of the layer's kernel (the product of all its axes
+    but the last), and d^l, its last axis; n^l = d^l = length for a layer of vectors only.
+
+  Raises:
+    ConfigError: No layers, a layer without tensors, or an unknown or zero dimension.
+  """
+  if not layer_shapes:
+    raise ConfigError('BLS: a model needs at least one layer.')
+  columns, out_dims = [], []
+  for l, shapes in enumerate(layer_shapes):
+    shapes = [tuple(s) for s in shapes]
+    if not shapes:
+      raise ConfigError(f'BLS: layer {l} has no tensors.')
+    kernel = max(shapes, key=len)  # The first of the highest rank.
+    if any(d is None or d < 1 for d in kernel):
+      raise ConfigError(f'BLS: layer {l} has a kernel of shape {kernel}; sizes must be known '
+                        'and positive.')
+    if len(kernel) >= 2:
+      columns.append(int(np.prod(kernel[:-1], dtype=np.int64)))
+      out_dims.append(int(kernel[-1]))
+    else:
+      size = int(kernel[0]) if kernel else 1
+      columns.append(size)
+      out_dims.append(size)
+  return columns, out_dims
+
+
 # ---------------------------------------------------------------------------------------------
-# The bound G_i(Ω) (Assumption 2).
+# Inequality (29).
 
 
-def _relative_deviation_np(tau: np.ndarray, b: np.ndarray) -> np.ndarray:
-  """τ^l / B^l with 0/0 = 0 and τ/0 = +∞ for τ > 0."""
-  safe = np.where(b > 0, b, 1.0)
-  return np.where(b > 0, tau / safe, np.where(tau > 0, np.inf, 0.0))
+def _log_half_ratio(tau: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+  """log(τ^l / (2 B^l)) with τ = 0 → −∞ (also for B = 0) and τ > 0, B = 0 → +∞ (C6)."""
+  neg_inf = tf.fill(tf.shape(tau), tf.constant(-np.inf, tau.dtype))
+  positive = tau > 0
+  safe_tau = tf.where(positive, tau, tf.ones_like(tau))
+  return tf.where(positive, tf.math.log(safe_tau) - tf.math.log(b) - np.log(2.0), neg_inf)
 
 
-def generalization_bound(tau: np.ndarray, b: np.ndarray, omega: int, n_i: float, n_fed: float,
-                         kappa: float) -> float:
-  """G_i(Ω) for one Ω (module docstring, Assumption 2; the paper's inequality 29).
-
-  Args:
-    tau: τ^l `[L]`, distance of each personal layer to the personalised server layer.
-    b: B^l `[L]`, norm of each personal layer.
-    omega: Number of leading layers shared (uploaded), in [1, L].
-    n_i: The client's number of training examples (> 0).
-    n_fed: Number of training examples of the federation (> 0).
-    kappa: Weight κ ≥ 0 of the estimation terms.
-
-  Returns:
-    `Σ_{l ≤ Ω} τ^l / B^l + κ (sqrt(Ω / n_fed) + sqrt((L − Ω) / n_i))`.
-
-  Raises:
-    ConfigError: Invalid arguments (see `bound_curve`), or Ω outside [1, L].
-  """
-  tau, b = np.asarray(tau, np.float64), np.asarray(b, np.float64)
-  _check_curve_inputs(tau, b)
-  _check_sample_sizes(n_i, n_fed, kappa)
-  num_layers = tau.shape[0]
-  if not 1 <= omega <= num_layers:
-    raise ConfigError(f'BLS omega must be in [1, L={num_layers}], got {omega}.')
-  bias = float(np.sum(_relative_deviation_np(tau[:omega], b[:omega])))
-  return bias + kappa * (np.sqrt(omega / n_fed) + np.sqrt((num_layers - omega) / n_i))
-
-
-def bound_curve(tau: np.ndarray, b: np.ndarray, n_i: float, n_fed: float,
-                kappa: float) -> np.ndarray:
-  """G_i(Ω) for every Ω = 1..L at once: entry Ω − 1 is `generalization_bound(..., Ω, ...)`.
-
-  Args:
-    tau: τ^l `[L]` (≥ 0).
-    b: B^l `[L]` (≥ 0), same length.
-    n_i: The client's number of training examples (> 0).
-    n_fed: Number of training examples of the federation (> 0).
-    kappa: Weight κ ≥ 0 of the estimation terms.
-
-  Returns:
-    float64 array `[L]`.
-
-  Raises:
-    ConfigError: Lengths differ or are 0, negative norms, n_i/n_fed ≤ 0 or κ < 0.
-  """
-  tau, b = np.asarray(tau, np.float64), np.asarray(b, np.float64)
-  _check_curve_inputs(tau, b)
-  _check_sample_sizes(n_i, n_fed, kappa)
-  num_layers = tau.shape[0]
-  omegas = np.arange(1, num_layers + 1, dtype=np.float64)
-  bias = np.cumsum(_relative_deviation_np(tau, b))
-  return bias + kappa * (np.sqrt(omegas / n_fed) + np.sqrt((num_layers - omegas) / n_i))
-
-
-def bound_curve_tf(tau: TensorLike, b: TensorLike, n_i: TensorLike, n_fed: TensorLike,
-                   kappa: float) -> tf.Tensor:
-  """TF version of `bound_curve` (usable in a `tf.function`), in the dtype of `tau`.
-
-  `n_i` and `n_fed` may be tensors (e.g. the client's example count); they and the static
-  lengths are validated when known in Python.
-  """
-  tau = tf.convert_to_tensor(tau)
-  if not tau.dtype.is_floating:
-    tau = tf.cast(tau, tf.float32)
-  b = _as_dtype(b, tau.dtype)
-  if tau.shape.rank not in (None, 1) or b.shape.rank not in (None, 1):
-    raise ConfigError(f'BLS tau and B must be vectors [L], got shapes {tau.shape}, {b.shape}.')
-  if (tau.shape.rank == 1 and b.shape.rank == 1 and tau.shape[0] is not None and
-      b.shape[0] is not None and tau.shape[0] != b.shape[0]):
-    raise ConfigError(f'BLS tau has {tau.shape[0]} layers, B {b.shape[0]}.')
-  _check_sample_sizes(n_i, n_fed, kappa)
-  dtype = tau.dtype
-  n_i, n_fed = _as_dtype(n_i, dtype), _as_dtype(n_fed, dtype)
+def _log_m_curve(tau: tf.Tensor, b: tf.Tensor, half_log_n: tf.Tensor) -> tf.Tensor:
+  """log M̂(Ω) for Ω = 1..L: log Σ_{l≤Ω} τ^l/(2B^l) Π_{m=l+1}^{Ω} sqrt(n^m), as
+  C(Ω) + logsumexp_{l≤Ω}(log(τ^l/(2B^l)) − C(l)) with C(Ω) = Σ_{m≤Ω} ½ log n^m."""
+  cumulative = tf.cumsum(half_log_n)
+  terms = _log_half_ratio(tau, b) - cumulative                                   # [l]
   num_layers = tf.shape(tau)[0]
-  positive = b > 0
-  ratio = tf.where(positive, tau / tf.where(positive, b, tf.ones_like(b)),
-                   tf.where(tau > 0, tf.fill(tf.shape(tau), tf.constant(np.inf, dtype)),
-                            tf.zeros_like(tau)))
-  omegas = tf.cast(tf.range(1, num_layers + 1), dtype)
-  length = tf.cast(num_layers, dtype)
-  return tf.cumsum(ratio) + _as_dtype(kappa, dtype) * (
-      tf.sqrt(omegas / n_fed) + tf.sqrt((length - omegas) / n_i))
+  below = tf.range(num_layers)[None, :] <= tf.range(num_layers)[:, None]          # [Ω, l]
+  masked = tf.where(below, tf.broadcast_to(terms[None, :], [num_layers, num_layers]),
+                    tf.constant(-np.inf, tau.dtype))
+  # `reduce_logsumexp` gives −∞ for a row of −∞ and +∞ for a row holding +∞.
+  return cumulative + tf.reduce_logsumexp(masked, axis=1)
+
+
+def criterion_sides_tf(b_hat: TensorLike, tau_hat: TensorLike, b: TensorLike, tau: TensorLike,
+                       columns: Sequence[int], out_dims: Sequence[int],
+                       num_classes: Union[int, None] = None) -> tuple[tf.Tensor, tf.Tensor]:
+  """The logarithms of the two sides of inequality (29) at every Ω = 1..L (float64 `[L]`).
+
+  Args:
+    b_hat: B̂^l `[L]`, this round's layer norms (M̂(Ω), Algorithm 4 line 12).
+    tau_hat: τ̂^l `[L]`, this round's distances to the received regulariser.
+    b: B^l `[L]`, the stored full-layer bounds (M and the product on the right, line 13).
+    tau: τ^l `[L]`, the stored full-layer bounds (M).
+    columns: n^l, L positive integers (`layer_dimensions`).
+    out_dims: d^l, L positive integers.
+    num_classes: c (default d^L; module docstring, C5).
+
+  Returns:
+    `(log_lhs, log_rhs)`: entry Ω − 1 is log of `L d^Ω M̂(Ω) / (Ω c M 2^{L−Ω})` and of
+    `Π_{l>Ω} B^l` (0 at Ω = L). NaN where the left side is undefined (C6).
+
+  Raises:
+    ConfigError: Bad sizes (checked in Python), or vectors of a static length other than L.
+  """
+  columns, out_dims = list(columns), list(out_dims)
+  _check_dimensions(columns, out_dims, num_classes, None)
+  num_layers = len(columns)
+  vectors = [_as_dtype(x, tf.float64) for x in (b_hat, tau_hat, b, tau)]
+  for name, x in zip(('b_hat', 'tau_hat', 'b', 'tau'), vectors):
+    if x.shape.rank is not None and (x.shape.rank != 1 or
+                                     x.shape[0] not in (None, num_layers)):
+      raise ConfigError(f'BLS {name} must be a vector [L={num_layers}], got shape {x.shape}.')
+  b_hat, tau_hat, b, tau = vectors
+  c = float(out_dims[-1] if num_classes is None else num_classes)
+  half_log_n = tf.constant(0.5 * np.log(np.asarray(columns, np.float64)))
+  log_m_hat = _log_m_curve(tau_hat, b_hat, half_log_n)                           # [Ω]
+  log_m_full = _log_m_curve(tau, b, half_log_n)[-1]
+  omegas = np.arange(1, num_layers + 1, dtype=np.float64)
+  constant = tf.constant(np.log(num_layers) + np.log(np.asarray(out_dims, np.float64)) -
+                         np.log(omegas) - np.log(c) - (num_layers - omegas) * np.log(2.0))
+  log_lhs = constant + log_m_hat - log_m_full
+  log_b = tf.math.log(b)  # log 0 = −∞: a zero-norm layer makes the right side 0.
+  # Σ_{l>Ω} log B^l: reversed exclusive cumulative sum.
+  log_rhs = tf.cumsum(log_b, exclusive=True, reverse=True)
+  return log_lhs, log_rhs
+
+
+def criterion_tf(b_hat: TensorLike, tau_hat: TensorLike, b: TensorLike, tau: TensorLike,
+                 columns: Sequence[int], out_dims: Sequence[int],
+                 num_classes: Union[int, None] = None) -> tf.Tensor:
+  """Whether inequality (29) holds at each Ω = 1..L (bool `[L]`); arguments as
+  `criterion_sides_tf`. Undefined sides (NaN) count as not satisfied (C6)."""
+  log_lhs, log_rhs = criterion_sides_tf(b_hat, tau_hat, b, tau, columns, out_dims,
+                                        num_classes)
+  return log_lhs < log_rhs
 
 
 # ---------------------------------------------------------------------------------------------
-# Definition 1 and Algorithm 4 (Assumptions 4, 5).
+# Algorithm 4.
 
 
-def _as_curve_np(curve) -> np.ndarray:
-  curve = np.asarray(curve, np.float64)
-  if curve.ndim != 1 or curve.shape[0] == 0:
-    raise ConfigError(f'BLS curve must be a non-empty vector [L], got shape {curve.shape}.')
-  return np.where(np.isnan(curve), np.inf, curve)
+def search_tf(satisfied: TensorLike, omega_prev: TensorLike,
+              min_layers: TensorLike = 1) -> tuple[tf.Tensor, tf.Tensor]:
+  """Algorithm 4, lines 15–24: the search from the previous Ω on (29)'s truth values.
 
-
-def is_admissible(curve: np.ndarray, omega: int, min_layers: int = 1) -> bool:
-  """Definition 1: G(Ω) ≤ G(Ω ± 1) for the neighbours inside [min_layers, L] (NaN = +∞)."""
-  curve = _as_curve_np(curve)
-  num_layers = curve.shape[0]
-  _check_min_layers(min_layers, num_layers)
-  if not min_layers <= omega <= num_layers:
-    raise ConfigError(f'BLS omega must be in [{min_layers}, {num_layers}], got {omega}.')
-  here = curve[omega - 1]
-  return all(curve[n - 1] >= here for n in (omega - 1, omega + 1)
-             if min_layers <= n <= num_layers)
-
-
-def search_omega(curve: np.ndarray, omega_prev: int, min_layers: int = 1) -> tuple[int, int]:
-  """Algorithm 4's walk: local descent on G from a start Ω to an admissible Ω (NumPy).
+  Starting at Ω_0 = Ω^{k−1} (clipped into [min_layers, L]): if (29) holds at Ω_0, Ω moves
+  down one layer at a time and stops at the first Ω < Ω_0 where (29) fails; otherwise it moves
+  up and stops at the first Ω > Ω_0 where (29) holds. Both loops take at least one step and
+  stop at the ends of [min_layers, L] (module docstring, C3).
 
   Args:
-    curve: G(Ω) for Ω = 1..L (`bound_curve`), entry Ω − 1.
-    omega_prev: Where the walk starts (`select_omega` passes `search_start` of the client's
-      last Ω); clipped into [min_layers, L].
-    min_layers: Smallest number of layers uploaded, in [1, L].
+    satisfied: bool `[L]`, entry Ω − 1 whether (29) holds at Ω (`criterion_tf`).
+    omega_prev: Ω^{k−1}, int scalar (tensor or Python).
+    min_layers: Smallest Ω, in [1, L].
 
   Returns:
-    `(omega, steps)`: the admissible Ω reached and the number of moves made.
+    `(omega, steps)`: int32 scalars, Ω^k and |Ω^k − Ω_0|.
 
   Raises:
-    ConfigError: Empty or non-vector curve, or min_layers outside [1, L].
+    ConfigError: `satisfied` is not a non-empty vector, or min_layers is outside [1, L]
+      (checked where known in Python).
   """
-  curve = _as_curve_np(curve)
-  num_layers = curve.shape[0]
-  _check_min_layers(min_layers, num_layers)
-  min_layers = int(min_layers)
-  omega = int(np.clip(int(omega_prev), min_layers, num_layers))
-  steps = 0
-  while True:
-    lower, upper = omega - 1, omega + 1
-    g_lower = curve[lower - 1] if lower >= min_layers else np.inf
-    g_upper = curve[upper - 1] if upper <= num_layers else np.inf
-    best, g_best = (lower, g_lower) if g_lower <= g_upper else (upper, g_upper)
-    if not g_best < curve[omega - 1]:
-      return omega, steps
-    omega, steps = best, steps + 1
-
-
-def search_omega_tf(curve: TensorLike, omega_prev: TensorLike,
-                    min_layers: TensorLike = 1) -> tuple[tf.Tensor, tf.Tensor]:
-  """TF version of `search_omega` with `tf.while_loop`; returns int32 scalars (Ω, steps).
-
-  Usable inside a `tf.function`/TFF computation; `omega_prev` and `min_layers` may be tensors
-  (min_layers is validated when it and L are known in Python).
-  """
-  curve = tf.convert_to_tensor(curve)
-  if not curve.dtype.is_floating:
-    curve = tf.cast(curve, tf.float64)
-  if curve.shape.rank not in (None, 1) or (curve.shape.rank == 1 and curve.shape[0] == 0):
-    raise ConfigError(f'BLS curve must be a non-empty vector [L], got shape {curve.shape}.')
-  static_length = curve.shape[0] if curve.shape.rank == 1 else None
-  _check_min_layers(min_layers, static_length)
-  inf = tf.constant(np.inf, curve.dtype)
-  curve = tf.where(tf.math.is_nan(curve), tf.fill(tf.shape(curve), inf), curve)
-  num_layers = tf.shape(curve, out_type=tf.int32)[0]
+  satisfied = tf.convert_to_tensor(satisfied)
+  if satisfied.dtype != tf.bool:
+    raise ConfigError(f'BLS satisfied must be a bool vector [L], got {satisfied.dtype}.')
+  if satisfied.shape.rank not in (None, 1) or (satisfied.shape.rank == 1 and
+                                               satisfied.shape[0] == 0):
+    raise ConfigError(f'BLS satisfied must be a non-empty vector [L], got shape '
+                      f'{satisfied.shape}.')
+  _check_min_layers(min_layers, satisfied.shape[0] if satisfied.shape.rank == 1 else None)
+  num_layers = tf.shape(satisfied, out_type=tf.int32)[0]
   min_layers = tf.cast(min_layers, tf.int32)
-  omega = tf.clip_by_value(tf.cast(omega_prev, tf.int32), min_layers, num_layers)
-
-  def value(index, valid):
-    # Gather at a clipped index so that an invalid neighbour never reads out of range.
-    g = tf.gather(curve, tf.clip_by_value(index, 1, num_layers) - 1)
-    return tf.where(valid, g, inf)
-
-  def body(omega, steps, done):
-    del done
-    lower, upper = omega - 1, omega + 1
-    g_lower = value(lower, lower >= min_layers)
-    g_upper = value(upper, upper <= num_layers)
-    take_lower = g_lower <= g_upper
-    best = tf.where(take_lower, lower, upper)
-    g_best = tf.where(take_lower, g_lower, g_upper)
-    move = g_best < tf.gather(curve, omega - 1)
-    return (tf.where(move, best, omega), steps + tf.cast(move, tf.int32),
-            tf.logical_not(move))
-
-  omega, steps, _ = tf.while_loop(
-      lambda omega, steps, done: tf.logical_not(done), body,
-      (omega, tf.constant(0, tf.int32), tf.constant(False)),
-      maximum_iterations=num_layers)
-  return omega, steps
-
-
-# ---------------------------------------------------------------------------------------------
-# Algorithm 4 as one step of a client's round (Assumption 6).
-
-
-def search_start(omega_prev: int, num_layers: int, min_layers: int = 1) -> int:
-  """Algorithm 4's start Ω_0: L − 1 after a full upload (Ω_prev ≥ L, which is also the state
-  of a client that never took part), else Ω_prev; clipped into [min_layers, L].
-
-  Raises:
-    ConfigError: L < 1 or min_layers outside [1, L].
-  """
-  if num_layers < 1:
-    raise ConfigError(f'BLS num_layers must be >= 1, got {num_layers}.')
-  _check_min_layers(min_layers, num_layers)
-  start = num_layers - 1 if omega_prev >= num_layers else int(omega_prev)
-  return int(np.clip(start, int(min_layers), num_layers))
-
-
-def search_start_tf(omega_prev: TensorLike, num_layers: TensorLike,
-                    min_layers: TensorLike = 1) -> tf.Tensor:
-  """TF version of `search_start` (int32 scalar; arguments may be tensors)."""
-  if _is_python_number(num_layers):
-    if num_layers < 1:
-      raise ConfigError(f'BLS num_layers must be >= 1, got {num_layers}.')
-    _check_min_layers(min_layers, num_layers)
-  omega_prev = tf.cast(omega_prev, tf.int32)
-  num_layers = tf.cast(num_layers, tf.int32)
-  start = tf.where(omega_prev >= num_layers, num_layers - 1, omega_prev)
-  return tf.clip_by_value(start, tf.cast(min_layers, tf.int32), num_layers)
-
-
-def select_omega(b: np.ndarray, tau: np.ndarray, b_max: np.ndarray, tau_max: np.ndarray,
-                 n_i: float, n_fed: float, kappa: float, omega_prev: int,
-                 min_layers: int = 1) -> tuple[int, int, np.ndarray, np.ndarray]:
-  """Algorithm 4 for one client and round (NumPy): running maxima, start, walk.
-
-  B̂ ← max(B̂, B), τ̂ ← max(τ̂, τ) per layer; G from (τ̂, B̂) (`bound_curve`); the walk
-  (`search_omega`) from `search_start(omega_prev, L, min_layers)` (Assumption 6).
-
-  Args:
-    b: B^l `[L]` of this round (`layer_bounds_np`).
-    tau: τ^l `[L]` of this round.
-    b_max: The client's running maximum B̂ `[L]` before this round (0 before its first).
-    tau_max: Its running maximum τ̂ `[L]` before this round (0 before its first).
-    n_i: The client's number of training examples (> 0).
-    n_fed: Number of training examples of the federation (> 0).
-    kappa: Weight κ ≥ 0 of the estimation terms.
-    omega_prev: The client's last Ω (L for a client that never took part).
-    min_layers: Smallest number of layers uploaded, in [1, L].
-
-  Returns:
-    `(omega, steps, b_max, tau_max)`: the Ω uploaded this round, the moves of the walk and
-    the updated maxima (float64 `[L]`), to be kept for the client's next round.
-
-  Raises:
-    ConfigError: As `bound_curve` and `search_omega`, or the maxima have another shape.
-  """
-  b, tau = np.asarray(b, np.float64), np.asarray(tau, np.float64)
-  b_max, tau_max = np.asarray(b_max, np.float64), np.asarray(tau_max, np.float64)
-  if b_max.shape != b.shape or tau_max.shape != tau.shape:
-    raise ConfigError(f'BLS running maxima of shapes {b_max.shape}, {tau_max.shape} for '
-                      f'B, tau of shapes {b.shape}, {tau.shape}.')
-  b_max, tau_max = np.maximum(b_max, b), np.maximum(tau_max, tau)
-  curve = bound_curve(tau_max, b_max, n_i, n_fed, kappa)
-  start = search_start(omega_prev, curve.shape[0], min_layers)
-  omega, steps = search_omega(curve, start, min_layers)
-  return omega, steps, b_max, tau_max
+  start = tf.clip_by_value(tf.cast(omega_prev, tf.int32), min_layers, num_layers)
+  omegas = tf.range(1, num_layers + 1)
+  # Lines 16–19: the largest Ω in [min_layers, start − 1] where (29) fails, else min_layers.
+  fails_below = (omegas < start) & (omegas >= min_layers) & tf.logical_not(satisfied)
+  down = tf.reduce_max(tf.where(fails_below, omegas, min_layers))
+  # Lines 20–23: the smallest Ω in [start + 1, L] where (29) holds, else L.
+  holds_above = (omegas > start) & satisfied
+  up = tf.reduce_min(tf.where(holds_above, omegas, num_layers))
+  omega = tf.where(tf.gather(satisfied, start - 1), down, up)
+  return omega, tf.abs(omega - start)
 
 
 def select_omega_tf(b: TensorLike, tau: TensorLike, b_max: TensorLike, tau_max: TensorLike,
-                    n_i: TensorLike, n_fed: TensorLike, kappa: float, omega_prev: TensorLike,
-                    min_layers: TensorLike = 1
+                    omega_prev: TensorLike, columns: Sequence[int], out_dims: Sequence[int],
+                    num_classes: Union[int, None] = None, min_layers: TensorLike = 1
                     ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
-  """TF version of `select_omega` (usable in a `tf.function`/TFF computation).
+  """Algorithm 4 for one client and round (module docstring): usable in a TFF computation.
 
-  Returns int32 scalars (Ω, steps) and the maxima in the dtype of `tau` (float32 for a float
-  `tau` of unknown dtype).
+  Branch A (Ω^{k−1} = L: the last upload was complete, or the client never took part — C2):
+  the stored bounds become max(stored, this round's), Ω^k = L − 1 (at least min_layers), no
+  search. Branch B (otherwise): the stored bounds are kept as they are, (29) is evaluated with
+  this round's (B, τ) as (B̂, τ̂) and the stored ones as (B, τ), and `search_tf` runs from
+  Ω^{k−1}. Both branches are computed and `tf.where` picks one (no data-dependent control flow
+  in the graph); branch A's results do not depend on (29).
+
+  Args:
+    b: This round's B^l `[L]` (Eq. 30, `layer_bounds`).
+    tau: This round's τ^l `[L]` (Eq. 31).
+    b_max: The stored B^l `[L]` before this round (0 before the client's first selection).
+    tau_max: The stored τ^l `[L]` before this round.
+    omega_prev: Ω^{k−1} (L for a client that never took part).
+    columns: n^l, L positive integers (`layer_dimensions`).
+    out_dims: d^l, L positive integers.
+    num_classes: c (default d^L).
+    min_layers: Smallest Ω, in [1, L].
+
+  Returns:
+    `(omega, steps, b_max, tau_max)`: int32 Ω^k and its moves (0 in branch A), and the stored
+    bounds to keep for the client's next selection, in the dtype of `b_max` (float32 unless
+    it is a float tensor of another type).
+
+  Raises:
+    ConfigError: Bad sizes or min_layers (checked where known in Python).
   """
-  tau = tf.convert_to_tensor(tau)
-  if not tau.dtype.is_floating:
-    tau = tf.cast(tau, tf.float32)
-  b = _as_dtype(b, tau.dtype)
-  b_max = tf.maximum(_as_dtype(b_max, tau.dtype), b)
-  tau_max = tf.maximum(_as_dtype(tau_max, tau.dtype), tau)
-  curve = bound_curve_tf(tau_max, b_max, n_i, n_fed, kappa)
-  start = search_start_tf(omega_prev, tf.shape(curve)[0], min_layers)
-  omega, steps = search_omega_tf(curve, start, min_layers)
-  return omega, steps, b_max, tau_max
+  columns, out_dims = list(columns), list(out_dims)
+  _check_dimensions(columns, out_dims, num_classes, None)
+  num_layers = len(columns)
+  _check_min_layers(min_layers, num_layers)
+  b_max = tf.convert_to_tensor(b_max)
+  dtype = b_max.dtype if b_max.dtype.is_floating else tf.float32
+  b, tau = _as_dtype(b, dtype), _as_dtype(tau, dtype)
+  b_max, tau_max = _as_dtype(b_max, dtype), _as_dtype(tau_max, dtype)
+  for name, x in (('b', b), ('tau', tau), ('b_max', b_max), ('tau_max', tau_max)):
+    if x.shape.rank is not None and (x.shape.rank != 1 or
+                                     x.shape[0] not in (None, num_layers)):
+      raise ConfigError(f'BLS {name} must be a vector [L={num_layers}], got shape {x.shape}.')
+  omega_prev = tf.cast(omega_prev, tf.int32)
+  min_layers = tf.cast(min_layers, tf.int32)
+  full = omega_prev >= num_layers  # Line 3 (C2: q = 0 is Ω = L in a new client's state).
+  # Branch A (lines 4–9).
+  b_a, tau_a = tf.maximum(b, b_max), tf.maximum(tau, tau_max)
+  omega_a = tf.maximum(tf.constant(num_layers - 1, tf.int32), min_layers)
+  # Branch B (lines 11–24): this round's values are B̂, τ̂; the stored ones stay.
+  satisfied = criterion_tf(b, tau, b_max, tau_max, columns, out_dims, num_classes)
+  omega_b, steps_b = search_tf(satisfied, omega_prev, min_layers)
+  omega = tf.where(full, omega_a, omega_b)
+  steps = tf.where(full, tf.constant(0, tf.int32), steps_b)
+  return omega, steps, tf.where(full, b_a, b_max), tf.where(full, tau_a, tau_max)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,10 +52,10 @@ baselines are rules of their own: `local.py`, `fedamp.py`, `fedbn.py`, `pfedla.p
 
 BLS on the client (Algorithm 4, `bls.select_omega_tf`): τ^l = ||w_i^l − s_i^l||_F with, for a
 layer the server skipped this round, the client's own model at the round's start in place of
-s_i^l (it received no s_i^l; `bls.py`, Assumption 1); B and τ enter the bound as running
-maxima over the client's rounds, and the search starts from L − 1 on the client's first
-selection and after a round with Ω = L (`bls.py`, Assumption 6). Ω and the maxima are client
-state (`PersonalizedAlgorithm`).
+s_i^l (it received no s_i^l; `bls.py`, C4). On the client's first selection and after a round
+with Ω = L, Ω becomes L − 1 without a search and only then are the stored maxima of B and τ
+updated; otherwise Ω is searched from its last value on inequality (29). Ω and the stored
+bounds are client state (`PersonalizedAlgorithm`).
 
 Single pass (DESIGN.md): the server's pre-step (slice, R step, s_i, skip mask) depends only on
 its state and inputs, the clients' results come back through one gathering aggregate, writing
@@ -257,8 +257,7 @@ class KapcRule(process_lib.RelationRule):
 def build_kapc(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
                lambda_: float = 1.0, beta: float = 0.005,
                relationship_learning_rate: float = 0.01, relationship_steps: int = 1,
-               bls_mu: Optional[float] = None, bls_kappa: float = 1.0,
-               min_upload_layers: int = 1,
+               bls_mu: Optional[float] = None, min_upload_layers: int = 1,
                relationship_update: str = 'before_send', coaching_loss: str = 'norm',
                relationship_init: str = 'random',
                relationship_seed: int = 0) -> process_lib.PersonalizedAlgorithm:
@@ -277,5 +276,5 @@ def build_kapc(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
                   relationship_seed=relationship_seed)
   return process_lib.build_personalized_process(
       model_spec, num_clients, client_optimizer or optimizers.default_client_optimizer(), rule,
-      bls_mu=bls_mu, bls_kappa=bls_kappa, min_upload_layers=min_upload_layers,
+      bls_mu=bls_mu, min_upload_layers=min_upload_layers,
       name='kapc+bls' if bls_mu is not None else 'kapc')

@@ -195,9 +195,17 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 
   Per-client state, as drivers keep it: `OrderedDict(model=OrderedDict(trainable,
   non_trainable), server_copy=<the server's copy of its trainable weights, stale layers
-  included>, omega=<last Ω>)`, with BLS also `b_max`, `tau_max` (float32 `[L]`: the running
-  maxima B̂, τ̂ of Algorithm 4, `bls.select_omega`); `new_client_state`, `server_input`,
-  `client_input` and `next_client_states` are the one implementation of that bookkeeping.
+  included>, omega=<last Ω>)`, with BLS also `b_max`, `tau_max` (float32 `[L]`: Algorithm 4's
+  stored bounds B^l, τ^l, maxima over the client's full-layer rounds, `bls.select_omega_tf`);
+  `new_client_state`, `server_input`, `client_input` and `next_client_states` are the one
+  implementation of that bookkeeping.
+
+  With BLS, `next` adds to the `kapc` measurements `stale_server_layers`: how many of the
+  round's participants' layers the server still holds at the initial weights after the round
+  (every tensor of the layer equal to the initial model's, bit for bit, in the copies
+  `next_client_states` returns), and `stale_server_layer_fraction` (that count over P·L).
+  Every participant has taken part at least once by then, so such a layer is one it never
+  uploaded. (`process.next` alone does not compute them: the server's copies are rebuilt here.)
   """
   name: str
   process: object
@@ -270,6 +278,12 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     server_seconds = time.perf_counter() - start
     measurements = dict(output.measurements)
     train = measurements.pop('train')
+    if self.bls:  # Server copies still at the initial weights (class docstring).
+      stale = self.stale_server_layers(client_states)
+      measurements['kapc'] = collections.OrderedDict(
+          measurements['kapc'], stale_server_layers=stale,
+          stale_server_layer_fraction=stale / max(
+              1, len(client_states) * len(self.layer_sizes_bytes)))
     return protocol.RoundOutput(
         state=output.state, client_states=client_states, train=train,
         measurements=measurements, clients=order,
@@ -321,13 +335,9 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 
   # -- the per-client bookkeeping --------------------------------------------------------------
   def new_client_state(self) -> collections.OrderedDict:
-    """A client that never took part: the initial model, Ω = L (BLS's search then starts
-    from L − 1: `bls.search_start`), with BLS running maxima B̂ = τ̂ = 0."""
-    if self._initial is None:  # Building the Keras model once, not once per client.
-      initial = self.model_spec.initial_weights()
-      self._initial = ([np.array(w) for w in initial.trainable],
-                       [np.array(w) for w in initial.non_trainable])
-    trainable, non_trainable = self._initial
+    """A client that never took part: the initial model, Ω = L (BLS: Algorithm 4's branch
+    for a first selection, `bls.py` C2), with BLS stored bounds B = τ = 0."""
+    trainable, non_trainable = self._initial_weights()
     num_layers = len(self.layer_sizes_bytes)
     state = collections.OrderedDict(
         model=collections.OrderedDict(trainable=[w.copy() for w in trainable],
@@ -338,6 +348,33 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
       state['b_max'] = np.zeros([num_layers], np.float32)
       state['tau_max'] = np.zeros([num_layers], np.float32)
     return state
+
+  def _initial_weights(self) -> tuple:
+    """(trainable, non-trainable) NumPy weights of the initial model, built once."""
+    if self._initial is None:  # Building the Keras model once, not once per client.
+      initial = self.model_spec.initial_weights()
+      self._initial = ([np.array(w) for w in initial.trainable],
+                       [np.array(w) for w in initial.non_trainable])
+    return self._initial
+
+  def stale_server_layers(self, client_states: dict) -> int:
+    """How many layers of these clients' server copies equal the initial model's, bit for bit
+    (all the layer's tensors). `client_states`: `{client: state}` as `next_client_states`
+    returns them."""
+    initial = self._initial_weights()[0]
+    num_layers = len(self.layer_sizes_bytes)
+    count = 0
+    for state in client_states.values():
+      copy = state['server_copy']
+      fresh = np.zeros(num_layers, bool)
+      for t, layer in enumerate(self.tensor_layers):
+        if not fresh[layer]:
+          a, b = np.asarray(copy[t]), initial[t]
+          # The first element decides at once for nearly every trained tensor.
+          fresh[layer] = a.shape != b.shape or (a.size and a.flat[0] != b.flat[0]) or (
+              not np.array_equal(a, b))
+      count += int(num_layers - fresh.sum())
+    return count
 
   def client_input(self, batches, client_index: int, epochs: int, client_state):
     """One participant's client data: `client_work.client_input` with its personal model
@@ -409,7 +446,7 @@ class _RowCopies:
 
 def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_optimizer,
                                rule: RelationRule, bls_mu: Optional[float] = None,
-                               bls_kappa: float = 1.0, min_upload_layers: int = 1,
+                               min_upload_layers: int = 1,
                                name: str = 'personalized') -> PersonalizedAlgorithm:
   """Builds a personalised method from its `rule` as a TFF process (module docstring).
 
@@ -419,7 +456,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     client_optimizer: Local optimizer.
     rule: The method's `RelationRule` (KAPC, FedAMP, FedBN, Local, pFedLA: one module each).
     bls_mu: BLS server threshold μ (None: BLS off — every layer sent, every layer uploaded).
-    bls_kappa: κ of the BLS bound; min_upload_layers: Ω's lower limit.
+    min_upload_layers: Ω's lower limit (BLS, Algorithm 4; `bls.py`, C3).
     name: For logs.
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
@@ -457,6 +494,9 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   local_layers = np.array([k in rule.local_layer_kinds for k in kinds])
   layer_sizes_bytes = [int(sum(np.prod(tspecs[t].shape.as_list(), dtype=np.int64) *
                                tspecs[t].dtype.size for t in group)) for group in layers]
+  # n^l and d^l of BLS's inequality (29) (`bls.layer_dimensions`).
+  columns, out_dims = bls.layer_dimensions([[tspecs[t].shape.as_list() for t in group]
+                                            for group in layers])
   # What the method exchanges at all: nothing when clients neither use s_i nor start from it.
   communicates = lambda_ > 0 or start_from == 'server'
 
@@ -476,7 +516,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     personal_fields.append(('non_trainable', tff.types.to_type(tuple(shape_of(s)
                                                                       for s in nspecs))))
   personal_fields.append(('omega', tff.TensorType(np.int32)))
-  if bls_mu is not None:  # Algorithm 4's running maxima B̂, τ̂ (bls.py, Assumption 6).
+  if bls_mu is not None:  # Algorithm 4's stored bounds B, τ (bls.py, C1).
     personal_fields.append(('b_max', tff.TensorType(np.float32, [num_layers])))
     personal_fields.append(('tau_max', tff.TensorType(np.float32, [num_layers])))
   personal_type = tff.StructWithPythonType(personal_fields, collections.OrderedDict)
@@ -508,8 +548,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     else:
       skip = bls.server_skip_mask_tf(self_rel, bls_mu)
     message = collections.OrderedDict(
-        clients=server_input['clients'], models=tuple(s), skip=skip,
-        n_fed=tf.reduce_sum(server_input['num_examples']), self_relation=self_rel)
+        clients=server_input['clients'], models=tuple(s), skip=skip, self_relation=self_rel)
     if not model_from_client and start_from == 'own':
       message['own'] = tuple(server_input['models'])
     message.update(extra)  # The rule's own entries, for its `server_update`.
@@ -551,19 +590,19 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
 
   def client_result(server_msg, personal, k, s, sent, own, trained, examples_per_epoch):
     """What client k uploads after training: its model and `(index, Ω, BLS search)`."""
+    del server_msg  # The same signature for the vectorised clients; BLS needs nothing of it.
     n_i = tf.cast(tf.maximum(examples_per_epoch, 1), tf.float32)
     if bls_mu is None:
       omega, steps = tf.constant(num_layers, tf.int32), tf.constant(0, tf.int32)
     else:
       # A skipped layer is compared with the client's own model at the round's start (it
-      # received no s^l this round): see bls.py, Assumption 1.
+      # received no s^l this round): bls.py, C4. Algorithm 4 on B^l, τ^l (Eqs. 30–31).
       reference = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
       b, tau = bls.layer_bounds([[trained[t] for t in g] for g in layers],
                                 [[reference[t] for t in g] for g in layers])
       omega, steps, b_max, tau_max = bls.select_omega_tf(
-          tf.cast(b, tf.float32), tf.cast(tau, tf.float32), personal['b_max'],
-          personal['tau_max'], n_i, tf.maximum(server_msg['n_fed'], n_i), bls_kappa,
-          personal['omega'], min_upload_layers)
+          b, tau, personal['b_max'], personal['tau_max'], personal['omega'], columns, out_dims,
+          min_layers=min_upload_layers)
     weight = collections.OrderedDict(client_index=k, omega=omega, search_steps=steps,
                                      num_examples=n_i)
     if bls_mu is not None:
@@ -635,7 +674,8 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
         search_steps_mean=tf.reduce_mean(tf.cast(
             tf.gather(gathered['weight']['search_steps'], rows), tf.float32)),
         skipped_layer_fraction=tf.reduce_mean(tf.cast(server_msg['skip'], tf.float32)),
-        self_relation_mean=tf.reduce_mean(server_msg['self_relation']))
+        self_relation_mean=tf.reduce_mean(server_msg['self_relation']),
+        self_relation_max=tf.reduce_max(server_msg['self_relation']))
     # r_ii^l of the slice s_i came from, per layer: its mean over the participants (CSV
     # columns) and every participant's value (`[P, L]`, in `clients` order: measurements.jsonl).
     for l in range(num_layers):
