@@ -137,5 +137,5 @@ def test_pipeline_runs_fedbn_on_cnn2_bn_on_the_cpp_runtime(tmp_path):
   assert summary['executor'].startswith("TFF's C++ runtime")
   rows = read_csv(os.path.join(tmp_path, 'metrics.csv'))
   assert len(rows) == 2
-  assert float(rows[-1]['mean_local_accuracy']) > 0.2
+  assert float(rows[-1]['personal_local_accuracy']) > 0.2
   assert not tagged_worker_pids()

@@ -719,8 +719,9 @@ def test_kapc_pipeline_with_client_selection_channel_and_resume(tmp_path):
 
 @pytest.mark.parametrize('alpha,beta', [('0.1', 0.005), ('0.3', 0.5)])
 def test_kapc_paper_configs_bind_r_settings(alpha, beta, monkeypatch):
-  """Every KAPC paper config: R starts random, the R step uses the norm, η_r = 0.01, E_r = 1
-  (§4.2, §4.4, §7.1), and λ, β of its α (ours, from the §7.3.1 ablation)."""
+  """Every KAPC paper config: R starts random (seeded by the run seed), the R step uses the
+  norm, η_r = 0.01, E_r = 1 (§4.2, §4.4, §7.1), and λ, β of its α (ours, from the §7.3.1
+  ablation)."""
   import glob  # pylint: disable=g-import-not-at-top
   import fltff  # pylint: disable=g-import-not-at-top
   monkeypatch.chdir(REPO)
@@ -730,13 +731,14 @@ def test_kapc_paper_configs_bind_r_settings(alpha, beta, monkeypatch):
     paths.append('gin_configs/kapc/offline_mnist1003_kapc.gin')
   assert len(paths) == 50 + (alpha == '0.1')  # 4 datasets × 2 N × 5 (+ FMNIST IDX twins).
   want = {'lambda_': 1.0, 'beta': beta, 'relationship_learning_rate': 0.01,
-          'relationship_steps': 1, 'coaching_loss': 'norm', 'relationship_init': 'random',
-          'relationship_seed': 0}
+          'relationship_steps': 1, 'coaching_loss': 'norm', 'relationship_init': 'random'}
   for path in paths:
     gin.clear_config()
     try:
       gin.parse_config_files_and_bindings([path], [], skip_unknown=False)
       got = {k: gin.query_parameter(f'kapc.{k}') for k in want}
       assert got == want, path
+      with pytest.raises(ValueError):  # R's seed is the run's (`build_method`), not bound.
+        gin.query_parameter('kapc.relationship_seed')
     finally:
       gin.clear_config()
