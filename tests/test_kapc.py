@@ -289,6 +289,21 @@ def test_attentive_relationship_matches_fedamp_formula():
   np.testing.assert_allclose(xi[:, 1], xi[:, 0])
 
 
+@pytest.mark.parametrize('offset', [0.0, 30.0])
+def test_attentive_relationship_of_nearby_large_models_has_no_cancellation(offset):
+  # Models 1e-3 apart with norms of up to ~3e4: the expanded ||a||² + ||b||² − 2ab would lose
+  # the distances to float32 rounding of the norms.
+  rng = np.random.default_rng(3)
+  base = rng.normal(size=(1, 1000)).astype(np.float32) + offset
+  models = base + 1e-3 * rng.normal(size=(3, 1000)).astype(np.float32)
+  xi = fedamp_lib.attentive_relationship([tf.constant(models)], 1, 1.0, 0.1).numpy()[:, 0]
+  flat = models.astype(np.float64)
+  d = ((flat[:, None] - flat[None]) ** 2).sum(-1)
+  off = 0.1 * np.exp(-d)
+  np.fill_diagonal(off, 0)
+  np.testing.assert_allclose(xi, _np_normalize(off + np.diag(1 - off.sum(1))), rtol=1e-6)
+
+
 # --- the process ------------------------------------------------------------------------------
 def _datasets(sizes, seed):
   rng = np.random.default_rng(seed)

@@ -22,8 +22,8 @@ def _alive(pid):
 def test_runtime_runs_computation_and_close_stops_worker(tff_runtime):
   runtime = TffRuntime()
   try:
-    [pid] = runtime.worker_pids
-    assert _alive(pid)
+    pids = runtime.worker_pids  # The isolated worker's relay and its worker_binary.
+    assert len(pids) == 2 and all(_alive(pid) for pid in pids)
 
     @tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
     def mean(x):
@@ -33,8 +33,73 @@ def test_runtime_runs_computation_and_close_stops_worker(tff_runtime):
   finally:
     runtime.close()
     tff.framework.set_default_context(tff_runtime.context)  # Back to the session runtime.
-  assert wait_for_exit(pid)
+  assert all(wait_for_exit(pid) for pid in pids)
   runtime.close()  # Idempotent.
+
+
+def _listening_inodes(table: str) -> set:
+  """Socket inodes in LISTEN state in a /proc/<pid>/net/tcp{,6} table."""
+  inodes = set()
+  with open(table) as f:
+    for line in f.readlines()[1:]:
+      fields = line.split()
+      if fields[3] == '0A':  # TCP_LISTEN
+        inodes.add(fields[9])
+  return inodes
+
+
+def _socket_inodes(pid: int) -> set:
+  found = set()
+  for fd in os.listdir(f'/proc/{pid}/fd'):
+    target = os.readlink(f'/proc/{pid}/fd/{fd}')
+    if target.startswith('socket:['):
+      found.add(target[8:-1])
+  return found
+
+
+def test_the_local_worker_is_reachable_only_through_its_owners_unix_socket(tff_runtime):
+  # worker_binary listens on every interface of its network namespace: a private one, whose
+  # only interface is its own loopback. The driver's way in is a 0600 socket in a 0700 folder.
+  runtime = TffRuntime()
+  try:
+    relay, worker = runtime.worker_pids
+    assert runtime.workers[0].startswith('unix:')
+    path = runtime.workers[0][len('unix:'):]
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+    assert os.readlink(f'/proc/{worker}/ns/net') != os.readlink('/proc/self/ns/net')
+    with open(f'/proc/{worker}/net/dev') as f:
+      interfaces = [line.split(':')[0].strip() for line in f.readlines()[2:]]
+    assert interfaces == ['lo']
+    # It does listen, in there; nothing of its listens in this namespace.
+    inside = _listening_inodes(f'/proc/{worker}/net/tcp6') | _listening_inodes(
+        f'/proc/{worker}/net/tcp')
+    assert inside & _socket_inodes(worker)
+    outside = _listening_inodes('/proc/self/net/tcp6') | _listening_inodes('/proc/self/net/tcp')
+    assert not outside & (_socket_inodes(worker) | _socket_inodes(relay))
+
+    @tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
+    def total(x):
+      return tff.federated_sum(x)
+
+    assert total([1.0, 2.0]) == pytest.approx(3.0)
+  finally:
+    runtime.close()
+    tff.framework.set_default_context(tff_runtime.context)
+  assert not os.path.exists(os.path.dirname(path))
+
+
+def test_a_worker_not_isolated_says_its_port_is_open(tff_runtime, capsys):
+  runtime = TffRuntime(isolate_local_worker=False)
+  try:
+    [pid] = runtime.worker_pids
+    assert os.readlink(f'/proc/{pid}/ns/net') == os.readlink('/proc/self/ns/net')
+    line = capsys.readouterr().err.strip()
+    assert line.startswith('warning: runtime.isolate_local_worker = False') and 'every interface' in line
+  finally:
+    runtime.close()
+    tff.framework.set_default_context(tff_runtime.context)
+  assert wait_for_exit(pid)
 
 
 _CHILD = textwrap.dedent("""
@@ -47,7 +112,7 @@ _CHILD = textwrap.dedent("""
     def total(x):
       return tff.federated_sum(x)
     assert total([1.0, 2.0]) == 3.0
-    print(rt.worker_pids[0], flush=True)
+    print(*rt.worker_pids, flush=True)
     if sys.argv[1] == 'hang':
       time.sleep(600)
     # 'exit': leave without calling close(): atexit must stop the worker.
@@ -59,14 +124,16 @@ def test_worker_dies_with_its_program(how):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3', PYTHONPATH=REPO)
   proc = subprocess.Popen([sys.executable, '-c', _CHILD, 'exit' if how == 'exit' else 'hang'],
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
-  pid = int(proc.stdout.readline())
+  pids = [int(p) for p in proc.stdout.readline().split()]  # Relay and worker_binary.
+  assert len(pids) == 2
   if how == 'sigkill':
-    assert _alive(pid)
+    assert all(_alive(pid) for pid in pids)
     proc.kill()
   proc.wait(timeout=120)
   if how == 'exit':
     assert proc.returncode == 0
-  assert wait_for_exit(pid, timeout=10), f'worker {pid} outlived its program ({how})'
+  for pid in pids:
+    assert wait_for_exit(pid, timeout=10), f'worker {pid} outlived its program ({how})'
 
 
 def test_unreachable_remote_worker_is_a_clear_error():

@@ -369,7 +369,7 @@ def test_the_default_executor_vectorises_what_it_can_and_runs_the_rest_on_cpp(da
       assert isinstance(rt.context, InProcessContext) and not rt.worker_pids
     with make_runtime() as rt:
       rt.bind(UNSUPPORTED['own_client_work'](spec))
-      assert rt.executor == 'tff_cpp' and len(rt.worker_pids) == 1
+      assert rt.executor == 'tff_cpp' and len(rt.worker_pids) == 2
       assert 'cannot vectorise its clients' in rt.auto_reason
     with make_runtime() as rt:
       rt.bind(learning.build_fedavg(build_model_spec(data, 'resnet18', seed=0),
@@ -377,7 +377,7 @@ def test_the_default_executor_vectorises_what_it_can_and_runs_the_rest_on_cpp(da
       assert rt.executor == 'tff_cpp' and 'non-trainable weights' in rt.auto_reason
     # Recycling the worker is the C++ runtime's: chosen before any method.
     with make_runtime(recycle_every=2) as rt:
-      assert rt.executor == 'tff_cpp' and len(rt.worker_pids) == 1
+      assert rt.executor == 'tff_cpp' and len(rt.worker_pids) == 2
   finally:
     tff.framework.set_default_context(cpp)
 

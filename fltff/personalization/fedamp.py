@@ -31,6 +31,10 @@ def attentive_relationship(models: Sequence[tf.Tensor], num_layers: int, sigma: 
   the same for every layer (FedAMP is not layer-wise); rows projected onto the simplex.
   """
   flat = tf.concat([tf.reshape(w, [tf.shape(w)[0], -1]) for w in models], axis=1)
+  # Distances are translation-invariant; centring first keeps ||a||² + ||b||² − 2ab from
+  # cancelling (models near one another, as in early rounds, would otherwise get distances of
+  # the order of float32 rounding of ||w||², which differ between executors).
+  flat = flat - tf.reduce_mean(flat, axis=0, keepdims=True)
   sq = tf.reduce_sum(flat * flat, axis=1)
   dist = tf.maximum(sq[:, None] + sq[None, :] - 2.0 * tf.matmul(flat, flat, transpose_b=True),
                     0.0)

@@ -1,6 +1,6 @@
-r"""The inside of a secure fltff worker: run in a private network namespace by
-`fltff.runtime.worker` (`unshare --user --map-root-user --net -- python -m
-fltff.runtime.isolated --socket=...`), never by hand.
+r"""The inside of an isolated `worker_binary`: run in a private network namespace by
+`fltff.runtime.local.IsolatedWorker` (the local C++ runtime, and `fltff.runtime.worker` behind
+mutual TLS), never by hand.
 
 It brings up the namespace's own loopback, starts `worker_binary` there (reachable from this
 namespace only: it has no other interface) and relays a Unix socket to it; the socket file is
@@ -14,6 +14,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 
 from absl import app
 from absl import flags
@@ -22,6 +23,10 @@ _SOCKET = flags.DEFINE_string('socket', None, 'Unix socket to relay to worker_bi
 _MAX_CALLS = flags.DEFINE_integer('max_concurrent_computation_calls', -1,
                                   'Passed to worker_binary; <= 0 means no limit.')
 _LOG = flags.DEFINE_string('log_file', None, "worker_binary's log.")
+_BINARY = flags.DEFINE_string('worker_binary', None,
+                              'Path of worker_binary (default: the one in the TFF wheel).')
+_MMAP = flags.DEFINE_integer('mmap_threshold_kib', None,
+                             "worker_binary's glibc mmap threshold (`fltff.runtime.heap`).")
 
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 
@@ -43,14 +48,30 @@ def main(argv) -> int:
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   signal.signal(signal.SIGINT, lambda *_: stop.set())
   loopback_up()
+  from fltff.runtime import heap  # pylint: disable=g-import-not-at-top
+
+  mmap = heap.DEFAULT_MMAP_THRESHOLD_KIB if _MMAP.value is None else _MMAP.value
   worker = WorkerProcess(host='127.0.0.1', max_concurrent_computation_calls=_MAX_CALLS.value,
-                         log_path=_LOG.value)
+                         log_path=_LOG.value, mmap_threshold_kib=mmap, binary=_BINARY.value)
+  # The relay answers at once; the first RPC must not reach a worker_binary still starting.
+  deadline = time.monotonic() + 60.0
+  while True:
+    try:
+      socket.create_connection(('127.0.0.1', worker.port), timeout=1.0).close()
+      break
+    except OSError:
+      if not worker.alive() or time.monotonic() > deadline:
+        print(f'error: worker_binary did not start; see {worker.log_path}', file=sys.stderr,
+              flush=True)
+        worker.stop()
+        return 1
+      time.sleep(0.05)
   old_umask = os.umask(0o177)  # The socket file is created 0600.
   try:
     server, _ = serve_forwarder(f'unix:{_SOCKET.value}', worker.address)
   finally:
     os.umask(old_umask)
-  print('ready', flush=True)
+  print(f'ready {worker.pid}', flush=True)
   try:
     while not stop.wait(0.5):
       if not worker.alive():

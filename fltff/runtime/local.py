@@ -22,6 +22,7 @@ import atexit
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -79,7 +80,8 @@ class WorkerProcess:
                max_concurrent_computation_calls: int = -1,
                log_path: Optional[str] = None,
                die_with_parent: bool = True,
-               mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB):
+               mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
+               binary: Optional[str] = None):
     import portpicker  # pylint: disable=g-import-not-at-top
 
     self.port = port or portpicker.pick_unused_port()
@@ -90,7 +92,7 @@ class WorkerProcess:
     self.log_path = log_path
     self._log = open(log_path, 'ab')  # pylint: disable=consider-using-with
     args = [
-        worker_binary_path(),
+        binary or worker_binary_path(),
         f'--port={self.port}',
         f'--max_concurrent_computation_calls={max_concurrent_computation_calls}',
     ]
@@ -130,6 +132,107 @@ class WorkerProcess:
     with contextlib.suppress(OSError):
       if os.path.getsize(self.log_path) == 0:
         os.remove(self.log_path)
+
+
+class IsolatedWorker:
+  """One `worker_binary` in a private, unprivileged network namespace (`unshare --user
+  --map-root-user --net`), reached only through a Unix socket in a folder of mode 0700.
+
+  `worker_binary` executes any TensorFlow graph it is sent and always listens on every
+  interface: in its own namespace the only interface is that namespace's loopback, so nothing
+  on the network (nor another local user) can reach it. `fltff.runtime.isolated` runs inside
+  and relays the socket to it. Used for the local C++ runtime and, behind mutual TLS, by
+  `python -m fltff.runtime.worker`.
+  """
+
+  def __init__(self, max_concurrent_computation_calls: int = -1,
+               log_path: Optional[str] = None,
+               mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
+               start_timeout: float = 60.0):
+    import sys  # pylint: disable=g-import-not-at-top
+
+    self.folder = tempfile.mkdtemp(prefix='fltff_worker_')  # Mode 0700.
+    self.socket_path = os.path.join(self.folder, 'worker.sock')
+    self._own_log = log_path is None
+    self.log_path = log_path or os.path.join(self.folder, 'worker_binary.log')
+    self._log = open(self.log_path, 'ab')  # pylint: disable=consider-using-with
+    use_deathsig = threading.current_thread() is threading.main_thread()
+    env = heap.worker_environment(mmap_threshold_kib)
+    env.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+    self.process = subprocess.Popen(  # pylint: disable=consider-using-with
+        ['unshare', '--user', '--map-root-user', '--net', '--', sys.executable, '-m',
+         'fltff.runtime.isolated', f'--socket={self.socket_path}',
+         f'--worker_binary={worker_binary_path()}',
+         f'--max_concurrent_computation_calls={max_concurrent_computation_calls}',
+         f'--mmap_threshold_kib={mmap_threshold_kib}', f'--log_file={self.log_path}'],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._log, text=True,
+        preexec_fn=_die_with_parent if use_deathsig else None, close_fds=True, env=env)
+    self.pid = self.process.pid
+    self.worker_pid = None
+    ready = threading.Event()
+    first_line = []
+
+    def read_ready():
+      first_line.append(self.process.stdout.readline().strip())
+      ready.set()
+
+    threading.Thread(target=read_ready, daemon=True).start()
+    ready.wait(start_timeout)
+    words = (first_line or [''])[0].split()
+    if len(words) != 2 or words[0] != 'ready':
+      self.stop()
+      raise RuntimeUnavailableError(
+          'cannot start worker_binary in a private network namespace (`unshare --user '
+          '--map-root-user --net`; unprivileged user namespaces may be disabled on this host'
+          f'{": " + self._last_log_line() if self._last_log_line() else ""}). Enable them, '
+          "use runtime.executor = 'in_process' (no worker at all), or set "
+          'runtime.isolate_local_worker = False (worker_binary then listens on every '
+          'interface: only behind a firewall).')
+    self.worker_pid = int(words[1])
+
+  def _last_log_line(self) -> str:
+    with contextlib.suppress(OSError):
+      with open(self.log_path, errors='replace') as f:
+        lines = [l.strip() for l in f.read().splitlines() if l.strip()]
+      return lines[-1] if lines else ''
+    return ''
+
+  @property
+  def address(self) -> str:
+    return f'unix:{self.socket_path}'
+
+  @property
+  def pids(self) -> list[int]:
+    """The relay's and `worker_binary`'s (both count towards the worker's memory)."""
+    return [self.pid] + ([self.worker_pid] if self.worker_pid else [])
+
+  def alive(self) -> bool:
+    return self.process.poll() is None
+
+  def stop(self, timeout: float = 15.0) -> None:
+    """Stops the relay, which stops `worker_binary`; removes the socket, and the folder unless
+    it holds a non-empty log of ours."""
+    if self.process.poll() is None:
+      try:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=timeout)
+      except subprocess.TimeoutExpired:
+        self.process.kill()
+        self.process.wait()
+    if self.worker_pid and not wait_for_exit(self.worker_pid, timeout=5.0):
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(self.worker_pid, signal.SIGKILL)
+    if self.process.stdout is not None:
+      self.process.stdout.close()
+    if not self._log.closed:
+      self._log.close()
+    with contextlib.suppress(OSError):
+      os.remove(self.socket_path)
+    # The folder goes unless it holds a non-empty log of ours (worker_binary's own stop
+    # removes an empty one).
+    if (not self._own_log or not os.path.exists(self.log_path)
+        or os.path.getsize(self.log_path) == 0):
+      shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class WorkerLostError(RuntimeUnavailableError):
@@ -322,11 +425,13 @@ class TffRuntime:
                server_name: Optional[str] = None, recycle_every: int = 0,
                executor: str = 'tff_cpp', device: Optional[str] = None,
                mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
-               vectorize_clients: bool = False, factor_dense: bool = True):
+               vectorize_clients: bool = False, factor_dense: bool = True,
+               isolate_local_worker: bool = True):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     self._tff = tff
-    self._owned: list[WorkerProcess] = []
+    self._owned: list = []  # `IsolatedWorker`s (or `WorkerProcess`es, not isolated).
+    self.isolate_local_worker = isolate_local_worker
     self._channels = []
     self._closed = False
     self.remote = bool(workers)
@@ -407,10 +512,18 @@ class TffRuntime:
       return f"TFF's C++ runtime ({'remote workers' if self.remote else 'local worker_binary'})"
     return 'not chosen yet (auto)'
 
-  def _start_worker(self) -> WorkerProcess:
-    """A local worker logging to `<log_dir>/tff_worker.log` (appended), or a temporary file."""
+  def _start_worker(self):
+    """A local worker logging to `<log_dir>/tff_worker.log` (appended), or a temporary file:
+    an `IsolatedWorker`, or with `isolate_local_worker=False` a `WorkerProcess` on all
+    interfaces."""
     log_path = None if self.log_dir is None else os.path.join(self.log_dir, 'tff_worker.log')
-    return WorkerProcess(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
+    if self.isolate_local_worker:
+      return IsolatedWorker(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
+    worker = WorkerProcess(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
+    warn(f'runtime.isolate_local_worker = False: the local worker_binary listens on port '
+         f'{worker.port} of every interface, plaintext and unauthenticated; anyone who reaches '
+         'it can run code on this host as you.')
+    return worker
 
   def _install_context(self) -> None:
     stubs = []
@@ -444,7 +557,8 @@ class TffRuntime:
 
   @property
   def worker_pids(self) -> list[int]:
-    return [w.pid for w in self._owned]
+    """The processes of the local workers (an isolated worker's relay and worker_binary)."""
+    return [pid for w in self._owned for pid in getattr(w, 'pids', [w.pid])]
 
   def call(self, fn, *args, **kwargs):
     """`fn(*args, **kwargs)` with failover across workers (see class docstring)."""
@@ -570,7 +684,8 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                  insecure_plaintext: bool = False, recycle_every: int = 0,
                  executor: str = 'auto', device: str = 'auto',
                  mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
-                 vectorize_clients: bool = False, factor_dense: bool = True) -> TffRuntime:
+                 vectorize_clients: bool = False, factor_dense: bool = True,
+                 isolate_local_worker: bool = True) -> TffRuntime:
   """Builds the experiment's runtime.
 
   Args:
@@ -609,7 +724,15 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
     factor_dense: With vectorised clients, train Dense kernels in factored form in rounds
       whose history is short against the kernel (`fltff.learning.factored_dense`; the same
       numbers up to float rounding). False: every kernel takes the per-step update.
+    isolate_local_worker: Run the local `worker_binary` in a private network namespace,
+      reached through a Unix socket only this user can open (`IsolatedWorker`; needs
+      unprivileged user namespaces, as on most Linux hosts). False: it listens in plaintext on
+      every interface, where anyone who reaches the port can run code on this host; only for
+      hosts without user namespaces, behind a firewall.
   """
+  if not isinstance(isolate_local_worker, bool):
+    raise ConfigError(f'runtime.isolate_local_worker must be True or False, got '
+                      f'{isolate_local_worker!r}.')
   if not isinstance(factor_dense, bool):
     raise ConfigError(f'runtime.factor_dense must be True or False, got {factor_dense!r}.')
   check_number('runtime.recycle_every', recycle_every, integer=True)
@@ -644,7 +767,8 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                     server_name=tls_server_name, recycle_every=recycle_every,
                     executor=executor, device=tf_device,
                     mmap_threshold_kib=mmap_threshold_kib,
-                    vectorize_clients=bool(vectorize_clients), factor_dense=factor_dense)
+                    vectorize_clients=bool(vectorize_clients), factor_dense=factor_dense,
+                    isolate_local_worker=isolate_local_worker)
 
 
 EXECUTORS = ('auto', 'tff_cpp', 'in_process')

@@ -16,14 +16,10 @@ Prints the address to give the driver (`runtime.workers=['<host>:8000']`) and st
 on SIGTERM/SIGINT, exiting 0.
 """
 
-import contextlib
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 
 from absl import app
@@ -70,7 +66,8 @@ def _plaintext(stop: threading.Event) -> int:
 
 def _secure(stop: threading.Event) -> int:
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from fltff.runtime.local import _die_with_parent  # pylint: disable=g-import-not-at-top,protected-access
+  from fltff.errors import RuntimeUnavailableError  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.local import IsolatedWorker  # pylint: disable=g-import-not-at-top
   from fltff.runtime.tls import serve_forwarder  # pylint: disable=g-import-not-at-top
   from fltff.runtime.tls import server_credentials  # pylint: disable=g-import-not-at-top
 
@@ -79,45 +76,22 @@ def _secure(stop: threading.Event) -> int:
                       '--tls_client_ca (README, "Running on several machines"), or '
                       '--insecure_plaintext on a trusted network (see --help).')
   credentials = server_credentials(_TLS_CERT.value, _TLS_KEY.value, _TLS_CLIENT_CA.value)
-  folder = tempfile.mkdtemp(prefix='fltff_worker_')  # Mode 0700: the socket's only way in.
-  sock = os.path.join(folder, 'worker.sock')
-  log = _LOG.value or os.path.join(folder, 'worker_binary.log')
-  inner = subprocess.Popen(  # pylint: disable=consider-using-with
-      ['unshare', '--user', '--map-root-user', '--net', '--', sys.executable, '-m',
-       'fltff.runtime.isolated', f'--socket={sock}',
-       f'--max_concurrent_computation_calls={_MAX_CALLS.value}', f'--log_file={log}'],
-      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-      preexec_fn=_die_with_parent, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+  try:
+    inner = IsolatedWorker(max_concurrent_computation_calls=_MAX_CALLS.value,
+                           log_path=_LOG.value)
+  except RuntimeUnavailableError as e:
+    raise ConfigError(f'{e} Or run with --insecure_plaintext behind your own firewall.') from e
   server = None
   try:
-    if inner.stdout.readline().strip() != 'ready':
-      inner.wait(timeout=30)
-      detail = (inner.stderr.read() or '').strip().splitlines()
-      raise ConfigError(
-          'cannot isolate worker_binary in a private network namespace (`unshare --user '
-          '--net`; unprivileged user namespaces may be disabled on this host: '
-          f'{detail[-1] if detail else "no output"}). Enable them, or run with '
-          '--insecure_plaintext behind your own firewall.')
-    server, port = serve_forwarder(f'[::]:{_PORT.value}', f'unix:{sock}', credentials)
+    server, port = serve_forwarder(f'[::]:{_PORT.value}', inner.address, credentials)
     print(f'fltff worker pid {os.getpid()} listening on {socket.gethostname()}:{port} (mutual '
           'TLS; worker_binary isolated in a private network namespace); log: '
-          f'{log}', flush=True)
-    return _wait(stop, lambda: inner.poll() is None, 'the isolated worker', log)
+          f'{inner.log_path}', flush=True)
+    return _wait(stop, inner.alive, 'the isolated worker', inner.log_path)
   finally:
     if server is not None:
       server.stop(grace=1)
-    if inner.poll() is None:
-      inner.send_signal(signal.SIGTERM)
-      try:
-        inner.wait(timeout=15)
-      except subprocess.TimeoutExpired:
-        inner.kill()
-        inner.wait()
-    with contextlib.suppress(OSError):
-      os.remove(sock)
-    # The folder goes unless it holds a non-empty worker log (its path was printed).
-    if _LOG.value is not None or not os.path.exists(log) or os.path.getsize(log) == 0:
-      shutil.rmtree(folder, ignore_errors=True)
+    inner.stop()
 
 
 def main(argv) -> int:
