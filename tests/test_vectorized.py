@@ -2,7 +2,7 @@
 
 Every method the vectorised client work supports runs 3 rounds both ways from the same initial
 state, on clients of unequal sizes and epochs (1 or 2) with reshuffling datasets; the round
-metrics, measurements and the final server state must agree to 1e-5 relative. The vectorised
+metrics, measurements and the final server state must agree (`helpers.assert_equal_runs`). The vectorised
 step pads batches and masks them, so this also checks that padding changes nothing.
 """
 
