@@ -7,7 +7,9 @@ still resume to the same numbers.
 """
 
 import functools
+import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -196,3 +198,52 @@ def test_a_resume_whose_client_states_are_gone_is_refused_not_reset(store, data,
   with pytest.raises(CheckpointError, match='client states do not match the checkpoint of round 3'):
     drive(4, resume=True)
   assert [r['round'] for r in read_csv(tmp_path / 'metrics.csv')] == ['1', '2', '3']
+
+
+class _Stopped(Exception):
+  pass
+
+
+def test_a_second_signal_checkpoints_the_last_completed_round(data, spec, tmp_path):
+  """`StopSignal.before_exit` (what a second SIGTERM runs before the process ends) checkpoints
+  the rounds completed since the last checkpoint."""
+  from fltff.runtime import StopSignal  # pylint: disable=g-import-not-at-top
+  from fltff.simulation.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+
+  stop = StopSignal()
+  seen = []
+
+  def progress(line):
+    if line.startswith('round    2/'):
+      stop.set()
+      for save in list(stop.before_exit):
+        save()
+      seen.append(Checkpointer(str(tmp_path)).latest_round())
+      raise _Stopped  # The process would end here (os._exit).
+
+  config = RoundConfig(rounds=5, clients_per_round=3, batch_size=32, checkpoint_every=100, seed=4)
+  algorithm = personalization.build_local(spec, NUM_CLIENTS, client_optimizer=SGD())
+  with pytest.raises(_Stopped):
+    RoundDriver(algorithm, data, config, str(tmp_path), progress=progress,
+                stop_event=stop).run()
+  assert seen == [2]
+  assert not stop.before_exit  # The driver unregisters itself.
+
+
+def test_a_resume_without_a_checkpoint_logs_each_round_once(data, spec, tmp_path):
+  def drive(resume):
+    config = RoundConfig(rounds=2, clients_per_round=3, batch_size=32, checkpoint_every=2,
+                         seed=4)
+    algorithm = personalization.build_local(spec, NUM_CLIENTS, client_optimizer=SGD())
+    RoundDriver(algorithm, data, config, str(tmp_path), progress=lambda _: None).run(
+        resume=resume)
+
+  def logged():
+    with open(tmp_path / 'measurements.jsonl') as f:
+      return [json.loads(line)['round'] for line in f if line.strip()]
+
+  drive(resume=False)
+  assert logged() == [1, 2]
+  shutil.rmtree(tmp_path / 'checkpoints')  # E.g. a run stopped before its first checkpoint.
+  drive(resume=True)
+  assert logged() == [1, 2]

@@ -7,6 +7,7 @@ from fltff.runtime.local import install_signal_handlers
 from fltff.runtime.local import local_runtime
 from fltff.runtime.local import make_runtime
 from fltff.runtime.local import release_default_context
+from fltff.runtime.local import StopSignal
 from fltff.runtime.local import worker_binary_path
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     'local_runtime',
     'make_runtime',
     'release_default_context',
+    'StopSignal',
     'TffRuntime',
     'worker_binary_path',
     'WorkerLostError',

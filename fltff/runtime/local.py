@@ -819,22 +819,44 @@ def local_runtime(executor: str = 'tff_cpp', device: str = 'auto') -> Iterator[T
     runtime.close()
 
 
+class StopSignal:
+  """SIGTERM/SIGINT as the round driver sees them: `is_set()` after the first (stop after the
+  current round); `before_exit` holds what a second signal runs before the process ends (the
+  round driver checkpoints its last completed round there)."""
+
+  def __init__(self):
+    self._event = threading.Event()
+    self.before_exit: list[Callable[[], None]] = []
+
+  def set(self) -> None:
+    self._event.set()
+
+  def is_set(self) -> bool:
+    return self._event.is_set()
+
+
 def install_signal_handlers(
-    on_second: Optional[Callable[[int], None]] = None) -> threading.Event:
+    on_second: Optional[Callable[[int], None]] = None) -> StopSignal:
   """SIGTERM/SIGINT: first a graceful stop request, a second one stops at once.
 
-  Returns the event the first signal sets; the round driver checks it between rounds, saves the
-  checkpoint and stops (`fltff.errors.StopRequested`). Raising from the handler at an arbitrary
+  Returns the `StopSignal` the first signal sets; the round driver checks it between rounds,
+  saves the checkpoint and stops (`fltff.errors.StopRequested`). A second signal first runs
+  its `before_exit` callables (the driver checkpoints the last completed round). Raising from the handler at an arbitrary
   point is not enough on its own: inside TFF's asyncio/gRPC machinery, or in a garbage
   collector callback that happens to be running, such an exception is swallowed ("Exception
   ignored in ...") and the run would go on (observed). So on a second signal `on_second(signum)`
   runs — the pipeline's says which rounds are checkpointed, stops its workers and ends the
   process with `os._exit` —; without it the handler raises `StopNow` (a `SystemExit`).
   """
-  stop = threading.Event()
+  stop = StopSignal()
 
   def handler(signum, frame):  # pylint: disable=unused-argument
     if stop.is_set():
+      for save in list(stop.before_exit):
+        try:
+          save()
+        except Exception as e:  # pylint: disable=broad-except
+          warn(f'could not checkpoint the last completed round: {type(e).__name__}: {e}')
       if on_second is not None:
         on_second(signum)
       raise StopNow(128 + signum)

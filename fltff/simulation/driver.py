@@ -157,6 +157,7 @@ class RoundDriver:
     self._round_arrays: dict = {}
     self._trained: Optional[tuple] = None
     self._loss_warned = False
+    self._last_saved, self._last_good, self._consistent = 0, (0, None), True
 
   # -- one round ---------------------------------------------------------------------------
   def client_batches(self, round_num: int, client_index: int):
@@ -374,13 +375,20 @@ class RoundDriver:
     if resume:
       if self.checkpointer.latest_round() is None:
         self.progress(f'No checkpoint in {self.checkpointer.directory}; starting from round 1.')
+        self.outputs.truncate_measurements(0)  # Rounds a stopped run logged are redone.
       else:
         last, state = self.restore(state)
         start_round = last + 1
         self.progress(f'Resumed from the checkpoint of round {last}.')
 
-    last_saved = start_round - 1
-    last_good = (start_round - 1, state)
+    # The last completed round and its state, and the last checkpointed round: a second
+    # signal checkpoints the former (`save_completed`), so no completed round is lost.
+    self._last_saved = start_round - 1
+    self._last_good = (start_round - 1, state)
+    self._consistent = True
+    before_exit = getattr(self.stop_event, 'before_exit', None)
+    if before_exit is not None:
+      before_exit.append(self.save_completed)
     t0 = time.perf_counter()
     try:
       for r in range(start_round, cfg.rounds + 1):
@@ -392,6 +400,9 @@ class RoundDriver:
               'client_optimizer.learning_rate (or the server learning rate) and rerun.')
         self.check_loss_growth(row)
         state = new_state
+        # From here until round r is recorded, the client store holds round r's states and
+        # the last completed round is r - 1: no checkpoint can pair them.
+        self._consistent = False
         self.client_states.set_many(client_states, r)
         arrays = self._round_arrays
         if r % cfg.eval_every == 0 or r == cfg.rounds:
@@ -408,12 +419,15 @@ class RoundDriver:
           row['sim_time_cumulative'] = (previous.get('sim_time_cumulative', 0.0) +
                                         row['sim_round_seconds'])
         self.rows.append(row)
-        last_good = (r, state)
+        self._last_good = (r, state)
+        self._consistent = True
         self.outputs.log_scalars(row)
         self.outputs.write_rows(self.rows)
         if r % cfg.checkpoint_every == 0 or r == cfg.rounds:
+          self._consistent = False
           self.save(r, state)
-          last_saved = r
+          self._last_saved = r
+          self._consistent = True
         done = r - start_round + 1
         eta = (time.perf_counter() - t0) / done * (cfg.rounds - r)
         acc = row.get(self.headline_column)
@@ -428,15 +442,30 @@ class RoundDriver:
               f'Stopped by signal after round {r}. '
               f'{kept_message(self.checkpointer.directory, r)}: rerun with --resume to continue.')
     finally:
-      # Whatever stopped the loop (divergence, a dead worker, Ctrl-C), completed rounds stay.
-      if last_good[0] > last_saved:
-        self.save(*last_good)
+      if before_exit is not None and self.save_completed in before_exit:
+        before_exit.remove(self.save_completed)
+      # Whatever stopped the loop (divergence, a dead worker, Ctrl-C), completed rounds stay
+      # (all but when it stopped while a round was being recorded: see `save_completed`).
+      self.save_completed()
       if self.rows:
         self.outputs.write_json('summary.json', self.summary())
         self.outputs.plot(self.rows, f'{self.algorithm.name} on {self.data.dataset.name}')
       self.outputs.close()
       self.client_states.close()
     return self.summary()
+
+  def save_completed(self) -> None:
+    """Checkpoints the last completed round unless it already is. A second signal calls this
+    (`fltff.runtime.StopSignal.before_exit`) before the process ends; it does nothing while
+    a round is being recorded, when the client store and the last completed round differ."""
+    if not self._consistent or self._last_good[0] <= self._last_saved:
+      return
+    self._consistent = False
+    try:
+      self.save(*self._last_good)
+      self._last_saved = self._last_good[0]
+    finally:
+      self._consistent = True
 
   @property
   def headline_column(self) -> str:

@@ -132,7 +132,7 @@ def run_experiment(output_dir: str,
       partition.json and checkpoints go.
     resume: Continue from the latest checkpoint in `output_dir`.
     runtime: The `fltff.runtime.TffRuntime` (enables failover); None: the current context.
-    stop_event: Optional `threading.Event`; once set, the run stops after the current round
+    stop_event: Optional `fltff.runtime.StopSignal` (or `threading.Event`); once set, the run stops after the current round
       with its checkpoint saved (`StopRequested`).
     method: A method builder taking a `ModelSpec` (gin: `@fedavg`, `@fedprox`, `@sgdm`).
     model: Model zoo name (see `fltff.models.MODEL_NAMES`).
