@@ -78,7 +78,7 @@ def _probe_tff_fedavg(rounds: int, recycle_every: int, rt, sample) -> None:
 
   data = build_federated_data(
       source=functools.partial(npz_source,
-                               path=os.path.join(REPO, '..', 'shared', 'data',
+                               path=os.path.join(REPO, 'fltff', 'data', 'samples',
                                                  'mnist_first1003.npz')),
       partitioner=functools.partial(shard_partition, shards_per_client=2), num_clients=10,
       seed=0)

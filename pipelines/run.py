@@ -11,6 +11,7 @@ checkpoint. SIGTERM/SIGINT ends with one `stopped: ...` line and exit status 143
 
 import os
 import sys
+import tokenize
 
 # Silences TensorFlow's C++ start-up chatter (CUDA plugin registration on CPU machines).
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
@@ -42,6 +43,11 @@ _GIN_BINDINGS = flags.DEFINE_multi_string('gin_bindings', [],
 _OUTPUT_DIR = flags.DEFINE_string('output_dir', None,
                                   'Output directory (default: runs/<gin file name>).')
 _RESUME = flags.DEFINE_bool('resume', False, 'Continue from the latest checkpoint.')
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+    'allow_config_change', False,
+    'With --resume: continue although the configuration differs from the run\'s config.gin '
+    '(beyond experiment.rounds, experiment.checkpoint_every, runtime.* and data paths); the '
+    'differences are recorded in config_changes.txt.')
 
 EXIT_USER_ERROR = 2
 EXIT_STOPPED = 128 + 15  # As a process ended by SIGTERM reports it.
@@ -67,8 +73,17 @@ def configure(gin_files, gin_bindings) -> None:
   try:
     gin.parse_config_files_and_bindings(gin_files, gin_bindings, finalize_config=False,
                                         skip_unknown=False)
-  except (ValueError, KeyError, SyntaxError, IOError) as e:
-    raise ConfigError(f'Invalid gin configuration: {_short_gin_message(e)}') from e
+  except Exception as e:  # pylint: disable=broad-except
+    # Gin reports a bad file with many exception types (a tokenizer error for an unclosed
+    # bracket, a TypeError for an include it cannot find, ...): each is the configuration's.
+    message = _short_gin_message(e)
+    if isinstance(e, tokenize.TokenError):
+      message = f'a gin file or --gin_bindings value leaves a bracket or string open ({e.args[0]})'
+    elif isinstance(e, TypeError) and 'include' in message:
+      message = ('an included file is not found (includes are looked up from the working '
+                 f'directory and from the fltff checkout): {" ".join(message.split()[-2:])} '
+                 f'({message.split(" In file ")[-1].split(",")[0] if " In file " in message else "gin"})')
+    raise ConfigError(f'Invalid gin configuration: {message}') from e
   check_gin_bindings(gin.config._CONFIG)  # pylint: disable=protected-access
 
 
@@ -107,7 +122,8 @@ def main(argv) -> int:
     prepare_output_dir(output_dir, _RESUME.value)  # Before the data and TFF's worker start.
     rt = runtime.make_runtime(log_dir=output_dir)
     summary = run_experiment(output_dir=output_dir, resume=_RESUME.value, runtime=rt,
-                             stop_event=stop_event)
+                             stop_event=stop_event,
+                             allow_config_change=_ALLOW_CONFIG_CHANGE.value)
   except StopRequested as e:
     print(f'stopped: {_short_gin_message(e)}', file=sys.stderr)
     return EXIT_STOPPED

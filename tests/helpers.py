@@ -120,7 +120,7 @@ def mnist_sample_split(num_clients: int, seed: int, alpha: float = 0.5,
   from fltff.data import dirichlet_partition  # pylint: disable=g-import-not-at-top
   from fltff.data import npz_source  # pylint: disable=g-import-not-at-top
 
-  path = os.path.join(REPO, '..', 'shared', 'data', 'mnist_first1003.npz')
+  path = os.path.join(REPO, 'fltff', 'data', 'samples', 'mnist_first1003.npz')
   return build_federated_data(
       source=functools.partial(npz_source, path=path),
       partitioner=functools.partial(dirichlet_partition, alpha=alpha),

@@ -218,7 +218,7 @@ def test_every_base_scheme_with_ccn_compiles_to_mergeable_form(builder):
 
 def test_mnist_outlier_client_gets_largest_lambda():
   """Real latents: two clients hold digits {0, 1}, the third {7, 8}; CCN favours the third."""
-  data = np.load(os.path.join(REPO, '..', 'shared', 'data', 'mnist_first1003.npz'))
+  data = np.load(os.path.join(REPO, 'fltff', 'data', 'samples', 'mnist_first1003.npz'))
   x, y = data['x_train'], data['y_train']
   pick = lambda classes, n, offset: np.where(np.isin(y, classes))[0][offset:offset + n]
   parts = [pick([0, 1], 40, 0), pick([0, 1], 40, 40), pick([7, 8], 40, 0)]

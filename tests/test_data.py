@@ -12,7 +12,7 @@ from fltff import data
 from fltff.errors import ConfigError
 from fltff.errors import DataError
 
-MNIST_NPZ = '/work/shared/data/mnist_first1003.npz'
+MNIST_NPZ = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'fltff', 'data', 'samples', 'mnist_first1003.npz')
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -221,7 +221,7 @@ def test_npz_source_on_shared_mnist(mnist):
 
 
 def test_npz_source_relative_paths(monkeypatch, tmp_path):
-  rel = os.path.relpath(MNIST_NPZ, REPO_ROOT)  # '../shared/data/mnist_first1003.npz'
+  rel = os.path.relpath(MNIST_NPZ, REPO_ROOT)  # 'fltff/data/samples/mnist_first1003.npz'
   monkeypatch.chdir(REPO_ROOT)
   assert data.npz_source(rel).x_train.shape == (1003, 28, 28, 1)
   monkeypatch.chdir(tmp_path)  # Not found from here: falls back to the repository root.
@@ -242,6 +242,14 @@ def test_npz_source_errors_and_label_shapes(tmp_path):
   ds = data.npz_source(str(cifar_like), num_classes=5)
   assert ds.y_train.shape == (4,) and ds.y_train.dtype == np.int32
   assert ds.x_train.shape == (4, 8, 8, 3) and ds.num_classes == 5
+  # A truncated download, and a file overwritten with something else.
+  truncated = tmp_path / 'truncated.npz'
+  truncated.write_bytes(cifar_like.read_bytes()[:300])
+  overwritten = tmp_path / 'overwritten.npz'
+  overwritten.write_bytes(b'PK\x03\x04' + b'\0' * 100)
+  for path in (truncated, overwritten):
+    with pytest.raises(DataError, match='cannot read .* as an .npz file'):
+      data.npz_source(str(path))
 
 
 @pytest.mark.parametrize('name,shape', [('mnist', (28, 28, 1)), ('cifar10', (32, 32, 3))])

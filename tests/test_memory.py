@@ -307,7 +307,7 @@ def test_scale_config_runs_a_personalised_method_with_the_sqlite_store(tmp_path)
   out = tmp_path / 'fedamp'
   # The MNIST sample instead of the full Fashion-MNIST (kept out of CI), 50 clients.
   summary = _scale_run(out, 3, 'federated_data.source = @npz_source',
-                       "npz_source.path = '../shared/data/mnist_first1003.npz'",
+                       "npz_source.path = 'fltff/data/samples/mnist_first1003.npz'",
                        'federated_data.num_clients = 50', 'federated_data.local_test_examples = 4')
   assert 0.0 <= summary['best_personal_local_accuracy'] <= 1.0
   # No N x N relationship file for FedAMP, and the checkpoint holds no client arrays.

@@ -138,6 +138,9 @@ def test_sigterm_stops_cleanly_and_keeps_checkpoint(tmp_path):
     (['federated_data.partitioner = @dirichlet_partition',
       'dirichlet_partition.alpha = 0.0'], ['alpha']),
     (["federated_data.source = @tfds_source", "tfds_source.name = 'mnistt'"], ['mnistt']),
+    (['experiment.rounds = [3'], ['leaves a bracket or string open']),
+    (["include 'gin_configs/no_such_file.gin'"], ['an included file is not found',
+                                                  'no_such_file.gin']),
 ])
 def test_bad_configuration_is_one_clear_error(bindings, fragments, tmp_path):
   args = [SMALL[0], *[f'--gin_bindings={b}' for b in bindings], f'--output_dir={tmp_path}']
@@ -154,13 +157,27 @@ def test_tfds_not_prepared_offline_says_how_to_prepare(tmp_path):
   assert 'download' in line
 
 
+def test_resume_with_another_configuration_is_refused_and_changes_nothing(small_run):
+  out, _, _ = small_run
+  before = {name: os.path.getmtime(os.path.join(root, name))
+            for root, _, names in os.walk(out) for name in names}
+  result = run_pipeline(*SMALL, '--gin_bindings=experiment.seed = 5',
+                        '--gin_bindings=experiment.rounds = 4', f'--output_dir={out}', '--resume')
+  assert_one_line_error(result, 'experiment.seed: 0 -> 5', 'rounds 1-3', '--allow_config_change')
+  after = {name: os.path.getmtime(os.path.join(root, name))
+           for root, _, names in os.walk(out) for name in names}
+  assert after == before
+
+
 def test_divergence_stops_and_keeps_completed_rounds(small_run, tmp_path):
   out = str(tmp_path / 'nan')
   first = run_pipeline(*SMALL, '--gin_bindings=experiment.rounds = 2', f'--output_dir={out}')
   assert first.returncode == 0, first.stderr[-3000:]
   result = run_pipeline(*SMALL, '--gin_bindings=client_optimizer.learning_rate = 1e12',
-                        f'--output_dir={out}', '--resume')
+                        f'--output_dir={out}', '--resume', '--allow_config_change')
   assert_one_line_error(result, 'diverged in round 3', 'Rounds 1-2')
+  with open(os.path.join(out, 'config_changes.txt')) as f:
+    assert f.read().startswith('resumed after round 2: client_optimizer.learning_rate: ')
   assert json.load(open(os.path.join(out, 'checkpoints', 'latest.json')))['round'] == 2
   assert [r['round'] for r in read_csv(os.path.join(out, 'metrics.csv'))] == ['1', '2']
 

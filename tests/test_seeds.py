@@ -14,7 +14,7 @@ from helpers import REPO
 
 BASE = f"""
 federated_data.source = @npz_source
-npz_source.path = '{os.path.join(REPO, '..', 'shared', 'data', 'mnist_first1003.npz')}'
+npz_source.path = '{os.path.join(REPO, 'fltff', 'data', 'samples', 'mnist_first1003.npz')}'
 federated_data.partitioner = @dirichlet_partition
 dirichlet_partition.alpha = 0.5
 federated_data.num_clients = 4

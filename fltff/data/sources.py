@@ -20,6 +20,7 @@ import dataclasses
 import os
 import pathlib
 import sqlite3
+import zipfile
 from typing import Optional
 
 import gin
@@ -323,7 +324,7 @@ def npz_source(path: str,
         raise DataError(f'npz file {resolved} lacks arrays {missing} (it has {f.files}); '
                         f'a Keras-layout file needs {list(_NPZ_KEYS)}.')
       raw = {k: f[k] for k in _NPZ_KEYS}
-  except (OSError, ValueError) as e:
+  except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # Truncated or not a zip.
     raise DataError(f'cannot read {resolved} as an .npz file ({e}); write it with '
                     'np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...).') from e
   x_train, x_test = _features(raw['x_train']), _features(raw['x_test'])

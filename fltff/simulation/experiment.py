@@ -28,7 +28,10 @@ from fltff.personalization.fedlap_mixing import with_fedlap_personalization
 from fltff.simulation.driver import RoundConfig
 from fltff.simulation.driver import RoundDriver
 from fltff.simulation.evaluation import Finetuner
+from fltff.simulation.checkpoint import Checkpointer
 from fltff.simulation.outputs import prepare_output_dir
+from fltff.simulation.outputs import check_config
+from fltff.simulation.outputs import record_config
 
 
 def build_model_spec(data, model: str, seed: int) -> ModelSpec:
@@ -97,7 +100,8 @@ def build_method(method: Callable[..., Any], model_spec: ModelSpec, num_clients:
   return method(model_spec, **kwargs)
 
 
-@gin.configurable('experiment', denylist=['output_dir', 'resume', 'runtime', 'stop_event'])
+@gin.configurable('experiment', denylist=['output_dir', 'resume', 'runtime', 'stop_event',
+                                          'allow_config_change'])
 def run_experiment(output_dir: str,
                    resume: bool = False,
                    runtime=None,
@@ -124,7 +128,7 @@ def run_experiment(output_dir: str,
                    headline_statistic: str = 'best_round_mean',
                    finetune_epochs: int = 5,
                    progress: Callable[[str], None] = print,
-                   stop_event=None) -> dict:
+                   stop_event=None, allow_config_change: bool = False) -> dict:
   """Runs one experiment end to end and returns its summary (also in summary.json).
 
   Args:
@@ -163,6 +167,9 @@ def run_experiment(output_dir: str,
     finetune_epochs: Epochs of the finetuned_local protocol's fine-tuning (the whole model,
       with the client optimizer, on the client's training data).
     progress: Where progress lines go.
+    allow_config_change: With `resume`, continue even when the configuration differs from
+      the run's `config.gin` in more than `outputs.RESUMABLE_CHANGES`; the differences are
+      appended to `config_changes.txt`. False: such a resume is refused (`ConfigError`).
   """
   prepare_output_dir(output_dir, resume)
   config = RoundConfig(rounds=rounds, clients_per_round=clients_per_round,
@@ -189,6 +196,9 @@ def run_experiment(output_dir: str,
   if evaluation is not None and 'finetuned_local' in evaluation and getattr(
       algorithm, 'finetunes', False):
     finetuner = Finetuner(model_spec, optimizers.client_optimizer(), finetune_epochs)
+  # A resume must compute what the checkpointed rounds did: checked before anything is written.
+  resumed_from = Checkpointer(output_dir).latest_round() if resume else None
+  check_config(output_dir, gin.operative_config_str(), resumed_from, allow_config_change)
   driver = RoundDriver(algorithm, data, config, output_dir, progress=progress, runtime=runtime,
                        stop_event=stop_event,
                        channel=channel(num_clients=data.num_clients()) if channel else None,
@@ -197,8 +207,7 @@ def run_experiment(output_dir: str,
                               'data': gin.query_parameter('federated_data.seed')
                               if _bound('federated_data.seed') else seed}
   driver.outputs.write_json('partition.json', data.summary())
-  with open(os.path.join(output_dir, 'config.gin'), 'w') as f:
-    f.write(gin.operative_config_str())
+  record_config(output_dir, gin.operative_config_str())
   logging.info('%s: %d clients, %d per round, %d rounds.', algorithm.name, data.num_clients(),
                driver.participants, rounds)
   return driver.run(resume=resume)

@@ -31,15 +31,62 @@ def _finite(value) -> bool:
   return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def prepare_output_dir(output_dir: str, resume: bool) -> None:
-  """Creates `output_dir` and checks it is writable and not an earlier run's, before any work.
+RUN_MARKER = '.fltff-run'  # Written into every run folder: the folder is a fltff run's.
+LOCK_FILE = '.fltff-run.lock'
+# The run folders this process holds (real path -> open lock file): a lock is the process's, so
+# `run_experiment` may take the one `pipelines.run` took before it.
+_HELD_LOCKS: dict = {}
 
-  Without `resume`, a folder holding an earlier run's results (`RUN_RESULTS`) is refused, so a
-  run folder is never overwritten; an empty or unrelated folder is fine. Raises `ConfigError`.
+
+def _is_run_folder(output_dir: str) -> bool:
+  """A fltff run's folder: its marker, or (runs from before the marker) checkpoints/metrics."""
+  return (os.path.exists(os.path.join(output_dir, RUN_MARKER))
+          or os.path.isdir(os.path.join(output_dir, 'checkpoints'))
+          or any(os.path.exists(os.path.join(output_dir, n)) for n in RUN_RESULTS))
+
+
+def _lock(output_dir: str) -> None:
+  """Holds `<output_dir>/.fltff-run.lock` (an exclusive `flock`, released by the kernel when
+  this process ends, however it ends) for the rest of the process."""
+  import fcntl  # pylint: disable=g-import-not-at-top
+
+  key = os.path.realpath(output_dir)
+  if key in _HELD_LOCKS:
+    return
+  path = os.path.join(output_dir, LOCK_FILE)
+  handle = open(path, 'a+')  # pylint: disable=consider-using-with
+  try:
+    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    handle.seek(0)
+    owner = handle.read().strip() or 'another process'
+    handle.close()
+    raise ConfigError(f'{output_dir} is in use by another run ({owner}); wait for it to end or '
+                      'choose another --output_dir.') from None
+  handle.seek(0)
+  handle.truncate()
+  handle.write(f'pid {os.getpid()}\n')
+  handle.flush()
+  _HELD_LOCKS[key] = handle
+
+
+def prepare_output_dir(output_dir: str, resume: bool) -> None:
+  """Creates `output_dir`, checks it is writable and takes it for this run, before any work.
+
+  The folder is locked for the life of the process (a second run on it gets one line). Without
+  `resume` it must be new or empty: a folder with an earlier run's results, or with files that
+  are not a fltff run's, is never written into. With `resume` it must be a fltff run's folder
+  (or empty). Raises `ConfigError`.
   """
   if os.path.exists(output_dir) and not os.path.isdir(output_dir):
     raise ConfigError(f'--output_dir {output_dir} is an existing file, not a folder; choose '
                       'another --output_dir.')
+  existing = sorted(n for n in os.listdir(output_dir) if n != LOCK_FILE) if os.path.isdir(
+      output_dir) else []
+  if existing and not _is_run_folder(output_dir):
+    shown = ', '.join(existing[:3]) + (', ...' if len(existing) > 3 else '')
+    raise ConfigError(f'{output_dir} holds files that are not a fltff run\'s ({shown}) and is '
+                      'never written into; choose a new or empty --output_dir.')
   probe = os.path.join(output_dir, f'.fltff_write_test_{os.getpid()}')
   try:
     os.makedirs(output_dir, exist_ok=True)
@@ -49,19 +96,89 @@ def prepare_output_dir(output_dir: str, resume: bool) -> None:
   except OSError as e:
     raise ConfigError(f'Cannot write to --output_dir {output_dir} ({e.strerror or e}); choose '
                       'a writable folder.') from None
-  if resume:
-    return
-  checkpoints = os.path.join(output_dir, 'checkpoints')
-  if os.path.isdir(checkpoints) and os.listdir(checkpoints):
-    raise ConfigError(
-        f'{output_dir} already holds checkpoints of an earlier run; pass --resume to continue '
-        'it or choose another --output_dir.')
-  found = [name for name in RUN_RESULTS if os.path.exists(os.path.join(output_dir, name))]
-  if found:
-    raise ConfigError(
-        f'{output_dir} already holds {" and ".join(found)} but no checkpoint (a run stopped '
-        'before its first checkpoint, or other files) and is never overwritten: choose another '
-        '--output_dir, or pass --resume to rerun it from round 1 there.')
+  _lock(output_dir)
+  if not resume:
+    checkpoints = os.path.join(output_dir, 'checkpoints')
+    if os.path.isdir(checkpoints) and os.listdir(checkpoints):
+      raise ConfigError(
+          f'{output_dir} already holds checkpoints of an earlier run; pass --resume to continue '
+          'it or choose another --output_dir.')
+    found = [name for name in RUN_RESULTS if os.path.exists(os.path.join(output_dir, name))]
+    if found:
+      raise ConfigError(
+          f'{output_dir} already holds {" and ".join(found)} but no checkpoint (a run stopped '
+          'before its first checkpoint) and is never overwritten: choose another '
+          '--output_dir, or pass --resume to rerun it from round 1 there.')
+  with open(os.path.join(output_dir, RUN_MARKER), 'a'):
+    pass
+
+
+def _bindings(config_text: str) -> dict[str, str]:
+  """`{'scope.param': 'value text'}` of a `gin.operative_config_str()` text (continuation
+  lines joined; whitespace normalised)."""
+  bindings, key = {}, None
+  for line in config_text.splitlines():
+    if not line.strip() or line.lstrip().startswith('#'):
+      continue
+    if line[0].isspace() and key is not None:
+      bindings[key] += ' ' + line.strip()
+      continue
+    key, _, value = line.partition(' = ')
+    key = key.strip()
+    bindings[key] = value.strip()
+  return {k: ' '.join(v.split()).replace('[ ', '[').replace(' ]', ']')
+          for k, v in bindings.items()}
+
+
+# Bindings a resumed run may change without changing what it computes: its length, how often
+# it checkpoints, where it runs, and where its data files are.
+RESUMABLE_CHANGES = ('experiment.rounds', 'experiment.checkpoint_every', 'runtime.')
+_DATA_LOCATIONS = ('.path', '.data_dir', '.cache_dir')
+
+
+def config_changes(earlier: str, now: str) -> list[tuple[str, str, str]]:
+  """`(binding, earlier value, value now)` for each binding of both operative configs whose
+  value differs, other than `RESUMABLE_CHANGES` and data locations. A binding in only one of
+  them (a parameter added to or removed from fltff since) is not a change."""
+  a, b = _bindings(earlier), _bindings(now)
+  changes = []
+  for key in sorted(set(a) & set(b)):
+    if a[key] == b[key] or key.startswith(RESUMABLE_CHANGES) or key.endswith(_DATA_LOCATIONS):
+      continue
+    changes.append((key, a[key], b[key]))
+  return changes
+
+
+def check_config(output_dir: str, config_text: str, resumed_from: Optional[int],
+                 allow_changes: bool = False) -> None:
+  """Resumed from a checkpoint (`resumed_from`, a round), a configuration that differs from
+  the run's `config.gin` (`config_changes`) is refused in one `ConfigError` naming the
+  bindings; with `allow_changes` the differences are appended to `config_changes.txt`
+  (round, binding, old and new value)."""
+  path = os.path.join(output_dir, 'config.gin')
+  if resumed_from and os.path.exists(path):
+    with open(path) as f:
+      changes = config_changes(f.read(), config_text)
+    if changes and not allow_changes:
+      listed = '; '.join(f'{k}: {old} -> {new}' for k, old, new in changes[:5])
+      more = f' and {len(changes) - 5} more' if len(changes) > 5 else ''
+      raise ConfigError(
+          f'--resume with a configuration that differs from the run\'s config.gin ({listed}'
+          f'{more}): rounds 1-{resumed_from} were computed with the recorded one. Resume with '
+          'the same gin files and bindings, or pass --allow_config_change to continue with '
+          'these (recorded in config_changes.txt).')
+    if changes:
+      with open(os.path.join(output_dir, 'config_changes.txt'), 'a') as f:
+        for key, old, new in changes:
+          f.write(f'resumed after round {resumed_from}: {key}: {old} -> {new}\n')
+
+
+def record_config(output_dir: str, config_text: str) -> None:
+  """Writes the run's operative configuration to `config.gin` (after `check_config`)."""
+  path = os.path.join(output_dir, 'config.gin')
+  with open(path + '.tmp', 'w') as f:
+    f.write(config_text)
+  os.replace(path + '.tmp', path)
 
 
 def _png(gray) -> bytes:
