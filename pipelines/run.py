@@ -133,6 +133,11 @@ def main(argv) -> int:
   except FltffError as e:
     print(f'error: {_short_gin_message(e)}', file=sys.stderr)
     return EXIT_USER_ERROR
+  except OSError as e:  # The machine's: a full disk, a folder made read-only, ...
+    reason = os.strerror(e.errno) if e.errno else _short_gin_message(e)
+    where = f' ({e.filename})' if e.filename else ''
+    print(f'error: {reason}{where}. {_kept(output_dir)}', file=sys.stderr)
+    return EXIT_USER_ERROR
   finally:
     if rt is not None:
       rt.close()

@@ -8,6 +8,7 @@ one `warning:` line.
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -319,3 +320,25 @@ def test_client_index_beyond_num_clients_is_a_python_error():
   states = [kapc.new_client_state() for _ in range(2)]
   with pytest.raises(ConfigError, match=r'kapc was built for num_clients=2 .*\[2\]'):
     kapc.server_input([0, 2], states, [4.0, 4.0])
+
+
+def test_a_full_disk_is_one_line_keeps_the_rounds_and_leaves_no_tmp(tmp_path):
+  """The run folder on a 1.8 MB tmpfs (a private mount namespace, as an unprivileged user):
+  checkpoints fill it within a few rounds."""
+  mount = tmp_path / 'small_disk'
+  mount.mkdir()
+  out = mount / 'run'
+  command = (f'mount -t tmpfs -o size=1800k tmpfs {mount} && {sys.executable} -m '
+             f'pipelines.run {" ".join(shlex.quote(a) for a in SMALL)} '
+             f"'--gin_bindings=experiment.rounds = 20' "
+             f"'--gin_bindings=runtime.executor = \"in_process\"' --output_dir={out}; "
+             f'status=$?; ls -a {out}/checkpoints; echo LATEST; cat {out}/checkpoints/latest.json; '
+             'exit $status')
+  result = subprocess.run(['unshare', '--user', '--map-root-user', '--mount', 'sh', '-c',
+                           command], cwd=REPO, env=pipeline_env(), capture_output=True,
+                          text=True, timeout=600)
+  line = assert_one_line_error(result, 'No space left on device')
+  saved = json.loads(result.stdout.split('LATEST')[-1])['round']
+  assert saved >= 1 and (f'Rounds 1-{saved} are kept' in line or 'Round 1 is kept' in line), line
+  assert '.tmp' not in result.stdout, result.stdout
+  assert 'Exception ignored' not in result.stderr, result.stderr[-3000:]

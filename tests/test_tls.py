@@ -191,3 +191,19 @@ def test_driver_without_tls_settings_is_one_line(tmp_path):
   result = run_pipeline(*FEDAVG, "--gin_bindings=runtime.workers = ['127.0.0.1:9']",
                         f'--output_dir={tmp_path}')
   assert_one_line_error(result, 'runtime.tls_ca_file', 'runtime.insecure_plaintext')
+
+
+def test_a_second_forwarder_on_a_port_in_use_is_refused():
+  # gRPC's default SO_REUSEPORT would let a second worker share the port and say it listens.
+  import portpicker  # pylint: disable=g-import-not-at-top
+
+  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.tls import serve_forwarder  # pylint: disable=g-import-not-at-top
+
+  port = portpicker.pick_unused_port()
+  first, _ = serve_forwarder(f'[::]:{port}', '127.0.0.1:9')
+  try:
+    with pytest.raises(ConfigError, match=f'Cannot listen on \\[::\\]:{port} \\(port in use'):
+      serve_forwarder(f'[::]:{port}', '127.0.0.1:9')
+  finally:
+    first.stop(grace=None)

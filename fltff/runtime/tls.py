@@ -93,13 +93,20 @@ def serve_forwarder(listen: str, upstream: str,
   from concurrent import futures  # pylint: disable=g-import-not-at-top
 
   channel = grpc.insecure_channel(upstream, options=_MESSAGE_OPTIONS)
+  # gRPC binds with SO_REUSEPORT by default: a second worker on a port in use would share it
+  # silently instead of failing.
   server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                       handlers=[_Relay(channel)], options=_MESSAGE_OPTIONS)
-  if credentials is None:
-    port = server.add_insecure_port(listen)
-  else:
-    port = server.add_secure_port(listen, credentials)
+                       handlers=[_Relay(channel)],
+                       options=_MESSAGE_OPTIONS + [('grpc.so_reuseport', 0)])
+  try:
+    if credentials is None:
+      port = server.add_insecure_port(listen)
+    else:
+      port = server.add_secure_port(listen, credentials)
+  except RuntimeError:  # gRPC's "Failed to bind to address".
+    port = 0
   if not listen.startswith('unix:') and port == 0:
-    raise ConfigError(f'Cannot listen on {listen} (port in use or not allowed).')
+    pair = '' if credentials is None else ', or --tls_cert and --tls_key are not one pair'
+    raise ConfigError(f'Cannot listen on {listen} (port in use or not allowed{pair}).')
   server.start()
   return server, port

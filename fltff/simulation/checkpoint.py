@@ -9,6 +9,7 @@ skipped on restore for the newest intact one kept, with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import zipfile
@@ -27,10 +28,28 @@ from fltff.errors import warn
 _DAMAGE = (OSError, EOFError, ValueError, KeyError, TypeError, zipfile.BadZipFile, zlib.error)
 
 
+def _fsync(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
 def _atomic_write(path: str, write_fn) -> None:
+  """`write_fn(tmp)`, then the file and its folder are flushed to disk (`fsync`) around the
+  rename, so a power loss leaves the old file or the new one, never a torn one. A failed write
+  (e.g. a full disk) removes its `.tmp`."""
   tmp = path + '.tmp'
-  write_fn(tmp)
-  os.replace(tmp, path)
+  try:
+    write_fn(tmp)
+    _fsync(tmp)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+  _fsync(os.path.dirname(path) or '.')
 
 
 class Checkpointer:
@@ -50,8 +69,12 @@ class Checkpointer:
     arrays.update(extra_arrays or {})
 
     def write_npz(tmp):
-      with open(tmp, 'wb') as f:
-        np.savez(f, **arrays)
+      # `np.savez`'s layout, with the zip closed on every path (a failed np.savez leaves its
+      # ZipFile to a finaliser that fails noisily at exit).
+      with zipfile.ZipFile(tmp, 'w', zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, array in arrays.items():
+          with archive.open(f'{name}.npy', 'w', force_zip64=True) as f:
+            np.lib.format.write_array(f, np.asanyarray(array), allow_pickle=False)
 
     _atomic_write(stem + '.npz', write_npz)
     payload = dict(meta, round=round_num)
