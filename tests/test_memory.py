@@ -242,6 +242,31 @@ def test_sqlite_store_keeps_versions_by_round_and_restores_any_kept_checkpoint(t
     state_store.ClientStateStore(init).restore(4, marker, init)
 
 
+def test_a_damaged_sqlite_store_is_one_checkpoint_error(tmp_path):
+  import sqlite3  # pylint: disable=g-import-not-at-top
+
+  from fltff.errors import CheckpointError  # pylint: disable=g-import-not-at-top
+  from fltff.simulation import state_store  # pylint: disable=g-import-not-at-top
+
+  init = lambda k: _tree(1000 + k)
+  store = state_store.SqliteClientStateStore(str(tmp_path / 'a'), init)
+  store.set_many({0: _tree(1), 1: _tree(2)}, 1)
+  store.close()
+  # A tampered state: its bytes cut short.
+  with sqlite3.connect(tmp_path / 'a' / 'client_states.sqlite') as db:
+    db.execute('UPDATE states SET leaves = substr(leaves, 1, 20) WHERE client = 1')
+  store = state_store.SqliteClientStateStore(str(tmp_path / 'a'), init)
+  np.testing.assert_array_equal(store.get(0)['model'][0], _tree(1)['model'][0])
+  with pytest.raises(CheckpointError, match='damaged state for client 1'):
+    store.get(1)
+  store.close()
+  # A file that is not a database at all.
+  (tmp_path / 'b').mkdir()
+  (tmp_path / 'b' / 'client_states.sqlite').write_bytes(b'not a database' * 100)
+  with pytest.raises(CheckpointError, match='damaged or not fltff'):
+    state_store.SqliteClientStateStore(str(tmp_path / 'b'), init)
+
+
 def test_kill_9_then_resume_with_the_sqlite_store_gives_the_uninterrupted_numbers(tmp_path):
   import os  # pylint: disable=g-import-not-at-top
   import signal  # pylint: disable=g-import-not-at-top

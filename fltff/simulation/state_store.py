@@ -154,13 +154,25 @@ class SqliteClientStateStore:
     self._cache: collections.OrderedDict[int, Any] = collections.OrderedDict()
     self._cache_size = int(cache_size)
     self._changed: set[int] = set()
-    self._db = sqlite3.connect(self.path, isolation_level=None)
+    try:
+      self._db = sqlite3.connect(self.path, isolation_level=None)
+    except sqlite3.Error as e:
+      raise CheckpointError(f'cannot open the client-state store {self.path} ({e}).') from None
     # WAL: a round's transaction is durable once committed, and a kill mid-transaction leaves
     # the previous state (SQLite rolls the torn transaction back on the next open).
-    self._db.execute('PRAGMA journal_mode=WAL')
-    self._db.execute('PRAGMA synchronous=FULL')
-    self._db.execute('CREATE TABLE IF NOT EXISTS states (client INTEGER NOT NULL, round INTEGER '
+    self._sql('execute', 'PRAGMA journal_mode=WAL')
+    self._sql('execute', 'PRAGMA synchronous=FULL')
+    self._sql('execute', 'CREATE TABLE IF NOT EXISTS states (client INTEGER NOT NULL, round INTEGER '
                      'NOT NULL, leaves BLOB NOT NULL, PRIMARY KEY (client, round))')
+
+  def _sql(self, method: str, *args):
+    """`self._db.<method>(*args)`; a damaged or foreign database file is one CheckpointError."""
+    try:
+      return getattr(self._db, method)(*args)
+    except sqlite3.DatabaseError as e:
+      raise CheckpointError(
+          f'the client-state store {self.path} is damaged or not fltff\'s ({e}); restore it '
+          'from a copy, or start the run again in a new --output_dir.') from None
 
   def _remember(self, client_index: int, state) -> None:
     self._cache[client_index] = state
@@ -169,10 +181,10 @@ class SqliteClientStateStore:
       self._cache.popitem(last=False)
 
   def __len__(self) -> int:
-    return self._db.execute('SELECT COUNT(DISTINCT client) FROM states').fetchone()[0]
+    return self._sql('execute', 'SELECT COUNT(DISTINCT client) FROM states').fetchone()[0]
 
   def __contains__(self, client_index: int) -> bool:
-    return self._db.execute('SELECT 1 FROM states WHERE client = ? LIMIT 1',
+    return self._sql('execute', 'SELECT 1 FROM states WHERE client = ? LIMIT 1',
                             (int(client_index),)).fetchone() is not None
 
   def get(self, client_index: int) -> Any:
@@ -181,7 +193,7 @@ class SqliteClientStateStore:
     if k in self._cache:
       self._cache.move_to_end(k)
       return self._cache[k]
-    row = self._db.execute('SELECT leaves FROM states WHERE client = ? ORDER BY round DESC '
+    row = self._sql('execute', 'SELECT leaves FROM states WHERE client = ? ORDER BY round DESC '
                            'LIMIT 1', (k,)).fetchone()
     if row is None:
       state = tf.nest.map_structure(np.asarray, self._init_fn(k))
@@ -192,7 +204,13 @@ class SqliteClientStateStore:
       # method), not a fresh initial state (a model-sized copy for the personalised methods).
       if self._structure is None:
         self._structure = self._init_fn(k)
-      state = _unpack(row[0], self._structure)
+      try:
+        state = _unpack(row[0], self._structure)
+      except Exception as e:  # pylint: disable=broad-except
+        raise CheckpointError(
+            f'the client-state store {self.path} holds a damaged state for client {k} '
+            f'({type(e).__name__}); restore the file from a copy, or start the run again in a '
+            'new --output_dir.') from None
     self._remember(k, state)
     return state
 
@@ -206,12 +224,12 @@ class SqliteClientStateStore:
       rows.append((int(k), int(round_num), _pack(state)))
       self._remember(int(k), state)
       self._changed.add(int(k))
-    self._db.execute('BEGIN')
+    self._sql('execute', 'BEGIN')
     try:
-      self._db.executemany('INSERT OR REPLACE INTO states VALUES (?, ?, ?)', rows)
-      self._db.execute('COMMIT')
+      self._sql('executemany', 'INSERT OR REPLACE INTO states VALUES (?, ?, ?)', rows)
+      self._sql('execute', 'COMMIT')
     except BaseException:
-      self._db.execute('ROLLBACK')
+      self._sql('execute', 'ROLLBACK')
       raise
 
   def checkpoint(self, round_num: int) -> dict[str, np.ndarray]:
@@ -226,11 +244,11 @@ class SqliteClientStateStore:
       return
     oldest = min(kept_rounds)
     changed = sorted(self._changed)
-    self._db.execute('BEGIN')
-    self._db.executemany(
+    self._sql('execute', 'BEGIN')
+    self._sql('executemany', 
         'DELETE FROM states WHERE client = ? AND round < (SELECT MAX(round) FROM states '
         'WHERE client = ? AND round <= ?)', [(k, k, oldest) for k in changed])
-    self._db.execute('COMMIT')
+    self._sql('execute', 'COMMIT')
     self._changed.clear()
 
   def restore(self, round_num: int, arrays: dict, template_fn: Callable[[int], Any]) -> None:
@@ -242,20 +260,20 @@ class SqliteClientStateStore:
                         "files: resume it with experiment.client_state_store = 'memory'.")
     if not os.path.exists(self.path):
       raise CheckpointError(f'{self.path} is missing: the client states of this run are gone.')
-    self._db.execute('DELETE FROM states WHERE round > ?', (int(round_num),))
+    self._sql('execute', 'DELETE FROM states WHERE round > ?', (int(round_num),))
     self._cache.clear()
-    self._changed = {row[0] for row in self._db.execute('SELECT DISTINCT client FROM states')}
+    self._changed = {row[0] for row in self._sql('execute', 'SELECT DISTINCT client FROM states')}
 
   def fingerprint(self, round_num: int) -> dict:
     """What a checkpoint records of the states (`fingerprint_of`): each client with a state as
     of round `round_num` and the round of its newest version."""
-    return fingerprint_of(self._db.execute(
+    return fingerprint_of(self._sql('execute', 
         'SELECT client, MAX(round) FROM states WHERE round <= ? GROUP BY client ORDER BY client',
         (int(round_num),)))
 
   def reset(self) -> None:
     """A new run in this folder: no states."""
-    self._db.execute('DELETE FROM states')
+    self._sql('execute', 'DELETE FROM states')
     self._cache.clear()
     self._changed.clear()
 
