@@ -44,6 +44,8 @@ from fltff.errors import warn
 from fltff.runtime import heap
 
 _PR_SET_PDEATHSIG = 1
+# After a lost worker, how long each remaining one has to answer before it counts as lost too.
+RECONNECT_TIMEOUT_S = 5.0
 _GRPC_OPTIONS = [
     ('grpc.max_message_length', 2**31 - 1),
     ('grpc.max_receive_message_length', 2**31 - 1),
@@ -403,6 +405,28 @@ def _release_compiled_computations() -> None:
   compiler_pipeline.CompilerPipeline.compile.cache_clear()
 
 
+class _LostWorkerTaskFilter:
+  """Drops asyncio's 'Task exception was never retrieved' for a lost worker: when TFF's
+  mergeable context loses one sub-round, the others' failures are never awaited, and the
+  runtime reports the loss itself (one line) instead of a traceback per worker."""
+
+  def filter(self, record) -> bool:
+    exc = (record.exc_info or (None, None, None))[1]
+    if exc is None and isinstance(getattr(record, 'args', None), dict):
+      exc = getattr(record.args.get('future'), '_exception', None)
+    message = record.getMessage()
+    return not (message.startswith('Task exception was never retrieved')
+                and ('WorkerLostError' in message or isinstance(exc, RuntimeUnavailableError)))
+
+
+def _quiet_lost_worker_tasks() -> None:
+  import logging as std_logging  # pylint: disable=g-import-not-at-top
+
+  logger = std_logging.getLogger('asyncio')
+  if not any(isinstance(f, _LostWorkerTaskFilter) for f in logger.filters):
+    logger.addFilter(_LostWorkerTaskFilter())
+
+
 class TffRuntime:
   """Owns a TFF execution context and the worker processes behind it.
 
@@ -430,6 +454,7 @@ class TffRuntime:
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     self._tff = tff
+    _quiet_lost_worker_tasks()
     self._owned: list = []  # `IsolatedWorker`s (or `WorkerProcess`es, not isolated).
     self.isolate_local_worker = isolate_local_worker
     self._channels = []
@@ -525,11 +550,18 @@ class TffRuntime:
          'it can run code on this host as you.')
     return worker
 
-  def _install_context(self) -> None:
+  def _install_context(self, timeout: Optional[float] = None) -> None:
+    """Connects to every worker and installs TFF's context over them. With `timeout` (a
+    reconnect after a loss), a worker that does not answer in time is a `WorkerLostError`."""
     stubs = []
     for address in self.workers:
-      channel, stub = _connect_stub(address, self.connect_timeout, self.rpc_timeout,
-                                    self._credentials, self._server_name)
+      try:
+        channel, stub = _connect_stub(address, timeout or self.connect_timeout,
+                                      self.rpc_timeout, self._credentials, self._server_name)
+      except RuntimeUnavailableError:
+        if timeout is None:
+          raise
+        raise WorkerLostError(address, f'no answer within {timeout:.0f} s') from None
       self._channels.append(channel)
       stubs.append(stub)
     self._stubs = stubs
@@ -582,13 +614,26 @@ class TffRuntime:
         raise RuntimeUnavailableError(
             f'{error} No TFF worker is left (lost: {", ".join(self.lost)}); completed rounds '
             'are checkpointed: restart the workers and rerun with --resume.') from None
-      logging.warning('%s Repeating the computation on %s.', error, ', '.join(self.workers))
     else:
       self._restart_local_worker()
       logging.warning('%s Restarted the local worker at %s.', error, self.workers[0])
       return
     self._release_connections()
-    self._install_context()
+    # The others may be gone too (one host down, or all killed): each gets a short wait, not
+    # `connect_timeout`, and one that does not answer is lost as well.
+    while True:
+      try:
+        self._install_context(timeout=min(self.connect_timeout, RECONNECT_TIMEOUT_S))
+        break
+      except WorkerLostError as e:
+        self._release_connections()
+        self.lost.append(e.address)
+        self.workers = [w for w in self.workers if w != e.address]
+        if not self.workers:
+          raise RuntimeUnavailableError(
+              f'{error} No TFF worker is left (lost: {", ".join(self.lost)}); completed rounds '
+              'are checkpointed: restart the workers and rerun with --resume.') from None
+    logging.warning('%s Repeating the computation on %s.', error, ', '.join(self.workers))
 
   def _restart_local_worker(self) -> None:
     for worker in self._owned:
