@@ -78,6 +78,19 @@ def test_restore_survives_a_corrupt_latest_json(tmp_path):
   assert len(warnings) == 1 and 'latest.json is damaged' in warnings[0], warnings
 
 
+def test_restore_past_a_stale_latest_json_takes_the_newest_round(tmp_path):
+  ckpt = _saved(tmp_path, rounds=(2, 4, 6, 8))  # Keeps 4, 6, 8.
+  with open(os.path.join(ckpt.directory, 'latest.json'), 'w') as f:
+    f.write('{"round": 2}')  # E.g. an older copy put back.
+  assert ckpt.latest_round() == 8
+  warnings = []
+  round_num, state, _, _ = ckpt.restore({'w': np.zeros(3, np.float32)}, warnings.append)
+  assert round_num == 8
+  np.testing.assert_array_equal(state['w'], np.full(3, 8.0))
+  assert warnings == ['latest.json names round 2, whose checkpoint is missing; resuming from '
+                      'round 8.']
+
+
 def test_restore_with_no_intact_checkpoint_is_a_clear_error(tmp_path):
   ckpt = _saved(tmp_path)
   for r in ckpt.rounds():

@@ -184,8 +184,12 @@ def test_a_resume_whose_client_states_are_gone_is_refused_not_reset(store, data,
         resume=resume)
 
   drive(2, resume=False)
+  header = (tmp_path / 'metrics.csv').read_text().splitlines()[0]
   drive(3, resume=True)  # Intact: resumes.
   assert [r['round'] for r in read_csv(tmp_path / 'metrics.csv')] == ['1', '2', '3']
+  # The columns keep their order (rows restored from a checkpoint have sorted keys).
+  assert (tmp_path / 'metrics.csv').read_text().splitlines()[0] == header
+  assert header.startswith('round,')
   checkpoint = tmp_path / 'checkpoints' / 'round_00003.npz'
   if store == 'sqlite':
     for name in os.listdir(tmp_path):

@@ -92,13 +92,15 @@ class Checkpointer:
                   if n.startswith('round_') and n.endswith('.npz'))
 
   def latest_round(self) -> Optional[int]:
-    """The round `latest.json` names; if it is missing or damaged, the newest round file's."""
+    """The newest checkpointed round: the round `latest.json` names, or a newer round file's
+    (`restore` resumes the newest intact one)."""
+    rounds = self.rounds()
     try:
       with open(os.path.join(self.directory, 'latest.json')) as f:
-        return int(json.load(f)['round'])
+        named = int(json.load(f)['round'])
     except _DAMAGE:
-      rounds = self.rounds()
       return rounds[-1] if rounds else None
+    return max([named] + rounds[-1:])
 
   def restore(self, process_state_template: Any,
               warn_fn: Callable[[str], None] = warn) -> tuple[int, Any, dict, dict]:
@@ -115,9 +117,13 @@ class Checkpointer:
     except _DAMAGE as e:
       if os.path.exists(latest_path):
         problems.append(f'{latest_path} is damaged ({_describe(e)})')
-    candidates = [r for r in reversed(self.rounds()) if latest is None or r <= latest]
+    # Every round file is complete (written atomically), so the newest intact one is resumed
+    # even past a stale `latest.json` (a crash between the two writes, or a restored copy).
+    candidates = list(reversed(self.rounds()))
     if latest is not None and latest not in candidates:
-      problems.append(f'checkpoint round {latest} is missing')
+      problems.append(f'latest.json names round {latest}, whose checkpoint is missing')
+    elif latest is not None and candidates and candidates[0] > latest:
+      problems.append(f'latest.json names round {latest} but round {candidates[0]} is newer')
     for round_num in candidates:
       try:
         arrays, meta = self._read(round_num)

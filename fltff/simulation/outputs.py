@@ -267,8 +267,11 @@ class RunOutputs:
 
   def write_rows(self, rows: Sequence[dict]) -> None:
     """Rewrites metrics.csv from all rows (cheap; keeps it exact after a resume)."""
+    # The newest row's order first: rows restored from a checkpoint come back with sorted
+    # keys, a row of this process has the driver's order (round first). Keys starting with
+    # '_' are in-memory only (per-client evaluations).
     fields = []
-    for row in rows:  # Keys starting with '_' are in-memory only (per-client evaluations).
+    for row in [*rows[-1:], *rows]:
       fields.extend(k for k in row if k not in fields and not k.startswith('_'))
     tmp = self.csv_path + '.tmp'
     with open(tmp, 'w', newline='') as f:
