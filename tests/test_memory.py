@@ -155,9 +155,9 @@ def test_recycling_the_local_worker_changes_no_number_and_leaves_no_worker(tmp_p
 
   class Recorder(TffRuntime):
 
-    def after_round(self, round_num):
+    def after_round(self, round_num, round_seconds=None):
       pids_seen.append(tuple(self.worker_pids))
-      super().after_round(round_num)
+      super().after_round(round_num, round_seconds)
 
   runs = {}
   for name, recycle_every, mmap_kib in (('plain', 0, 128), ('recycled', 2, 128),

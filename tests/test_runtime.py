@@ -143,3 +143,27 @@ def test_unreachable_remote_worker_is_a_clear_error():
   port = portpicker.pick_unused_port()
   with pytest.raises(RuntimeUnavailableError, match=f'127.0.0.1:{port}'):
     TffRuntime(workers=[f'127.0.0.1:{port}'], connect_timeout=1.0)
+
+
+def test_the_default_rpc_deadline_follows_the_rounds(tff_runtime):
+  from fltff.runtime import local  # pylint: disable=g-import-not-at-top
+
+  runtime = TffRuntime()
+  try:
+    [stub] = runtime._stubs  # pylint: disable=protected-access
+    assert runtime.rpc_timeout == stub._rpc_timeout == local.FIRST_RPC_TIMEOUT_S  # pylint: disable=protected-access
+    runtime.after_round(1, 12.0)
+    assert stub._rpc_timeout == local.RPC_TIMEOUT_FLOOR_S  # 10 x 12 s is under the floor.  # pylint: disable=protected-access
+    runtime.after_round(2, 95.0)
+    runtime.after_round(3, 40.0)  # The slowest round counts.
+    assert stub._rpc_timeout == 950.0  # pylint: disable=protected-access
+  finally:
+    runtime.close()
+    tff.framework.set_default_context(tff_runtime.context)
+  fixed = TffRuntime(rpc_timeout=7.0)
+  try:
+    fixed.after_round(1, 100.0)
+    assert fixed._stubs[0]._rpc_timeout == 7.0  # pylint: disable=protected-access
+  finally:
+    fixed.close()
+    tff.framework.set_default_context(tff_runtime.context)

@@ -46,6 +46,12 @@ from fltff.runtime import heap
 _PR_SET_PDEATHSIG = 1
 # After a lost worker, how long each remaining one has to answer before it counts as lost too.
 RECONNECT_TIMEOUT_S = 5.0
+# `rpc_timeout=None` (the default): each RPC's deadline is FIRST_RPC_TIMEOUT_S until a round
+# has completed (the first round also compiles), then RPC_TIMEOUT_FACTOR x the slowest round so
+# far, at least RPC_TIMEOUT_FLOOR_S: a hung worker is found within a few rounds' time.
+FIRST_RPC_TIMEOUT_S = 3600.0
+RPC_TIMEOUT_FACTOR = 10.0
+RPC_TIMEOUT_FLOOR_S = 300.0
 _GRPC_OPTIONS = [
     ('grpc.max_message_length', 2**31 - 1),
     ('grpc.max_receive_message_length', 2**31 - 1),
@@ -443,7 +449,7 @@ class TffRuntime:
   """
 
   def __init__(self, workers: Sequence[str] = (), connect_timeout: float = 60.0,
-               rpc_timeout: float = 3600.0, max_retries: int = 2,
+               rpc_timeout: Optional[float] = None, max_retries: int = 2,
                log_dir: Optional[str] = None,
                credentials: Optional[grpc.ChannelCredentials] = None,
                server_name: Optional[str] = None, recycle_every: int = 0,
@@ -463,7 +469,9 @@ class TffRuntime:
     self.workers = list(workers)
     self.lost: list[str] = []
     self.connect_timeout = connect_timeout
-    self.rpc_timeout = rpc_timeout
+    self.adaptive_rpc_timeout = rpc_timeout is None
+    self.rpc_timeout = FIRST_RPC_TIMEOUT_S if rpc_timeout is None else float(rpc_timeout)
+    self._slowest_round = 0.0
     self.max_retries = max_retries
     self.log_dir = log_dir
     self._credentials = credentials if workers else None  # Remote workers only.
@@ -658,12 +666,18 @@ class TffRuntime:
     self._channels, self._stubs, self.context = [], [], None
     _release_compiled_computations()
 
-  def after_round(self, round_num: int) -> None:
+  def after_round(self, round_num: int, round_seconds: Optional[float] = None) -> None:
     """Called by the driver after each completed round: with `recycle_every` = K > 0, the local
     `worker_binary` is replaced by a fresh one every K rounds. All state lives in the driver, so
     results are unchanged; the worker's memory (which TFF's C++ runtime grows every round,
     issue 20) starts over. Remote workers are never recycled. The driver's free heap pages go
-    back to the kernel (`heap.trim`)."""
+    back to the kernel (`heap.trim`). With the adaptive RPC deadline (`rpc_timeout=None`),
+    `round_seconds` sets it (`RPC_TIMEOUT_FACTOR`)."""
+    if self.adaptive_rpc_timeout and round_seconds:
+      self._slowest_round = max(self._slowest_round, float(round_seconds))
+      self.rpc_timeout = max(RPC_TIMEOUT_FLOOR_S, RPC_TIMEOUT_FACTOR * self._slowest_round)
+      for stub in self._stubs:
+        stub._rpc_timeout = self.rpc_timeout  # pylint: disable=protected-access
     if self.mmap_threshold_kib > 0:
       heap.trim()
     if (self.recycle_every > 0 and not self.remote and self.executor == 'tff_cpp'
@@ -722,7 +736,7 @@ def check_worker_address(address) -> None:
 
 @gin.configurable('runtime', denylist=['log_dir'])
 def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
-                 rpc_timeout: float = 3600.0, max_retries: int = 2,
+                 rpc_timeout: Optional[float] = None, max_retries: int = 2,
                  log_dir: Optional[str] = None,
                  tls_ca_file: Optional[str] = None, tls_cert_file: Optional[str] = None,
                  tls_key_file: Optional[str] = None, tls_server_name: Optional[str] = None,
@@ -737,7 +751,9 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
     workers: `host:port` of running TFF workers (`python -m fltff.runtime.worker`); empty for
       the local C++ runtime.
     connect_timeout: Seconds to wait for each worker to answer at start.
-    rpc_timeout: Deadline of each RPC to a worker; a worker silent that long counts as lost.
+    rpc_timeout: Deadline of each RPC to a worker, in seconds; a worker silent that long
+      counts as lost. None (default): an hour until the first round completes, then 10 x the
+      slowest round so far, at least 5 minutes (`TffRuntime.after_round`).
     max_retries: How often a round is repeated after losing a worker.
     log_dir: Folder of the local worker's log (`tff_worker.log`); None: a temporary file.
     tls_ca_file, tls_cert_file, tls_key_file: Mutual TLS to remote workers (the default): the
@@ -780,6 +796,10 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                       f'{isolate_local_worker!r}.')
   if not isinstance(factor_dense, bool):
     raise ConfigError(f'runtime.factor_dense must be True or False, got {factor_dense!r}.')
+  check_number('runtime.rpc_timeout', rpc_timeout, allow_none=True)
+  if rpc_timeout is not None and rpc_timeout <= 0:
+    raise ConfigError(f'runtime.rpc_timeout must be > 0 seconds (None: adaptive), got '
+                      f'{rpc_timeout}.')
   check_number('runtime.recycle_every', recycle_every, integer=True)
   check_number('runtime.mmap_threshold_kib', mmap_threshold_kib, integer=True)
   if mmap_threshold_kib < 0:

@@ -436,7 +436,8 @@ class RoundDriver:
             f'{"  -   " if acc is None else f"{acc:.4f}"} | train loss {row["train_loss"]:.4f} '
             f'| {row["round_seconds"]:.2f} s | ETA {eta:.0f} s')
         if self.runtime is not None and r < cfg.rounds:
-          self.runtime.after_round(r)  # E.g. recycles the local worker (runtime.recycle_every).
+          # E.g. recycles the local worker (runtime.recycle_every), sets the RPC deadline.
+          self.runtime.after_round(r, row['round_seconds'])
         if self.stop_event is not None and self.stop_event.is_set() and r < cfg.rounds:
           raise StopRequested(
               f'Stopped by signal after round {r}. '
