@@ -207,3 +207,16 @@ def test_a_second_forwarder_on_a_port_in_use_is_refused():
       serve_forwarder(f'[::]:{port}', '127.0.0.1:9')
   finally:
     first.stop(grace=None)
+
+
+def test_a_key_that_is_not_the_certificates_is_one_clear_refusal(pki):
+  import portpicker  # pylint: disable=g-import-not-at-top
+
+  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.tls import serve_forwarder  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.tls import server_credentials  # pylint: disable=g-import-not-at-top
+
+  credentials = server_credentials(pki('worker.pem'), pki('driver.key'), pki('drivers-ca.pem'))
+  port = portpicker.pick_unused_port()
+  with pytest.raises(ConfigError, match='--tls_cert and --tls_key are not one pair'):
+    serve_forwarder(f'[::]:{port}', '127.0.0.1:9', credentials)
