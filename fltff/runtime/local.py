@@ -159,7 +159,12 @@ class IsolatedWorker:
                start_timeout: float = 60.0):
     import sys  # pylint: disable=g-import-not-at-top
 
-    self.folder = tempfile.mkdtemp(prefix='fltff_worker_')  # Mode 0700.
+    # Mode 0700. A Unix socket's path may not exceed 107 bytes: a deep TMPDIR falls back to
+    # /tmp.
+    base = tempfile.gettempdir()
+    if len(os.path.join(base, 'fltff_worker_xxxxxxxx', 'worker.sock')) > 100:
+      base = '/tmp'
+    self.folder = tempfile.mkdtemp(prefix='fltff_worker_', dir=base)
     self.socket_path = os.path.join(self.folder, 'worker.sock')
     self._own_log = log_path is None
     self.log_path = log_path or os.path.join(self.folder, 'worker_binary.log')
