@@ -194,10 +194,11 @@ class IsolatedWorker:
     words = (first_line or [''])[0].split()
     if len(words) != 2 or words[0] != 'ready':
       self.stop()
+      detail = self._last_log_line()
       raise RuntimeUnavailableError(
           'cannot start worker_binary in a private network namespace (`unshare --user '
           '--map-root-user --net`; unprivileged user namespaces may be disabled on this host'
-          f'{": " + self._last_log_line() if self._last_log_line() else ""}). Enable them, '
+          f'{": " + detail if detail else ""}). Enable them, '
           "use runtime.executor = 'in_process' (no worker at all), or set "
           'runtime.isolate_local_worker = False (worker_binary then listens on every '
           'interface: only behind a firewall).')
@@ -423,8 +424,6 @@ class _LostWorkerTaskFilter:
 
   def filter(self, record) -> bool:
     exc = (record.exc_info or (None, None, None))[1]
-    if exc is None and isinstance(getattr(record, 'args', None), dict):
-      exc = getattr(record.args.get('future'), '_exception', None)
     message = record.getMessage()
     return not (message.startswith('Task exception was never retrieved')
                 and ('WorkerLostError' in message or isinstance(exc, RuntimeUnavailableError)))
