@@ -14,6 +14,10 @@ r"""Round-time benchmarks, always as ratios against a baseline measured in the s
   python -m pipelines.bench --runtimes [--clients_list=10,50,100 --examples=100]
       a FedAvg round on 1 and 2 remote TFF workers (started here, on loopback) vs the local
       runtime, for each number of clients per round.
+  python -m pipelines.bench --checkpoints [--model=mlp2 --clients=10 --checkpoint_dir=DIR]
+      the cost of durable checkpoints: saving the global model and one model per client (a
+      personalised method's state) with `fsync` of file and folder vs without, in DIR (default:
+      a temporary folder; pass a folder on the disk your runs write to).
 
 Both sides do the same work per round: every client starts from the global MLP (784-200-10),
 runs `--epochs` epochs of SGD with momentum over its `--examples` examples in batches of
@@ -83,6 +87,10 @@ _EXECUTOR_METHODS = flags.DEFINE_list(
     'executor_methods', ['fedlap', 'fedlayerwise', 'kapc'],
     "For --executors: methods (as --compare names them) also timed with vectorised clients "
     "on the in-process executor, as ratios to the same run's TFF built-in FedAvg.")
+_CHECKPOINTS = flags.DEFINE_bool('checkpoints', False, 'Time durable checkpoint saves (fsync) '
+                                  'against the same saves without fsync.')
+_CHECKPOINT_DIR = flags.DEFINE_string('checkpoint_dir', None, 'For --checkpoints: where to '
+                                      'write (default: a temporary folder).')
 _MEMORY = flags.DEFINE_list('memory', [], 'Memory per round of the driver and its worker for '
                             'these runs (tff_fedavg, fedavg, fedlayerwise, kapc; "all": every '
                             'one), each in its own process (pipelines/memory_bench.py).')
@@ -452,6 +460,35 @@ def compare_runtimes(spec) -> int:
   return 0
 
 
+def compare_checkpoints(spec) -> int:
+  """Median seconds per checkpoint save, durable (`fsync`) and not, alternating."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+
+  from fltff.simulation.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+
+  weights = [np.asarray(w) for w in spec.initial_weights().trainable]
+  clients = {f'client/{c}/{i}': w + c for c in range(_CLIENTS.value)
+             for i, w in enumerate(weights)}
+  megabytes = sum(a.nbytes for a in weights + list(clients.values())) / 2**20
+  times = {True: [], False: []}
+  with tempfile.TemporaryDirectory(dir=_CHECKPOINT_DIR.value) as folder:
+    savers = {durable: Checkpointer(os.path.join(folder, str(durable)), durable=durable)
+              for durable in (True, False)}
+    for r in range(1, _ROUNDS.value + 1):
+      for durable in (r % 2 == 0, r % 2 == 1):  # Alternate which goes first.
+        t0 = time.perf_counter()
+        savers[durable].save(r, weights, {'round_seconds': 0.0}, clients)
+        times[durable].append(time.perf_counter() - t0)
+    where = _CHECKPOINT_DIR.value or tempfile.gettempdir()
+  durable, plain = (statistics.median(times[k][1:]) for k in (True, False))
+  print(f'checkpoint of {megabytes:.1f} MB ({_MODEL.value}, global model + {_CLIENTS.value} '
+        f'client models) in {where}; median of saves 2-{_ROUNDS.value}:')
+  print(f'  with fsync:    {durable:.4f} s')
+  print(f'  without fsync: {plain:.4f} s')
+  print(f'  ratio with/without fsync: {durable / plain:.3f}')
+  return 0
+
+
 def main(argv) -> int:
   del argv
   absl_logging.set_verbosity(absl_logging.WARNING)
@@ -471,6 +508,8 @@ def main(argv) -> int:
   spec = learning.ModelSpec(keras_fn, (28, 28, 1), 10, name=_MODEL.value)
   if _RUNTIMES.value:
     return compare_runtimes(spec)
+  if _CHECKPOINTS.value:
+    return compare_checkpoints(spec)
   data = _client_data(_CLIENTS.value, _EXAMPLES.value)
   if _COMPARE.value:
     return compare_methods(spec, data)

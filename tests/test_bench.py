@@ -20,6 +20,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      r'kapc\+bls\s+\d+\.\d+ s\s+ratio vs fedavg \d+\.\d+'),
     (['--compare=fedlap', '--vectorize_clients'],
      r'vectorised clients(.|\n)*fedlap\s+\d+\.\d+ s\s+ratio vs fedavg \d+\.\d+'),
+    (['--checkpoints', '--clients=4'], r'with fsync:\s+\d+\.\d+ s\n\s+without fsync:\s+\d+\.\d+ s'
+     r'\n\s+ratio with/without fsync: \d+\.\d+'),
     (['--runtimes', '--clients_list=4'], r'4 clients: local \d+\.\d+ s \| 1 worker \d+\.\d+x \| '
      r'2 workers \d+\.\d+x'),
 ])

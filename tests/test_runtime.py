@@ -1,6 +1,7 @@
 """The owned TFF runtime: workers never outlive the program that started them."""
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -48,6 +49,13 @@ def _listening_inodes(table: str) -> set:
   return inodes
 
 
+def _listening_ports(table: str) -> set:
+  """Ports in LISTEN state in a /proc/<pid>/net/tcp{,6} table."""
+  with open(table) as f:
+    return {int(line.split()[1].rsplit(':', 1)[1], 16) for line in f.readlines()[1:]
+            if line.split()[3] == '0A'}
+
+
 def _socket_inodes(pid: int) -> set:
   found = set()
   for fd in os.listdir(f'/proc/{pid}/fd'):
@@ -77,6 +85,15 @@ def test_the_local_worker_is_reachable_only_through_its_owners_unix_socket(tff_r
     assert inside & _socket_inodes(worker)
     outside = _listening_inodes('/proc/self/net/tcp6') | _listening_inodes('/proc/self/net/tcp')
     assert not outside & (_socket_inodes(worker) | _socket_inodes(relay))
+    # And a client out here that tries worker_binary's port is refused, on every address.
+    ports = _listening_ports(f'/proc/{worker}/net/tcp6') | _listening_ports(
+        f'/proc/{worker}/net/tcp')
+    assert ports
+    addresses = {'127.0.0.1', socket.gethostbyname(socket.gethostname())}
+    for port in ports:
+      for address in addresses:
+        with pytest.raises(ConnectionRefusedError):
+          socket.create_connection((address, port), timeout=5).close()
 
     @tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
     def total(x):
@@ -96,6 +113,9 @@ def test_a_worker_not_isolated_says_its_port_is_open(tff_runtime, capsys):
     assert os.readlink(f'/proc/{pid}/ns/net') == os.readlink('/proc/self/ns/net')
     line = capsys.readouterr().err.strip()
     assert line.startswith('warning: runtime.isolate_local_worker = False') and 'every interface' in line
+    # The contrast to the isolated worker: here a client from outside gets in.
+    port = int(runtime.workers[0].rsplit(':', 1)[1])
+    socket.create_connection((socket.gethostbyname(socket.gethostname()), port), timeout=5).close()
   finally:
     runtime.close()
     tff.framework.set_default_context(tff_runtime.context)

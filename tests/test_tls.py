@@ -220,3 +220,50 @@ def test_a_key_that_is_not_the_certificates_is_one_clear_refusal(pki):
   port = portpicker.pick_unused_port()
   with pytest.raises(ConfigError, match='--tls_cert and --tls_key are not one pair'):
     serve_forwarder(f'[::]:{port}', '127.0.0.1:9', credentials)
+
+
+def test_a_driver_that_goes_away_mid_call_leaves_no_traceback_in_the_relay(caplog):
+  # A driver killed during a round cancels its streams; the relay must end its upstream call
+  # quietly instead of logging gRPC's "Exception iterating requests!" with a traceback.
+  import threading  # pylint: disable=g-import-not-at-top
+  from concurrent import futures  # pylint: disable=g-import-not-at-top
+
+  from fltff.runtime.tls import serve_forwarder  # pylint: disable=g-import-not-at-top
+
+  release = threading.Event()
+
+  def slow_echo(request_iterator, context):
+    del context
+    for request in request_iterator:
+      release.wait(10)
+      yield request
+
+  upstream = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=[
+      grpc.method_handlers_generic_handler('echo.Echo', {
+          'Chat': grpc.stream_stream_rpc_method_handler(slow_echo)})])
+  upstream_port = upstream.add_insecure_port('127.0.0.1:0')
+  upstream.start()
+  relay, port = serve_forwarder('127.0.0.1:0', f'127.0.0.1:{upstream_port}')  # Started.
+  started = threading.Event()
+
+  def requests():
+    yield b'x'
+    started.set()
+    release.wait(10)  # The driver never sends its next message: it is killed first.
+
+  caplog.set_level('DEBUG')
+  try:
+    with grpc.insecure_channel(f'127.0.0.1:{port}') as channel:
+      call = channel.stream_stream('/echo.Echo/Chat')(requests())
+      assert started.wait(10)
+      time.sleep(0.3)
+      call.cancel()
+      time.sleep(1.0)
+  finally:
+    release.set()
+    time.sleep(0.5)
+    relay.stop(grace=None)
+    upstream.stop(grace=None)
+  noise = [r for r in caplog.records if 'iterating requests' in r.getMessage()
+           or (r.exc_info and r.levelname in ('ERROR', 'CRITICAL'))]
+  assert not noise, [r.getMessage() for r in noise]

@@ -68,13 +68,28 @@ class _Relay(grpc.GenericRpcHandler):
     def relay(request_iterator, context):
       metadata = [(k, v) for k, v in context.invocation_metadata()
                   if not k.startswith(':') and k not in ('user-agent', 'te', 'content-type')]
-      call = upstream(request_iterator, metadata=metadata or None)
+      call = upstream(_until_cancelled(request_iterator), metadata=metadata or None)
+      # A caller that goes away (a driver killed mid-round) cancels the upstream call too.
+      context.add_callback(call.cancel)
       try:
         yield from call
       except grpc.RpcError as e:
-        context.abort(e.code(), e.details() or '')
+        if context.is_active():
+          context.abort(e.code(), e.details() or '')
 
     return grpc.stream_stream_rpc_method_handler(relay)
+
+
+def _until_cancelled(request_iterator):
+  """The caller's messages, ending when the caller cancels or goes away.
+
+  gRPC's server-side iterator raises `RpcError` then; passed on as is, the upstream channel's
+  reader thread would log it as "Exception iterating requests!" with a traceback.
+  """
+  try:
+    yield from request_iterator
+  except grpc.RpcError:
+    return
 
 
 # TFF sends whole computations and values in single messages.

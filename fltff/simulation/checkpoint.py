@@ -36,28 +36,33 @@ def _fsync(path: str) -> None:
     os.close(fd)
 
 
-def _atomic_write(path: str, write_fn) -> None:
-  """`write_fn(tmp)`, then the file and its folder are flushed to disk (`fsync`) around the
-  rename, so a power loss leaves the old file or the new one, never a torn one. A failed write
-  (e.g. a full disk) removes its `.tmp`."""
+def _atomic_write(path: str, write_fn, durable: bool = True) -> None:
+  """`write_fn(tmp)`, then renamed into place. `durable`: the file and its folder are flushed
+  to disk (`fsync`) around the rename, so a power loss leaves the old file or the new one,
+  never a torn one. A failed write (e.g. a full disk) removes its `.tmp`."""
   tmp = path + '.tmp'
   try:
     write_fn(tmp)
-    _fsync(tmp)
+    if durable:
+      _fsync(tmp)
     os.replace(tmp, path)
   except BaseException:
     with contextlib.suppress(OSError):
       os.remove(tmp)
     raise
-  _fsync(os.path.dirname(path) or '.')
+  if durable:
+    _fsync(os.path.dirname(path) or '.')
 
 
 class Checkpointer:
   """Saves and restores the driver's state under `<output_dir>/checkpoints`."""
 
-  def __init__(self, output_dir: str, keep: int = 3):
+  def __init__(self, output_dir: str, keep: int = 3, durable: bool = True):
+    """`durable=False` skips the `fsync`s (only `pipelines.bench --checkpoints` does, to
+    measure their cost)."""
     self.directory = os.path.join(output_dir, 'checkpoints')
     self.keep = keep
+    self.durable = durable
 
   def save(self, round_num: int, process_state: Any, meta: dict,
            extra_arrays: Optional[dict[str, np.ndarray]] = None) -> str:
@@ -76,11 +81,11 @@ class Checkpointer:
           with archive.open(f'{name}.npy', 'w', force_zip64=True) as f:
             np.lib.format.write_array(f, np.asanyarray(array), allow_pickle=False)
 
-    _atomic_write(stem + '.npz', write_npz)
+    _atomic_write(stem + '.npz', write_npz, self.durable)
     payload = dict(meta, round=round_num)
-    _atomic_write(stem + '.json', lambda tmp: _write_json(tmp, payload))
+    _atomic_write(stem + '.json', lambda tmp: _write_json(tmp, payload), self.durable)
     _atomic_write(os.path.join(self.directory, 'latest.json'),
-                  lambda tmp: _write_json(tmp, {'round': round_num}))
+                  lambda tmp: _write_json(tmp, {'round': round_num}), self.durable)
     self._prune()
     return stem
 
