@@ -37,7 +37,7 @@ $(EDITABLE): $(STAMP) pyproject.toml
 	@touch $(EDITABLE)
 
 quickstart: setup
-	$(VPY) -m pipelines.run --gin_file=gin_configs/quickstart.gin --output_dir=$(OUTPUT_DIR)
+	$(VENV)/bin/fltff run --gin_file=gin_configs/quickstart.gin --output_dir=$(OUTPUT_DIR)
 
 test: setup
 	$(VPY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS) tests

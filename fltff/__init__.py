@@ -11,7 +11,11 @@ Subpackages (imported lazily, so `import fltff.data.partition` stays free of Ten
   errors       the exceptions the pipeline reports as one readable line
 """
 
+import atexit
 import importlib
+import sys
+
+__version__ = '0.1.0'
 
 __all__ = ['aggregators', 'data', 'errors', 'learning', 'models', 'personalization', 'runtime',
            'simulation']
@@ -38,3 +42,19 @@ def register_configurables() -> None:
 # Modules that are programs (they define command-line flags), not libraries: importing them
 # would add their flags to every fltff program.
 _PROGRAMS = ('fltff.runtime.worker', 'fltff.runtime.isolated')
+
+
+def _release_tff_context_at_exit() -> None:
+  """`import tensorflow_federated` installs a context whose collection at interpreter exit
+  prints a traceback (`ServiceManager.__del__`); collected here, while Python is whole, any
+  program that imported fltff exits quietly."""
+  if 'tensorflow_federated' not in sys.modules:
+    return
+  try:
+    from fltff.runtime.local import release_default_context  # pylint: disable=g-import-not-at-top
+    release_default_context()
+  except Exception:  # pylint: disable=broad-except
+    pass  # Exiting anyway; never turn an exit into an error.
+
+
+atexit.register(_release_tff_context_at_exit)

@@ -53,7 +53,7 @@ from fltff.learning import protocol  # pylint: disable=g-import-not-at-top,wrong
 from fltff.models import build_model  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.runtime import heap  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.simulation.state_store import ClientStateStore  # pylint: disable=g-import-not-at-top,wrong-import-position
-from pipelines import memory_bench  # pylint: disable=g-import-not-at-top,wrong-import-position
+from . import memory_bench  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _ROUNDS = flags.DEFINE_integer('rounds', 8, 'Rounds per variant (the first is excluded).')
 _CLIENTS = flags.DEFINE_integer('clients', 10, 'Clients per round.')

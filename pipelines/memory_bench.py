@@ -19,6 +19,8 @@ import tempfile
 
 import numpy as np
 
+from fltff import resources
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {
     'fedavg': 'gin_configs/foundation/mnist1003_shards_fedavg.gin',
@@ -55,10 +57,10 @@ def slope(samples: list[float]) -> float:
 
 
 def _probe_fltff(method: str, rounds: int, recycle_every: int, rt, sample) -> None:
-  from pipelines import run as run_lib  # pylint: disable=g-import-not-at-top
+  from . import run as run_lib  # pylint: disable=g-import-not-at-top
   from fltff.simulation import run_experiment  # pylint: disable=g-import-not-at-top
 
-  run_lib.configure([os.path.join(REPO, CONFIGS[method])],
+  run_lib.configure([resources.find_shipped(CONFIGS[method])],
                     [f'experiment.rounds = {rounds}', 'experiment.checkpoint_every = 1000000',
                      f'experiment.eval_every = {rounds}'])
   rt.recycle_every = recycle_every
@@ -78,7 +80,7 @@ def _probe_tff_fedavg(rounds: int, recycle_every: int, rt, sample) -> None:
 
   data = build_federated_data(
       source=functools.partial(npz_source,
-                               path=os.path.join(REPO, 'fltff', 'data', 'samples',
+                               path=os.path.join(resources.PACKAGE_DIR, 'data', 'samples',
                                                  'mnist_first1003.npz')),
       partitioner=functools.partial(shard_partition, shards_per_client=2), num_clients=10,
       seed=0)
@@ -128,7 +130,7 @@ def compare(methods, rounds: int, recycle_every: int, mmap_threshold_kib: int) -
     return 2
   results = {}
   for method in methods:
-    cmd = [sys.executable, '-m', 'pipelines.bench', f'--memory_probe={method}',
+    cmd = [sys.executable, '-m', f'{__package__}.bench', f'--memory_probe={method}',
            f'--memory_rounds={rounds}', f'--recycle_every={recycle_every}',
            f'--mmap_threshold_kib={mmap_threshold_kib}']
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)

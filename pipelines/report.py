@@ -277,7 +277,7 @@ def plot(runs: list[dict], path: str) -> None:
 def main(argv) -> int:
   del argv
   if _REPRODUCTION.value:
-    from pipelines import reproduction  # pylint: disable=g-import-not-at-top
+    from . import reproduction  # pylint: disable=g-import-not-at-top
     try:
       if _COLLECT_FROM.value:
         for name, state in reproduction.collect(_REPRODUCTION.value,

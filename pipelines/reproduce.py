@@ -24,7 +24,7 @@ import time
 from absl import app
 from absl import flags
 
-from pipelines import reproduction
+from . import reproduction
 
 _PLAN = flags.DEFINE_string('plan', 'results/plan.txt', 'The list of runs.')
 _RUNS_DIR = flags.DEFINE_string('runs_dir', '~/fltff-runs', 'Where run folders go.')
@@ -77,7 +77,7 @@ def command(run: PlannedRun, runs_dir: str,
     return [], 'done'
   # The executor is the default's choice ('auto': vectorised clients where the model allows;
   # summary.json names it). `extra_bindings` (e.g. where the data lie) come before the plan's.
-  args = [sys.executable, '-m', 'pipelines.run', f'--gin_file={run.gin_file}',
+  args = [sys.executable, '-m', f'{__package__}.run', f'--gin_file={run.gin_file}',
           f'--output_dir={out}'] + [f'--gin_bindings={b}'
                                     for b in tuple(extra_bindings) + run.bindings]
   if os.path.isdir(os.path.join(out, 'checkpoints')):

@@ -1,7 +1,11 @@
 r"""Runs one experiment from gin files.
 
-  python -m pipelines.run --gin_file=gin_configs/quickstart.gin \
+  fltff run --gin_file=gin_configs/quickstart.gin \
       [--gin_bindings='experiment.rounds = 5'] [--output_dir=runs/x] [--resume]
+
+(also `python -m fltff run`, and `python -m pipelines.run` in a checkout). A relative
+--gin_file is looked up in the working directory, then among the configs fltff ships;
+`include` lines beside the including file, in the working directory, then among those configs.
 
 Bad input (unknown gin names, badly typed numbers, an unwritable or earlier run's output folder,
 impossible partitions, missing data offline, divergence, no intact checkpoint, an unreachable
@@ -10,6 +14,7 @@ checkpoint. SIGTERM/SIGINT ends with one `stopped: ...` line and exit status 143
 """
 
 import os
+import re
 import sys
 import tokenize
 
@@ -25,6 +30,7 @@ from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top,
 import gin  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import fltff  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+from fltff import resources  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.config_checks import check_gin_bindings  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -35,6 +41,7 @@ from fltff.simulation import Checkpointer  # pylint: disable=g-import-not-at-top
 from fltff.simulation import run_experiment  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.simulation.checkpoint import kept_message  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.simulation.outputs import prepare_output_dir  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff.simulation.outputs import remove_if_unused  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _GIN_FILES = flags.DEFINE_multi_string('gin_file', [], 'Gin config file(s) of the experiment.')
 _GIN_BINDINGS = flags.DEFINE_multi_string('gin_bindings', [],
@@ -65,13 +72,14 @@ def configure(gin_files, gin_bindings) -> None:
   fltff.register_configurables()
   if not gin_files:
     raise ConfigError('Pass --gin_file=gin_configs/<experiment>.gin (see README).')
-  for path in gin_files:
-    if not os.path.exists(path):
-      raise ConfigError(f'Gin file {path} does not exist.')
-  # Includes in the configs are relative to the repository root, wherever we run from.
-  gin.add_config_file_search_path(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  found = [resources.find_shipped(path) for path in gin_files]
+  for path, where in zip(gin_files, found):
+    if where is None:
+      raise ConfigError(f'Gin file {path} does not exist (neither here nor among the configs '
+                        f'fltff ships, {os.path.join(resources.shipped_roots()[0], "gin_configs")}).')
+  resources.enable_gin_lookup()
   try:
-    gin.parse_config_files_and_bindings(gin_files, gin_bindings, finalize_config=False,
+    gin.parse_config_files_and_bindings(found, gin_bindings, finalize_config=False,
                                         skip_unknown=False)
   except Exception as e:  # pylint: disable=broad-except
     # Gin reports a bad file with many exception types (a tokenizer error for an unclosed
@@ -79,10 +87,13 @@ def configure(gin_files, gin_bindings) -> None:
     message = _short_gin_message(e)
     if isinstance(e, tokenize.TokenError):
       message = f'a gin file or --gin_bindings value leaves a bracket or string open ({e.args[0]})'
-    elif isinstance(e, TypeError) and 'include' in message:
-      message = ('an included file is not found (includes are looked up from the working '
-                 f'directory and from the fltff checkout): {" ".join(message.split()[-2:])} '
-                 f'({message.split(" In file ")[-1].split(",")[0] if " In file " in message else "gin"})')
+    elif isinstance(e, (TypeError, OSError)) and 'include' in message:
+      target = re.search(r"include '([^']+)'", message)
+      where = re.search(r'In file "([^"]+)", line (\d+)', message)
+      message = (f'an included file is not found: {target.group(1) if target else "?"}'
+                 f'{f" (in {where.group(1)}, line {where.group(2)})" if where else ""}; '
+                 'includes are looked up beside the including file, in the working directory, '
+                 'then among the configs fltff ships')
     raise ConfigError(f'Invalid gin configuration: {message}') from e
   check_gin_bindings(gin.config._CONFIG)  # pylint: disable=protected-access
 
@@ -102,6 +113,7 @@ def main(argv) -> int:
   output_dir = _OUTPUT_DIR.value or os.path.join(
       'runs', os.path.splitext(os.path.basename((_GIN_FILES.value or ['run'])[0]))[0])
   rt = None
+  created = False
 
   def stop_now(signum: int) -> None:
     """A second signal: say what is checkpointed, stop our workers, exit at once."""
@@ -119,7 +131,7 @@ def main(argv) -> int:
   stop_event = runtime.install_signal_handlers(on_second=stop_now)
   try:
     configure(_GIN_FILES.value, _GIN_BINDINGS.value)
-    prepare_output_dir(output_dir, _RESUME.value)  # Before the data and TFF's worker start.
+    created = prepare_output_dir(output_dir, _RESUME.value)  # Before the data and the worker.
     rt = runtime.make_runtime(log_dir=output_dir)
     summary = run_experiment(output_dir=output_dir, resume=_RESUME.value, runtime=rt,
                              stop_event=stop_event,
@@ -132,6 +144,8 @@ def main(argv) -> int:
     return EXIT_STOPPED
   except FltffError as e:
     print(f'error: {_short_gin_message(e)}', file=sys.stderr)
+    if created:
+      remove_if_unused(output_dir)  # A run that wrote nothing leaves no folder behind.
     return EXIT_USER_ERROR
   except OSError as e:  # The machine's: a full disk, a folder made read-only, ...
     reason = os.strerror(e.errno) if e.errno else _short_gin_message(e)

@@ -13,6 +13,8 @@ import time
 import numpy as np
 import pytest
 
+import fltff
+
 from helpers import REPO
 from helpers import SMALL
 from helpers import assert_one_line_error
@@ -43,6 +45,10 @@ def test_outputs_are_complete(small_run):
     assert np.isfinite(float(r['train_loss']))
   summary = json.load(open(os.path.join(out, 'summary.json')))
   assert summary['rounds_completed'] == 3
+  assert summary['fltff_version'] == fltff.__version__
+  commit = subprocess.run(['git', '-C', REPO, 'rev-parse', '--short=12', 'HEAD'],
+                          capture_output=True, text=True, check=True).stdout.strip()
+  assert summary['fltff_commit'].startswith(commit)
   assert summary['final_accuracy'] == pytest.approx(float(rows[-1]['test_accuracy']))
   assert summary['best_accuracy'] == pytest.approx(max(float(r['test_accuracy']) for r in rows))
   assert set(summary['rounds_to_target']) == {'0.6', '0.7', '0.8'}
@@ -188,7 +194,8 @@ def test_missing_gin_file_and_npz(tmp_path):
       run_pipeline('--gin_file=gin_configs/nope.gin', f'--output_dir={tmp_path}'), 'nope.gin')
   assert_one_line_error(
       run_pipeline(SMALL[0], "--gin_bindings=npz_source.path = '/nonexistent/x.npz'",
-                   f'--output_dir={tmp_path}'), '/nonexistent/x.npz')
+                   f'--output_dir={tmp_path / "new"}'), '/nonexistent/x.npz')
+  assert not os.path.exists(tmp_path / 'new')  # A run that wrote nothing leaves no folder.
 
 
 def test_report_compares_runs(small_run, tmp_path):

@@ -26,6 +26,7 @@ from typing import Optional
 import gin
 import numpy as np
 
+from fltff import resources
 from fltff.errors import ConfigError
 from fltff.errors import DataError
 
@@ -138,22 +139,25 @@ def tfds_source(name: str,
                       y_test=y_test, num_classes=_TFDS_NUM_CLASSES[name])
 
 
-def _repo_root() -> pathlib.Path:
-  """The directory that contains the `fltff` package."""
-  return pathlib.Path(__file__).resolve().parents[2]
+def _candidates(path: str) -> list[pathlib.Path]:
+  """Where a relative data path is looked up: the current directory, then fltff's shipped
+  files (`fltff/data/samples/...`, in a checkout or an installed package)."""
+  p = pathlib.Path(os.path.expanduser(path))
+  if p.is_absolute():
+    return [p]
+  return [pathlib.Path.cwd() / p] + [pathlib.Path(r) / p for r in resources.shipped_roots()]
 
 
 def _resolve_path(path: str) -> pathlib.Path:
-  """Resolves `path` against the current directory, then against the repository root."""
-  p = pathlib.Path(os.path.expanduser(path))
-  candidates = [p] if p.is_absolute() else [pathlib.Path.cwd() / p, _repo_root() / p]
+  """Resolves `path` against the current directory, then fltff's shipped files."""
+  candidates = _candidates(path)
   for c in candidates:
     if c.is_file():
       return c
   tried = ', '.join(str(c.resolve()) for c in candidates)
   raise DataError(f'npz file {path!r} not found (tried {tried}); check npz_source.path, '
                   'relative paths are resolved against the current directory and then '
-                  'the repository root.')
+                  "fltff's shipped files.")
 
 
 _NPZ_KEYS = ('x_train', 'y_train', 'x_test', 'y_test')
@@ -241,10 +245,8 @@ def idx_source(path: str = '/usr/share/datasets/fashion-mnist',
     DataError: For a missing folder or file, a file that is not IDX or is truncated, or files
       that do not match (image and label counts, image shapes, label range).
   """
-  root = pathlib.Path(os.path.expanduser(path))
-  if not root.is_absolute():
-    root = next((c for c in (pathlib.Path.cwd() / root, _repo_root() / root) if c.is_dir()),
-                root)
+  root = next((c for c in _candidates(path) if c.is_dir()),
+              pathlib.Path(os.path.expanduser(path)))
   if not root.is_dir():
     raise DataError(f'IDX data folder {path!r} not found. {_IDX_HINT}')
   stems = [stem for pair in IDX_FILES.values() for stem in pair]
@@ -406,10 +408,8 @@ def image_folder_source(path: str,
     train_split: Folder of the training images.
     test_split: Folder of the central test images.
   """
-  root = pathlib.Path(os.path.expanduser(path))
-  if not root.is_absolute():
-    root = next((c for c in (pathlib.Path.cwd() / root, _repo_root() / root) if c.is_dir()),
-                root)
+  root = next((c for c in _candidates(path) if c.is_dir()),
+              pathlib.Path(os.path.expanduser(path)))
   if not root.is_dir():
     raise DataError(f'image folder {path!r} not found; download CINIC-10 (or any folder with '
                     '<split>/<class>/*.png) and set image_folder_source.path.')

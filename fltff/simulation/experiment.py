@@ -18,6 +18,7 @@ from typing import Any, Optional
 from absl import logging
 import gin
 
+from fltff import resources
 from fltff.data import build_federated_data
 from fltff.data.pipeline import example_shape
 from fltff.config_checks import check_number
@@ -206,6 +207,7 @@ def run_experiment(output_dir: str,
   driver.run_info['seeds'] = {'run': seed, 'model': model_seed,
                               'data': gin.query_parameter('federated_data.seed')
                               if _bound('federated_data.seed') else seed}
+  driver.run_info.update(resources.source_version())
   driver.outputs.write_json('partition.json', data.summary())
   record_config(output_dir, gin.operative_config_str())
   logging.info('%s: %d clients, %d per round, %d rounds.', algorithm.name, data.num_clients(),

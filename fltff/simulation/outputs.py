@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -70,8 +71,9 @@ def _lock(output_dir: str) -> None:
   _HELD_LOCKS[key] = handle
 
 
-def prepare_output_dir(output_dir: str, resume: bool) -> None:
-  """Creates `output_dir`, checks it is writable and takes it for this run, before any work.
+def prepare_output_dir(output_dir: str, resume: bool) -> bool:
+  """Creates `output_dir`, checks it is writable and takes it for this run, before any work;
+  returns whether this call created the folder (see `remove_if_unused`).
 
   The folder is locked for the life of the process (a second run on it gets one line). Without
   `resume` it must be new or empty: a folder with an earlier run's results, or with files that
@@ -88,6 +90,7 @@ def prepare_output_dir(output_dir: str, resume: bool) -> None:
     raise ConfigError(f'{output_dir} holds files that are not a fltff run\'s ({shown}) and is '
                       'never written into; choose a new or empty --output_dir.')
   probe = os.path.join(output_dir, f'.fltff_write_test_{os.getpid()}')
+  created = not os.path.exists(output_dir)
   try:
     os.makedirs(output_dir, exist_ok=True)
     with open(probe, 'w') as f:
@@ -111,6 +114,24 @@ def prepare_output_dir(output_dir: str, resume: bool) -> None:
           '--output_dir, or pass --resume to rerun it from round 1 there.')
   with open(os.path.join(output_dir, RUN_MARKER), 'a'):
     pass
+  return created
+
+
+def remove_if_unused(output_dir: str) -> bool:
+  """Removes a run folder that holds nothing but this process's marker and lock (a run that
+  failed before writing anything); returns whether it did."""
+  if not os.path.isdir(output_dir) or set(os.listdir(output_dir)) - {RUN_MARKER, LOCK_FILE}:
+    return False
+  handle = _HELD_LOCKS.pop(os.path.realpath(output_dir), None)
+  if handle is None:
+    return False  # Not this process's folder.
+  for name in (RUN_MARKER, LOCK_FILE):
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(os.path.join(output_dir, name))
+  handle.close()
+  with contextlib.suppress(OSError):
+    os.rmdir(output_dir)
+  return not os.path.exists(output_dir)
 
 
 def _bindings(config_text: str) -> dict[str, str]:

@@ -1,0 +1,5 @@
+"""`python -m fltff <command> [flags]`: the `fltff` command (see `fltff.cli`)."""
+
+from fltff.cli import main
+
+main()

@@ -1,0 +1,54 @@
+"""The `fltff` command: `fltff run|report|reproduce|bench [flags]` (also `python -m fltff ...`).
+
+Each command is one of the runner's programs (`pipelines/`, installed as `fltff.pipelines`);
+`fltff <command> --help` lists its flags.
+"""
+
+import importlib
+import sys
+from typing import Optional, Sequence
+
+COMMANDS = {
+    'run': 'one experiment from gin files: metrics, checkpoints, plots, TensorBoard',
+    'report': 'tables and plots of finished runs (and runs that differ only in seed)',
+    'reproduce': "the planned runs of the papers' settings (results/plan.txt of a checkout)",
+    'bench': 'round-time and checkpoint benchmarks, as ratios to a baseline in the same run',
+}
+
+
+def _usage() -> str:
+  lines = ['usage: fltff <command> [flags]   (fltff <command> --help for its flags)', '',
+           'commands:']
+  lines += [f'  {name:<10} {what}' for name, what in COMMANDS.items()]
+  return '\n'.join(lines)
+
+
+def _program(command: str):
+  try:
+    return importlib.import_module(f'fltff.pipelines.{command}')
+  except ModuleNotFoundError as e:
+    if e.name not in ('fltff.pipelines', f'fltff.pipelines.{command}'):
+      raise
+    # A checkout on sys.path that was not pip-installed: the runner is `pipelines`.
+    return importlib.import_module(f'pipelines.{command}')
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+  argv = list(sys.argv if argv is None else argv)
+  if len(argv) < 2 or argv[1] in ('-h', '--help', 'help'):
+    print(_usage())
+    sys.exit(0 if len(argv) >= 2 else 2)
+  command = argv[1]
+  if command not in COMMANDS:
+    print(f'error: unknown command {command!r}; one of {", ".join(COMMANDS)}.', file=sys.stderr)
+    sys.exit(2)
+  program = _program(command)
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+
+  if {'-h', '--help', '-?'} & set(argv[2:]):
+    print(f'{(program.__doc__ or "").strip()}\n\nflags of fltff {command}:\n'
+          f'{flags.FLAGS.module_help(program.__name__)}')
+    sys.exit(0)
+  sys.argv = [f'fltff {command}'] + argv[2:]
+  app.run(lambda args: sys.exit(program.main(args)), argv=sys.argv)

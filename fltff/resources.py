@@ -1,0 +1,116 @@
+"""Where fltff's shipped files are, in a checkout and in an installed package alike.
+
+The gin configs live at the top of the repository (`gin_configs/`) and install as
+`fltff/gin_configs/` (pyproject.toml); their `include` lines and the sample data's paths are
+written from the repository root (`gin_configs/base/...`, `fltff/data/samples/...`), so they
+resolve against the checkout's root or against the installed package's folder.
+"""
+
+import os
+from typing import Optional
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def shipped_roots() -> list[str]:
+  """Folders against which a shipped path (`gin_configs/...`, `fltff/...`) resolves: the
+  checkout this fltff is imported from, then the installed package's own folder."""
+  checkout = os.path.dirname(PACKAGE_DIR)
+  roots = [checkout] if os.path.isdir(os.path.join(checkout, 'gin_configs')) else []
+  return roots + [PACKAGE_DIR] + ([] if roots else [checkout])
+
+
+def find_shipped(path: str) -> Optional[str]:
+  """`path` as given if it exists, else the shipped file of that relative path, else None."""
+  if os.path.exists(path) or os.path.isabs(path):
+    return path if os.path.exists(path) else None
+  for root in shipped_roots():
+    candidate = os.path.join(root, path)
+    if os.path.exists(candidate):
+      return candidate
+  return None
+
+
+# Folders of the gin files being parsed, innermost last (gin opens an included file while the
+# including one is still open).
+_PARSING = []
+
+
+class _Tracked:
+  """Opens a gin file for gin's parser and records its folder while gin reads it."""
+
+  def __init__(self, path: str):
+    self._path = path
+    self._file = None
+
+  def __enter__(self):
+    self._file = open(self._path)  # pylint: disable=consider-using-with
+    _PARSING.append(os.path.dirname(os.path.abspath(self._path)))
+    return self._file
+
+  def __exit__(self, *exc):
+    _PARSING.pop()
+    self._file.close()
+
+
+def _beside_including_file(path: str) -> Optional[str]:
+  if not _PARSING or os.path.isabs(path):
+    return None
+  candidate = os.path.join(_PARSING[-1], path)
+  return candidate if os.path.isfile(candidate) else None
+
+
+def _open_beside_including_file(path: str) -> _Tracked:
+  return _Tracked(_beside_including_file(path))
+
+
+def enable_gin_lookup() -> None:
+  """Makes gin look up an `include` beside the including file first, then in the working
+  directory, then among fltff's shipped files (`gin_configs/...`). Idempotent."""
+  import gin  # pylint: disable=g-import-not-at-top
+
+  for root in shipped_roots():
+    if root not in gin.config._LOCATION_PREFIXES:  # pylint: disable=protected-access
+      gin.add_config_file_search_path(root)
+  readers = gin.config._FILE_READERS  # pylint: disable=protected-access
+  if any(reader is _open_beside_including_file for reader, _ in readers):
+    return
+  # gin's own reader is `open`: replaced by one that records the folder of the file it opens,
+  # so that files included from it are looked up beside it. gin's reader of files inside
+  # Python packages logs an error line for each place an include is not: kept, quietly.
+  readers[:] = [(_Tracked if reader is open else reader,
+                 _quietly(check) if getattr(check, '__module__', '') == 'gin.resource_reader'
+                 else check) for reader, check in readers]
+  readers.insert(0, (_open_beside_including_file, _beside_including_file))
+
+
+def _quietly(check):
+  import logging  # pylint: disable=g-import-not-at-top
+
+  def quiet_check(path: str) -> bool:
+    logging.disable(logging.ERROR)
+    try:
+      return check(path)
+    finally:
+      logging.disable(logging.NOTSET)
+
+  return quiet_check
+
+
+def source_version() -> dict:
+  """fltff's version and, in a git checkout, its commit (`-dirty` with uncommitted changes):
+  what a run's `summary.json` records of the code that produced it."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+
+  from fltff import __version__  # pylint: disable=g-import-not-at-top
+
+  info = {'fltff_version': __version__}
+  checkout = os.path.dirname(PACKAGE_DIR)
+  if os.path.exists(os.path.join(checkout, '.git')):
+    try:
+      info['fltff_commit'] = subprocess.run(
+          ['git', '-C', checkout, 'describe', '--always', '--dirty', '--abbrev=12'],
+          capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+      pass
+  return info

@@ -1,0 +1,100 @@
+"""fltff installed as a user installs it (a wheel, no checkout on the path) runs from any
+folder: the `fltff` command, the shipped gin configs and sample data, includes beside the
+user's own gin file; scripts that import it exit quietly."""
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from helpers import REPO
+from helpers import assert_one_line_error
+
+
+def _shipped(folder, suffix):
+  return {os.path.relpath(os.path.join(d, n), os.path.join(REPO, folder))
+          for d, _, names in os.walk(os.path.join(REPO, folder)) for n in names
+          if n.endswith(suffix) and '__pycache__' not in d}
+
+
+@pytest.fixture(scope='module')
+def installed(tmp_path_factory):
+  """`(site, env)`: fltff's wheel built from this checkout and installed into `site`, and an
+  environment in which Python finds it there (and not this checkout)."""
+  root = tmp_path_factory.mktemp('install')
+  build = subprocess.run(
+      [sys.executable, '-m', 'pip', 'wheel', '-q', '--no-deps', '--no-build-isolation',
+       '--disable-pip-version-check', '-w', str(root / 'dist'), REPO],
+      capture_output=True, text=True, timeout=300)
+  assert build.returncode == 0, build.stderr[-3000:]
+  [wheel] = list((root / 'dist').glob('fltff-*.whl'))
+  names = set(zipfile.ZipFile(wheel).namelist())
+  # Every module and every shipped config is in the wheel (pyproject.toml lists the packages).
+  assert {f'fltff/{p}' for p in _shipped('fltff', '.py')} <= names
+  assert {f'fltff/pipelines/{p}' for p in _shipped('pipelines', '.py')} <= names
+  assert {f'fltff/gin_configs/{p}' for p in _shipped('gin_configs', '.gin')} <= names
+  assert 'fltff/data/samples/mnist_first1003.npz' in names
+  site = root / 'site'
+  install = subprocess.run(
+      [sys.executable, '-m', 'pip', 'install', '-q', '--no-deps', '--disable-pip-version-check',
+       f'--target={site}', str(wheel)], capture_output=True, text=True, timeout=300)
+  assert install.returncode == 0, install.stderr[-3000:]
+  env = dict(os.environ, PYTHONPATH=str(site), TF_CPP_MIN_LOG_LEVEL='3')
+  return site, env
+
+
+def test_the_installed_command_runs_a_users_config_from_another_folder(installed, tmp_path):
+  site, env = installed
+  mine = tmp_path / 'project'
+  mine.mkdir()
+  # The user's gin file includes a shipped config and a file of their own beside it.
+  (mine / 'exp.gin').write_text("include 'gin_configs/quickstart.gin'\ninclude 'short.gin'\n")
+  (mine / 'short.gin').write_text('experiment.rounds = 2\n')
+  elsewhere = tmp_path / 'elsewhere'
+  elsewhere.mkdir()
+  result = subprocess.run(
+      [sys.executable, '-m', 'fltff', 'run', f'--gin_file={mine / "exp.gin"}',
+       '--output_dir=out'], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr, result.stderr[-3000:]
+  summary = json.loads((elsewhere / 'out' / 'summary.json').read_text())
+  assert summary['rounds_completed'] == 2 and summary['dataset'].startswith('synthetic')
+  assert summary['fltff_version'] and 'fltff_commit' not in summary  # No checkout here.
+  where = subprocess.run([sys.executable, '-c', 'import fltff; print(fltff.__file__)'],
+                         cwd=elsewhere, env=env, capture_output=True, text=True, check=True)
+  assert where.stdout.strip().startswith(str(site))
+  assert where.stderr == ''  # Imported and exited without TFF's ServiceManager traceback.
+
+
+def test_the_installed_command_finds_shipped_configs_and_names_what_is_missing(installed,
+                                                                             tmp_path):
+  _, env = installed
+  run = lambda *args: subprocess.run([sys.executable, '-m', 'fltff', *args], cwd=tmp_path,
+                                     env=env, capture_output=True, text=True, timeout=600)
+  # A shipped config by its repository path, from a folder that has no such file; it reads the
+  # shipped MNIST sample.
+  result = run('run', '--gin_file=gin_configs/foundation/mnist1003_shards_fedavg.gin',
+               '--gin_bindings=experiment.rounds = 1', '--output_dir=out')
+  assert result.returncode == 0, result.stderr[-3000:]
+  (tmp_path / 'bad.gin').write_text("include 'gin_configs/quickstart.gin'\ninclude 'mine.gin'\n")
+  assert_one_line_error(run('run', '--gin_file=bad.gin', '--output_dir=out2'),
+                        'an included file is not found', 'mine.gin')
+  assert not (tmp_path / 'out2').exists()
+  assert_one_line_error(run('run', '--gin_file=nope.gin'), 'nope.gin does not exist')
+
+
+def test_the_command_lists_its_commands_and_their_flags():
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
+  run = lambda *args: subprocess.run([sys.executable, '-m', 'fltff', *args], cwd=REPO, env=env,
+                                     capture_output=True, text=True, timeout=300)
+  usage = run()
+  assert usage.returncode == 2 and 'commands:' in usage.stdout
+  for command in ('run', 'report', 'reproduce', 'bench'):
+    assert f'  {command} ' in usage.stdout
+  assert_one_line_error(run('nonsense'), "unknown command 'nonsense'")
+  helped = run('run', '--help')
+  assert helped.returncode == 0 and '--gin_file' in helped.stdout and '--resume' in helped.stdout
+  assert 'Traceback' not in helped.stderr and 'Exception ignored' not in helped.stderr
