@@ -9,6 +9,7 @@ import tensorflow_federated as tff
 
 from fltff import aggregators
 from fltff import learning
+from fltff.errors import ConfigError
 from fltff.learning import ModelSpec
 from helpers import tiny_mlp
 
@@ -219,6 +220,34 @@ def test_factory_in_plain_tff_fed_avg():
   assert _max_diff(process.get_model_weights(output.state).trainable,
                    reference.get_model_weights(ref_output.state).trainable) <= 1e-5
   assert output.metrics['aggregator']['psi'].shape == (3, 4)  # every tensor its own layer
+  # Rows are positions in the round (no client identity reaches the aggregator), named so.
+  np.testing.assert_array_equal(output.metrics['aggregator']['position'], [0, 1, 2])
+  assert 'client_index' not in output.metrics['aggregator']
+
+
+def test_layer_groups_as_they_come_from_the_model_are_accepted_in_plain_tff():
+  from fltff import models  # pylint: disable=g-import-not-at-top
+
+  spec = ModelSpec(_mlp, (DIM,), CLASSES)
+  groups = models.layer_groups(spec.keras_fn())
+  factory = aggregators.layerwise_adaptive_factory(groups, alpha=0.0)
+  process = tff.learning.algorithms.build_weighted_fed_avg(
+      model_fn=spec.tff_model,
+      client_optimizer_fn=tff.learning.optimizers.build_sgdm(learning_rate=0.1),
+      model_aggregator=factory)
+  state = process.set_model_weights(process.initialize(), spec.initial_weights())
+  output = process.next(state, _data())
+  assert output.metrics['aggregator']['psi'].shape == (3, 2)  # Two Dense layers.
+  assert models.update_index_groups(groups) == spec.trainable_layers()[0] == [[0, 1], [2, 3]]
+
+
+def test_per_client_smoothing_in_a_process_without_client_indices_is_one_clear_error():
+  spec = ModelSpec(_mlp, (DIM,), CLASSES)
+  with pytest.raises(ConfigError, match='needs the client\'s index in its update weight'):
+    tff.learning.algorithms.build_weighted_fed_avg(
+        model_fn=spec.tff_model,
+        client_optimizer_fn=tff.learning.optimizers.build_sgdm(learning_rate=0.1),
+        model_aggregator=aggregators.layerwise_adaptive_factory(None, num_clients=3))
 
 
 @pytest.mark.parametrize('builder', ['fedlayerwise', 'fedadp'])

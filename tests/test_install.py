@@ -46,25 +46,43 @@ def installed(tmp_path_factory):
   return site, env
 
 
-def test_the_installed_command_runs_a_users_config_from_another_folder(installed, tmp_path):
+_USER_MODELS = """
+import tensorflow as tf
+from fltff import models
+
+def small_mlp(input_shape, num_classes, seed):
+  init = lambda i: tf.keras.initializers.GlorotUniform(seed=seed * 10 + i)
+  inputs = tf.keras.Input(input_shape)
+  x = tf.keras.layers.Flatten()(inputs)
+  x = tf.keras.layers.Dense(16, activation='relu', kernel_initializer=init(0), name='latent')(x)
+  return tf.keras.Model(inputs, tf.keras.layers.Dense(num_classes, kernel_initializer=init(1))(x))
+
+models.register('small_mlp', small_mlp)
+"""
+
+
+def test_the_installed_command_runs_a_users_project_with_its_own_model(installed, tmp_path):
   site, env = installed
-  mine = tmp_path / 'project'
-  mine.mkdir()
-  # The user's gin file includes a shipped config and a file of their own beside it.
-  (mine / 'exp.gin').write_text("include 'gin_configs/quickstart.gin'\ninclude 'short.gin'\n")
-  (mine / 'short.gin').write_text('experiment.rounds = 2\n')
-  elsewhere = tmp_path / 'elsewhere'
-  elsewhere.mkdir()
+  project = tmp_path / 'project'
+  project.mkdir()
+  # The user's project: a module that registers a model, a gin file that imports it and
+  # includes a shipped config and a file of its own beside it.
+  (project / 'my_models.py').write_text(_USER_MODELS)
+  (project / 'exp.gin').write_text(
+      "import my_models\ninclude 'gin_configs/quickstart.gin'\ninclude 'short.gin'\n"
+      "experiment.model = 'small_mlp'\n")
+  (project / 'short.gin').write_text('experiment.rounds = 2\n')
   result = subprocess.run(
-      [sys.executable, '-m', 'fltff', 'run', f'--gin_file={mine / "exp.gin"}',
-       '--output_dir=out'], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+      [sys.executable, '-m', 'fltff', 'run', '--gin_file=exp.gin', '--output_dir=out'],
+      cwd=project, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'Traceback' not in result.stderr, result.stderr[-3000:]
-  summary = json.loads((elsewhere / 'out' / 'summary.json').read_text())
+  summary = json.loads((project / 'out' / 'summary.json').read_text())
   assert summary['rounds_completed'] == 2 and summary['dataset'].startswith('synthetic')
+  assert summary['model'] == 'small_mlp' and 'vectorised clients' in summary['executor']
   assert summary['fltff_version'] and 'fltff_commit' not in summary  # No checkout here.
   where = subprocess.run([sys.executable, '-c', 'import fltff; print(fltff.__file__)'],
-                         cwd=elsewhere, env=env, capture_output=True, text=True, check=True)
+                         cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
   assert where.stdout.strip().startswith(str(site))
   assert where.stderr == ''  # Imported and exited without TFF's ServiceManager traceback.
 

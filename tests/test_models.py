@@ -296,6 +296,64 @@ def test_bad_num_classes():
     models.build_model('mlp2', num_classes=1)
 
 
+# --- Your own model. ---
+
+
+def _user_mlp(input_shape, num_classes, seed, outputs=None):
+  init = lambda i: tf.keras.initializers.GlorotUniform(seed=seed * 10 + i)
+  inputs = tf.keras.Input(input_shape)
+  x = tf.keras.layers.Flatten()(inputs)
+  x = tf.keras.layers.Dense(12, activation='relu', kernel_initializer=init(0), name='latent')(x)
+  return tf.keras.Model(inputs, tf.keras.layers.Dense(outputs or num_classes,
+                                                      kernel_initializer=init(1))(x))
+
+
+@pytest.fixture
+def registered():
+  names = []
+
+  def register(name, fn):
+    models.register(name, fn)
+    names.append(name)
+
+  yield register
+  for name in names:
+    zoo._REGISTRY.pop(name, None)  # pylint: disable=protected-access
+
+
+def test_a_registered_model_is_built_by_name_with_its_seed(registered):
+  registered('user_mlp', _user_mlp)
+  assert 'user_mlp' in models.model_names() and 'user_mlp' not in models.MODEL_NAMES
+  a = models.build_model('user_mlp', (6,), num_classes=3, seed=4)
+  b = models.build_model('user_mlp', (6,), num_classes=3, seed=4)
+  c = models.build_model('user_mlp', (6,), num_classes=3, seed=5)
+  for x, y in zip(a.get_weights(), b.get_weights()):
+    np.testing.assert_array_equal(x, y)
+  assert not np.array_equal(a.get_weights()[0], c.get_weights()[0])
+  assert a.output_shape == (None, 3)
+  assert [g.kind for g in models.layer_groups(a)] == ['dense', 'dense']
+  assert models.latent_model(a).output_shape == (None, 12)
+  from fltff.simulation.experiment import build_model_spec  # pylint: disable=g-import-not-at-top
+  from helpers import mnist_sample_split  # pylint: disable=g-import-not-at-top
+  spec = build_model_spec(mnist_sample_split(2, seed=0), 'user_mlp', seed=0)
+  assert spec.trainable_layers()[0] == [[0, 1], [2, 3]]
+
+
+def test_a_registered_model_with_wrong_outputs_or_name_is_one_clear_error(registered):
+  registered('user_bad', lambda s, n, seed: _user_mlp(s, n, seed, outputs=n + 1))
+  with pytest.raises(ConfigError, match='outputs shape .*logits of shape \\(batch, 3\\)'):
+    models.build_model('user_bad', (6,), num_classes=3)
+  registered('user_none', lambda s, n, seed: None)
+  with pytest.raises(ConfigError, match='not a tf.keras.Model'):
+    models.build_model('user_none', (6,), num_classes=3)
+  with pytest.raises(ConfigError, match='built-in model'):
+    models.register('mlp2', _user_mlp)
+  with pytest.raises(ConfigError, match='needs a function'):
+    models.register('user_x', 3)
+  with pytest.raises(ConfigError, match='fltff.models.register'):
+    models.build_model('not_registered')
+
+
 # --- Layer grouping. ---
 
 

@@ -104,13 +104,14 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
   `tff.learning.algorithms.build_weighted_fed_avg(..., model_aggregator=layerwise_adaptive_factory(groups))`.
 
   Weights: with the float32 example count of a plain TFF process, angles are not smoothed
-  across rounds (no client identity reaches the aggregator: θ̃ = θ). With
+  across rounds (no client identity reaches the aggregator: θ̃ = θ), and `num_clients` must
+  be unset (a `ConfigError` otherwise). With
   `OrderedDict(num_examples=float32, client_index=int32)` (fltff's client work with
   `weight_fields=('client_index',)`) and `num_clients` set, the smoothed angles and participation
   counts of every client live in the aggregator's state — saved in fltff's checkpoints.
 
-  Measurements per round: `client_index` [K], `angle` θ [K, L], `smoothed_angle` θ̃ [K, L],
-  `psi` ψ [K, L] (L = 1 for FedAdp).
+  Measurements per round: `client_index` [K] (`position` in the round with a plain float
+  weight), `angle` θ [K, L], `smoothed_angle` θ̃ [K, L], `psi` ψ [K, L] (L = 1 for FedAdp).
   """
 
   def __init__(self,
@@ -120,8 +121,8 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
                learning_rate: float = 1.0):
     """Args:
       layers: Groups of indices into the flattened update (`tf.nest.flatten`) forming each
-        layer; `fltff.models.layer_groups(model)` gives them. `None`: every tensor is its own
-        layer. A single group of all tensors is FedAdp.
+        layer, or `fltff.models.layer_groups(model)` as it is. `None`: every tensor is its
+        own layer. A single group of all tensors is FedAdp.
       num_clients: Total number of clients (size of the smoothing state).
       alpha: Gompertz α (the papers: 5).
       learning_rate: η of eq. (3); angles do not depend on it.
@@ -137,6 +138,9 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
                         f'{num_clients}.')
     check_number('AdaptiveWeightingFactory alpha', alpha)
     check_number('AdaptiveWeightingFactory learning_rate', learning_rate)
+    if layers is not None and any(hasattr(g, 'trainable_indices') for g in layers):
+      from fltff.models.layers import update_index_groups  # pylint: disable=g-import-not-at-top
+      layers = update_index_groups(layers)  # `fltff.models.layer_groups(model)`'s output.
     if layers is not None and not all(
         isinstance(g, (list, tuple, range)) and all(
             isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in g)
@@ -170,6 +174,13 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
     if keyed and not self._num_clients:
       raise ConfigError('Per-client angle smoothing needs num_clients (the total number of '
                         'clients) in the adaptive weighting factory.')
+    if not keyed and self._num_clients:
+      raise ConfigError(
+          f'num_clients={self._num_clients} smooths each client\'s angles across rounds, which '
+          'needs the client\'s index in its update weight; this process sends only the example '
+          'count (as TFF\'s builders, e.g. build_weighted_fed_avg, do). Leave num_clients unset '
+          '(angles unsmoothed, θ̃ = θ), or use fltff\'s builders (learning.build_fedlayerwise, '
+          'learning.build_fedadp), whose client work sends the index.')
     num_state_clients = self._num_clients if keyed else 1
     alpha, lr = self._alpha, self._learning_rate
 
@@ -212,8 +223,10 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
       psi = adaptive_weights(gompertz(smoothed, alpha), n)  # [K, L]
       aggregate = [weighted_layer_mean(u, psi[:, tensor_layer[i]])
                    for i, u in enumerate(updates)]
+      # Without client indices a row is a participant's position in this round, named so.
       measurements = collections.OrderedDict(
-          client_index=index, angle=angle, smoothed_angle=smoothed, psi=psi)
+          [('client_index' if keyed else 'position', index), ('angle', angle),
+           ('smoothed_angle', smoothed), ('psi', psi)])
       return new_state, tf.nest.pack_sequence_as(specs, aggregate), measurements
 
     @tff.federated_computation

@@ -67,9 +67,10 @@ class ModelSpec:
     trainable weights, input to output (`fltff.models.layer_groups`).
     """
     from fltff.models import layer_groups  # pylint: disable=g-import-not-at-top
+    from fltff.models import update_index_groups  # pylint: disable=g-import-not-at-top
 
     groups = [g for g in layer_groups(self.keras_fn()) if g.trainable_indices]
-    return [list(g.trainable_indices) for g in groups], [g.name for g in groups]
+    return update_index_groups(groups), [g.name for g in groups]
 
   def initial_weights(self):
     """`ModelWeights` (NumPy) of a fresh `keras_fn()` model: identical on every call."""

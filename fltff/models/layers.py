@@ -237,3 +237,10 @@ def row_squared_distance(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
   ra, rb = to_rows(a), to_rows(b)
   ra.shape.assert_is_compatible_with(rb.shape)
   return tf.reduce_sum(tf.square(ra - rb), axis=1)
+
+
+def update_index_groups(groups: Sequence[LayerGroup]) -> list[list[int]]:
+  """`layer_groups`' output as index groups into a model update (the trainable weights, as
+  TFF's client work sends them); layers without trainable weights have no part in an update
+  and are left out."""
+  return [list(g.trainable_indices) for g in groups if g.trainable_indices]

@@ -39,14 +39,14 @@ class _Init:
   """Hands out seeded kernel initializers, one fresh seed per layer (input → output)."""
 
   def __init__(self, seed: int):
-    self._seed = int(seed)
+    self.seed = int(seed)
     self._count = 0
 
   def __call__(self) -> tf.keras.initializers.Initializer:
     if self._count >= _SEED_STRIDE:
       raise ConfigError(f'Model has more than {_SEED_STRIDE} seeded layers.')
     init = tf.keras.initializers.GlorotUniform(
-        seed=self._seed * _SEED_STRIDE + self._count)
+        seed=self.seed * _SEED_STRIDE + self._count)
     self._count += 1
     return init
 
@@ -278,7 +278,37 @@ _REGISTRY: dict[str, _Builder] = {
     'vgg16': _vgg16,
 }
 
+# The built-in models; `model_names()` adds the ones registered with `register`.
 MODEL_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+
+UserModelFn = Callable[[tuple[int, ...], int, int], tf.keras.Model]
+
+
+def register(name: str, model_fn: UserModelFn) -> None:
+  """Makes your own Keras model buildable by name, everywhere a zoo name is accepted
+  (`experiment.model`, gin's `model.name`, `build_model`).
+
+  `model_fn(input_shape, num_classes, seed)` returns a new `tf.keras.Model` that outputs
+  logits of shape `[batch, num_classes]`, with the same initial weights for the same seed
+  (executors and resumed runs rebuild it). Methods that need a latent layer (CCN, MOON) find
+  the layer named 'latent'; the layer grouping of the layer-wise methods is derived from the
+  model's layers (`layer_groups`). Register from a module your gin file imports
+  (`import my_project.models`). Re-registering a name replaces it; a built-in cannot be.
+  """
+  if not isinstance(name, str) or not name.strip():
+    raise ConfigError(f'A model name is a non-empty string; got {name!r}.')
+  if name in MODEL_NAMES:
+    raise ConfigError(f'{name!r} is a built-in model of fltff; register yours under another '
+                      'name.')
+  if not callable(model_fn):
+    raise ConfigError(f'register({name!r}, ...) needs a function (input_shape, num_classes, '
+                      f'seed) -> tf.keras.Model; got {model_fn!r}.')
+  _REGISTRY[name] = lambda _, shape, classes, init: model_fn(shape, classes, init.seed)
+
+
+def model_names() -> tuple[str, ...]:
+  """The built-in models and those registered with `register`."""
+  return tuple(_REGISTRY)
 
 
 @gin.configurable('model')
@@ -289,7 +319,8 @@ def build_model(name: str = gin.REQUIRED,
   """Builds zoo model `name`, outputting logits of shape [batch, num_classes].
 
   Args:
-    name: One of `MODEL_NAMES`.
+    name: One of `model_names()`: the built-in `MODEL_NAMES` or a model registered with
+      `register`.
     input_shape: Shape of one example without the batch dimension: (H, W, C) or (H, W) for
       the CNNs, any shape for 'logistic' and 'mlp2' (they flatten it).
     num_classes: Number of output logits (>= 2).
@@ -300,7 +331,8 @@ def build_model(name: str = gin.REQUIRED,
   """
   if name not in _REGISTRY:
     raise ConfigError(
-        f'Unknown model {name!r}; known models: {", ".join(MODEL_NAMES)}.')
+        f'Unknown model {name!r}; known models: {", ".join(_REGISTRY)} (your own: '
+        'fltff.models.register).')
   try:
     shape = tuple(int(d) for d in input_shape)
   except (TypeError, ValueError):
@@ -310,7 +342,15 @@ def build_model(name: str = gin.REQUIRED,
     raise ConfigError(f'input_shape must be a sequence of positive ints; got {input_shape!r}.')
   if int(num_classes) < 2:
     raise ConfigError(f'num_classes must be at least 2; got {num_classes}.')
-  return _REGISTRY[name](name, shape, int(num_classes), _Init(seed))
+  model = _REGISTRY[name](name, shape, int(num_classes), _Init(seed))
+  if name not in MODEL_NAMES:  # A user's model: checked once here, with a clear message.
+    if not isinstance(model, tf.keras.Model):
+      raise ConfigError(f'The function registered as model {name!r} returned {type(model)}, '
+                        'not a tf.keras.Model.')
+    if tuple(model.output_shape[1:]) != (int(num_classes),):
+      raise ConfigError(f'Model {name!r} outputs shape {model.output_shape}; fltff needs '
+                        f'logits of shape (batch, {int(num_classes)}).')
+  return model
 
 
 def latent_model(model: tf.keras.Model) -> tf.keras.Model:
