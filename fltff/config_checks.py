@@ -67,3 +67,14 @@ def check_gin_bindings(config: Mapping[tuple[str, str], Mapping[str, Any]]) -> N
       if kind is not None:
         name = f'{scope + "/" if scope else ""}{selector.rsplit(".", 1)[-1]}.{param}'
         check_number(name, value, integer=kind[0], allow_none=kind[1])
+
+
+def gin_binds(selector: str) -> bool:
+  """Whether the current gin configuration binds `selector` ('configurable.parameter')."""
+  import gin  # pylint: disable=g-import-not-at-top
+
+  try:
+    gin.query_parameter(selector)
+    return True
+  except ValueError:
+    return False

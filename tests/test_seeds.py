@@ -68,3 +68,38 @@ def test_the_run_seed_changes_everything_and_a_binding_fixes_its_part(tmp_path):
 def test_bad_seeds_get_one_clear_error(tmp_path, binding, fragment):
   with pytest.raises(ConfigError, match=fragment):
     _run(tmp_path, 'bad', binding)
+
+
+SYNTHETIC = """
+federated_data.source = @synthetic_source
+synthetic_source.alpha = 1.0
+synthetic_source.beta = 1.0
+synthetic_source.num_clients = 4
+synthetic_source.max_samples = 60
+federated_data.partitioner = @natural_partition
+federated_data.num_clients = 4
+experiment.channel = @channel_model
+"""
+
+
+def test_the_run_seed_draws_the_sources_data_and_the_channel_unless_bound(tmp_path):
+  def run(name, *bindings):
+    gin.clear_config()
+    try:
+      gin.parse_config(BASE + SYNTHETIC + '\n'.join(bindings))
+      out = str(tmp_path / name)
+      run_experiment(output_dir=out, progress=lambda _: None)
+    finally:
+      gin.clear_config()
+    with open(os.path.join(out, 'summary.json')) as f:
+      return json.load(f)['seeds'], json.load(open(os.path.join(out, 'partition.json')))
+
+  seeds0, part0 = run('s0', 'experiment.seed = 0')
+  seeds1, part1 = run('s1', 'experiment.seed = 1')
+  assert seeds0 == {'run': 0, 'model': 0, 'data': 0, 'source': 0, 'channel': 0}
+  assert seeds1 == {'run': 1, 'model': 1, 'data': 1, 'source': 1, 'channel': 1}
+  assert part0 != part1  # Other clients' data drawn.
+  seeds2, part2 = run('s2', 'experiment.seed = 1', 'synthetic_source.seed = 0',
+                      'channel_model.seed = 0')
+  assert seeds2 == {'run': 1, 'model': 1, 'data': 1, 'source': 0, 'channel': 0}
+  assert part2['train_sizes'] == part0['train_sizes']  # Seed 0's data, again.

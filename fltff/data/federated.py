@@ -11,6 +11,7 @@ import numpy as np
 from fltff.data import partition as partition_lib
 from fltff.data.sources import ArrayDataset
 from fltff.config_checks import check_number
+from fltff.config_checks import gin_binds
 from fltff.errors import ConfigError
 
 
@@ -29,6 +30,7 @@ class FederatedData:
   client_ids: list[str]
   train_indices: list[np.ndarray]
   local_test_indices: Optional[list[np.ndarray]] = None
+  source_seed: Optional[int] = None  # The seed the source drew its data with, if it has one.
 
   def num_clients(self) -> int:
     return len(self.client_ids)
@@ -146,6 +148,21 @@ def _validate_partition(parts: Any, num_clients: int, num_examples: int) -> list
   return parts
 
 
+def _call_source(source: Callable[..., Any], seed: int) -> tuple[Any, Optional[int]]:
+  """`(source(), the seed it used)`: a source with a `seed` parameter that gin does not bind
+  (as `<source name>.seed`) is given `seed`."""
+  try:
+    takes_seed = 'seed' in inspect.signature(source).parameters
+  except (TypeError, ValueError):
+    takes_seed = False
+  if not takes_seed:
+    return source(), None
+  selector = f'{getattr(source, "__name__", "")}.seed'
+  if gin_binds(selector):
+    return source(), gin.query_parameter(selector)
+  return source(seed=seed), seed
+
+
 def subsample(dataset: ArrayDataset, fraction: float, seed: int) -> ArrayDataset:
   """A random `fraction` of the training and of the test examples (drawn without replacement).
 
@@ -192,7 +209,8 @@ def build_federated_data(source: Callable[[], ArrayDataset] = gin.REQUIRED,
     partitioner: A callable `(labels=, num_clients=, seed=)` returning the partition (in gin:
       `@shard_partition`); one that also takes `dataset=` receives the dataset.
     num_clients: Number of clients.
-    seed: Seed of the partition, of the local test splits and of the `data_fraction` draw;
+    seed: Seed of the partition, of the local test splits, of the `data_fraction` draw and of
+      a source that draws its data (e.g. `synthetic_source`) unless its own seed is bound;
       None (default): `run_seed`, so one `experiment.seed` changes them with everything else.
     local_test_examples: Per-client local test examples; 0 for none. With the natural
       partition of a source that has per-client held-out data (synthetic), each client's
@@ -219,7 +237,7 @@ def build_federated_data(source: Callable[[], ArrayDataset] = gin.REQUIRED,
   check_number('federated_data.seed', seed, integer=True)
   if seed < 0:
     raise ConfigError(f'federated_data.seed must be >= 0, got {seed}.')
-  dataset = source()
+  dataset, source_seed = _call_source(source, seed)
   if not isinstance(dataset, ArrayDataset):
     raise ConfigError(f'federated_data.source must return an ArrayDataset, got '
                       f'{type(dataset).__name__}; use e.g. @npz_source or @tfds_source.')
@@ -242,4 +260,4 @@ def build_federated_data(source: Callable[[], ArrayDataset] = gin.REQUIRED,
       local_test = partition_lib.local_test_split(dataset.y_test, hist, local_test_examples,
                                                   seed)
   return FederatedData(dataset=dataset, client_ids=client_ids, train_indices=parts,
-                       local_test_indices=local_test)
+                       local_test_indices=local_test, source_seed=source_seed)

@@ -22,6 +22,7 @@ from fltff import resources
 from fltff.data import build_federated_data
 from fltff.data.pipeline import example_shape
 from fltff.config_checks import check_number
+from fltff.config_checks import gin_binds
 from fltff.errors import ConfigError
 from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
@@ -45,15 +46,6 @@ def build_model_spec(data, model: str, seed: int) -> ModelSpec:
   keras_fn()  # Fail fast (unknown name, incompatible shape) before TFF traces it.
   return ModelSpec(keras_fn=keras_fn, input_shape=shape, num_classes=data.dataset.num_classes,
                    name=model)
-
-
-def _bound(selector: str) -> bool:
-  """Whether gin binds `selector` (e.g. 'federated_data.seed')."""
-  try:
-    gin.query_parameter(selector)
-    return True
-  except ValueError:
-    return False
 
 
 def _bound_selectors() -> list[str]:
@@ -200,13 +192,20 @@ def run_experiment(output_dir: str,
   # A resume must compute what the checkpointed rounds did: checked before anything is written.
   resumed_from = Checkpointer(output_dir).latest_round() if resume else None
   check_config(output_dir, gin.operative_config_str(), resumed_from, allow_config_change)
+  channel_seed = (gin.query_parameter('channel_model.seed') if gin_binds('channel_model.seed')
+                  else seed)
   driver = RoundDriver(algorithm, data, config, output_dir, progress=progress, runtime=runtime,
                        stop_event=stop_event,
-                       channel=channel(num_clients=data.num_clients()) if channel else None,
+                       channel=channel(num_clients=data.num_clients(), seed=channel_seed)
+                       if channel else None,
                        finetuner=finetuner)
   driver.run_info['seeds'] = {'run': seed, 'model': model_seed,
                               'data': gin.query_parameter('federated_data.seed')
-                              if _bound('federated_data.seed') else seed}
+                              if gin_binds('federated_data.seed') else seed}
+  if data.source_seed is not None:
+    driver.run_info['seeds']['source'] = data.source_seed
+  if channel:
+    driver.run_info['seeds']['channel'] = channel_seed
   driver.run_info.update(resources.source_version())
   driver.outputs.write_json('partition.json', data.summary())
   record_config(output_dir, gin.operative_config_str())
