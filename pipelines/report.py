@@ -5,6 +5,8 @@ r"""Compares finished runs: one accuracy-per-round PNG and a Markdown table.
 
 Reads each run's metrics.csv and summary.json (written by `pipelines.run`); the label of a run
 is its directory name. Writes `<out>/report.md` and `<out>/accuracy.png` and prints the table.
+Runs whose config.gin differ only in seeds are also grouped: mean ± std over the seeds in
+report.md and mean curves with seed bands in `<out>/accuracy_seeds.png`.
 
   python -m pipelines.report --pairs --runs=runs/ccn/fedavg,runs/ccn/fedavg_ccn,...
 
@@ -255,6 +257,89 @@ def self_relation_plot(run: dict, path: str) -> bool:
   return True
 
 
+def _is_seed(binding: str) -> bool:
+  return binding.endswith('.seed') or binding.endswith('.model_seed')
+
+
+def seed_groups(paths: list[str]) -> list[list[int]]:
+  """Indices of the runs whose `config.gin` differ only in seeds (`experiment.seed`,
+  `experiment.model_seed`, `federated_data.seed`, any `<source>.seed`), in order of first
+  appearance; a run without `config.gin` is a group of its own."""
+  from fltff.simulation.outputs import config_bindings  # pylint: disable=g-import-not-at-top
+
+  keys, groups = {}, []
+  for i, path in enumerate(paths):
+    try:
+      with open(os.path.join(path, 'config.gin')) as f:
+        bindings = config_bindings(f.read())
+      key = tuple(sorted((k, v) for k, v in bindings.items() if not _is_seed(k)))
+    except OSError:
+      key = ('run', i)
+    if key not in keys:
+      keys[key] = len(groups)
+      groups.append([])
+    groups[keys[key]].append(i)
+  return groups
+
+
+def _seed_label(run: dict) -> str:
+  seeds = run['summary'].get('seeds', {})
+  return str(seeds.get('run', '?')) if isinstance(seeds, dict) else '?'
+
+
+def seed_table(groups: list[list[int]], runs: list[dict]) -> str:
+  """Markdown: per group of runs that differ only in seed, the headline accuracy's best and
+  final value as mean ± sample std over the seeds."""
+  from .reproduction import mean_std  # pylint: disable=g-import-not-at-top
+
+  def pm(values):
+    mean, std, n = mean_std(values)
+    return '–' if mean is None else (f'{mean:.4f}' if std is None else
+                                     f'{mean:.4f} ± {std:.4f}') + f' (n={n})'
+
+  lines = ['| runs | method | seeds | accuracy | best: mean ± std | final: mean ± std |',
+           '|---|---|---|---|---|---|']
+  for group in groups:
+    members = [runs[i] for i in group]
+    key = _accuracy_key(members[0])
+    curves = [[r[key] for r in run['rows'] if key in r] for run in members]
+    lines.append(f'| {", ".join(run["label"] for run in members)} | '
+                 f'{members[0]["summary"].get("method", "?")} | '
+                 f'{", ".join(_seed_label(run) for run in members)} | {key} | '
+                 f'{pm([max(c) for c in curves if c])} | {pm([c[-1] for c in curves if c])} |')
+  return '\n'.join(lines)
+
+
+def seed_band_plot(groups: list[list[int]], runs: list[dict], path: str) -> None:
+  """Each group's mean curve over its seeds, with the band from the lowest to the highest."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  from .reproduction import band  # pylint: disable=g-import-not-at-top
+
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for group in groups:
+    members = [runs[i] for i in group]
+    x, mean, lo, hi = band(members, _accuracy_key)
+    line, = ax.plot(x, mean, label=f'{members[0]["label"]} ({len(members)} seeds)')
+    ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
+  ax.set_xlabel('communication round')
+  ax.set_ylabel(_accuracy_axis(runs))
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _accuracy_axis(runs: list[dict]) -> str:
+  """The y-axis label: the protocol the curves show (runs may differ)."""
+  names = {'test_accuracy': 'central test accuracy (global model)'}
+  keys = sorted({_accuracy_key(run) for run in runs})
+  return ' / '.join(names.get(k, k.replace('_', ' ')) for k in keys)
+
+
 def plot(runs: list[dict], path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
@@ -266,7 +351,7 @@ def plot(runs: list[dict], path: str) -> None:
     evals = [r for r in run['rows'] if key in r]
     ax.plot([r['round'] for r in evals], [r[key] for r in evals], label=run['label'])
   ax.set_xlabel('communication round')
-  ax.set_ylabel('test accuracy (personalised runs: mean local accuracy)')
+  ax.set_ylabel(_accuracy_axis(runs))
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
@@ -333,6 +418,13 @@ def main(argv) -> int:
     if figures:
       md += ('\n\nRelationship cube (KAPC paper Fig. 7: one client\'s R after the last round, '
              'layers × clients; and r_ii per layer by round):\n\n' + '\n\n'.join(figures))
+  groups = seed_groups(_RUNS.value)
+  if any(len(g) > 1 for g in groups):
+    md += ('\n\nRuns that differ only in seed (accuracy: each group\'s headline column; '
+           'mean ± sample std over seeds; curves with their seed band in accuracy_seeds.png):'
+           f'\n\n{seed_table([g for g in groups if len(g) > 1], runs)}\n\n'
+           '![accuracy over seeds](accuracy_seeds.png)')
+    seed_band_plot(groups, runs, os.path.join(_OUT.value, 'accuracy_seeds.png'))
   with open(os.path.join(_OUT.value, 'report.md'), 'w') as f:
     f.write(md + '\n')
   plot(runs, os.path.join(_OUT.value, 'accuracy.png'))

@@ -134,7 +134,7 @@ def remove_if_unused(output_dir: str) -> bool:
   return not os.path.exists(output_dir)
 
 
-def _bindings(config_text: str) -> dict[str, str]:
+def config_bindings(config_text: str) -> dict[str, str]:
   """`{'scope.param': 'value text'}` of a `gin.operative_config_str()` text (continuation
   lines joined; whitespace normalised)."""
   bindings, key = {}, None
@@ -161,7 +161,7 @@ def config_changes(earlier: str, now: str) -> list[tuple[str, str, str]]:
   """`(binding, earlier value, value now)` for each binding of both operative configs whose
   value differs, other than `RESUMABLE_CHANGES` and data locations. A binding in only one of
   them (a parameter added to or removed from fltff since) is not a change."""
-  a, b = _bindings(earlier), _bindings(now)
+  a, b = config_bindings(earlier), config_bindings(now)
   changes = []
   for key in sorted(set(a) & set(b)):
     if a[key] == b[key] or key.startswith(RESUMABLE_CHANGES) or key.endswith(_DATA_LOCATIONS):
