@@ -251,3 +251,24 @@ def test_a_resume_without_a_checkpoint_logs_each_round_once(data, spec, tmp_path
   shutil.rmtree(tmp_path / 'checkpoints')  # E.g. a run stopped before its first checkpoint.
   drive(resume=True)
   assert logged() == [1, 2]
+
+
+def test_a_resume_that_reruns_rounds_leaves_each_round_once_in_tensorboard(data, spec, tmp_path):
+  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=g-import-not-at-top
+
+  def drive(rounds, resume):
+    config = RoundConfig(rounds=rounds, clients_per_round=3, batch_size=32, checkpoint_every=2,
+                         seed=4)
+    algorithm = personalization.build_local(spec, NUM_CLIENTS, client_optimizer=SGD())
+    RoundDriver(algorithm, data, config, str(tmp_path), progress=lambda _: None).run(
+        resume=resume)
+
+  drive(3, resume=False)  # Rounds 1-3 logged; the checkpoint holds round 2.
+  drive(4, resume=True)  # Round 3 runs again.
+  events = event_accumulator.EventAccumulator(str(tmp_path / 'tensorboard'))
+  events.Reload()
+  for tag in ('train_loss', 'clients'):
+    assert [e.step for e in events.Tensors(tag)] == [1, 2, 3, 4], tag
+  rows = read_csv(tmp_path / 'metrics.csv')
+  assert [float(e.tensor_proto.float_val[0]) if e.tensor_proto.float_val else None
+          for e in events.Tensors('train_loss')][2] == pytest.approx(float(rows[2]['train_loss']))

@@ -380,6 +380,7 @@ class RoundDriver:
         last, state = self.restore(state)
         start_round = last + 1
         self.progress(f'Resumed from the checkpoint of round {last}.')
+      self.outputs.restart_at(start_round)
 
     # The last completed round and its state, and the last checkpointed round: a second
     # signal checkpoints the former (`save_completed`), so no completed round is lost.
@@ -411,7 +412,7 @@ class RoundDriver:
             arrays[f'eval/{protocol}/clients'] = np.asarray([k for k, _ in values], np.int64)
             arrays[f'eval/{protocol}/accuracy'] = np.asarray([a for _, a in values])
         if arrays:
-          self.outputs.log_arrays(r, arrays)
+          self.outputs.log_arrays(r, arrays, scalar_tags=row)
         previous = self.rows[-1] if self.rows else {}
         row['mb_down_cumulative'] = previous.get('mb_down_cumulative', 0.0) + row['bytes_down'] / 1e6
         row['mb_up_cumulative'] = previous.get('mb_up_cumulative', 0.0) + row['bytes_up'] / 1e6

@@ -270,6 +270,18 @@ class _EventWriter:
         tag=tag, tensor=tensor, metadata=metadata.create_summary_metadata(
             display_name=tag, description=''))
 
+  def restart_at(self, step: int) -> None:
+    """Marks a restart at `step`: TensorBoard then drops the events of `step` and later that
+    earlier event files of the run hold (a resume reruns the rounds after its checkpoint)."""
+    import time  # pylint: disable=g-import-not-at-top
+
+    from tensorboard.compat.proto import event_pb2  # pylint: disable=g-import-not-at-top
+
+    self._writer.add_event(event_pb2.Event(
+        wall_time=time.time(), step=int(step),
+        session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+    self._writer.flush()
+
   def flush(self) -> None:
     self._writer.flush()
 
@@ -302,18 +314,24 @@ class RunOutputs:
         w.writerow({k: row.get(k, '') for k in fields})
     os.replace(tmp, self.csv_path)
 
+  def restart_at(self, round_num: int) -> None:
+    """A resumed run starts again at `round_num`: its earlier events from there on are
+    superseded in TensorBoard (no step twice)."""
+    self._writer.restart_at(round_num)
+
   def log_scalars(self, row: dict) -> None:
     self._writer.write(int(row['round']), [
         self._writer.scalar(key, value) for key, value in row.items()
         if key != 'round' and _finite(value)])
     self._writer.flush()
 
-  def log_arrays(self, round_num: int, arrays: dict) -> None:
+  def log_arrays(self, round_num: int, arrays: dict, scalar_tags=()) -> None:
     """Non-scalar measurements (e.g. FedLayerWise's ψ [clients, layers]).
 
     Appended to `measurements.jsonl` (one JSON object per round, for plotting) and logged to
-    TensorBoard as histograms under `key` and, for matrices, as a heat-map image under
-    `key/heatmap` (one tag holds one kind of summary, or TensorBoard shows neither well).
+    TensorBoard as histograms under `key` (`key/values` where a scalar of the round, one of
+    `scalar_tags`, has that name) and, for matrices, as a heat-map image under `key/heatmap`:
+    one tag holds one kind of summary, or TensorBoard shows neither well.
     """
     import numpy as np  # pylint: disable=g-import-not-at-top
 
@@ -325,7 +343,8 @@ class RunOutputs:
     values = []
     for key, value in arrays.items():
       value = np.asarray(value, np.float32)
-      values.append(self._writer.histogram(key, value))
+      values.append(self._writer.histogram(f'{key}/values' if key in scalar_tags else key,
+                                           value))
       if value.ndim == 2 and value.size:
         scale = max(float(np.max(np.abs(value))), 1e-12)
         # As tf.summary.image showed it: value / max|value| as 8-bit gray (negatives black).
