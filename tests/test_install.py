@@ -4,6 +4,7 @@ user's own gin file; scripts that import it exit quietly."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -25,9 +26,16 @@ def installed(tmp_path_factory):
   """`(site, env)`: fltff's wheel built from this checkout and installed into `site`, and an
   environment in which Python finds it there (and not this checkout)."""
   root = tmp_path_factory.mktemp('install')
+  # A copy of what the distribution is built from, so the build leaves the checkout alone.
+  source = root / 'source'
+  for folder in ('fltff', 'pipelines', 'gin_configs'):
+    shutil.copytree(os.path.join(REPO, folder), source / folder,
+                    ignore=shutil.ignore_patterns('__pycache__'))
+  for name in ('pyproject.toml', 'README.md'):
+    shutil.copy(os.path.join(REPO, name), source / name)
   build = subprocess.run(
       [sys.executable, '-m', 'pip', 'wheel', '-q', '--no-deps', '--no-build-isolation',
-       '--disable-pip-version-check', '-w', str(root / 'dist'), REPO],
+       '--disable-pip-version-check', '-w', str(root / 'dist'), str(source)],
       capture_output=True, text=True, timeout=300)
   assert build.returncode == 0, build.stderr[-3000:]
   [wheel] = list((root / 'dist').glob('fltff-*.whl'))

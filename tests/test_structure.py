@@ -6,7 +6,6 @@ import collections
 import importlib
 import os
 import pkgutil
-import shutil
 import subprocess
 import sys
 
@@ -196,33 +195,7 @@ def test_server_optimizer_and_learning_rate_together_are_refused():
                           server_optimizer=tff.learning.optimizers.build_sgdm(0.5))
 
 
-# --- installable -------------------------------------------------------------------------------
-def test_pip_install_gives_an_importable_fltff_outside_the_repo(tmp_path):
-  """`pip install .` (no dependencies: the pinned stack is already here) into a folder, then
-  `import fltff` from another directory finds that copy with every subpackage."""
-  # A copy of what the distribution is built from, so the build leaves the checkout alone.
-  source = tmp_path / 'source'
-  shutil.copytree(os.path.join(REPO, 'fltff'), source / 'fltff',
-                  ignore=shutil.ignore_patterns('__pycache__'))
-  for name in ('pyproject.toml', 'README.md'):
-    shutil.copy(os.path.join(REPO, name), source / name)
-  target = tmp_path / 'site'
-  build = subprocess.run(
-      [sys.executable, '-m', 'pip', 'install', '-q', '--disable-pip-version-check', '--no-deps',
-       '--no-build-isolation', '--target', str(target), str(source)],
-      capture_output=True, text=True, timeout=300)
-  assert build.returncode == 0, build.stderr[-2000:]
-  elsewhere = tmp_path / 'elsewhere'
-  elsewhere.mkdir()
-  code = ('import os, fltff; fltff.register_configurables(); '
-          'from fltff.aggregators import layerwise_adaptive_factory; '
-          'from fltff.personalization import build_kapc; '
-          'print(fltff.__file__); os._exit(0)')
-  env = dict(os.environ, PYTHONPATH=str(target), TF_CPP_MIN_LOG_LEVEL='3')
-  run = subprocess.run([sys.executable, '-c', code], cwd=elsewhere, env=env,
-                       capture_output=True, text=True, timeout=300)
-  assert run.returncode == 0, run.stderr[-2000:]
-  assert run.stdout.strip().startswith(str(target)), run.stdout
+# Installing fltff and running it from another folder: tests/test_install.py.
 
 
 def test_a_new_method_module_is_registered_without_touching_any_other_file(tmp_path):

@@ -47,8 +47,9 @@ def model_contrastive_loss(z: tf.Tensor, z_glob: tf.Tensor, z_prev: tf.Tensor,
   with `sim` the cosine similarity of each example's representations.
 
   Args:
-    z, z_glob, z_prev: `[B, D]` representations of the same B examples under the local, the
-      global and the previous local model.
+    z: `[B, D]` representations of B examples under the local model.
+    z_glob: The same examples' representations under the global model.
+    z_prev: The same examples' representations under the previous local model.
     temperature: τ > 0.
     mask: Optional `[B]`, 1 for the examples to average over (a padded batch's real ones).
 

@@ -760,8 +760,10 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
       slowest round so far, at least 5 minutes (`TffRuntime.after_round`).
     max_retries: How often a round is repeated after losing a worker.
     log_dir: Folder of the local worker's log (`tff_worker.log`); None: a temporary file.
-    tls_ca_file, tls_cert_file, tls_key_file: Mutual TLS to remote workers (the default): the
-      CA that signed the workers' certificates, and this driver's certificate and key.
+    tls_ca_file: Mutual TLS to remote workers (the default): the CA that signed the workers'
+      certificates.
+    tls_cert_file: This driver's certificate (PEM), signed by the workers' client CA.
+    tls_key_file: This driver's private key (PEM).
     tls_server_name: The name to check in the workers' certificates, when it is not the host
       part of their addresses.
     insecure_plaintext: Talk to remote workers in plaintext (workers started with

@@ -134,12 +134,19 @@ def run_experiment(output_dir: str,
     method: A method builder taking a `ModelSpec` (gin: `@fedavg`, `@fedprox`, `@sgdm`).
     model: Model zoo name (see `fltff.models.MODEL_NAMES`).
     model_seed: Seed of the initial weights; None (default): `seed`.
-    rounds, clients_per_round, client_fraction, local_epochs, batch_size, eval_every,
-    checkpoint_every, target_accuracies: See `RoundConfig`.
+    rounds: Rounds of the run (`RoundConfig`, like the next seven).
+    clients_per_round: Participants per round (or `client_fraction` of the clients).
+    client_fraction: Fraction of the clients per round, when `clients_per_round` is None.
+    local_epochs: Local epochs of each participant.
+    batch_size: Local batch size.
+    eval_every: Evaluate every this many rounds (and after the last).
+    checkpoint_every: Checkpoint every this many rounds (and after the last).
+    target_accuracies: Accuracies whose first round `summary.json` reports.
     seed: The run's seed: participants, data order, stragglers, and (unless bound on their
       own) the initial weights (`model_seed`) and the partition (`federated_data.seed`).
-    straggler_fraction, straggler_mode: System heterogeneity, see
-      `sampling.straggler_plan` ('partial': random epochs in [1, E]; 'drop').
+    straggler_fraction: Fraction of each round's participants that are stragglers
+      (`sampling.straggler_plan`).
+    straggler_mode: 'partial' (a straggler trains random epochs in [1, E]) or 'drop'.
     personalization: Optional builder taking the `ModelSpec` (gin:
       `@fedlap_personalization`); adds personalised evaluation on local test splits.
     channel: Optional wireless channel model builder taking `num_clients` (gin:

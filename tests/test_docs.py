@@ -1,0 +1,70 @@
+"""The documentation works as written: the MkDocs site builds in strict mode (a broken link or
+API reference fails), the quickstart page's commands run, and the README's library program
+(the same as the running page's) runs."""
+
+import csv
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+from helpers import REPO
+
+
+def _blocks(path: str, language: str) -> list[str]:
+  with open(os.path.join(REPO, path)) as f:
+    return re.findall(rf'^```{language}\n(.*?)^```', f.read(), flags=re.S | re.M)
+
+
+def _commands(block: str) -> list[str]:
+  """A shell block's commands: continuation lines joined, comments dropped."""
+  joined = re.sub(r'\\\n\s*', ' ', block)
+  return [line.split('  #')[0].strip() for line in joined.splitlines()
+          if line.strip() and not line.lstrip().startswith('#')]
+
+
+def test_the_documentation_builds_strictly(tmp_path):
+  result = subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '--strict', '--quiet',
+                           '--site-dir', str(tmp_path / 'site')], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert (tmp_path / 'site' / 'api' / 'index.html').stat().st_size > 10000
+
+
+def test_the_readme_library_program_runs_as_written(tmp_path):
+  [readme] = [b for b in _blocks('README.md', 'python') if 'algorithm.next' in b]
+  [page] = [b for b in _blocks('docs/running.md', 'python') if 'algorithm.next' in b]
+  assert readme == page  # One program, shown twice.
+  (tmp_path / 'program.py').write_text(readme)
+  result = subprocess.run([sys.executable, 'program.py'], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert re.search(r'round 2: train loss \d+\.\d{3}', result.stdout), result.stdout
+  assert 'FedLayerWise weights psi: (3, 2)' in result.stdout, result.stdout
+  assert 'Traceback' not in result.stderr and 'Exception ignored' not in result.stderr
+
+
+def test_the_quickstart_page_commands_run_as_shown(tmp_path):
+  first, then = (_commands(b) for b in _blocks('docs/index.md', 'bash'))
+  assert first == ['make quickstart']
+  # The README shows the same commands.
+  readme = [_commands(b) for b in _blocks('README.md', 'bash')]
+  assert then in readme and ['make quickstart', 'make test'] in readme
+  # `make quickstart` (its output folder moved out of the checkout: the Makefile's OUTPUT_DIR).
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3',
+             OUTPUT_DIR=str(tmp_path / 'runs' / 'quickstart'))
+  result = subprocess.run(['make', 'quickstart'], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+  # The other commands from another folder, with this environment's `fltff`.
+  bin_dir = os.path.dirname(sys.executable)
+  for command in then:
+    argv = shlex.split(command)
+    assert argv[0] == '.venv/bin/fltff'
+    result = subprocess.run([os.path.join(bin_dir, 'fltff'), *argv[1:]], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (command, result.stderr[-3000:])
+  with open(tmp_path / 'runs' / 'five' / 'metrics.csv') as f:
+    assert [int(r['round']) for r in csv.DictReader(f)] == list(range(1, 9))
+  assert (tmp_path / 'runs' / 'report' / 'report.md').exists()
