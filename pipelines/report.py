@@ -418,11 +418,13 @@ def main(argv) -> int:
     if figures:
       md += ('\n\nRelationship cube (KAPC paper Fig. 7: one client\'s R after the last round, '
              'layers × clients; and r_ii per layer by round):\n\n' + '\n\n'.join(figures))
-  groups = seed_groups(_RUNS.value)
-  if any(len(g) > 1 for g in groups):
+  # Groups of one run folder named twice are not seeds.
+  groups = [g for g in seed_groups(_RUNS.value)
+            if len({os.path.realpath(_RUNS.value[i]) for i in g}) > 1]
+  if groups:
     md += ('\n\nRuns that differ only in seed (accuracy: each group\'s headline column; '
            'mean ± sample std over seeds; curves with their seed band in accuracy_seeds.png):'
-           f'\n\n{seed_table([g for g in groups if len(g) > 1], runs)}\n\n'
+           f'\n\n{seed_table(groups, runs)}\n\n'
            '![accuracy over seeds](accuracy_seeds.png)')
     seed_band_plot(groups, runs, os.path.join(_OUT.value, 'accuracy_seeds.png'))
   with open(os.path.join(_OUT.value, 'report.md'), 'w') as f:

@@ -30,9 +30,11 @@ _PLAN = flags.DEFINE_string('plan', 'results/plan.txt', 'The list of runs.')
 _RUNS_DIR = flags.DEFINE_string('runs_dir', '~/fltff-runs', 'Where run folders go.')
 _ONLY = flags.DEFINE_list('only', [], 'Only runs whose name starts with one of these.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Print what would run, run nothing.')
+# `run` has a flag of this name and meaning: a program that imports both (the test suite runs
+# `run` in process) keeps one of them.
 _BINDINGS = flags.DEFINE_multi_string(
     'gin_bindings', [], 'Bindings added to every run, e.g. '
-    "\"idx_source.path = '../shared/data/fashion-mnist'\".")
+    "\"idx_source.path = '../shared/data/fashion-mnist'\".", allow_override=True)
 
 
 @dataclasses.dataclass(frozen=True)

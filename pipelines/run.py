@@ -41,6 +41,7 @@ from fltff.simulation import Checkpointer  # pylint: disable=g-import-not-at-top
 from fltff.simulation import run_experiment  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.simulation.checkpoint import kept_message  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.simulation.outputs import prepare_output_dir  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff.simulation.outputs import release_output_dir  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.simulation.outputs import remove_if_unused  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _GIN_FILES = flags.DEFINE_multi_string('gin_file', [], 'Gin config file(s) of the experiment.')
@@ -157,6 +158,7 @@ def main(argv) -> int:
       rt.close()
     else:
       runtime.release_default_context()
+    release_output_dir(output_dir)  # The run is over (main may be called again in-process).
   head = summary['headline']
   value = head['value']
   where = f' (round {head["round"]})' if 'round' in head else ''

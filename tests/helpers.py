@@ -31,9 +31,57 @@ def pipeline_env():
   return dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3', PYTHONUNBUFFERED='1', FLTFF_TEST_TAG=TAG)
 
 
-def run_pipeline(*args, timeout=600):
+def run_pipeline(*args, timeout=600, in_process=False):
+  """`pipelines.run` with `args`, as a `CompletedProcess`: a real subprocess (what a user runs;
+  signals, leaks and exit paths are tested that way), or with `in_process=True` its `main` in
+  this test process (no interpreter and TensorFlow start-up: for tests that compare the
+  numbers of runs)."""
+  if in_process:
+    return _run_pipeline_here(args)
   return subprocess.run([sys.executable, '-m', 'pipelines.run', *args], cwd=REPO, env=pipeline_env(),
                         capture_output=True, text=True, timeout=timeout)
+
+
+def run_pipeline_here(*args):
+  """`run_pipeline(*args, in_process=True)`."""
+  return _run_pipeline_here(args)
+
+
+def _run_pipeline_here(args):
+  """`pipelines.run.main` in this process, with its flags, gin configuration, signal
+  handlers and TFF context set back afterwards; stdout and stderr captured."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import io  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
+
+  import gin  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+
+  from pipelines import run as run_lib  # pylint: disable=g-import-not-at-top
+
+  context = tff.framework.get_context_stack().current
+  handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+  out, err = io.StringIO(), io.StringIO()
+  cwd = os.getcwd()
+  try:
+    os.chdir(REPO)
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(['pipelines.run', *args])
+    gin.clear_config()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+      code = run_lib.main([])
+  finally:
+    os.chdir(cwd)
+    gin.clear_config()
+    flags.FLAGS.unparse_flags()
+    for number, handler in handlers.items():
+      signal.signal(number, handler)
+    tff.framework.set_default_context(context)
+    tf.keras.backend.clear_session()
+  return subprocess.CompletedProcess(['pipelines.run', *args], code, out.getvalue(),
+                                     err.getvalue())
 
 
 def tagged_worker_pids():
@@ -73,13 +121,14 @@ def start_process(algorithm):
 def run_and_resume(args, tmp_path, stop_round: int):
   """Runs the pipeline with `args` uninterrupted (in `tmp_path/full`) and stopped after
   `stop_round` then resumed (in `tmp_path/part`); returns both metrics.csv row lists and the
-  uninterrupted run's stdout."""
+  uninterrupted run's stdout. In this process (`run_pipeline(in_process=True)`): resuming
+  after a process is killed is tested with subprocesses in test_pipeline and test_memory."""
   full, part = tmp_path / 'full', tmp_path / 'part'
   outputs = []
   for extra in ([f'--output_dir={full}'],
                 [f'--gin_bindings=experiment.rounds = {stop_round}', f'--output_dir={part}'],
                 [f'--output_dir={part}', '--resume']):
-    result = run_pipeline(*args, *extra)
+    result = run_pipeline(*args, *extra, in_process=True)
     assert result.returncode == 0, result.stderr[-3000:]
     outputs.append(result.stdout)
   return (read_csv(os.path.join(full, 'metrics.csv')),

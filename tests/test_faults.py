@@ -23,7 +23,7 @@ from helpers import SMALL
 from helpers import assert_one_line_error
 from helpers import pipeline_env
 from helpers import read_csv
-from helpers import run_pipeline
+from helpers import run_pipeline_here
 
 from fltff.errors import CheckpointError
 from fltff.errors import ConfigError
@@ -102,7 +102,7 @@ def test_restore_with_no_intact_checkpoint_is_a_clear_error(tmp_path):
 @pytest.fixture(scope='module')
 def two_round_run(tmp_path_factory):
   out = str(tmp_path_factory.mktemp('faults') / 'run')
-  result = run_pipeline(*TWO_ROUNDS, f'--output_dir={out}')
+  result = run_pipeline_here(*TWO_ROUNDS, f'--output_dir={out}')
   assert result.returncode == 0, result.stderr[-3000:]
   return out
 
@@ -111,7 +111,7 @@ def test_resume_from_a_truncated_checkpoint_falls_back(two_round_run, tmp_path):
   out = str(tmp_path / 'run')
   shutil.copytree(two_round_run, out)
   _truncate(os.path.join(out, 'checkpoints', 'round_00002.npz'))
-  result = run_pipeline(*TWO_ROUNDS, f'--output_dir={out}', '--resume')
+  result = run_pipeline_here(*TWO_ROUNDS, f'--output_dir={out}', '--resume')
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'Traceback' not in result.stderr
   warnings = _warnings(result)
@@ -129,7 +129,7 @@ def test_resume_with_no_intact_checkpoint_is_one_line(two_round_run, tmp_path):
   for name in os.listdir(os.path.join(out, 'checkpoints')):
     if name.endswith('.npz'):
       _truncate(os.path.join(out, 'checkpoints', name))
-  assert_one_line_error(run_pipeline(*TWO_ROUNDS, f'--output_dir={out}', '--resume'),
+  assert_one_line_error(run_pipeline_here(*TWO_ROUNDS, f'--output_dir={out}', '--resume'),
                         'No intact checkpoint', 'latest.json is damaged')
 
 
@@ -139,9 +139,9 @@ def test_output_dir_that_is_a_file_fails_before_any_work(tmp_path):
   existing.write_text('mine')
   # The data source is missing too: the folder is checked first, before any data is read.
   missing_data = "--gin_bindings=npz_source.path = '/nonexistent/x.npz'"
-  assert_one_line_error(run_pipeline(SMALL[0], missing_data, f'--output_dir={existing}'),
+  assert_one_line_error(run_pipeline_here(SMALL[0], missing_data, f'--output_dir={existing}'),
                         str(existing), 'existing file')
-  assert_one_line_error(run_pipeline(SMALL[0], missing_data, f'--output_dir={existing}/run'),
+  assert_one_line_error(run_pipeline_here(SMALL[0], missing_data, f'--output_dir={existing}/run'),
                         'Cannot write', str(existing))
   assert existing.read_text() == 'mine'
 
@@ -156,7 +156,7 @@ def test_output_dir_that_is_a_file_fails_before_any_work(tmp_path):
 ])
 def test_badly_typed_numbers_are_one_line(bindings, fragments, tmp_path):
   args = [SMALL[0], *[f'--gin_bindings={b}' for b in bindings], f'--output_dir={tmp_path}']
-  assert_one_line_error(run_pipeline(*args), *fragments)
+  assert_one_line_error(run_pipeline_here(*args), *fragments)
 
 
 @pytest.mark.parametrize('settings', [
@@ -171,7 +171,7 @@ def test_round_config_rejects_non_integers(settings):
 # -- 5. divergence and an exploding loss ---------------------------------------------------
 def test_divergence_in_round_one_says_nothing_was_kept(tmp_path):
   out = str(tmp_path / 'run')
-  result = run_pipeline(*SMALL, '--gin_bindings=experiment.rounds = 1',
+  result = run_pipeline_here(*SMALL, '--gin_bindings=experiment.rounds = 1',
                         '--gin_bindings=client_optimizer.learning_rate = 1e12',
                         f'--output_dir={out}')
   line = assert_one_line_error(result, 'diverged in round 1', 'nothing was checkpointed')
@@ -180,7 +180,7 @@ def test_divergence_in_round_one_says_nothing_was_kept(tmp_path):
 
 def test_exploding_loss_warns_once_and_runs_on(tmp_path):
   out = str(tmp_path / 'run')
-  result = run_pipeline(*TWO_ROUNDS, '--gin_bindings=client_optimizer.learning_rate = 1e6',
+  result = run_pipeline_here(*TWO_ROUNDS, '--gin_bindings=client_optimizer.learning_rate = 1e6',
                         f'--output_dir={out}')
   assert result.returncode == 0, result.stderr[-3000:]
   warnings = _warnings(result)
@@ -192,7 +192,7 @@ def test_exploding_loss_warns_once_and_runs_on(tmp_path):
 def test_folder_with_metrics_but_no_checkpoint_is_not_overwritten(tmp_path):
   metrics = tmp_path / 'metrics.csv'
   metrics.write_text('round,train_loss\n1,0.5\n')
-  assert_one_line_error(run_pipeline(*SMALL, f'--output_dir={tmp_path}'),
+  assert_one_line_error(run_pipeline_here(*SMALL, f'--output_dir={tmp_path}'),
                         'metrics.csv', '--resume', '--output_dir')
   assert metrics.read_text() == 'round,train_loss\n1,0.5\n'
 

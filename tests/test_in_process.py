@@ -31,6 +31,7 @@ from helpers import leaves
 from helpers import read_csv
 from helpers import run_and_resume
 from helpers import run_pipeline
+from helpers import run_pipeline_here
 from helpers import run_rounds
 from helpers import tagged_worker_pids
 
@@ -107,7 +108,7 @@ def test_devices_map_to_tensorflow_devices():
 
 
 def test_pipeline_refuses_an_unknown_executor_in_one_line(tmp_path):
-  result = run_pipeline(*SMALL, '--gin_bindings=runtime.executor = "tff_gpu"',
+  result = run_pipeline_here(*SMALL, '--gin_bindings=runtime.executor = "tff_gpu"',
                         f'--output_dir={tmp_path}')
   assert_one_line_error(result, 'runtime.executor must be one of')
 

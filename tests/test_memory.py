@@ -277,13 +277,13 @@ def test_kill_9_then_resume_with_the_sqlite_store_gives_the_uninterrupted_number
   from helpers import REPO  # pylint: disable=g-import-not-at-top
   from helpers import pipeline_env  # pylint: disable=g-import-not-at-top
   from helpers import read_csv  # pylint: disable=g-import-not-at-top
-  from helpers import run_pipeline  # pylint: disable=g-import-not-at-top
+  from helpers import run_pipeline_here  # pylint: disable=g-import-not-at-top
 
   args = ['--gin_file=gin_configs/ccn/offline_mnist1003_scaffold.gin',
           '--gin_bindings=experiment.rounds = 7',
           '--gin_bindings=experiment.checkpoint_every = 2',
           "--gin_bindings=experiment.client_state_store = 'sqlite'"]
-  full = run_pipeline(*args, f'--output_dir={tmp_path / "full"}')
+  full = run_pipeline_here(*args, f'--output_dir={tmp_path / "full"}')
   assert full.returncode == 0, full.stderr[-2000:]
   assert os.path.exists(tmp_path / 'full' / 'client_states.sqlite')
   part = tmp_path / 'part'
@@ -300,7 +300,7 @@ def test_kill_9_then_resume_with_the_sqlite_store_gives_the_uninterrupted_number
     time.sleep(0.05)
   os.kill(proc.pid, signal.SIGKILL)
   proc.wait()
-  resumed = run_pipeline(*args, f'--output_dir={part}', '--resume')
+  resumed = run_pipeline_here(*args, f'--output_dir={part}', '--resume')
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert 'Resumed from the checkpoint of round' in resumed.stdout
   columns = ('train_loss', 'train_accuracy', 'test_accuracy')
@@ -312,9 +312,9 @@ def _scale_run(out, rounds: int, *bindings) -> dict:
   """`scale/fmnist_fedamp.gin` with `bindings` for `rounds` rounds into `out`; its summary."""
   import json  # pylint: disable=g-import-not-at-top
 
-  from helpers import run_pipeline  # pylint: disable=g-import-not-at-top
+  from helpers import run_pipeline_here  # pylint: disable=g-import-not-at-top
 
-  result = run_pipeline(
+  result = run_pipeline_here(
       '--gin_file=gin_configs/scale/fmnist_fedamp.gin',
       *[f'--gin_bindings={b}' for b in bindings],
       f'--gin_bindings=experiment.rounds = {rounds}', '--gin_bindings=experiment.eval_every = 1',

@@ -22,6 +22,7 @@ from helpers import pipeline_env
 from helpers import read_csv
 from helpers import tagged_worker_pids
 from helpers import run_pipeline
+from helpers import run_pipeline_here
 
 
 @pytest.fixture(scope='module')
@@ -150,7 +151,7 @@ def test_sigterm_stops_cleanly_and_keeps_checkpoint(tmp_path):
 ])
 def test_bad_configuration_is_one_clear_error(bindings, fragments, tmp_path):
   args = [SMALL[0], *[f'--gin_bindings={b}' for b in bindings], f'--output_dir={tmp_path}']
-  assert_one_line_error(run_pipeline(*args), *fragments)
+  assert_one_line_error(run_pipeline_here(*args), *fragments)
 
 
 def test_tfds_not_prepared_offline_says_how_to_prepare(tmp_path):
@@ -159,7 +160,7 @@ def test_tfds_not_prepared_offline_says_how_to_prepare(tmp_path):
   args = [SMALL[0], '--gin_bindings=federated_data.source = @tfds_source',
           "--gin_bindings=tfds_source.name = 'fashion_mnist'",
           f"--gin_bindings=tfds_source.data_dir = '{empty}'", f'--output_dir={tmp_path}/o']
-  line = assert_one_line_error(run_pipeline(*args), 'fashion_mnist', str(empty))
+  line = assert_one_line_error(run_pipeline_here(*args), 'fashion_mnist', str(empty))
   assert 'download' in line
 
 
@@ -168,7 +169,7 @@ def test_resume_with_another_configuration_is_refused_and_changes_nothing(small_
   # Every file but the lock the resume took (it writes its pid there).
   before = {name: os.path.getmtime(os.path.join(root, name))
             for root, _, names in os.walk(out) for name in names if name != '.fltff-run.lock'}
-  result = run_pipeline(*SMALL, '--gin_bindings=experiment.seed = 5',
+  result = run_pipeline_here(*SMALL, '--gin_bindings=experiment.seed = 5',
                         '--gin_bindings=experiment.rounds = 4', f'--output_dir={out}', '--resume')
   assert_one_line_error(result, 'experiment.seed: 0 -> 5', 'rounds 1-3', '--allow_config_change')
   after = {name: os.path.getmtime(os.path.join(root, name))
@@ -178,9 +179,9 @@ def test_resume_with_another_configuration_is_refused_and_changes_nothing(small_
 
 def test_divergence_stops_and_keeps_completed_rounds(small_run, tmp_path):
   out = str(tmp_path / 'nan')
-  first = run_pipeline(*SMALL, '--gin_bindings=experiment.rounds = 2', f'--output_dir={out}')
+  first = run_pipeline_here(*SMALL, '--gin_bindings=experiment.rounds = 2', f'--output_dir={out}')
   assert first.returncode == 0, first.stderr[-3000:]
-  result = run_pipeline(*SMALL, '--gin_bindings=client_optimizer.learning_rate = 1e12',
+  result = run_pipeline_here(*SMALL, '--gin_bindings=client_optimizer.learning_rate = 1e12',
                         f'--output_dir={out}', '--resume', '--allow_config_change')
   assert_one_line_error(result, 'diverged in round 3', 'Rounds 1-2')
   with open(os.path.join(out, 'config_changes.txt')) as f:
@@ -191,9 +192,9 @@ def test_divergence_stops_and_keeps_completed_rounds(small_run, tmp_path):
 
 def test_missing_gin_file_and_npz(tmp_path):
   assert_one_line_error(
-      run_pipeline('--gin_file=gin_configs/nope.gin', f'--output_dir={tmp_path}'), 'nope.gin')
+      run_pipeline_here('--gin_file=gin_configs/nope.gin', f'--output_dir={tmp_path}'), 'nope.gin')
   assert_one_line_error(
-      run_pipeline(SMALL[0], "--gin_bindings=npz_source.path = '/nonexistent/x.npz'",
+      run_pipeline_here(SMALL[0], "--gin_bindings=npz_source.path = '/nonexistent/x.npz'",
                    f'--output_dir={tmp_path / "new"}'), '/nonexistent/x.npz')
   assert not os.path.exists(tmp_path / 'new')  # A run that wrote nothing leaves no folder.
 

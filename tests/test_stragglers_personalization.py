@@ -12,7 +12,7 @@ from fltff.personalization import mixing_coefficients
 from fltff.personalization import layer_dissimilarities
 from fltff.simulation import sampling
 from helpers import read_csv
-from helpers import run_pipeline
+from helpers import run_pipeline_here
 
 BASE = ['--gin_file=gin_configs/fedlap/offline_mnist1003_fedlap.gin',
         '--gin_bindings=experiment.rounds = 3', '--gin_bindings=experiment.local_epochs = 3',
@@ -76,7 +76,7 @@ def test_mixing_fixed_and_by_dissimilarity():
 @pytest.fixture(scope='module')
 def straggler_run(tmp_path_factory):
   out = str(tmp_path_factory.mktemp('stragglers'))
-  result = run_pipeline(*BASE, '--gin_bindings=experiment.straggler_fraction = 0.5',
+  result = run_pipeline_here(*BASE, '--gin_bindings=experiment.straggler_fraction = 0.5',
                         f'--output_dir={out}')
   assert result.returncode == 0, result.stderr[-3000:]
   return out
@@ -101,7 +101,7 @@ def test_partial_stragglers_process_their_epochs(straggler_run):
 
 
 def test_dropped_stragglers_leave_the_round(tmp_path):
-  result = run_pipeline(*BASE, '--gin_bindings=experiment.straggler_fraction = 0.5',
+  result = run_pipeline_here(*BASE, '--gin_bindings=experiment.straggler_fraction = 0.5',
                         "--gin_bindings=experiment.straggler_mode = 'drop'",
                         '--gin_bindings=experiment.rounds = 2', f'--output_dir={tmp_path}')
   assert result.returncode == 0, result.stderr[-3000:]
@@ -115,7 +115,7 @@ def test_personalization_reports_and_resumes_exactly(tmp_path):
           '--gin_bindings=experiment.local_epochs = 2',
           '--gin_bindings=experiment.checkpoint_every = 1']
   full = str(tmp_path / 'full')
-  result = run_pipeline(*args, '--gin_bindings=experiment.rounds = 3', f'--output_dir={full}')
+  result = run_pipeline_here(*args, '--gin_bindings=experiment.rounds = 3', f'--output_dir={full}')
   assert result.returncode == 0, result.stderr[-3000:]
   # The default executor vectorises the method's clients and the local models' training.
   assert 'runs on the in-process executor, vectorised clients.' in result.stdout
@@ -126,9 +126,9 @@ def test_personalization_reports_and_resumes_exactly(tmp_path):
     assert 0.0 <= float(row['client_work/regularizer/lambda_mean/latent']) <= 2.0
   # Local models live in the checkpoint: stop after 2 rounds, resume to 3, same metrics.
   part = str(tmp_path / 'part')
-  first = run_pipeline(*args, '--gin_bindings=experiment.rounds = 2', f'--output_dir={part}')
+  first = run_pipeline_here(*args, '--gin_bindings=experiment.rounds = 2', f'--output_dir={part}')
   assert first.returncode == 0, first.stderr[-3000:]
-  second = run_pipeline(*args, '--gin_bindings=experiment.rounds = 3', f'--output_dir={part}',
+  second = run_pipeline_here(*args, '--gin_bindings=experiment.rounds = 3', f'--output_dir={part}',
                         '--resume')
   assert second.returncode == 0, second.stderr[-3000:]
   resumed = read_csv(os.path.join(part, 'metrics.csv'))

@@ -34,6 +34,7 @@ from helpers import equality_spec  # noqa: F401  pylint: disable=unused-import (
 from helpers import read_csv
 from helpers import run_and_resume
 from helpers import run_pipeline
+from helpers import run_pipeline_here
 from helpers import run_rounds
 from helpers import tagged_worker_pids
 
@@ -385,7 +386,7 @@ def test_the_default_executor_vectorises_what_it_can_and_runs_the_rest_on_cpp(da
 def test_pipeline_refuses_vectorising_a_batchnorm_model_in_one_line(tmp_path):
   # Every fltff method vectorises on models without BatchNorm; one with it is refused when
   # vectorised clients are asked for explicitly ('auto' runs it on the C++ runtime instead).
-  result = run_pipeline(
+  result = run_pipeline_here(
       '--gin_file=gin_configs/kapc/offline_mnist1003_fedbn.gin',
       '--gin_bindings=experiment.model = "resnet18"', '--gin_bindings=rounds = 1',
       '--gin_bindings=runtime.executor = "in_process"',

@@ -117,6 +117,14 @@ def prepare_output_dir(output_dir: str, resume: bool) -> bool:
   return created
 
 
+def release_output_dir(output_dir: str) -> None:
+  """Gives up this process's hold on a run folder (`prepare_output_dir`'s lock), e.g. when a
+  run ends in a program that goes on."""
+  handle = _HELD_LOCKS.pop(os.path.realpath(output_dir), None)
+  if handle is not None:
+    handle.close()
+
+
 def remove_if_unused(output_dir: str) -> bool:
   """Removes a run folder that holds nothing but this process's marker and lock (a run that
   failed before writing anything); returns whether it did."""
