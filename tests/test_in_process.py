@@ -1,6 +1,7 @@
 """The in-process executor (`runtime.executor = 'in_process'`, issue 19) against TFF's C++ runtime.
 
-Every method runs 3 rounds on both, from the same initial state, on clients of unequal sizes;
+Every method runs 3 rounds on both (in test_vectorized, beside vectorised clients), from the
+same initial state, on clients of unequal sizes;
 every number that comes out (round metrics, new client states, the server state with the
 global model) must agree (`helpers.assert_equal_runs`: 3e-4 of each tensor's scale). The
 executor runs the graphs TFF compiled; the only differences are the CPU kernels and their
@@ -22,7 +23,6 @@ from fltff.runtime.in_process import InProcessContext
 from fltff.runtime.local import check_executor
 from helpers import EQUALITY_CLIENTS
 from helpers import SMALL
-from helpers import assert_equal_runs
 from helpers import assert_one_line_error
 from helpers import equality_data  # noqa: F401  pylint: disable=unused-import (fixture)
 from helpers import equality_methods
@@ -48,14 +48,9 @@ def contexts(tff_runtime):
   return {'tff_cpp': tff_runtime.context, 'in_process': InProcessContext()}
 
 
-@pytest.mark.parametrize('method', sorted(METHODS))
-def test_three_rounds_in_process_equal_the_cpp_runtime(method, data, spec, contexts):
-  sizes = sorted(len(data.train_indices[k]) for k in range(NUM_CLIENTS))
-  assert len(set(sizes)) == NUM_CLIENTS  # Unequal clients (and unequal epochs: 1 or 2).
-  results = {name: run_rounds(METHODS[method](spec), data, ctx, NUM_CLIENTS)
-             for name, ctx in contexts.items()}
-  tff.framework.set_default_context(contexts['tff_cpp'])
-  assert_equal_runs(results['tff_cpp'], results['in_process'], method)
+# Every method family's rounds on this executor against TFF's C++ runtime:
+# test_vectorized.test_three_rounds_vectorised_and_in_process_equal_the_cpp_runtime (one C++
+# reference for both executors).
 
 
 def test_pipeline_in_process_equals_cpp_and_resumes_without_a_worker(tmp_path):
