@@ -252,16 +252,19 @@ def test_npz_source_errors_and_label_shapes(tmp_path):
       data.npz_source(str(path))
 
 
-@pytest.mark.parametrize('name,shape', [('mnist', (28, 28, 1)), ('cifar10', (32, 32, 3))])
-def test_tfds_source_on_mock_data(name, shape):
+@pytest.mark.parametrize('name,shape,classes', [
+    ('mnist', (28, 28, 1), 10), ('cifar10', (32, 32, 3), 10),
+    # Any TFDS image classification dataset, its class count from its label feature.
+    ('kmnist', (28, 28, 1), 10), ('emnist/letters', (28, 28, 1), 37)])
+def test_tfds_source_on_mock_data(name, shape, classes):
   tfds = pytest.importorskip('tensorflow_datasets')
   with tfds.testing.mock_data(num_examples=12):
     ds = data.tfds_source(name)
-  assert ds.name == name and ds.num_classes == 10
+  assert ds.name == name and ds.num_classes == classes
   assert ds.x_train.shape == (12,) + shape and ds.x_test.shape == (12,) + shape
   assert ds.x_train.dtype == np.uint8 and ds.y_train.dtype == np.int32
   assert ds.y_train.shape == (12,)
-  assert ds.y_train.min() >= 0 and ds.y_train.max() < 10
+  assert ds.y_train.min() >= 0 and ds.y_train.max() < classes
 
 
 def test_tfds_source_offline_unprepared(tmp_path):
@@ -272,9 +275,11 @@ def test_tfds_source_offline_unprepared(tmp_path):
   assert "tfds.load('mnist'" in message and 'tfds_source.download = True' in message
 
 
-def test_tfds_source_unknown_name():
-  with pytest.raises(ConfigError, match=r"does not support dataset 'emnist'.*'cifar100'"):
-    data.tfds_source('emnist')
+def test_tfds_source_unknown_name_or_not_image_classification():
+  with pytest.raises(ConfigError, match=r"TFDS has no dataset 'no_such_data'"):
+    data.tfds_source('no_such_data')
+  with pytest.raises(ConfigError, match=r"'imdb_reviews' is not image classification"):
+    data.tfds_source('imdb_reviews')
 
 
 def test_synthetic_source():

@@ -57,13 +57,6 @@ class ArrayDataset:
   natural_test_partition: Optional[list[np.ndarray]] = None
 
 
-_TFDS_NUM_CLASSES = {
-    'mnist': 10,
-    'fashion_mnist': 10,
-    'cifar10': 10,
-    'cifar100': 100,
-}
-
 # Split once into batches of this size when materialising a TFDS split as arrays.
 _TFDS_BATCH = 8192
 
@@ -89,7 +82,9 @@ def tfds_source(name: str,
   """Loads a TFDS image classification dataset as arrays.
 
   Args:
-    name: One of 'mnist', 'fashion_mnist', 'cifar10', 'cifar100'.
+    name: A TFDS image classification dataset with 'train' and 'test' splits and an
+      (image, label) supervised form: e.g. 'mnist', 'fashion_mnist', 'cifar10', 'cifar100',
+      'kmnist', 'emnist/digits', 'svhn_cropped'. Its class count comes from the label feature.
     data_dir: The TFDS data directory; `None` means $TFDS_DATA_DIR or `~/tensorflow_datasets`.
     download: Whether TFDS may download and prepare the data if it is not in `data_dir`.
 
@@ -97,14 +92,13 @@ def tfds_source(name: str,
     An `ArrayDataset` with uint8 images `[n, H, W, C]` and int32 labels.
 
   Raises:
-    ConfigError: For an unsupported `name`.
+    ConfigError: For a name TFDS does not know, or a dataset that is not image
+      classification.
     DataError: If the data is not prepared in `data_dir` and `download` is False.
   """
-  if name not in _TFDS_NUM_CLASSES:
-    raise ConfigError(
-        f'tfds_source does not support dataset {name!r}; supported names are '
-        f'{sorted(_TFDS_NUM_CLASSES)}, or use npz_source for other data.')
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  num_classes = _tfds_num_classes(tfds, name, data_dir)
   try:
     # Not `batch_size=-1`: TFDS then batches by the split size from the metadata, which
     # `tfds.testing.mock_data` reports as 0, and the process aborts (batch of sys.maxsize).
@@ -136,7 +130,27 @@ def tfds_source(name: str,
                    np.concatenate(ys).astype(np.int32).reshape(-1)))
   (x_train, y_train), (x_test, y_test) = arrays
   return ArrayDataset(name=name, x_train=x_train, y_train=y_train, x_test=x_test,
-                      y_test=y_test, num_classes=_TFDS_NUM_CLASSES[name])
+                      y_test=y_test, num_classes=num_classes)
+
+
+def _tfds_num_classes(tfds, name: str, data_dir: Optional[str]) -> int:
+  """The class count of TFDS dataset `name` (from its builder's label feature, no data read);
+  `ConfigError` for an unknown name or a dataset that is not (image, label) classification."""
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+  except Exception as e:  # pylint: disable=broad-except
+    if 'NotFound' not in type(e).__name__:
+      raise
+    raise ConfigError(f'TFDS has no dataset {name!r} (tfds_source.name; see '
+                      'https://www.tensorflow.org/datasets/catalog), or use npz_source for '
+                      'other data.') from None
+  keys = builder.info.supervised_keys
+  label = builder.info.features[keys[1]] if keys and len(keys) == 2 else None
+  if label is None or not hasattr(label, 'num_classes') or len(
+      getattr(builder.info.features[keys[0]], 'shape', ())) not in (2, 3):
+    raise ConfigError(f'TFDS dataset {name!r} is not image classification (a supervised '
+                      '(image, label) pair with a class label); tfds_source reads those only.')
+  return int(label.num_classes)
 
 
 def _candidates(path: str) -> list[pathlib.Path]:
