@@ -214,6 +214,18 @@ def test_heatmaps_have_their_own_tensorboard_tag(tmp_path):
                      'relation/heatmap': {'images'}}
 
 
+def test_matrices_are_drawn_as_labelled_heat_maps_on_one_scale_across_rounds(tmp_path):
+  import matplotlib.image  # pylint: disable=g-import-not-at-top
+
+  outputs = RunOutputs(str(tmp_path))
+  outputs.log_arrays(1, {'aggregator/psi': [[0.1, 0.2], [0.3, 0.4]], 'client_index': [4, 7]})
+  outputs.log_arrays(2, {'aggregator/psi': [[0.5, 0.5], [0.5, 0.9]], 'client_index': [7, 2]})
+  outputs.close()
+  assert outputs.plot_matrices() == ['heatmap_aggregator_psi.png']
+  picture = matplotlib.image.imread(str(tmp_path / 'heatmap_aggregator_psi.png'))
+  assert picture.shape[0] > 200 and picture.shape[1] > 300  # Axes and a colour bar, not 2×2.
+
+
 # -- 8. signals and worker logs ------------------------------------------------------------
 def _start_and_signal(out: str, tmpdir: str, signals: int, after_rounds: int = 1,
                       extra: tuple = ()) -> tuple[int, str]:

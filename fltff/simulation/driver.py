@@ -452,6 +452,7 @@ class RoundDriver:
       if self.rows:
         self.outputs.write_json('summary.json', self.summary())
         self.outputs.plot(self.rows, f'{self.algorithm.name} on {self.data.dataset.name}')
+        self.outputs.plot_matrices()
       self.outputs.close()
       self.client_states.close()
     return self.summary()

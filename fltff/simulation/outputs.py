@@ -412,5 +412,56 @@ class RunOutputs:
     plt.close(fig)
     return path
 
+  def plot_matrices(self) -> list[str]:
+    """`heatmap_<name>.png` for every per-round matrix in `measurements.jsonl` (e.g.
+    FedLayerWise's ψ and angles, participants × layers): the last round's matrix with labelled
+    axes and a colour bar whose scale spans every round of the run, so the pictures of
+    different rounds and runs compare. Returns the files written."""
+    import numpy as np  # pylint: disable=g-import-not-at-top
+
+    path = os.path.join(self.output_dir, 'measurements.jsonl')
+    if not os.path.exists(path):
+      return []
+    with open(path) as f:
+      records = [json.loads(line) for line in f if line.strip()]
+    matrices = {}
+    for record in records:
+      for key, value in record.items():
+        try:
+          value = np.asarray(value, dtype=float)
+        except (TypeError, ValueError):  # Ragged or not numbers: not a matrix.
+          continue
+        if key != 'round' and value.ndim == 2 and value.size:
+          matrices.setdefault(key, []).append((record['round'], value))
+    if not matrices:
+      return []
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+    written = []
+    for key, by_round in matrices.items():
+      finite = [m[np.isfinite(m)] for _, m in by_round]
+      low = min(float(v.min()) for v in finite if v.size)
+      high = max(float(v.max()) for v in finite if v.size)
+      last_round, matrix = by_round[-1]
+      clients = records[-1].get('client_index') if key != 'client_index' else None
+      fig, ax = plt.subplots(figsize=(max(4.0, 0.5 * matrix.shape[1] + 2),
+                                      max(3.0, 0.3 * matrix.shape[0] + 1.5)))
+      image = ax.imshow(matrix, aspect='auto', cmap='viridis', vmin=low,
+                        vmax=high if high > low else low + 1e-12)
+      ax.set_xlabel('layer (input → output)' if matrix.shape[1] > 1 else 'value')
+      ax.set_ylabel('participant (client index)' if clients is not None else 'row')
+      if clients is not None and len(clients) == matrix.shape[0] and len(clients) <= 40:
+        ax.set_yticks(range(len(clients)), [str(c) for c in clients])
+      ax.set_title(f'{key}, round {last_round} (colour scale: all rounds)')
+      fig.colorbar(image, ax=ax)
+      fig.tight_layout()
+      name = 'heatmap_' + ''.join(c if c.isalnum() or c in '-_' else '_' for c in key) + '.png'
+      fig.savefig(os.path.join(self.output_dir, name), dpi=100)
+      plt.close(fig)
+      written.append(name)
+    return written
+
   def close(self) -> None:
     self._writer.close()
