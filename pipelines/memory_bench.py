@@ -1,4 +1,4 @@
-"""Memory per round of the driver and of its TFF worker (issue 20): `pipelines.bench --memory`.
+"""Memory per round of the driver and of its TFF worker: `fltff bench --memory`.
 
 Each method runs in its own process (so the driver's resident memory is its own): fltff's
 FedAvg, FedLayerWise and KAPC through the real pipeline (`run_experiment` on their offline

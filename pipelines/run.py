@@ -22,7 +22,7 @@ import tokenize
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 # TensorFlow must be imported before absl's app.run: imported inside it, Keras' Flatten
-# layer fails to build ("Attempt to convert a value (None)"), measured with TF 2.14.
+# layer fails to build ("Attempt to convert a value (None)") (TF 2.14).
 import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
 from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position

@@ -88,9 +88,9 @@ class ClientDatasets:
   """Each client's batches per round, with its examples dataset built once.
 
   Why: every `Dataset.map` traces a new function that TensorFlow's eager runtime never frees
-  (measured ~80 KiB each, whatever the data size). Building client datasets from scratch every
-  round made the driver grow by ~0.35 MiB per round with 5 participants (issue 20); here a
-  round only adds `shuffle` and `batch`, which trace nothing. A client's first round still
+  (tens of KiB each, whatever the data size), so building client datasets from scratch every
+  round grows the driver with every round; here a round only adds `shuffle` and `batch`, which
+  trace nothing. A client's first round still
   costs one traced function: memory grows with the distinct clients seen, not with rounds.
   """
 

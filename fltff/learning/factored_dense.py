@@ -1,4 +1,4 @@
-"""Dense kernels trained in factored form on vectorised clients (issue 19).
+"""Dense kernels trained in factored form on vectorised clients.
 
 A dense layer's kernel gradient at a local step is the rank-B product `G_t = x_tᵀ δ_t` of the
 step's layer inputs `x_t [B, in]` and the loss's gradient `δ_t [B, out]` with respect to the

@@ -137,7 +137,7 @@ class StackedModelContrastive:
   one `net(x)` call: the same value as the second training-mode pass
   `ModelContrastiveRegularizer` makes (on models without BatchNorm, the only ones that
   vectorise; with dropout the two would draw different masks), at one forward and one backward
-  pass less per step (measured on cnn2: see the README's Executors section)."""
+  pass less per step."""
 
   reads_latent = True
 

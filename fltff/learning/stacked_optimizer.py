@@ -12,19 +12,16 @@ and then applies the client optimizer through one of these updaters:
   training clients' rows when some client has no batch at the step). The arithmetic is
   `_SGD.next`'s (a ← μ·a + g, w ← w − η·a; without momentum w ← w − η·g), but one pass over
   weights, accumulator and gradient per step instead of elementwise ops that each write a
-  fresh model-sized `[K, ...]` tensor. Measured on mlp2 at 100 clients × 6 steps: 0.126 s
-  against 0.17 s for the mapped update, of which the gradients alone are 0.058 s.
+  fresh model-sized `[K, ...]` tensor, which is faster than the mapped update.
 
 An affine regulariser's gradient terms (`client_work.step_gradients`: `g + s ⊙ w + o`; FedProx,
 FedLap, KAPC) are passed to `step` instead of being added inside the clients' map. `FusedSGDM`
 adds them in the same pass as the update, one XLA-compiled elementwise function, when every
-client trains at the step. Measured at 100 × 60 (median of 8 rounds): FedProx 0.332 → 0.298 s,
-FedLap 0.424 → 0.368 s. The XLA function has no idle-client select: with one (a broadcast
-`tf.where`) it was slower than the separate ops, and a FedAvg round went 0.225 → 0.352 s.
+client trains at the step (fewer passes over the stacked weights). The XLA function has no
+idle-client select: with one (a broadcast `tf.where`) it is slower than the separate ops.
 Where the offset is `−s ⊙ global` (FedProx, FedLap), it is given as an `Anchor`, the one global
 model, and the term is `s ⊙ (w − global)`: no `[K, ...]` offset formed per epoch and read at
-every step. Measured at 100 × 60 (two alternating runs): FedProx 0.237/0.239 → 0.207/0.213 s,
-FedLap 0.279/0.273 → 0.240/0.245 s.
+every step, a model-sized read and write less per epoch.
 
 An updater is used as `carry = start(weights)`, then per step `weights(carry)` and
 `carry = step(carry, gradients, trains, affine)`, and `finish(carry)` for the trained weights.
@@ -72,8 +69,7 @@ class Anchor:
   """An offset given as `−s ⊙ a` by the anchor `a`: one all clients share, without a client
   axis (the global model: FedProx, FedLap, `LocalRegularizer.global_anchor`), or each client's
   own, stacked `[clients, ...]` (KAPC's s_i, `offset_anchor`). Read at every step as it is,
-  not from a `[clients, ...]` offset formed per epoch (measured at 100 × 60: see the README's
-  Executors section)."""
+  not from a `[clients, ...]` offset formed per epoch."""
 
   def __init__(self, value: tf.Tensor):
     self.value = value

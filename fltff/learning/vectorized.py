@@ -3,7 +3,7 @@
 TFF maps the client work over participants one at a time (one graph call per client; on the
 C++ runtime also one serialised dataset and one gRPC call each). Here the participants'
 weights get a leading client axis and every local step is one `tf.vectorized_map` over the
-clients: a batched matmul/convolution instead of K small ones (issue 19). It is the same
+clients: a batched matmul/convolution instead of K small ones. It is the same
 computation as `client_work.build_local_training` — the same regulariser hooks, frozen
 tensors, metrics and update weight, and the same optimizer arithmetic (`stacked_optimizer`:
 TFF's SGD(M) in place on the stacked weights, any other optimizer's `next` mapped over the
@@ -119,8 +119,8 @@ def weight_slots(keras_model: tf.keras.Model, weights_model: tf.keras.Model
 
 def _read_options() -> tf.data.Options:
   """tf.data's static graph optimisations off: they rewrite each client's pipeline when its
-  iterator is created (measured: ~70 of ~90 ms per 60-example client), and change no element
-  or order."""
+  iterator is created (most of a small client's read time), and change no element or
+  order."""
   options = tf.data.Options()
   options.experimental_optimization.apply_default_optimizations = False
   options.autotune.enabled = False
@@ -185,8 +185,8 @@ def stack_client_batches(client_inputs: Sequence[Any],
     # the same values; the padding row stays zeros).
     processed = preprocess_batch(collections.OrderedDict(x=table_x, y=table_y))
     table_x, table_y = processed['x'], processed['y']
-  # As tensors: the round's examples are copied once, into TensorFlow (measured: a NumPy round
-  # trip of a 100-client round's images cost 0.03-0.1 s).
+  # As tensors: the round's examples are copied once, into TensorFlow (a NumPy round trip of
+  # a 100-client round's images would cost a noticeable part of the round).
   return collections.OrderedDict(
       examples=tf.cast(table_x, tf.float32), labels=tf.cast(table_y, tf.int32), index=index,
       mask=mask, valid=valid, epochs=np.asarray(epochs, np.int32))
@@ -218,8 +218,8 @@ def _round_choice(counts: Sequence[int], passes: Sequence[int]) -> np.ndarray:
 def _round_stream(datasets: Sequence[tf.data.Dataset], passes: Sequence[Any],
                   choice) -> tf.data.Dataset:
   """One tf.data pipeline for the whole round (`_round_choice`'s order), each dataset repeated
-  for its passes (Python ints or scalar tensors). Measured, 100 clients of 60 examples: ~0.2 s
-  against ~2 s for an eager iterator per client and epoch."""
+  for its passes (Python ints or scalar tensors): about ten times cheaper than an eager
+  iterator per client and epoch."""
   return tf.data.Dataset.choose_from_datasets(
       [ds if isinstance(p, int) and p == 1 else ds.repeat(p) for ds, p in zip(datasets, passes)],
       tf.data.Dataset.from_tensor_slices(choice), stop_on_empty_dataset=False)
@@ -230,8 +230,8 @@ def _read_orders(orders: Sequence[tf.data.Dataset], passes: tf.Tensor,
                  choice: tf.Tensor) -> tf.Tensor:
   """`_round_stream` over the clients' order datasets, read as one vector. Built inside a
   traced function, traced again only for another participant count (the passes are a
-  tensor): constructing the pipeline over 100 datasets eagerly every round cost more than
-  reading it (measured, mlp2 100 × 60: `stack_client_batches` ~30 → ~24 ms)."""
+  tensor): constructing the pipeline over 100 datasets eagerly every round costs more than
+  reading it."""
   passes = [passes[i] for i in range(len(orders))]
   return _round_stream(orders, passes, choice).batch(
       tf.size(choice, out_type=tf.int64)).with_options(_read_options()).get_single_element()
@@ -243,8 +243,8 @@ def _read_array_sources(sources: Sequence[ArraySource], passes: Sequence[int],
   (at least one client): the table is the participants' examples, each once, one client after
   another (the raw arrays' values: `preprocess_batch` still to apply); `rows [T, B]` is each
   batch's table rows (each client's epochs' batches in order; -1 pads a short batch). One
-  tf.data pipeline draws every client's epoch orders (indices only). Measured, 100 clients of
-  60 examples: ~0.3 s through the datasets' per-example map, ~0.05 s here."""
+  tf.data pipeline draws every client's epoch orders (indices only), several times cheaper
+  than going through the datasets' per-example map."""
   orders = [_as_tff_reads(source.order, read_before) for source in sources]
   sizes_n = [source.num_examples for source in sources]
   choice = _round_choice(sizes_n, passes)
@@ -325,8 +325,7 @@ def with_clients(structure: Any, num_clients: Optional[int], axis: int = 0) -> A
   `tf.vectorized_map` hands each client its row through `gather(x, i)`, which pfor turns
   back into `x` itself only when both `x`'s leading dimension and the number of clients are
   known at trace time; otherwise it copies every mapped argument, the stacked weights
-  included, at every local step (measured, cnn2 10 × 600: 0.40 s of op time in a 3.9 s
-  round; mlp2 100 × 60: the round 0.217 → 0.189 s without the copies).
+  included, at every local step (a tenth of a round's op time and more).
   """
   if num_clients is None or structure is None:
     return structure
@@ -635,7 +634,7 @@ class VectorizedClientWork:
                     if self._track_gradient_mean else ())
     # The first epoch's context when every client starts from the global model with the shared
     # regulariser: one client's, the same for all (FedLap's λ at local = global), computed
-    # once instead of per client (measured at 100 × 60 mlp2: see the README's Executors section).
+    # once instead of per client.
     same_first_context = start is None and client_terms is None
     if same_first_context:
       first_context = tf.nest.map_structure(
@@ -715,8 +714,8 @@ class VectorizedClientWork:
           for g in gradient_sum)
     if start is None:
       # The update `global − trained`, computed here: the result stays a TensorFlow tensor on
-      # its way to the aggregator (measured: copying the model-sized stacked arrays out to
-      # NumPy and back cost up to 0.3 s of a 100-client mlp2 round, in fresh pages).
+      # its way to the aggregator (copying the model-sized stacked arrays out to NumPy and
+      # back would cost a large part of a 100-client round).
       out['update'] = tuple(g[tf.newaxis] - w for g, w in zip(global_trainable, weights))
     if 'latent_mean' in self._weight_fields:
       latent_apply, latent_dim = self._latent
@@ -795,8 +794,8 @@ class VectorizedClientWork:
       if (k, factored) not in self._traced_for:
         # Traced once for every round of this client count: the round's example count, epochs,
         # steps and batch size left unknown. Traced on the first round's exact shapes instead,
-        # `reduce_retracing` traced again in the next rounds as those changed (measured, FedLap
-        # personalisation's offline twin: 4.5 s, then 2.5 s again in round 2).
+        # `reduce_retracing` traced again in the next rounds as those changed (seconds of
+        # tracing in round 2 as well).
         self._train.get_concrete_function(*_round_specs(args, k), num_clients=k,
                                           factored=factored)
         self._traced_for.add((k, factored))

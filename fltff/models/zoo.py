@@ -161,7 +161,7 @@ def _cnn2(name, input_shape, num_classes, init):
 
 
 def _cnn2_bn(name, input_shape, num_classes, init):
-  """`cnn2` with BatchNorm, for FedBN on the KAPC paper's MNIST/FMNIST setting (issue 36).
+  """`cnn2` with BatchNorm, for FedBN on the KAPC paper's MNIST/FMNIST setting.
 
   The KAPC paper (§7.1; NUMBERS.md §5.1) gives the 2CNN's two 5x5 conv layers and its 512- and
   128-unit hidden FC layers but says nothing about normalisation, so FedBN (which keeps the

@@ -7,7 +7,7 @@ identity there); clients start from s_i, so each gets FedAvg's aggregate with it
 normalisation layers (and statistics, which never leave the client: the round's bytes count
 only the other layers, as the KAPC paper's Table 6 does for FedBN). On a model without
 normalisation layers (cnn2, mlp2) that is FedAvg whose clients keep their locally trained
-models; the KAPC paper's MNIST/FMNIST configs therefore run FedBN on `cnn2_bn` (issue 36).
+models; the KAPC paper's MNIST/FMNIST configs therefore run FedBN on `cnn2_bn`.
 
 Executor: on BatchNorm models (cnn2_bn, resnet18) `runtime.executor = 'auto'` runs FedBN on
 TFF's C++ runtime, since vectorised clients refuse the BN moving statistics (non-trainable weights).

@@ -304,8 +304,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     prepare_round, end_round = self.split_round
     # The participants' model copies and their s_i (each `[P, ...]`, model-sized per
     # participant) go from one computation to the next as tensors: converted once, never
-    # copied out to NumPy and back (measured, KAPC at 100 × 60 mlp2: `end_round` 0.10–0.12 →
-    # 0.035 s, the round 0.58–0.73 → 0.44 s).
+    # copied out to NumPy and back (the copies took a large part of a round at 100 clients).
     with tensor_results() as in_process:
       if in_process:
         server_input = tf.nest.map_structure(stacked_tensor, server_input)
@@ -434,8 +433,8 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 class _RowCopies:
   """Row `p` of each stacked `[P, ...]` array, copied when indexed: a client's stale server
   copy, kept as its own array (a view would keep the round's whole stack alive), and made only
-  for the layers it did not upload (measured, KAPC at 100 × 60 mlp2, every layer uploaded:
-  copying all of them took 36 ms a round)."""
+  for the layers it did not upload (copying every layer would cost a model per participant
+  each round)."""
 
   def __init__(self, stacked: Sequence, p: int):
     self._stacked, self._p = stacked, p
@@ -508,8 +507,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   # copy may differ from them (BLS uploads part of the model; Local uploads nothing). Otherwise
   # the client uploaded its whole model last time, the copy in `server_input` *is* its model,
   # and the client reads it from the broadcast (`own`) — or does not need it at all when it
-  # starts from s_i. Same arithmetic, one model per participant less to ship in (measured
-  # ~45 ms a round for 10 × mlp2).
+  # starts from s_i. Same arithmetic, one model per participant less to ship in.
   model_from_client = bls_mu is not None or not communicates
   personal_fields = [('trainable', trainable_type)] if model_from_client else []
   if nspecs:

@@ -1,4 +1,4 @@
-"""Client-vectorised rounds for the personalised methods (KAPC, FedAMP, Local, pFedLA; issue 19).
+"""Client-vectorised rounds for the personalised methods (KAPC, FedAMP, Local, pFedLA).
 
 `build_personalized_process`'s client work — start from the client's own model (or s_i),
 train E epochs on `f_i(w) + λ Σ_l ||w^l − s_i^l||²`, BLS's choice of Ω (KAPC Algorithms 3–4)
@@ -35,8 +35,8 @@ def participant_rows(rows, listed: Sequence[int], order: Sequence[int]) -> colle
   per-participant entries `rows` (`process.message_rows`: `[P, ...]` in the order `listed`, the
   broadcast's clients). The broadcast already lists them in that order when the round's
   clients are trained in the order the server listed them (always, in `_vectorized_next`):
-  then the rows are the message's own tensors, not a gathered copy (measured, KAPC at 100 × 60
-  mlp2: gathering s_i and the own models per client took 19 ms a round)."""
+  then the rows are the message's own tensors, not a gathered copy of s_i and the own models
+  per client."""
   listed = [int(k) for k in listed]
   if listed == list(order):
     return rows

@@ -1,13 +1,13 @@
-"""Keeping glibc's heap from growing with rounds (issue 20).
+"""Keeping glibc's heap from growing with rounds.
 
 A federated round allocates and frees the same model-sized buffers again and again (client
 states, serialized datasets, gathered updates). glibc's malloc serves a block of 128 KiB or more
 with `mmap` (given back to the kernel at `free`) — until the first such block is freed: then it
 raises that threshold, up to 32 MiB, and later model-sized blocks come from the heap, where
 they fragment it. Resident memory then creeps up by a few KiB each round in the driver and by
-far more in TFF's `worker_binary`. Measured over 1,000 rounds (`pipelines.bench --memory`):
-SCAFFOLD's driver +0.028 -> +0.020 and its worker +0.330 -> +0.047 MiB/round, FedLayerWise's
-worker +0.227 -> +0.047. The arithmetic is untouched; only where memory comes from changes.
+far more in TFF's `worker_binary`; with a fixed threshold the growth per round falls several
+times (`fltff bench --memory`, docs/performance.md). The arithmetic is untouched; only where
+memory comes from changes.
 
 * `fix_mmap_threshold(kib)`: `mallopt(M_MMAP_THRESHOLD)` in this process (which also turns off
   the dynamic raise);

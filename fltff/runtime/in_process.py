@@ -27,9 +27,9 @@ worker:
 4. A `device` (`runtime.device`) places the computations (e.g. on a GPU, which TFF's C++
    runtime never uses); tf.data ops stay on the CPU.
 
-Measured on the 2-core CPU machines (`pipelines.bench --executors`): the same graphs run
-slower here than in TFF's `worker_binary`, so the C++ runtime stays the default; see the
-README's Performance section.
+On CPUs the same graphs run slower here than in TFF's `worker_binary` (`fltff bench
+--executors`), so this executor is the default only with vectorised clients; see
+docs/performance.md.
 
 No arithmetic is rewritten: every number comes from the graphs TFF compiled, so results equal
 the C++ runtime's up to floating-point scheduling (tests/test_in_process.py).
@@ -134,8 +134,8 @@ def stacked_tensor(array) -> tf.Tensor:
   """`tf.convert_to_tensor(array)` for an `aligned_stack` result: the tensor shares the
   array's buffer (DLPack; the array stays alive while the tensor does) instead of copying it.
   Model-sized stacks are what a vectorised round hands in (KAPC's server copies, SCAFFOLD's
-  controls, MOON's previous models: 63 MB each at 100 mlp2 clients; measured, the copy took
-  25 ms, and up to 0.16 s on memory idle for seconds, see the README's Executors section).
+  controls, MOON's previous models: tens of MB each at 100 mlp2 clients, whose copy would
+  cost tens of milliseconds a round).
   The array must not be written afterwards. Any other value (misaligned, non-contiguous,
   read-only, small, another dtype) is copied as `tf.convert_to_tensor` does."""
   if (isinstance(array, np.ndarray) and array.nbytes >= _SHARE_MIN_BYTES
@@ -224,8 +224,8 @@ def _unflatten(leaves, type_spec, t):
 
 def _build(leaves, type_spec, t):
   """`_unflatten`'s recursion, a module function: a nested recursive closure is a reference
-  cycle that held each call's result tensors until Python's cycle collector ran (measured:
-  ~320 MB of model-sized tensors per KAPC round at 100 × 60 mlp2)."""
+  cycle that holds each call's result tensors until Python's cycle collector runs (hundreds
+  of MB of model-sized tensors per round for a personalised method at 100 clients)."""
   if isinstance(type_spec, t['types'].StructType):
     return t['structure'].Struct([(name, _build(leaves, member, t))
                                   for name, member in t['structure'].to_elements(type_spec)])
@@ -323,8 +323,7 @@ def _array_view(tensor: tf.Tensor) -> np.ndarray:
   """`tensor`'s value as a read-only NumPy array over its own buffer (`np.asarray`), where
   `tensor.numpy()` copies it. A round's model-sized results (KAPC at 100 × 60 mlp2: the new
   client states, 126 MB) were copied into freshly allocated memory, and on this machine memory
-  that was freed a few seconds before is slow to touch again (measured in the bench's
-  interleaved rounds: 0.137 s of copies in a slow KAPC round). Read-only, so that nothing
+  that was freed a few seconds before is slow to touch again. Read-only, so that nothing
   writes into a buffer TensorFlow may share with another tensor."""
   array = np.asarray(tensor)
   if array.flags.writeable:
@@ -425,7 +424,7 @@ def _call_flat(function, leaves: list):
   """Calls a pruned function on its flat tensor inputs.
 
   The public call path binds the arguments to a structured signature, which formats every
-  tensor (measured: ~40 % of a small round); the inputs here are already flat and typed.
+  tensor (a large part of a small round); the inputs here are already flat and typed.
   """
   return function._call_flat(leaves, function.captured_inputs)  # pylint: disable=protected-access
 
@@ -478,8 +477,8 @@ class _TensorFlowFunction:
   # -- many clients in one call ------------------------------------------------------------
   # A federated_map or a federated_aggregate's fold over K participants would cost K calls
   # from Python (~1 ms each). Instead a map is one pfor-vectorised call over the stacked
-  # participants (measured: 0.03 -> ~0.005 s for TFF's weighted-mean map over 100 mlp2
-  # updates), or one tf.function that loops over them calling the same graph once per
+  # participants (several times faster than one call per participant at 100 clients), or
+  # one tf.function that loops over them calling the same graph once per
   # participant, in order, where pfor fails; a fold is always the loop.
 
   def map_clients(self, args: list) -> Optional[list]:
@@ -562,7 +561,7 @@ class _TensorFlowFunction:
       # A gathering accumulate appends each client's value as a row: folding the stacked
       # clients is one concatenation (the same rows, without copying the accumulator K times).
       # An empty accumulator (the aggregation's zero) adds no row: the stacked column is the
-      # result as it is, not a copy (measured, KAPC at 100 × 60 mlp2: 63 MB a round).
+      # result as it is, not a model-sized copy.
       return self.unflatten_result([
           stacked[j] if a.shape[0] == 0 else tf.concat([a, stacked[j]], 0)
           for a, j in zip(acc, self._append_columns)])
@@ -767,8 +766,7 @@ class _Interpreter:
     """The compiled computation C when `comp` is `(x -> C(x))` or `(x -> let v=C(x) in v)`,
     else None. TFF's compiler leaves such wrappers around e.g. an aggregate's accumulate;
     seen as C itself, the map and fold run over the stacked clients in one call instead of
-    one interpreted call per client (measured: FedLayerWise's gathering fold over 100 mlp2
-    updates)."""
+    one interpreted call per client (e.g. FedLayerWise's gathering fold)."""
     bb = self._t['bb']
     name, body = comp.parameter_name, comp.result
     if name is None:

@@ -277,7 +277,7 @@ def _fail_fast_stub_class():
       # Not TFF's __init__: it subscribes a callback to the channel's connectivity, for an
       # `is_ready` nothing in TFF 0.87 reads; the subscription starts a polling thread that
       # holds the channel (and this stub) for the life of the process, so a replaced worker's
-      # channel could be neither closed nor freed (measured: a recycle kept its channel).
+      # channel could be neither closed nor freed (each recycle would keep one).
       from tensorflow_federated.proto.v0 import executor_pb2_grpc  # pylint: disable=g-import-not-at-top
 
       self._channel = channel
@@ -366,8 +366,8 @@ def _compile_once(comp):
   """TFF's native compilation of `comp`, done once per computation for all contexts.
 
   Each context's `CompilerPipeline` would compile a computation again after a recycle (and the
-  TensorFlow graph work of compiling stays in the driver: measured ~3 MiB per recycle for
-  FedLayerWise); the compiled form does not depend on the context, so it is shared.
+  TensorFlow graph work of compiling stays in the driver, a few MiB per recycle); the
+  compiled form does not depend on the context, so it is shared.
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -405,7 +405,7 @@ def _mergeable_context_for_stubs(stubs):
 
 
 def _release_compiled_computations() -> None:
-  """Empties TFF's cache of compiled computations (measured: what a recycle leaked).
+  """Empties TFF's cache of compiled computations (else each recycle leaks one context's).
 
   TFF 0.87's `CompilerPipeline.compile` is a `functools.lru_cache` on the method, one cache for
   all pipelines keyed by (pipeline, computation): a replaced context's pipeline and everything
@@ -673,8 +673,8 @@ class TffRuntime:
   def after_round(self, round_num: int, round_seconds: Optional[float] = None) -> None:
     """Called by the driver after each completed round: with `recycle_every` = K > 0, the local
     `worker_binary` is replaced by a fresh one every K rounds. All state lives in the driver, so
-    results are unchanged; the worker's memory (which TFF's C++ runtime grows every round,
-    issue 20) starts over. Remote workers are never recycled. The driver's free heap pages go
+    results are unchanged; the worker's memory (which TFF's C++ runtime grows every round)
+    starts over. Remote workers are never recycled. The driver's free heap pages go
     back to the kernel (`heap.trim`). With the adaptive RPC deadline (`rpc_timeout=None`),
     `round_seconds` sets it (`RPC_TIMEOUT_FACTOR`)."""
     if self.adaptive_rpc_timeout and round_seconds:
@@ -775,7 +775,7 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
       with `recycle_every` (`TffRuntime.bind`). 'tff_cpp': TFF's C++ runtime, a local
       `worker_binary` or the remote `workers`. 'in_process': the same compiled computations
       run in this process, no worker (`fltff.runtime.in_process`; equal results; client by
-      client it is slower on the 2-core CPUs measured, see the README's Executors section).
+      client it is slower than TFF's C++ runtime on CPUs, see docs/performance.md).
     device: 'auto' | 'cpu' | 'gpu': where the in-process executor runs the computations
       ('auto': TensorFlow's choice, its GPU when it sees one). TFF's C++ runtime never uses a
       GPU (TFF issues 3709, 4600): with 'tff_cpp' only 'auto' and 'cpu' are accepted.
@@ -787,7 +787,7 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
       round's client work for all
       participants in one vectorised TensorFlow step (`fltff.learning.vectorized`; the
       FedAvg-family methods and the personalised KAPC, FedAMP, Local and pFedLA, on models
-      without BatchNorm; equal results, see the README's Performance section).
+      without BatchNorm; equal results, see docs/performance.md).
     factor_dense: With vectorised clients, train Dense kernels in factored form in rounds
       whose history is short against the kernel (`fltff.learning.factored_dense`; the same
       numbers up to float rounding). False: every kernel takes the per-step update.

@@ -338,7 +338,7 @@ class RoundDriver:
                            'client_states': self.client_states.fingerprint(round_num)},
         self.client_states.checkpoint(round_num))
     self.client_states.prune(self.checkpointer.rounds())
-    # What a checkpoint costs (issue 20: it must grow with the clients changed, not with the
+    # What a checkpoint costs (it must grow with the clients changed, not with the
     # population): seconds including the client store's part, and the file's size.
     self._checkpoint_costs.append((time.perf_counter() - t0, os.path.getsize(stem + '.npz')))
     for name, array in self.algorithm.round_files(state).items():

@@ -233,8 +233,8 @@ def _png(gray) -> bytes:
 class _EventWriter:
   """TensorBoard event files written from protobufs, with no TensorFlow op.
 
-  `tf.summary` in eager mode kept ~0.18 KiB of driver memory per scalar written, for the whole
-  run (measured, issue 20: ~7 KiB per round for a 40-column row); these are the same events
+  `tf.summary` in eager mode keeps a fraction of a KiB of driver memory per scalar written,
+  for the whole run (KiBs per round for a 40-column row); these are the same events
   (scalars, histograms, PNG images with their TensorBoard plugin metadata) built directly.
   """
 
