@@ -321,10 +321,10 @@ def _to_python(value, t, keep_tensors: bool = False):
 
 def _array_view(tensor: tf.Tensor) -> np.ndarray:
   """`tensor`'s value as a read-only NumPy array over its own buffer (`np.asarray`), where
-  `tensor.numpy()` copies it. A round's model-sized results (KAPC at 100 × 60 mlp2: the new
-  client states, 126 MB) were copied into freshly allocated memory, and on this machine memory
-  that was freed a few seconds before is slow to touch again. Read-only, so that nothing
-  writes into a buffer TensorFlow may share with another tensor."""
+  `tensor.numpy()` copies it. A round's model-sized results (a personalised method's new
+  client states: a model per participant) would be copied into freshly allocated memory, and
+  memory that was freed a few seconds before can be slow to touch again. Read-only, so that
+  nothing writes into a buffer TensorFlow may share with another tensor."""
   array = np.asarray(tensor)
   if array.flags.writeable:
     array = array.view()
