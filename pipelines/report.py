@@ -310,20 +310,14 @@ def seed_table(groups: list[list[int]], runs: list[dict]) -> str:
   return '\n'.join(lines)
 
 
-def seed_band_plot(groups: list[list[int]], runs: list[dict], path: str) -> None:
-  """Each group's mean curve over its seeds, with the band from the lowest to the highest."""
+def _accuracy_figure(runs: list[dict], path: str, draw) -> None:
+  """One accuracy-by-round PNG: `draw(ax)` adds the curves; axes, legend and file are shared."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-  from .reproduction import band  # pylint: disable=g-import-not-at-top
-
   fig, ax = plt.subplots(figsize=(7, 4.5))
-  for group in groups:
-    members = [runs[i] for i in group]
-    x, mean, lo, hi = band(members, _accuracy_key)
-    line, = ax.plot(x, mean, label=f'{members[0]["label"]} ({len(members)} seeds)')
-    ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
+  draw(ax)
   ax.set_xlabel('communication round')
   ax.set_ylabel(_accuracy_axis(runs))
   ax.grid(alpha=0.3)
@@ -331,6 +325,20 @@ def seed_band_plot(groups: list[list[int]], runs: list[dict], path: str) -> None
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def seed_band_plot(groups: list[list[int]], runs: list[dict], path: str) -> None:
+  """Each group's mean curve over its seeds, with the band from the lowest to the highest."""
+  from .reproduction import band  # pylint: disable=g-import-not-at-top
+
+  def draw(ax):
+    for group in groups:
+      members = [runs[i] for i in group]
+      x, mean, lo, hi = band(members, _accuracy_key)
+      line, = ax.plot(x, mean, label=f'{members[0]["label"]} ({len(members)} seeds)')
+      ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
+
+  _accuracy_figure(runs, path, draw)
 
 
 def _accuracy_axis(runs: list[dict]) -> str:
@@ -341,22 +349,13 @@ def _accuracy_axis(runs: list[dict]) -> str:
 
 
 def plot(runs: list[dict], path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  def draw(ax):
+    for run in runs:
+      key = _accuracy_key(run)
+      evals = [r for r in run['rows'] if key in r]
+      ax.plot([r['round'] for r in evals], [r[key] for r in evals], label=run['label'])
 
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for run in runs:
-    key = _accuracy_key(run)
-    evals = [r for r in run['rows'] if key in r]
-    ax.plot([r['round'] for r in evals], [r[key] for r in evals], label=run['label'])
-  ax.set_xlabel('communication round')
-  ax.set_ylabel(_accuracy_axis(runs))
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  _accuracy_figure(runs, path, draw)
 
 
 def main(argv) -> int:

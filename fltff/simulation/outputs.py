@@ -130,13 +130,12 @@ def remove_if_unused(output_dir: str) -> bool:
   failed before writing anything); returns whether it did."""
   if not os.path.isdir(output_dir) or set(os.listdir(output_dir)) - {RUN_MARKER, LOCK_FILE}:
     return False
-  handle = _HELD_LOCKS.pop(os.path.realpath(output_dir), None)
-  if handle is None:
+  if os.path.realpath(output_dir) not in _HELD_LOCKS:
     return False  # Not this process's folder.
   for name in (RUN_MARKER, LOCK_FILE):
     with contextlib.suppress(FileNotFoundError):
       os.remove(os.path.join(output_dir, name))
-  handle.close()
+  release_output_dir(output_dir)
   with contextlib.suppress(OSError):
     os.rmdir(output_dir)
   return not os.path.exists(output_dir)
