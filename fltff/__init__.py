@@ -5,6 +5,7 @@ Subpackages (imported lazily, so `import fltff.data.partition` stays free of Ten
   models       Keras model zoo and the one layer grouping every layer-wise method uses
   learning     client work and process builders, one module per method (FedAvg, FedProx, SGDM)
   aggregators  TFF aggregation factories (FedAdp, FedLayerWise)
+  methods      the one registry of methods: name → builder and what each needs
   personalization  per-client models (FedLap personalisation)
   simulation   round driver: sampling, evaluation, metrics, checkpoints, per-client state
   runtime      TFF execution contexts (local C++ worker_binary, remote worker) with clean shutdown
@@ -17,8 +18,8 @@ import sys
 
 __version__ = '0.1.0'
 
-__all__ = ['aggregators', 'data', 'errors', 'learning', 'models', 'personalization', 'runtime',
-           'simulation']
+__all__ = ['aggregators', 'data', 'errors', 'learning', 'methods', 'models', 'personalization',
+           'runtime', 'simulation']
 
 
 def __getattr__(name):

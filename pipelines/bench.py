@@ -43,9 +43,8 @@ from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-positio
 from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from fltff import aggregators  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import learning  # pylint: disable=g-import-not-at-top,wrong-import-position
-from fltff import personalization  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff import methods as method_registry  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.data.pipeline import ClientDatasets  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -224,37 +223,11 @@ def _round_fn(algorithm):
 
 
 def method_builders(spec, num_clients: int) -> dict:
-  """`{method name: build(client_optimizer)}` for every method the bench can time."""
-  n = num_clients
-  builders = {
-      'fedavg': lambda opt: learning.build_fedavg(spec, client_optimizer=opt),
-      'fedprox': lambda opt: learning.build_fedprox(spec, client_optimizer=opt),
-      'sgdm': lambda opt: learning.build_sgdm(spec, client_optimizer=opt),
-      'fedlap': lambda opt: learning.build_fedlap(spec, client_optimizer=opt),
-      'fedadp': lambda opt: learning.build_fedadp(spec, n, client_optimizer=opt),
-      'fedlayerwise': lambda opt: learning.build_fedlayerwise(spec, n, client_optimizer=opt),
-      'fednova': lambda opt: learning.build_fednova(spec, client_optimizer=opt),
-      'fedbabu': lambda opt: learning.build_fedbabu(spec, client_optimizer=opt),
-      'scaffold': lambda opt: learning.build_scaffold(spec, n, client_optimizer=opt),
-      'scaffold+ccn': lambda opt: learning.build_scaffold(
-          spec, n, client_optimizer=opt,
-          model_aggregator=aggregators.contribution_normalization_factory()),
-      'moon': lambda opt: learning.build_moon(spec, n, client_optimizer=opt),
-      # Personalised processes (their round includes the server's R update, stale copies).
-      'kapc': lambda opt: personalization.build_kapc(spec, n, client_optimizer=opt),
-      'kapc+bls': lambda opt: personalization.build_kapc(spec, n, client_optimizer=opt,
-                                                         bls_mu=0.5),
-      'fedamp': lambda opt: personalization.build_fedamp(spec, n, client_optimizer=opt),
-      'fedbn': lambda opt: personalization.build_fedbn(spec, n, client_optimizer=opt),
-      'local': lambda opt: personalization.build_local(spec, n, client_optimizer=opt),
-      'pfedla': lambda opt: personalization.build_pfedla(spec, n, client_optimizer=opt),
-  }
-  for base in ('fedavg', 'fedprox', 'sgdm', 'fednova', 'fedbabu'):  # '<base>+ccn': with CCN
-    builders[f'{base}+ccn'] = functools.partial(
-        lambda opt, b: getattr(learning, f'build_{b}')(
-            spec, client_optimizer=opt,
-            model_aggregator=aggregators.contribution_normalization_factory()), b=base)
-  return builders
+  """`{method name: build(client_optimizer)}` for every method and variant of the registry
+  (`fltff.methods`): the methods the bench can time."""
+  return {name: functools.partial(
+      lambda opt, name: method_registry.build(name, spec, num_clients, opt), name=name)
+          for name in method_registry.names(variants=True)}
 
 
 def compare_methods(spec, data) -> int:

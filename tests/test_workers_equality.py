@@ -1,10 +1,9 @@
-"""Every method on 2 loopback workers equals the local runtime (issue 15).
+"""Methods on 2 loopback workers equal the local runtime.
 
 TFF's mergeable context runs each round as one sub-round per worker and returns the
 sub-rounds in completion order, so per-client values must be matched to clients by index,
-never by position. For every method — global, with client state (SCAFFOLD, MOON), with CCN,
-personalised (KAPC, KAPC+BLS, FedAMP, FedBN, Local, pFedLA) — the same algorithm object runs 3
-rounds with the round driver on the local runtime and on 2 workers (in-process: one trace per
+never by position. For one method of each shape of round (`NAMES`) the same algorithm object
+runs 3 rounds with the round driver on the local runtime and on 2 workers (in-process: one trace per
 method), on an uneven Dirichlet split with partial participation, and every metric and every
 array of the final checkpoint (server state, client states) must agree.
 """
@@ -16,9 +15,7 @@ import numpy as np
 import pytest
 import tensorflow_federated as tff
 
-from fltff import aggregators
-from fltff import learning
-from fltff import personalization
+from fltff import methods
 from fltff.runtime import TffRuntime
 from fltff.simulation import RoundConfig
 from fltff.simulation import RoundDriver
@@ -29,38 +26,21 @@ from test_remote import Worker
 
 NUM_CLIENTS = 6
 SGD = functools.partial(tff.learning.optimizers.build_sgdm, learning_rate=0.05)
-CCN = aggregators.contribution_normalization_factory
 
 
-def _global(name, **kwargs):
-  return lambda spec: getattr(learning, f'build_{name}')(spec, client_optimizer=SGD(),
-                                                          **kwargs)
+# One method per shape of round under the mergeable context: a weighted mean (FedAvg, FedProx),
+# gathered per-client weights (FedAvg and FedNova with CCN), per-client server memory
+# (FedLayerWise), client state (SCAFFOLD, MOON), and the personalised round with each kind of
+# server step (KAPC+BLS: R and Ω; pFedLA: hypernetworks; FedBN: local layers). The other
+# methods differ from one of these only in their client's arithmetic, not in what is merged.
+NAMES = ['fedavg', 'fedprox', 'fedavg+ccn', 'fednova+ccn', 'fedlayerwise', 'scaffold', 'moon',
+         'kapc+bls', 'pfedla', 'fedbn']
+SETTINGS = {'fedprox': {'mu': 0.1}, 'kapc+bls': {'bls_mu': 0.3},
+            'pfedla': {'embedding_dim': 8, 'hidden_dim': 8}}
 
 
-def _personal(name, **kwargs):
-  return lambda spec: getattr(personalization, f'build_{name}')(
-      spec, NUM_CLIENTS, client_optimizer=SGD(), **kwargs)
-
-
-METHODS = {
-    'fedavg': _global('fedavg'),
-    'fedprox': _global('fedprox', mu=0.1),
-    'sgdm': _global('sgdm'),
-    'fedlap': _global('fedlap'),
-    'fednova+ccn': _global('fednova', model_aggregator=CCN()),
-    'fedbabu': _global('fedbabu'),
-    'fedavg+ccn': _global('fedavg', model_aggregator=CCN()),
-    'fedadp': _global('fedadp', num_clients=NUM_CLIENTS),
-    'fedlayerwise': _global('fedlayerwise', num_clients=NUM_CLIENTS),
-    'scaffold': _global('scaffold', num_clients=NUM_CLIENTS),
-    'moon': _global('moon', num_clients=NUM_CLIENTS),
-    'kapc': _personal('kapc'),
-    'kapc+bls': _personal('kapc', bls_mu=0.3),
-    'fedamp': _personal('fedamp'),
-    'fedbn': _personal('fedbn'),
-    'local': _personal('local'),
-    'pfedla': _personal('pfedla', embedding_dim=8, hidden_dim=8),
-}
+def _build(name, spec):
+  return methods.build(name, spec, NUM_CLIENTS, SGD(), **SETTINGS.get(name, {}))
 
 
 @pytest.fixture(scope='module')
@@ -93,9 +73,9 @@ def test_split_is_uneven(data):
   assert sizes[-1] > 1.5 * sizes[0]
 
 
-@pytest.mark.parametrize('method', sorted(METHODS))
+@pytest.mark.parametrize('method', NAMES)
 def test_two_workers_equal_local_runtime(method, data, two_workers, tff_runtime, tmp_path):
-  algorithm = METHODS[method](build_model_spec(data, 'mlp2', seed=0))
+  algorithm = _build(method, build_model_spec(data, 'mlp2', seed=0))
   local_rows, local_arrays = _run(algorithm, data, tff_runtime, tmp_path / 'local')
   rows, arrays = _run(algorithm, data, two_workers, tmp_path / 'two')
   assert len(rows) == len(local_rows) == 3

@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from fltff import methods
 from fltff.errors import ConfigError
 from fltff.learning.client_work import client_input
 
@@ -127,11 +128,6 @@ class ClientInputDataSource(tff.program.FederatedDataSource):
     return self._iterator_class(*self._iterator_args)
 
 
-# Methods whose round uses neither the client's index (per-client aggregator state, CCN's and
-# FedNova's gathered weights) nor client state kept by fltff's round driver.
-_NO_CLIENT_IDENTITY = ('fedavg', 'fedprox', 'sgdm', 'fedlap', 'fedbabu')
-
-
 def as_dataset_process(algorithm, epochs: int):
   """`algorithm.process` as a `tff.learning.templates.LearningProcess` whose client data is
   each client's batched dataset (elements `OrderedDict(x=..., y=...)`), for TFF's program API.
@@ -139,11 +135,15 @@ def as_dataset_process(algorithm, epochs: int):
   Every client trains `epochs` local epochs; its fltff client index is 0 (see the module
   docstring for the methods this excludes).
   """
-  if algorithm.name not in _NO_CLIENT_IDENTITY:
+  # Only a method whose round uses neither the client's index (per-client aggregator state,
+  # CCN's and FedNova's gathered weights) nor client state kept by fltff's round driver.
+  without_identity = [m.name for m in methods.METHODS.values()
+                      if not (m.client_ids or m.client_state)]
+  if algorithm.name not in without_identity:
     raise ConfigError(
         f'{algorithm.name} needs each client\'s identity or driver-held client state, which a '
         f'plain TFF LearningProcess cannot carry; run it with pipelines.run (methods for TFF\'s '
-        f'program API: {", ".join(_NO_CLIENT_IDENTITY)}).')
+        f'program API: {", ".join(without_identity)}).')
   inner = algorithm.process
   data_type = inner.next.type_signature.parameter[1].member
   if [name for name, _ in tff.structure.iter_elements(data_type)] != ['batches', 'info']:

@@ -1,0 +1,170 @@
+"""The one registry of fltff's methods: name → builder and what the method needs.
+
+Every program that lists methods reads it: gin (`experiment.method = @<gin name>`: the
+registry name, but `@local_training` for `local`), `fltff bench`, the memory bench, the program API
+(`fltff.simulation.program`) and the tests. `VARIANTS` names the compositions they compare
+(CCN on a FedAvg-family method, KAPC with BLS, FedAvg with FedLap personalisation).
+
+    from fltff import methods
+    algorithm = methods.build('kapc+bls', model_spec, num_clients=10,
+                              client_optimizer=tff.learning.optimizers.build_sgdm(0.01))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any, Optional
+
+from fltff.errors import ConfigError
+
+__all__ = ['METHODS', 'Method', 'VARIANTS', 'Variant', 'build', 'get', 'names', 'of_builder']
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """A method of fltff and what it needs (each trait is checked against the built method in
+  `tests/test_methods.py`).
+
+  Attributes:
+    name: Its registry and gin name.
+    builder: `module:function` of its `build_<method>` (imported when used).
+    num_clients: The builder takes the total number of clients N (state sized by N).
+    client_ids: Its round uses each participant's client index (per-client server memory,
+      client state, per-client aggregator weights): TFF's program API, which carries none,
+      cannot drive it.
+    client_state: Clients carry a state between rounds (SCAFFOLD's c_i, MOON's previous model,
+      personal models), kept by the round driver's store.
+    personalised: Every client is evaluated with its own model; there is no global model.
+    vectorises: Its client work runs vectorised (`runtime.vectorize_clients`) on models without
+      non-trainable weights.
+    factors: Vectorised, it can train Dense kernels in factored form (`runtime.factor_dense`):
+      plain SGD(M) steps, or a proximal term with one scale per tensor.
+    composes_aggregator: The builder takes `model_aggregator=` (any TFF weighted aggregation
+      factory; CCN with `+ccn`).
+    gin_name: Its gin configurable's name (`experiment.method = @<gin_name>`): its name,
+      except `local_training`.
+  """
+  name: str
+  builder: str
+  num_clients: bool
+  client_ids: bool
+  client_state: bool
+  personalised: bool
+  vectorises: bool = True
+  factors: bool = True
+  composes_aggregator: bool = False
+  gin_name: str = ''
+
+  def __post_init__(self):
+    if not self.gin_name:
+      object.__setattr__(self, 'gin_name', self.name)
+
+  def build_fn(self) -> Callable[..., Any]:
+    module, function = self.builder.split(':')
+    return getattr(importlib.import_module(module), function)
+
+
+def _m(name, module, *, num_clients=False, client_ids=False, client_state=False,
+       personalised=False, factors=True, composes_aggregator=False, gin_name=''):
+  return Method(name, f'{module}:build_{name}', num_clients, client_ids, client_state,
+                personalised, True, factors, composes_aggregator, gin_name)
+
+
+_L, _P = 'fltff.learning', 'fltff.personalization'
+METHODS: Mapping[str, Method] = {m.name: m for m in (
+    _m('fedavg', _L, composes_aggregator=True),
+    _m('fedprox', _L, composes_aggregator=True),
+    _m('sgdm', _L, composes_aggregator=True),
+    _m('fedlap', _L, composes_aggregator=True, factors=False),
+    _m('fedadp', _L, num_clients=True, client_ids=True),
+    _m('fedlayerwise', _L, num_clients=True, client_ids=True),
+    _m('fednova', _L, client_ids=True, composes_aggregator=True),
+    _m('fedbabu', _L, composes_aggregator=True),
+    _m('scaffold', _L, num_clients=True, client_ids=True, client_state=True, factors=False,
+       composes_aggregator=True),
+    _m('moon', _L, num_clients=True, client_ids=True, client_state=True, factors=False),
+    _m('kapc', _P, num_clients=True, client_ids=True, client_state=True, personalised=True),
+    _m('fedamp', _P, num_clients=True, client_ids=True, client_state=True, personalised=True),
+    _m('pfedla', _P, num_clients=True, client_ids=True, client_state=True, personalised=True),
+    _m('fedbn', _P, num_clients=True, client_ids=True, client_state=True, personalised=True),
+    _m('local', _P, num_clients=True, client_ids=True, client_state=True, personalised=True,
+       gin_name='local_training'),
+)}
+
+
+def _ccn() -> dict:
+  from fltff import aggregators  # pylint: disable=g-import-not-at-top
+  return {'model_aggregator': aggregators.contribution_normalization_factory()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """A composition the programs and tests compare: registry method `base` built with the
+  keyword arguments `kwargs()` returns (a callable: aggregation factories are built per use),
+  with the traits in `traits` changed."""
+  base: str
+  kwargs: Callable[[], dict] = dict
+  traits: Mapping[str, bool] = dataclasses.field(default_factory=dict)
+
+
+# `<method>+ccn` for every method that composes an aggregator (CCN's Λ needs each client's
+# index); `+fedlap_personalization` wraps the built method (`with_fedlap_personalization`).
+VARIANTS: Mapping[str, Variant] = {
+    **{f'{name}+ccn': Variant(name, _ccn, {'client_ids': True})
+       for name, m in METHODS.items() if m.composes_aggregator},
+    'fedavg_uniform': Variant('fedavg', lambda: {'client_weighting': 'uniform'}),
+    'kapc+bls': Variant('kapc', lambda: {'bls_mu': 0.5}),
+    # Participants keep their local models between rounds.
+    'fedavg+fedlap_personalization': Variant('fedavg', traits={'client_state': True}),
+}
+
+
+def names(variants: bool = False) -> list[str]:
+  """The registry's method names (with `variants`: also `VARIANTS`), sorted."""
+  return sorted({**METHODS, **VARIANTS} if variants else METHODS)
+
+
+def get(name: str) -> Method:
+  """The registry entry of `name` (a variant's: its method's with the variant's traits);
+  `ConfigError` for an unknown name, listing the known ones."""
+  variant = VARIANTS.get(name)
+  base = variant.base if variant else name
+  if base not in METHODS:
+    raise ConfigError(f'unknown method {name!r}; fltff has {", ".join(names(variants=True))}.')
+  if variant is None:
+    return METHODS[base]
+  return dataclasses.replace(METHODS[base], name=name, **variant.traits)
+
+
+def build(name: str, model_spec, num_clients: Optional[int] = None, client_optimizer=None,
+          **kwargs):
+  """The built method (or variant) `name` for `model_spec`: its builder called with
+  `client_optimizer`, N = `num_clients` where it takes one, the variant's and `kwargs`."""
+  method = get(name)
+  if name in VARIANTS:
+    kwargs = {**VARIANTS[name].kwargs(), **kwargs}
+  if method.num_clients:
+    if num_clients is None:
+      raise ConfigError(f'{name} needs num_clients (the total number of clients).')
+    kwargs['num_clients'] = num_clients
+  algorithm = method.build_fn()(model_spec, client_optimizer=client_optimizer, **kwargs)
+  if name == 'fedavg+fedlap_personalization':
+    from fltff.personalization import fedlap_mixing  # pylint: disable=g-import-not-at-top
+    algorithm = fedlap_mixing.with_fedlap_personalization(
+        algorithm, fedlap_mixing.FedLapPersonalization(model_spec, client_optimizer))
+  return algorithm
+
+
+def of_builder(builder: Callable[..., Any]) -> Optional[Method]:
+  """The registry entry whose builder is `builder` (gin's configurable or the plain function),
+  or None for a builder of the user's own."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  target = inspect.unwrap(builder)
+  for method in METHODS.values():
+    module, function = method.builder.split(':')
+    if (getattr(target, '__name__', None) == function
+        and getattr(target, '__module__', '').startswith(module)):
+      return method
+  return None
