@@ -87,3 +87,17 @@ def test_kapc_paper_rounds_and_fraction(monkeypatch):
       gin.clear_config()
     checked += 1
   assert checked == 4 * 52 + 52
+
+
+def test_the_kapc_grid_is_the_generated_one():
+  """`gin_configs/kapc`'s grid is `pipelines.kapc_grid`'s output, file for file: change the
+  spec and run `python -m pipelines.kapc_grid --write`, never one file by hand."""
+  import re  # pylint: disable=g-import-not-at-top
+
+  from pipelines import kapc_grid  # pylint: disable=g-import-not-at-top
+
+  directory = os.path.join(REPO, 'gin_configs', 'kapc')
+  assert kapc_grid.differences(directory) == []
+  cells = [n for n in os.listdir(directory) if re.match(r'[a-z0-9_]+_n\d+_dir[\d.]+_', n)]
+  assert sorted(cells) == sorted(kapc_grid.grid())
+  assert kapc_grid.main(['kapc_grid']) == 0
