@@ -498,12 +498,35 @@ def test_select_omega_runs_in_a_tff_computation():
 
 
 # --- masks and bytes -------------------------------------------------------------------------
+# NumPy references: r_ii^l from R, Algorithm 3's skip mask, the upload prefix and the bytes sent.
+
+
+def self_relationships(relationship):
+  """r_ii^l `[N, L]` from the relationship cube R `[N, L, N]` (R[i, l, j] = r_ij^l)."""
+  n = relationship.shape[0]
+  return relationship[np.arange(n), :, np.arange(n)]
+
+
+def server_skip_mask(self_relationship, mu):
+  return np.asarray(self_relationship) > mu
+
+
+def upload_mask(omega, num_layers):
+  return np.arange(num_layers) < omega
+
+
+def layer_sizes(layers):
+  return [int(sum(np.asarray(t).nbytes for t in layer)) for layer in layers]
+
+
+def layer_bytes(sizes, mask):
+  return int(np.sum(np.asarray(sizes, np.int64)[np.asarray(mask, bool)]))
 
 
 def test_self_relationships_extracts_diagonal():
   rng = np.random.default_rng(0)
   cube = rng.uniform(size=(4, 3, 4))
-  r = bls.self_relationships(cube)
+  r = self_relationships(cube)
   assert r.shape == (4, 3)
   for i in range(4):
     np.testing.assert_array_equal(r[i], cube[i, :, i])
@@ -513,11 +536,9 @@ def test_server_skip_mask_mu_above_one_skips_nothing():
   rng = np.random.default_rng(0)
   cube = rng.uniform(size=(5, 4, 5))
   cube /= cube.sum(axis=2, keepdims=True)  # rows of R normalised: r_ij^l sums to 1 over j
-  r = bls.self_relationships(cube)
-  assert not bls.server_skip_mask(r, 1.01).any()
+  r = self_relationships(cube)
   assert not bls.server_skip_mask_tf(r, 1.01).numpy().any()
-  ones = np.ones(4)
-  assert not bls.server_skip_mask(ones, 1.0).any()  # strict: r_ii = μ is still sent
+  assert not bls.server_skip_mask_tf(np.ones(4), 1.0).numpy().any()  # strict: r_ii = μ is sent
 
 
 def test_server_skip_mask_constructed():
@@ -525,9 +546,9 @@ def test_server_skip_mask_constructed():
                 [0.1, 1.0, 0.5, 0.0]])
   expected = np.array([[True, False, False, True],
                        [False, True, False, False]])
-  np.testing.assert_array_equal(bls.server_skip_mask(r, 0.5), expected)
-  np.testing.assert_array_equal(bls.server_skip_mask(r[0], 0.5), expected[0])
+  np.testing.assert_array_equal(server_skip_mask(r, 0.5), expected)
   np.testing.assert_array_equal(bls.server_skip_mask_tf(r, 0.5).numpy(), expected)
+  np.testing.assert_array_equal(bls.server_skip_mask_tf(r[0], 0.5).numpy(), expected[0])
   np.testing.assert_array_equal(
       bls.server_skip_mask_tf(tf.constant(r, tf.float32), 0.5).numpy(), expected)
 
@@ -539,40 +560,32 @@ def test_server_skip_mask_constructed():
     (4, 4, [True, True, True, True]),
 ])
 def test_upload_mask(omega, length, expected):
-  np.testing.assert_array_equal(bls.upload_mask(omega, length), expected)
+  np.testing.assert_array_equal(upload_mask(omega, length), expected)
   np.testing.assert_array_equal(bls.upload_mask_tf(omega, length).numpy(), expected)
   np.testing.assert_array_equal(
       bls.upload_mask_tf(tf.constant(omega), tf.constant(length)).numpy(), expected)
 
 
-def test_layer_bytes():
+def test_layer_bytes_reference():
   rng = np.random.default_rng(0)
-  sizes = bls.layer_sizes(random_layers(rng))
+  sizes = layer_sizes(random_layers(rng))
   assert sizes == [(5 * 4 + 4) * 4, (3 * 3 * 2 * 4 + 4) * 4, (4 * 3 + 3) * 4]
-  assert bls.layer_bytes(sizes, [True, False, True]) == sizes[0] + sizes[2]
-  assert bls.layer_bytes(sizes, bls.upload_mask(2, 3)) == sizes[0] + sizes[1]
-  assert bls.layer_bytes(sizes, np.zeros(3, bool)) == 0
-  assert isinstance(bls.layer_bytes(sizes, np.ones(3, bool)), int)
-  skipped = bls.server_skip_mask(np.array([0.9, 0.1, 0.1]), 0.5)
-  assert bls.layer_bytes(sizes, ~skipped) == sizes[1] + sizes[2]
+  assert layer_bytes(sizes, [True, False, True]) == sizes[0] + sizes[2]
+  assert layer_bytes(sizes, bls.upload_mask_tf(2, 3).numpy()) == sizes[0] + sizes[1]
+  skipped = bls.server_skip_mask_tf(np.array([0.9, 0.1, 0.1]), 0.5).numpy()
+  assert layer_bytes(sizes, ~skipped) == sizes[1] + sizes[2]
 
 
 def test_masks_bad_args():
   with pytest.raises(ConfigError, match='mu'):
-    bls.server_skip_mask(np.ones(3), -0.1)
+    bls.server_skip_mask_tf(np.ones(3), -0.1)
   with pytest.raises(ConfigError, match='mu'):
     bls.server_skip_mask_tf(np.ones(3), float('nan'))
   with pytest.raises(ConfigError, match=r'\[L\] or \[P, L\]'):
-    bls.server_skip_mask(np.ones((2, 2, 2)), 0.5)
+    bls.server_skip_mask_tf(np.ones((2, 2, 2)), 0.5)
   with pytest.raises(ConfigError, match='omega'):
-    bls.upload_mask(4, 3)
+    bls.upload_mask_tf(4, 3)
   with pytest.raises(ConfigError, match='omega'):
     bls.upload_mask_tf(-1, 3)
   with pytest.raises(ConfigError, match='num_layers'):
-    bls.upload_mask(0, 0)
-  with pytest.raises(ConfigError, match='mask'):
-    bls.layer_bytes([1, 2, 3], [True, False])
-  with pytest.raises(ConfigError, match='>= 0'):
-    bls.layer_bytes([1, -2], [True, True])
-  with pytest.raises(ConfigError, match=r'\[N, L, N\]'):
-    bls.self_relationships(np.ones((3, 2, 4)))
+    bls.upload_mask_tf(0, 0)

@@ -8,15 +8,15 @@ communication in both directions:
 
 * Server side (§5.1, Algorithm 3): layer l is not sent to client i when its self-relationship
   r_ii^l exceeds μ. The client then trains that layer without a regulariser.
-  `server_skip_mask_tf` (used in rounds), `server_skip_mask`, `self_relationships`.
+  `server_skip_mask_tf`.
 * Client side (§5.2, Definition 1, inequality (29), Algorithm 4): after local training client i
   uploads only its first Ω_i layers. `select_omega_tf` is Algorithm 4 for one client and round;
   `layer_bounds` gives Eqs. (30)–(31), `criterion_sides_tf`/`criterion_tf` inequality (29) at
   every Ω, `search_tf` Algorithm 4's search (lines 15–24), `layer_dimensions` the per-layer
-  sizes (29) needs; `upload_mask_tf`, `layer_bytes` turn Ω into what is sent.
+  sizes (29) needs; `upload_mask_tf` turns Ω into the layers that are sent.
 
-Everything used in rounds is TensorFlow (usable inside a `tf.function`/TFF computation); the
-NumPy references of Algorithm 4 and (29) live in tests/test_bls.py.
+Everything here is TensorFlow, usable inside a `tf.function`/TFF computation; the NumPy
+references of Algorithms 3–4 and (29) are the test oracles in tests/test_bls.py.
 
 Algorithm 4, line by line (our wording; "B^l, τ^l" are the client's stored full-layer bounds,
 "B̂^l, τ̂^l" this round's values; the stored pair is `b_max`, `tau_max` in KAPC's client state):
@@ -444,42 +444,21 @@ def select_omega_tf(b: TensorLike, tau: TensorLike, b_max: TensorLike, tau_max: 
 # Masks and communication.
 
 
-def self_relationships(relationship: np.ndarray) -> np.ndarray:
-  """r_ii^l `[N, L]` from the relationship cube R `[N, L, N]` (R[i, l, j] = r_ij^l)."""
-  relationship = np.asarray(relationship)
-  if relationship.ndim != 3 or relationship.shape[0] != relationship.shape[2]:
-    raise ConfigError(f'BLS relationship cube must be [N, L, N], got {relationship.shape}.')
-  n = relationship.shape[0]
-  return relationship[np.arange(n), :, np.arange(n)]
-
-
 def _check_mu(mu) -> None:
   if _is_python_number(mu) and not mu >= 0:
     raise ConfigError(f'BLS mu must be >= 0, got {mu}.')
 
 
-def server_skip_mask(self_relationship: np.ndarray, mu: float) -> np.ndarray:
+def server_skip_mask_tf(self_relationship: TensorLike, mu: TensorLike) -> tf.Tensor:
   """Algorithm 3: True where layer l is NOT sent to the client, i.e. r_ii^l > μ.
 
   Args:
     self_relationship: r_ii^l, `[L]` for one client or `[P, L]` for P clients.
     mu: Threshold μ ≥ 0. With rows of R normalised (r_ii ≤ 1), μ ≥ 1 skips nothing.
 
-  Returns:
-    bool array of the shape of `self_relationship`.
-
   Raises:
     ConfigError: μ < 0 (or NaN), or `self_relationship` is not `[L]` or `[P, L]`.
   """
-  _check_mu(mu)
-  r = np.asarray(self_relationship)
-  if r.ndim not in (1, 2):
-    raise ConfigError(f'BLS self_relationship must be [L] or [P, L], got shape {r.shape}.')
-  return r > mu
-
-
-def server_skip_mask_tf(self_relationship: TensorLike, mu: TensorLike) -> tf.Tensor:
-  """TF version of `server_skip_mask`."""
   _check_mu(mu)
   r = tf.convert_to_tensor(self_relationship)
   if not r.dtype.is_floating:
@@ -489,37 +468,12 @@ def server_skip_mask_tf(self_relationship: TensorLike, mu: TensorLike) -> tf.Ten
   return r > _as_dtype(mu, r.dtype)
 
 
-def upload_mask(omega: int, num_layers: int) -> np.ndarray:
-  """bool `[L]`, True for the first Ω layers (the ones the client uploads)."""
-  if num_layers < 1:
-    raise ConfigError(f'BLS num_layers must be >= 1, got {num_layers}.')
-  if not 0 <= omega <= num_layers:
-    raise ConfigError(f'BLS omega must be in [0, L={num_layers}], got {omega}.')
-  return np.arange(num_layers) < omega
-
-
 def upload_mask_tf(omega: TensorLike, num_layers: TensorLike) -> tf.Tensor:
-  """TF version of `upload_mask` (Ω and L may be tensors; checked when Python numbers)."""
+  """bool `[L]`, True for the first Ω layers (the ones the client uploads). Ω and L may be
+  tensors; checked when Python numbers."""
   if _is_python_number(num_layers) and _is_python_number(omega):
-    upload_mask(omega, num_layers)
+    if num_layers < 1:
+      raise ConfigError(f'BLS num_layers must be >= 1, got {num_layers}.')
+    if not 0 <= omega <= num_layers:
+      raise ConfigError(f'BLS omega must be in [0, L={num_layers}], got {omega}.')
   return tf.range(tf.cast(num_layers, tf.int32)) < tf.cast(omega, tf.int32)
-
-
-def layer_sizes(layers: Sequence[Sequence[np.ndarray]]) -> list[int]:
-  """Bytes of each layer: the sum of `nbytes` of its tensors."""
-  return [int(sum(np.asarray(t).nbytes for t in layer)) for layer in layers]
-
-
-def layer_bytes(layer_sizes_bytes: Sequence[int], mask: np.ndarray) -> int:
-  """Σ of the byte sizes of the layers where `mask` is True (what is sent).
-
-  Raises:
-    ConfigError: `mask` and the sizes differ in length, or a size is negative.
-  """
-  sizes = np.asarray(layer_sizes_bytes, np.int64)
-  mask = np.asarray(mask, bool)
-  if sizes.ndim != 1 or mask.shape != sizes.shape:
-    raise ConfigError(f'BLS: {sizes.shape} layer sizes but a mask of shape {mask.shape}.')
-  if np.any(sizes < 0):
-    raise ConfigError('BLS layer sizes must be >= 0 bytes.')
-  return int(np.sum(sizes[mask]))
