@@ -1,4 +1,5 @@
-"""Shared test fixtures: one owned TFF runtime per test session, checked for leaks."""
+"""Shared test fixtures: one owned TFF runtime per test session (checked for leaks), its C++
+context, and the federation and model most numerical tests use."""
 
 import os
 
@@ -29,3 +30,54 @@ def session_context(tff_runtime):
 
   tff.framework.set_default_context(tff_runtime.context)
   yield
+
+
+@pytest.fixture(scope='module')
+def cpp(tff_runtime):
+  """The session's TFF C++ runtime context: the reference the executor-equality tests compare
+  against."""
+  return tff_runtime.context
+
+
+@pytest.fixture(scope='module')
+def data():
+  """The executor-equality federation: the 1003-image MNIST sample over `EQUALITY_CLIENTS`
+  clients of unequal sizes, with local test splits (a module may define its own `data`)."""
+  from helpers import EQUALITY_CLIENTS  # pylint: disable=g-import-not-at-top
+  from helpers import mnist_sample_split  # pylint: disable=g-import-not-at-top
+
+  return mnist_sample_split(EQUALITY_CLIENTS, seed=3, local_test_examples=10)
+
+
+@pytest.fixture(scope='module')
+def spec(data):  # pylint: disable=redefined-outer-name
+  """mlp2 sized for the module's `data`."""
+  from fltff.simulation import build_model_spec  # pylint: disable=g-import-not-at-top
+
+  return build_model_spec(data, 'mlp2', seed=0)
+
+
+# What starts a program end to end: `pipelines.run` (in a subprocess or in this process), the
+# bench, the report, the installed command, mkdocs, a TFF worker in its own process.
+_PROGRAM_CALLS = ('run_pipeline', 'run_and_resume', 'subprocess.', 'Popen(', 'pipelines.')
+
+
+def _starts_a_program(function) -> bool:
+  import inspect  # pylint: disable=g-import-not-at-top
+
+  try:
+    source = inspect.getsource(function)
+  except (OSError, TypeError):
+    return False
+  return any(call in source for call in _PROGRAM_CALLS)
+
+
+def pytest_collection_modifyitems(items):
+  """Marks `pipeline` every test that starts a program, itself or through a fixture, so that
+  `pytest -m "not pipeline"` runs the unit and numerical tests alone."""
+  for item in items:
+    fixtures = getattr(item, '_fixtureinfo', None)
+    defs = fixtures.name2fixturedefs.values() if fixtures else ()
+    if _starts_a_program(getattr(item, 'function', None)) or any(
+        _starts_a_program(d[-1].func) for d in defs if d):
+      item.add_marker(pytest.mark.pipeline)

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # On TFF's C++ runtime, so that the tests using it see (and check the end of) a worker_binary;
@@ -48,8 +47,13 @@ def run_pipeline_here(*args):
 
 
 def _run_pipeline_here(args):
-  """`pipelines.run.main` in this process, with its flags, gin configuration, signal
-  handlers and TFF context set back afterwards; stdout and stderr captured."""
+  return run_program_here('pipelines.run', *args)
+
+
+def run_program_here(module: str, *args):
+  """`<module>.main` of a fltff program (`pipelines.run`, `pipelines.bench`, ...) in this
+  process, with its flags, gin configuration, signal handlers and TFF context set back
+  afterwards; stdout and stderr captured, as a `CompletedProcess`."""
   import contextlib  # pylint: disable=g-import-not-at-top
   import io  # pylint: disable=g-import-not-at-top
   import signal  # pylint: disable=g-import-not-at-top
@@ -59,8 +63,9 @@ def _run_pipeline_here(args):
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
 
-  from pipelines import run as run_lib  # pylint: disable=g-import-not-at-top
+  import importlib  # pylint: disable=g-import-not-at-top
 
+  program = importlib.import_module(module)
   context = tff.framework.get_context_stack().current
   handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
   out, err = io.StringIO(), io.StringIO()
@@ -68,10 +73,10 @@ def _run_pipeline_here(args):
   try:
     os.chdir(REPO)
     flags.FLAGS.unparse_flags()
-    flags.FLAGS(['pipelines.run', *args])
+    flags.FLAGS([module, *args])
     gin.clear_config()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-      code = run_lib.main([])
+      code = program.main([])
   finally:
     os.chdir(cwd)
     gin.clear_config()
@@ -80,8 +85,7 @@ def _run_pipeline_here(args):
       signal.signal(number, handler)
     tff.framework.set_default_context(context)
     tf.keras.backend.clear_session()
-  return subprocess.CompletedProcess(['pipelines.run', *args], code, out.getvalue(),
-                                     err.getvalue())
+  return subprocess.CompletedProcess([module, *args], code, out.getvalue(), err.getvalue())
 
 
 def tagged_worker_pids():
@@ -147,6 +151,27 @@ def assert_one_line_error(result, *fragments):
 
 
 
+def random_client_arrays(sizes, seed: int, shape, classes: int) -> list:
+  """`[(x, y)]` per client of `sizes`: standard normal float32 `x` of `shape` per example,
+  uniform int32 labels in `[0, classes)`, drawn client after client from one seeded RNG."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  shape = (shape,) if isinstance(shape, int) else tuple(shape)
+  rng = np.random.default_rng(seed)
+  return [(rng.normal(size=(n, *shape)).astype(np.float32),
+           rng.integers(0, classes, n).astype(np.int32)) for n in sizes]
+
+
+def random_client_datasets(sizes, seed: int, shape, classes: int, batch: int) -> list:
+  """`random_client_arrays` as batched `tf.data` datasets of `OrderedDict(x=..., y=...)`."""
+  import collections  # pylint: disable=g-import-not-at-top
+
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  return [tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y)).batch(batch)
+          for x, y in random_client_arrays(sizes, seed, shape, classes)]
+
+
 def tiny_mlp(dim: int, classes: int, seed: int, hidden: int = 8):
   """A seeded Dense(hidden, relu) → Dense(classes) Keras model for process-level tests."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -178,21 +203,8 @@ def mnist_sample_split(num_clients: int, seed: int, alpha: float = 0.5,
 
 
 # The executor-equality suites (test_in_process, test_vectorized) share one federation:
-# 4 clients of unequal sizes (and, in run_rounds, unequal epochs). Importing the fixtures
-# `equality_data` / `equality_spec` into a test module provides `data` and `spec`.
+# 4 clients of unequal sizes (and, in run_rounds, unequal epochs): conftest's `data` and `spec`.
 EQUALITY_CLIENTS = 4
-
-
-@pytest.fixture(scope='module', name='data')
-def equality_data():
-  return mnist_sample_split(EQUALITY_CLIENTS, seed=3, local_test_examples=10)
-
-
-@pytest.fixture(scope='module', name='spec')
-def equality_spec(data):
-  from fltff.simulation import build_model_spec  # pylint: disable=g-import-not-at-top
-
-  return build_model_spec(data, 'mlp2', seed=0)
 
 
 def equality_sgdm():
@@ -203,43 +215,13 @@ def equality_sgdm():
 
 
 def equality_methods() -> dict:
-  """Builders `spec -> algorithm` of every method the executor-equality suites run
-  (`test_in_process.py`, `test_vectorized.py`: each takes its own subset by name), with
-  `equality_sgdm` and `EQUALITY_CLIENTS` clients."""
-  from fltff import aggregators  # pylint: disable=g-import-not-at-top
-  from fltff import learning  # pylint: disable=g-import-not-at-top
-  from fltff import personalization  # pylint: disable=g-import-not-at-top
-  from fltff.personalization.fedlap_mixing import FedLapPersonalization  # pylint: disable=g-import-not-at-top
-  from fltff.personalization.fedlap_mixing import with_fedlap_personalization  # pylint: disable=g-import-not-at-top
+  """Builders `spec -> algorithm` of every method and variant of the registry
+  (`fltff.methods`) with `equality_sgdm` and `EQUALITY_CLIENTS` clients; the executor-equality
+  suites (`test_in_process.py`, `test_vectorized.py`) each take their own subset by name."""
+  from fltff import methods  # pylint: disable=g-import-not-at-top
 
-  n, sgdm = EQUALITY_CLIENTS, equality_sgdm
-  ccn = aggregators.contribution_normalization_factory
-  return {
-      'fedavg': lambda s: learning.build_fedavg(s, client_optimizer=sgdm()),
-      'fedavg_uniform': lambda s: learning.build_fedavg(s, client_optimizer=sgdm(),
-                                                        client_weighting='uniform'),
-      'fedprox': lambda s: learning.build_fedprox(s, client_optimizer=sgdm()),
-      'sgdm': lambda s: learning.build_sgdm(s, client_optimizer=sgdm()),
-      'fedlap': lambda s: learning.build_fedlap(s, client_optimizer=sgdm()),
-      'fedadp': lambda s: learning.build_fedadp(s, n, client_optimizer=sgdm()),
-      'fedlayerwise': lambda s: learning.build_fedlayerwise(s, n, client_optimizer=sgdm()),
-      'fednova+ccn': lambda s: learning.build_fednova(s, client_optimizer=sgdm(),
-                                                      model_aggregator=ccn()),
-      'fedbabu': lambda s: learning.build_fedbabu(s, client_optimizer=sgdm()),
-      'scaffold': lambda s: learning.build_scaffold(s, n, client_optimizer=sgdm()),
-      'scaffold+ccn': lambda s: learning.build_scaffold(s, n, client_optimizer=sgdm(),
-                                                        model_aggregator=ccn()),
-      'moon': lambda s: learning.build_moon(s, n, client_optimizer=sgdm()),
-      'kapc': lambda s: personalization.build_kapc(s, n, client_optimizer=sgdm()),
-      'kapc+bls': lambda s: personalization.build_kapc(s, n, client_optimizer=sgdm(),
-                                                       bls_mu=0.5),
-      'fedamp': lambda s: personalization.build_fedamp(s, n, client_optimizer=sgdm()),
-      'pfedla': lambda s: personalization.build_pfedla(s, n, client_optimizer=sgdm()),
-      'fedbn': lambda s: personalization.build_fedbn(s, n, client_optimizer=sgdm()),
-      'local': lambda s: personalization.build_local(s, n, client_optimizer=sgdm()),
-      'fedavg+fedlap_personalization': lambda s: with_fedlap_personalization(
-          learning.build_fedavg(s, client_optimizer=sgdm()), FedLapPersonalization(s, sgdm())),
-  }
+  return {name: (lambda s, name=name: methods.build(name, s, EQUALITY_CLIENTS, equality_sgdm()))
+          for name in methods.names(variants=True)}
 
 
 def leaves(value) -> list:

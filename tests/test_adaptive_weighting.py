@@ -4,13 +4,13 @@ import collections
 
 import numpy as np
 import pytest
-import tensorflow as tf
 import tensorflow_federated as tff
 
 from fltff import aggregators
 from fltff import learning
 from fltff.errors import ConfigError
 from fltff.learning import ModelSpec
+from helpers import random_client_datasets
 from helpers import tiny_mlp
 
 RNG = np.random.default_rng(0)
@@ -161,13 +161,7 @@ def _mlp(seed=11):
 
 
 def _data():
-  rng = np.random.default_rng(5)
-  out = []
-  for n in (10, 20, 15):
-    out.append(tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
-        x=rng.normal(size=(n, DIM)).astype(np.float32),
-        y=rng.integers(0, CLASSES, n).astype(np.int32))).batch(5))
-  return out
+  return random_client_datasets((10, 20, 15), 5, DIM, CLASSES, batch=5)
 
 
 def _run(algorithm, rounds=2):

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from helpers import run_program_here
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -54,16 +56,11 @@ def test_bench_executors_prints_ratios_to_tffs_builtin():
 
 
 def test_bench_executors_refuses_an_unknown_variant_or_method_in_one_line():
-  result = subprocess.run(
-      [sys.executable, '-m', 'pipelines.bench', '--executors', '--executor_variants=fltff_gpu'],
-      cwd=REPO, capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+  # In this process: the flags are checked before any work.
+  result = run_program_here('pipelines.bench', '--executors', '--executor_variants=fltff_gpu')
   assert result.returncode == 2
   assert "error: --executor_variants ['fltff_gpu']" in result.stderr, result.stderr[-2000:]
-  result = subprocess.run(
-      [sys.executable, '-m', 'pipelines.bench', '--executors', '--executor_methods=fedsgd'],
-      cwd=REPO, capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+  result = run_program_here('pipelines.bench', '--executors', '--executor_methods=fedsgd')
   assert result.returncode == 2
   assert "error: --executor_methods ['fedsgd']: choose from" in result.stderr, (
       result.stderr[-2000:])

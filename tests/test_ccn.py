@@ -15,6 +15,7 @@ from fltff.learning import ModelSpec
 from fltff.learning.fedbabu import head_indices
 from fltff.models import build_model
 from helpers import REPO
+from helpers import random_client_datasets
 from helpers import start_process
 from helpers import tiny_mlp
 
@@ -112,10 +113,7 @@ SPEC = ModelSpec(_mlp, (DIM,), CLASSES)
 
 
 def _datasets(sizes):
-  rng = np.random.default_rng(9)
-  return [tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
-      x=rng.normal(size=(n, DIM)).astype(np.float32),
-      y=rng.integers(0, CLASSES, n).astype(np.int32))).batch(5) for n in sizes]
+  return random_client_datasets(sizes, 9, DIM, CLASSES, batch=5)
 
 
 def _run(algorithm, sizes=(20, 20, 20), epochs=(2, 2, 2), rounds=2):

@@ -13,7 +13,6 @@ from fltff.errors import ConfigError
 from fltff.runtime.in_process import InProcessContext
 from fltff.simulation import RoundConfig
 from fltff.simulation import RoundDriver
-from fltff.simulation import build_model_spec
 from fltff.simulation import evaluation
 from helpers import mnist_sample_split
 
@@ -33,11 +32,6 @@ def in_process(session_context):
 @pytest.fixture(scope='module')
 def data():
   return mnist_sample_split(NUM_CLIENTS, seed=5, local_test_examples=20)
-
-
-@pytest.fixture(scope='module')
-def spec(data):
-  return build_model_spec(data, 'mlp2', seed=0)
 
 
 def numpy_accuracy(weights, x, y) -> float:

@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from fltff import methods
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import factored_dense
 from fltff.learning import vectorized
@@ -22,15 +23,14 @@ from fltff.runtime.in_process import InProcessContext
 from helpers import EQUALITY_CLIENTS
 from helpers import assert_equal_runs
 from helpers import equality_methods
-from helpers import equality_spec  # noqa: F401  pylint: disable=unused-import (fixture)
 from helpers import mnist_sample_split
 from helpers import run_rounds
 
-# Methods whose vectorised clients factor mlp2's Dense kernels: no regulariser (the FedAvg
-# family, FedBABU with its frozen head, the personalised Local and pFedLA with per-client
-# starts), FedProx's proximal term at the global model, KAPC's at each client's s_i.
-FACTORING = ('fedavg', 'fedprox', 'fedadp', 'fedbabu', 'kapc', 'kapc+bls', 'local', 'pfedla',
-             'fedamp')
+# One method for each way a factored kernel is trained: no regulariser (FedAvg), a frozen
+# head (FedBABU), per-client start weights (pFedLA), a proximal term at the global model
+# (FedProx), and at each client's own anchor with per-layer masks (KAPC+BLS). Which methods
+# factor at all is the registry's `factors` (`tests/test_methods.py` checks every method).
+FACTORING = ('fedavg', 'fedbabu', 'pfedla', 'fedprox', 'kapc+bls')
 
 
 @pytest.fixture(scope='module', name='data')
@@ -42,11 +42,6 @@ def short_rounds_data():
                             data_fraction=0.25)
 
 
-@pytest.fixture(scope='module')
-def cpp(tff_runtime):
-  return tff_runtime.context
-
-
 def _trained_works(algorithm):
   work = algorithm._vectorized  # pylint: disable=protected-access
   return getattr(work, '_work', work)
@@ -55,6 +50,7 @@ def _trained_works(algorithm):
 @pytest.mark.parametrize('method', FACTORING)
 def test_rounds_with_factored_kernels_equal_the_cpp_runtime(method, data, spec, cpp,
                                                             monkeypatch):
+  assert methods.get(method).factors
   monkeypatch.setattr(factored_dense, 'worth_factoring', lambda *args: True)
   expected = run_rounds(equality_methods()[method](spec), data, cpp, EQUALITY_CLIENTS)
   algorithm = equality_methods()[method](spec)

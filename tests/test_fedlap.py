@@ -1,6 +1,5 @@
 """FedLap: the regulariser against NumPy, its special cases against FedAvg/FedProx."""
 
-import collections
 
 import numpy as np
 import pytest
@@ -10,6 +9,7 @@ import tensorflow_federated as tff
 from fltff import learning
 from fltff.errors import ConfigError
 from fltff.learning import ModelSpec
+from helpers import random_client_datasets
 from helpers import tiny_mlp
 
 from fltff.learning import fedlap as fedlap_lib
@@ -132,10 +132,7 @@ def _mlp(seed=21):
 
 
 def _datasets(sizes=(10, 15, 20)):
-  rng = np.random.default_rng(8)
-  return [tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
-      x=rng.normal(size=(n, DIM)).astype(np.float32),
-      y=rng.integers(0, CLASSES, n).astype(np.int32))).batch(5) for n in sizes]
+  return random_client_datasets(sizes, 8, DIM, CLASSES, batch=5)
 
 
 def _run(algorithm, epochs, rounds=2, sizes=(10, 15, 20)):

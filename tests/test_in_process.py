@@ -24,9 +24,7 @@ from fltff.runtime.local import check_executor
 from helpers import EQUALITY_CLIENTS
 from helpers import SMALL
 from helpers import assert_one_line_error
-from helpers import equality_data  # noqa: F401  pylint: disable=unused-import (fixture)
 from helpers import equality_methods
-from helpers import equality_spec  # noqa: F401  pylint: disable=unused-import (fixture)
 from helpers import leaves
 from helpers import read_csv
 from helpers import run_and_resume

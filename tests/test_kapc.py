@@ -19,6 +19,7 @@ from fltff.personalization import bls as bls_lib
 from fltff.simulation import driver as driver_lib
 from helpers import REPO
 from helpers import pipeline_env
+from helpers import random_client_datasets
 from helpers import run_and_resume
 from helpers import tiny_mlp
 
@@ -306,10 +307,7 @@ def test_attentive_relationship_of_nearby_large_models_has_no_cancellation(offse
 
 # --- the process ------------------------------------------------------------------------------
 def _datasets(sizes, seed):
-  rng = np.random.default_rng(seed)
-  return [tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
-      x=rng.normal(size=(n, DIM)).astype(np.float32),
-      y=rng.integers(0, CLASSES, n).astype(np.int32))).batch(4) for n in sizes]
+  return random_client_datasets(sizes, seed, DIM, CLASSES, batch=4)
 
 
 class Sim:

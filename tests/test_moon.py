@@ -16,10 +16,12 @@ from fltff.learning import ModelSpec
 from fltff.learning import client_state
 from fltff.learning.moon import ModelContrastiveRegularizer
 from fltff.learning.moon import model_contrastive_loss
+from helpers import random_client_arrays
+from helpers import random_client_datasets
 from helpers import read_csv
 from helpers import run_pipeline
-from helpers import tagged_worker_pids
 from helpers import start_process
+from helpers import tagged_worker_pids
 from helpers import tiny_mlp
 
 DIM, CLASSES, LR, TAU = 5, 3, 0.1, 0.5
@@ -27,14 +29,11 @@ SPEC = ModelSpec(lambda: tiny_mlp(DIM, CLASSES, 17), (DIM,), CLASSES)
 
 
 def _arrays(sizes, seed=4):
-  rng = np.random.default_rng(seed)
-  return [(rng.normal(size=(n, DIM)).astype(np.float32),
-           rng.integers(0, CLASSES, n).astype(np.int32)) for n in sizes]
+  return random_client_arrays(sizes, seed, DIM, CLASSES)
 
 
 def _datasets(sizes, seed=4):
-  return [tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y)).batch(4)
-          for x, y in _arrays(sizes, seed)]
+  return random_client_datasets(sizes, seed, DIM, CLASSES, batch=4)
 
 
 def _sgd():

@@ -10,6 +10,7 @@ import tensorflow_federated as tff
 from fltff import learning
 from fltff.learning import ModelSpec
 from fltff.simulation import program
+from helpers import random_client_arrays
 from helpers import tiny_mlp
 
 DIM, CLASSES = 4, 3
@@ -17,9 +18,7 @@ SPEC = ModelSpec(lambda: tiny_mlp(DIM, CLASSES, 13), (DIM,), CLASSES)
 
 
 def _arrays(seed=0, sizes=(6, 9, 7, 8)):
-  rng = np.random.default_rng(seed)
-  return [(rng.normal(size=(n, DIM)).astype(np.float32),
-           rng.integers(0, CLASSES, n).astype(np.int32)) for n in sizes]
+  return random_client_arrays(sizes, seed, DIM, CLASSES)
 
 
 def _train(runtime, algorithm, source, state_dir, rounds):

@@ -23,7 +23,6 @@ from fltff.personalization.fedlap_mixing import FedLapPersonalization
 from fltff.personalization.fedlap_mixing import with_fedlap_personalization
 from fltff.simulation import RoundConfig
 from fltff.simulation import RoundDriver
-from fltff.simulation import build_model_spec
 from fltff.simulation.state_store import ClientStateStore
 from helpers import mnist_sample_split
 from helpers import read_csv
@@ -35,11 +34,6 @@ SGD = functools.partial(tff.learning.optimizers.build_sgdm, learning_rate=0.05)
 @pytest.fixture(scope='module')
 def data():
   return mnist_sample_split(NUM_CLIENTS, seed=2, local_test_examples=20)
-
-
-@pytest.fixture(scope='module')
-def spec(data):
-  return build_model_spec(data, 'mlp2', seed=0)
 
 
 def _round(algorithm, state, store, data, clients):
