@@ -1,4 +1,5 @@
-"""TFF aggregation factories (single-pass, see DESIGN.md), importable into any TFF process.
+"""TFF aggregation factories (single-pass, see docs/architecture.md), importable into any TFF
+process.
 
 - `layerwise_adaptive_factory` (FedLayerWise) and `fedadp_factory` (FedAdp): adaptive weighting
   of client updates from the angle between each client's and the global gradient, per layer or

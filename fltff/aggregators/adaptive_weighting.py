@@ -1,14 +1,14 @@
 """FedAdp and FedLayerWise: adaptive (layer-wise) weighting of client updates.
 
-Sources: H. Wu, P. Wang, "Fast-Convergent Federated Learning with Adaptive Weighting" (FedAdp,
-IEEE TCCN 2021) and "Layer-Wise Adaptive Weighting for Faster Convergence in Federated Learning"
-(FedLayerWise), which applies FedAdp's rule to each layer separately. Equation numbers below
-are FedLayerWise's. Two typos of that paper are resolved as in DESIGN.md: the Gompertz map
-decreases with the angle (FedAdp's form), and eq. (7) averages the clients' *updated* layer
+Sources: H. Wu, P. Wang, "Fast-Convergent Federated Learning with Adaptive Weighting" (FedAdp, IEEE
+TCCN 2021) and "Layer-Wise Adaptive Weighting for Faster Convergence in Federated Learning"
+(FedLayerWise), which applies FedAdp's rule to each layer separately. Equation numbers below are
+FedLayerWise's. Two typos of that paper are resolved as in docs/methods/adaptive.md: the Gompertz
+map decreases with the angle (FedAdp's form), and eq. (7) averages the clients' *updated* layer
 weights.
 
-Every equation is a pure TF function tested against NumPy; the factory only composes them.
-The factory is single-pass (DESIGN.md): one `federated_aggregate` gathers each participant's
+Every equation is a pure TF function tested against NumPy; the factory only composes them. The
+factory is single-pass (docs/architecture.md): one `federated_aggregate` gathers each participant's
 update, sample count and client index, then all math runs at the server. That is what lets it
 compile to TFF's mergeable form and run across several workers.
 """

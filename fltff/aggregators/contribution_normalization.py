@@ -16,14 +16,14 @@ FedNova (Wang et al., NeurIPS 2020): client k with τ_k local steps sends its no
 d_k = Δ_k / τ_k; the server applies τ_eff Σ_k p_k d_k with p the (here: possibly CCN-rescaled)
 weights and τ_eff = Σ_k p_k τ_k. With equal τ this is FedAvg's Σ_k p_k Δ_k.
 
-One factory serves both and their combination: it gathers every participant's update, weight,
-latent mean and step count in one `federated_aggregate` (single-pass, DESIGN.md) and does the
+One factory serves both and their combination: it gathers every participant's update, weight, latent
+mean and step count in one `federated_aggregate` (single-pass, docs/architecture.md) and does the
 math at the server. Base schemes that average updates with weights ν (FedAvg, FedProx, SGDM,
-FedBABU, FedLap, SCAFFOLD, FedNova) take it as their `model_aggregator`; CCN only changes ν to
-Λν. It cannot wrap another TFF factory (TFF's secure sum, DP): Λ needs every participant's
-latent mean at the server before any update is weighted, which a per-client inner
-aggregation cannot provide. TFF's outer wrappers that act on each client's value before
-aggregation (e.g. `tff.aggregators.zeroing_factory`, `clipping_factory` around it) compose.
+FedBABU, FedLap, SCAFFOLD, FedNova) take it as their `model_aggregator`; CCN only changes ν to Λν.
+It cannot wrap another TFF factory (TFF's secure sum, DP): Λ needs every participant's latent mean
+at the server before any update is weighted, which a per-client inner aggregation cannot provide.
+TFF's outer wrappers that act on each client's value before aggregation (e.g.
+`tff.aggregators.zeroing_factory`, `clipping_factory` around it) compose.
 """
 
 from __future__ import annotations

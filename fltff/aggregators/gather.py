@@ -1,7 +1,7 @@
 """Single-pass gathering of every participant's update and weight at the server.
 
 fltff's aggregators need all participants' values at once (angles against the global update,
-similarities between clients). DESIGN.md requires them to be single-pass, so that TFF's
+similarities between clients). docs/architecture.md requires them to be single-pass, so that TFF's
 mergeable-computation context can split a round across workers: one `federated_aggregate`
 whose accumulator concatenates the clients' values along a new leading axis (merging two
 partial accumulators is another concatenation), followed by pure server-side math. No

@@ -57,9 +57,9 @@ with Ω = L, Ω becomes L − 1 without a search and only then are the stored ma
 updated; otherwise Ω is searched from its last value on inequality (29). Ω and the stored
 bounds are client state (`PersonalizedAlgorithm`).
 
-Single pass (DESIGN.md): the server's pre-step (slice, R step, s_i, skip mask) depends only on
-its state and inputs, the clients' results come back through one gathering aggregate, writing
-R back (and, in the 'after_training' order, the R step) is server math.
+Single pass (docs/architecture.md): the server's pre-step (slice, R step, s_i, skip mask) depends
+only on its state and inputs, the clients' results come back through one gathering aggregate,
+writing R back (and, in the 'after_training' order, the R step) is server math.
 """
 
 from __future__ import annotations

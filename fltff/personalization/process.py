@@ -1,7 +1,7 @@
 """The personalised round shared by KAPC, FedAMP, FedBN, Local and pFedLA.
 
-One single-pass TFF round (DESIGN.md) for every method that keeps one model per client and
-gives each participant its own server model `s_i^l = Σ_{j∈P} r_ij^l w_j^l` from a layer-wise
+One single-pass TFF round (docs/architecture.md) for every method that keeps one model per client
+and gives each participant its own server model `s_i^l = Σ_{j∈P} r_ij^l w_j^l` from a layer-wise
 relationship slice R[P, :, P] over the round's participants P:
 
 1. `prepare` (server): the method's rule gives the slice from the server state and the

@@ -379,7 +379,6 @@ def _compile_once(comp):
 
 
 def _context_kwargs():
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation  # pylint: disable=g-import-not-at-top
 
   return dict(compiler_fn=_compile_once,
@@ -445,7 +444,7 @@ class TffRuntime:
     construction, over the network).
   * Several addresses: TFF's mergeable-computation context; each round's participants are
     split into one sub-round per worker and the partial aggregates merged (this is why fltff's
-    aggregators are single-pass, see DESIGN.md).
+    aggregators are single-pass, see docs/architecture.md).
 
   `call(fn, *args)` runs a computation with failover: when a worker is lost it is dropped, the
   context is rebuilt on the remaining workers (a lost *local* worker is restarted) and the call

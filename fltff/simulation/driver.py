@@ -7,9 +7,9 @@ model on the central test set or on the clients' local test splits, each client'
 a participant's model after its local training, after the method's fine-tuning); the summary
 takes the first protocol's headline number by `experiment.headline_statistic`.
 
-Data flows one way (DESIGN.md): gin → pipeline → (data, model, process, runtime) → this driver
-→ metrics/checkpoints → report. Every random choice (participants, data order) is a function of
-`(seed, round, client)`, so a run resumed from a checkpoint ends with exactly the metrics of an
+Data flows one way (docs/architecture.md): gin → pipeline → (data, model, process, runtime) → this
+driver → metrics/checkpoints → report. Every random choice (participants, data order) is a function
+of `(seed, round, client)`, so a run resumed from a checkpoint ends with exactly the metrics of an
 uninterrupted run.
 """
 

@@ -1,4 +1,4 @@
-"""The wiring of one experiment, in the order data flows (DESIGN.md).
+"""The wiring of one experiment, in the order data flows (docs/architecture.md).
 
 gin's `experiment` → federated data (`fltff.data`) → model (`fltff.models`) → method
 (`fltff.learning` / `fltff.personalization`, given its optimizers here: library builders never
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 

@@ -1,4 +1,4 @@
-"""The per-client state store (DESIGN.md: stateful clients).
+"""The per-client state store (docs/architecture.md: stateful clients).
 
 Personal models, control variates, previous models and stale layers live here, keyed by client
 index, as nested NumPy structures. The round driver owns it, feeds participants' entries to a
