@@ -277,3 +277,56 @@ def test_bytes_from_types():
   assert algorithm.bytes_down_per_client == 4 * num_params
   # Update (same shapes as the trainable weights) plus one float32 weight.
   assert algorithm.bytes_up_per_client == 4 * num_params + 4
+
+
+def _regularizers():
+  from fltff.learning import fedlap  # pylint: disable=g-import-not-at-top
+  from fltff.learning import moon  # pylint: disable=g-import-not-at-top
+  from fltff.learning import regularizers  # pylint: disable=g-import-not-at-top
+  from fltff.learning import scaffold  # pylint: disable=g-import-not-at-top
+
+  anchor = [tf.zeros([2])]
+  return {
+      'fedprox': regularizers.ProximalRegularizer(0.1),
+      'kapc': regularizers.ProximalRegularizer(0.1, anchor=anchor, tensor_mask=[1.0]),
+      'fedlap_epoch': fedlap.FedLapRegularizer(refresh='epoch'),
+      'fedlap_step': fedlap.FedLapRegularizer(refresh='step'),
+      'scaffold': scaffold.ControlVariateCorrection(anchor),
+      'moon': moon.ModelContrastiveRegularizer,
+      'moon_vectorised': moon.StackedModelContrastive(lambda *a, **k: None, anchor, 1.0, 0.5),
+  }
+
+
+@pytest.mark.parametrize('name', sorted(_regularizers()))
+def test_each_regularizer_declares_exactly_what_it_has(name):
+  from fltff.learning.client_work import traits_of  # pylint: disable=g-import-not-at-top
+
+  regularizer = _regularizers()[name]
+  traits = regularizer.traits if isinstance(regularizer, type) else traits_of(regularizer)
+  assert traits.analytic == hasattr(regularizer, 'gradient')
+  assert traits.affine == hasattr(regularizer, 'affine_gradient')
+  assert traits.own_anchor == hasattr(regularizer, 'offset_anchor')
+  assert traits.batch_term == hasattr(regularizer, 'batch_penalty')
+  assert traits.measures == hasattr(regularizer, 'measurements')
+  # Where the offsets are −scale ⊙ global, the affine gradient says so.
+  assert traits.global_anchor == (name in ('fedprox', 'fedlap_epoch'))
+  assert traits.per_tensor_scales == (name in ('fedprox', 'kapc'))
+
+
+def test_regularizer_traits_refuse_what_cannot_be_and_default_to_the_penalty():
+  from fltff.learning import client_work  # pylint: disable=g-import-not-at-top
+
+  with pytest.raises(ValueError, match='analytic'):
+    client_work.RegularizerTraits(affine=True)
+  with pytest.raises(ValueError, match='batch term'):
+    client_work.RegularizerTraits(reads_latent=True)
+
+  class Own:  # A user's regulariser declaring nothing: its penalty is differentiated.
+    def epoch_start(self, local, global_):
+      return ()
+
+    def penalty(self, local, global_, context):
+      return tf.add_n([tf.reduce_sum(w) for w in local])
+
+  assert client_work.traits_of(Own()) is client_work.PENALTY_ONLY
+  assert client_work.traits_of(None) is None

@@ -22,6 +22,7 @@ stop and keep the last good checkpoint.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Optional, Protocol
 
@@ -37,12 +38,77 @@ CLIENT_INFO_SPEC = collections.OrderedDict(
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class RegularizerTraits:
+  """What a `LocalRegularizer` offers besides `epoch_start` and `penalty`, declared as its
+  `traits` and read by the training loops (never probed). Each flag promises a method or a
+  form of the gradient:
+
+  Attributes:
+    analytic: `gradient(local, global_, context) -> list of tensors`, the closed-form gradient
+      of `penalty` w.r.t. `local`, added to the data gradient instead of differentiating
+      `penalty` (cheaper per step).
+    affine: `affine_gradient(global_, context) -> (scales, offsets) or None`: the gradient is
+      `scale_t * w_t + offset_t`, both fixed for the epoch (a scale may be None: 0). The loop
+      forms them once per epoch and adds them to the data gradient in one `tf.add_n` per
+      tensor and step. None: use `gradient` (so `affine` needs `analytic`).
+    global_anchor: The offsets are `−scale ⊙ global_` (FedProx, FedLap): vectorised clients add
+      `scale ⊙ (w − global_)` with the one global model instead of forming a `[clients, ...]`
+      offset per epoch (`stacked_optimizer`).
+    own_anchor: `offset_anchor(global_) -> list of tensors`: the offsets are `−scale ⊙ anchor`
+      for this anchor (KAPC: the client's s_i); vectorised clients with per-client regularisers
+      read the stacked anchors instead of forming offsets.
+    per_tensor_scales: Each `affine_gradient` scale is one number per tensor: vectorised
+      clients may train Dense kernels in factored form (`factored_dense`).
+    batch_term: `batch_penalty(local, global_, batch, context) -> scalar`, a term that depends
+      on the minibatch (MOON's model-contrastive loss); `batch` has `x` and `y` and, with
+      vectorised clients, `mask` (1 for a real example of a padded batch: the term averages
+      over those only). It is added to the data loss inside the same tape and differentiated
+      with it, so it may depend on the trained variables through the model itself, not only
+      through `local`; `penalty`/`gradient` still apply on top of it.
+    reads_latent: `batch_penalty` reads the training pass's latent representation
+      (`batch['latent']`, vectorised clients only).
+    measures: `measurements(trained, global_) -> nested dict of scalars`, averaged over the
+      round's participants and reported as `client_work/regularizer/...` (FedLap's λ, d).
+  """
+  analytic: bool = False
+  affine: bool = False
+  global_anchor: bool = False
+  own_anchor: bool = False
+  per_tensor_scales: bool = False
+  batch_term: bool = False
+  reads_latent: bool = False
+  measures: bool = False
+
+  def __post_init__(self):
+    if self.affine and not self.analytic:
+      raise ValueError('an affine gradient is an analytic one: set analytic=True too.')
+    if self.reads_latent and not self.batch_term:
+      raise ValueError('reads_latent describes a batch term: set batch_term=True too.')
+
+
+# A regulariser that declares no traits (one of a user's own): its penalty is differentiated
+# with the loss, nothing else is assumed.
+PENALTY_ONLY = RegularizerTraits()
+
+
+def traits_of(regularizer) -> Optional[RegularizerTraits]:
+  """The declared `traits` of `regularizer`; `PENALTY_ONLY` for one that declares none; None
+  without a regulariser."""
+  if regularizer is None:
+    return None
+  return getattr(regularizer, 'traits', PENALTY_ONLY)
+
+
 class LocalRegularizer(Protocol):
   """A term added to the client's local objective that depends on the global weights.
 
   `epoch_start` runs at the start of every local epoch and returns a context held fixed for
-  that epoch (FedLap's λ); `penalty` is differentiated with the data loss at every step.
+  that epoch (FedLap's λ); `penalty` is differentiated with the data loss at every step unless
+  the regulariser's `traits` (`RegularizerTraits`) offer its gradient in closed form, and say
+  which of the optional methods it has.
   """
+  traits: RegularizerTraits
 
   def epoch_start(self, local: Sequence[tf.Tensor], global_: Sequence[tf.Tensor]) -> Any:
     ...
@@ -50,29 +116,6 @@ class LocalRegularizer(Protocol):
   def penalty(self, local: Sequence[tf.Variable], global_: Sequence[tf.Tensor],
               context: Any) -> tf.Tensor:
     ...
-
-  # Optional: `gradient(local, global_, context) -> list of tensors`, the closed-form gradient
-  # of `penalty` w.r.t. `local` (used instead of differentiating it: cheaper per step).
-  # Optional: `affine_gradient(global_, context) -> (scales, offsets) or None`: the gradient is
-  # `scale_t * w_t + offset_t` with both fixed for the epoch (a scale may be None: 0). The
-  # loop forms them once per epoch and adds them to the data gradient in one `tf.add_n` per
-  # tensor and step — one full-size op instead of three for a proximal term. None: use
-  # `gradient`.
-  # Optional: `global_anchor -> bool`: the offsets are `−scale ⊙ global_` (FedProx, FedLap).
-  # Vectorised clients then add `scale ⊙ (w − global_)` with the one global model instead of
-  # forming a `[clients, ...]` offset per epoch (`stacked_optimizer`).
-  # Optional: `offset_anchor(global_) -> list of tensors`: the offsets are `−scale ⊙ anchor`
-  # for this anchor (KAPC: the client's s_i); vectorised clients with per-client regularisers
-  # read the stacked anchors instead of forming offsets.
-  # Optional: `batch_penalty(local, global_, batch, context) -> scalar tensor`, a term that
-  # depends on the minibatch (MOON's model-contrastive loss on the batch's representations);
-  # `batch` has `x` and `y` and, with vectorised clients, `mask` (1 for a real example of a
-  # padded batch: the term must average over those only). It is added
-  # to the data loss at every step inside the same tape and differentiated with it, so it may
-  # depend on the trained variables through the model itself (e.g. a latent-layer model that
-  # shares them), not only through `local`; `penalty`/`gradient` still apply on top of it.
-  # Optional: `measurements(trained, global_) -> nested dict of scalars`, averaged over the
-  # round's participants and reported as `client_work/regularizer/...` (e.g. FedLap's λ, d).
 
 
 def client_input(batches: tf.data.Dataset, client_index: int, epochs: int,
@@ -165,7 +208,7 @@ def step_gradients(gradients, values, regularizer: Optional[LocalRegularizer],
   if affine is not None:
     gradients = [tf.add_n([g, o] if a is None else [g, a * w, o])
                  for g, w, a, o in zip(gradients, values, *affine)]
-  elif regularizer is not None and hasattr(regularizer, 'gradient'):
+  elif regularizer is not None and traits_of(regularizer).analytic:
     gradients = [g + r for g, r in zip(
         gradients, regularizer.gradient(values, global_trainable, context))]
   if frozen:
@@ -202,9 +245,9 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
 
   # A regulariser with a closed-form gradient adds it to the data gradient directly: the same
   # update as differentiating `penalty` (tested), without taping the penalty at every step.
-  analytic_gradient = regularizer is not None and hasattr(regularizer, 'gradient')
-  has_affine = regularizer is not None and hasattr(regularizer, 'affine_gradient')
-  batch_dependent = regularizer is not None and hasattr(regularizer, 'batch_penalty')
+  traits = traits_of(regularizer) or PENALTY_ONLY
+  analytic_gradient, has_affine, batch_dependent = (traits.analytic, traits.affine,
+                                                    traits.batch_term)
   frozen = frozenset(frozen)
 
   @tf.function
@@ -396,7 +439,7 @@ def build_client_work(model_spec: ModelSpec,
     metrics_aggregation_fn = metrics_aggregator(model_spec.tff_model().metric_finalizers())
   weights_type, data_type = client_types(model_spec)
 
-  reports_measurements = hasattr(regularizer, 'measurements')
+  reports_measurements = regularizer is not None and traits_of(regularizer).measures
   check_weight_fields(weight_fields)
 
   @tff.tensorflow.computation(weights_type, data_type)

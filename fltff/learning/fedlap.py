@@ -33,6 +33,7 @@ import gin
 import tensorflow as tf
 
 from fltff.errors import ConfigError
+from fltff.learning import client_work as client_work_lib
 from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.process import Algorithm
@@ -128,9 +129,11 @@ class FedLapRegularizer:
                            self.mu)
 
   @property
-  def global_anchor(self) -> bool:
-    """`c ⊙ (w − w_global)`: vectorised clients use the one global model as the anchor."""
-    return self.refresh == 'epoch'
+  def traits(self) -> client_work_lib.RegularizerTraits:
+    """Closed-form gradient; affine `c ⊙ (w − w_global)` with c fixed per epoch (refresh
+    'epoch': vectorised clients use the one global model as the anchor); λ, d measured."""
+    return client_work_lib.RegularizerTraits(
+        analytic=True, affine=True, global_anchor=self.refresh == 'epoch', measures=True)
 
   def affine_gradient(self, global_, context):
     """With λ fixed per epoch the gradient is `c ⊙ w − c ⊙ w_global` (None per step)."""

@@ -82,6 +82,8 @@ class ModelContrastiveRegularizer:
     temperature: τ > 0.
   """
 
+  traits = client_work_lib.RegularizerTraits(batch_term=True)
+
   def __init__(self, local_model: tf.keras.Model, global_model: tf.keras.Model,
                previous_model: tf.keras.Model, global_weights,
                previous_trainable: Sequence[tf.Tensor], mu: float, temperature: float):
@@ -133,13 +135,13 @@ class StackedModelContrastive:
   apply (`vectorized.functional_apply`) on the local weights, the global weights and the
   client's previous weights (its row of the stacked client states), averaged over the batch's
   real examples (`batch['mask']`). z is the training pass's own latent output
-  (`batch['latent']`, `reads_latent`), as MOON's official code takes z and the logits from
-  one `net(x)` call: the same value as the second training-mode pass
+  (`batch['latent']`, `RegularizerTraits.reads_latent`), as MOON's official code takes z and
+  the logits from one `net(x)` call: the same value as the second training-mode pass
   `ModelContrastiveRegularizer` makes (on models without BatchNorm, the only ones that
   vectorise; with dropout the two would draw different masks), at one forward and one backward
   pass less per step."""
 
-  reads_latent = True
+  traits = client_work_lib.RegularizerTraits(batch_term=True, reads_latent=True)
 
   def __init__(self, latent_apply: Callable, previous: Sequence[tf.Tensor], mu: float,
                temperature: float):

@@ -7,6 +7,8 @@ from typing import Optional
 
 import tensorflow as tf
 
+from fltff.learning.client_work import RegularizerTraits
+
 
 def proximal_penalty(local: Sequence[tf.Tensor], global_: Sequence[tf.Tensor],
                      mu: float) -> tf.Tensor:
@@ -57,15 +59,13 @@ class ProximalRegularizer:
     coefficients = self._coefficients or (self.mu,) * len(anchor)
     return [c * (w - a) for w, a, c in zip(local, anchor, coefficients)]
 
-  # Each `affine_gradient` scale is one number per tensor (μ m_t): vectorised clients may
-  # train dense kernels in factored form (`learning.factored_dense`).
-  scalar_affine_scales = True
-
   @property
-  def global_anchor(self) -> bool:
-    """The anchor is the global model (FedProx): vectorised clients use `scale ⊙ (w − global)`
-    with the one global model instead of per-client offsets (`LocalRegularizer`)."""
-    return self.anchor is None
+  def traits(self) -> RegularizerTraits:
+    """Closed-form, affine gradient `μ m_t (w_t − a_t)`, one scale per tensor (μ m_t: dense
+    kernels may train in factored form); anchored at the global model (FedProx) or, given
+    one, at `anchor` (`offset_anchor`)."""
+    return RegularizerTraits(analytic=True, affine=True, global_anchor=self.anchor is None,
+                             own_anchor=True, per_tensor_scales=True)
 
   def offset_anchor(self, global_):
     """The anchor `a` of `affine_gradient`'s offsets `−c_t a_t`: vectorised clients with

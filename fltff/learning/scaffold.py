@@ -44,6 +44,9 @@ CLIENT_STATES_KEY = client_state.CLIENT_STATES_KEY
 class ControlVariateCorrection:
   """`LocalRegularizer` adding the constant `c − c_i` to every local gradient (eq. (3))."""
 
+  # The gradient is the constant correction: an affine gradient with no w-term.
+  traits = client_work_lib.RegularizerTraits(analytic=True, affine=True)
+
   def __init__(self, correction: Sequence[tf.Tensor]):
     self.correction = tuple(correction)
 

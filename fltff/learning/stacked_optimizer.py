@@ -67,7 +67,7 @@ def _affine_gradient(gradient, weight, scale, offset) -> tf.Tensor:
 
 class Anchor:
   """An offset given as `−s ⊙ a` by the anchor `a`: one all clients share, without a client
-  axis (the global model: FedProx, FedLap, `LocalRegularizer.global_anchor`), or each client's
+  axis (the global model: FedProx, FedLap, `RegularizerTraits.global_anchor`), or each client's
   own, stacked `[clients, ...]` (KAPC's s_i, `offset_anchor`). Read at every step as it is,
   not from a `[clients, ...]` offset formed per epoch."""
 

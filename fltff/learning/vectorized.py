@@ -405,10 +405,9 @@ class VectorizedClientWork:
     client_work_lib.check_client_weighting(client_weighting)
     if regularizer is not None and client_regularizer is not None:
       raise ValueError('give a shared regularizer or a client_regularizer, not both.')
-    for hook in ('batch_penalty',):
-      if regularizer is not None and hasattr(regularizer, hook):
-        raise ConfigError(f'vectorised clients do not support a regulariser with '
-                          f'{hook!r} ({type(regularizer).__name__}).')
+    if regularizer is not None and client_work_lib.traits_of(regularizer).batch_term:
+      raise ConfigError(f'vectorised clients do not support a shared regulariser with a batch '
+                        f'term ({type(regularizer).__name__}).')
     with tf.Graph().as_default():
       tff_model = model_spec.tff_model()
       unfinalized = tff_model.report_local_unfinalized_metrics()
@@ -509,19 +508,17 @@ class VectorizedClientWork:
     probe = shared
     if client_terms is not None:
       probe = self._client_regularizer(tf.nest.map_structure(lambda t: t[0], client_terms))
-    analytic_gradient = probe is not None and hasattr(probe, 'gradient')
-    has_affine = probe is not None and hasattr(probe, 'affine_gradient')
-    batch_dependent = probe is not None and hasattr(probe, 'batch_penalty')
+    traits = client_work_lib.traits_of(probe) or client_work_lib.PENALTY_ONLY
+    analytic_gradient, has_affine, batch_dependent = (traits.analytic, traits.affine,
+                                                      traits.batch_term)
     # Offsets `−scale ⊙ global` (FedProx, FedLap): only the scales cross the map; the update
     # reads the one global model (`stacked_optimizer.Anchor`).
-    global_anchor = (has_affine and client_terms is None
-                     and getattr(probe, 'global_anchor', False))
+    global_anchor = has_affine and client_terms is None and traits.global_anchor
     # Offsets `−scale ⊙ a_i` with each client's own anchor (KAPC's s_i): the update reads the
     # stacked anchors as they came in, instead of offsets formed per epoch.
-    client_anchor = (has_affine and client_terms is not None
-                     and hasattr(probe, 'offset_anchor'))
+    client_anchor = has_affine and client_terms is not None and traits.own_anchor
     # A batch term that reads the training pass's latent representation (`batch['latent']`).
-    latent_in_batch = batch_dependent and getattr(probe, 'reads_latent', False)
+    latent_in_batch = traits.reads_latent
     if latent_in_batch and self._latent_and_output is None:
       raise ValueError('a regulariser that reads the latent layer needs latent=True.')
     plan = self._factored_plan(factored, probe, global_anchor or client_anchor, start)
@@ -733,7 +730,7 @@ class VectorizedClientWork:
         total += step_total
         count += step_count
       out['latent_mean'] = total / tf.maximum(count, 1.0)[:, tf.newaxis]
-    if shared is not None and hasattr(shared, 'measurements'):
+    if shared is not None and client_work_lib.traits_of(shared).measures:
       out['regularizer'] = tf.vectorized_map(
           lambda local: shared.measurements(tuple(local), global_trainable), weights)
     return out
@@ -751,11 +748,12 @@ class VectorizedClientWork:
                      ) -> Optional[factored_dense.FactoredKernels]:
     """The round's `FactoredKernels`, or None: factoring needs no regulariser, or an affine one
     anchored at the global model or each client's own anchor with one scale per tensor
-    (`scalar_affine_scales`: FedProx, KAPC), whose gradient is not taken through the loss."""
+    (`RegularizerTraits.per_tensor_scales`: FedProx, KAPC), whose gradient is not taken
+    through the loss."""
     if not requested:
       return None
     if regularizer is not None and not (
-        anchored and getattr(regularizer, 'scalar_affine_scales', False)):
+        anchored and client_work_lib.traits_of(regularizer).per_tensor_scales):
       return None
     learning_rate, momentum = self._updater.hyperparameters
     self.factored_traces.add(tuple(sorted(requested)))
