@@ -37,9 +37,9 @@ class Method:
     client_state: Clients carry a state between rounds (SCAFFOLD's c_i, MOON's previous model,
       personal models), kept by the round driver's store.
     personalised: Every client is evaluated with its own model; there is no global model.
-    vectorises: Its client work runs vectorised (`runtime.vectorize_clients`) on models without
+    vectorises: Its client work runs vectorised (`experiment.client_work`) on models without
       non-trainable weights.
-    factors: Vectorised, it can train Dense kernels in factored form (`runtime.factor_dense`):
+    factors: Vectorised, it can train Dense kernels in factored form (`experiment.factor_dense`):
       plain SGD(M) steps, or a proximal term with one scale per tensor.
     composes_aggregator: The builder takes `model_aggregator=` (any TFF weighted aggregation
       factory; CCN with `+ccn`).

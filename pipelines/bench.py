@@ -6,11 +6,11 @@ r"""Round-time benchmarks, always as ratios against a baseline measured in the s
       each listed method's round vs fltff's FedAvg round (same data, same client steps), e.g.
       the cost of an aggregation factory relative to FedAvg's weighted mean.
   python -m pipelines.bench --compare=fedlap,fedlayerwise --vectorize_clients
-      the same with every method (FedAvg too) on vectorised clients (runtime.vectorize_clients).
+      the same with every method (FedAvg too) on vectorised clients (experiment.client_work).
   python -m pipelines.bench --executors [--executor_shapes=mlp2:10x600,mlp2:100x60,cnn2:10x600]
       FedAvg rounds of TFF's built-in `build_weighted_fed_avg`, of fltff on TFF's C++ runtime, on
       the in-process executor (`runtime.executor`) and with vectorised clients
-      (`runtime.vectorize_clients`), as ratios to the built-in.
+      (`experiment.client_work`), as ratios to the built-in.
   python -m pipelines.bench --runtimes [--clients_list=10,50,100 --examples=100]
       a FedAvg round on 1 and 2 remote TFF workers (started here, on loopback) vs the local
       runtime, for each number of clients per round.
@@ -66,7 +66,7 @@ _COMPARE = flags.DEFINE_list('compare', [], 'Methods to time against fltff FedAv
                              'FedAvg vs plain TF.')
 _VECTORIZE = flags.DEFINE_bool('vectorize_clients', False, 'For --compare: every method '
                                '(FedAvg too) with vectorised clients on the in-process executor '
-                               '(runtime.vectorize_clients).')
+                               "(experiment.client_work = 'vectorised').")
 _RUNTIMES = flags.DEFINE_bool('runtimes', False, 'Compare local vs 1 and 2 remote workers.')
 _CLIENTS_LIST = flags.DEFINE_list('clients_list', ['10', '50', '100'],
                                   'Clients per round for --runtimes.')

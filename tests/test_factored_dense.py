@@ -150,21 +150,22 @@ def test_which_kernels_a_round_factors(spec):
   assert off.factored_kernels(short) == frozenset()
 
 
-def test_runtime_factor_dense_false_reaches_the_vectorised_work(spec, data, cpp):
+def test_experiment_factor_dense_false_reaches_the_vectorised_work(spec, data, cpp):
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from fltff.runtime.local import TffRuntime  # pylint: disable=g-import-not-at-top
-  from fltff.runtime.local import make_runtime  # pylint: disable=g-import-not-at-top
+  from fltff.simulation.experiment import choose_client_work  # pylint: disable=g-import-not-at-top
 
   short = {'index': np.zeros([1, 6, 100, 10])}
   for factor, expected in ((True, frozenset({0})), (False, frozenset())):
     for method in ('fedavg', 'kapc'):
-      rt = TffRuntime(executor='in_process', vectorize_clients=True, factor_dense=factor)
+      rt = TffRuntime(executor='in_process')
       try:
         algorithm = equality_methods()[method](spec)
+        choose_client_work(algorithm, 'vectorised', factor, rt)
         rt.bind(algorithm)
         assert _trained_works(algorithm).factored_kernels(short) == expected, (method, factor)
       finally:
         rt.close()
   tff.framework.set_default_context(cpp)
-  with pytest.raises(ConfigError, match='runtime.factor_dense must be True or False'):
-    make_runtime(executor='in_process', factor_dense='no')
+  with pytest.raises(ConfigError, match='experiment.factor_dense must be True or False'):
+    choose_client_work(equality_methods()['fedavg'](spec), 'vectorised', 'no')

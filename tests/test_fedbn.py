@@ -130,7 +130,7 @@ def test_pipeline_runs_fedbn_on_cnn2_bn_on_the_cpp_runtime(tmp_path):
       '--gin_bindings=experiment.rounds = 2', '--gin_bindings=experiment.local_epochs = 1',
       f'--output_dir={tmp_path}')
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "fedbn runs on TFF's C++ runtime (local worker_binary) (runtime.executor = 'auto': " \
+  assert "fedbn runs on TFF's C++ runtime (local worker_binary) (experiment.client_work = 'auto': " \
       'vectorised clients need a model whose weights are all trainable' in result.stdout
   with open(os.path.join(tmp_path, 'summary.json')) as f:
     summary = json.load(f)

@@ -1,4 +1,4 @@
-"""Client-vectorised rounds (`runtime.vectorize_clients`, issue 19) against TFF's C++ runtime.
+"""Client-vectorised rounds (`experiment.client_work`) against TFF's C++ runtime.
 
 Every method the vectorised client work supports runs 3 rounds both ways from the same initial
 state, on clients of unequal sizes and epochs (1 or 2) with reshuffling datasets; the round
@@ -21,7 +21,6 @@ from fltff import personalization
 from fltff.errors import ConfigError
 from fltff.learning import vectorized
 from fltff.runtime.in_process import InProcessContext
-from fltff.runtime.local import check_executor
 from fltff.simulation import build_model_spec
 from helpers import EQUALITY_CLIENTS
 from helpers import SMALL
@@ -326,9 +325,15 @@ def test_a_model_with_batchnorm_statistics_is_refused(data):
     algorithm.vectorize_clients()
 
 
-def test_vectorize_clients_needs_the_in_process_executor():
-  with pytest.raises(ConfigError, match="runtime.executor = 'in_process'"):
-    check_executor('tff_cpp', 'auto', vectorize_clients=True)
+def test_vectorised_client_work_needs_a_runtime_that_runs_it_in_this_process():
+  # The experiment chooses the client work; a runtime pinned to TFF's C++ runtime refuses it.
+  result = run_pipeline_here(*SMALL, '--gin_bindings=experiment.client_work = "vectorised"',
+                             '--output_dir=/nonexistent/never-written')
+  assert_one_line_error(result, "experiment.client_work = 'vectorised'",
+                        "runtime.executor = 'auto' or 'in_process'")
+  result = run_pipeline_here(*SMALL, '--gin_bindings=experiment.client_work = "fast"',
+                             '--output_dir=/nonexistent/never-written')
+  assert_one_line_error(result, 'experiment.client_work must be one of')
 
 
 KAPC_BLS_SMALL = ['--gin_file=gin_configs/kapc/offline_mnist1003_kapc_bls0.5.gin',
@@ -338,7 +343,7 @@ KAPC_BLS_SMALL = ['--gin_file=gin_configs/kapc/offline_mnist1003_kapc_bls0.5.gin
 
 
 EXPLICIT = ['--gin_bindings=runtime.executor = "in_process"',
-            '--gin_bindings=runtime.vectorize_clients = True']
+            '--gin_bindings=experiment.client_work = "vectorised"']
 CPP = ['--gin_bindings=runtime.executor = "tff_cpp"']
 
 
@@ -366,26 +371,43 @@ def test_pipeline_vectorised_equals_cpp_and_resumes(config, vectorised, columns,
   assert not tagged_worker_pids()
 
 
-def test_the_default_executor_vectorises_what_it_can_and_runs_the_rest_on_cpp(data, spec, cpp):
+def test_auto_client_work_vectorises_what_it_can_and_the_runtime_places_it(data, spec, cpp):
+  # The experiment decides what the clients compute ('auto': vectorised where it can); the
+  # runtime ('auto') only places it: in this process when vectorised, else on TFF's C++ runtime.
   from fltff.runtime.local import make_runtime  # pylint: disable=g-import-not-at-top
+  from fltff.simulation.experiment import choose_client_work  # pylint: disable=g-import-not-at-top
+
+  def chosen(algorithm, rt):
+    choose_client_work(algorithm, 'auto', True, rt)
+    rt.bind(algorithm)
+    return algorithm
 
   try:
     with make_runtime() as rt:  # runtime.executor = 'auto'
       assert rt.context is None and not rt.worker_pids  # Nothing started before the method.
-      rt.bind(METHODS['kapc+bls'](spec))
-      assert (rt.executor, rt.vectorize_clients, rt.auto_reason) == ('in_process', True, None)
+      algorithm = chosen(METHODS['kapc+bls'](spec), rt)
+      assert (rt.executor, rt.vectorised, algorithm.client_work_reason) == ('in_process', True,
+                                                                             None)
       assert isinstance(rt.context, InProcessContext) and not rt.worker_pids
     with make_runtime() as rt:
-      rt.bind(UNSUPPORTED['own_client_work'](spec))
+      algorithm = chosen(UNSUPPORTED['own_client_work'](spec), rt)
       assert rt.executor == 'tff_cpp' and len(rt.worker_pids) == 2
-      assert 'cannot vectorise its clients' in rt.auto_reason
+      assert 'cannot vectorise its clients' in algorithm.client_work_reason
     with make_runtime() as rt:
-      rt.bind(learning.build_fedavg(build_model_spec(data, 'resnet18', seed=0),
-                                    client_optimizer=SGDM()))
-      assert rt.executor == 'tff_cpp' and 'non-trainable weights' in rt.auto_reason
-    # Recycling the worker is the C++ runtime's: chosen before any method.
+      algorithm = chosen(learning.build_fedavg(build_model_spec(data, 'resnet18', seed=0),
+                                               client_optimizer=SGDM()), rt)
+      assert rt.executor == 'tff_cpp' and 'non-trainable weights' in algorithm.client_work_reason
+    # Recycling the worker is the C++ runtime's: chosen before any method, and then 'auto'
+    # client work stays client by client.
     with make_runtime(recycle_every=2) as rt:
       assert rt.executor == 'tff_cpp' and len(rt.worker_pids) == 2
+      algorithm = chosen(METHODS['fedavg'](spec), rt)
+      assert not algorithm.vectorized and algorithm.client_work_reason is None
+      # Vectorised client work on TFF's C++ runtime is refused where it is placed.
+      vectorised = METHODS['fedavg'](spec)
+      vectorised.vectorize_clients()
+      with pytest.raises(ConfigError, match="clients are vectorised"):
+        rt.bind(vectorised)
   finally:
     tff.framework.set_default_context(cpp)
 
@@ -396,8 +418,7 @@ def test_pipeline_refuses_vectorising_a_batchnorm_model_in_one_line(tmp_path):
   result = run_pipeline_here(
       '--gin_file=gin_configs/kapc/offline_mnist1003_fedbn.gin',
       '--gin_bindings=experiment.model = "resnet18"', '--gin_bindings=rounds = 1',
-      '--gin_bindings=runtime.executor = "in_process"',
-      '--gin_bindings=runtime.vectorize_clients = True', f'--output_dir={tmp_path}')
+      '--gin_bindings=experiment.client_work = "vectorised"', f'--output_dir={tmp_path}')
   assert_one_line_error(result, 'non-trainable weights')
 
 

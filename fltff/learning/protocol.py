@@ -90,6 +90,8 @@ class FederatedAlgorithm:
   # work once `vectorize_clients` made it (the round runs it instead of the TFF client work).
   vectorized_fn: Optional[Callable[[Optional[str]], Any]] = None
   _vectorized: Any = None
+  # Why `experiment.client_work = 'auto'` left the clients unvectorised (None otherwise).
+  client_work_reason: Optional[str] = None
 
   # -- state ---------------------------------------------------------------------------------
   def initialize(self, call: Call = direct_call):
@@ -130,10 +132,10 @@ class FederatedAlgorithm:
 
   def vectorize_clients(self, device: Optional[str] = None, factor_dense: bool = True) -> None:
     """Run each round's client work for all participants in one vectorised TensorFlow step
-    (`runtime.vectorize_clients`, `fltff.learning.vectorized`) from now on: the work
+    (`experiment.client_work`, `fltff.learning.vectorized`) from now on: the work
     `vectorized_fn(device, factor_dense)` makes (the builders set it where the method can);
     `ConfigError` for a method that cannot. `factor_dense=False`: no Dense kernel is trained
-    in factored form (`runtime.factor_dense`, `fltff.learning.factored_dense`)."""
+    in factored form (`experiment.factor_dense`, `fltff.learning.factored_dense`)."""
     if self.vectorized_fn is not None:
       self._vectorized = self.vectorized_fn(device, factor_dense)
       return

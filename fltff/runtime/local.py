@@ -458,7 +458,6 @@ class TffRuntime:
                server_name: Optional[str] = None, recycle_every: int = 0,
                executor: str = 'tff_cpp', device: Optional[str] = None,
                mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
-               vectorize_clients: bool = False, factor_dense: bool = True,
                isolate_local_worker: bool = True):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -482,11 +481,9 @@ class TffRuntime:
     self.recycle_every = int(recycle_every)
     self.executor = executor
     self.device = device
-    self.vectorize_clients = vectorize_clients
-    self.factor_dense = factor_dense
+    # Whether the bound method's clients are vectorised (`bind`).
+    self.vectorised = False
     self.mmap_threshold_kib = int(mmap_threshold_kib)
-    # Why 'auto' chose the C++ runtime (the method's reason it cannot vectorise); None else.
-    self.auto_reason: Optional[str] = None
     self._stubs = []
     self.context = None
     heap.fix_mmap_threshold(self.mmap_threshold_kib)
@@ -503,7 +500,7 @@ class TffRuntime:
       self.context = InProcessContext(device=self.device)
       self._tff.framework.set_default_context(self.context)
       logging.info('TFF runtime ready: in-process executor, device %s%s.', self.device or 'auto',
-                   ', vectorised clients' if self.vectorize_clients else '')
+                   ', vectorised clients' if self.vectorised else '')
       return
     try:
       if not self.remote:
@@ -515,34 +512,36 @@ class TffRuntime:
       self.close()
       raise
 
-  def bind(self, algorithm) -> None:
-    """Prepares the runtime for `algorithm` (the round driver calls this first).
+  @property
+  def runs_in_process(self) -> bool:
+    """Whether this runtime can run a round's client work in this process (the in-process
+    executor, or 'auto' before `bind`): what vectorised client work needs."""
+    return self.executor in ('auto', 'in_process')
 
-    `executor='auto'` (the pipeline's default) runs the method's clients vectorised on the
-    in-process executor when it can (`algorithm.vectorize_clients`: the FedAvg family and the
-    personalised methods on models without BatchNorm), and on TFF's C++ runtime otherwise —
-    or, with `device` '/GPU:0', on the in-process executor client by client (TFF's C++ runtime
-    never uses a GPU). With 'in_process' and `vectorize_clients`, the method must vectorise.
+  def bind(self, algorithm) -> None:
+    """Places `algorithm`'s rounds (the round driver calls this first). What the clients
+    compute was chosen before, by the experiment (`experiment.client_work`); this decides only
+    where it runs: `executor='auto'` (the pipeline's default) runs vectorised client work on
+    the in-process executor and any other on TFF's C++ runtime — or, with `device` '/GPU:0',
+    on the in-process executor client by client (TFF's C++ runtime never uses a GPU).
+    Vectorised client work on the C++ runtime is refused (`ConfigError`).
     """
+    self.vectorised = bool(algorithm.vectorized)
     if self.executor != 'auto':
-      if self.vectorize_clients:
-        algorithm.vectorize_clients(self.device, self.factor_dense)
+      if self.vectorised and self.executor != 'in_process':
+        raise ConfigError(f"{algorithm.name}'s clients are vectorised: they train in this "
+                          f"process, which needs runtime.executor = 'auto' or 'in_process'.")
       return
-    try:
-      algorithm.vectorize_clients(self.device, self.factor_dense)
-      self.executor, self.vectorize_clients = 'in_process', True
-    except ConfigError as e:
-      self.auto_reason = str(e)
-      self.executor = 'in_process' if self.device == '/GPU:0' else 'tff_cpp'
-    logging.info("runtime.executor = 'auto': %s for %s%s", self.description, algorithm.name,
-                 f' ({self.auto_reason})' if self.auto_reason else '.')
+    self.executor = ('in_process' if self.vectorised or self.device == '/GPU:0'
+                     else 'tff_cpp')
+    logging.info("runtime.executor = 'auto': %s for %s.", self.description, algorithm.name)
     self._start()
 
   @property
   def description(self) -> str:
     """The executor in words, e.g. for the run's summary."""
     if self.executor == 'in_process':
-      return ('the in-process executor, vectorised clients' if self.vectorize_clients
+      return ('the in-process executor, vectorised clients' if self.vectorised
               else 'the in-process executor')
     if self.executor == 'tff_cpp':
       return f"TFF's C++ runtime ({'remote workers' if self.remote else 'local worker_binary'})"
@@ -746,7 +745,6 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                  insecure_plaintext: bool = False, recycle_every: int = 0,
                  executor: str = 'auto', device: str = 'auto',
                  mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
-                 vectorize_clients: bool = False, factor_dense: bool = True,
                  isolate_local_worker: bool = True) -> TffRuntime:
   """Builds the experiment's runtime.
 
@@ -769,8 +767,8 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
       `--insecure_plaintext`): only on a trusted network.
     recycle_every: Replace the local worker_binary by a fresh one every this many rounds (0:
       never); bounds the worker's memory on long runs, results unchanged (`after_round`).
-    executor: 'auto' (default): vectorised clients on the in-process executor for the methods
-      and models that have them, TFF's C++ runtime for the others, for remote `workers` and
+    executor: 'auto' (default): the in-process executor for vectorised client work
+      (`experiment.client_work`), TFF's C++ runtime for any other, for remote `workers` and
       with `recycle_every` (`TffRuntime.bind`). 'tff_cpp': TFF's C++ runtime, a local
       `worker_binary` or the remote `workers`. 'in_process': the same compiled computations
       run in this process, no worker (`fltff.runtime.in_process`; equal results; client by
@@ -782,14 +780,6 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
       and the local worker, and the driver trims its heap after each round
       (`fltff.runtime.heap`: keeps resident memory from creeping up with rounds; results
       unchanged). 0: glibc's default, no trimming.
-    vectorize_clients: With `executor='in_process'` ('auto' decides by itself): run each
-      round's client work for all
-      participants in one vectorised TensorFlow step (`fltff.learning.vectorized`; the
-      FedAvg-family methods and the personalised KAPC, FedAMP, Local and pFedLA, on models
-      without BatchNorm; equal results, see docs/performance.md).
-    factor_dense: With vectorised clients, train Dense kernels in factored form in rounds
-      whose history is short against the kernel (`fltff.learning.factored_dense`; the same
-      numbers up to float rounding). False: every kernel takes the per-step update.
     isolate_local_worker: Run the local `worker_binary` in a private network namespace,
       reached through a Unix socket only this user can open (`IsolatedWorker`; needs
       unprivileged user namespaces, as on most Linux hosts). False: it listens in plaintext on
@@ -799,8 +789,6 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
   if not isinstance(isolate_local_worker, bool):
     raise ConfigError(f'runtime.isolate_local_worker must be True or False, got '
                       f'{isolate_local_worker!r}.')
-  if not isinstance(factor_dense, bool):
-    raise ConfigError(f'runtime.factor_dense must be True or False, got {factor_dense!r}.')
   check_number('runtime.rpc_timeout', rpc_timeout, allow_none=True)
   if rpc_timeout is not None and rpc_timeout <= 0:
     raise ConfigError(f'runtime.rpc_timeout must be > 0 seconds (None: adaptive), got '
@@ -812,7 +800,7 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                       f'{mmap_threshold_kib}.')
   if executor == 'auto' and (workers or recycle_every):
     executor = 'tff_cpp'  # Only TFF's C++ runtime has workers to reach or to recycle.
-  tf_device = check_executor(executor, device, workers, recycle_every, vectorize_clients)
+  tf_device = check_executor(executor, device, workers, recycle_every)
   if recycle_every < 0:
     raise ConfigError(f'runtime.recycle_every must be >= 0 (0: never), got {recycle_every}.')
   from fltff.runtime import tls  # pylint: disable=g-import-not-at-top
@@ -837,7 +825,6 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                     server_name=tls_server_name, recycle_every=recycle_every,
                     executor=executor, device=tf_device,
                     mmap_threshold_kib=mmap_threshold_kib,
-                    vectorize_clients=bool(vectorize_clients), factor_dense=factor_dense,
                     isolate_local_worker=isolate_local_worker)
 
 
@@ -846,15 +833,8 @@ DEVICES = ('auto', 'cpu', 'gpu')
 
 
 def check_executor(executor: str, device: str, workers: Sequence[str] = (),
-                   recycle_every: int = 0, vectorize_clients: bool = False) -> Optional[str]:
-  """Validates `runtime.executor`/`runtime.device`/`runtime.vectorize_clients`; returns the
-  TensorFlow device (or None)."""
-  if not isinstance(vectorize_clients, bool):
-    raise ConfigError(f'runtime.vectorize_clients must be True or False, got '
-                      f'{vectorize_clients!r}.')
-  if vectorize_clients and executor != 'in_process':
-    raise ConfigError("runtime.vectorize_clients = True trains the clients in this process: it "
-                      "needs runtime.executor = 'in_process'.")
+                   recycle_every: int = 0) -> Optional[str]:
+  """Validates `runtime.executor`/`runtime.device`; returns the TensorFlow device (or None)."""
   if executor not in EXECUTORS:
     raise ConfigError(f'runtime.executor must be one of {EXECUTORS}, got {executor!r}.')
   if device not in DEVICES:

@@ -123,7 +123,7 @@ class RoundDriver:
     self.call = runtime.call if runtime is not None else protocol.direct_call
     self.runtime = runtime
     if runtime is not None:
-      runtime.bind(algorithm)  # Chooses the executor ('auto'), vectorises the clients.
+      runtime.bind(algorithm)  # Places the rounds ('auto': by the client work chosen).
     self.algorithm = algorithm
     self.process = algorithm.process
     self.data = data
@@ -365,9 +365,9 @@ class RoundDriver:
   def run(self, resume: bool = False) -> dict:
     cfg = self.config
     if self.runtime is not None and getattr(self.runtime, 'description', None):
-      reason = getattr(self.runtime, 'auto_reason', None)
+      reason = getattr(self.algorithm, 'client_work_reason', None)
       self.progress(f'{self.algorithm.name} runs on {self.runtime.description}'
-                    + (f" (runtime.executor = 'auto': {reason})" if reason else '.'))
+                    + (f" (experiment.client_work = 'auto': {reason})" if reason else '.'))
     state = self.algorithm.initialize(self.call)
     start_round = 1
     if not resume or self.checkpointer.latest_round() is None:

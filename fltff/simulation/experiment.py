@@ -60,6 +60,44 @@ def server_optimizer_bound() -> bool:
              for (_, selector), params in gin.config._CONFIG.items())  # pylint: disable=protected-access
 
 
+CLIENT_WORKS = ('auto', 'vectorised', 'per_client')
+
+
+def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool = True,
+                       runtime=None) -> None:
+  """The experiment's choice of what its clients compute with (`experiment.client_work`).
+
+  'vectorised' switches `algorithm` to its vectorised client work (`vectorize_clients`;
+  `ConfigError` where the method or model has none, or where `runtime` cannot run it in this
+  process); 'per_client' keeps TFF's client work; 'auto' vectorises where the method, the model
+  and the runtime allow it and otherwise records why not as `algorithm.client_work_reason`
+  (the run's first line says it). The runtime then only places the rounds (`TffRuntime.bind`).
+  """
+  if client_work not in CLIENT_WORKS:
+    raise ConfigError(f'experiment.client_work must be one of {CLIENT_WORKS}, got '
+                      f'{client_work!r}.')
+  if not isinstance(factor_dense, bool):
+    raise ConfigError(f'experiment.factor_dense must be True or False, got {factor_dense!r}.')
+  if client_work == 'per_client':
+    return
+  in_process = runtime is None or runtime.runs_in_process
+  if not in_process:
+    if client_work == 'vectorised':
+      raise ConfigError("experiment.client_work = 'vectorised' trains the clients in this "
+                        "process: it needs runtime.executor = 'auto' or 'in_process' (TFF's "
+                        'C++ runtime, remote workers and runtime.recycle_every run them client '
+                        'by client).')
+    return
+  if runtime is None and client_work == 'auto':
+    return  # No runtime to place the rounds: the current context runs TFF's client work.
+  try:
+    algorithm.vectorize_clients(None if runtime is None else runtime.device, factor_dense)
+  except ConfigError as e:
+    if client_work == 'vectorised':
+      raise
+    algorithm.client_work_reason = str(e)
+
+
 def build_method(method: Callable[..., Any], model_spec: ModelSpec, num_clients: int,
                  seed: int = 0):
   """Calls a method builder with what the experiment gives it.
@@ -119,6 +157,8 @@ def run_experiment(output_dir: str,
                    evaluation: Optional[Sequence[str]] = None,
                    headline_statistic: str = 'best_round_mean',
                    finetune_epochs: int = 5,
+                   client_work: str = 'auto',
+                   factor_dense: bool = True,
                    progress: Callable[[str], None] = print,
                    stop_event=None, allow_config_change: bool = False) -> dict:
   """Runs one experiment end to end and returns its summary (also in summary.json).
@@ -165,6 +205,14 @@ def run_experiment(output_dir: str,
       client's best round).
     finetune_epochs: Epochs of the finetuned_local protocol's fine-tuning (the whole model,
       with the client optimizer, on the client's training data).
+    client_work: What the clients compute with: 'auto' (default): vectorised where the
+      method, the model and the runtime allow it (`choose_client_work`), else client by
+      client; 'vectorised': every round's participants in one vectorised TensorFlow step
+      (`fltff.learning.vectorized`; refused where it cannot be); 'per_client': TFF's client
+      work, client by client. The numbers agree to float rounding (docs/runtime.md).
+    factor_dense: With vectorised clients, train Dense kernels in factored form in rounds
+      whose history is short against the kernel (`fltff.learning.factored_dense`; the same
+      numbers up to float rounding). False: every kernel takes the per-step update.
     progress: Where progress lines go.
     allow_config_change: With `resume`, continue even when the configuration differs from
       the run's `config.gin` in more than `outputs.RESUMABLE_CHANGES`; the differences are
@@ -191,6 +239,7 @@ def run_experiment(output_dir: str,
   if personalization is not None:
     algorithm = with_fedlap_personalization(
         algorithm, personalization(model_spec, client_optimizer=optimizers.client_optimizer()))
+  choose_client_work(algorithm, client_work, factor_dense, runtime)
   finetuner = None
   if evaluation is not None and 'finetuned_local' in evaluation and getattr(
       algorithm, 'finetunes', False):
