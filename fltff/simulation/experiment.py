@@ -80,16 +80,16 @@ def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool 
     raise ConfigError(f'experiment.factor_dense must be True or False, got {factor_dense!r}.')
   if client_work == 'per_client':
     return
-  in_process = runtime is None or runtime.runs_in_process
-  if not in_process:
+  if runtime is None:
+    if client_work == 'auto':
+      return  # No runtime to place the rounds: the current context runs TFF's client work.
+  elif not runtime.runs_in_process:
     if client_work == 'vectorised':
       raise ConfigError("experiment.client_work = 'vectorised' trains the clients in this "
                         "process: it needs runtime.executor = 'auto' or 'in_process' (TFF's "
                         'C++ runtime, remote workers and runtime.recycle_every run them client '
                         'by client).')
     return
-  if runtime is None and client_work == 'auto':
-    return  # No runtime to place the rounds: the current context runs TFF's client work.
   try:
     algorithm.vectorize_clients(None if runtime is None else runtime.device, factor_dense)
   except ConfigError as e:
