@@ -10,6 +10,7 @@ EDITABLE := $(VENV)/.fltff-editable
 OUTPUT_DIR ?= runs/quickstart
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist): the CI machine has 2 cores; each process owns one worker_binary.
+# Tests are handed out one at a time, the end-to-end ones first (tests/conftest.py).
 PYTEST_WORKERS ?= 2
 
 .PHONY: setup quickstart test bench clean-venv
@@ -40,7 +41,7 @@ quickstart: setup
 	$(VENV)/bin/fltff run --gin_file=gin_configs/quickstart.gin --output_dir=$(OUTPUT_DIR)
 
 test: setup
-	$(VPY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS) tests
+	$(VPY) -m pytest -q -n $(PYTEST_WORKERS) --maxschedchunk=1 $(PYTEST_ARGS) tests
 
 bench: setup
 	$(VPY) -m pipelines.bench

@@ -74,10 +74,17 @@ def _starts_a_program(function) -> bool:
 
 def pytest_collection_modifyitems(items):
   """Marks `pipeline` every test that starts a program, itself or through a fixture, so that
-  `pytest -m "not pipeline"` runs the unit and numerical tests alone."""
+  `pytest -m "not pipeline"` runs the unit and numerical tests alone; and runs those first.
+
+  The end-to-end tests are the long ones (10–80 s each against well under a second for most
+  others): started first and handed out one at a time (the Makefile's `--maxschedchunk=1`),
+  they spread over the test processes and the short tests fill the gaps at the end, instead of
+  one process running the last long tests while the other idles.
+  """
   for item in items:
     fixtures = getattr(item, '_fixtureinfo', None)
     defs = fixtures.name2fixturedefs.values() if fixtures else ()
     if _starts_a_program(getattr(item, 'function', None)) or any(
         _starts_a_program(d[-1].func) for d in defs if d):
       item.add_marker(pytest.mark.pipeline)
+  items.sort(key=lambda item: item.get_closest_marker('pipeline') is None)
