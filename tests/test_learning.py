@@ -330,3 +330,16 @@ def test_regularizer_traits_refuse_what_cannot_be_and_default_to_the_penalty():
 
   assert client_work.traits_of(Own()) is client_work.PENALTY_ONLY
   assert client_work.traits_of(None) is None
+
+
+@pytest.mark.parametrize('weight_fields', [(), ('client_index',), ('latent_mean',),
+                                           ('local_steps', 'client_index', 'latent_mean')])
+def test_client_result_type_is_the_traced_client_works(spec, weight_fields):
+  """`build_algorithm` creates the aggregator from `client_result_type` without tracing the
+  client work: it must be the type the client work returns."""
+  from fltff.learning import client_work  # pylint: disable=g-import-not-at-top
+
+  work = client_work.build_client_work(spec, tff.learning.optimizers.build_sgdm(0.1),
+                                       weight_fields=weight_fields)
+  assert client_work.client_result_type(spec, weight_fields) == (
+      work.next.type_signature.result.result.member)

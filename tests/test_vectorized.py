@@ -19,6 +19,7 @@ import tensorflow_federated as tff
 from fltff import learning
 from fltff import personalization
 from fltff.errors import ConfigError
+from fltff.learning import round_data
 from fltff.learning import vectorized
 from fltff.runtime.in_process import InProcessContext
 from fltff.simulation import build_model_spec
@@ -28,6 +29,7 @@ from helpers import assert_equal_runs
 from helpers import assert_one_line_error
 from helpers import equality_methods
 from helpers import equality_sgdm
+from helpers import leaves as helpers_leaves
 from helpers import read_csv
 from helpers import run_and_resume
 from helpers import run_pipeline
@@ -223,8 +225,8 @@ def test_padding_and_masks_follow_each_clients_batches(known_batch_counts):
   from fltff.learning.client_work import client_input  # pylint: disable=g-import-not-at-top
   inputs = [client_input(batches(7, 0), 0, 2), client_input(batches(2, 100), 1, 1),
             client_input(batches(4, 200), 2, 0)]
-  out = vectorized.stack_client_batches(inputs)
-  x, _ = vectorized.round_batches(out)
+  out = round_data.stack_client_batches(inputs)
+  x, _ = round_data.round_batches(out)
   assert x.shape == (2, 3, 3, 3, 2)  # epochs, steps, clients, batch, example
   np.testing.assert_array_equal(out['epochs'], [2, 1, 0])
   # Client 0: batches of 3, 3, 1 in both epochs; client 1: one batch of 2 in epoch 0 only;
@@ -252,9 +254,9 @@ def test_each_epoch_reshuffles_and_a_dataset_passed_again_starts_afresh():
   read_before = vectorized.weakref.WeakSet()
   passed = examples.shuffle(12, seed=5, reshuffle_each_iteration=True).batch(4)
   for _ in range(2):
-    out = vectorized.stack_client_batches([client_input(passed, 0, 3)], read_before)
+    out = round_data.stack_client_batches([client_input(passed, 0, 3)], read_before)
     for e in range(3):
-      y = vectorized.round_batches(out)[1]
+      y = round_data.round_batches(out)[1]
       np.testing.assert_array_equal(y[e, :, 0].reshape(-1), expected[e])
 
 
@@ -275,20 +277,20 @@ def test_the_drivers_datasets_read_from_their_arrays_give_the_same_round():
   assert all(array_source(d) is None for d in via_tf_data)
   read_a, read_t = vectorized.weakref.WeakSet(), vectorized.weakref.WeakSet()
   for _ in range(2):
-    a = vectorized.stack_client_batches(
+    a = round_data.stack_client_batches(
         [client_input(d, k, e) for k, (d, e) in enumerate(zip(via_arrays, (2, 1, 0)))], read_a)
-    t = vectorized.stack_client_batches(
+    t = round_data.stack_client_batches(
         [client_input(d, k, e) for k, (d, e) in enumerate(zip(via_tf_data, (2, 1, 0)))], read_t)
     assert a.keys() == t.keys()
     for name in ('mask', 'valid', 'epochs'):
       np.testing.assert_array_equal(a[name], t[name], err_msg=name)
-    for name, x, y in zip(('x', 'y'), vectorized.round_batches(a), vectorized.round_batches(t)):
+    for name, x, y in zip(('x', 'y'), round_data.round_batches(a), round_data.round_batches(t)):
       assert x.dtype == y.dtype, name
       np.testing.assert_array_equal(x, y, err_msg=name)
   # From arrays, the table holds each example once (and the padding row), whatever the epochs;
   # read through tf.data, every batch as read.
   assert len(a['labels']) == 23 + 7 + 16 + 1 < len(t['labels'])
-  x, y = vectorized.round_batches(a)
+  x, y = round_data.round_batches(a)
   assert x.shape == (2, 5, 3, 5, 4, 4, 1) and np.max(x) > 0.9
   assert not np.array_equal(y[0, :, 0], y[1, :, 0])  # Epochs reshuffle.
 
@@ -438,3 +440,25 @@ def test_a_vectorised_algorithms_client_inputs_carry_their_info_without_a_datase
   assert not isinstance(fast['info'], tf.data.Dataset)
   assert (client_work_lib.client_info_of_input(plain)
           == client_work_lib.client_info_of_input(fast) == {'client_index': 7, 'epochs': 3})
+
+
+@pytest.mark.parametrize('name', ['fedavg', 'fedadp', 'fednova+ccn', 'scaffold'])
+def test_vectorised_rounds_start_from_the_process_state_without_building_it(spec, cpp, name):
+  """A vectorised method's initial state is its learning process's (`compose_learning_process`),
+  made from the pieces the rounds run, and TFF's per-client client work is never traced."""
+  del cpp  # The session's context runs both.
+  reference = METHODS[name](spec)
+  expected = reference.initialize()
+  algorithm = METHODS[name](spec)
+  algorithm.vectorize_clients()
+  state = algorithm.initialize()
+  assert 'process' not in vars(algorithm)  # `Algorithm.process` is built on first use.
+  assert type(state) is type(expected)
+  assert [type(part) for part in state] == [type(part) for part in expected]
+  got, want = helpers_leaves(state), helpers_leaves(expected)
+  assert len(got) == len(want) > 0
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(helpers_leaves(algorithm.global_model_weights(state)),
+                  helpers_leaves(reference.global_model_weights(expected))):
+    np.testing.assert_array_equal(a, b)

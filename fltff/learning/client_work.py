@@ -118,6 +118,27 @@ class LocalRegularizer(Protocol):
     ...
 
 
+class StepObserver(Protocol):
+  """Something a method accumulates over a client's local steps besides the weights (SCAFFOLD's
+  gradient sum, `scaffold.GradientMean`). Both local-training loops carry its state — one
+  client's in `build_local_training`, every participant's with a leading client axis in
+  `vectorized.VectorizedClientWork` — and put `result` in their output under `name`.
+
+  `observe` sees each step's data gradients (the minibatch loss's, plus a batch term's; before
+  any other regulariser term), for every trainable tensor.
+  """
+  name: str
+
+  def initial(self, weights: Sequence[tf.Tensor]) -> Any:
+    ...
+
+  def observe(self, state: Any, gradients: Sequence[tf.Tensor]) -> Any:
+    ...
+
+  def result(self, state: Any, steps: tf.Tensor) -> Any:
+    """From the final state and the client's step count (a scalar, or `[K]`)."""
+
+
 def client_input(batches: tf.data.Dataset, client_index: int, epochs: int,
                  client_state: Optional[Sequence[np.ndarray]] = None,
                  state_in_dataset: bool = True, info_in_dataset: bool = True):
@@ -218,7 +239,7 @@ def step_gradients(gradients, values, regularizer: Optional[LocalRegularizer],
 
 def build_local_training(model, optimizer, regularizer: Optional[LocalRegularizer] = None,
                          frozen: Sequence[int] = (), latent_fn=None,
-                         track_gradient_mean: bool = False):
+                         step_observers: Sequence[StepObserver] = ()):
   """Returns a `tf.function` running the local epochs on `model` (a `VariableModel`).
 
   The function maps `(initial_weights, batches, info)` to an OrderedDict with `trained` (the
@@ -236,10 +257,8 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
     frozen: Indices of trainable tensors that must not change (FedBABU's head): their
       gradients are zeroed.
     latent_fn: Optional Keras model mapping inputs to the latent layer (sharing the weights).
-    track_gradient_mean: Also return `gradient_mean`, the mean over all local steps of the
-      data-loss minibatch gradients (before any regulariser term except a `batch_penalty`,
-      which is part of the minibatch loss): SCAFFOLD's new control variate (with plain SGD
-      it equals option II of Karimireddy et al. 2020, eq. (4)).
+    step_observers: `StepObserver`s fed every step's data gradients; each one's result is
+      returned under its `name` (SCAFFOLD's `gradient_mean`).
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -250,7 +269,9 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
                                                     traits.batch_term)
   frozen = frozenset(frozen)
 
-  @tf.function
+  # Without autograph: the loops are written as `tf.while_loop`s and every `if` is on a Python
+  # value, so there is nothing to convert (conversion cost seconds at every program start).
+  @tf.function(autograph=False)
   def train(initial_weights, batches, info):
     info = read_single(info, _info_zero())
     epochs = info['epochs']
@@ -261,7 +282,7 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
     optimizer_state = optimizer.initialize(
         tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables))
 
-    def run_epoch(examples, steps, optimizer_state, gradient_sum):
+    def run_epoch(examples, steps, optimizer_state, observed):
       context = ()
       if regularizer is not None:
         context = regularizer.epoch_start(
@@ -269,7 +290,7 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
       affine = regularizer.affine_gradient(global_trainable, context) if has_affine else None
 
       def reduce_fn(state, batch):
-        examples, steps, optimizer_state, gradient_sum = state
+        examples, steps, optimizer_state, observed = state
         with tf.GradientTape() as tape:
           output = model.forward_pass(batch, training=True)
           loss = output.loss
@@ -278,8 +299,8 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
           if batch_dependent:
             loss += regularizer.batch_penalty(variables, global_trainable, batch, context)
         gradients = tape.gradient(loss, variables)
-        if track_gradient_mean:
-          gradient_sum = tuple(a + g for a, g in zip(gradient_sum, gradients))
+        observed = tuple(o.observe(state, gradients)
+                         for o, state in zip(step_observers, observed))
         values = tuple(v.read_value() for v in variables)
         gradients = step_gradients(gradients, values, regularizer, global_trainable, context,
                                    affine, frozen)
@@ -288,7 +309,7 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
           if i not in frozen:
             v.assign(u)
         return (examples + tf.cast(output.num_examples, tf.int64), steps + 1, optimizer_state,
-                gradient_sum)
+                observed)
 
       # The epoch's batches are read into TensorArrays first (a `Dataset.reduce` with no model
       # ops), then trained on in a `tf.while_loop`: the same steps in the same order, without
@@ -310,25 +331,23 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
         return i + 1, reduce_fn(state, batch)
 
       _, state = tf.while_loop(lambda i, _: i < count, body,
-                               (tf.constant(0), (examples, steps, optimizer_state, gradient_sum)))
+                               (tf.constant(0), (examples, steps, optimizer_state, observed)))
       return state
 
     examples = tf.constant(0, tf.int64)
     steps = tf.constant(0, tf.int32)
-    # An empty tuple when not tracked, so the loop carries nothing extra.
-    gradient_sum = tuple(tf.zeros_like(v) for v in variables) if track_gradient_mean else ()
-    for _ in tf.range(epochs):
-      examples, steps, optimizer_state, gradient_sum = run_epoch(examples, steps,
-                                                                 optimizer_state, gradient_sum)
+    observed = tuple(o.initial(variables) for o in step_observers)
+    _, examples, steps, optimizer_state, observed = tf.while_loop(
+        lambda e, *_: e < epochs, lambda e, *state: (e + 1, *run_epoch(*state)),
+        (tf.constant(0), examples, steps, optimizer_state, observed))
     result = collections.OrderedDict(
         trained=tuple(v.read_value() for v in variables),
         non_trainable=tuple(v.read_value() for v in tf.nest.flatten(model_weights.non_trainable)),
         examples_per_epoch=examples_per_epoch(examples, epochs),
         steps=steps,
         metrics=model.report_local_unfinalized_metrics())
-    if track_gradient_mean:
-      result['gradient_mean'] = tuple(
-          g / tf.cast(tf.maximum(steps, 1), g.dtype) for g in gradient_sum)
+    for observer, state in zip(step_observers, observed):
+      result[observer.name] = observer.result(state, steps)
     if latent_fn is not None:
       dim = latent_fn.output_shape[-1]
 
@@ -392,12 +411,47 @@ def client_result(initial_weights, data, out, weight_fields: Sequence[str] = (),
   return tff.learning.templates.ClientResult(update=update, update_weight=weight)
 
 
+def client_result_type(model_spec: ModelSpec, weight_fields: Sequence[str] = ()):
+  """The TFF type of one participant's `client_result` (update and weight ν with its
+  `weight_fields`), known without tracing the client work (`process.build_algorithm` creates
+  the aggregator from it, and builds the client work only when a round runs it)."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  check_weight_fields(weight_fields)
+  weight = tff.TensorType(np.float32)
+  if weight_fields:
+    fields = [('num_examples', weight)]
+    if 'client_index' in weight_fields:
+      fields.append(('client_index', tff.TensorType(np.int32)))
+    if 'latent_mean' in weight_fields:
+      latent_dim = int(latent_fn_for(model_spec.keras_fn(), weight_fields).output_shape[-1])
+      fields.append(('latent_mean', tff.TensorType(np.float32, [latent_dim])))
+    if 'local_steps' in weight_fields:
+      fields.append(('local_steps', tff.TensorType(np.int32)))
+    weight = tff.StructWithPythonType(fields, collections.OrderedDict)
+  return tff.StructWithPythonType(
+      [('update', model_spec.weights_type().trainable), ('update_weight', weight)],
+      tff.learning.templates.ClientResult)
+
+
 def latent_fn_for(keras_model, weight_fields: Sequence[str]):
   """CCN's latent-layer model when the weight carries `latent_mean`, else None."""
   if 'latent_mean' not in weight_fields:
     return None
   from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
   return latent_model(keras_model)
+
+
+def build_stateless_initialize():
+  """The `initialize` of a client work that keeps no state (`build_client_work`'s): `()` at
+  the server."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  @tff.federated_computation
+  def initialize():
+    return tff.federated_value((), tff.SERVER)
+
+  return initialize
 
 
 def build_client_work(model_spec: ModelSpec,
@@ -456,9 +510,7 @@ def build_client_work(model_spec: ModelSpec,
           out['trained'], tuple(tf.nest.flatten(initial_weights.trainable)))
     return result, out['metrics'], regularizer_stats
 
-  @tff.federated_computation
-  def init_fn():
-    return tff.federated_value((), tff.SERVER)
+  init_fn = build_stateless_initialize()
 
   @tff.federated_computation(init_fn.type_signature.result,
                              tff.FederatedType(weights_type, tff.CLIENTS),

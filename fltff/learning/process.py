@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -28,8 +29,9 @@ class Algorithm(protocol.FederatedAlgorithm):
 
   Attributes:
     name: Method name for logs and reports.
-    process: A `tff.learning.templates.LearningProcess` whose client data is
-      `client_work.client_input(...)` per participant.
+    build_process: Builds `process`, the `tff.learning.templates.LearningProcess` whose client
+      data is `client_work.client_input(...)` per participant: on first use, so that rounds
+      with vectorised client work never trace TFF's per-client client work.
     model_spec: The model it trains.
     bytes_down_per_client: Bytes the server sends one participant per round (from the TFF type
       of the broadcast value).
@@ -38,7 +40,7 @@ class Algorithm(protocol.FederatedAlgorithm):
   """
 
   name: str
-  process: Any
+  build_process: Callable[[], Any]
   model_spec: ModelSpec
   bytes_down_per_client: int
   bytes_up_per_client: int
@@ -51,17 +53,33 @@ class Algorithm(protocol.FederatedAlgorithm):
   # Methods whose state is indexed by client (FedAdp/FedLayerWise's smoothed angles,
   # SCAFFOLD's and MOON's client states): the N it is sized for. Client indices must be < N.
   num_clients: Optional[int] = None
-  # The composed pieces (distributor, client work, aggregator, finalizer) and a builder of
-  # the client work's vectorised twin (`fltff.learning.vectorized.VectorizedClientWork`):
-  # set by `build_algorithm` for the default client work only.
+  # The composed pieces (distributor, the client work's `initialize`, aggregator, finalizer),
+  # which vectorised rounds run, and a builder of the client work's vectorised twin
+  # (`fltff.learning.vectorized.VectorizedClientWork`): set by `build_algorithm` for the
+  # default client work only.
   components: Optional[tuple] = None
   vectorized_fn: Optional[Callable[[Optional[str]], Any]] = None
   _vectorized: Any = dataclasses.field(default=None, repr=False)
 
+  @functools.cached_property
+  def process(self):
+    """The `tff.learning.templates.LearningProcess` (built on first use)."""
+    return self.build_process()
+
   # -- protocol.FederatedAlgorithm -----------------------------------------------------------
   def initialize(self, call: protocol.Call = protocol.direct_call):
     """The process's initial state with the model spec's initial weights (so every method of a
-    run starts from the same model)."""
+    run starts from the same model). Vectorised: the same state (`compose_learning_process`'s
+    `LearningAlgorithmState`) from the pieces the rounds run."""
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+    if self.vectorized:
+      distributor, client_work_initialize, aggregator, finalizer = self.components
+      return tff.learning.templates.LearningAlgorithmState(
+          global_model_weights=self.model_spec.initial_weights(),
+          distributor=call(distributor.initialize),
+          client_work=call(client_work_initialize), aggregator=call(aggregator.initialize),
+          finalizer=call(finalizer.initialize))
     state = call(self.process.initialize)
     return self.process.set_model_weights(state, self.model_spec.initial_weights())
 
@@ -106,6 +124,8 @@ class Algorithm(protocol.FederatedAlgorithm):
         bytes_up=np.full(len(clients), float(self.bytes_up_per_client)))
 
   def global_model_weights(self, state):
+    if self.vectorized:
+      return state.global_model_weights
     return self.process.get_model_weights(state)
 
   @property
@@ -188,24 +208,34 @@ def build_algorithm(name: str,
     weight_fields = tuple(getattr(model_aggregator, 'weight_fields', ()))
   weights_type = model_spec.weights_type()
 
-  @tff.tensorflow.computation
-  def initial_model_weights_fn():
-    return tff.learning.models.ModelWeights.from_model(model_spec.tff_model())
-
   distributor = tff.learning.templates.build_broadcast_process(weights_type)
   default_client_work = client_work is None
   if default_client_work:
-    client_work = client_work_lib.build_client_work(
-        model_spec, client_optimizer, regularizer, weight_fields=weight_fields, frozen=frozen,
-        client_weighting=client_weighting)
-  result_type = client_work.next.type_signature.result.result.member
+    # TFF's client work is traced only when a round runs it (not for vectorised rounds).
+    result_type = client_work_lib.client_result_type(model_spec, weight_fields)
+    client_work_initialize = client_work_lib.build_stateless_initialize()
+  else:
+    result_type = client_work.next.type_signature.result.result.member
+    client_work_initialize = client_work.initialize
   if model_aggregator is None:
     model_aggregator = tff.aggregators.MeanFactory()
   aggregator = model_aggregator.create(result_type.update, result_type.update_weight)
   finalizer = tff.learning.templates.build_apply_optimizer_finalizer(server_optimizer,
                                                                      weights_type)
-  process = tff.learning.templates.compose_learning_process(
-      initial_model_weights_fn, distributor, client_work, aggregator, finalizer)
+
+  def build_process():
+    @tff.tensorflow.computation
+    def initial_model_weights_fn():
+      return tff.learning.models.ModelWeights.from_model(model_spec.tff_model())
+
+    work = client_work
+    if default_client_work:
+      work = client_work_lib.build_client_work(
+          model_spec, client_optimizer, regularizer, weight_fields=weight_fields, frozen=frozen,
+          client_weighting=client_weighting)
+    return tff.learning.templates.compose_learning_process(
+        initial_model_weights_fn, distributor, work, aggregator, finalizer)
+
   vectorized_fn = None
   if default_client_work:
     def vectorized_fn(device, factor_dense=True):
@@ -216,9 +246,9 @@ def build_algorithm(name: str,
                                   factor_dense=factor_dense)
   return Algorithm(
       name=name,
-      process=process,
+      build_process=build_process,
       model_spec=model_spec,
-      components=(distributor, client_work, aggregator, finalizer),
+      components=(distributor, client_work_initialize, aggregator, finalizer),
       vectorized_fn=vectorized_fn,
       # The distributor broadcasts the full ModelWeights; each client uploads its
       # ClientResult (update and weight) to the aggregator.

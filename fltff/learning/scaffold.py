@@ -68,6 +68,31 @@ class ControlVariateCorrection:
     return [None] * len(self.correction), list(self.correction)
 
 
+class GradientMean:
+  """The client's new control c_i⁺: its minibatch data gradients averaged over its own local
+  steps (a `client_work.StepObserver`, the same for both local-training loops). With plain SGD
+  this is option II of eq. (4)."""
+
+  name = 'gradient_mean'
+
+  def initial(self, weights):
+    return tuple(tf.zeros(tf.shape(w), w.dtype) for w in weights)
+
+  def observe(self, total, gradients):
+    return tuple(a + g for a, g in zip(total, gradients))
+
+  def result(self, total, steps):
+    steps = tf.maximum(steps, 1)
+
+    def mean(g):
+      n = tf.cast(steps, g.dtype)
+      if n.shape.rank:  # One step count per client: over each client's slice.
+        n = tf.reshape(n, [-1] + [1] * (g.shape.rank - 1))
+      return g / n
+
+    return tuple(mean(g) for g in total)
+
+
 def server_control_update(control: Sequence[tf.Tensor], delta_sum: Sequence[tf.Tensor],
                           num_clients: int) -> tuple:
   """`c + (1/N) Σ_{i∈S} Δc_i` (Karimireddy et al. 2020, Algorithm 1, line 17)."""
@@ -95,7 +120,7 @@ def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: in
     out = client_work_lib.build_local_training(
         local_model, optimizer, ControlVariateCorrection(correction),
         latent_fn=client_work_lib.latent_fn_for(keras_model, weight_fields),
-        track_gradient_mean=True)(initial_weights, data['batches'], data['info'])
+        step_observers=(GradientMean(),))(initial_weights, data['batches'], data['info'])
     # A client that took no step (no data, or zero epochs) keeps its control.
     new_control = tf.cond(out['steps'] > 0, lambda: tuple(out['gradient_mean']),
                           lambda: tuple(control))
@@ -125,7 +150,7 @@ class VectorizedScaffoldWork:
     self._num_clients = num_clients
     self._work = VectorizedClientWork(
         model_spec, optimizer, weight_fields=weight_fields, device=device,
-        client_regularizer=ControlVariateCorrection, track_gradient_mean=True)
+        client_regularizer=ControlVariateCorrection, step_observers=(GradientMean(),))
 
   def next(self, state, global_weights, client_inputs, call=None):
     from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top

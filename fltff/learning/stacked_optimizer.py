@@ -162,8 +162,9 @@ class FusedSGDM:
     self._learning_rate, self._momentum, self._frozen = learning_rate, momentum, frozen
     self._weights: Optional[list[tf.Variable]] = None
     self._accumulators: list[tf.Variable] = []
-    self._affine_update = tf.function(self._affine_update_fn, jit_compile=True)
-    self._affine_gradients = tf.function(self._affine_gradients_fn, jit_compile=True)
+    self._affine_update = tf.function(self._affine_update_fn, jit_compile=True, autograph=False)
+    self._affine_gradients = tf.function(self._affine_gradients_fn, jit_compile=True,
+                                         autograph=False)
 
   @property
   def hyperparameters(self) -> tuple[float, Optional[float]]:

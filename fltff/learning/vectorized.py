@@ -36,7 +36,7 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -44,10 +44,8 @@ import tensorflow as tf
 from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import factored_dense
-from fltff.data.pipeline import ArraySource
-from fltff.data.pipeline import array_source
-from fltff.data.pipeline import preprocess_batch
 from fltff.learning.model_spec import ModelSpec
+from fltff.learning.round_data import stack_client_batches
 from fltff.learning.stacked_optimizer import Anchor
 from fltff.learning.stacked_optimizer import FusedSGDM
 from fltff.learning.stacked_optimizer import broadcast_clients
@@ -115,202 +113,6 @@ def weight_slots(keras_model: tf.keras.Model, weights_model: tf.keras.Model
                         f'{variable.name} in {keras_model.name}.')
     slots.append(slot)
   return slots
-
-
-def _read_options() -> tf.data.Options:
-  """tf.data's static graph optimisations off: they rewrite each client's pipeline when its
-  iterator is created (most of a small client's read time), and change no element or
-  order."""
-  options = tf.data.Options()
-  options.experimental_optimization.apply_default_optimizations = False
-  options.autotune.enabled = False
-  return options
-
-
-def stack_client_batches(client_inputs: Sequence[Any],
-                         read_before: Optional[weakref.WeakSet] = None) -> collections.OrderedDict:
-  """The participants' batches for every local epoch, as rows of one example table.
-
-  Returns `examples [N + 1, ...]` (float32) and `labels [N + 1]` (int32) as tensors, whose last
-  row is zeros (padding), and NumPy arrays `index [E, S, K, B]` (the row of each batch
-  position: epoch e, step s, client k's batch is `examples[index[e, s, k]]`), `mask
-  [E, S, K, B]` (1 for a real example), `valid [E, S, K]` (client k trains at epoch e, step s),
-  `epochs [K]`. `round_batches` gives the batches themselves.
-
-  Each client's dataset is read once per epoch, as the client work iterates it inside a TFF
-  computation (a dataset that reshuffles every iteration gives the same epoch orders as its
-  `repeat`). Epoch 0's batches are kept even for a client with no epochs (they feed CCN's
-  latent mean, computed over the data after training).
-
-  Datasets made by `ClientDatasets` (the pipeline driver's) are read from their arrays: one
-  pipeline draws the shuffled orders of indices, the table holds each participant's examples
-  once (whatever the number of epochs) and `preprocess_batch` runs once on it
-  (`data.pipeline.ArraySource`). Other datasets are read through tf.data, and the table holds
-  every batch as read (one copy per epoch).
-
-  A dataset in `read_before` (which collects every dataset read here) is rebuilt from its graph
-  first (`fresh_dataset`): TFF's runtime deserialises every dataset it gets, so a dataset
-  passed again starts its shuffle afresh there, not where its last read left it.
-  """
-  read_before = weakref.WeakSet() if read_before is None else read_before
-  epochs = [client_work_lib.client_info_of_input(data)['epochs'] for data in client_inputs]
-  passes = [max(e, 1) for e in epochs]
-  sources = [array_source(data['batches']) for data in client_inputs]
-  from_arrays = bool(sources) and all(source is not None for source in sources)
-  if from_arrays:
-    table_x, table_y, rows, sizes, counts = _read_array_sources(sources, passes, read_before)
-  else:
-    table_x, table_y, rows, sizes, counts = _read_datasets(
-        [_as_tff_reads(data['batches'], read_before) for data in client_inputs], passes)
-  # Where each batch goes: client c's epochs one after another, each its steps in order.
-  client = np.repeat(np.arange(len(counts)), [c * p for c, p in zip(counts, passes)])
-  epoch = np.concatenate([np.repeat(np.arange(p), c) for c, p in zip(counts, passes)] or [[]])
-  step = np.concatenate([np.tile(np.arange(c), p) for c, p in zip(counts, passes)] or [[]])
-  client, epoch, step = (a.astype(np.int64) for a in (client, epoch, step))
-  num_epochs = max(passes, default=1)
-  steps = max(counts, default=0)
-  k = len(counts)
-  batch = rows.shape[1] if rows.ndim > 1 else 0
-  padding = len(table_y)  # The zero row appended below.
-  index = np.full((num_epochs, steps, k, batch), padding, np.int64)
-  mask = np.zeros((num_epochs, steps, k, batch), np.float32)
-  valid = np.zeros((num_epochs, steps, k), bool)
-  index[epoch, step, client] = np.where(rows >= 0, rows, padding)
-  mask[epoch, step, client] = np.arange(batch) < sizes[:, np.newaxis]
-  valid[epoch, step, client] = epoch < np.asarray(epochs, np.int64)[client]
-  table_x = np.concatenate([table_x, np.zeros((1, *table_x.shape[1:]), table_x.dtype)])
-  table_y = np.concatenate([table_y, np.zeros(1, table_y.dtype)])
-  if from_arrays:
-    # The pipeline's per-example preprocessing, on the whole table at once (elementwise, so
-    # the same values; the padding row stays zeros).
-    processed = preprocess_batch(collections.OrderedDict(x=table_x, y=table_y))
-    table_x, table_y = processed['x'], processed['y']
-  # As tensors: the round's examples are copied once, into TensorFlow (a NumPy round trip of
-  # a 100-client round's images would cost a noticeable part of the round).
-  return collections.OrderedDict(
-      examples=tf.cast(table_x, tf.float32), labels=tf.cast(table_y, tf.int32), index=index,
-      mask=mask, valid=valid, epochs=np.asarray(epochs, np.int32))
-
-
-def round_batches(data: collections.OrderedDict) -> tuple[np.ndarray, np.ndarray]:
-  """`(x [E, S, K, B, ...], y [E, S, K, B])`: the batches of a `stack_client_batches` result
-  (padding positions zeros), e.g. to inspect a round."""
-  return (np.asarray(data['examples'])[data['index']], np.asarray(data['labels'])[data['index']])
-
-
-def _as_tff_reads(dataset: tf.data.Dataset, read_before: weakref.WeakSet) -> tf.data.Dataset:
-  """`dataset` as TFF's runtime would read it: rebuilt from its graph (`fresh_dataset`) when it
-  was read here before, since TFF deserialises every dataset it gets anew."""
-  from fltff.runtime.in_process import fresh_dataset  # pylint: disable=g-import-not-at-top
-
-  fresh = fresh_dataset(dataset) if dataset in read_before else dataset
-  read_before.add(dataset)
-  return fresh
-
-
-def _round_choice(counts: Sequence[int], passes: Sequence[int]) -> np.ndarray:
-  """Which client's dataset each element of the round's stream comes from: client after
-  client, `counts` elements per pass, `passes` passes each."""
-  return np.repeat(np.arange(len(counts), dtype=np.int64),
-                   [c * p for c, p in zip(counts, passes)])
-
-
-def _round_stream(datasets: Sequence[tf.data.Dataset], passes: Sequence[Any],
-                  choice) -> tf.data.Dataset:
-  """One tf.data pipeline for the whole round (`_round_choice`'s order), each dataset repeated
-  for its passes (Python ints or scalar tensors): about ten times cheaper than an eager
-  iterator per client and epoch."""
-  return tf.data.Dataset.choose_from_datasets(
-      [ds if isinstance(p, int) and p == 1 else ds.repeat(p) for ds, p in zip(datasets, passes)],
-      tf.data.Dataset.from_tensor_slices(choice), stop_on_empty_dataset=False)
-
-
-@tf.function(reduce_retracing=True)
-def _read_orders(orders: Sequence[tf.data.Dataset], passes: tf.Tensor,
-                 choice: tf.Tensor) -> tf.Tensor:
-  """`_round_stream` over the clients' order datasets, read as one vector. Built inside a
-  traced function, traced again only for another participant count (the passes are a
-  tensor): constructing the pipeline over 100 datasets eagerly every round costs more than
-  reading it."""
-  passes = [passes[i] for i in range(len(orders))]
-  return _round_stream(orders, passes, choice).batch(
-      tf.size(choice, out_type=tf.int64)).with_options(_read_options()).get_single_element()
-
-
-def _read_array_sources(sources: Sequence[ArraySource], passes: Sequence[int],
-                        read_before: weakref.WeakSet):
-  """`(table_x, table_y, rows, sizes, batches per epoch)` of the round from the clients' arrays
-  (at least one client): the table is the participants' examples, each once, one client after
-  another (the raw arrays' values: `preprocess_batch` still to apply); `rows [T, B]` is each
-  batch's table rows (each client's epochs' batches in order; -1 pads a short batch). One
-  tf.data pipeline draws every client's epoch orders (indices only), several times cheaper
-  than going through the datasets' per-example map."""
-  orders = [_as_tff_reads(source.order, read_before) for source in sources]
-  sizes_n = [source.num_examples for source in sources]
-  choice = _round_choice(sizes_n, passes)
-  flat = (_read_orders(orders, np.asarray(passes, np.int64), choice).numpy() if len(choice)
-          else np.zeros(0, np.int64))
-  xs, ys, rows, sizes, counts = [], [], [], [], []
-  offset = table_offset = 0
-  batch = max(source.batch_size for source in sources)
-  for source, n, p in zip(sources, sizes_n, passes):
-    x, y = source.arrays()
-    xs.append(x)
-    ys.append(y)
-    steps = -(-n // source.batch_size)
-    order = flat[offset:offset + n * p].reshape(p, n)
-    offset += n * p
-    # Each epoch's order cut into batches of `batch_size`, the last one padded (index -1).
-    index = np.full((p, steps, batch), -1, np.int64)
-    for s in range(steps):
-      chunk = order[:, s * source.batch_size:(s + 1) * source.batch_size]
-      index[:, s, :chunk.shape[1]] = chunk + table_offset
-    index = index.reshape(p * steps, batch)
-    table_offset += len(y)
-    rows.append(index)
-    sizes.append((index >= 0).sum(axis=1))
-    counts.append(steps)
-  return (np.concatenate(xs), np.concatenate(ys), np.concatenate(rows), np.concatenate(sizes),
-          counts)
-
-
-def _read_datasets(datasets: Sequence[tf.data.Dataset], passes: Sequence[int]):
-  """`(table_x, table_y, rows, sizes, batches per epoch)` of the round from the clients'
-  datasets (see `_read_array_sources`): the table holds every batch as read (each client's
-  epochs' batches in order, padded to the largest batch)."""
-  bx, by, sizes, counts = _read_dataset_batches(datasets, passes)
-  batch = by.shape[1] if by.ndim > 1 else 0
-  rows = np.arange(len(by) * batch, dtype=np.int64).reshape(len(by), batch)
-  rows = np.where(np.arange(batch) < sizes[:, np.newaxis], rows, -1)
-  return bx.reshape(-1, *bx.shape[2:]), by.reshape(-1), rows, sizes, counts
-
-
-def _read_dataset_batches(datasets: Sequence[tf.data.Dataset], passes: Sequence[int]):
-  """`(x, y, sizes, batches per epoch)` of the round from the clients' datasets: x `[T, B,
-  ...]` (each client's epochs' batches in order, padded), y `[T, B]`, sizes `[T]`."""
-  counts = [int(dataset.cardinality()) for dataset in datasets]
-  if any(c < 0 for c in counts):
-    # Unknown batch counts (e.g. a `filter`): read the clients one by one.
-    batches = [[[(b['x'].numpy(), b['y'].numpy()) for b in ds.with_options(_read_options())]
-                for _ in range(p)] for ds, p in zip(datasets, passes)]
-    counts = [len(b[0]) for b in batches]
-    flat = [batch for client in batches for epoch in client for batch in epoch]
-    batch = max((len(y) for _, y in flat), default=0)
-    example = flat[0][0].shape[1:] if flat else ()
-    bx = np.zeros((len(flat), batch, *example), np.float32)
-    by = np.zeros((len(flat), batch), np.int32)
-    sizes = np.zeros(len(flat), np.int64)
-    for t, (x, y) in enumerate(flat):
-      bx[t, :len(y)], by[t, :len(y)], sizes[t] = x, y, len(y)
-    return bx, by, sizes, counts
-  choice = _round_choice(counts, passes)
-  stream, length = _round_stream(datasets, passes, choice), len(choice)
-  if not length:
-    return np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int32), np.zeros(0, np.int64), counts
-  stream = stream.map(lambda b: (b['x'], b['y'], tf.shape(b['y'], out_type=tf.int64)[0]))
-  bx, by, sizes = (t.numpy() for t in stream.padded_batch(length).with_options(
-      _read_options()).get_single_element())
-  return bx, by, sizes, counts
 
 
 # How many distinct client counts `_train_fn` is traced for with the count fixed (one trace
@@ -382,6 +184,15 @@ class _EveryDataset:
     del dataset
 
 
+class _Regularization(NamedTuple):
+  """How a round's regularisers enter the vectorised step (`VectorizedClientWork`)."""
+  probe: Any  # The shared regulariser, or the first client's; None without one.
+  traits: client_work_lib.RegularizerTraits
+  of_client: Callable[[Any], Any]  # A client's terms → its regulariser.
+  global_anchor: bool  # Affine, offsets `−scale ⊙ global` (one global model read by the update).
+  client_anchor: bool  # Affine, offsets `−scale ⊙ a_i` with each client's own anchor.
+
+
 class VectorizedClientWork:
   """`client_work.build_client_work`'s computation for all of a round's participants at once.
 
@@ -397,7 +208,7 @@ class VectorizedClientWork:
                weight_fields: Sequence[str] = (), frozen: Sequence[int] = (),
                client_weighting: str = 'num_examples', device: Optional[str] = None,
                client_regularizer: Optional[Callable[[Any], Any]] = None,
-               track_gradient_mean: bool = False, latent: bool = False,
+               step_observers: Sequence[client_work_lib.StepObserver] = (), latent: bool = False,
                factor_dense: bool = True):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -451,15 +262,16 @@ class VectorizedClientWork:
     # Dense kernels that rounds with a short history train in factored form (`factored_dense`).
     self._dense_kernels = (factored_dense.dense_kernels(self._apply.slots, frozenset(frozen))
                            if factor_dense and isinstance(self._updater, FusedSGDM)
-                           and not track_gradient_mean else {})
+                           and not step_observers else {})
     self._regularizer = regularizer
     self._client_regularizer = client_regularizer
     self._weight_fields = tuple(weight_fields)
     self._frozen = frozenset(frozen)
     self._client_weighting = client_weighting
-    self._track_gradient_mean = track_gradient_mean
+    # Observers see every tensor's gradient: no kernel is trained in factored form with them.
+    self._step_observers = tuple(step_observers)
     self._device = device
-    self._train = tf.function(self._train_fn, reduce_retracing=True)
+    self._train = tf.function(self._train_fn, reduce_retracing=True, autograph=False)
     self._static_client_counts: set[int] = set()
     self._traced_for: set[tuple[Optional[int], frozenset]] = set()
     self._read_before = weakref.WeakSet()
@@ -490,6 +302,111 @@ class VectorizedClientWork:
       self._keras_fn()
 
   # -- the TensorFlow part -----------------------------------------------------------------
+  # Traced without autograph: the loops are `tf.while_loop`s and every condition is a Python
+  # value known at trace time, so there is nothing to convert (converting these functions cost
+  # seconds at every program start).
+  def _regularization(self, client_terms) -> _Regularization:
+    """How the round's regularisers enter the step, read off their declared traits: the shared
+    regulariser's, or (with per-client `client_terms`) the first client's — the same class for
+    every client."""
+    shared = self._regularizer
+    probe = shared
+    if client_terms is not None:
+      probe = self._client_regularizer(tf.nest.map_structure(lambda t: t[0], client_terms))
+    traits = client_work_lib.traits_of(probe) or client_work_lib.PENALTY_ONLY
+    if traits.reads_latent and self._latent_and_output is None:
+      raise ValueError('a regulariser that reads the latent layer needs latent=True.')
+    return _Regularization(
+        probe=probe, traits=traits,
+        of_client=(lambda terms: shared) if client_terms is None else self._client_regularizer,
+        global_anchor=traits.affine and client_terms is None and traits.global_anchor,
+        client_anchor=traits.affine and client_terms is not None and traits.own_anchor)
+
+  @staticmethod
+  def _epoch_context_fn(reg: _Regularization, global_trainable):
+    """One client's `(weights, terms) → (context, affine)`: its regulariser's epoch context
+    and, for an affine one, the epoch's `(scales, offsets)` — only the scales with the global
+    model as anchor, `(scales, anchors)` with each client's own anchor."""
+
+    def epoch_context(args):
+      local, client = args
+      regularizer = reg.of_client(client)
+      if regularizer is None:
+        return (), ()
+      context = regularizer.epoch_start(tuple(local), global_trainable)
+      if not reg.traits.affine:
+        return context, ()
+      affine = regularizer.affine_gradient(global_trainable, context)
+      if reg.global_anchor:
+        affine = affine[:1]
+      elif reg.client_anchor:
+        affine = (affine[0], tuple(regularizer.offset_anchor(global_trainable)))
+      # `None` scales (no w-term, SCAFFOLD's correction) cannot cross vectorized_map: a
+      # scalar zero per client, which broadcasts (not a model-sized zero tensor).
+      return context, tuple(tuple(tf.zeros([], w.dtype) if a is None else a
+                                  for a, w in zip(part, local)) for part in affine)
+
+    return epoch_context
+
+  def _client_step_fn(self, reg: _Regularization, global_trainable, plan, base_of, anchor_of):
+    """One client's step, `(weights, x, y, mask, trains, context, terms, rows, anchors) →
+    (gradients, metric sums, factors)`: the gradients the updater applies (an affine
+    regulariser's terms are added there), the step's per-client metric sums weighted by
+    whether it trains, and the factored kernels' `(inputs, δ)` (`factored_dense`)."""
+    traits = reg.traits
+
+    def client_step(args):
+      local, bx, by, bmask, trains, context, client, rows, anchors = args
+      regularizer = reg.of_client(client)
+      products, inputs, probes = {}, {}, {}
+      with tf.GradientTape() as tape:
+        tape.watch(local)
+        for n, i in enumerate(plan.indices if plan else ()):
+          # The factored kernel's `x w_t`; the gradient with respect to a zero added to the
+          # pre-activations is δ, the kernel's own gradient never formed.
+          probes[i] = tf.zeros([tf.shape(bx)[0], local[i].shape[-1]], local[i].dtype)
+          tape.watch(probes[i])
+
+          def product(x, n=n, i=i, base=base_of(i, local), anchor=anchor_of(n, i, anchors)):
+            inputs[i] = x
+            return plan.product(x, base, rows[n], anchor, probes[i])
+
+          products[i] = product
+        if traits.reads_latent:
+          latent, logits = self._latent_and_output(local, bx, training=True)
+        else:
+          logits = self._apply(local, bx, training=True, kernel_products=products)
+        n = tf.reduce_sum(bmask)
+        per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.cast(by, tf.int64), logits=logits)
+        data_loss = tf.reduce_sum(per_example * bmask) / tf.maximum(n, 1.0)
+        loss = data_loss
+        if regularizer is not None and not traits.analytic:
+          loss += regularizer.penalty(local, global_trainable, context)
+        if traits.batch_term:  # MOON's contrastive term, over the batch's real examples.
+          batch = collections.OrderedDict(x=bx, y=by, mask=bmask)
+          if traits.reads_latent:
+            batch['latent'] = latent
+          loss += regularizer.batch_penalty(local, global_trainable, batch, context)
+      sources = [w for i, w in enumerate(local) if i not in probes]
+      found = iter(tape.gradient(loss, sources + [probes[i] for i in sorted(probes)]))
+      # A factored kernel's place holds a scalar zero (the updater skips it).
+      gradients = [tf.zeros([], w.dtype) if i in probes else next(found)
+                   for i, w in enumerate(local)]
+      deltas = list(found)
+      gradients = client_work_lib.step_gradients(
+          gradients, local, None if traits.affine else regularizer,
+          global_trainable, context, None, self._frozen)
+      correct = tf.reduce_sum(bmask * tf.cast(
+          tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), by), tf.float32))
+      count = tf.cast(trains, tf.float32)
+      step_sums = (data_loss * n * count, tf.cast(n * count, tf.int64), correct * count,
+                   tf.cast(trains, tf.int64))
+      factors = tuple((inputs[i], d) for i, d in zip(sorted(probes), deltas))
+      return tuple(gradients), step_sums, factors
+
+    return client_step
+
   def _train_fn(self, global_trainable, start, client_terms, examples, labels, index, mask,
                 valid, epochs, num_clients=None, factored=frozenset()):
     """Local training of every participant (`build_local_training` with a client axis); each
@@ -501,27 +418,10 @@ class VectorizedClientWork:
     `client_regularizer(its terms)` (KAPC's proximal term towards the client's own s_i);
     otherwise every client uses the shared `regularizer` towards `global_trainable`.
     """
-    frozen = self._frozen
-    shared = self._regularizer
-    # Which gradient path the regularisers take is a property of their class, the same for
-    # every client: read it off the shared one, or off the first client's.
-    probe = shared
-    if client_terms is not None:
-      probe = self._client_regularizer(tf.nest.map_structure(lambda t: t[0], client_terms))
-    traits = client_work_lib.traits_of(probe) or client_work_lib.PENALTY_ONLY
-    analytic_gradient, has_affine, batch_dependent = (traits.analytic, traits.affine,
-                                                      traits.batch_term)
-    # Offsets `−scale ⊙ global` (FedProx, FedLap): only the scales cross the map; the update
-    # reads the one global model (`stacked_optimizer.Anchor`).
-    global_anchor = has_affine and client_terms is None and traits.global_anchor
-    # Offsets `−scale ⊙ a_i` with each client's own anchor (KAPC's s_i): the update reads the
-    # stacked anchors as they came in, instead of offsets formed per epoch.
-    client_anchor = has_affine and client_terms is not None and traits.own_anchor
-    # A batch term that reads the training pass's latent representation (`batch['latent']`).
-    latent_in_batch = traits.reads_latent
-    if latent_in_batch and self._latent_and_output is None:
-      raise ValueError('a regulariser that reads the latent layer needs latent=True.')
-    plan = self._factored_plan(factored, probe, global_anchor or client_anchor, start)
+    del epochs  # Each client's epochs are in `valid`.
+    reg = self._regularization(client_terms)
+    plan = self._factored_plan(factored, reg.probe, reg.global_anchor or reg.client_anchor,
+                               start)
     # `num_clients` (a Python int, when given) fixes the client axis at trace time (see
     # `with_clients`): `train` traces the arguments with it (`_round_specs`); the weights read
     # from the updater's `[None, ...]` variables get it here.
@@ -533,207 +433,131 @@ class VectorizedClientWork:
     else:
       weights = tuple(start)
     updater = self._updater
-    carry = updater.start(weights)
     read_weights = lambda carry: clients(updater.weights(carry))
-    zero = tf.zeros([k], tf.float32)
-    # Per client: Σ batch-loss·n, examples, correct predictions, batches.
-    sums = (zero, tf.zeros([k], tf.int64), zero, tf.zeros([k], tf.int64))
-    # What the mapped functions get per client: the terms of its own regulariser, if any.
     terms = () if client_terms is None else client_terms
-
-    def regularizer_of(client):
-      return shared if client_terms is None else self._client_regularizer(client)
-
-    def epoch_context(args):
-      local, client = args
-      regularizer = regularizer_of(client)
-      if regularizer is None:
-        return (), ()
-      context = regularizer.epoch_start(tuple(local), global_trainable)
-      affine = regularizer.affine_gradient(global_trainable, context) if has_affine else ()
-      # `None` scales (no w-term, SCAFFOLD's correction) cannot cross vectorized_map: a
-      # scalar zero per client, which broadcasts (not a model-sized zero tensor).
-      if global_anchor:
-        affine = affine[:1]
-      elif client_anchor:
-        affine = (affine[0], tuple(regularizer.offset_anchor(global_trainable)))
-      if has_affine:
-        affine = tuple(tuple(tf.zeros([], w.dtype) if a is None else a
-                             for a, w in zip(part, local)) for part in affine)
-      return context, affine
-
     # A factored kernel's start W_0 and anchor A (`factored_dense`), from the clients' weights
     # and the plan's anchors (one client's inside the map, stacked outside it).
-    def factored_base(i, weights_now):
-      return global_trainable[i] if start is None else weights_now[i]
-
-    def factored_anchor(n, i, anchors):
-      if not plan.with_anchor:
-        return None
-      return anchors[n] if client_anchor else global_trainable[i]
-
-    def client_gradients(args):
-      local, bx, by, bmask, trains, context, client, rows, anchors = args
-      regularizer = regularizer_of(client)
-      products, inputs, probes = {}, {}, {}
-      with tf.GradientTape() as tape:
-        tape.watch(local)
-        for n, i in enumerate(plan.indices if plan else ()):
-          # The factored kernel's `x w_t` (`factored_dense`); the gradient with respect to a
-          # zero added to the pre-activations is δ, the kernel's own gradient never formed.
-          probes[i] = tf.zeros([tf.shape(bx)[0], local[i].shape[-1]], local[i].dtype)
-          tape.watch(probes[i])
-          base, anchor = factored_base(i, local), factored_anchor(n, i, anchors)
-
-          def product(x, n=n, i=i, base=base, anchor=anchor):
-            inputs[i] = x
-            return plan.product(x, base, rows[n], anchor, probes[i])
-
-          products[i] = product
-        if latent_in_batch:
-          latent, logits = self._latent_and_output(local, bx, training=True)
-        else:
-          logits = self._apply(local, bx, training=True, kernel_products=products)
-        n = tf.reduce_sum(bmask)
-        per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels=tf.cast(by, tf.int64), logits=logits)
-        data_loss = tf.reduce_sum(per_example * bmask) / tf.maximum(n, 1.0)
-        loss = data_loss
-        if regularizer is not None and not analytic_gradient:
-          loss += regularizer.penalty(local, global_trainable, context)
-        if batch_dependent:  # MOON's contrastive term, over the batch's real examples.
-          batch = collections.OrderedDict(x=bx, y=by, mask=bmask)
-          if latent_in_batch:
-            batch['latent'] = latent
-          loss += regularizer.batch_penalty(local, global_trainable, batch, context)
-      # An affine regulariser's terms are added by the updater (fused with the update there).
-      sources = [w for i, w in enumerate(local) if i not in probes]
-      found = iter(tape.gradient(loss, sources + [probes[i] for i in sorted(probes)]))
-      # A factored kernel's place holds a scalar zero (the updater skips it).
-      gradients = [tf.zeros([], w.dtype) if i in probes else next(found)
-                   for i, w in enumerate(local)]
-      deltas = list(found)
-      gradients = client_work_lib.step_gradients(
-          gradients, local, None if has_affine else regularizer,
-          global_trainable, context, None, frozen)
-      correct = tf.reduce_sum(bmask * tf.cast(
-          tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), by), tf.float32))
-      count = tf.cast(trains, tf.float32)
-      step_sums = (data_loss * n * count, tf.cast(n * count, tf.int64), correct * count,
-                   tf.cast(trains, tf.int64))
-      factors = tuple((inputs[i], d) for i, d in zip(sorted(probes), deltas))
-      return tuple(gradients), step_sums, factors
-
-    # SCAFFOLD's new control: the data gradients summed over each client's steps (an empty
-    # tuple when not tracked, so the loop carries nothing extra). A client without a batch at
-    # a step adds exactly zero: its masked loss is 0.
-    gradient_sum = (tuple(tf.zeros(tf.shape(w), w.dtype) for w in weights)
-                    if self._track_gradient_mean else ())
-    # The first epoch's context when every client starts from the global model with the shared
-    # regulariser: one client's, the same for all (FedLap's λ at local = global), computed
-    # once instead of per client.
-    same_first_context = start is None and client_terms is None
-    if same_first_context:
+    base_of = ((lambda i, w: global_trainable[i]) if start is None else (lambda i, w: w[i]))
+    anchor_of = lambda n, i, anchors: ((anchors[n] if reg.client_anchor else global_trainable[i])
+                                       if plan.with_anchor else None)
+    epoch_context = self._epoch_context_fn(reg, global_trainable)
+    client_step = self._client_step_fn(reg, global_trainable, plan, base_of, anchor_of)
+    # Every client starting from the global model with the shared regulariser has the same
+    # first epoch context (FedLap's λ at local = global): computed once, not per client.
+    first_context = None
+    if start is None and client_terms is None:
       first_context = tf.nest.map_structure(
           lambda t: broadcast_clients(t, k), epoch_context((global_trainable, ())))
-    # Kernels trained in factored form this round (`factored_dense`), their history and
-    # coefficients carried through the loop.
-    factored_state = ()
-    plan_anchors = ()
+    factored_state, plan_anchors, skip = (), (), frozenset()
     if plan is not None:
       factored_state = plan.initial_state(
           weights, k, tf.shape(valid)[0] * tf.shape(valid)[1], tf.shape(index)[3])
-      if plan.with_anchor and client_anchor:
+      if plan.with_anchor and reg.client_anchor:
         # Each client's anchor (KAPC's s_i), fixed for the round.
         offset_anchors = tf.vectorized_map(
-            lambda client: tuple(regularizer_of(client).offset_anchor(global_trainable)), terms)
+            lambda client: tuple(reg.of_client(client).offset_anchor(global_trainable)), terms)
         plan_anchors = tuple(offset_anchors[i] for i in plan.indices)
-    skip = frozenset(plan.indices) if plan is not None else frozenset()
-    anchored = tf.constant(True)  # Set per epoch below (autograph wants it before the loop).
-    for e in tf.range(tf.shape(valid)[0]):
-      if same_first_context:
+      skip = frozenset(plan.indices)
+    num_epochs, num_steps = tf.shape(valid)[0], tf.shape(valid)[1]
+
+    def epoch(e, carry, sums, observed, factored_state):
+      if first_context is not None:
         context, affine = tf.cond(
             tf.equal(e, 0), lambda: first_context,
             lambda: tf.vectorized_map(epoch_context, (read_weights(carry), terms)))
       else:
         context, affine = tf.vectorized_map(epoch_context, (read_weights(carry), terms))
-      if client_anchor:
+      anchored = None
+      if reg.client_anchor:
         affine = (affine[0], tuple(Anchor(a) for a in affine[1]))
-      if global_anchor:
+      if reg.global_anchor:
         affine = (affine[0], tuple(Anchor(g) for g in global_trainable))
         # `s ⊙ (w − global)` with every scale zero adds exactly nothing: the epoch takes the
         # plain update (FedLap's first epoch, where λ = 0 at local = global; FedProx, μ = 0).
         anchored = tf.reduce_any([tf.reduce_any(tf.not_equal(scale, 0.0))
                                   for scale in affine[0]])
-      for s in tf.range(tf.shape(valid)[1]):
+
+      def step(s, carry, sums, observed, factored_state):
         trains = valid[e, s]
-        t = e * tf.shape(valid)[1] + s  # The step's place in the round's history.
+        t = e * num_steps + s  # The step's place in the round's history.
         # The clients' gradients in one vectorised step, then the optimizer's update of all of
         # them (`stacked_optimizer`: in place for TFF's SGD(M)).
         gradients, step_sums, factors = tf.vectorized_map(
-            client_gradients, (read_weights(carry), tf.gather(examples, index[e, s]),
-                               tf.gather(labels, index[e, s]), mask[e, s], trains,
-                               context, terms,
-                               plan.client_rows(factored_state, t) if plan else (),
-                               plan_anchors))
-        if global_anchor:
-          carry = tf.cond(
-              anchored,
-              lambda: updater.step(carry, gradients, trains, affine, skip),  # pylint: disable=cell-var-from-loop
-              lambda: updater.step(carry, gradients, trains, None, skip))  # pylint: disable=cell-var-from-loop
+            client_step, (read_weights(carry), tf.gather(examples, index[e, s]),
+                          tf.gather(labels, index[e, s]), mask[e, s], trains, context, terms,
+                          plan.client_rows(factored_state, t) if plan else (), plan_anchors))
+        if anchored is not None:
+          carry = tf.cond(anchored,
+                          lambda: updater.step(carry, gradients, trains, affine, skip),
+                          lambda: updater.step(carry, gradients, trains, None, skip))
         else:
-          carry = updater.step(carry, gradients, trains, affine if has_affine else None, skip)
+          carry = updater.step(carry, gradients, trains, affine if reg.traits.affine else None,
+                               skip)
         if plan is not None:
           # The regulariser's scale per client (zeros without one; `s ⊙ (w − a)`'s s).
-          scales = tuple(affine[0][i] if has_affine else tf.zeros([k], weights[i].dtype)
+          scales = tuple(affine[0][i] if reg.traits.affine else tf.zeros([k], weights[i].dtype)
                          for i in plan.indices)
           factored_state = plan.advance(factored_state, t, factors, scales, trains)
         sums = tuple(a + b for a, b in zip(sums, step_sums))
-        if self._track_gradient_mean:
-          gradient_sum = tuple(a + g for a, g in zip(gradient_sum, gradients))
+        observed = tuple(o.observe(state, gradients)
+                         for o, state in zip(self._step_observers, observed))
+        return s + 1, carry, sums, observed, factored_state
+
+      return (e + 1, *tf.while_loop(lambda s, *_: s < num_steps, step,
+                                    (tf.constant(0), carry, sums, observed, factored_state))[1:])
+
+    zero = tf.zeros([k], tf.float32)
+    # Per client: Σ batch-loss·n, examples, correct predictions, batches.
+    sums = (zero, tf.zeros([k], tf.int64), zero, tf.zeros([k], tf.int64))
+    observed = tuple(o.initial(weights) for o in self._step_observers)
+    _, carry, sums, observed, factored_state = tf.while_loop(
+        lambda e, *_: e < num_epochs, epoch,
+        (tf.constant(0), updater.start(weights), sums, observed, factored_state))
     weights = clients(updater.finish(carry))
     if plan is not None:
       # The factored kernels formed once: the updater left them at the round's start.
       formed = plan.kernels(
-          factored_state, [factored_base(i, weights) for i in plan.indices],
-          [factored_anchor(n, i, plan_anchors) for n, i in enumerate(plan.indices)])
+          factored_state, [base_of(i, weights) for i in plan.indices],
+          [anchor_of(n, i, plan_anchors) for n, i in enumerate(plan.indices)])
       weights = list(weights)
       for i, kernel in zip(plan.indices, formed):
         weights[i] = kernel
       weights = clients(tuple(weights))
 
     out = collections.OrderedDict(trained=weights, sums=sums)
-    if self._track_gradient_mean:
-      # `build_local_training`'s `gradient_mean`: over the client's own steps (at least 1).
-      steps = tf.maximum(sums[3], 1)
-      out['gradient_mean'] = tuple(
-          g / tf.reshape(tf.cast(steps, g.dtype), [-1] + [1] * (g.shape.rank - 1))
-          for g in gradient_sum)
+    for observer, state in zip(self._step_observers, observed):
+      out[observer.name] = observer.result(state, sums[3])
     if start is None:
       # The update `global − trained`, computed here: the result stays a TensorFlow tensor on
       # its way to the aggregator (copying the model-sized stacked arrays out to NumPy and
       # back would cost a large part of a 100-client round).
       out['update'] = tuple(g[tf.newaxis] - w for g, w in zip(global_trainable, weights))
     if 'latent_mean' in self._weight_fields:
-      latent_apply, latent_dim = self._latent
-
-      def latent_sums(args):
-        local, bx, bmask = args
-        z = latent_apply(local, bx, training=False)
-        return tf.reduce_sum(z * bmask[:, tf.newaxis], axis=0), tf.reduce_sum(bmask)
-
-      total = tf.zeros([k, latent_dim])
-      count = tf.zeros([k])
-      for s in tf.range(tf.shape(valid)[1]):
-        step_total, step_count = tf.vectorized_map(
-            latent_sums, (weights, tf.gather(examples, index[0, s]), mask[0, s]))
-        total += step_total
-        count += step_count
-      out['latent_mean'] = total / tf.maximum(count, 1.0)[:, tf.newaxis]
-    if shared is not None and client_work_lib.traits_of(shared).measures:
+      out['latent_mean'] = self._latent_means(weights, examples, index, mask, k)
+    if reg.probe is not None and client_terms is None and reg.traits.measures:
       out['regularizer'] = tf.vectorized_map(
-          lambda local: shared.measurements(tuple(local), global_trainable), weights)
+          lambda local: self._regularizer.measurements(tuple(local), global_trainable), weights)
     return out
+
+  def _latent_means(self, weights, examples, index, mask, k):
+    """CCN's latent mean (`aggregators.ccn`): each client's mean latent representation under
+    its trained weights, over one pass of its data (the first epoch's batches)."""
+    latent_apply, latent_dim = self._latent
+
+    def latent_sums(args):
+      local, bx, bmask = args
+      z = latent_apply(local, bx, training=False)
+      return tf.reduce_sum(z * bmask[:, tf.newaxis], axis=0), tf.reduce_sum(bmask)
+
+    def step(s, total, count):
+      step_total, step_count = tf.vectorized_map(
+          latent_sums, (weights, tf.gather(examples, index[0, s]), mask[0, s]))
+      return s + 1, total + step_total, count + step_count
+
+    _, total, count = tf.while_loop(
+        lambda s, *_: s < tf.shape(index)[1], step,
+        (tf.constant(0), tf.zeros([k, latent_dim]), tf.zeros([k])))
+    return total / tf.maximum(count, 1.0)[:, tf.newaxis]
 
   def factored_kernels(self, data) -> frozenset:
     """The trainable indices of the Dense kernels worth training in factored form in the round

@@ -125,7 +125,6 @@ class RoundDriver:
     if runtime is not None:
       runtime.bind(algorithm)  # Places the rounds ('auto': by the client work chosen).
     self.algorithm = algorithm
-    self.process = algorithm.process
     self.data = data
     has_local = data.local_test_indices is not None
     self.protocols = evaluation_lib.check_protocols(

@@ -1,0 +1,219 @@
+"""A round's participant batches as one example table: the input of vectorised local training
+(`vectorized.VectorizedClientWork`).
+
+Every participant's batches for all its local epochs are read at once — from the arrays behind
+the pipeline's datasets (`data.pipeline.ArraySource`) where it can, else through tf.data — and
+laid out as `examples`/`labels` rows with an `index [epoch, step, client, batch]` into them, a
+`mask` of real examples and `valid` steps (`stack_client_batches`).
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from fltff.data.pipeline import ArraySource
+from fltff.data.pipeline import array_source
+from fltff.data.pipeline import preprocess_batch
+from fltff.learning import client_work as client_work_lib
+
+
+def _read_options() -> tf.data.Options:
+  """tf.data's static graph optimisations off: they rewrite each client's pipeline when its
+  iterator is created (most of a small client's read time), and change no element or
+  order."""
+  options = tf.data.Options()
+  options.experimental_optimization.apply_default_optimizations = False
+  options.autotune.enabled = False
+  return options
+
+
+def stack_client_batches(client_inputs: Sequence[Any],
+                         read_before: Optional[weakref.WeakSet] = None) -> collections.OrderedDict:
+  """The participants' batches for every local epoch, as rows of one example table.
+
+  Returns `examples [N + 1, ...]` (float32) and `labels [N + 1]` (int32) as tensors, whose last
+  row is zeros (padding), and NumPy arrays `index [E, S, K, B]` (the row of each batch
+  position: epoch e, step s, client k's batch is `examples[index[e, s, k]]`), `mask
+  [E, S, K, B]` (1 for a real example), `valid [E, S, K]` (client k trains at epoch e, step s),
+  `epochs [K]`. `round_batches` gives the batches themselves.
+
+  Each client's dataset is read once per epoch, as the client work iterates it inside a TFF
+  computation (a dataset that reshuffles every iteration gives the same epoch orders as its
+  `repeat`). Epoch 0's batches are kept even for a client with no epochs (they feed CCN's
+  latent mean, computed over the data after training).
+
+  Datasets made by `ClientDatasets` (the pipeline driver's) are read from their arrays: one
+  pipeline draws the shuffled orders of indices, the table holds each participant's examples
+  once (whatever the number of epochs) and `preprocess_batch` runs once on it
+  (`data.pipeline.ArraySource`). Other datasets are read through tf.data, and the table holds
+  every batch as read (one copy per epoch).
+
+  A dataset in `read_before` (which collects every dataset read here) is rebuilt from its graph
+  first (`fresh_dataset`): TFF's runtime deserialises every dataset it gets, so a dataset
+  passed again starts its shuffle afresh there, not where its last read left it.
+  """
+  read_before = weakref.WeakSet() if read_before is None else read_before
+  epochs = [client_work_lib.client_info_of_input(data)['epochs'] for data in client_inputs]
+  passes = [max(e, 1) for e in epochs]
+  sources = [array_source(data['batches']) for data in client_inputs]
+  from_arrays = bool(sources) and all(source is not None for source in sources)
+  if from_arrays:
+    table_x, table_y, rows, sizes, counts = _read_array_sources(sources, passes, read_before)
+  else:
+    table_x, table_y, rows, sizes, counts = _read_datasets(
+        [_as_tff_reads(data['batches'], read_before) for data in client_inputs], passes)
+  # Where each batch goes: client c's epochs one after another, each its steps in order.
+  client = np.repeat(np.arange(len(counts)), [c * p for c, p in zip(counts, passes)])
+  epoch = np.concatenate([np.repeat(np.arange(p), c) for c, p in zip(counts, passes)] or [[]])
+  step = np.concatenate([np.tile(np.arange(c), p) for c, p in zip(counts, passes)] or [[]])
+  client, epoch, step = (a.astype(np.int64) for a in (client, epoch, step))
+  num_epochs = max(passes, default=1)
+  steps = max(counts, default=0)
+  k = len(counts)
+  batch = rows.shape[1] if rows.ndim > 1 else 0
+  padding = len(table_y)  # The zero row appended below.
+  index = np.full((num_epochs, steps, k, batch), padding, np.int64)
+  mask = np.zeros((num_epochs, steps, k, batch), np.float32)
+  valid = np.zeros((num_epochs, steps, k), bool)
+  index[epoch, step, client] = np.where(rows >= 0, rows, padding)
+  mask[epoch, step, client] = np.arange(batch) < sizes[:, np.newaxis]
+  valid[epoch, step, client] = epoch < np.asarray(epochs, np.int64)[client]
+  table_x = np.concatenate([table_x, np.zeros((1, *table_x.shape[1:]), table_x.dtype)])
+  table_y = np.concatenate([table_y, np.zeros(1, table_y.dtype)])
+  if from_arrays:
+    # The pipeline's per-example preprocessing, on the whole table at once (elementwise, so
+    # the same values; the padding row stays zeros).
+    processed = preprocess_batch(collections.OrderedDict(x=table_x, y=table_y))
+    table_x, table_y = processed['x'], processed['y']
+  # As tensors: the round's examples are copied once, into TensorFlow (a NumPy round trip of
+  # a 100-client round's images would cost a noticeable part of the round).
+  return collections.OrderedDict(
+      examples=tf.cast(table_x, tf.float32), labels=tf.cast(table_y, tf.int32), index=index,
+      mask=mask, valid=valid, epochs=np.asarray(epochs, np.int32))
+
+
+def round_batches(data: collections.OrderedDict) -> tuple[np.ndarray, np.ndarray]:
+  """`(x [E, S, K, B, ...], y [E, S, K, B])`: the batches of a `stack_client_batches` result
+  (padding positions zeros), e.g. to inspect a round."""
+  return (np.asarray(data['examples'])[data['index']], np.asarray(data['labels'])[data['index']])
+
+
+def _as_tff_reads(dataset: tf.data.Dataset, read_before: weakref.WeakSet) -> tf.data.Dataset:
+  """`dataset` as TFF's runtime would read it: rebuilt from its graph (`fresh_dataset`) when it
+  was read here before, since TFF deserialises every dataset it gets anew."""
+  from fltff.runtime.in_process import fresh_dataset  # pylint: disable=g-import-not-at-top
+
+  fresh = fresh_dataset(dataset) if dataset in read_before else dataset
+  read_before.add(dataset)
+  return fresh
+
+
+def _round_choice(counts: Sequence[int], passes: Sequence[int]) -> np.ndarray:
+  """Which client's dataset each element of the round's stream comes from: client after
+  client, `counts` elements per pass, `passes` passes each."""
+  return np.repeat(np.arange(len(counts), dtype=np.int64),
+                   [c * p for c, p in zip(counts, passes)])
+
+
+def _round_stream(datasets: Sequence[tf.data.Dataset], passes: Sequence[Any],
+                  choice) -> tf.data.Dataset:
+  """One tf.data pipeline for the whole round (`_round_choice`'s order), each dataset repeated
+  for its passes (Python ints or scalar tensors): about ten times cheaper than an eager
+  iterator per client and epoch."""
+  return tf.data.Dataset.choose_from_datasets(
+      [ds if isinstance(p, int) and p == 1 else ds.repeat(p) for ds, p in zip(datasets, passes)],
+      tf.data.Dataset.from_tensor_slices(choice), stop_on_empty_dataset=False)
+
+
+@tf.function(reduce_retracing=True)
+def _read_orders(orders: Sequence[tf.data.Dataset], passes: tf.Tensor,
+                 choice: tf.Tensor) -> tf.Tensor:
+  """`_round_stream` over the clients' order datasets, read as one vector. Built inside a
+  traced function, traced again only for another participant count (the passes are a
+  tensor): constructing the pipeline over 100 datasets eagerly every round costs more than
+  reading it."""
+  passes = [passes[i] for i in range(len(orders))]
+  return _round_stream(orders, passes, choice).batch(
+      tf.size(choice, out_type=tf.int64)).with_options(_read_options()).get_single_element()
+
+
+def _read_array_sources(sources: Sequence[ArraySource], passes: Sequence[int],
+                        read_before: weakref.WeakSet):
+  """`(table_x, table_y, rows, sizes, batches per epoch)` of the round from the clients' arrays
+  (at least one client): the table is the participants' examples, each once, one client after
+  another (the raw arrays' values: `preprocess_batch` still to apply); `rows [T, B]` is each
+  batch's table rows (each client's epochs' batches in order; -1 pads a short batch). One
+  tf.data pipeline draws every client's epoch orders (indices only), several times cheaper
+  than going through the datasets' per-example map."""
+  orders = [_as_tff_reads(source.order, read_before) for source in sources]
+  sizes_n = [source.num_examples for source in sources]
+  choice = _round_choice(sizes_n, passes)
+  flat = (_read_orders(orders, np.asarray(passes, np.int64), choice).numpy() if len(choice)
+          else np.zeros(0, np.int64))
+  xs, ys, rows, sizes, counts = [], [], [], [], []
+  offset = table_offset = 0
+  batch = max(source.batch_size for source in sources)
+  for source, n, p in zip(sources, sizes_n, passes):
+    x, y = source.arrays()
+    xs.append(x)
+    ys.append(y)
+    steps = -(-n // source.batch_size)
+    order = flat[offset:offset + n * p].reshape(p, n)
+    offset += n * p
+    # Each epoch's order cut into batches of `batch_size`, the last one padded (index -1).
+    index = np.full((p, steps, batch), -1, np.int64)
+    for s in range(steps):
+      chunk = order[:, s * source.batch_size:(s + 1) * source.batch_size]
+      index[:, s, :chunk.shape[1]] = chunk + table_offset
+    index = index.reshape(p * steps, batch)
+    table_offset += len(y)
+    rows.append(index)
+    sizes.append((index >= 0).sum(axis=1))
+    counts.append(steps)
+  return (np.concatenate(xs), np.concatenate(ys), np.concatenate(rows), np.concatenate(sizes),
+          counts)
+
+
+def _read_datasets(datasets: Sequence[tf.data.Dataset], passes: Sequence[int]):
+  """`(table_x, table_y, rows, sizes, batches per epoch)` of the round from the clients'
+  datasets (see `_read_array_sources`): the table holds every batch as read (each client's
+  epochs' batches in order, padded to the largest batch)."""
+  bx, by, sizes, counts = _read_dataset_batches(datasets, passes)
+  batch = by.shape[1] if by.ndim > 1 else 0
+  rows = np.arange(len(by) * batch, dtype=np.int64).reshape(len(by), batch)
+  rows = np.where(np.arange(batch) < sizes[:, np.newaxis], rows, -1)
+  return bx.reshape(-1, *bx.shape[2:]), by.reshape(-1), rows, sizes, counts
+
+
+def _read_dataset_batches(datasets: Sequence[tf.data.Dataset], passes: Sequence[int]):
+  """`(x, y, sizes, batches per epoch)` of the round from the clients' datasets: x `[T, B,
+  ...]` (each client's epochs' batches in order, padded), y `[T, B]`, sizes `[T]`."""
+  counts = [int(dataset.cardinality()) for dataset in datasets]
+  if any(c < 0 for c in counts):
+    # Unknown batch counts (e.g. a `filter`): read the clients one by one.
+    batches = [[[(b['x'].numpy(), b['y'].numpy()) for b in ds.with_options(_read_options())]
+                for _ in range(p)] for ds, p in zip(datasets, passes)]
+    counts = [len(b[0]) for b in batches]
+    flat = [batch for client in batches for epoch in client for batch in epoch]
+    batch = max((len(y) for _, y in flat), default=0)
+    example = flat[0][0].shape[1:] if flat else ()
+    bx = np.zeros((len(flat), batch, *example), np.float32)
+    by = np.zeros((len(flat), batch), np.int32)
+    sizes = np.zeros(len(flat), np.int64)
+    for t, (x, y) in enumerate(flat):
+      bx[t, :len(y)], by[t, :len(y)], sizes[t] = x, y, len(y)
+    return bx, by, sizes, counts
+  choice = _round_choice(counts, passes)
+  stream, length = _round_stream(datasets, passes, choice), len(choice)
+  if not length:
+    return np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int32), np.zeros(0, np.int64), counts
+  stream = stream.map(lambda b: (b['x'], b['y'], tf.shape(b['y'], out_type=tf.int64)[0]))
+  bx, by, sizes = (t.numpy() for t in stream.padded_batch(length).with_options(
+      _read_options()).get_single_element())
+  return bx, by, sizes, counts
