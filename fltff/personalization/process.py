@@ -443,11 +443,184 @@ class _RowCopies:
     return np.array(self._stacked[t][self._p])
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class PersonalizedRound:
+  """The personalised round's arithmetic in its parts (module docstring): the server's
+  `prepare` and `finish`, and a participant's `client_row`, `client_start`,
+  `client_regularizer` and `client_result` around its local training. The TFF process
+  (`build_personalized_process`) and the vectorised clients (`personalization.vectorized`) run
+  the same parts.
+
+  Attributes:
+    rule: The method's `RelationRule`.
+    context: The layer structure and N (`RoundContext`).
+    layers: Each layer's trainable tensor indices (`ModelSpec.trainable_layers`).
+    local_layers: Per layer, whether it stays local (the rule's `local_layer_kinds`).
+    layer_sizes_bytes: Per layer, its bytes.
+    columns, out_dims: BLS's n^l and d^l (`bls.layer_dimensions`).
+    lambda_, start_from: The rule's λ and where clients start (`START_FROM`).
+    bls_mu, min_upload_layers: BLS's μ (None: BLS off) and Ω's lower limit.
+    model_from_client: Whether a participant's own trainable weights come from its client
+      state (BLS, or nothing communicated) rather than from the broadcast.
+    communicates: Whether anything is exchanged (λ > 0 or clients start from s_i).
+  """
+
+  rule: RelationRule
+  context: RoundContext
+  layers: tuple
+  local_layers: tuple
+  layer_sizes_bytes: tuple
+  columns: tuple
+  out_dims: tuple
+  lambda_: float
+  start_from: str
+  bls_mu: Optional[float]
+  min_upload_layers: int
+  model_from_client: bool
+  communicates: bool
+
+  @property
+  def layer_of(self) -> tuple:
+    return self.context.layer_of
+
+  @property
+  def num_layers(self) -> int:
+    return self.context.num_layers
+
+  # -- server, before the clients --------------------------------------------------------
+  def prepare(self, state, server_input):
+    """The broadcast: each participant's s_i, its skip row (BLS's `r_ii^l > μ`) and r_ii, and
+    the rule's own entries for its `server_update`."""
+    rel, extra = self.rule.relation(state, server_input, self.context)
+    local_layers = np.asarray(self.local_layers, bool)
+    if local_layers.any():
+      eye = tf.eye(tf.shape(server_input['clients'])[0])[:, None, :]
+      rel = tf.where(tf.constant(local_layers)[None, :, None], eye, rel)
+    s = personalized_server_models(rel, list(server_input['models']), self.layer_of)
+    self_rel = tf.linalg.diag_part(tf.transpose(rel, [1, 0, 2]))       # [L, P]
+    self_rel = tf.transpose(self_rel)                                   # [P, L]
+    if self.bls_mu is None:
+      skip = tf.zeros_like(self_rel, tf.bool)
+    else:
+      skip = bls.server_skip_mask_tf(self_rel, self.bls_mu)
+    message = collections.OrderedDict(
+        clients=server_input['clients'], models=tuple(s), skip=skip, self_relation=self_rel)
+    if not self.model_from_client and self.start_from == 'own':
+      message['own'] = tuple(server_input['models'])
+    message.update(extra)  # The rule's own entries, for its `server_update`.
+    return message
+
+  # -- a participant -----------------------------------------------------------------------
+  def client_row(self, server_msg, k):
+    """Client k's entries of the broadcast: its s_i per tensor, its skip row and, when the
+    message carries them, its own weights (`own`)."""
+    pos = tf.argmax(tf.cast(tf.equal(server_msg['clients'], k), tf.int32), output_type=tf.int32)
+    return tf.nest.map_structure(lambda m: m[pos], message_rows(server_msg))
+
+  def client_start(self, row, personal):
+    """From a client's `client_row`: its start weights, its s_i, which tensors' layers it was
+    sent, its own model."""
+    s = list(row['models'])
+    sent = [tf.logical_not(row['skip'][l]) for l in self.layer_of]
+    if self.model_from_client:
+      own = list(personal['trainable'])
+    elif self.start_from == 'own':
+      own = list(row['own'])
+    else:
+      own = s  # Every layer is sent (no BLS) and the client starts from s_i.
+    start = own
+    if self.start_from == 'server':
+      start = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
+    return start, s, sent, own
+
+  def client_regularizer(self, s, sent):
+    """λ Σ_l ||w^l − s^l||²: the proximal term with μ = 2λ towards s_i; without BLS every
+    layer is sent and the mask is dropped (one op less per tensor and local step). None for
+    λ = 0."""
+    if self.lambda_ <= 0:
+      return None
+    mask = None if self.bls_mu is None else [tf.cast(c, w.dtype) for c, w in zip(sent, s)]
+    return regularizers.ProximalRegularizer(2.0 * self.lambda_, anchor=s, tensor_mask=mask)
+
+  def client_result(self, personal, k, s, sent, own, trained, examples_per_epoch):
+    """What client k uploads after training: its model and `(index, Ω, BLS search)`."""
+    n_i = tf.cast(tf.maximum(examples_per_epoch, 1), tf.float32)
+    if self.bls_mu is None:
+      omega, steps = tf.constant(self.num_layers, tf.int32), tf.constant(0, tf.int32)
+    else:
+      # A skipped layer is compared with the client's own model at the round's start (it
+      # received no s^l this round): bls.py, C4. Algorithm 4 on B^l, τ^l (Eqs. 30–31).
+      reference = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
+      b, tau = bls.layer_bounds([[trained[t] for t in g] for g in self.layers],
+                                [[reference[t] for t in g] for g in self.layers])
+      omega, steps, b_max, tau_max = bls.select_omega_tf(
+          b, tau, personal['b_max'], personal['tau_max'], personal['omega'], self.columns,
+          self.out_dims, min_layers=self.min_upload_layers)
+    weight = collections.OrderedDict(client_index=k, omega=omega, search_steps=steps,
+                                     num_examples=n_i)
+    if self.bls_mu is not None:
+      weight['b_max'], weight['tau_max'] = b_max, tau_max
+    return collections.OrderedDict(trainable=tuple(trained)), weight
+
+  # -- server, after the clients -----------------------------------------------------------
+  def finish(self, state, server_input, server_msg, gathered, value_template):
+    """`(new state, result, measurements)` from the gathered uploads (`value_template`: the
+    structure of one upload, which the gathered tensors are packed back into)."""
+    clients = server_input['clients']
+    ids = gathered['weight']['client_index']
+    # Results arrive in any order (several workers): matched to clients by index.
+    rows = tf.argmax(tf.cast(tf.equal(clients[:, None], ids[None, :]), tf.int32), axis=1,
+                     output_type=tf.int32)
+    # In the server's order already (one worker, vectorised clients): the gathered tensors as
+    # they are, not a gathered copy of every participant's model.
+    in_order = tf.reduce_all(tf.equal(rows, tf.range(tf.size(rows))))
+    values = [tf.cond(in_order, lambda v=v: tf.identity(v), lambda v=v: tf.gather(v, rows))
+              for v in gathered['update']]
+    omega = tf.gather(gathered['weight']['omega'], rows)
+    uploaded = tf.range(self.num_layers)[None, :] < omega[:, None]              # [P, L]
+    if not self.communicates:
+      uploaded = tf.zeros_like(uploaded)
+    update = tf.nest.pack_sequence_as(value_template, values)
+    trained = list(update['trainable'])
+    new_state = self.rule.server_update(state, server_input, server_msg, trained,
+                                        uploaded, self.context)
+    # A local layer's s_i is the client's own layer: neither sent nor uploaded.
+    sizes = tf.constant(np.where(self.local_layers, 0, self.layer_sizes_bytes), tf.float64)
+    sent = tf.logical_not(server_msg['skip'])
+    if not self.communicates:
+      sent = tf.zeros_like(sent)
+    bytes_down = tf.reduce_sum(tf.cast(sent, tf.float64) * sizes, axis=1)
+    bytes_up = tf.reduce_sum(tf.cast(uploaded, tf.float64) * sizes, axis=1)
+    personal = collections.OrderedDict(trainable=tuple(trained))
+    if 'non_trainable' in update:
+      personal['non_trainable'] = tuple(update['non_trainable'])
+    result = collections.OrderedDict(
+        clients=clients, personal=personal, omega=omega, uploaded=uploaded)
+    if self.bls_mu is not None:
+      result['b_max'] = tf.gather(gathered['weight']['b_max'], rows)
+      result['tau_max'] = tf.gather(gathered['weight']['tau_max'], rows)
+    result['bytes_down'], result['bytes_up'] = bytes_down, bytes_up
+    stats = collections.OrderedDict(
+        omega_mean=tf.reduce_mean(tf.cast(omega, tf.float32)),
+        search_steps_mean=tf.reduce_mean(tf.cast(
+            tf.gather(gathered['weight']['search_steps'], rows), tf.float32)),
+        skipped_layer_fraction=tf.reduce_mean(tf.cast(server_msg['skip'], tf.float32)),
+        self_relation_mean=tf.reduce_mean(server_msg['self_relation']),
+        self_relation_max=tf.reduce_max(server_msg['self_relation']))
+    # r_ii^l of the slice s_i came from, per layer: its mean over the participants (CSV
+    # columns) and every participant's value (`[P, L]`, in `clients` order: measurements.jsonl).
+    for l in range(self.num_layers):
+      stats[f'self_relation_layer_{l}'] = tf.reduce_mean(server_msg['self_relation'][:, l])
+    stats['self_relation'] = server_msg['self_relation']
+    return new_state, result, stats
+
+
 def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_optimizer,
                                rule: RelationRule, bls_mu: Optional[float] = None,
                                min_upload_layers: int = 1,
                                name: str = 'personalized') -> PersonalizedAlgorithm:
-  """Builds a personalised method from its `rule` as a TFF process (module docstring).
+  """Builds a personalised method from its `rule` as a TFF process (module docstring): the
+  parts of `PersonalizedRound` as TFF computations.
 
   Args:
     model_spec: The model.
@@ -490,26 +663,33 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     nspecs = [tf.TensorSpec(v.shape, v.dtype) for v in keras_model.non_trainable_weights]
     metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
         model_spec.tff_model(keras_model).metric_finalizers())
-  local_layers = np.array([k in rule.local_layer_kinds for k in kinds])
-  layer_sizes_bytes = [int(sum(np.prod(tspecs[t].shape.as_list(), dtype=np.int64) *
-                               tspecs[t].dtype.size for t in group)) for group in layers]
   # n^l and d^l of BLS's inequality (29) (`bls.layer_dimensions`).
   columns, out_dims = bls.layer_dimensions([[tspecs[t].shape.as_list() for t in group]
                                             for group in layers])
   # What the method exchanges at all: nothing when clients neither use s_i nor start from it.
   communicates = lambda_ > 0 or start_from == 'server'
-
-  def shape_of(spec, lead=()):
-    return (spec.dtype.as_numpy_dtype, tuple(lead) + tuple(spec.shape.as_list()))
-
-  trainable_type = tff.types.to_type(tuple(shape_of(s) for s in tspecs))
   # A participant's personal trainable weights cross into the runtime only when the server's
   # copy may differ from them (BLS uploads part of the model; Local uploads nothing). Otherwise
   # the client uploaded its whole model last time, the copy in `server_input` *is* its model,
   # and the client reads it from the broadcast (`own`) — or does not need it at all when it
   # starts from s_i. Same arithmetic, one model per participant less to ship in.
   model_from_client = bls_mu is not None or not communicates
-  personal_fields = [('trainable', trainable_type)] if model_from_client else []
+  parts = PersonalizedRound(
+      rule=rule, context=context, layers=tuple(tuple(g) for g in layers),
+      local_layers=tuple(k in rule.local_layer_kinds for k in kinds),
+      layer_sizes_bytes=tuple(int(sum(np.prod(tspecs[t].shape.as_list(), dtype=np.int64) *
+                                      tspecs[t].dtype.size for t in group))
+                              for group in layers),
+      columns=tuple(columns), out_dims=tuple(out_dims), lambda_=lambda_, start_from=start_from,
+      bls_mu=bls_mu, min_upload_layers=min_upload_layers, model_from_client=model_from_client,
+      communicates=communicates)
+
+  def shape_of(spec, lead=()):
+    return (spec.dtype.as_numpy_dtype, tuple(lead) + tuple(spec.shape.as_list()))
+
+  personal_fields = []
+  if model_from_client:
+    personal_fields.append(('trainable', tff.types.to_type(tuple(shape_of(s) for s in tspecs))))
   if nspecs:
     personal_fields.append(('non_trainable', tff.types.to_type(tuple(shape_of(s)
                                                                       for s in nspecs))))
@@ -518,9 +698,8 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     personal_fields.append(('b_max', tff.TensorType(np.float32, [num_layers])))
     personal_fields.append(('tau_max', tff.TensorType(np.float32, [num_layers])))
   personal_type = tff.StructWithPythonType(personal_fields, collections.OrderedDict)
-  weights_type, data_type = client_work_lib.client_types(model_spec, state_type=personal_type,
-                                                          state_in_dataset=False)
-  del weights_type
+  _, data_type = client_work_lib.client_types(model_spec, state_type=personal_type,
+                                              state_in_dataset=False)
   stacked = tff.types.to_type(tuple(shape_of(s, [None]) for s in tspecs))
   server_input_type = tff.StructWithPythonType(
       [('clients', tff.TensorType(np.int32, [None])), ('models', stacked),
@@ -534,98 +713,27 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
 
   @tff.tensorflow.computation(state_type, server_input_type)
   def prepare(state, server_input):
-    rel, extra = rule.relation(state, server_input, context)
-    if local_layers.any():
-      eye = tf.eye(tf.shape(server_input['clients'])[0])[:, None, :]
-      rel = tf.where(tf.constant(local_layers)[None, :, None], eye, rel)
-    s = personalized_server_models(rel, list(server_input['models']), layer_of)
-    self_rel = tf.linalg.diag_part(tf.transpose(rel, [1, 0, 2]))       # [L, P]
-    self_rel = tf.transpose(self_rel)                                   # [P, L]
-    if bls_mu is None:
-      skip = tf.zeros_like(self_rel, tf.bool)
-    else:
-      skip = bls.server_skip_mask_tf(self_rel, bls_mu)
-    message = collections.OrderedDict(
-        clients=server_input['clients'], models=tuple(s), skip=skip, self_relation=self_rel)
-    if not model_from_client and start_from == 'own':
-      message['own'] = tuple(server_input['models'])
-    message.update(extra)  # The rule's own entries, for its `server_update`.
-    return message
+    return parts.prepare(state, server_input)
 
   broadcast_type = prepare.type_signature.result
 
-  # The client's work in parts, so that the vectorised clients
-  # (`fltff.personalization.vectorized`) run the same code around their own training.
-  def client_row(server_msg, k):
-    """Client k's entries of the broadcast: its s_i per tensor, its skip row and, when the
-    message carries them, its own weights (`own`)."""
-    pos = tf.argmax(tf.cast(tf.equal(server_msg['clients'], k), tf.int32), output_type=tf.int32)
-    return tf.nest.map_structure(lambda m: m[pos], message_rows(server_msg))
-
-  def client_start(row, personal):
-    """From a client's `client_row`: its start weights, its s_i, which tensors' layers it was
-    sent, its own model."""
-    s = list(row['models'])
-    sent = [tf.logical_not(row['skip'][l]) for l in layer_of]
-    if model_from_client:
-      own = list(personal['trainable'])
-    elif start_from == 'own':
-      own = list(row['own'])
-    else:
-      own = s  # Every layer is sent (no BLS) and the client starts from s_i.
-    start = own
-    if start_from == 'server':
-      start = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
-    return start, s, sent, own
-
-  def client_regularizer(s, sent):
-    """λ Σ_l ||w^l − s^l||²: the proximal term with μ = 2λ towards s_i; without BLS every
-    layer is sent and the mask is dropped (one op less per tensor and local step)."""
-    if lambda_ <= 0:
-      return None
-    mask = None if bls_mu is None else [tf.cast(c, w.dtype) for c, w in zip(sent, s)]
-    return regularizers.ProximalRegularizer(2.0 * lambda_, anchor=s, tensor_mask=mask)
-
-  def client_result(server_msg, personal, k, s, sent, own, trained, examples_per_epoch):
-    """What client k uploads after training: its model and `(index, Ω, BLS search)`."""
-    del server_msg  # The same signature for the vectorised clients; BLS needs nothing of it.
-    n_i = tf.cast(tf.maximum(examples_per_epoch, 1), tf.float32)
-    if bls_mu is None:
-      omega, steps = tf.constant(num_layers, tf.int32), tf.constant(0, tf.int32)
-    else:
-      # A skipped layer is compared with the client's own model at the round's start (it
-      # received no s^l this round): bls.py, C4. Algorithm 4 on B^l, τ^l (Eqs. 30–31).
-      reference = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
-      b, tau = bls.layer_bounds([[trained[t] for t in g] for g in layers],
-                                [[reference[t] for t in g] for g in layers])
-      omega, steps, b_max, tau_max = bls.select_omega_tf(
-          b, tau, personal['b_max'], personal['tau_max'], personal['omega'], columns, out_dims,
-          min_layers=min_upload_layers)
-    weight = collections.OrderedDict(client_index=k, omega=omega, search_steps=steps,
-                                     num_examples=n_i)
-    if bls_mu is not None:
-      weight['b_max'], weight['tau_max'] = b_max, tau_max
-    return collections.OrderedDict(trainable=tuple(trained)), weight
-
   @tff.tensorflow.computation(broadcast_type, data_type)
   def client_update(server_msg, data):
-    model = model_spec.tff_model()
     personal = data['state']
     k = client_work_lib.client_index_of(data)
-    start, s, sent, own = client_start(client_row(server_msg, k), personal)
+    start, s, sent, own = parts.client_start(parts.client_row(server_msg, k), personal)
     initial = tff.learning.models.ModelWeights(
         trainable=list(start), non_trainable=list(personal.get('non_trainable', ())))
-    out = client_work_lib.build_local_training(model, client_optimizer,
-                                               client_regularizer(s, sent))(
+    out = client_work_lib.build_local_training(model_spec.tff_model(), client_optimizer,
+                                               parts.client_regularizer(s, sent))(
         initial, data['batches'], data['info'])
-    value, weight = client_result(server_msg, personal, k, s, sent, own, list(out['trained']),
-                                  out['examples_per_epoch'])
+    value, weight = parts.client_result(personal, k, s, sent, own, list(out['trained']),
+                                        out['examples_per_epoch'])
     if nspecs:
       value['non_trainable'] = tuple(out['non_trainable'])
     return value, weight, out['metrics']
 
-  value_type = client_update.type_signature.result[0]
-  weight_type = client_update.type_signature.result[1]
+  value_type, weight_type, _ = client_update.type_signature.result
   gather, gathered_type = build_gather(value_type, weight_type)
   # The gathered update is the value flattened by `tf.nest`, which orders a dict's entries by
   # key: 'non_trainable' before 'trainable'. Packed back into the value's structure, not sliced.
@@ -633,53 +741,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
 
   @tff.tensorflow.computation(state_type, server_input_type, broadcast_type, gathered_type)
   def finish(state, server_input, server_msg, gathered):
-    clients = server_input['clients']
-    ids = gathered['weight']['client_index']
-    # Results arrive in any order (several workers): matched to clients by index.
-    rows = tf.argmax(tf.cast(tf.equal(clients[:, None], ids[None, :]), tf.int32), axis=1,
-                     output_type=tf.int32)
-    # In the server's order already (one worker, vectorised clients): the gathered tensors as
-    # they are, not a gathered copy of every participant's model.
-    in_order = tf.reduce_all(tf.equal(rows, tf.range(tf.size(rows))))
-    values = [tf.cond(in_order, lambda v=v: tf.identity(v), lambda v=v: tf.gather(v, rows))
-              for v in gathered['update']]
-    omega = tf.gather(gathered['weight']['omega'], rows)
-    uploaded = tf.range(num_layers)[None, :] < omega[:, None]                   # [P, L]
-    if not communicates:
-      uploaded = tf.zeros_like(uploaded)
-    update = tf.nest.pack_sequence_as(value_template, values)
-    trained = list(update['trainable'])
-    new_state = rule.server_update(state, server_input, server_msg, trained,
-                                   uploaded, context)
-    # A local layer's s_i is the client's own layer: neither sent nor uploaded.
-    sizes = tf.constant(np.where(local_layers, 0, layer_sizes_bytes), tf.float64)
-    sent = tf.logical_not(server_msg['skip'])
-    if not communicates:
-      sent = tf.zeros_like(sent)
-    bytes_down = tf.reduce_sum(tf.cast(sent, tf.float64) * sizes, axis=1)
-    bytes_up = tf.reduce_sum(tf.cast(uploaded, tf.float64) * sizes, axis=1)
-    personal = collections.OrderedDict(trainable=tuple(trained))
-    if nspecs:
-      personal['non_trainable'] = tuple(update['non_trainable'])
-    result = collections.OrderedDict(
-        clients=clients, personal=personal, omega=omega, uploaded=uploaded)
-    if bls_mu is not None:
-      result['b_max'] = tf.gather(gathered['weight']['b_max'], rows)
-      result['tau_max'] = tf.gather(gathered['weight']['tau_max'], rows)
-    result['bytes_down'], result['bytes_up'] = bytes_down, bytes_up
-    stats = collections.OrderedDict(
-        omega_mean=tf.reduce_mean(tf.cast(omega, tf.float32)),
-        search_steps_mean=tf.reduce_mean(tf.cast(
-            tf.gather(gathered['weight']['search_steps'], rows), tf.float32)),
-        skipped_layer_fraction=tf.reduce_mean(tf.cast(server_msg['skip'], tf.float32)),
-        self_relation_mean=tf.reduce_mean(server_msg['self_relation']),
-        self_relation_max=tf.reduce_max(server_msg['self_relation']))
-    # r_ii^l of the slice s_i came from, per layer: its mean over the participants (CSV
-    # columns) and every participant's value (`[P, L]`, in `clients` order: measurements.jsonl).
-    for l in range(num_layers):
-      stats[f'self_relation_layer_{l}'] = tf.reduce_mean(server_msg['self_relation'][:, l])
-    stats['self_relation'] = server_msg['self_relation']
-    return new_state, result, stats
+    return parts.finish(state, server_input, server_msg, gathered, value_template)
 
   @tff.federated_computation
   def init_fn():
@@ -718,15 +780,13 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
 
   def vectorized_fn(device, factor_dense=True):
     from fltff.personalization.vectorized import VectorizedPersonalWork  # pylint: disable=g-import-not-at-top
-    return VectorizedPersonalWork(
-        model_spec, client_optimizer, message_rows=message_rows, client_start=client_start,
-        client_regularizer=client_regularizer if lambda_ > 0 else None,
-        client_result=client_result, device=device, factor_dense=factor_dense)
+    return VectorizedPersonalWork(model_spec, client_optimizer, parts, device=device,
+                                  factor_dense=factor_dense)
 
   process = tff.templates.IterativeProcess(init_fn, next_fn)
   return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec,
-                               layer_sizes_bytes=layer_sizes_bytes, tensor_layers=layer_of,
-                               local_layers=tuple(bool(x) for x in local_layers),
+                               layer_sizes_bytes=list(parts.layer_sizes_bytes),
+                               tensor_layers=layer_of, local_layers=parts.local_layers,
                                model_from_client=model_from_client, bls=bls_mu is not None,
                                num_clients=num_clients,
                                split_round=(prepare_round, end_round),

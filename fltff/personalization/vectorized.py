@@ -4,8 +4,9 @@
 train E epochs on `f_i(w) + λ Σ_l ||w^l − s_i^l||²`, BLS's choice of Ω (KAPC Algorithms 3–4)
 — for all of a round's participants in one TensorFlow step: the local training is
 `learning.vectorized.VectorizedClientWork` with per-client start weights and a per-client
-proximal term, and the parts before and after it are the process's own `client_start` and
-`client_result`, mapped over the clients with `tf.vectorized_map`. The server's parts of the
+proximal term, and the parts before and after it are the round's own
+(`process.PersonalizedRound`: `client_start`, `client_result`), mapped over the clients with
+`tf.vectorized_map`. The server's parts of the
 round stay TFF computations (`PersonalizedAlgorithm.split_round`), so the state and result are
 the same as TFF's to float rounding (tests/test_vectorized.py).
 
@@ -16,7 +17,6 @@ for the FedAvg family).
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -28,6 +28,7 @@ from fltff.learning.model_spec import ModelSpec
 from fltff.learning.vectorized import VectorizedClientWork
 from fltff.learning.vectorized import stack_clients
 from fltff.learning.vectorized import with_clients
+from fltff.personalization.process import message_rows
 
 
 def participant_rows(rows, listed: Sequence[int], order: Sequence[int]) -> collections.OrderedDict:
@@ -53,28 +54,28 @@ class VectorizedPersonalWork:
   along the participants (in `client_inputs` order): what the process's `client_update` returns
   per client, for `end_round`."""
 
-  def __init__(self, model_spec: ModelSpec, optimizer, message_rows: Callable,
-               client_start: Callable, client_regularizer: Optional[Callable],
-               client_result: Callable, device: Optional[str] = None,
+  def __init__(self, model_spec: ModelSpec, optimizer, parts, device: Optional[str] = None,
                factor_dense: bool = True):
-    self._message_rows = message_rows
-    self._client_start, self._client_result = client_start, client_result
-    self._regularized = client_regularizer is not None
+    """`parts`: the round's `process.PersonalizedRound` (its client parts run here)."""
+    self._parts = parts
+    self._regularized = parts.lambda_ > 0
     self._work = VectorizedClientWork(
         model_spec, optimizer, device=device, factor_dense=factor_dense,
-        client_regularizer=(lambda terms: client_regularizer(*terms)) if self._regularized
+        client_regularizer=(lambda terms: parts.client_regularizer(*terms)) if self._regularized
         else None)
-    self._starts = tf.function(self._starts_fn, reduce_retracing=True)
-    self._results = tf.function(self._results_fn, reduce_retracing=True)
+    # Without autograph, as the training: no tensor-dependent Python control flow here.
+    self._starts = tf.function(self._starts_fn, reduce_retracing=True, autograph=False)
+    self._results = tf.function(self._results_fn, reduce_retracing=True, autograph=False)
 
   def _starts_fn(self, rows, personal, num_clients=None):
     rows, personal = with_clients((rows, personal), num_clients)
-    return tf.vectorized_map(lambda args: tuple(self._client_start(*args)), (rows, personal))
+    return tf.vectorized_map(lambda args: tuple(self._parts.client_start(*args)),
+                             (rows, personal))
 
-  def _results_fn(self, server_msg, personal, clients, s, sent, own, trained,
-                  examples_per_epoch, num_clients=None):
+  def _results_fn(self, personal, clients, s, sent, own, trained, examples_per_epoch,
+                  num_clients=None):
     return tf.vectorized_map(
-        lambda args: self._client_result(server_msg, *args),
+        lambda args: self._parts.client_result(*args),
         with_clients((personal, clients, s, sent, own, trained, examples_per_epoch),
                      num_clients))
 
@@ -84,15 +85,14 @@ class VectorizedPersonalWork:
     infos = [client_work_lib.client_info_of_input(data) for data in client_inputs]
     order = [int(info['client_index']) for info in infos]
     clients = tf.constant(order, tf.int32)
-    rows = participant_rows(self._message_rows(server_msg), np.asarray(server_msg['clients']),
-                            order)
+    rows = participant_rows(message_rows(server_msg), np.asarray(server_msg['clients']), order)
     k = self._work.traced_client_count(len(client_inputs))
     start, s, sent, own = (tuple(part) for part in self._starts(rows, personal, num_clients=k))
     out, data = self._work.train(client_inputs, start=start,
                                  client_terms=(s, sent) if self._regularized else None)
     examples = out['sums'][1]
     examples_per_epoch = client_work_lib.examples_per_epoch(examples, data['epochs'])
-    value, weight = self._results(server_msg, personal, clients, s, sent, own,
-                                  tuple(out['trained']), examples_per_epoch, num_clients=k)
+    value, weight = self._results(personal, clients, s, sent, own, tuple(out['trained']),
+                                  examples_per_epoch, num_clients=k)
     value = collections.OrderedDict(trainable=tuple(value['trainable']))
     return value, weight, self._work.model_outputs(out['sums'])
