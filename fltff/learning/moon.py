@@ -169,7 +169,7 @@ class StackedModelContrastive:
 
 
 class VectorizedMoonWork:
-  """MOON's client work for a round's participants together (`runtime.vectorize_clients`):
+  """MOON's client work for a round's participants together (`experiment.client_work`):
   `learning.vectorized.VectorizedClientWork` with `StackedModelContrastive` as each client's
   regulariser (its previous model, from the client states, as its term); the new client states
   are the trained models, as `build_moon_client_work` gathers them. `next` has the client work

@@ -140,7 +140,7 @@ class FederatedAlgorithm:
       self._vectorized = self.vectorized_fn(device, factor_dense)
       return
     raise ConfigError(f'{self.name} cannot vectorise its clients: its client work is not '
-                      f"one of fltff's (runtime.vectorize_clients supports every fltff method "
+                      f"one of fltff's (experiment.client_work = 'vectorised' supports every fltff method "
                       f'built by its builders, which know their client work).')
 
   # -- evaluation, communication, outputs ----------------------------------------------------

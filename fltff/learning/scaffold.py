@@ -136,7 +136,7 @@ def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: in
 
 
 class VectorizedScaffoldWork:
-  """SCAFFOLD's client work for a round's participants together (`runtime.vectorize_clients`):
+  """SCAFFOLD's client work for a round's participants together (`experiment.client_work`):
   `learning.vectorized.VectorizedClientWork` with each client's correction `c − c_i` as its
   regulariser (`ControlVariateCorrection`, per-client terms) and its minibatch gradients'
   mean tracked; then, as `build_scaffold_client_work`, the new controls (a client that took

@@ -100,8 +100,8 @@ def weight_slots(keras_model: tf.keras.Model, weights_model: tf.keras.Model
   if weights_model.non_trainable_weights:
     raise ConfigError(
         f'vectorised clients need a model whose weights are all trainable; {keras_model.name} '
-        f'has non-trainable weights (e.g. BatchNorm statistics): use '
-        f'runtime.vectorize_clients = False.')
+        f"has non-trainable weights (e.g. BatchNorm statistics): use "
+        f"experiment.client_work = 'per_client'.")
   if weights_model.losses:
     raise ConfigError(f'vectorised clients do not support layer losses ({keras_model.name}).')
   slots = []
