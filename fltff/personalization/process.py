@@ -511,6 +511,11 @@ class PersonalizedRound:
     return message
 
   # -- a participant -----------------------------------------------------------------------
+  @staticmethod
+  def message_rows(server_msg) -> collections.OrderedDict:
+    """Every participant's entries of the broadcast, `[P, ...]` (`message_rows`)."""
+    return message_rows(server_msg)
+
   def client_row(self, server_msg, k):
     """Client k's entries of the broadcast: its s_i per tensor, its skip row and, when the
     message carries them, its own weights (`own`)."""
