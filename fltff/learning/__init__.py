@@ -14,6 +14,7 @@ a `num_clients` argument receives the experiment's total number of clients from 
 from fltff.learning.client_work import CLIENT_INFO_SPEC
 from fltff.learning.client_work import LocalRegularizer
 from fltff.learning.client_work import RegularizerTraits
+from fltff.learning.client_work import StepObserver
 from fltff.learning.client_work import build_client_work
 from fltff.learning.client_work import build_local_training
 from fltff.learning.client_work import client_input
@@ -72,5 +73,6 @@ __all__ = [
     'ProximalRegularizer',
     'RegularizerTraits',
     'server_optimizer',
+    'StepObserver',
     'type_num_bytes',
 ]
