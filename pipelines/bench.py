@@ -345,7 +345,7 @@ def compare_executors() -> int:
         algorithm = builders[method](opt)
         if name == 'fltff_vectorized' or method != 'fedavg':
           try:
-            algorithm.vectorize_clients()  # runtime.vectorize_clients = True
+            algorithm.vectorize_clients()  # experiment.client_work = 'vectorised'
           except ConfigError as e:
             print(f'error: {e}', file=sys.stderr)
             return 2

@@ -442,7 +442,8 @@ def test_a_vectorised_algorithms_client_inputs_carry_their_info_without_a_datase
           == client_work_lib.client_info_of_input(fast) == {'client_index': 7, 'epochs': 3})
 
 
-@pytest.mark.parametrize('name', ['fedavg', 'fedadp', 'fednova+ccn', 'scaffold'])
+@pytest.mark.parametrize('name', ['fedavg', 'fedadp', 'fednova+ccn', 'scaffold',
+                                  'fedavg+fedlap_personalization'])
 def test_vectorised_rounds_start_from_the_process_state_without_building_it(spec, cpp, name):
   """A vectorised method's initial state is its learning process's (`compose_learning_process`),
   made from the pieces the rounds run, and TFF's per-client client work is never traced."""
@@ -452,7 +453,8 @@ def test_vectorised_rounds_start_from_the_process_state_without_building_it(spec
   algorithm = METHODS[name](spec)
   algorithm.vectorize_clients()
   state = algorithm.initialize()
-  assert 'process' not in vars(algorithm)  # `Algorithm.process` is built on first use.
+  # `Algorithm.process` is built on first use (FedLap personalisation wraps the method).
+  assert 'process' not in vars(getattr(algorithm, 'inner', algorithm))
   assert type(state) is type(expected)
   assert [type(part) for part in state] == [type(part) for part in expected]
   got, want = helpers_leaves(state), helpers_leaves(expected)

@@ -124,8 +124,12 @@ class StepObserver(Protocol):
   client's in `build_local_training`, every participant's with a leading client axis in
   `vectorized.VectorizedClientWork` — and put `result` in their output under `name`.
 
-  `observe` sees each step's data gradients (the minibatch loss's, plus a batch term's; before
-  any other regulariser term), for every trainable tensor.
+  `observe` sees each step's gradients before the optimizer applies them, for every trainable
+  tensor: the minibatch loss's (with a batch term's), without an affine regulariser's terms,
+  which both loops add in the update (SCAFFOLD's correction). The loops differ for other
+  regularisers (`build_local_training` observes the tape's gradient, which holds a penalty-only
+  regulariser's penalty; the vectorised loop observes after a closed-form gradient is added
+  and frozen tensors are zeroed): use observers with no regulariser or an affine one.
   """
   name: str
 

@@ -108,7 +108,6 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
     self.inner = algorithm
     self.personalization = personalization
     self.name = algorithm.name
-    self.process = algorithm.process
     self.model_spec = algorithm.model_spec
     self.num_clients = algorithm.num_clients
     self.bytes_down_per_client = algorithm.bytes_down_per_client
@@ -118,6 +117,12 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
     self._initial_local = collections.OrderedDict(
         trainable=[np.asarray(w) for w in initial.trainable],
         non_trainable=[np.asarray(w) for w in initial.non_trainable])
+
+  @property
+  def process(self):
+    """The inner method's learning process (built on first use: vectorised rounds never
+    need it)."""
+    return self.inner.process
 
   def initialize(self, call: protocol.Call = protocol.direct_call):
     return self.inner.initialize(call)
