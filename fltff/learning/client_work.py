@@ -124,12 +124,10 @@ class StepObserver(Protocol):
   client's in `build_local_training`, every participant's with a leading client axis in
   `vectorized.VectorizedClientWork` — and put `result` in their output under `name`.
 
-  `observe` sees each step's gradients before the optimizer applies them, for every trainable
-  tensor: the minibatch loss's (with a batch term's), without an affine regulariser's terms,
-  which both loops add in the update (SCAFFOLD's correction). The loops differ for other
-  regularisers (`build_local_training` observes the tape's gradient, which holds a penalty-only
-  regulariser's penalty; the vectorised loop observes after a closed-form gradient is added
-  and frozen tensors are zeroed): use observers with no regulariser or an affine one.
+  `observe` sees each step's gradients as differentiated, for every trainable tensor: the
+  minibatch loss's, with a batch term's and a penalty-only regulariser's penalty; without a
+  closed-form or affine regulariser's terms (SCAFFOLD's correction) and before frozen tensors
+  are zeroed.
   """
   name: str
 

@@ -350,9 +350,11 @@ class VectorizedClientWork:
 
   def _client_step_fn(self, reg: _Regularization, global_trainable, plan, base_of, anchor_of):
     """One client's step, `(weights, x, y, mask, trains, context, terms, rows, anchors) →
-    (gradients, metric sums, factors)`: the gradients the updater applies (an affine
-    regulariser's terms are added there), the step's per-client metric sums weighted by
-    whether it trains, and the factored kernels' `(inputs, δ)` (`factored_dense`)."""
+    (gradients, metric sums, factors, differentiated)`: the gradients the updater applies (an
+    affine regulariser's terms are added there), the step's per-client metric sums weighted by
+    whether it trains, the factored kernels' `(inputs, δ)` (`factored_dense`) and, with step
+    observers, the gradients as differentiated, before any closed-form term or frozen tensor's
+    zero (what they observe)."""
     traits = reg.traits
 
     def client_step(args):
@@ -394,6 +396,8 @@ class VectorizedClientWork:
       gradients = [tf.zeros([], w.dtype) if i in probes else next(found)
                    for i, w in enumerate(local)]
       deltas = list(found)
+      # What step observers see: the gradient as differentiated (as `build_local_training`).
+      differentiated = tuple(gradients) if self._step_observers else ()
       gradients = client_work_lib.step_gradients(
           gradients, local, None if traits.affine else regularizer,
           global_trainable, context, None, self._frozen)
@@ -403,7 +407,7 @@ class VectorizedClientWork:
       step_sums = (data_loss * n * count, tf.cast(n * count, tf.int64), correct * count,
                    tf.cast(trains, tf.int64))
       factors = tuple((inputs[i], d) for i, d in zip(sorted(probes), deltas))
-      return tuple(gradients), step_sums, factors
+      return tuple(gradients), step_sums, factors, differentiated
 
     return client_step
 
@@ -482,7 +486,7 @@ class VectorizedClientWork:
         t = e * num_steps + s  # The step's place in the round's history.
         # The clients' gradients in one vectorised step, then the optimizer's update of all of
         # them (`stacked_optimizer`: in place for TFF's SGD(M)).
-        gradients, step_sums, factors = tf.vectorized_map(
+        gradients, step_sums, factors, differentiated = tf.vectorized_map(
             client_step, (read_weights(carry), tf.gather(examples, index[e, s]),
                           tf.gather(labels, index[e, s]), mask[e, s], trains, context, terms,
                           plan.client_rows(factored_state, t) if plan else (), plan_anchors))
@@ -499,7 +503,7 @@ class VectorizedClientWork:
                          for i in plan.indices)
           factored_state = plan.advance(factored_state, t, factors, scales, trains)
         sums = tuple(a + b for a, b in zip(sums, step_sums))
-        observed = tuple(o.observe(state, gradients)
+        observed = tuple(o.observe(state, differentiated)
                          for o, state in zip(self._step_observers, observed))
         return s + 1, carry, sums, observed, factored_state
 
