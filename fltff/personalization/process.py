@@ -460,9 +460,6 @@ class PersonalizedRound:
     columns, out_dims: BLS's n^l and d^l (`bls.layer_dimensions`).
     lambda_, start_from: The rule's λ and where clients start (`START_FROM`).
     bls_mu, min_upload_layers: BLS's μ (None: BLS off) and Ω's lower limit.
-    model_from_client: Whether a participant's own trainable weights come from its client
-      state (BLS, or nothing communicated) rather than from the broadcast.
-    communicates: Whether anything is exchanged (λ > 0 or clients start from s_i).
   """
 
   rule: RelationRule
@@ -476,8 +473,19 @@ class PersonalizedRound:
   start_from: str
   bls_mu: Optional[float]
   min_upload_layers: int
-  model_from_client: bool
-  communicates: bool
+
+  @property
+  def communicates(self) -> bool:
+    """Whether anything is exchanged: clients use s_i (λ > 0) or start from it."""
+    return self.lambda_ > 0 or self.start_from == 'server'
+
+  @property
+  def model_from_client(self) -> bool:
+    """Whether a participant's own trainable weights come from its client state rather than
+    the broadcast: the server's copy may differ from them (BLS uploads part of the model;
+    without communication nothing is uploaded). Otherwise the copy in `server_input` is the
+    client's model (one model per participant less to ship in)."""
+    return self.bls_mu is not None or not self.communicates
 
   @property
   def layer_of(self) -> tuple:
@@ -671,14 +679,6 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   # n^l and d^l of BLS's inequality (29) (`bls.layer_dimensions`).
   columns, out_dims = bls.layer_dimensions([[tspecs[t].shape.as_list() for t in group]
                                             for group in layers])
-  # What the method exchanges at all: nothing when clients neither use s_i nor start from it.
-  communicates = lambda_ > 0 or start_from == 'server'
-  # A participant's personal trainable weights cross into the runtime only when the server's
-  # copy may differ from them (BLS uploads part of the model; Local uploads nothing). Otherwise
-  # the client uploaded its whole model last time, the copy in `server_input` *is* its model,
-  # and the client reads it from the broadcast (`own`) — or does not need it at all when it
-  # starts from s_i. Same arithmetic, one model per participant less to ship in.
-  model_from_client = bls_mu is not None or not communicates
   parts = PersonalizedRound(
       rule=rule, context=context, layers=tuple(tuple(g) for g in layers),
       local_layers=tuple(k in rule.local_layer_kinds for k in kinds),
@@ -686,8 +686,8 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
                                       tspecs[t].dtype.size for t in group))
                               for group in layers),
       columns=tuple(columns), out_dims=tuple(out_dims), lambda_=lambda_, start_from=start_from,
-      bls_mu=bls_mu, min_upload_layers=min_upload_layers, model_from_client=model_from_client,
-      communicates=communicates)
+      bls_mu=bls_mu, min_upload_layers=min_upload_layers)
+  model_from_client = parts.model_from_client
 
   def shape_of(spec, lead=()):
     return (spec.dtype.as_numpy_dtype, tuple(lead) + tuple(spec.shape.as_list()))
