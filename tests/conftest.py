@@ -59,7 +59,8 @@ def spec(data):  # pylint: disable=redefined-outer-name
 
 # What starts a program end to end: `pipelines.run` (in a subprocess or in this process), the
 # bench, the report, the installed command, mkdocs, a TFF worker in its own process.
-_PROGRAM_CALLS = ('run_pipeline', 'run_and_resume', 'subprocess.', 'Popen(', 'pipelines.')
+_PROGRAM_CALLS = ('run_pipeline', 'run_and_resume', 'run_program', 'Program(', 'subprocess.',
+                  'Popen(', 'pipelines.')
 
 
 def _starts_a_program(function) -> bool:

@@ -3,7 +3,6 @@
 import csv
 import os
 import subprocess
-import sys
 import time
 
 
@@ -31,14 +30,15 @@ def pipeline_env():
 
 
 def run_pipeline(*args, timeout=600, in_process=False):
-  """`pipelines.run` with `args`, as a `CompletedProcess`: a real subprocess (what a user runs;
-  signals, leaks and exit paths are tested that way), or with `in_process=True` its `main` in
-  this test process (no interpreter and TensorFlow start-up: for tests that compare the
-  numbers of runs)."""
+  """`pipelines.run` with `args`, as a `CompletedProcess`: a process of its own (what a user
+  runs, forked from the test process's fork server: `launcher.py`; signals, leaks and exit
+  paths are tested that way), or with `in_process=True` its `main` in this test process (for
+  tests that compare the numbers of runs)."""
   if in_process:
     return _run_pipeline_here(args)
-  return subprocess.run([sys.executable, '-m', 'pipelines.run', *args], cwd=REPO, env=pipeline_env(),
-                        capture_output=True, text=True, timeout=timeout)
+  from launcher import run_program  # pylint: disable=g-import-not-at-top
+
+  return run_program('pipelines.run', *args, timeout=timeout)
 
 
 def run_pipeline_here(*args):

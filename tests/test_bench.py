@@ -2,12 +2,11 @@
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from helpers import run_program_here
+from launcher import run_program
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,19 +27,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      r'2 workers \d+\.\d+x'),
 ])
 def test_bench_prints_ratio(extra, pattern):
-  result = subprocess.run(
-      [sys.executable, '-m', 'pipelines.bench', '--rounds=2', '--clients=3', '--examples=20',
-       *extra], cwd=REPO, capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+  result = run_program('pipelines.bench', '--rounds=2', '--clients=3', '--examples=20', *extra,
+                       timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
   assert result.returncode == 0, result.stderr[-3000:]
   assert re.search(pattern, result.stdout), result.stdout
 
 
 def test_bench_executors_prints_ratios_to_tffs_builtin():
-  result = subprocess.run(
-      [sys.executable, '-m', 'pipelines.bench', '--executors', '--executor_shapes=mlp2:3x20',
-       '--executor_methods=fedlap,kapc', '--rounds=2'], cwd=REPO, capture_output=True,
-      text=True, timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+  result = run_program('pipelines.bench', '--executors', '--executor_shapes=mlp2:3x20',
+                       '--executor_methods=fedlap,kapc', '--rounds=2', timeout=300,
+                       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
   assert result.returncode == 0, result.stderr[-3000:]
   # Built-in, C++ runtime, in-process, vectorised, and the one-model floor.
   assert re.search(r'tff_builtin\s+fltff_tff_cpp\s+fltff_in_process\s+fltff_vectorized\s+'
@@ -70,10 +66,8 @@ def test_bench_executors_refuses_an_unknown_variant_or_method_in_one_line():
 def test_short_soak_driver_memory_does_not_grow_per_round():
   """80 rounds of fltff's FedAvg pipeline: the driver grew +0.42 MiB/round before issue 20's
   fix (a traced `Dataset.map` per client per round); a quarter of that fails the test."""
-  result = subprocess.run(
-      [sys.executable, '-m', 'pipelines.bench', '--memory=fedavg', '--memory_rounds=80'],
-      cwd=REPO, capture_output=True, text=True, timeout=600,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+  result = run_program('pipelines.bench', '--memory=fedavg', '--memory_rounds=80', timeout=600,
+                       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
   assert result.returncode == 0, result.stderr[-3000:]
   match = re.search(r'fedavg: driver \d+ -> \d+ MiB \(([-+]\d+\.\d+) MiB/round, '
                     r'anonymous ([-+]\d+\.\d+)\)', result.stdout)

@@ -24,6 +24,7 @@ from helpers import assert_one_line_error
 from helpers import pipeline_env
 from helpers import read_csv
 from helpers import run_pipeline_here
+from launcher import Program
 
 from fltff.errors import CheckpointError
 from fltff.errors import ConfigError
@@ -231,11 +232,9 @@ def _start_and_signal(out: str, tmpdir: str, signals: int, after_rounds: int = 1
                       extra: tuple = ()) -> tuple[int, str]:
   """Starts a long run, sends SIGTERM `signals` times once `after_rounds` rounds are done;
   (status, stderr)."""
-  proc = subprocess.Popen(
-      [sys.executable, '-m', 'pipelines.run', *SMALL, '--gin_bindings=experiment.rounds = 50',
-       '--gin_bindings=experiment.local_epochs = 5', *extra, f'--output_dir={out}'], cwd=REPO,
-      env=dict(pipeline_env(), TMPDIR=tmpdir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-      text=True)
+  proc = Program('pipelines.run', *SMALL, '--gin_bindings=experiment.rounds = 50',
+                 '--gin_bindings=experiment.local_epochs = 5', *extra, f'--output_dir={out}',
+                 env=dict(pipeline_env(), TMPDIR=tmpdir))
   metrics = os.path.join(out, 'metrics.csv')
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline and proc.poll() is None:

@@ -3,8 +3,6 @@
 import collections
 import json
 import os
-import subprocess
-import sys
 
 import gin
 import numpy as np
@@ -18,10 +16,10 @@ from fltff.learning import ModelSpec
 from fltff.personalization import bls as bls_lib
 from fltff.simulation import driver as driver_lib
 from helpers import REPO
-from helpers import pipeline_env
 from helpers import random_client_datasets
 from helpers import run_and_resume
 from helpers import tiny_mlp
+from launcher import run_program
 
 from fltff.personalization import fedamp as fedamp_lib
 from fltff.personalization import fedbn as fedbn_lib
@@ -693,10 +691,8 @@ def test_kapc_pipeline_with_client_selection_channel_and_resume(tmp_path):
     assert abs(float(a['personal_local_accuracy']) - float(b['personal_local_accuracy'])) < 1e-6
     assert a['bytes_up'] == b['bytes_up']
   # The report's pFL tables and the relationship heatmap.
-  report = subprocess.run(
-      [sys.executable, '-m', 'pipelines.report', '--personalized', f'--runs={full}',
-       f'--out={tmp_path / "report"}', '--heatmap_client=1'], cwd=REPO, env=pipeline_env(),
-      capture_output=True, text=True, timeout=120)
+  report = run_program('pipelines.report', '--personalized', f'--runs={full}',
+                       f'--out={tmp_path / "report"}', '--heatmap_client=1', timeout=120)
   assert report.returncode == 0, report.stderr[-2000:]
   lines = open(tmp_path / 'report' / 'report.md').read().splitlines()
   best = [c.strip() for c in lines[2].strip('|').split('|')]

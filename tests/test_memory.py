@@ -270,14 +270,11 @@ def test_a_damaged_sqlite_store_is_one_checkpoint_error(tmp_path):
 def test_kill_9_then_resume_with_the_sqlite_store_gives_the_uninterrupted_numbers(tmp_path):
   import os  # pylint: disable=g-import-not-at-top
   import signal  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
 
-  from helpers import REPO  # pylint: disable=g-import-not-at-top
-  from helpers import pipeline_env  # pylint: disable=g-import-not-at-top
   from helpers import read_csv  # pylint: disable=g-import-not-at-top
   from helpers import run_pipeline_here  # pylint: disable=g-import-not-at-top
+  from launcher import Program  # pylint: disable=g-import-not-at-top
 
   args = ['--gin_file=gin_configs/ccn/offline_mnist1003_scaffold.gin',
           '--gin_bindings=experiment.rounds = 7',
@@ -287,9 +284,7 @@ def test_kill_9_then_resume_with_the_sqlite_store_gives_the_uninterrupted_number
   assert full.returncode == 0, full.stderr[-2000:]
   assert os.path.exists(tmp_path / 'full' / 'client_states.sqlite')
   part = tmp_path / 'part'
-  proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *args, f'--output_dir={part}'],
-                          cwd=REPO, env=pipeline_env(), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+  proc = Program('pipelines.run', *args, f'--output_dir={part}', capture=False)
   deadline = time.time() + 300
   while time.time() < deadline:  # Killed once round 3 is done: its states are in the store,
     try:                          # newer than the checkpoint of round 2.

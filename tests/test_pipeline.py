@@ -1,13 +1,13 @@
 """End-to-end tests of `python -m pipelines.run`: outputs, resume, clear errors, no leaks.
 
-Each test starts the pipeline as a real subprocess, as a user would.
+Each test starts the pipeline as a process of its own, as a user would (`launcher.py`), or
+in this process where only its numbers matter.
 """
 
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -18,11 +18,12 @@ import fltff
 from helpers import REPO
 from helpers import SMALL
 from helpers import assert_one_line_error
-from helpers import pipeline_env
 from helpers import read_csv
 from helpers import tagged_worker_pids
 from helpers import run_pipeline
 from helpers import run_pipeline_here
+from launcher import Program
+from launcher import run_program
 
 
 @pytest.fixture(scope='module')
@@ -73,9 +74,7 @@ def test_resume_after_kill_matches_uninterrupted_run(small_run, tmp_path):
   reference_dir, _, _ = small_run
   out = str(tmp_path / 'killed')
   before = tagged_worker_pids()
-  proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *SMALL, f'--output_dir={out}'],
-                          cwd=REPO, env=pipeline_env(), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+  proc = Program('pipelines.run', *SMALL, f'--output_dir={out}', capture=False)
   latest = os.path.join(out, 'checkpoints', 'latest.json')
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline and proc.poll() is None:
@@ -112,10 +111,8 @@ def test_rerun_without_resume_refuses_to_overwrite(small_run):
 def test_sigterm_stops_cleanly_and_keeps_checkpoint(tmp_path):
   out = str(tmp_path / 'term')
   before = tagged_worker_pids()
-  proc = subprocess.Popen(
-      [sys.executable, '-m', 'pipelines.run', *SMALL, '--gin_bindings=experiment.rounds = 50',
-       f'--output_dir={out}'], cwd=REPO, env=pipeline_env(), stdout=subprocess.DEVNULL,
-      stderr=subprocess.PIPE, text=True)
+  proc = Program('pipelines.run', *SMALL, '--gin_bindings=experiment.rounds = 50',
+                 f'--output_dir={out}')
   metrics = os.path.join(out, 'metrics.csv')
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline and proc.poll() is None:
@@ -201,10 +198,8 @@ def test_missing_gin_file_and_npz(tmp_path):
 
 def test_report_compares_runs(small_run, tmp_path):
   out, _, _ = small_run
-  result = subprocess.run(
-      [sys.executable, '-m', 'pipelines.report', f'--runs={out},{out}', f'--out={tmp_path}',
-       '--at_round=2', '--targets=0.01,0.99'], cwd=REPO, env=pipeline_env(), capture_output=True,
-      text=True, timeout=120)
+  result = run_program('pipelines.report', f'--runs={out},{out}', f'--out={tmp_path}',
+                       '--at_round=2', '--targets=0.01,0.99', timeout=120)
   assert result.returncode == 0, result.stderr[-2000:]
   rows = read_csv(os.path.join(out, 'metrics.csv'))
   acc2 = float(rows[1]['test_accuracy'])
@@ -221,10 +216,8 @@ def test_report_compares_runs(small_run, tmp_path):
 
 def test_report_pairs_gain_table(small_run, tmp_path):
   out, _, _ = small_run
-  result = subprocess.run(
-      [sys.executable, '-m', 'pipelines.report', f'--runs={out},{out}', '--pairs',
-       f'--out={tmp_path}'], cwd=REPO, env=pipeline_env(), capture_output=True, text=True,
-      timeout=120)
+  result = run_program('pipelines.report', f'--runs={out},{out}', '--pairs',
+                       f'--out={tmp_path}', timeout=120)
   assert result.returncode == 0, result.stderr[-2000:]
   rows = read_csv(os.path.join(out, 'metrics.csv'))
   best = max(float(r['test_accuracy']) for r in rows)
@@ -232,7 +225,6 @@ def test_report_pairs_gain_table(small_run, tmp_path):
   cells = [c.strip() for c in line.strip('|').split('|')]
   assert cells[0] == 'fedavg' and float(cells[1]) == pytest.approx(best, abs=1e-4)
   assert cells[3] == '+0.00' and cells[6] == '+0.00'
-  odd = subprocess.run([sys.executable, '-m', 'pipelines.report', f'--runs={out}', '--pairs',
-                        f'--out={tmp_path}'], cwd=REPO, env=pipeline_env(),
-                       capture_output=True, text=True, timeout=120)
+  odd = run_program('pipelines.report', f'--runs={out}', '--pairs', f'--out={tmp_path}',
+                    timeout=120)
   assert odd.returncode == 2 and 'even number' in odd.stderr

@@ -21,6 +21,7 @@ from helpers import pipeline_env
 from helpers import read_csv
 from helpers import run_pipeline
 from helpers import tagged_worker_pids
+from launcher import Program
 
 FEDAVG = SMALL[:1] + ['--gin_bindings=experiment.rounds = 4', *SMALL[2:]]
 METRICS = ('train_loss', 'train_accuracy', 'test_loss', 'test_accuracy', 'examples')
@@ -117,9 +118,7 @@ def _wait_for_round(run_dir, proc, round_num):
 def test_lost_worker_round_repeats_on_the_other(workers, local_reference, tmp_path):
   ws = workers(2)
   out = str(tmp_path)
-  proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *FEDAVG, *_binding(ws),
-                           f'--output_dir={out}'], cwd=REPO, env=pipeline_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc = Program('pipelines.run', *FEDAVG, *_binding(ws), f'--output_dir={out}')
   _wait_for_round(out, proc, 1)
   ws[1].crash()
   stdout, stderr = proc.communicate(timeout=300)
@@ -134,9 +133,7 @@ def test_all_workers_lost_stops_cleanly_then_resume(workers, local_reference, tm
   # and the line names both, not TLS.
   pair = workers(2)
   out = str(tmp_path)
-  proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *FEDAVG, *_binding(pair),
-                           f'--output_dir={out}'], cwd=REPO, env=pipeline_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc = Program('pipelines.run', *FEDAVG, *_binding(pair), f'--output_dir={out}')
   _wait_for_round(out, proc, 1)
   for w in pair:
     w.crash()
@@ -169,11 +166,9 @@ def test_silent_worker_is_declared_lost_within_the_rpc_deadline(workers, tmp_pat
   ends the run after about `runtime.rpc_timeout` with one line saying what is kept."""
   [w] = workers(1)
   out = str(tmp_path)
-  proc = subprocess.Popen([sys.executable, '-m', 'pipelines.run', *FEDAVG, *_binding([w]),
-                           '--gin_bindings=runtime.rpc_timeout = 5.0',
-                           '--gin_bindings=experiment.rounds = 50', f'--output_dir={out}'],
-                          cwd=REPO, env=pipeline_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+  proc = Program('pipelines.run', *FEDAVG, *_binding([w]),
+                 '--gin_bindings=runtime.rpc_timeout = 5.0',
+                 '--gin_bindings=experiment.rounds = 50', f'--output_dir={out}')
   _wait_for_round(out, proc, 1)
   frozen = [w.proc.pid] + [int(p) for p in subprocess.run(
       ['pgrep', '-P', str(w.proc.pid)], capture_output=True, text=True).stdout.split()]

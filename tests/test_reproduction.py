@@ -3,11 +3,10 @@
 import csv
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from launcher import run_program
 from pipelines import report
 from pipelines import reproduction
 
@@ -266,9 +265,8 @@ def test_shipped_results_report_builds(tmp_path):
   every Fashion-MNIST cell of KAPC Tables 1-2 appears beside its row."""
   import shutil
   shutil.copytree(os.path.join(REPO, 'results'), tmp_path / 'results')
-  result = subprocess.run([sys.executable, '-m', 'pipelines.report',
-                           f'--reproduction={tmp_path / "results"}'], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+  result = run_program('pipelines.report', f'--reproduction={tmp_path / "results"}',
+                       env=dict(os.environ), timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   manifest = json.load(open(os.path.join(REPO, 'results', 'reproduction.json')))
   md = (tmp_path / 'results' / 'reproduction.md').read_text()
@@ -360,16 +358,13 @@ def test_reproduce_runs_then_skips_a_finished_run(tmp_path):
   bindings = '; '.join(a.split('=', 1)[1] for a in SMALL[1:]) + '; experiment.rounds = 1'
   plan = tmp_path / 'plan.txt'
   plan.write_text(f'tiny {SMALL[0].split("=", 1)[1]} {bindings}\n')
-  cmd = [sys.executable, '-m', 'pipelines.reproduce', f'--plan={plan}',
-         f'--runs_dir={tmp_path / "runs"}']
-  first = subprocess.run(cmd, cwd=REPO, env=pipeline_env(), capture_output=True, text=True,
-                         timeout=600)
+  cmd = [f'--plan={plan}', f'--runs_dir={tmp_path / "runs"}']
+  first = run_program('pipelines.reproduce', *cmd, env=pipeline_env(), timeout=600)
   assert first.returncode == 0, first.stderr[-2000:] + first.stdout
   assert 'tiny: start' in first.stdout and 'tiny: exit 0' in first.stdout
   rows = open(tmp_path / 'runs' / 'tiny' / 'metrics.csv').read().splitlines()
   assert len(rows) == 2
-  again = subprocess.run(cmd, cwd=REPO, env=pipeline_env(), capture_output=True, text=True,
-                         timeout=600)
+  again = run_program('pipelines.reproduce', *cmd, env=pipeline_env(), timeout=600)
   assert again.returncode == 0 and 'tiny: done' in again.stdout
 
 
@@ -406,8 +401,8 @@ def test_report_groups_runs_that_differ_only_in_seed(tmp_path):
   assert cells[4] == f'{best.mean():.4f} ± {best.std(ddof=1):.4f} (n=2)'
   assert cells[5] == f'{final.mean():.4f} ± {final.std(ddof=1):.4f} (n=2)'
   out = tmp_path / 'out'
-  result = subprocess.run([sys.executable, '-m', 'pipelines.report', f'--runs={",".join(paths)}',
-                           f'--out={out}'], cwd=REPO, capture_output=True, text=True, timeout=300)
+  result = run_program('pipelines.report', f'--runs={",".join(paths)}', f'--out={out}',
+                       env=dict(os.environ), timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   assert 'Runs that differ only in seed' in (out / 'report.md').read_text()
   assert os.path.getsize(out / 'accuracy_seeds.png') > 1000
