@@ -53,6 +53,7 @@ from fltff.models import build_model  # pylint: disable=g-import-not-at-top,wron
 from fltff.runtime import heap  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.simulation.state_store import ClientStateStore  # pylint: disable=g-import-not-at-top,wrong-import-position
 from . import memory_bench  # pylint: disable=g-import-not-at-top,wrong-import-position
+from . import torch_reference  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _ROUNDS = flags.DEFINE_integer('rounds', 8, 'Rounds per variant (the first is excluded).')
 _CLIENTS = flags.DEFINE_integer('clients', 10, 'Clients per round.')
@@ -268,6 +269,22 @@ def compare_methods(spec, data) -> int:
   return 0
 
 
+def _torch_importable() -> bool:
+  import importlib.util  # pylint: disable=g-import-not-at-top
+
+  return importlib.util.find_spec('torch') is not None
+
+
+def _torch_round(model: str, data: _BenchClients, style: str):
+  """A `rounds[name](datasets)` callable of the PyTorch reference on the same examples (NCHW,
+  scaled as fltff's pipeline scales them), on this machine's CPU."""
+  arrays = [(x.transpose(0, 3, 1, 2).astype(np.float32) / 255.0, y.astype(np.int64))
+            for x, y in data]
+  runner = torch_reference.FedAvgRound(model, arrays, style, 'cpu', _BATCH.value, _EPOCHS.value)
+  counter = iter(range(10**9))
+  return lambda datasets: runner(next(counter))
+
+
 def _parse_shape(text: str):
   try:
     model, dims = text.split(':')
@@ -304,8 +321,10 @@ def compare_executors() -> int:
     print(f'error: --executor_methods {unknown}: choose from '
           f'{sorted(method_builders(None, 1))}', file=sys.stderr)
     return 2
-  # TFF's built-in is always measured: every ratio is against it.
-  names = ('tff_builtin', *[v for v in known if v in _EXECUTOR_VARIANTS.value],
+  # TFF's built-in is always measured: every ratio is against it. The PyTorch reference
+  # rounds (`pipelines.torch_reference`) join where torch imports; fltff never needs it.
+  torch_styles = torch_reference.STYLES if _torch_importable() else ()
+  names = ('tff_builtin', *[v for v in known if v in _EXECUTOR_VARIANTS.value], *torch_styles,
            *(f'vectorized:{m}' for m in methods))
   results = []
   with runtime.local_runtime() as rt:
@@ -314,6 +333,7 @@ def compare_executors() -> int:
     contexts = {'tff_builtin': cpp_context, 'fltff_tff_cpp': cpp_context,
                 'fltff_in_process': in_process, 'fltff_vectorized': in_process,
                 'one_model_floor': in_process,
+                **{s: in_process for s in torch_styles},
                 **{f'vectorized:{m}': in_process for m in methods}}
     for model, clients, examples in shapes:
       keras_fn = functools.partial(build_model, model, input_shape=(28, 28, 1), num_classes=10,
@@ -339,6 +359,9 @@ def compare_executors() -> int:
       for name in names[1:]:
         if name == 'one_model_floor':
           rounds[name] = OneModelFloor(keras_fn, data).round
+          continue
+        if name in torch_styles:
+          rounds[name] = _torch_round(model, data, name)
           continue
         tff.framework.set_default_context(contexts[name])
         method = name.split(':')[1] if name.startswith('vectorized:') else 'fedavg'
