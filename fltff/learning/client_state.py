@@ -8,8 +8,10 @@ the participants' new states go out through one gathering aggregate
 (`fltff.aggregators.gather`), keyed by client index, under `CLIENT_STATES_KEY` in the client
 work's measurements, where the driver reads them back.
 
-`build_stateful_client_work` is the shared plumbing; a method supplies only its client step
-and, if it has one, its server-side client-work state (SCAFFOLD's c).
+`build_stateful_client_work` (client by client, for TFF's runtimes) and
+`VectorizedStatefulWork` (a round's participants together) are the shared plumbing; a method
+supplies its per-client terms, its clients' new states and, if it has one, its server-side
+client-work state (SCAFFOLD's c), as functions that serve both.
 """
 
 from __future__ import annotations
@@ -140,6 +142,42 @@ def build_stateful_client_work(
     return tff.templates.MeasuredProcessOutput(new_server_state, result, measurements)
 
   return tff.learning.templates.ClientWorkProcess(init_fn, next_fn), state_type
+
+
+class VectorizedStatefulWork:
+  """A stateful method's client work for a round's participants together
+  (`experiment.client_work`), from the same pieces its `build_stateful_client_work` client step
+  uses: `VectorizedClientWork` (`work`) trains every participant with its regulariser made from
+  its row of `client_terms(server_state, client states)`, then `client_final(out, client
+  states) -> (new states, server contributions)` and, with `server_update`, the server state
+  from the summed contributions. The terms and finals are written once for one client or for
+  a leading client axis (broadcasting). `next` has the client work process's shape: the same
+  state and measurements (`train` and the gathered states under `CLIENT_STATES_KEY`)."""
+
+  def __init__(self, work, client_terms: Callable[[Any, tuple], tuple],
+               client_final: Callable[[dict, tuple], tuple],
+               server_update: Optional[Callable[[Any, tuple], Any]] = None):
+    self._work = work  # `Algorithm.trained_weights` reads `last_trained` here.
+    self._client_terms, self._client_final = client_terms, client_final
+    self._server_update = server_update
+
+  def next(self, state, global_weights, client_inputs, call=None):
+    from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
+
+    states = stack_clients([tuple(data['state']) for data in client_inputs])
+    server_value = tf.nest.map_structure(tf.convert_to_tensor, state)
+    results, train, _, out = self._work.round_results(
+        global_weights, client_inputs, call, client_terms=self._client_terms(server_value, states))
+    new_states, contributions = self._client_final(out, states)
+    if self._server_update is not None:
+      summed = tuple(tf.reduce_sum(c, axis=0) for c in contributions)
+      state = type(state)(np.asarray(v) for v in self._server_update(server_value, summed))
+    indices = np.asarray([client_work_lib.client_index_of_input(data) for data in client_inputs],
+                         np.int32)
+    measurements = collections.OrderedDict(train=train)
+    measurements[CLIENT_STATES_KEY] = collections.OrderedDict(
+        update=tuple(np.asarray(s) for s in new_states), weight=indices)
+    return state, results, measurements
 
 
 def unpack_client_states(gathered) -> dict[int, list[np.ndarray]]:

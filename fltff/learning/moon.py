@@ -22,12 +22,10 @@ In fltff:
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Sequence
 from typing import Callable, Optional
 
 import gin
-import numpy as np
 import tensorflow as tf
 
 from fltff.errors import ConfigError
@@ -130,7 +128,7 @@ class ModelContrastiveRegularizer:
 
 
 class StackedModelContrastive:
-  """MOON's `μ ℓ_con` for one client of a vectorised round (`VectorizedMoonWork`): the same
+  """MOON's `μ ℓ_con` for one client of a vectorised round (`vectorized_moon_work`): the same
   term as `ModelContrastiveRegularizer`, with the three models as one functional latent
   apply (`vectorized.functional_apply`) on the local weights, the global weights and the
   client's previous weights (its row of the stacked client states), averaged over the batch's
@@ -168,34 +166,32 @@ class StackedModelContrastive:
                                             batch['mask'])
 
 
-class VectorizedMoonWork:
+def previous_models(server_value, previous: tuple) -> tuple:
+  """MOON's per-client term: the client's previous local model (its client state), for one
+  client or for a round's clients along a leading axis. MOON has no server state."""
+  del server_value
+  return tuple(previous)
+
+
+def trained_models(out: dict, previous: tuple) -> tuple:
+  """MOON's new client states, the trained models, and no server contribution."""
+  del previous
+  return tuple(out['trained']), ()
+
+
+def vectorized_moon_work(model_spec: ModelSpec, optimizer, mu: float, temperature: float,
+                         device: Optional[str] = None):
   """MOON's client work for a round's participants together (`experiment.client_work`):
-  `learning.vectorized.VectorizedClientWork` with `StackedModelContrastive` as each client's
-  regulariser (its previous model, from the client states, as its term); the new client states
-  are the trained models, as `build_moon_client_work` gathers them. `next` has the client work
-  process's shape (no server state; measurements `train` and the gathered states)."""
+  `StackedModelContrastive` on each client's previous model (`previous_models`), the trained
+  models as the new states (`trained_models`), as `build_moon_client_work` does client by
+  client (`client_state.VectorizedStatefulWork`)."""
+  from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
 
-  def __init__(self, model_spec: ModelSpec, optimizer, mu: float, temperature: float,
-               device: Optional[str] = None):
-    from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
-
-    self._work = VectorizedClientWork(
-        model_spec, optimizer, device=device, latent=True,
-        client_regularizer=lambda previous: StackedModelContrastive(
-            self._work.latent_apply, previous, mu, temperature))
-
-  def next(self, state, global_weights, client_inputs, call=None):
-    from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
-
-    previous = stack_clients([tuple(data['state']) for data in client_inputs])
-    results, train, _, out = self._work.round_results(global_weights, client_inputs, call,
-                                                      client_terms=previous)
-    indices = np.asarray([client_work_lib.client_index_of_input(data) for data in client_inputs],
-                         np.int32)
-    measurements = collections.OrderedDict(train=train)
-    measurements[client_state.CLIENT_STATES_KEY] = collections.OrderedDict(
-        update=tuple(w.numpy() for w in out['trained']), weight=indices)
-    return state, results, measurements
+  work = VectorizedClientWork(
+      model_spec, optimizer, device=device, latent=True,
+      client_regularizer=lambda previous: StackedModelContrastive(
+          work.latent_apply, previous, mu, temperature))
+  return client_state.VectorizedStatefulWork(work, previous_models, trained_models)
 
 
 def build_moon_client_work(model_spec: ModelSpec, optimizer, mu: float, temperature: float):
@@ -203,16 +199,15 @@ def build_moon_client_work(model_spec: ModelSpec, optimizer, mu: float, temperat
   the new state is the trained model (gathered under `client_state.CLIENT_STATES_KEY`)."""
 
   def client_fn(initial_weights, server_value, data, previous):
-    del server_value
     keras_model = model_spec.keras_fn()
     regularizer = ModelContrastiveRegularizer(
-        keras_model, model_spec.keras_fn(), model_spec.keras_fn(), initial_weights, previous,
-        mu, temperature)
+        keras_model, model_spec.keras_fn(), model_spec.keras_fn(), initial_weights,
+        previous_models(server_value, previous), mu, temperature)
     out = client_work_lib.build_local_training(
         model_spec.tff_model(keras_model), optimizer, regularizer)(
             initial_weights, data['batches'], data['info'])
     result = client_work_lib.client_result(initial_weights, data, out)
-    return result, out['metrics'], out['trained'], ()
+    return (result, out['metrics'], *trained_models(out, previous))
 
   process, _ = client_state.build_stateful_client_work(model_spec, client_fn)
   return process
@@ -245,7 +240,7 @@ def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, m
       client_work=build_moon_client_work(model_spec, optimizer, mu, temperature))
   algorithm.num_clients = num_clients
   # MOON's batch term reads the model: its kernels are never factored (`factor_dense` unused).
-  algorithm.vectorized_fn = lambda device, factor_dense=True: VectorizedMoonWork(
+  algorithm.vectorized_fn = lambda device, factor_dense=True: vectorized_moon_work(
       model_spec, optimizer, mu, temperature, device)
   initial = [w.copy() for w in model_spec.initial_weights().trainable]
   return client_state.with_client_states(algorithm, lambda: [w.copy() for w in initial])

@@ -20,7 +20,6 @@ are gathered and their deltas summed by two independent aggregates.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Sequence
 
 import gin
@@ -99,6 +98,26 @@ def server_control_update(control: Sequence[tf.Tensor], delta_sum: Sequence[tf.T
   return tuple(c + d / float(num_clients) for c, d in zip(control, delta_sum))
 
 
+def correction(server_control: Sequence[tf.Tensor], controls: Sequence[tf.Tensor]) -> tuple:
+  """`c − c_i`, the term each client's gradient step adds (Alg. 1, line 10): for one client,
+  or for a round's clients along a leading axis of `controls`."""
+  return tuple(c - ci for c, ci in zip(server_control, controls))
+
+
+def new_controls(out: dict, controls: Sequence[tf.Tensor]) -> tuple:
+  """`(c_i⁺, Δc_i)` after local training (option II as `GradientMean` gives it; a client that
+  took no step, no data or zero epochs, keeps its control), from the training's outputs
+  `gradient_mean` and `steps`: for one client, or for a round's clients along a leading axis."""
+  took_steps = out['steps'] > 0
+
+  def rows(g):  # One flag per client, against the client axis of `g`.
+    return took_steps if took_steps.shape.rank == 0 else tf.reshape(
+        took_steps, [-1] + [1] * (g.shape.rank - 1))
+
+  new = tuple(tf.where(rows(g), g, ci) for g, ci in zip(out['gradient_mean'], controls))
+  return new, tuple(n - o for n, o in zip(new, controls))
+
+
 def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: int,
                                weight_fields: Sequence[str] = ()):
   """Client work of SCAFFOLD: state c@SERVER; client data carries c_i in `state`.
@@ -116,15 +135,11 @@ def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: in
   def client_fn(initial_weights, server_control, data, control):
     keras_model = model_spec.keras_fn()
     local_model = model_spec.tff_model(keras_model)
-    correction = [c - ci for c, ci in zip(server_control, control)]
     out = client_work_lib.build_local_training(
-        local_model, optimizer, ControlVariateCorrection(correction),
+        local_model, optimizer, ControlVariateCorrection(correction(server_control, control)),
         latent_fn=client_work_lib.latent_fn_for(keras_model, weight_fields),
         step_observers=(GradientMean(),))(initial_weights, data['batches'], data['info'])
-    # A client that took no step (no data, or zero epochs) keeps its control.
-    new_control = tf.cond(out['steps'] > 0, lambda: tuple(out['gradient_mean']),
-                          lambda: tuple(control))
-    delta = tuple(n - o for n, o in zip(new_control, control))
+    new_control, delta = new_controls(out, control)
     result = client_work_lib.client_result(initial_weights, data, out, weight_fields)
     return result, out['metrics'], new_control, delta
 
@@ -135,43 +150,20 @@ def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: in
       model_spec, client_fn, server_init_fn=zeros, server_update_fn=update_control)
 
 
-class VectorizedScaffoldWork:
-  """SCAFFOLD's client work for a round's participants together (`experiment.client_work`):
-  `learning.vectorized.VectorizedClientWork` with each client's correction `c − c_i` as its
-  regulariser (`ControlVariateCorrection`, per-client terms) and its minibatch gradients'
-  mean tracked; then, as `build_scaffold_client_work`, the new controls (a client that took
-  no step keeps its own) and `c ← c + (1/N) Σ Δc_i`. `next` has the client work process's
-  shape: the same state and measurements (tests/test_vectorized.py)."""
+def vectorized_scaffold_work(model_spec: ModelSpec, optimizer, num_clients: int,
+                             weight_fields: Sequence[str] = (), device=None):
+  """SCAFFOLD's client work for a round's participants together (`experiment.client_work`),
+  from the pieces `build_scaffold_client_work` uses: `ControlVariateCorrection` with each
+  client's `correction`, the `GradientMean` observer, `new_controls` and
+  `server_control_update` (`client_state.VectorizedStatefulWork`)."""
+  from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
 
-  def __init__(self, model_spec: ModelSpec, optimizer, num_clients: int,
-               weight_fields: Sequence[str] = (), device=None):
-    from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
-
-    self._num_clients = num_clients
-    self._work = VectorizedClientWork(
-        model_spec, optimizer, weight_fields=weight_fields, device=device,
-        client_regularizer=ControlVariateCorrection, step_observers=(GradientMean(),))
-
-  def next(self, state, global_weights, client_inputs, call=None):
-    from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
-
-    server_control = tuple(tf.convert_to_tensor(c) for c in state)
-    controls = stack_clients([tuple(data['state']) for data in client_inputs])
-    correction = tuple(c[tf.newaxis] - ci for c, ci in zip(server_control, controls))
-    results, train, _, out = self._work.round_results(global_weights, client_inputs, call,
-                                                      client_terms=correction)
-    took_steps = out['sums'][3] > 0
-    new_controls = tuple(
-        tf.where(tf.reshape(took_steps, [-1] + [1] * (g.shape.rank - 1)), g, ci)
-        for g, ci in zip(out['gradient_mean'], controls))
-    delta_sum = tuple(tf.reduce_sum(n - o, axis=0) for n, o in zip(new_controls, controls))
-    new_state = server_control_update(server_control, delta_sum, self._num_clients)
-    indices = np.asarray([client_work_lib.client_index_of_input(data) for data in client_inputs],
-                         np.int32)
-    measurements = collections.OrderedDict(train=train)
-    measurements[CLIENT_STATES_KEY] = collections.OrderedDict(
-        update=tuple(n.numpy() for n in new_controls), weight=indices)
-    return type(state)(c.numpy() for c in new_state), results, measurements
+  work = VectorizedClientWork(model_spec, optimizer, weight_fields=weight_fields, device=device,
+                              client_regularizer=ControlVariateCorrection,
+                              step_observers=(GradientMean(),))
+  return client_state.VectorizedStatefulWork(
+      work, correction, new_controls,
+      lambda control, delta_sum: server_control_update(control, delta_sum, num_clients))
 
 
 @gin.configurable('scaffold')
@@ -208,7 +200,7 @@ def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=Non
   algorithm.bytes_up_per_client += control_bytes
   algorithm.num_clients = num_clients
   # SCAFFOLD sums its clients' gradients: its kernels are never factored (`factor_dense` unused).
-  algorithm.vectorized_fn = lambda device, factor_dense=True: VectorizedScaffoldWork(
+  algorithm.vectorized_fn = lambda device, factor_dense=True: vectorized_scaffold_work(
       model_spec, optimizer, num_clients, getattr(model_aggregator, 'weight_fields', ()), device)
   return client_state.with_client_states(algorithm,
                                          lambda: [np.zeros_like(z) for z in specs])

@@ -22,10 +22,10 @@ takes the plain update. Both are exact: the same numbers, less work.
 Scope (anything else raises a `ConfigError` naming it): models whose variables are all
 trainable (no BatchNorm statistics) and have no layer losses; the default client work of
 `process.build_algorithm` (FedAvg, FedProx, FedLap, SGDM, FedAdp, FedLayerWise, FedNova,
-FedBABU, CCN); SCAFFOLD (`scaffold.VectorizedScaffoldWork`: per-client corrections, the
+FedBABU, CCN); SCAFFOLD (`scaffold.vectorized_scaffold_work`: per-client corrections, the
 gradient mean tracked); and, through `fltff.personalization.vectorized` (per-client start
 weights and regularisers), the personalised process (KAPC with or without BLS, FedAMP, Local,
-pFedLA); MOON (`moon.VectorizedMoonWork`: a per-client regulariser with a batch-dependent
+pFedLA); MOON (`moon.vectorized_moon_work`: a per-client regulariser with a batch-dependent
 term, the contrastive loss over the batch's representations, masked to its real examples).
 """
 
@@ -528,7 +528,8 @@ class VectorizedClientWork:
         weights[i] = kernel
       weights = clients(tuple(weights))
 
-    out = collections.OrderedDict(trained=weights, sums=sums)
+    # `steps` per client, as `client_work.build_local_training` reports it for one client.
+    out = collections.OrderedDict(trained=weights, sums=sums, steps=sums[3])
     for observer, state in zip(self._step_observers, observed):
       out[observer.name] = observer.result(state, sums[3])
     if start is None:
