@@ -236,20 +236,19 @@ def build_algorithm(name: str,
     return tff.learning.templates.compose_learning_process(
         initial_model_weights_fn, distributor, work, aggregator, finalizer)
 
-  vectorized_fn = None
-  if default_client_work:
-    def vectorized_fn(device, factor_dense=True):
-      from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
-      return VectorizedClientWork(model_spec, client_optimizer, regularizer,
-                                  weight_fields=weight_fields, frozen=frozen,
-                                  client_weighting=client_weighting, device=device,
-                                  factor_dense=factor_dense)
+  def vectorized_fn(device, factor_dense=True):
+    from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
+    return VectorizedClientWork(model_spec, client_optimizer, regularizer,
+                                weight_fields=weight_fields, frozen=frozen,
+                                client_weighting=client_weighting, device=device,
+                                factor_dense=factor_dense)
   return Algorithm(
       name=name,
       build_process=build_process,
       model_spec=model_spec,
       components=(distributor, client_work_initialize, aggregator, finalizer),
-      vectorized_fn=vectorized_fn,
+      # A client work of the user's own: fltff cannot know its arithmetic to vectorise it.
+      vectorized_fn=vectorized_fn if default_client_work else None,
       # The distributor broadcasts the full ModelWeights; each client uploads its
       # ClientResult (update and weight) to the aggregator.
       bytes_down_per_client=type_num_bytes(weights_type),

@@ -265,19 +265,19 @@ class RoundDriver:
     global_weights = (None if self.algorithm.personalized else
                       self.algorithm.global_model_weights(state))
     clients = self._round_clients
-    for protocol in self.protocols:
-      column = evaluation_lib.PROTOCOL_COLUMNS[protocol]
-      if protocol == 'central':
+    for protocol_name in self.protocols:
+      column = evaluation_lib.PROTOCOL_COLUMNS[protocol_name]
+      if protocol_name == 'central':
         self.evaluator.set_weights(global_weights)
         x, y = self.data.central_test()
         result = self.evaluator.evaluate(x, y)
         out.update(test_loss=result['loss'], test_accuracy=result['accuracy'])
         continue
-      if protocol == 'global_local':
+      if protocol_name == 'global_local':
         weights_of = lambda k: global_weights
-      elif protocol == 'personal_local':
+      elif protocol_name == 'personal_local':
         weights_of = lambda k: self.algorithm.personal_weights(state, self.client_states.get(k))
-      elif protocol == 'trained_local':
+      elif protocol_name == 'trained_local':
         weights_of = self._stacked_weights(self._trained, global_weights)
       else:  # finetuned_local
         tuned = self.finetuner(global_weights,
@@ -285,7 +285,7 @@ class RoundDriver:
         weights_of = self._stacked_weights(tuned, global_weights)
       accuracies = self.local_accuracies(weights_of)
       out[column] = float(np.mean(list(accuracies.values()))) if accuracies else float('nan')
-      per_client[protocol] = [[int(k), float(a)] for k, a in accuracies.items()]
+      per_client[protocol_name] = [[int(k), float(a)] for k, a in accuracies.items()]
     if per_client:
       out['_clients'] = per_client
     if self.algorithm.personal_models and not self.algorithm.personalized:
@@ -407,9 +407,9 @@ class RoundDriver:
         arrays = self._round_arrays
         if r % cfg.eval_every == 0 or r == cfg.rounds:
           row.update(self.evaluate(state, r))
-          for protocol, values in row.get('_clients', {}).items():
-            arrays[f'eval/{protocol}/clients'] = np.asarray([k for k, _ in values], np.int64)
-            arrays[f'eval/{protocol}/accuracy'] = np.asarray([a for _, a in values])
+          for protocol_name, values in row.get('_clients', {}).items():
+            arrays[f'eval/{protocol_name}/clients'] = np.asarray([k for k, _ in values], np.int64)
+            arrays[f'eval/{protocol_name}/accuracy'] = np.asarray([a for _, a in values])
         if arrays:
           self.outputs.log_arrays(r, arrays, scalar_tags=row)
         previous = self.rows[-1] if self.rows else {}
@@ -503,14 +503,14 @@ class RoundDriver:
     extra = {**self.run_info, 'evaluation': list(self.protocols),
              'headline': evaluation_lib.headline(self.rows, self.protocols[0],
                                                  self.config.headline_statistic)}
-    for protocol in self.protocols:
-      if protocol == 'central':
+    for protocol_name in self.protocols:
+      if protocol_name == 'central':
         continue
-      column = evaluation_lib.PROTOCOL_COLUMNS[protocol]
+      column = evaluation_lib.PROTOCOL_COLUMNS[protocol_name]
       local = [r for r in self.rows if _finite(r.get(column))]
       if local:
         best_local = max(local, key=lambda r: r[column])
-        bests = evaluation_lib.client_bests(self.rows, protocol)
+        bests = evaluation_lib.client_bests(self.rows, protocol_name)
         extra.update({f'final_{column}': local[-1][column], f'best_{column}': best_local[column],
                       f'best_{column}_round': best_local['round'],
                       f'mean_client_best_{column}': float(np.mean(list(bests.values())))})
