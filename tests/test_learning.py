@@ -343,3 +343,29 @@ def test_client_result_type_is_the_traced_client_works(spec, weight_fields):
                                        weight_fields=weight_fields)
   assert client_work.client_result_type(spec, weight_fields) == (
       work.next.type_signature.result.result.member)
+
+
+def test_a_specs_model_facts_come_from_one_built_model(spec):
+  """`ModelSpec`'s weights type, batch type, trainable specs, unfinalized-metric specs and
+  metric finalizers are those of a freshly built TFF model, read off one model built once
+  per spec (each process builder asks for them)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  built = []
+  counted = dataclasses.replace(spec, keras_fn=lambda: built.append(1) or spec.keras_fn())
+  with tf.Graph().as_default():
+    model = spec.tff_model()
+    expected = dict(
+        weights_type=tff.learning.models.weights_type_from_model(model),
+        element_type=tff.types.tensorflow_to_type(model.input_spec),
+        trainable_specs=[tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables],
+        unfinalized=tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
+                                          model.report_local_unfinalized_metrics()),
+        finalizers=list(model.metric_finalizers()))
+  assert counted.weights_type() == expected['weights_type']
+  assert counted.element_type() == expected['element_type']
+  assert counted.trainable_specs() == expected['trainable_specs']
+  assert counted.unfinalized_metric_specs() == expected['unfinalized']
+  assert list(counted.metric_finalizers()) == expected['finalizers']
+  assert built == [1]
+  assert counted.weights_type() is counted.weights_type() and built == [1]

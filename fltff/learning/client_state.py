@@ -32,9 +32,7 @@ CLIENT_STATES_KEY = 'client_states'
 
 def trainable_specs(model_spec: ModelSpec) -> list[tf.TensorSpec]:
   """`TensorSpec`s of the model's trainable weights, in order."""
-  with tf.Graph().as_default():
-    model = model_spec.tff_model()
-    return [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
+  return model_spec.trainable_specs()
 
 
 def _state_type(specs: list[tf.TensorSpec]):
@@ -77,7 +75,7 @@ def build_stateful_client_work(
     raise ValueError('server_init_fn and server_update_fn go together.')
   with tf.Graph().as_default():
     metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
-        model_spec.tff_model().metric_finalizers())
+        model_spec.metric_finalizers())
   specs = trainable_specs(model_spec)
   state_type = _state_type(specs)
   weights_type, data_type = client_work_lib.client_types(model_spec, state_type=state_type)

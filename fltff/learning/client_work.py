@@ -175,10 +175,7 @@ def client_types(model_spec: ModelSpec, state_type=None, state_in_dataset: bool 
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  with tf.Graph().as_default():
-    model = model_spec.tff_model()
-    element_type = tff.types.tensorflow_to_type(model.input_spec)
-    weights_type = tff.learning.models.weights_type_from_model(model)
+  element_type, weights_type = model_spec.element_type(), model_spec.weights_type()
   fields = [('batches', tff.SequenceType(element_type)),
             ('info', tff.SequenceType(tff.types.tensorflow_to_type(CLIENT_INFO_SPEC)))]
   if state_type is not None:
@@ -492,7 +489,7 @@ def build_client_work(model_spec: ModelSpec,
   if metrics_aggregator is None:
     metrics_aggregator = tff.learning.metrics.sum_then_finalize
   with tf.Graph().as_default():
-    metrics_aggregation_fn = metrics_aggregator(model_spec.tff_model().metric_finalizers())
+    metrics_aggregation_fn = metrics_aggregator(model_spec.metric_finalizers())
   weights_type, data_type = client_types(model_spec)
 
   reports_measurements = regularizer is not None and traits_of(regularizer).measures

@@ -219,19 +219,17 @@ class VectorizedClientWork:
     if regularizer is not None and client_work_lib.traits_of(regularizer).batch_term:
       raise ConfigError(f'vectorised clients do not support a shared regulariser with a batch '
                         f'term ({type(regularizer).__name__}).')
+    unfinalized = model_spec.unfinalized_metric_specs()
+    known = {'accuracy', 'loss', 'num_examples', 'num_batches'}
+    if set(unfinalized) != known:
+      raise ConfigError(f'vectorised clients compute the metrics {sorted(known)}; the model '
+                        f'reports {sorted(unfinalized)}.')
+    self._metric_dtypes = {name: [v.dtype.as_numpy_dtype for v in values]
+                           for name, values in unfinalized.items()}
+    metrics_type = tff.types.tensorflow_to_type(unfinalized)
     with tf.Graph().as_default():
-      tff_model = model_spec.tff_model()
-      unfinalized = tff_model.report_local_unfinalized_metrics()
-      known = {'accuracy', 'loss', 'num_examples', 'num_batches'}
-      if set(unfinalized) != known:
-        raise ConfigError(f'vectorised clients compute the metrics {sorted(known)}; the model '
-                          f'reports {sorted(unfinalized)}.')
-      self._metric_dtypes = {name: [v.dtype.as_numpy_dtype for v in values]
-                             for name, values in unfinalized.items()}
-      metrics_type = tff.types.tensorflow_to_type(tf.nest.map_structure(
-          lambda t: tf.TensorSpec(t.shape, t.dtype), unfinalized))
       metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
-          tff_model.metric_finalizers(), metrics_type)
+          model_spec.metric_finalizers(), metrics_type)
 
     # The client work's own metrics aggregation (sum over participants, then the model's
     # finalizers), run by the round's `call` as TFF runs it.

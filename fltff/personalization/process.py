@@ -675,7 +675,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     tspecs = [tf.TensorSpec(v.shape, v.dtype) for v in keras_model.trainable_weights]
     nspecs = [tf.TensorSpec(v.shape, v.dtype) for v in keras_model.non_trainable_weights]
     metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
-        model_spec.tff_model(keras_model).metric_finalizers())
+        model_spec.metric_finalizers())
   # n^l and d^l of BLS's inequality (29) (`bls.layer_dimensions`).
   columns, out_dims = bls.layer_dimensions([[tspecs[t].shape.as_list() for t in group]
                                             for group in layers])
