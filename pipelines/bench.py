@@ -30,6 +30,7 @@ does not depend on pixel values, and no download is needed.
 """
 
 import functools
+import itertools
 import os
 import statistics
 import sys
@@ -281,7 +282,7 @@ def _torch_round(model: str, data: _BenchClients, style: str):
   arrays = [(x.transpose(0, 3, 1, 2).astype(np.float32) / 255.0, y.astype(np.int64))
             for x, y in data]
   runner = torch_reference.FedAvgRound(model, arrays, style, 'cpu', _BATCH.value, _EPOCHS.value)
-  counter = iter(range(10**9))
+  counter = itertools.count()
   return lambda datasets: runner(next(counter))
 
 

@@ -30,11 +30,6 @@ from fltff.learning.model_spec import ModelSpec
 CLIENT_STATES_KEY = 'client_states'
 
 
-def trainable_specs(model_spec: ModelSpec) -> list[tf.TensorSpec]:
-  """`TensorSpec`s of the model's trainable weights, in order."""
-  return model_spec.trainable_specs()
-
-
 def _state_type(specs: list[tf.TensorSpec]):
   """TFF type of a tuple of tensors with these specs."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
@@ -76,7 +71,7 @@ def build_stateful_client_work(
   with tf.Graph().as_default():
     metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
         model_spec.metric_finalizers())
-  specs = trainable_specs(model_spec)
+  specs = model_spec.trainable_specs()
   state_type = _state_type(specs)
   weights_type, data_type = client_work_lib.client_types(model_spec, state_type=state_type)
 

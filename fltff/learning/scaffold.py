@@ -127,7 +127,7 @@ def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: in
   round driver writes back to its state store (`client_state.build_stateful_client_work`).
   """
   client_work_lib.check_weight_fields(weight_fields)
-  specs = client_state.trainable_specs(model_spec)
+  specs = model_spec.trainable_specs()
 
   def zeros():
     return tuple(tf.zeros(s.shape, s.dtype) for s in specs)
