@@ -1,10 +1,10 @@
 """Dense kernels trained in factored form on vectorised clients (`learning.factored_dense`).
 
-The factored kernels must give TFF's numbers: every method that factors runs 3 rounds against
-TFF's C++ runtime with factoring forced for every Dense kernel of mlp2 (on a quarter of the equality
-data: rounds of a few steps, as factoring is used for), and the vectorised training with and without
-factoring is compared on rounds with idle steps, several epochs, per-client start weights and
-anchors, with and without momentum.
+The factored kernels must give TFF's numbers: for each way a factored kernel is trained, 3
+rounds with factoring forced for both kernels of mlp2 against TFF's C++ runtime are part of
+`test_vectorized.py`'s executor matrix (`FACTORED_TOO`); here the vectorised training with and
+without factoring is compared on rounds with idle steps, several epochs, per-client start
+weights and anchors, with and without momentum, and which kernels a round factors.
 """
 
 import collections
@@ -14,30 +14,19 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from fltff import methods
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import factored_dense
 from fltff.learning import vectorized
 from fltff.learning.regularizers import ProximalRegularizer
-from fltff.runtime.in_process import InProcessContext
 from helpers import EQUALITY_CLIENTS
-from helpers import assert_equal_runs
 from helpers import equality_methods
 from helpers import mnist_sample_split
-from helpers import run_rounds
-
-# One method for each way a factored kernel is trained: no regulariser (FedAvg), a frozen
-# head (FedBABU), per-client start weights (pFedLA), a proximal term at the global model
-# (FedProx), and at each client's own anchor with per-layer masks (KAPC+BLS). Which methods
-# factor at all is the registry's `factors` (`tests/test_methods.py` checks every method).
-FACTORING = ('fedavg', 'fedbabu', 'pfedla', 'fedprox', 'kapc+bls')
 
 
 @pytest.fixture(scope='module', name='data')
 def short_rounds_data():
   # A quarter of the equality federation's data: rounds of a few steps (batch 16, 1 or 2
-  # epochs), histories of the length factoring is used for (`worth_factoring`; forced below
-  # for the smaller kernel too).
+  # epochs), histories of the length factoring is used for (`worth_factoring`).
   return mnist_sample_split(EQUALITY_CLIENTS, seed=3, local_test_examples=10,
                             data_fraction=0.25)
 
@@ -45,22 +34,6 @@ def short_rounds_data():
 def _trained_works(algorithm):
   work = algorithm._vectorized  # pylint: disable=protected-access
   return getattr(work, '_work', work)
-
-
-@pytest.mark.parametrize('method', FACTORING)
-def test_rounds_with_factored_kernels_equal_the_cpp_runtime(method, data, spec, cpp,
-                                                            monkeypatch):
-  assert methods.get(method).factors
-  monkeypatch.setattr(factored_dense, 'worth_factoring', lambda *args: True)
-  expected = run_rounds(equality_methods()[method](spec), data, cpp, EQUALITY_CLIENTS)
-  algorithm = equality_methods()[method](spec)
-  algorithm.vectorize_clients()
-  actual = run_rounds(algorithm, data, InProcessContext(), EQUALITY_CLIENTS)
-  tff.framework.set_default_context(cpp)
-  work = _trained_works(algorithm)
-  # Factoring ran: both mlp2 kernels (FedBABU: the body's only, its head is frozen).
-  assert work.factored_traces == {(0,) if method == 'fedbabu' else (0, 2)}
-  assert_equal_runs(expected, actual, method)
 
 
 def _client_inputs(rng, sizes, epochs, batch):

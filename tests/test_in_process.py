@@ -47,7 +47,7 @@ def contexts(tff_runtime):
 
 
 # Every method family's rounds on this executor against TFF's C++ runtime:
-# test_vectorized.test_three_rounds_vectorised_and_in_process_equal_the_cpp_runtime (one C++
+# test_vectorized.test_three_rounds_on_every_executor_equal_the_cpp_runtime (one C++
 # reference for both executors).
 
 

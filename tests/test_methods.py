@@ -4,15 +4,12 @@ import dataclasses
 import inspect
 
 import gin
-import numpy as np
 import pytest
 import tensorflow_federated as tff
 
 from fltff import methods
 from fltff.errors import ConfigError
 from fltff.learning import ModelSpec
-from fltff.learning import factored_dense
-from fltff.runtime.in_process import InProcessContext
 from fltff.simulation import program
 from helpers import tiny_mlp
 
@@ -22,21 +19,6 @@ SPEC = ModelSpec(lambda: tiny_mlp(DIM, CLASSES, 13), (DIM,), CLASSES)
 
 def _sgdm():
   return tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
-
-
-def _round(algorithm):
-  """One round of clients 0 and 2 (5 and 7 examples in batches of 4) from the initial state."""
-  rng = np.random.default_rng(0)
-  inputs, states = [], []
-  for k, n in ((0, 5), (2, 7)):
-    x = rng.normal(size=(n, DIM)).astype(np.float32)
-    y = rng.integers(0, CLASSES, n).astype(np.int32)
-    state = algorithm.initial_client_state(k) if algorithm.has_client_state else None
-    batches = tff.simulation.datasets.TestClientData({'c': {'x': x, 'y': y}}).create_tf_dataset_for_client('c').batch(4)
-    inputs.append(algorithm.client_input(batches, k, 1, state))
-    states.append(state)
-  server_input = algorithm.server_input([0, 2], states, [5.0, 7.0])
-  return algorithm.next(algorithm.initialize(), server_input, inputs)
 
 
 # Every method, and the variants whose traits differ from their method's (CCN: client ids;
@@ -72,28 +54,6 @@ def test_the_program_api_takes_exactly_the_methods_without_client_identity(name)
       program.as_dataset_process(algorithm, epochs=1)
   else:
     program.as_dataset_process(algorithm, epochs=1)
-
-
-# Methods that factor train in factored form in `tests/test_factored_dense.py`, against TFF's
-# C++ runtime (one of each kind of factored training); here, those that declare they do not.
-@pytest.mark.parametrize('name', [n for n in methods.names() if not methods.get(n).factors])
-def test_a_vectorised_round_factors_only_where_declared(name, monkeypatch):
-  # Factoring forced for every Dense kernel: no kernel trains in factored form; the round
-  # returns the participants' client states.
-  monkeypatch.setattr(factored_dense, 'worth_factoring', lambda *args: True)
-  info = methods.get(name)
-  algorithm = methods.build(name, SPEC, N, _sgdm())
-  algorithm.vectorize_clients()
-  context = tff.framework.get_context_stack().current
-  tff.framework.set_default_context(InProcessContext())
-  try:
-    out = _round(algorithm)
-  finally:
-    tff.framework.set_default_context(context)
-  work = algorithm._vectorized  # pylint: disable=protected-access
-  work = getattr(work, '_work', work)
-  assert bool(work.factored_traces) == info.factors, work.factored_traces
-  assert sorted(out.client_states) == ([0, 2] if info.client_state else [])
 
 
 def test_the_registry_knows_its_builders_and_refuses_unknown_names():

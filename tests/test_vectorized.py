@@ -17,8 +17,10 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from fltff import learning
+from fltff import methods
 from fltff import personalization
 from fltff.errors import ConfigError
+from fltff.learning import factored_dense
 from fltff.learning import round_data
 from fltff.learning import vectorized
 from fltff.runtime.in_process import InProcessContext
@@ -29,6 +31,7 @@ from helpers import assert_equal_runs
 from helpers import assert_one_line_error
 from helpers import equality_methods
 from helpers import equality_sgdm
+from helpers import in_client_order
 from helpers import read_csv
 from helpers import run_and_resume
 from helpers import run_pipeline
@@ -72,26 +75,95 @@ def _vectorized(algorithm):
   return algorithm
 
 
-# The in-process executor client by client, against the same C++ reference (computed once per
-# method), for one method of each shape of round its intrinsics run: a weighted mean (FedAvg),
-# a gathering fold (FedLayerWise), gathered per-client weights with client state (SCAFFOLD with
-# CCN), a per-client batch term (MOON), and the personalised round with BLS.
+# Per method one trace of TFF's process is the reference, run on the C++ runtime; the same traced
+# process also runs where another executor is checked, and the vectorised client work (traced
+# on its own) runs in this process in each of its forms:
+# - IN_PROCESS_TOO: the in-process executor client by client, for one method of each shape of
+#   round its intrinsics run: a weighted mean (FedAvg), a gathering fold (FedLayerWise),
+#   gathered per-client weights with client state (SCAFFOLD with CCN), a per-client batch term
+#   (MOON), and the personalised round with BLS.
+# - ON_TWO_WORKERS: 2 loopback TFF workers. TFF's mergeable context runs a round as one
+#   sub-round per worker and returns the sub-rounds in completion order, so per-client values
+#   must be matched to clients by index, never by position. One method per shape of what is
+#   merged: gathered per-client weights (FedNova with CCN), per-client server memory
+#   (FedLayerWise), client state (SCAFFOLD, MOON), each kind of personalised server step
+#   (KAPC+BLS: R and Ω; pFedLA: hypernetworks; FedBN: local layers). The weighted mean and the
+#   round driver's evaluation and checkpoints on workers: `test_workers_equality.py`.
+# - DYNAMIC_AXIS_TOO: beyond MAX_STATIC_CLIENT_COUNTS distinct participant counts, rounds share
+#   one trace whose client axis is unknown (`with_clients` leaves it).
+# - FACTORED_TOO: dense kernels trained in factored form (`fltff.learning.factored_dense`),
+#   forced here for both mlp2 kernels, for each way a factored kernel is trained: no regulariser
+#   (FedAvg), a frozen head (FedBABU), per-client start weights (pFedLA), a proximal term at the
+#   global model (FedProx), and at each client's own anchor with per-layer masks (KAPC+BLS).
+#   A method whose registry entry says it does not factor (`factors`) runs its vectorised
+#   rounds with factoring forced, and none of its kernels trains factored.
 IN_PROCESS_TOO = frozenset({'fedavg', 'fedlayerwise', 'scaffold+ccn', 'moon', 'kapc+bls'})
+ON_TWO_WORKERS = frozenset({'fednova+ccn', 'fedlayerwise', 'scaffold', 'moon', 'kapc+bls',
+                            'pfedla', 'fedbn'})
+DYNAMIC_AXIS_TOO = frozenset({'fedavg', 'kapc+bls'})
+FACTORED_TOO = frozenset({'fedavg', 'fedbabu', 'pfedla', 'fedprox', 'kapc+bls'})
+assert IN_PROCESS_TOO | ON_TWO_WORKERS | DYNAMIC_AXIS_TOO | FACTORED_TOO <= set(METHODS)
+
+
+def _trained_work(algorithm):
+  base = getattr(algorithm, 'inner', algorithm)  # FedLap personalisation wraps the method.
+  work = base._vectorized  # pylint: disable=protected-access
+  return getattr(work, '_work', work)  # The personalised work wraps the client work.
+
+
+@pytest.fixture(scope='module')
+def two_workers():
+  from fltff.runtime import TffRuntime  # pylint: disable=g-import-not-at-top
+  from test_remote import Worker  # pylint: disable=g-import-not-at-top
+
+  ws = [Worker(), Worker()]
+  runtime = TffRuntime(workers=[w.address for w in ws])
+  yield runtime.context
+  runtime.close()
+  for w in ws:
+    w.stop()
 
 
 @pytest.mark.parametrize('method', sorted(METHODS))
-def test_three_rounds_vectorised_and_in_process_equal_the_cpp_runtime(method, data, spec, cpp):
+def test_three_rounds_on_every_executor_equal_the_cpp_runtime(method, data, spec, cpp, request,
+                                                              monkeypatch):
   sizes = sorted(len(data.train_indices[k]) for k in range(NUM_CLIENTS))
   assert len(set(sizes)) == NUM_CLIENTS  # Unequal clients (and unequal epochs: 1 or 2).
-  expected = run_rounds(METHODS[method](spec), data, cpp, NUM_CLIENTS)
+  reference = METHODS[method](spec)
+  expected = run_rounds(reference, data, cpp, NUM_CLIENTS)
   algorithm = _vectorized(METHODS[method](spec))
-  vectorised = run_rounds(algorithm, data, InProcessContext(), NUM_CLIENTS)
-  in_process = (run_rounds(METHODS[method](spec), data, InProcessContext(), NUM_CLIENTS)
-                if method in IN_PROCESS_TOO else None)
+  factors = methods.get(method).factors
+  with monkeypatch.context() as patch:
+    if not factors:  # Forced for every kernel, yet none of this method's trains factored.
+      patch.setattr(factored_dense, 'worth_factoring', lambda *args: True)
+    runs = {'vectorised': run_rounds(algorithm, data, InProcessContext(), NUM_CLIENTS)}
+  if not factors:
+    assert not _trained_work(algorithm).factored_traces
+  if method in IN_PROCESS_TOO:
+    runs['in-process'] = run_rounds(reference, data, InProcessContext(), NUM_CLIENTS)
+  if method in ON_TWO_WORKERS:
+    # Per-client measurements come back in completion order: compared in client order.
+    on_workers = run_rounds(reference, data, request.getfixturevalue('two_workers'), NUM_CLIENTS)
+    runs['2 workers'] = in_client_order(on_workers)
+    expected_in_client_order = in_client_order(expected)
+  if method in DYNAMIC_AXIS_TOO:
+    with monkeypatch.context() as patch:
+      patch.setattr(vectorized, 'MAX_STATIC_CLIENT_COUNTS', 0)
+      runs['dynamic client axis'] = run_rounds(_vectorized(METHODS[method](spec)), data,
+                                               InProcessContext(), NUM_CLIENTS)
+  if method in FACTORED_TOO:
+    assert factors
+    with monkeypatch.context() as patch:
+      patch.setattr(factored_dense, 'worth_factoring', lambda *args: True)
+      factored = _vectorized(METHODS[method](spec))
+      runs['factored'] = run_rounds(factored, data, InProcessContext(), NUM_CLIENTS)
+    # Factoring ran: both mlp2 kernels (FedBABU: the body's only, its head is frozen).
+    assert _trained_work(factored).factored_traces == {(0,) if method == 'fedbabu' else (0, 2)}
   tff.framework.set_default_context(cpp)
-  assert_equal_runs(expected, vectorised, method)
-  if in_process is not None:
-    assert_equal_runs(expected, in_process, method)
+  for executor, actual in runs.items():
+    reference_run = expected_in_client_order if executor == '2 workers' else expected
+    assert_equal_runs(reference_run, actual, f'{method} ({executor})')
+  vectorised = runs['vectorised']
   # The final state has the process's types. A global method's vectorised rounds started
   # from its process's initial state (`compose_learning_process` of the pieces they run)
   # without building TFF's process (`Algorithm.process`, built on first use; FedLap
@@ -104,21 +176,7 @@ def test_three_rounds_vectorised_and_in_process_equal_the_cpp_runtime(method, da
   # The rounds differ in examples, epochs and steps but have 3 participants each: the training
   # is traced once for them (traced on each round's exact shapes, a larger model would trace
   # again every round, seconds each).
-  work = base._vectorized  # pylint: disable=protected-access
-  work = getattr(work, '_work', work)  # The personalised work wraps the client work.
-  assert work._train.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
-
-
-@pytest.mark.parametrize('method', ['fedavg', 'kapc+bls'])
-def test_rounds_traced_with_a_dynamic_client_axis_equal_the_cpp_runtime(method, data, spec, cpp,
-                                                                        monkeypatch):
-  # Beyond MAX_STATIC_CLIENT_COUNTS distinct participant counts, rounds share one trace whose
-  # client axis is unknown (`with_clients` leaves it): the same numbers.
-  monkeypatch.setattr(vectorized, 'MAX_STATIC_CLIENT_COUNTS', 0)
-  expected = run_rounds(METHODS[method](spec), data, cpp, NUM_CLIENTS)
-  actual = run_rounds(_vectorized(METHODS[method](spec)), data, InProcessContext(), NUM_CLIENTS)
-  tff.framework.set_default_context(cpp)
-  assert_equal_runs(expected, actual, method)
+  assert _trained_work(algorithm)._train.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
 
 
 def test_a_few_client_counts_are_traced_fixed_then_one_dynamic_trace(spec):

@@ -1,11 +1,12 @@
-"""Methods on 2 loopback workers equal the local runtime.
+"""The round driver on 2 loopback workers equals the local runtime.
 
-TFF's mergeable context runs each round as one sub-round per worker and returns the
-sub-rounds in completion order, so per-client values must be matched to clients by index,
-never by position. For one method of each shape of round (`NAMES`) the same algorithm object
-runs 3 rounds with the round driver on the local runtime and on 2 workers (in-process: one trace per
-method), on an uneven Dirichlet split with partial participation, and every metric and every
-array of the final checkpoint (server state, client states) must agree.
+The same algorithm object runs 3 rounds with the round driver (training, evaluation every
+round, checkpoints) on the local runtime and on 2 workers (in-process: one trace per method),
+on an uneven Dirichlet split with partial participation, and every metric and every array of
+the final checkpoint (server state, client states) must agree. The rounds of one method of each
+shape of what is merged on workers are in `test_vectorized.py`'s executor matrix
+(`ON_TWO_WORKERS`); here the driver's path: a global method (FedAvg, a weighted mean) and a
+personalised one with client states and a server step (KAPC+BLS).
 """
 
 import functools
@@ -26,17 +27,8 @@ from test_remote import Worker
 
 NUM_CLIENTS = 6
 SGD = functools.partial(tff.learning.optimizers.build_sgdm, learning_rate=0.05)
-
-
-# One method per shape of round under the mergeable context: a weighted mean (FedAvg),
-# gathered per-client weights (FedAvg and FedNova with CCN), per-client server memory
-# (FedLayerWise), client state (SCAFFOLD, MOON), and the personalised round with each kind of
-# server step (KAPC+BLS: R and Ω; pFedLA: hypernetworks; FedBN: local layers). The other
-# methods (FedProx, FedLap, ...) differ from one of these only in their client's arithmetic,
-# not in what is merged: `test_vectorized.py` checks that arithmetic on every method.
-NAMES = ['fedavg', 'fedavg+ccn', 'fednova+ccn', 'fedlayerwise', 'scaffold', 'moon', 'kapc+bls',
-         'pfedla', 'fedbn']
-SETTINGS = {'kapc+bls': {'bls_mu': 0.3}, 'pfedla': {'embedding_dim': 8, 'hidden_dim': 8}}
+NAMES = ['fedavg', 'kapc+bls']
+SETTINGS = {'kapc+bls': {'bls_mu': 0.3}}
 
 
 def _build(name, spec):
