@@ -75,7 +75,8 @@ def _starts_a_program(function) -> bool:
 
 def pytest_collection_modifyitems(items):
   """Marks `pipeline` every test that starts a program, itself or through a fixture, so that
-  `pytest -m "not pipeline"` runs the unit and numerical tests alone; and runs those first.
+  `pytest -m "not pipeline"` runs the unit and numerical tests alone; and runs the long tests
+  first (`_start_order`).
 
   The end-to-end tests are the long ones (10–80 s each against well under a second for most
   others): started first and handed out one at a time (the Makefile's `--maxschedchunk=1`),
@@ -88,4 +89,12 @@ def pytest_collection_modifyitems(items):
     if _starts_a_program(getattr(item, 'function', None)) or any(
         _starts_a_program(d[-1].func) for d in defs if d):
       item.add_marker(pytest.mark.pipeline)
-  items.sort(key=lambda item: item.get_closest_marker('pipeline') is None)
+  items.sort(key=_start_order)
+
+
+def _start_order(item) -> int:
+  """Pipeline tests first, then the tests that run TFF's C++ runtime (the executor-equality
+  matrix: 10–60 s each), then the rest (mostly well under a second)."""
+  if item.get_closest_marker('pipeline') is not None:
+    return 0
+  return 1 if {'cpp', 'tff_runtime'} & set(getattr(item, 'fixturenames', ())) else 2

@@ -123,20 +123,38 @@ def start_process(algorithm):
 
 
 def run_and_resume(args, tmp_path, stop_round: int):
-  """Runs the pipeline with `args` uninterrupted (in `tmp_path/full`) and stopped after
-  `stop_round` then resumed (in `tmp_path/part`); returns both metrics.csv row lists and the
-  uninterrupted run's stdout. In this process (`run_pipeline(in_process=True)`): resuming
-  after a process is killed is tested with subprocesses in test_pipeline and test_memory."""
+  """Runs the pipeline with `args` uninterrupted (in `tmp_path/full`), then resumes a copy of
+  that run as a run stopped after round `stop_round` leaves it (in `tmp_path/part`: its later
+  checkpoints gone, its later rows, events and measurements still there, to be replaced);
+  returns both metrics.csv row lists and the uninterrupted run's stdout. In this process
+  (`run_pipeline(in_process=True)`): resuming after a process is killed is tested with
+  subprocesses in test_pipeline and test_memory, extending a finished run with more rounds in
+  test_stragglers_personalization."""
+  import shutil  # pylint: disable=g-import-not-at-top
+
   full, part = tmp_path / 'full', tmp_path / 'part'
-  outputs = []
-  for extra in ([f'--output_dir={full}'],
-                [f'--gin_bindings=experiment.rounds = {stop_round}', f'--output_dir={part}'],
-                [f'--output_dir={part}', '--resume']):
-    result = run_pipeline(*args, *extra, in_process=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    outputs.append(result.stdout)
+  result = run_pipeline(*args, f'--output_dir={full}', in_process=True)
+  assert result.returncode == 0, result.stderr[-3000:]
+  shutil.copytree(full, part)
+  stopped_after(str(part), stop_round)
+  resumed = run_pipeline(*args, f'--output_dir={part}', '--resume', in_process=True)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
   return (read_csv(os.path.join(full, 'metrics.csv')),
-          read_csv(os.path.join(part, 'metrics.csv')), outputs[0])
+          read_csv(os.path.join(part, 'metrics.csv')), result.stdout)
+
+
+def stopped_after(output_dir: str, round_num: int) -> None:
+  """Leaves the run in `output_dir` as a run stopped after round `round_num`'s checkpoint
+  would have: the checkpoints of later rounds removed, `latest.json` naming `round_num`."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  directory = os.path.join(output_dir, 'checkpoints')
+  assert os.path.exists(os.path.join(directory, f'round_{round_num:05d}.npz'))
+  for name in os.listdir(directory):
+    if name.startswith('round_') and int(name[6:11]) > round_num:
+      os.remove(os.path.join(directory, name))
+  with open(os.path.join(directory, 'latest.json'), 'w') as f:
+    json.dump({'round': round_num}, f)
 
 
 def assert_one_line_error(result, *fragments):
