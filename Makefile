@@ -11,7 +11,8 @@ OUTPUT_DIR ?= runs/quickstart
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist), each owning one worker_binary: 3 on the CI machine's 2 cores,
 # since part of a test's time is spent waiting (program starts, RPC deadlines, the C++ worker):
-# 2 processes kept the cores busy 79 % of the suite's time, 3 processes 158 of 200 %.
+# 2 processes kept the cores busy 79 % of the suite's time, 3 processes 158 of 200 %; a fourth
+# added no CPU use and made the suite slower (each process's work took longer).
 # Tests are handed out one at a time, the long ones first (tests/conftest.py).
 PYTEST_WORKERS ?= 3
 

@@ -145,16 +145,14 @@ def run_and_resume(args, tmp_path, stop_round: int):
 
 def stopped_after(output_dir: str, round_num: int) -> None:
   """Leaves the run in `output_dir` as a run stopped after round `round_num`'s checkpoint
-  would have: the checkpoints of later rounds removed, `latest.json` naming `round_num`."""
-  import json  # pylint: disable=g-import-not-at-top
+  would have: the checkpoints of later rounds removed, round `round_num` the latest."""
+  from fltff.simulation.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
 
-  directory = os.path.join(output_dir, 'checkpoints')
-  assert os.path.exists(os.path.join(directory, f'round_{round_num:05d}.npz'))
-  for name in os.listdir(directory):
-    if name.startswith('round_') and int(name[6:11]) > round_num:
-      os.remove(os.path.join(directory, name))
-  with open(os.path.join(directory, 'latest.json'), 'w') as f:
-    json.dump({'round': round_num}, f)
+  checkpoints = Checkpointer(output_dir)
+  assert round_num in checkpoints.rounds()
+  for later in [r for r in checkpoints.rounds() if r > round_num]:
+    checkpoints.remove(later)
+  checkpoints.mark_latest(round_num)
 
 
 def assert_one_line_error(result, *fragments):

@@ -68,7 +68,7 @@ class Checkpointer:
            extra_arrays: Optional[dict[str, np.ndarray]] = None) -> str:
     """Writes round `round_num`; `meta` must be JSON-able."""
     os.makedirs(self.directory, exist_ok=True)
-    stem = os.path.join(self.directory, f'round_{round_num:05d}')
+    stem = self.path(round_num)
     arrays = {f'state/{i}': np.asarray(leaf)
               for i, leaf in enumerate(tf.nest.flatten(process_state))}
     arrays.update(extra_arrays or {})
@@ -84,10 +84,18 @@ class Checkpointer:
     _atomic_write(stem + '.npz', write_npz, self.durable)
     payload = dict(meta, round=round_num)
     _atomic_write(stem + '.json', lambda tmp: _write_json(tmp, payload), self.durable)
-    _atomic_write(os.path.join(self.directory, 'latest.json'),
-                  lambda tmp: _write_json(tmp, {'round': round_num}), self.durable)
+    self.mark_latest(round_num)
     self._prune()
     return stem
+
+  def path(self, round_num: int, ext: str = '') -> str:
+    """Round `round_num`'s checkpoint file (`ext` '.npz' or '.json'), or their common stem."""
+    return os.path.join(self.directory, f'round_{round_num:05d}{ext}')
+
+  def mark_latest(self, round_num: int) -> None:
+    """Names round `round_num` the newest complete checkpoint (`latest.json`)."""
+    _atomic_write(os.path.join(self.directory, 'latest.json'),
+                  lambda tmp: _write_json(tmp, {'round': round_num}), self.durable)
 
   def rounds(self) -> list[int]:
     """Rounds with a checkpoint file on disk, oldest first (damaged ones included)."""
@@ -172,10 +180,13 @@ class Checkpointer:
 
   def _prune(self) -> None:
     for r in self.rounds()[:-self.keep]:
-      for ext in ('.npz', '.json'):
-        path = os.path.join(self.directory, f'round_{r:05d}{ext}')
-        if os.path.exists(path):
-          os.remove(path)
+      self.remove(r)
+
+  def remove(self, round_num: int) -> None:
+    """Deletes round `round_num`'s checkpoint files."""
+    for ext in ('.npz', '.json'):
+      if os.path.exists(self.path(round_num, ext)):
+        os.remove(self.path(round_num, ext))
 
 
 def _describe(error: BaseException) -> str:
