@@ -47,7 +47,7 @@ SGDM = equality_sgdm
 # over the batch's real examples) and the personalised methods
 # (`fltff.personalization.vectorized`: per-client start models, per-client proximal anchors s_i
 # and, with BLS, per-client layer masks and Ω searches). FedBN vectorises on this model, which
-# has no BatchNorm (with BatchNorm every method is refused: below). FedLap personalisation: the
+# has no BatchNorm (BatchNorm models: the FedAvg family and SCAFFOLD, below). FedLap personalisation: the
 # method's clients and the participants' local models (from their own start weights).
 VECTORISED = ('fedavg', 'fedavg_uniform', 'fedprox', 'sgdm', 'fedlap', 'fedadp', 'fedlayerwise',
               'fednova+ccn', 'fedbabu', 'scaffold', 'scaffold+ccn', 'moon', 'kapc', 'kapc+bls',
@@ -379,11 +379,77 @@ def test_methods_with_their_own_client_work_refuse_in_one_error(method, spec):
     UNSUPPORTED[method](spec).vectorize_clients()
 
 
-def test_a_model_with_batchnorm_statistics_is_refused(data):
-  spec = build_model_spec(data, 'resnet18', seed=0)
-  algorithm = learning.build_fedavg(spec, client_optimizer=SGDM())
-  with pytest.raises(ConfigError, match='non-trainable weights'):
-    algorithm.vectorize_clients()
+@pytest.mark.parametrize('mu', [0.0, 0.1])
+def test_a_batchnorm_client_work_equals_tffs(mu, cpp):
+  # cnn2_bn: BatchNorm after both convolutions (Keras's fused kernel in TFF's graph) and both
+  # hidden dense layers; the vectorised step normalises each client's batch with the moments
+  # of its real examples. Clients of 40, 24 and 33 examples in batches of 16 (padded partial
+  # batches), 1, 1 and 0 epochs; FedAvg's client work and FedProx's (a regulariser beside it).
+  # Continuous random inputs: MNIST's exactly tied background values under max-pooling make
+  # the position that gets the gradient depend on the kernel (even TFF's own executors differ).
+  # One epoch each: BatchNorm training on so few examples can be chaotic — for a client of 28
+  # examples over two epochs, a 1e-6 relative change of its inputs moved TFF's own update by
+  # 1e-2 — and then two correct computations disagree by as much.
+  from fltff.learning import client_work as client_work_lib  # pylint: disable=g-import-not-at-top
+  from fltff.learning.model_spec import ModelSpec  # pylint: disable=g-import-not-at-top
+  from fltff.learning.regularizers import ProximalRegularizer  # pylint: disable=g-import-not-at-top
+  from fltff.models import build_model  # pylint: disable=g-import-not-at-top
+
+  spec = ModelSpec(functools.partial(build_model, 'cnn2_bn', input_shape=(28, 28, 1),
+                                     num_classes=10, seed=0), (28, 28, 1), 10)
+  regularizer = ProximalRegularizer(mu) if mu else None
+  rng = np.random.default_rng(0)
+  inputs = []
+  for k, (n, epochs) in enumerate([(40, 1), (24, 1), (33, 0)]):
+    examples = collections.OrderedDict(x=rng.random((n, 28, 28, 1), dtype=np.float32),
+                                       y=rng.integers(0, 10, n).astype(np.int32))
+    batches = tf.data.Dataset.from_tensor_slices(examples).shuffle(n, seed=k).batch(16)
+    inputs.append(client_work_lib.client_input(batches, k, epochs))
+  weights = spec.initial_weights()
+  assert len(weights.non_trainable) == 8  # Each BatchNorm's moving mean and variance.
+  tff.framework.set_default_context(cpp)
+  work = client_work_lib.build_client_work(spec, SGDM(), regularizer)
+  expected = work.next(work.initialize(), [weights] * 3, inputs)
+  results, train, _ = vectorized.VectorizedClientWork(spec, SGDM(), regularizer, batch_norm=True)(
+      weights, inputs, lambda fn, *args: fn(*args))
+  # A bias that feeds a BatchNorm has no effect on the outputs (the normalisation subtracts
+  # it): its gradient is zero but for rounding, on either side. Those are compared at the scale
+  # of the client's whole update, every other tensor at its own; an update `global − trained`
+  # is exact only to a few float32 spacings of the weights (BatchNorm's gamma starts at 1).
+  model = spec.keras_fn()
+  feeding = {id(node.inbound_layers.bias) for layer in model.layers
+             if isinstance(layer, tf.keras.layers.BatchNormalization)
+             for node in layer.inbound_nodes}
+  noise_only = [id(w) in feeding for w in model.trainable_weights]
+  for k, (a, b) in enumerate(zip(expected.result, results)):
+    largest = max(float(np.max(np.abs(x))) for x in tf.nest.flatten(a.update))
+    for x, y, w, noise in zip(tf.nest.flatten(a.update), tf.nest.flatten(b.update),
+                              weights.trainable, noise_only):
+      scale = largest if noise else max(float(np.max(np.abs(x))), 1e-12)
+      spacing = float(np.spacing(np.max(np.abs(w)).astype(np.float32)))
+      assert float(np.max(np.abs(x - y))) <= 1e-5 * scale + 4 * spacing, f'client {k}'
+    assert a.update_weight == b.update_weight, k
+  assert not any(np.any(u) for u in tf.nest.flatten(results[2].update))  # No epochs.
+  for name, value in expected.measurements['train'].items():
+    np.testing.assert_allclose(train[name], value, rtol=1e-5)
+
+
+@pytest.mark.parametrize('method,message', [
+    ('kapc', 'non-trainable weights'),  # Personalised: its clients keep their statistics.
+    ('moon', 'non-trainable weights'),  # Its representations of other models.
+    ('fednova+ccn', 'latent representations'),  # CCN's latent mean, in inference mode.
+])
+def test_batchnorm_where_trained_statistics_are_read_is_refused(method, message, data):
+  spec = build_model_spec(data, 'cnn2_bn', seed=0)
+  with pytest.raises(ConfigError, match=message):
+    equality_methods()[method](spec).vectorize_clients()
+
+
+def test_a_vectorised_batchnorm_model_offers_no_trained_local_models(data):
+  # Its clients' trained BatchNorm statistics are not kept: `trained_local` is refused.
+  algorithm = _vectorized(learning.build_fedavg(build_model_spec(data, 'cnn2_bn', seed=0),
+                                                client_optimizer=SGDM()))
+  assert algorithm.vectorized and not algorithm.reports_trained_weights
 
 
 def test_vectorised_client_work_needs_a_runtime_that_runs_it_in_this_process():
@@ -447,9 +513,8 @@ def test_auto_client_work_vectorises_what_it_can_and_the_runtime_places_it(data,
       algorithm = chosen(UNSUPPORTED['own_client_work'](spec), rt)
       assert rt.executor == 'tff_cpp' and len(rt.worker_pids) == 2
       assert 'cannot vectorise its clients' in algorithm.client_work_reason
-    with make_runtime() as rt:
-      algorithm = chosen(learning.build_fedavg(build_model_spec(data, 'resnet18', seed=0),
-                                               client_optimizer=SGDM()), rt)
+    with make_runtime() as rt:  # FedBN's clients keep their BatchNorm statistics.
+      algorithm = chosen(METHODS['fedbn'](build_model_spec(data, 'cnn2_bn', seed=0)), rt)
       assert rt.executor == 'tff_cpp' and 'non-trainable weights' in algorithm.client_work_reason
     # Recycling the worker is the C++ runtime's: chosen before any method, and then 'auto'
     # client work stays client by client.
@@ -467,8 +532,9 @@ def test_auto_client_work_vectorises_what_it_can_and_the_runtime_places_it(data,
 
 
 def test_pipeline_refuses_vectorising_a_batchnorm_model_in_one_line(tmp_path):
-  # Every fltff method vectorises on models without BatchNorm; one with it is refused when
-  # vectorised clients are asked for explicitly ('auto' runs it on the C++ runtime instead).
+  # Every fltff method vectorises on models without BatchNorm; a personalised one with it is
+  # refused when vectorised clients are asked for explicitly ('auto' runs it on the C++
+  # runtime instead).
   result = run_pipeline_here(
       '--gin_file=gin_configs/kapc/offline_mnist1003_fedbn.gin',
       '--gin_bindings=experiment.model = "resnet18"', '--gin_bindings=rounds = 1',

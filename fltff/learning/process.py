@@ -130,8 +130,9 @@ class Algorithm(protocol.FederatedAlgorithm):
 
   @property
   def reports_trained_weights(self) -> bool:
-    """Whether `trained_weights` can give the participants' models (vectorised rounds)."""
-    return self.vectorized
+    """Whether `trained_weights` can give the participants' models (vectorised rounds, on a
+    model whose weights are all trainable: BatchNorm statistics are not tracked there)."""
+    return self.vectorized and not self.model_spec.initial_weights().non_trainable
 
   def trained_weights(self) -> Optional[tuple]:
     """The last round's participants' models after local training (one `[K, ...]` array per
@@ -241,7 +242,7 @@ def build_algorithm(name: str,
     return VectorizedClientWork(model_spec, client_optimizer, regularizer,
                                 weight_fields=weight_fields, frozen=frozen,
                                 client_weighting=client_weighting, device=device,
-                                factor_dense=factor_dense)
+                                factor_dense=factor_dense, batch_norm=True)
   return Algorithm(
       name=name,
       build_process=build_process,

@@ -160,7 +160,7 @@ def vectorized_scaffold_work(model_spec: ModelSpec, optimizer, num_clients: int,
 
   work = VectorizedClientWork(model_spec, optimizer, weight_fields=weight_fields, device=device,
                               client_regularizer=ControlVariateCorrection,
-                              step_observers=(GradientMean(),))
+                              step_observers=(GradientMean(),), batch_norm=True)
   return client_state.VectorizedStatefulWork(
       work, correction, new_controls,
       lambda control, delta_sum: server_control_update(control, delta_sum, num_clients))

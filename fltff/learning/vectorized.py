@@ -19,8 +19,10 @@ regulariser context is the same for all of them and is computed once; an epoch w
 term `s ⊙ (w − global)` has every scale zero (FedLap's first epoch: λ = 0 at local = global)
 takes the plain update. Both are exact: the same numbers, less work.
 
-Scope (anything else raises a `ConfigError` naming it): models whose variables are all
-trainable (no BatchNorm statistics) and have no layer losses; the default client work of
+Scope (anything else raises a `ConfigError` naming it): models without layer losses whose
+variables are all trainable, or, for client work that starts from the global model and reads
+no representation (the default client work and SCAFFOLD), whose only other variables are
+BatchNorm statistics (`functional_apply(batch_norm=True)`); the default client work of
 `process.build_algorithm` (FedAvg, FedProx, FedLap, SGDM, FedAdp, FedLayerWise, FedNova,
 FedBABU, CCN); SCAFFOLD (`scaffold.vectorized_scaffold_work`: per-client corrections, the
 gradient mean tracked); and, through `fltff.personalization.vectorized` (per-client start
@@ -56,7 +58,8 @@ from fltff.runtime.in_process import stacked_tensor
 from fltff.runtime.in_process import clients_argument
 
 
-def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.keras.Model] = None):
+def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.keras.Model] = None,
+                     batch_norm: bool = False):
   """`apply(trainable, x, training)`: `keras_model`'s output with the trainable weights of
   `weights_model` (default: `keras_model`; e.g. the full model when `keras_model` is its
   latent sub-model, which shares its layers) replaced by the tensors `trainable` (in
@@ -64,44 +67,98 @@ def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.ker
 
   Each weight is found as an attribute of its layer (Dense's `kernel`, Conv2D's `bias`, ...)
   and swapped for the call, so the layers' own `call` code runs on plain tensors, which
-  `tf.vectorized_map` can stack along a client axis. Raises `ConfigError` for models this
-  cannot express (non-trainable weights, layer losses, weights not held as layer attributes).
+  `tf.vectorized_map` can stack along a client axis. With `batch_norm`, BatchNormalization
+  layers are allowed: in training mode they normalise with the moments of the batch's real
+  examples (`apply(..., mask=)`, `masked_batch_norm_call`); their moving statistics are not
+  tracked, so only clients whose trained statistics nobody reads may use it (the server of a
+  global method keeps its own). Raises `ConfigError` for models this cannot express
+  (non-trainable weights other than those, layer losses, weights not held as layer attributes).
   """
   weights_model = keras_model if weights_model is None else weights_model
-  slots = weight_slots(keras_model, weights_model)
+  slots = weight_slots(keras_model, weights_model, batch_norm)
+  norms = [layer for layer in keras_model.layers if _is_batch_norm(layer)] if batch_norm else []
 
   def apply(trainable: Sequence[tf.Tensor], x: tf.Tensor, training: bool = True,
-            kernel_products: Optional[dict[int, Callable]] = None) -> tf.Tensor:
+            kernel_products: Optional[dict[int, Callable]] = None,
+            mask: Optional[tf.Tensor] = None) -> tf.Tensor:
     """`kernel_products` (`{trainable index: product}`, plain `Dense` kernels only): that
-    layer computes `product(x)` in place of `x @ kernel` (`factored_dense.dense_call`)."""
+    layer computes `product(x)` in place of `x @ kernel` (`factored_dense.dense_call`).
+    `mask` (`[batch]`, 1 for a real example): what BatchNorm's batch moments count."""
+    if norms and not training:
+      raise ConfigError('vectorised clients do not track BatchNorm moving statistics, which '
+                        'inference reads.')
     saved = [getattr(layer, name) for layer, name in slots]
     products = kernel_products or {}
+    swapped = [slots[i][0] for i in products] + norms
     try:
       for (layer, name), value in zip(slots, trainable):
         object.__setattr__(layer, name, value)  # No Keras tracking: restored below.
       for i, product in products.items():
-        layer = slots[i][0]
-        object.__setattr__(layer, 'call', factored_dense.dense_call(layer, product))
+        object.__setattr__(slots[i][0], 'call', factored_dense.dense_call(slots[i][0], product))
+      for layer in norms:
+        object.__setattr__(layer, 'call', masked_batch_norm_call(layer, mask))
       return keras_model(x, training=training)
     finally:
       for (layer, name), value in zip(slots, saved):
         object.__setattr__(layer, name, value)
-      for i in products:
-        object.__delattr__(slots[i][0], 'call')  # The class's `call` again.
+      for layer in swapped:
+        object.__delattr__(layer, 'call')  # The class's `call` again.
 
   apply.slots = slots
   return apply
 
 
-def weight_slots(keras_model: tf.keras.Model, weights_model: tf.keras.Model
-                 ) -> list[tuple[Any, str]]:
+def _is_batch_norm(layer) -> bool:
+  return isinstance(layer, tf.keras.layers.BatchNormalization)
+
+
+def masked_batch_norm_call(layer: tf.keras.layers.BatchNormalization,
+                           mask: Optional[tf.Tensor]):
+  """A training-mode `call` for `layer` whose batch mean and (biased) variance count only the
+  examples where `mask` is 1, over every axis but the feature axis, as Keras's BatchNorm does
+  for a batch of just those examples."""
+
+  def call(inputs, training=None, mask=None):  # pylint: disable=redefined-outer-name
+    del training, mask  # Training mode; the example mask is the round's, not Keras's.
+    x = tf.cast(inputs, layer.compute_dtype)
+    rank = x.shape.rank
+    axes = [a for a in range(rank) if a != rank - 1]
+    weight = (tf.ones(tf.shape(x)[:1], x.dtype) if example_mask is None
+              else tf.cast(example_mask, x.dtype))
+    weight = tf.reshape(weight, [-1] + [1] * (rank - 1))
+    count = tf.reduce_sum(weight) * tf.cast(tf.reduce_prod(tf.shape(x)[1:-1]), x.dtype)
+    mean = tf.reduce_sum(x * weight, axes) / tf.maximum(count, 1.0)
+    variance = tf.reduce_sum(
+        tf.math.squared_difference(x, tf.stop_gradient(mean)) * weight, axes) / tf.maximum(
+            count, 1.0)
+    # A step without examples (a client whose batches ran out) normalises nothing: its
+    # outputs stay finite, so its masked loss stays zero, not NaN.
+    variance = tf.where(count > 0, variance, tf.ones_like(variance))
+    return tf.nn.batch_normalization(x, mean, variance, layer.beta if layer.center else None,
+                                     layer.gamma if layer.scale else None, layer.epsilon)
+
+  example_mask = mask
+  return call
+
+
+def weight_slots(keras_model: tf.keras.Model, weights_model: tf.keras.Model,
+                 batch_norm: bool = False) -> list[tuple[Any, str]]:
   """`(layer, attribute)` holding each of `weights_model`'s trainable weights, for
   `functional_apply` (`ConfigError` for what it cannot express)."""
-  if weights_model.non_trainable_weights:
+  statistics = {id(v) for layer in weights_model.layers if _is_batch_norm(layer)
+                for v in (layer.moving_mean, layer.moving_variance)} if batch_norm else set()
+  norms = [layer for layer in weights_model.layers if _is_batch_norm(layer)]
+  if any(id(v) not in statistics for v in weights_model.non_trainable_weights):
     raise ConfigError(
         f'vectorised clients need a model whose weights are all trainable; {keras_model.name} '
         f"has non-trainable weights (e.g. BatchNorm statistics): use "
         f"experiment.client_work = 'per_client'.")
+  plain = lambda layer: (list(layer.input_spec.axes) == [layer.input_spec.ndim - 1]
+                         and not layer.renorm and layer.virtual_batch_size is None
+                         and layer.adjustment is None)
+  if batch_norm and not all(plain(layer) for layer in norms):
+    raise ConfigError(f'vectorised clients support BatchNormalization over the last axis, '
+                      f'without renorm, virtual batches or adjustment ({keras_model.name}).')
   if weights_model.losses:
     raise ConfigError(f'vectorised clients do not support layer losses ({keras_model.name}).')
   slots = []
@@ -209,7 +266,9 @@ class VectorizedClientWork:
                client_weighting: str = 'num_examples', device: Optional[str] = None,
                client_regularizer: Optional[Callable[[Any], Any]] = None,
                step_observers: Sequence[client_work_lib.StepObserver] = (), latent: bool = False,
-               factor_dense: bool = True):
+               factor_dense: bool = True, batch_norm: bool = False):
+    """`batch_norm`: BatchNorm models are allowed (`functional_apply`), for client work whose
+    clients start from the global model and whose trained statistics are discarded."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     client_work_lib.check_weight_fields(weight_fields)
@@ -241,7 +300,12 @@ class VectorizedClientWork:
     # Built after the graph-mode model above: Keras invalidates eager models made before one.
     self._keras_fn = model_spec.keras_fn
     self._keras_model = model_spec.keras_fn()
-    self._apply = functional_apply(self._keras_model)
+    self._batch_norm = batch_norm and any(
+        _is_batch_norm(layer) for layer in self._keras_model.layers)
+    if self._batch_norm and (latent or 'latent_mean' in weight_fields):
+      raise ConfigError('vectorised clients do not compute latent representations of a model '
+                        'with BatchNorm.')
+    self._apply = functional_apply(self._keras_model, batch_norm=batch_norm)
     self._latent = None
     self._latent_and_output = None
     if latent or 'latent_mean' in weight_fields:
@@ -375,7 +439,7 @@ class VectorizedClientWork:
         if traits.reads_latent:
           latent, logits = self._latent_and_output(local, bx, training=True)
         else:
-          logits = self._apply(local, bx, training=True, kernel_products=products)
+          logits = self._apply(local, bx, training=True, kernel_products=products, mask=bmask)
         n = tf.reduce_sum(bmask)
         per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=tf.cast(by, tf.int64), logits=logits)
@@ -656,7 +720,7 @@ class VectorizedClientWork:
     outputs `out` (`trained`, `sums`, `gradient_mean` when tracked); with `client_terms`
     (a leading client axis), each client's regulariser is `client_regularizer(its row)`."""
     call = call or (lambda fn, *args: fn(*args))
-    if global_weights.non_trainable:
+    if global_weights.non_trainable and not self._batch_norm:
       raise ConfigError('vectorised clients need a model without non-trainable weights.')
     global_trainable = tuple(np.asarray(w) for w in global_weights.trainable)
     out, data = self.train(client_inputs, global_trainable, client_terms=client_terms)

@@ -112,8 +112,8 @@ def check_protocols(protocols, personalized: bool, has_local_splits: bool,
   if 'trained_local' in protocols and not can_report_trained:
     raise ConfigError("experiment.evaluation: trained_local reads the participants' trained "
                       'models from the vectorised client work; this run does not vectorise its '
-                      "clients (runtime.executor = 'in_process' or 'auto' with a model "
-                      'without non-trainable weights).')
+                      "clients (runtime.executor = 'in_process' or 'auto'), or its model has "
+                      'BatchNorm statistics, which vectorised clients do not keep.')
   return protocols
 
 
