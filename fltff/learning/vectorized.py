@@ -113,12 +113,12 @@ def _is_batch_norm(layer) -> bool:
 
 
 def masked_batch_norm_call(layer: tf.keras.layers.BatchNormalization,
-                           mask: Optional[tf.Tensor]):
+                           example_mask: Optional[tf.Tensor]):
   """A training-mode `call` for `layer` whose batch mean and (biased) variance count only the
-  examples where `mask` is 1, over every axis but the feature axis, as Keras's BatchNorm does
-  for a batch of just those examples."""
+  examples where `example_mask` is 1, over every axis but the feature axis, as Keras's
+  BatchNorm does for a batch of just those examples."""
 
-  def call(inputs, training=None, mask=None):  # pylint: disable=redefined-outer-name
+  def call(inputs, training=None, mask=None):
     del training, mask  # Training mode; the example mask is the round's, not Keras's.
     x = tf.cast(inputs, layer.compute_dtype)
     rank = x.shape.rank
@@ -137,7 +137,6 @@ def masked_batch_norm_call(layer: tf.keras.layers.BatchNormalization,
     return tf.nn.batch_normalization(x, mean, variance, layer.beta if layer.center else None,
                                      layer.gamma if layer.scale else None, layer.epsilon)
 
-  example_mask = mask
   return call
 
 
@@ -145,9 +144,8 @@ def weight_slots(keras_model: tf.keras.Model, weights_model: tf.keras.Model,
                  batch_norm: bool = False) -> list[tuple[Any, str]]:
   """`(layer, attribute)` holding each of `weights_model`'s trainable weights, for
   `functional_apply` (`ConfigError` for what it cannot express)."""
-  statistics = {id(v) for layer in weights_model.layers if _is_batch_norm(layer)
-                for v in (layer.moving_mean, layer.moving_variance)} if batch_norm else set()
-  norms = [layer for layer in weights_model.layers if _is_batch_norm(layer)]
+  norms = [layer for layer in weights_model.layers if _is_batch_norm(layer)] if batch_norm else []
+  statistics = {id(v) for layer in norms for v in (layer.moving_mean, layer.moving_variance)}
   if any(id(v) not in statistics for v in weights_model.non_trainable_weights):
     raise ConfigError(
         f'vectorised clients need a model whose weights are all trainable; {keras_model.name} '
@@ -156,7 +154,7 @@ def weight_slots(keras_model: tf.keras.Model, weights_model: tf.keras.Model,
   plain = lambda layer: (list(layer.input_spec.axes) == [layer.input_spec.ndim - 1]
                          and not layer.renorm and layer.virtual_batch_size is None
                          and layer.adjustment is None)
-  if batch_norm and not all(plain(layer) for layer in norms):
+  if not all(plain(layer) for layer in norms):
     raise ConfigError(f'vectorised clients support BatchNormalization over the last axis, '
                       f'without renorm, virtual batches or adjustment ({keras_model.name}).')
   if weights_model.losses:
