@@ -128,8 +128,8 @@ def run_and_resume(args, tmp_path, stop_round: int):
   checkpoints gone, its later rows, events and measurements still there, to be replaced);
   returns both metrics.csv row lists and the uninterrupted run's stdout. In this process
   (`run_pipeline(in_process=True)`): resuming after a process is killed is tested with
-  subprocesses in test_pipeline and test_memory, extending a finished run with more rounds in
-  test_stragglers_personalization."""
+  subprocesses in test_pipeline and test_memory, extending a finished run with more rounds by
+  the quickstart page's commands in test_docs."""
   import shutil  # pylint: disable=g-import-not-at-top
 
   full, part = tmp_path / 'full', tmp_path / 'part'

@@ -108,6 +108,8 @@ class Program:
   def _read(self, path):
     if path is None:
       return None
+    if not os.path.exists(path):  # The child has not opened it yet.
+      return ''
     with open(path, errors='replace') as f:
       return f.read()
 

@@ -277,7 +277,7 @@ def test_kill_9_then_resume_with_the_sqlite_store_gives_the_uninterrupted_number
   from launcher import Program  # pylint: disable=g-import-not-at-top
 
   args = ['--gin_file=gin_configs/ccn/offline_mnist1003_scaffold.gin',
-          '--gin_bindings=experiment.rounds = 7',
+          '--gin_bindings=experiment.rounds = 5',
           '--gin_bindings=experiment.checkpoint_every = 2',
           "--gin_bindings=experiment.client_state_store = 'sqlite'"]
   full = run_pipeline_here(*args, f'--output_dir={tmp_path / "full"}')

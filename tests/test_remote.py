@@ -1,43 +1,45 @@
 """Remote TFF workers on loopback: same metrics as the local runtime, surviving worker loss.
 
-Workers are real `python -m fltff.runtime.worker` processes; the driver is a real
-`python -m pipelines.run` process.
+Workers are real `fltff.runtime.worker` processes and the driver a real `pipelines.run` process,
+both forked from the test process's fork server (`launcher.py`).
 """
 
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import portpicker
 import pytest
 
-from helpers import REPO
 from helpers import SMALL
 from helpers import assert_one_line_error
-from helpers import pipeline_env
 from helpers import read_csv
 from helpers import run_pipeline
 from helpers import tagged_worker_pids
 from launcher import Program
+from launcher import wait_until
 
 FEDAVG = SMALL[:1] + ['--gin_bindings=experiment.rounds = 4', *SMALL[2:]]
 METRICS = ('train_loss', 'train_accuracy', 'test_loss', 'test_accuracy', 'examples')
 
 
 class Worker:
-  """A `python -m fltff.runtime.worker` process on 127.0.0.1."""
+  """`python -m fltff.runtime.worker` on 127.0.0.1 (forked from the test process's fork server,
+  `launcher.py`: a process of its own, as a user starts it); `flags` default to a plaintext
+  worker."""
 
-  def __init__(self):
+  def __init__(self, *flags: str):
     self.port = portpicker.pick_unused_port()
-    self.proc = subprocess.Popen(
-        [sys.executable, '-m', 'fltff.runtime.worker', f'--port={self.port}',
-         '--insecure_plaintext'], cwd=REPO,
-        env=pipeline_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = self.proc.stdout.readline()
-    assert 'listening on' in line, line
+    self.proc = Program('fltff.runtime.worker', f'--port={self.port}',
+                        *(flags or ('--insecure_plaintext',)))
+    try:
+      wait_until(lambda: 'listening on' in self.proc.output()[0], self.proc, 120, 'worker start')
+    except AssertionError:
+      self.crash()
+      raise
+    self.line = self.proc.output()[0].splitlines()[0]
     self.address = f'127.0.0.1:{self.port}'
 
   def stop(self):

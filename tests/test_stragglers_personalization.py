@@ -12,6 +12,7 @@ from fltff.personalization import mixing_coefficients
 from fltff.personalization import layer_dissimilarities
 from fltff.simulation import sampling
 from helpers import read_csv
+from helpers import run_and_resume
 from helpers import run_pipeline_here
 
 BASE = ['--gin_file=gin_configs/fedlap/offline_mnist1003_fedlap.gin',
@@ -114,24 +115,16 @@ def test_personalization_reports_and_resumes_exactly(tmp_path):
   args = ['--gin_file=gin_configs/fedlap/offline_mnist1003_fedlap_personalized.gin',
           '--gin_bindings=experiment.local_epochs = 2',
           '--gin_bindings=experiment.checkpoint_every = 1']
-  full = str(tmp_path / 'full')
-  result = run_pipeline_here(*args, '--gin_bindings=experiment.rounds = 3', f'--output_dir={full}')
-  assert result.returncode == 0, result.stderr[-3000:]
+  # Local models live in the checkpoint: resumed after round 2, the same metrics.
+  rows, resumed, stdout = run_and_resume(
+      [*args, '--gin_bindings=experiment.rounds = 3'], tmp_path, stop_round=2)
   # The default executor vectorises the method's clients and the local models' training.
-  assert 'runs on the in-process executor, vectorised clients.' in result.stdout
-  rows = read_csv(os.path.join(full, 'metrics.csv'))
+  assert 'runs on the in-process executor, vectorised clients.' in stdout
   for row in rows:
     assert 0.0 <= float(row['personalized_accuracy']) <= 1.0
     assert 0.0 <= float(row['global_model_local_accuracy']) <= 1.0
     assert 0.0 <= float(row['client_work/regularizer/lambda_mean/latent']) <= 2.0
-  # Local models live in the checkpoint: stop after 2 rounds, resume to 3, same metrics.
-  part = str(tmp_path / 'part')
-  first = run_pipeline_here(*args, '--gin_bindings=experiment.rounds = 2', f'--output_dir={part}')
-  assert first.returncode == 0, first.stderr[-3000:]
-  second = run_pipeline_here(*args, '--gin_bindings=experiment.rounds = 3', f'--output_dir={part}',
-                        '--resume')
-  assert second.returncode == 0, second.stderr[-3000:]
-  resumed = read_csv(os.path.join(part, 'metrics.csv'))
+  assert len(resumed) == len(rows) == 3
   for a, b in zip(resumed, rows):
     for key in ('test_accuracy', 'personalized_accuracy', 'global_model_local_accuracy',
                 'train_loss'):

@@ -11,13 +11,9 @@ itself is gRPC's).
 import datetime
 import ipaddress
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import grpc
-import portpicker
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
@@ -25,13 +21,13 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from helpers import REPO
 from helpers import assert_one_line_error
-from helpers import pipeline_env
 from helpers import read_csv
 from helpers import run_pipeline
 from helpers import tagged_worker_pids
+from launcher import run_program
 from test_remote import FEDAVG
+from test_remote import Worker
 
 
 def _key():
@@ -80,25 +76,12 @@ def pki(tmp_path_factory):
   return lambda name: os.path.join(folder, name)
 
 
-class SecureWorker:
+def SecureWorker(pki):  # pylint: disable=invalid-name
   """`python -m fltff.runtime.worker` with mutual TLS (the default mode)."""
-
-  def __init__(self, pki):
-    self.port = portpicker.pick_unused_port()
-    self.proc = subprocess.Popen(
-        [sys.executable, '-m', 'fltff.runtime.worker', f'--port={self.port}',
-         f'--tls_cert={pki("worker.pem")}', f'--tls_key={pki("worker.key")}',
-         f'--tls_client_ca={pki("drivers-ca.pem")}'], cwd=REPO, env=pipeline_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    self.line = self.proc.stdout.readline()
-    assert 'listening on' in self.line and 'mutual TLS' in self.line, (
-        self.line, self.proc.stderr.read() if self.proc.poll() is not None else '')
-    self.address = f'127.0.0.1:{self.port}'
-
-  def stop(self):
-    if self.proc.poll() is None:
-      self.proc.send_signal(signal.SIGTERM)
-      assert self.proc.wait(timeout=30) == 0
+  w = Worker(f'--tls_cert={pki("worker.pem")}', f'--tls_key={pki("worker.key")}',
+             f'--tls_client_ca={pki("drivers-ca.pem")}')
+  assert 'mutual TLS' in w.line, w.line
+  return w
 
 
 @pytest.fixture(scope='module')
@@ -181,8 +164,7 @@ def test_worker_binary_lives_in_another_network_namespace(worker):
 
 
 def test_worker_without_tls_or_insecure_flag_is_one_line():
-  result = subprocess.run([sys.executable, '-m', 'fltff.runtime.worker', '--port=1'], cwd=REPO,
-                          env=pipeline_env(), capture_output=True, text=True, timeout=120)
+  result = run_program('fltff.runtime.worker', '--port=1', timeout=120)
   line = assert_one_line_error(result, '--tls_cert', '--insecure_plaintext')
   assert 'mutual TLS' in line
 
