@@ -2,9 +2,7 @@
 
 import os
 import socket
-import subprocess
-import sys
-import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -12,8 +10,7 @@ import tensorflow_federated as tff
 
 from fltff.runtime import TffRuntime
 from fltff.runtime.local import wait_for_exit
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from launcher import Program
 
 
 def _alive(pid):
@@ -122,29 +119,15 @@ def test_a_worker_not_isolated_says_its_port_is_open(tff_runtime, capsys):
   assert wait_for_exit(pid)
 
 
-_CHILD = textwrap.dedent("""
-    import os, sys, time
-    import numpy as np
-    import tensorflow_federated as tff
-    from fltff.runtime import TffRuntime
-    rt = TffRuntime()
-    @tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
-    def total(x):
-      return tff.federated_sum(x)
-    assert total([1.0, 2.0]) == 3.0
-    print(*rt.worker_pids, flush=True)
-    if sys.argv[1] == 'hang':
-      time.sleep(600)
-    # 'exit': leave without calling close(): atexit must stop the worker.
-""")
-
-
 @pytest.mark.parametrize('how', ['exit', 'sigkill'])
 def test_worker_dies_with_its_program(how):
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3', PYTHONPATH=REPO)
-  proc = subprocess.Popen([sys.executable, '-c', _CHILD, 'exit' if how == 'exit' else 'hang'],
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
-  pids = [int(p) for p in proc.stdout.readline().split()]  # Relay and worker_binary.
+  # A program of its own (`runtime_child.py`, forked from the fork server: `launcher.py`).
+  proc = Program('runtime_child', 'exit' if how == 'exit' else 'hang')
+  deadline = time.monotonic() + 120
+  while not proc.output()[0].endswith('\n') and proc.poll() is None:
+    assert time.monotonic() < deadline, 'the program never started its runtime'
+    time.sleep(0.1)
+  pids = [int(p) for p in proc.output()[0].split()]  # Relay and worker_binary.
   assert len(pids) == 2
   if how == 'sigkill':
     assert all(_alive(pid) for pid in pids)

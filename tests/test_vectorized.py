@@ -42,14 +42,16 @@ from helpers import tagged_worker_pids
 NUM_CLIENTS = EQUALITY_CLIENTS
 SGDM = equality_sgdm
 
-# The FedAvg family, SCAFFOLD (per-client corrections c − c_i, its controls and c updated),
+# The FedAvg family (FedAvg with uniform client weights and with server momentum run FedAvg's
+# client work; their aggregation and server step are TFF's own), SCAFFOLD (per-client
+# corrections c − c_i, its controls and c updated),
 # MOON (a per-client batch term: the contrastive loss against each client's previous model,
 # over the batch's real examples) and the personalised methods
 # (`fltff.personalization.vectorized`: per-client start models, per-client proximal anchors s_i
 # and, with BLS, per-client layer masks and Ω searches). FedBN vectorises on this model, which
 # has no BatchNorm (BatchNorm models: the FedAvg family and SCAFFOLD, below). FedLap personalisation: the
 # method's clients and the participants' local models (from their own start weights).
-VECTORISED = ('fedavg', 'fedavg_uniform', 'fedprox', 'sgdm', 'fedlap', 'fedadp', 'fedlayerwise',
+VECTORISED = ('fedavg', 'fedprox', 'fedlap', 'fedadp', 'fedlayerwise',
               'fednova+ccn', 'fedbabu', 'scaffold', 'scaffold+ccn', 'moon', 'kapc', 'kapc+bls',
               'fedamp', 'pfedla', 'local', 'fedbn', 'fedavg+fedlap_personalization')
 METHODS = {name: equality_methods()[name] for name in VECTORISED}
@@ -79,9 +81,10 @@ def _vectorized(algorithm):
 # process also runs where another executor is checked, and the vectorised client work (traced
 # on its own) runs in this process in each of its forms:
 # - IN_PROCESS_TOO: the in-process executor client by client, for one method of each shape of
-#   round its intrinsics run: a weighted mean (FedAvg), a gathering fold (FedLayerWise),
-#   gathered per-client weights with client state (SCAFFOLD with CCN), a per-client batch term
-#   (MOON), and the personalised round with BLS.
+#   round its intrinsics run: a weighted mean (FedAvg), a gathering fold (FedLayerWise), a
+#   per-client batch term (MOON), and the personalised round with BLS (gathered per-client
+#   weights with client state: SCAFFOLD with CCN on the in-process executor as its vectorised
+#   rounds run it, and FedNova with CCN on 2 workers).
 # - ON_TWO_WORKERS: 2 loopback TFF workers. TFF's mergeable context runs a round as one
 #   sub-round per worker and returns the sub-rounds in completion order, so per-client values
 #   must be matched to clients by index, never by position. One method per shape of what is
@@ -94,15 +97,16 @@ def _vectorized(algorithm):
 # - DYNAMIC_AXIS_TOO: beyond MAX_STATIC_CLIENT_COUNTS distinct participant counts, rounds share
 #   one trace whose client axis is unknown (`with_clients` leaves it, whatever the method).
 # - FACTORED_TOO: dense kernels trained in factored form (`fltff.learning.factored_dense`),
-#   forced here for both mlp2 kernels, for each way a factored kernel is trained: no regulariser
-#   (FedAvg), a frozen head (FedBABU), per-client start weights (pFedLA), a proximal term at the
-#   global model (FedProx), and at each client's own anchor with per-layer masks (KAPC+BLS).
+#   forced here for both mlp2 kernels: a frozen head (FedBABU) and a proximal term at each
+#   client's own anchor with per-layer masks (KAPC+BLS). Each factored step (no regulariser, a
+#   proximal term at the global model or at a client's anchor, per-client start weights, with
+#   and without momentum) equals the per-step update in `test_factored_dense.py`.
 #   A method whose registry entry says it does not factor (`factors`) runs its vectorised
 #   rounds with factoring forced, and none of its kernels trains factored.
-IN_PROCESS_TOO = frozenset({'fedavg', 'fedlayerwise', 'scaffold+ccn', 'moon', 'kapc+bls'})
+IN_PROCESS_TOO = frozenset({'fedavg', 'fedlayerwise', 'moon', 'kapc+bls'})
 ON_TWO_WORKERS = frozenset({'fednova+ccn', 'fedlayerwise', 'scaffold', 'kapc+bls', 'fedbn'})
 DYNAMIC_AXIS_TOO = frozenset({'fedavg'})
-FACTORED_TOO = frozenset({'fedavg', 'fedbabu', 'pfedla', 'fedprox', 'kapc+bls'})
+FACTORED_TOO = frozenset({'fedbabu', 'kapc+bls'})
 assert IN_PROCESS_TOO | ON_TWO_WORKERS | DYNAMIC_AXIS_TOO | FACTORED_TOO <= set(METHODS)
 
 
