@@ -33,6 +33,21 @@ def _program(command: str):
     return importlib.import_module(f'pipelines.{command}')
 
 
+def _check_gin_files(args: Sequence[str]) -> None:
+  """A `--gin_file` that does not exist ends the command here, before TensorFlow is imported
+  (`fltff run` checks it again, for `python -m pipelines.run`)."""
+  from fltff import resources  # pylint: disable=g-import-not-at-top
+  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+  paths = [a.split('=', 1)[1] for a in args if a.startswith('--gin_file=')]
+  paths += [b for a, b in zip(args, args[1:]) if a == '--gin_file']
+  try:
+    resources.find_gin_files(paths)
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
   argv = list(sys.argv if argv is None else argv)
   if len(argv) < 2 or argv[1] in ('-h', '--help', 'help'):
@@ -42,6 +57,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   if command not in COMMANDS:
     print(f'error: unknown command {command!r}; one of {", ".join(COMMANDS)}.', file=sys.stderr)
     sys.exit(2)
+  if command == 'run':
+    _check_gin_files(argv[2:])
   program = _program(command)
   from absl import app  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top

@@ -31,6 +31,20 @@ def find_shipped(path: str) -> Optional[str]:
   return None
 
 
+def find_gin_files(paths) -> list[str]:
+  """Each experiment gin file as `find_shipped` finds it; `ConfigError` naming the first that
+  is neither at its path nor among the shipped configs (checked by the `fltff` command before
+  it imports TensorFlow, so this error comes at once)."""
+  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+  found = [find_shipped(path) for path in paths]
+  for path, where in zip(paths, found):
+    if where is None:
+      raise ConfigError(f'Gin file {path} does not exist (neither here nor among the configs '
+                        f'fltff ships, {os.path.join(shipped_roots()[0], "gin_configs")}).')
+  return found
+
+
 # Folders of the gin files being parsed, innermost last (gin opens an included file while the
 # including one is still open).
 _PARSING = []

@@ -73,11 +73,7 @@ def configure(gin_files, gin_bindings) -> None:
   fltff.register_configurables()
   if not gin_files:
     raise ConfigError('Pass --gin_file=gin_configs/<experiment>.gin (see README).')
-  found = [resources.find_shipped(path) for path in gin_files]
-  for path, where in zip(gin_files, found):
-    if where is None:
-      raise ConfigError(f'Gin file {path} does not exist (neither here nor among the configs '
-                        f'fltff ships, {os.path.join(resources.shipped_roots()[0], "gin_configs")}).')
+  found = resources.find_gin_files(gin_files)
   resources.enable_gin_lookup()
   try:
     gin.parse_config_files_and_bindings(found, gin_bindings, finalize_config=False,

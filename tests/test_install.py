@@ -124,3 +124,16 @@ def test_the_command_lists_its_commands_and_their_flags():
   helped = run('run', '--help')
   assert helped.returncode == 0 and '--gin_file' in helped.stdout and '--resume' in helped.stdout
   assert 'Traceback' not in helped.stderr and 'Exception ignored' not in helped.stderr
+
+
+def test_a_missing_gin_file_is_refused_before_tensorflow_is_imported(tmp_path):
+  # The command checks its --gin_file paths first: the error comes at once, not after the
+  # seconds TensorFlow and TFF take to import.
+  program = ("import sys\nfrom fltff import cli\ntry:\n"
+             "  cli.main(['fltff', 'run', '--gin_file', 'nope.gin', '--output_dir=out'])\n"
+             "except SystemExit as e:\n  print(e.code, 'tensorflow' in sys.modules)\n")
+  result = subprocess.run([sys.executable, '-c', program], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+  assert result.stdout.split() == ['2', 'False'], (result.stdout, result.stderr[-2000:])
+  assert result.stderr.startswith('error: Gin file nope.gin does not exist'), result.stderr
+  assert not (tmp_path / 'out').exists()
