@@ -159,6 +159,9 @@ def wait_until(predicate, program: Program, timeout: float, what: str):
   `timeout` passes first."""
   deadline = time.monotonic() + timeout
   while not predicate():
-    if program.poll() is not None or time.monotonic() > deadline:
+    ended = program.poll() is not None
+    if ended and predicate():  # It did what was awaited, then ended.
+      return
+    if ended or time.monotonic() > deadline:
       raise AssertionError(f'{what}: exit {program.poll()}; {program.output()[1][-3000:]}')
     time.sleep(0.2)

@@ -2,7 +2,6 @@
 
 import os
 import socket
-import time
 
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ import tensorflow_federated as tff
 from fltff.runtime import TffRuntime
 from fltff.runtime.local import wait_for_exit
 from launcher import Program
+from launcher import wait_until
 
 
 def _alive(pid):
@@ -123,10 +123,7 @@ def test_a_worker_not_isolated_says_its_port_is_open(tff_runtime, capsys):
 def test_worker_dies_with_its_program(how):
   # A program of its own (`runtime_child.py`, forked from the fork server: `launcher.py`).
   proc = Program('runtime_child', 'exit' if how == 'exit' else 'hang')
-  deadline = time.monotonic() + 120
-  while not proc.output()[0].endswith('\n') and proc.poll() is None:
-    assert time.monotonic() < deadline, 'the program never started its runtime'
-    time.sleep(0.1)
+  wait_until(lambda: proc.output()[0].endswith('\n'), proc, 120, 'the runtime start')
   pids = [int(p) for p in proc.output()[0].split()]  # Relay and worker_binary.
   assert len(pids) == 2
   if how == 'sigkill':
