@@ -13,7 +13,8 @@ PYTEST_ARGS ?=
 # since part of a test's time is spent waiting (program starts, RPC deadlines, the C++ worker):
 # 2 processes kept the cores busy 79 % of the suite's time, 3 processes 158 of 200 %; a fourth
 # added no CPU use and made the suite slower (each process's work took longer).
-# Tests are handed out one at a time, the long ones first (tests/conftest.py).
+# Tests are handed out one at a time, the long ones first; the tests of one expensive shared
+# fixture (a finished run, an installed wheel) go to one process (tests/conftest.py).
 PYTEST_WORKERS ?= 3
 
 .PHONY: setup quickstart test bench clean-venv
@@ -44,7 +45,7 @@ quickstart: setup
 	$(VENV)/bin/fltff run --gin_file=gin_configs/quickstart.gin --output_dir=$(OUTPUT_DIR)
 
 test: setup
-	$(VPY) -m pytest -q -n $(PYTEST_WORKERS) --maxschedchunk=1 $(PYTEST_ARGS) tests
+	$(VPY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) tests
 
 bench: setup
 	$(VPY) -m pipelines.bench

@@ -7,6 +7,7 @@ resolve against the checkout's root or against the installed package's folder.
 """
 
 import os
+import re
 from typing import Optional
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -32,9 +33,9 @@ def find_shipped(path: str) -> Optional[str]:
 
 
 def find_gin_files(paths) -> list[str]:
-  """Each experiment gin file as `find_shipped` finds it; `ConfigError` naming the first that
-  is neither at its path nor among the shipped configs (checked by the `fltff` command before
-  it imports TensorFlow, so this error comes at once)."""
+  """Each experiment gin file as `find_shipped` finds it, and every file they include as
+  `enable_gin_lookup` makes gin find it; `ConfigError` naming the first file that is not there
+  (checked by the `fltff` command before it imports TensorFlow, so this error comes at once)."""
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
   found = [find_shipped(path) for path in paths]
@@ -42,7 +43,43 @@ def find_gin_files(paths) -> list[str]:
     if where is None:
       raise ConfigError(f'Gin file {path} does not exist (neither here nor among the configs '
                         f'fltff ships, {os.path.join(shipped_roots()[0], "gin_configs")}).')
+  seen = set()
+  for where in found:
+    _check_includes(where, seen)
   return found
+
+
+_INCLUDE = re.compile(r"""^include\s+(['"])(.+?)\1""")
+
+
+def _check_includes(path: str, seen: set) -> None:
+  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+  if path in seen:
+    return
+  seen.add(path)
+  with open(path) as f:
+    lines = f.read().splitlines()
+  for number, line in enumerate(lines, 1):
+    match = _INCLUDE.match(line.strip())
+    if not match:
+      continue
+    target = match.group(2)
+    candidates = ([target] if os.path.isabs(target) else
+                  [os.path.join(os.path.dirname(path), target), target] +
+                  [os.path.join(root, target) for root in shipped_roots()])
+    included = next((c for c in candidates if os.path.isfile(c)), None)
+    if included is None:
+      raise ConfigError(include_not_found(target, f'{path}, line {number}'))
+    _check_includes(included, seen)
+
+
+def include_not_found(target: str, where: str) -> str:
+  """The error of an `include` that is not found (`where`: the file and line, or
+  --gin_bindings), found first by `find_gin_files` or else by gin."""
+  return (f'Invalid gin configuration: an included file is not found: {target} (in {where}); '
+          'includes are looked up beside the including file, in the working directory, then '
+          'among the configs fltff ships')
 
 
 # Folders of the gin files being parsed, innermost last (gin opens an included file while the
@@ -105,6 +142,11 @@ def _quietly(check):
     logging.disable(logging.ERROR)
     try:
       return check(path)
+    except TypeError:
+      # gin reads `gin_configs/base` as the package `gin_configs.base`; where a checkout is on
+      # sys.path, `gin_configs/` is a namespace package without a file path, and gin's check
+      # fails instead of saying the file is not there.
+      return False
     finally:
       logging.disable(logging.NOTSET)
 

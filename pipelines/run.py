@@ -85,12 +85,12 @@ def configure(gin_files, gin_bindings) -> None:
     if isinstance(e, tokenize.TokenError):
       message = f'a gin file or --gin_bindings value leaves a bracket or string open ({e.args[0]})'
     elif isinstance(e, (TypeError, OSError)) and 'include' in message:
+      # An include in a --gin_bindings value (those in files are checked by find_gin_files).
       target = re.search(r"include '([^']+)'", message)
       where = re.search(r'In file "([^"]+)", line (\d+)', message)
-      message = (f'an included file is not found: {target.group(1) if target else "?"}'
-                 f'{f" (in {where.group(1)}, line {where.group(2)})" if where else ""}; '
-                 'includes are looked up beside the including file, in the working directory, '
-                 'then among the configs fltff ships')
+      raise ConfigError(resources.include_not_found(
+          target.group(1) if target else '?',
+          f'{where.group(1)}, line {where.group(2)}' if where else '--gin_bindings')) from e
     raise ConfigError(f'Invalid gin configuration: {message}') from e
   check_gin_bindings(gin.config._CONFIG)  # pylint: disable=protected-access
 

@@ -73,10 +73,18 @@ def _starts_a_program(function) -> bool:
   return any(call in source for call in _PROGRAM_CALLS)
 
 
+# Module-scoped fixtures that finish a run or build a package (10–20 s each): the tests that
+# use one go to one test process (`xdist_group`, the Makefile's `--dist loadgroup`), so that it
+# is built once per session rather than once in each process that runs one of those tests.
+SHARED_FIXTURES = ('small_run', 'local_reference', 'installed', 'two_round_run', 'straggler_run',
+                   'built')
+
+
+@pytest.hookimpl(tryfirst=True)  # Before pytest-xdist reads the groups.
 def pytest_collection_modifyitems(items):
   """Marks `pipeline` every test that starts a program, itself or through a fixture, so that
-  `pytest -m "not pipeline"` runs the unit and numerical tests alone; and runs the long tests
-  first (`_start_order`).
+  `pytest -m "not pipeline"` runs the unit and numerical tests alone; groups the tests of each
+  of `SHARED_FIXTURES`; and runs the long tests first (`_start_order`).
 
   The end-to-end tests are the long ones (10–80 s each against well under a second for most
   others): started first and handed out one at a time (the Makefile's `--maxschedchunk=1`),
@@ -89,6 +97,9 @@ def pytest_collection_modifyitems(items):
     if _starts_a_program(getattr(item, 'function', None)) or any(
         _starts_a_program(d[-1].func) for d in defs if d):
       item.add_marker(pytest.mark.pipeline)
+    for name in SHARED_FIXTURES:
+      if name in getattr(item, 'fixturenames', ()):
+        item.add_marker(pytest.mark.xdist_group(f'{item.module.__name__}.{name}'))
   items.sort(key=_start_order)
 
 

@@ -126,14 +126,23 @@ def test_the_command_lists_its_commands_and_their_flags():
   assert 'Traceback' not in helped.stderr and 'Exception ignored' not in helped.stderr
 
 
-def test_a_missing_gin_file_is_refused_before_tensorflow_is_imported(tmp_path):
-  # The command checks its --gin_file paths first: the error comes at once, not after the
-  # seconds TensorFlow and TFF take to import.
+@pytest.mark.parametrize('gin_file,error', [
+    ('nope.gin', 'error: Gin file nope.gin does not exist'),
+    # A shipped config found from another folder, including one that is, and a missing file.
+    ('bad.gin', 'error: Invalid gin configuration: an included file is not found: mine.gin '
+                '(in bad.gin, line 3)')])
+def test_a_missing_gin_file_is_refused_before_tensorflow_is_imported(tmp_path, gin_file, error):
+  # The command checks its --gin_file paths and their includes first: the error comes at once,
+  # not after the seconds TensorFlow and TFF take to import. The checkout is on sys.path, so
+  # gin's lookup of `gin_configs/...` as a package meets a namespace package on the way.
+  (tmp_path / 'bad.gin').write_text("include 'gin_configs/quickstart.gin'\n\n"
+                                    "include 'mine.gin'\n")
   program = ("import sys\nfrom fltff import cli\ntry:\n"
-             "  cli.main(['fltff', 'run', '--gin_file', 'nope.gin', '--output_dir=out'])\n"
+             f"  cli.main(['fltff', 'run', '--gin_file', '{gin_file}', '--output_dir=out'])\n"
              "except SystemExit as e:\n  print(e.code, 'tensorflow' in sys.modules)\n")
   result = subprocess.run([sys.executable, '-c', program], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
   assert result.stdout.split() == ['2', 'False'], (result.stdout, result.stderr[-2000:])
-  assert result.stderr.startswith('error: Gin file nope.gin does not exist'), result.stderr
+  assert result.stderr.startswith(error), result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
   assert not (tmp_path / 'out').exists()
