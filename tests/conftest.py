@@ -73,9 +73,25 @@ def _starts_a_program(function) -> bool:
   return any(call in source for call in _PROGRAM_CALLS)
 
 
-# Module-scoped fixtures that finish a run or build a package (10–20 s each): the tests that
-# use one go to one test process (`xdist_group`, the Makefile's `--dist loadgroup`), so that it
-# is built once per session rather than once in each process that runs one of those tests.
+@pytest.fixture(scope='session')
+def small_run(tmp_path_factory):
+  """`(output folder, CompletedProcess, leaked worker pids)` of the SMALL run on TFF's C++
+  runtime as its own process: read, resumed and compared against by several modules' tests,
+  which must not change it."""
+  from helpers import SMALL  # pylint: disable=g-import-not-at-top
+  from helpers import run_pipeline  # pylint: disable=g-import-not-at-top
+  from helpers import tagged_worker_pids  # pylint: disable=g-import-not-at-top
+
+  out = str(tmp_path_factory.mktemp('small') / 'run')
+  before = tagged_worker_pids()
+  result = run_pipeline(*SMALL, f'--output_dir={out}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  return out, result, tagged_worker_pids() - before
+
+
+# Fixtures that finish a run or build a package (10–20 s each): the tests that use one go to
+# one test process (`xdist_group`, the Makefile's `--dist loadgroup`), so that it is built once
+# per session rather than once in each process that runs one of those tests.
 SHARED_FIXTURES = ('small_run', 'local_reference', 'installed', 'two_round_run', 'straggler_run',
                    'built')
 
@@ -99,7 +115,7 @@ def pytest_collection_modifyitems(items):
       item.add_marker(pytest.mark.pipeline)
     for name in SHARED_FIXTURES:
       if name in getattr(item, 'fixturenames', ()):
-        item.add_marker(pytest.mark.xdist_group(f'{item.module.__name__}.{name}'))
+        item.add_marker(pytest.mark.xdist_group(name))
   items.sort(key=_start_order)
 
 

@@ -26,16 +26,6 @@ from launcher import Program
 from launcher import run_program
 
 
-@pytest.fixture(scope='module')
-def small_run(tmp_path_factory):
-  out = str(tmp_path_factory.mktemp('small') / 'run')
-  before = tagged_worker_pids()
-  result = run_pipeline(*SMALL, f'--output_dir={out}')
-  assert result.returncode == 0, result.stderr[-3000:]
-  leaked = tagged_worker_pids() - before
-  return out, result, leaked
-
-
 def test_outputs_are_complete(small_run):
   out, result, leaked = small_run
   assert not leaked, f'worker_binary processes outlived the pipeline: {leaked}'
