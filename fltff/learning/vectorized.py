@@ -639,16 +639,18 @@ class VectorizedClientWork:
     anchored at the global model or each client's own anchor with one scale per tensor
     (`RegularizerTraits.per_tensor_scales`: FedProx, KAPC), whose gradient is not taken
     through the loss."""
-    if not requested:
-      return None
-    if regularizer is not None and not (
-        anchored and client_work_lib.traits_of(regularizer).per_tensor_scales):
+    if not requested or not self._regularizer_factors(regularizer, anchored):
       return None
     learning_rate, momentum = self._updater.hyperparameters
     self.factored_traces.add(tuple(sorted(requested)))
     return factored_dense.FactoredKernels(
         tuple(sorted(requested)), learning_rate, momentum,
         with_anchor=regularizer is not None and start is not None)
+
+  @staticmethod
+  def _regularizer_factors(regularizer, anchored: bool) -> bool:
+    return regularizer is None or (
+        anchored and client_work_lib.traits_of(regularizer).per_tensor_scales)
 
   # -- the round ----------------------------------------------------------------------------
   def traced_client_count(self, k: int) -> Optional[int]:
@@ -675,6 +677,12 @@ class VectorizedClientWork:
                            for w in self._keras_model.trainable_weights], self._device)
     k = self.traced_client_count(len(client_inputs))
     factored = self.factored_kernels(data)
+    if factored:
+      reg = self._regularization(client_terms)
+      if not self._regularizer_factors(reg.probe, reg.global_anchor or reg.client_anchor):
+        # This regulariser trains every kernel per step: a round whose history would be worth
+        # factoring uses the trace of one that is not, rather than tracing again.
+        factored = frozenset()
     args = (global_trainable, start, client_terms, data['examples'], data['labels'],
             data['index'], data['mask'], data['valid'], data['epochs'])
     with tf.device(self._device) if self._device else contextlib.nullcontext():
