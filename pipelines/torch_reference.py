@@ -32,6 +32,7 @@ from absl import app
 from absl import flags
 
 STYLES = ('torch_loop', 'torch_pfllib')
+MODELS = ('mlp2', 'cnn2', 'resnet18')  # The zoo models written here as PyTorch modules.
 LEARNING_RATE = 0.01
 MOMENTUM = 0.9
 
@@ -54,7 +55,7 @@ def build_model(name: str, num_classes: int = 10):
         nn.Linear(128, num_classes))
   if name == 'resnet18':
     return _resnet18(num_classes)
-  raise ValueError(f'unknown model {name!r}: choose from mlp2, cnn2, resnet18')
+  raise ValueError(f'unknown model {name!r}: choose from {", ".join(MODELS)}')
 
 
 def _resnet18(num_classes):

@@ -74,3 +74,14 @@ def test_short_soak_driver_memory_does_not_grow_per_round():
   assert match, result.stdout
   assert float(match.group(1)) < 0.105, result.stdout
   assert float(match.group(2)) < 0.105, result.stdout
+
+
+def test_executor_shapes_give_resnet18_cifar_images_as_the_pytorch_reference_does():
+  from pipelines import bench  # pylint: disable=g-import-not-at-top
+  from pipelines import torch_reference  # pylint: disable=g-import-not-at-top
+
+  assert bench.input_shape('resnet18') == (32, 32, 3)
+  assert bench.input_shape('cnn2_bn') == bench.input_shape('mlp2') == (28, 28, 1)
+  for model in torch_reference.MODELS:  # The same images, channels first there.
+    height, width, channels = bench.input_shape(model)
+    assert torch_reference.input_shape(model) == (channels, height, width)
