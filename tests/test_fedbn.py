@@ -128,6 +128,7 @@ def test_pipeline_runs_fedbn_on_cnn2_bn_on_the_cpp_runtime(tmp_path):
   result = run_pipeline(
       '--gin_file=gin_configs/kapc/offline_mnist1003_fedbn_cnn2_bn.gin',
       '--gin_bindings=experiment.rounds = 2', '--gin_bindings=experiment.local_epochs = 1',
+      '--gin_bindings=federated_data.num_clients = 4',  # cnn2_bn client by client: 4 of them.
       f'--output_dir={tmp_path}')
   assert result.returncode == 0, result.stderr[-3000:]
   assert "fedbn runs on TFF's C++ runtime (local worker_binary) (experiment.client_work = 'auto': " \
