@@ -4,46 +4,8 @@ The model follows the simulation setting of the KAPC paper (IEEE TMC 2024, Table
 the bytes a client downloads and uploads into seconds, so that rounds can be reported as in the
 paper's Table 5 (download, computation, upload, server time and round time).
 
-Model and assumptions:
-
-* Clients. Each of the N clients gets a bandwidth b_i, a transmit power p_i and a distance d_i
-  to the server, drawn once and independently, uniformly in the given ranges, from
-  `np.random.default_rng(seed)` (bandwidth first, then power, then distance, N values each).
-  Defaults (Table 4): b_i in [10, 30] MHz, p_i in [23, 30] dBm, d_i in [100, 500] m. The power
-  is drawn uniformly in dBm (not in watts). The draw does not change during a run: there is no
-  mobility and no small-scale fading, so a client's rates are the same in every round.
-* Server. Bandwidth B_s = 50 MHz and transmit power P_s = 30 dBm.
-* Path loss. Large-scale only, -40 dB at the reference distance of 1 m with exponent 4, so the
-  linear channel gain is g_i = 10^(-40/10) * d_i^(-4). Uplink and downlink share the gain
-  (reciprocal channel).
-* Noise. Power spectral density N0 = -174 dBm/Hz, so the noise power over a bandwidth B is
-  N0 * B (in watts). Powers convert as P[W] = 10^((P[dBm] - 30) / 10).
-* Interference. One additive interference power I, the same for every client and link. The
-  paper includes interference in the SINR but does not state a value we could use, so it is a
-  gin parameter (`interference_dbm`, default -100 dBm, comparable to the thermal noise over
-  10-30 MHz, which is -104 to -99 dBm); `None` means no interference.
-* Uplink rate (client i to the server, over the client's own bandwidth, Shannon capacity):
-  r_up_i = b_i * log2(1 + p_i g_i / (N0 b_i + I)) bit/s.
-* Downlink rate (server to client i). With `share_downlink=True` (default; our assumption, the
-  paper does not say how the server's band is divided) the server's bandwidth is split equally
-  among the K clients receiving in the round, each getting B_s / K at the full power P_s:
-  r_down_i = (B_s/K) * log2(1 + P_s g_i / (N0 B_s/K + I)). With `share_downlink=False` every
-  receiver gets the whole B_s (K = 1 in the formula), e.g. for a broadcast of the global model.
-* Times. Upload t_up_i = 8 * bytes_up_i / r_up_i and download t_down_i = 8 * bytes_down_i /
-  r_down_i seconds; no protocol overhead, retransmissions or propagation delay.
-* Rounds are synchronous: the server waits for the slowest participant, so the round time is
-  max_i(download_i + compute_i + upload_i) + server time (`round_time_breakdown`).
-* Deadlines (`deadline_epochs`) tie system heterogeneity to the channel: a client runs only the
-  whole local epochs that fit into the deadline after its download and upload, and a client
-  for which none fits misses the round.
-
-With the default parameters the path loss dominates: at 100 m the uplink SINR is roughly -0.5 to
-8.5 dB (13-74 Mbit/s, a 1 MB upload in 0.1-0.6 s), at 500 m roughly -28 to -19 dB (0.03-0.3
-Mbit/s, 25-245 s for 1 MB). The downlink with the whole 50 MHz (K = 1) gives about 106 Mbit/s
-at 100 m and 0.39 Mbit/s at 500 m (1 MB in 0.08-21 s); shared among K receivers it is slower
-again. Cell-edge clients are therefore slow, a consequence of the path loss (with no
-interference at all a 1 MB upload from 500 m still takes 14-70 s), not of the interference
-default.
+The model's assumptions, formulas and the magnitudes they give with the defaults: the
+"System model" section of docs/methods/personalised.md.
 """
 
 from __future__ import annotations
