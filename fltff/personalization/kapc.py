@@ -1,65 +1,15 @@
-"""KAPC: personalised FL through a learned layer-wise relationship cube, with BLS.
+"""KAPC: personalised FL through a learned layer-wise relationship cube R, with BLS.
 
-Source: "Communication-Efficient Personalized Federated Learning ..." (KAPC + BLS, IEEE TMC
-2024), Algorithms 1–5. The server holds R ∈ ℝ^{N×L×N} (each row r_i^l a distribution over
-clients) and the latest model it received from every client (stale layers fill what was not
-uploaded). Per round, for the participants P (default order, `relationship_update=
-'before_send'`, Algorithm 5):
-
-1. slice R to P and renormalise the rows on the slice;
-2. the server's copies of the participants' models (`server_input['models']`) are the models
-   each uploaded the last time it took part, with the layers it did not upload filled with the
-   latest older copies (stale layers; a client that never took part: the initial model). On
-   these copies the server takes E_r gradient steps with learning rate η_r on
-   `λ Σ_l ||s_i^l(R) − w_i^l|| + β/2 Σ_l ||r_i^l − 1/|P| ||²` for every participant
-   (Eqs. (11)–(13) with f_s the L2 norm of §4.2, `update_relationship`; `coaching_loss=
-   'squared'` squares the first term, fltff's earlier reading), projecting the rows back onto
-   the simplex (`normalize_rows`: clip at 0, renormalise) after each step;
-3. from that stepped slice R': personalised server models `s_i^l = Σ_{j∈P} r'_ij^l w_j^l`
-   (`personalized_server_models`); BLS (Algorithm 3) skips layer l of client i when
-   `r'_ii^l > μ`;
-4. client i trains its own model w_i for E epochs on `f_i(w) + λ Σ_l ||w^l − s_i^l||²` (no
-   term for skipped layers; `regularizers.ProximalRegularizer` with μ = 2λ, anchored at s_i)
-   and uploads its first Ω_i layers (Algorithm 4, `bls.py`);
-5. the server writes R' back into R scaled by the slice's previous mass, so rows of the whole
-   cube stay normalised, and stores the uploaded layers as its new copies (the rest keep the
-   stale copy): they are the models the next R step of these clients uses, not used for a
-   second step in this round.
-
-`relationship_update='after_training'` keeps fltff's earlier order: s_i and the skip mask from
-the un-stepped slice (step 3 before step 2), and the E_r steps after training, on the freshly
-uploaded layers filled with the stale copies, in step 5.
-
-R at round 0 (§4.4: "randomly"; Algorithm 1 line 2): `relationship_init='random'`, entries
-U(0, 1) with a seeded generator, each row r_i^l normalised to sum 1 (`process.
-initial_relationship`); 'uniform' (1/N, fltff's earlier start) stays available.
-
-Hyperparameters: η_r = 0.01 and E_r = 1 (§7.1). λ and β are not given for Tables 1–2; the gin
-configs take them from the §7.3.1 ablation (CIFAR-10), see gin_configs/kapc/kapc_dir*_common.gin.
-
-Assumptions (the paper's text is our only source for these and we state our reading): the
-uniform target of the β term is 1/|P| on the slice (1/N with full participation); the
-projection after each R step is clip-and-renormalise; U(0, 1) as the distribution of the
-random start; where s_i^l = w_i^l the norm's (sub)gradient is taken as 0
-(`relationship_gradient_norm`). The clients' term stays the squared distance (step 4) although
-Eq. (16) uses the same f_s: with the norm, its gradient would be λ (w_i^l − s_i^l)/||w_i^l − s_i^l||
-per layer (0 at w_i^l = s_i^l), a pull of constant size λ. The paper's "L2-norm" may be the
-squared norm throughout: §4.5 calls the squared G(R) an "L2-norm" term and assumes H smooth.
-
-The round itself is `process.build_personalized_process`; this module is KAPC's rule
-(`KapcRule`: R in the server state, its E_r steps, writing it back). The personalised
-baselines are rules of their own: `local.py`, `fedamp.py`, `fedbn.py`, `pfedla.py`.
-
-BLS on the client (Algorithm 4, `bls.select_omega_tf`): τ^l = ||w_i^l − s_i^l||_F with, for a
-layer the server skipped this round, the client's own model at the round's start in place of
-s_i^l (it received no s_i^l; `bls.py`, C4). On the client's first selection and after a round
-with Ω = L, Ω becomes L − 1 without a search and only then are the stored maxima of B and τ
-updated; otherwise Ω is searched from its last value on inequality (29). Ω and the stored
-bounds are client state (`PersonalizedAlgorithm`).
-
-Single pass (docs/architecture.md): the server's pre-step (slice, R step, s_i, skip mask) depends
-only on its state and inputs, the clients' results come back through one gathering aggregate,
-writing R back (and, in the 'after_training' order, the R step) is server math.
+Source: the KAPC + BLS paper (IEEE TMC 2024), Algorithms 1–5. Per round (Algorithm 5, the
+default `relationship_update='before_send'`): slice R `[N, L, N]` to the participants and
+renormalise its rows; take E_r steps on Eq. (11) (`update_relationship`, f_s the L2 norm of §4.2
+or, with `coaching_loss='squared'`, its square) using the server's copies of the participants'
+models; form `s_i^l = Σ_j r'_ij^l w_j^l` (`personalized_server_models`) and BLS's skip mask
+(Algorithm 3); each client trains towards its s_i (`regularizers.ProximalRegularizer`, μ = 2λ)
+and uploads its first Ω_i layers (Algorithm 4, `bls.py`); the stepped slice is written back
+into R. The round is `process.build_personalized_process`; this module is KAPC's rule
+(`KapcRule`). The order of the steps, the initial R, the hyperparameters and our reading
+where the paper is silent: docs/methods/personalised.md.
 """
 
 from __future__ import annotations
