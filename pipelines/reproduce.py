@@ -34,7 +34,7 @@ _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Print what would run, run nothin
 # `run` in process) keeps one of them.
 _BINDINGS = flags.DEFINE_multi_string(
     'gin_bindings', [], 'Bindings added to every run, e.g. '
-    "\"idx_source.path = '../shared/data/fashion-mnist'\".", allow_override=True)
+    "\"idx_source.path = '/data/fashion-mnist'\".", allow_override=True)
 
 
 @dataclasses.dataclass(frozen=True)

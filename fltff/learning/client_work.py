@@ -9,7 +9,7 @@ and runs `epochs` passes over `batches` with a `tff.learning.optimizers.Optimize
 `loss(batch) + regulariser(local, global)` (plus the regulariser's optional batch-dependent
 term). The per-client `info` travels as a one-element dataset because
 `compose_learning_process` accepts only sequence-valued client data
-(shared/notes/environment.md); it carries the client's slot (for stateful aggregators) and its
+(TFF 0.87); it carries the client's slot (for stateful aggregators) and its
 number of local epochs (stragglers do fewer).
 
 Each epoch reads the batches into `TensorArray`s with one `Dataset.reduce` and trains on them

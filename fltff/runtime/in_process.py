@@ -1,38 +1,11 @@
 """An in-process TFF execution context: the compiled round runs in this Python process.
 
-TFF's local C++ runtime serialises every participant's `tf.data` pipeline and sends it, with one
-gRPC call per client, to a `worker_binary` (`../shared/notes/performance.md`: most of a small
-model's round is that dispatch). This context executes the *same* compiled computation without a
-worker:
-
-1. TFF's own native compiler (`desugar_and_transform_to_native`, the one the C++ context uses)
-   lowers the computation to call-dominant form: a tree of federated intrinsics over
-   `CompiledComputation`s (serialised TensorFlow graphs).
-2. Each `CompiledComputation` is imported once into a TensorFlow function (`wrap_function` +
-   `prune`), its variables' shared names made unique so that computations never alias, and its
-   init op run before each call, as TFF's TensorFlow executor does.
-3. A small interpreter evaluates the tree: values at CLIENTS are Python lists with one entry per
-   participant, datasets are passed to the graphs as `tf.data` variant tensors (rebuilt from
-   their graph in memory, as the C++ runtime would see them; no gRPC), `federated_aggregate` folds the clients in order (zero, accumulate, report),
-   exactly as TFF's federating executor does. A `federated_map` and a fold whose function is
-   one compiled graph run as one call over the stacked participants: the map vectorised by
-   TensorFlow's pfor (`tf.vectorized_map`: the graph's own ops, batched along the participant
-   axis), or, where pfor cannot convert the graph, a `tf.function` that calls it once per
-   participant, in order; the fold always the latter (an accumulator is sequential). A graph
-   with stateful random ops is called participant by participant, pruned anew for each call:
-   TFF's runtime runs it afresh every time, so every call gets the op's first draw. A CLIENTS argument given as
-   `StackedClients` (one structure with a leading participant axis, as vectorised client work
-   produces it) stays stacked through zip, map and fold, so no per-participant Python value is
-   ever built.
-4. A `device` (`runtime.device`) places the computations (e.g. on a GPU, which TFF's C++
-   runtime never uses); tf.data ops stay on the CPU.
-
-On CPUs the same graphs run slower here than in TFF's `worker_binary` (`fltff bench
---executors`), so this executor is the default only with vectorised clients; see
-docs/performance.md.
-
-No arithmetic is rewritten: every number comes from the graphs TFF compiled, so results equal
-the C++ runtime's up to floating-point scheduling (tests/test_in_process.py).
+TFF's native compiler lowers the computation to a tree of federated intrinsics over compiled
+TensorFlow graphs; each graph is imported once as a TensorFlow function, and a small
+interpreter evaluates the tree with CLIENTS values as per-participant lists or, from
+vectorised client work, stacked (`StackedClients`). No arithmetic is rewritten: results equal
+the C++ runtime's up to floating-point scheduling (tests/test_in_process.py). How it works,
+step by step: docs/architecture.md ("The in-process executor").
 """
 
 from __future__ import annotations

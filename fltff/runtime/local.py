@@ -2,7 +2,7 @@
 
 TFF's default local context (`tff.backends.native.create_sync_local_cpp_execution_context`)
 starts the C++ `worker_binary` lazily and relies on `__del__` to stop it, which fails at
-interpreter exit and leaves the worker running (see shared/notes/environment.md). fltff instead
+interpreter exit and leaves the worker running. fltff instead
 starts the worker itself:
 
 * the child gets `PR_SET_PDEATHSIG(SIGKILL)`, so it dies even if the driver is SIGKILLed;
