@@ -276,8 +276,12 @@ def test_kill_9_then_resume_with_the_sqlite_store_gives_the_uninterrupted_number
   from helpers import run_pipeline_here  # pylint: disable=g-import-not-at-top
   from launcher import Program  # pylint: disable=g-import-not-at-top
 
+  # SCAFFOLD keeps client states (its controls); plain SGD and one epoch keep the runs short.
   args = ['--gin_file=gin_configs/ccn/offline_mnist1003_scaffold.gin',
           '--gin_bindings=experiment.rounds = 5',
+          "--gin_bindings=client_optimizer.name = 'sgd'",
+          '--gin_bindings=client_optimizer.learning_rate = 0.05',
+          '--gin_bindings=experiment.local_epochs = 1',
           '--gin_bindings=experiment.checkpoint_every = 2',
           "--gin_bindings=experiment.client_state_store = 'sqlite'"]
   full = run_pipeline_here(*args, f'--output_dir={tmp_path / "full"}')

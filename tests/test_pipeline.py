@@ -6,6 +6,7 @@ in this process where only its numbers matter.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -22,6 +23,7 @@ from helpers import read_csv
 from helpers import tagged_worker_pids
 from helpers import run_pipeline
 from helpers import run_pipeline_here
+from helpers import stopped_after
 from launcher import Program
 from launcher import run_program
 
@@ -166,8 +168,8 @@ def test_resume_with_another_configuration_is_refused_and_changes_nothing(small_
 
 def test_divergence_stops_and_keeps_completed_rounds(small_run, tmp_path):
   out = str(tmp_path / 'nan')
-  first = run_pipeline_here(*SMALL, '--gin_bindings=experiment.rounds = 2', f'--output_dir={out}')
-  assert first.returncode == 0, first.stderr[-3000:]
+  shutil.copytree(small_run[0], out)
+  stopped_after(out, 2)  # As a run stopped after round 2 leaves it.
   result = run_pipeline_here(*SMALL, '--gin_bindings=client_optimizer.learning_rate = 1e12',
                         f'--output_dir={out}', '--resume', '--allow_config_change')
   assert_one_line_error(result, 'diverged in round 3', 'Rounds 1-2')

@@ -89,10 +89,10 @@ def _vectorized(algorithm):
 #   sub-round per worker and returns the sub-rounds in completion order, so per-client values
 #   must be matched to clients by index, never by position. One method per shape of what is
 #   merged: gathered per-client weights (FedNova with CCN), per-client server memory
-#   (FedLayerWise), client state (SCAFFOLD), personalised client results with a server step
-#   that reads them (KAPC+BLS: R and Ω) and personalised local layers (FedBN). (MOON's client
-#   state and pFedLA's server-only hypernetworks merge nothing of their own.) The weighted
-#   mean and the round driver's evaluation and checkpoints on workers:
+#   (FedLayerWise), client state (SCAFFOLD) and personalised local layers (FedBN). (MOON's
+#   client state and pFedLA's server-only hypernetworks merge nothing of their own.) The
+#   weighted mean, personalised client results with a server step that reads them (KAPC+BLS:
+#   R and Ω) and the round driver's evaluation and checkpoints on workers:
 #   `test_workers_equality.py`.
 # - DYNAMIC_AXIS_TOO: beyond MAX_STATIC_CLIENT_COUNTS distinct participant counts, rounds share
 #   one trace whose client axis is unknown (`with_clients` leaves it, whatever the method).
@@ -105,7 +105,7 @@ def _vectorized(algorithm):
 #   rounds with factoring forced in round 1: none of its kernels trains factored, and the
 #   rounds share one trace.
 IN_PROCESS_TOO = frozenset({'fedavg', 'fedlayerwise', 'moon', 'kapc+bls'})
-ON_TWO_WORKERS = frozenset({'fednova+ccn', 'fedlayerwise', 'scaffold', 'kapc+bls', 'fedbn'})
+ON_TWO_WORKERS = frozenset({'fednova+ccn', 'fedlayerwise', 'scaffold', 'fedbn'})
 DYNAMIC_AXIS_TOO = frozenset({'fedavg'})
 FACTORED_TOO = frozenset({'fedbabu', 'kapc+bls'})
 assert IN_PROCESS_TOO | ON_TWO_WORKERS | DYNAMIC_AXIS_TOO | FACTORED_TOO <= set(METHODS)

@@ -346,6 +346,9 @@ class RoundDriver:
   def restore(self, template_state):
     round_num, state, meta, arrays = self.checkpointer.restore(template_state)
     self.rows = [r for r in meta['rows'] if r['round'] <= round_num]
+    # The rows and measurements of rounds after the checkpoint are redone: dropped now, so that
+    # a resume that stops before its first round leaves no round the kept state lacks.
+    self.outputs.write_rows(self.rows)
     self.outputs.truncate_measurements(round_num)
     self.client_states.restore(round_num, arrays, self.algorithm.initial_client_state)
     expected = meta.get('client_states')  # Absent in checkpoints written before the check.
