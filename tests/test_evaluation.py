@@ -129,8 +129,8 @@ def test_finetuned_local_is_fedavg_local_training_of_the_whole_model(data, spec,
 
   frozen = evaluation.Finetuner(
       spec, tff.learning.optimizers.build_sgdm(learning_rate=0.0), epochs=1)
-  driver = drive(learning.build_fedbabu(spec, client_optimizer=SGD()), data, tmp_path / 'zero',
-                 ['finetuned_local', 'global_local'], finetuner=frozen)
+  driver = drive(fedbabu, data, tmp_path / 'zero', ['finetuned_local', 'global_local'],
+                 finetuner=frozen)
   state = driver.algorithm.initialize()
   state, row, _ = driver.run_round(state, 1)
   row.update(driver.evaluate(state, 1))

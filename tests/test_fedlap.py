@@ -177,11 +177,14 @@ def test_q1_equals_fltff_fedprox():
 
 def test_half_is_fedlap_lambda_fixed_per_epoch():
   """q = 1/2, E = 1: λ = 0 for the only epoch, so exactly FedAvg; E = 3: it regularises."""
-  one, _ = _run(learning.build_fedlap(SPEC, q=0.5, client_optimizer=_opt()), epochs=1)
-  avg1, _ = _run(learning.build_fedavg(SPEC, client_optimizer=_opt()), epochs=1)
+  # The epochs are client inputs: one process of each runs both.
+  fedlap = learning.build_fedlap(SPEC, q=0.5, client_optimizer=_opt())
+  fedavg = learning.build_fedavg(SPEC, client_optimizer=_opt())
+  one, _ = _run(fedlap, epochs=1)
+  avg1, _ = _run(fedavg, epochs=1)
   assert _diff(one, avg1) <= 1e-6
-  three, _ = _run(learning.build_fedlap(SPEC, q=0.5, client_optimizer=_opt()), epochs=3)
-  avg3, _ = _run(learning.build_fedavg(SPEC, client_optimizer=_opt()), epochs=3)
+  three, _ = _run(fedlap, epochs=3)
+  avg3, _ = _run(fedavg, epochs=3)
   assert _diff(three, avg3) > 1e-4
   step, _ = _run(learning.build_fedlap(SPEC, q=0.5, refresh='step', client_optimizer=_opt()),
                  epochs=1)
