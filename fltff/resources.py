@@ -65,10 +65,10 @@ def _check_includes(path: str, seen: set) -> None:
     if not match:
       continue
     target = match.group(2)
-    candidates = ([target] if os.path.isabs(target) else
-                  [os.path.join(os.path.dirname(path), target), target] +
-                  [os.path.join(root, target) for root in shipped_roots()])
-    included = next((c for c in candidates if os.path.isfile(c)), None)
+    # As `enable_gin_lookup` makes gin look: beside the including file, then `find_shipped`.
+    beside = os.path.join(os.path.dirname(path), target)
+    included = (beside if not os.path.isabs(target) and os.path.isfile(beside)
+                else find_shipped(target))
     if included is None:
       raise ConfigError(include_not_found(target, f'{path}, line {number}'))
     _check_includes(included, seen)
