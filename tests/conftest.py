@@ -103,8 +103,8 @@ def pytest_collection_modifyitems(items):
   of `SHARED_FIXTURES`; and runs the long tests first (`_start_order`).
 
   The end-to-end tests are the long ones (10–80 s each against well under a second for most
-  others): started first and handed out one at a time (the Makefile's `--maxschedchunk=1`),
-  they spread over the test processes and the short tests fill the gaps at the end, instead of
+  others): started first and handed out one at a time (`--dist loadgroup` sends one test, or
+  one group, to a process that has fewer than two waiting), they spread over the test processes and the short tests fill the gaps at the end, instead of
   one process running the last long tests while the other idles.
   """
   for item in items:
