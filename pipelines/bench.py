@@ -514,10 +514,10 @@ def main(argv) -> int:
     return compare_executors()
   keras_fn = lambda: build_model(_MODEL.value, input_shape=(28, 28, 1), num_classes=10, seed=0)
   spec = learning.ModelSpec(keras_fn, (28, 28, 1), 10, name=_MODEL.value)
-  if _RUNTIMES.value:
-    return compare_runtimes(spec)
-  if _CHECKPOINTS.value:
-    return compare_checkpoints(spec)
+  if _RUNTIMES.value or _CHECKPOINTS.value:  # Either or both, in one process.
+    return max((compare(spec) for compare, asked in ((compare_runtimes, _RUNTIMES.value),
+                                                     (compare_checkpoints, _CHECKPOINTS.value))
+                if asked), default=0)
   data = _client_data(_CLIENTS.value, _EXAMPLES.value)
   if _COMPARE.value:
     return compare_methods(spec, data)

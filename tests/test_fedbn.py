@@ -6,12 +6,10 @@ import json
 import os
 
 import numpy as np
-import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
 from fltff import models
-from fltff.errors import ConfigError
 from fltff.learning import ModelSpec
 from fltff.personalization import fedbn as fedbn_lib
 from helpers import read_csv
@@ -117,25 +115,18 @@ def test_fedbn_counts_no_bytes_for_the_batchnorm_layers():
   np.testing.assert_array_equal(out.result['bytes_up'], [shared, shared])
 
 
-def test_fedbn_on_cnn2_bn_is_not_vectorised():
-  # 'auto' therefore runs it on TFF's C++ runtime (the pipeline test below).
-  algorithm = fedbn_lib.build_fedbn(SPEC, 3)
-  with pytest.raises(ConfigError, match='non-trainable weights'):
-    algorithm.vectorize_clients()
-
-
-def test_pipeline_runs_fedbn_on_cnn2_bn_on_the_cpp_runtime(tmp_path):
+def test_pipeline_runs_fedbn_on_cnn2_bn_on_vectorised_clients(tmp_path):
+  # The default client work ('auto') vectorises FedBN on a BatchNorm model: each client trains
+  # its own statistics (equal to the C++ runtime: test_vectorized.py).
   result = run_pipeline(
       '--gin_file=gin_configs/kapc/offline_mnist1003_fedbn_cnn2_bn.gin',
       '--gin_bindings=experiment.rounds = 2', '--gin_bindings=experiment.local_epochs = 1',
-      '--gin_bindings=federated_data.num_clients = 4',  # cnn2_bn client by client: 4 of them.
-      f'--output_dir={tmp_path}')
+      '--gin_bindings=federated_data.num_clients = 4', f'--output_dir={tmp_path}')
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "fedbn runs on TFF's C++ runtime (local worker_binary) (experiment.client_work = 'auto': " \
-      'vectorised clients need a model whose weights are all trainable' in result.stdout
+  assert 'fedbn runs on the in-process executor, vectorised clients.' in result.stdout
   with open(os.path.join(tmp_path, 'summary.json')) as f:
     summary = json.load(f)
-  assert summary['executor'].startswith("TFF's C++ runtime")
+  assert summary['executor'] == 'the in-process executor, vectorised clients'
   rows = read_csv(os.path.join(tmp_path, 'metrics.csv'))
   assert len(rows) == 2
   assert float(rows[-1]['personal_local_accuracy']) > 0.2

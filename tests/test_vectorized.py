@@ -42,18 +42,22 @@ from helpers import tagged_worker_pids
 NUM_CLIENTS = EQUALITY_CLIENTS
 SGDM = equality_sgdm
 
-# The FedAvg family (FedAvg with uniform client weights and with server momentum run FedAvg's
-# client work; their aggregation and server step are TFF's own), SCAFFOLD (per-client
-# corrections c − c_i, its controls and c updated),
-# MOON (a per-client batch term: the contrastive loss against each client's previous model,
-# over the batch's real examples) and the personalised methods
-# (`fltff.personalization.vectorized`: per-client start models, per-client proximal anchors s_i
-# and, with BLS, per-client layer masks and Ω searches). FedBN vectorises on this model, which
-# has no BatchNorm (BatchNorm models: the FedAvg family and SCAFFOLD, below). FedLap personalisation: the
-# method's clients and the participants' local models (from their own start weights).
-VECTORISED = ('fedavg', 'fedprox', 'fedlap', 'fedadp', 'fedlayerwise',
-              'fednova+ccn', 'fedbabu', 'scaffold', 'scaffold+ccn', 'moon', 'kapc', 'kapc+bls',
-              'fedamp', 'pfedla', 'local', 'fedbn', 'fedavg+fedlap_personalization')
+# One method for each form of client work (the vectorised step, what it starts from and what
+# it returns): the FedAvg family (FedAvg; FedProx's anchored term, FedLap's epoch context,
+# FedBABU's frozen head, FedNova's steps and CCN's latent mean as weight fields; FedLayerWise
+# for the adaptive aggregators, whose FedAdp, like SGDM's and uniform weighting's server
+# steps, changes only the TFF computation after the clients), SCAFFOLD (per-client
+# corrections c − c_i, its controls and c updated), MOON (a per-client batch term: the
+# contrastive loss against each client's previous model, over the batch's real examples) and
+# the personalised round (`fltff.personalization.vectorized`): per-client proximal anchors s_i
+# (KAPC; FedAMP's from its own relation) and, with BLS, per-client layer masks and Ω searches;
+# FedBN for the start from the server's aggregate with local layers (Local and pFedLA differ
+# from these only in the server's relation, a TFF computation). BatchNorm models: below.
+# FedLap personalisation: the method's clients and the participants' local models (from
+# their own start weights).
+VECTORISED = ('fedavg', 'fedprox', 'fedlap', 'fedlayerwise', 'fednova+ccn', 'fedbabu',
+              'scaffold', 'scaffold+ccn', 'moon', 'kapc', 'kapc+bls', 'fedamp', 'fedbn',
+              'fedavg+fedlap_personalization')
 METHODS = {name: equality_methods()[name] for name in VECTORISED}
 
 
@@ -445,8 +449,44 @@ def test_a_batchnorm_client_work_equals_tffs(mu, cpp):
     np.testing.assert_allclose(train[name], value, rtol=1e-5)
 
 
+def _small_batchnorm_model(input_shape=(28, 28, 1), num_classes=10, seed=0):
+  """A convolution and a dense layer, each into a BatchNorm (Keras's fused kernel for the
+  4-D one in TFF's graphs, its plain one for the 2-D one), without the biases a BatchNorm
+  cancels (their gradients are rounding noise) and without max-pooling (MNIST's tied values
+  make the pooled position kernel-dependent): small enough to trace in seconds."""
+  init = lambda s: tf.keras.initializers.GlorotUniform(seed=seed + s)
+  x = inputs = tf.keras.Input(input_shape)
+  x = tf.keras.layers.Conv2D(4, 3, strides=3, use_bias=False, kernel_initializer=init(1),
+                             name='conv1')(x)
+  x = tf.keras.layers.ReLU()(tf.keras.layers.BatchNormalization(name='bn1')(x))
+  x = tf.keras.layers.Dense(16, use_bias=False, kernel_initializer=init(2),
+                            name='dense1')(tf.keras.layers.Flatten()(x))
+  x = tf.keras.layers.ReLU(name='latent')(tf.keras.layers.BatchNormalization(name='bn2')(x))
+  outputs = tf.keras.layers.Dense(num_classes, kernel_initializer=init(3), name='logits')(x)
+  return tf.keras.Model(inputs, outputs)
+
+
+def test_personalised_clients_train_their_own_batchnorm_statistics_as_the_cpp_runtime(data, cpp):
+  # FedBN: BatchNorm layers and their moving statistics stay with each client, which starts
+  # from its own and uploads the trained ones; vectorised, each client's statistics follow
+  # Keras's moving average of its batches' moments (`vectorized.moving_statistics`).
+  from fltff.learning.model_spec import ModelSpec  # pylint: disable=g-import-not-at-top
+
+  spec = ModelSpec(_small_batchnorm_model, (28, 28, 1), 10)
+  expected = run_rounds(equality_methods()['fedbn'](spec), data, cpp, EQUALITY_CLIENTS, rounds=2)
+  algorithm = _vectorized(equality_methods()['fedbn'](spec))
+  actual = run_rounds(algorithm, data, InProcessContext(), EQUALITY_CLIENTS, rounds=2)
+  tff.framework.set_default_context(cpp)
+  assert_equal_runs(expected, actual, 'fedbn (vectorised, BatchNorm)')
+  initial = spec.initial_weights().non_trainable
+  states = actual[0][-1][1]  # The last round's clients' new states.
+  assert len(initial) == 4 and states
+  for state in states.values():
+    trained = state['model']['non_trainable']
+    assert all(not np.allclose(a, b) for a, b in zip(trained, initial))  # They moved.
+
+
 @pytest.mark.parametrize('method,message', [
-    ('kapc', 'non-trainable weights'),  # Personalised: its clients keep their statistics.
     ('moon', 'non-trainable weights'),  # Its representations of other models.
     ('fednova+ccn', 'latent representations'),  # CCN's latent mean, in inference mode.
 ])
@@ -457,7 +497,7 @@ def test_batchnorm_where_trained_statistics_are_read_is_refused(method, message,
 
 
 def test_a_vectorised_batchnorm_model_offers_no_trained_local_models(data):
-  # Its clients' trained BatchNorm statistics are not kept: `trained_local` is refused.
+  # `trained_local` reads the participants' trainable weights only: refused on BatchNorm.
   algorithm = _vectorized(learning.build_fedavg(build_model_spec(data, 'cnn2_bn', seed=0),
                                                 client_optimizer=SGDM()))
   assert algorithm.vectorized and not algorithm.reports_trained_weights
@@ -539,11 +579,11 @@ def test_auto_client_work_vectorises_what_it_can_and_the_runtime_places_it(data,
 
 
 def test_pipeline_refuses_vectorising_a_batchnorm_model_in_one_line(tmp_path):
-  # Every fltff method vectorises on models without BatchNorm; a personalised one with it is
-  # refused when vectorised clients are asked for explicitly ('auto' runs it on the C++
-  # runtime instead).
+  # Every fltff method vectorises on models without BatchNorm; MOON, which reads the
+  # representations of other models, is refused on one with it when vectorised clients are
+  # asked for explicitly ('auto' runs it on the C++ runtime instead).
   result = run_pipeline_here(
-      '--gin_file=gin_configs/kapc/offline_mnist1003_fedbn.gin',
+      '--gin_file=gin_configs/kapc/offline_mnist1003_moon.gin',
       '--gin_bindings=experiment.model = "cnn2_bn"', '--gin_bindings=rounds = 1',
       '--gin_bindings=experiment.client_work = "vectorised"', f'--output_dir={tmp_path}')
   assert_one_line_error(result, 'non-trainable weights')

@@ -131,7 +131,7 @@ class Algorithm(protocol.FederatedAlgorithm):
   @property
   def reports_trained_weights(self) -> bool:
     """Whether `trained_weights` can give the participants' models (vectorised rounds, on a
-    model whose weights are all trainable: BatchNorm statistics are not tracked there)."""
+    model whose weights are all trainable: `trained_weights` gives trainable weights only)."""
     return self.vectorized and not self.model_spec.initial_weights().non_trainable
 
   def trained_weights(self) -> Optional[tuple]:

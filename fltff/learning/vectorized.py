@@ -20,9 +20,9 @@ term `s ⊙ (w − global)` has every scale zero (FedLap's first epoch: λ = 0 a
 takes the plain update. Both are exact: the same numbers, less work.
 
 Scope (anything else raises a `ConfigError` naming it): models without layer losses whose
-variables are all trainable, or, for client work that starts from the global model and reads
-no representation (the default client work and SCAFFOLD), whose only other variables are
-BatchNorm statistics (`functional_apply(batch_norm=True)`); the default client work of
+variables are all trainable, or, for client work that reads no representation (all below
+but MOON and CCN), whose only other variables are BatchNorm statistics, trained per client
+(`functional_apply(batch_norm=True)`, `moving_statistics`); the default client work of
 `process.build_algorithm` (FedAvg, FedProx, FedLap, SGDM, FedAdp, FedLayerWise, FedNova,
 FedBABU, CCN); SCAFFOLD (`scaffold.vectorized_scaffold_work`: per-client corrections, the
 gradient mean tracked); and, through `fltff.personalization.vectorized` (per-client start
@@ -69,10 +69,10 @@ def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.ker
   and swapped for the call, so the layers' own `call` code runs on plain tensors, which
   `tf.vectorized_map` can stack along a client axis. With `batch_norm`, BatchNormalization
   layers are allowed: in training mode they normalise with the moments of the batch's real
-  examples (`apply(..., mask=)`, `masked_batch_norm_call`); their moving statistics are not
-  tracked, so only clients whose trained statistics nobody reads may use it (the server of a
-  global method keeps its own). Raises `ConfigError` for models this cannot express
-  (non-trainable weights other than those, layer losses, weights not held as layer attributes).
+  examples (`apply(..., mask=)`, `masked_batch_norm_call`), which `apply(..., moments={})`
+  records by layer name for the moving statistics (`moving_statistics`).
+  Raises `ConfigError` for models this cannot express (non-trainable weights other than those,
+  layer losses, weights not held as layer attributes).
   """
   weights_model = keras_model if weights_model is None else weights_model
   slots = weight_slots(keras_model, weights_model, batch_norm)
@@ -80,13 +80,14 @@ def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.ker
 
   def apply(trainable: Sequence[tf.Tensor], x: tf.Tensor, training: bool = True,
             kernel_products: Optional[dict[int, Callable]] = None,
-            mask: Optional[tf.Tensor] = None) -> tf.Tensor:
+            mask: Optional[tf.Tensor] = None, moments: Optional[dict] = None) -> tf.Tensor:
     """`kernel_products` (`{trainable index: product}`, plain `Dense` kernels only): that
     layer computes `product(x)` in place of `x @ kernel` (`factored_dense.dense_call`).
-    `mask` (`[batch]`, 1 for a real example): what BatchNorm's batch moments count."""
+    `mask` (`[batch]`, 1 for a real example): what BatchNorm's batch moments count; `moments`:
+    a dict that gets each BatchNorm layer's `(mean, variance)` of the batch by its name."""
     if norms and not training:
-      raise ConfigError('vectorised clients do not track BatchNorm moving statistics, which '
-                        'inference reads.')
+      raise ConfigError('vectorised clients train BatchNorm models; inference with the moving '
+                        'statistics runs on the Keras model.')
     saved = [getattr(layer, name) for layer, name in slots]
     products = kernel_products or {}
     swapped = [slots[i][0] for i in products] + norms
@@ -96,7 +97,7 @@ def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.ker
       for i, product in products.items():
         object.__setattr__(slots[i][0], 'call', factored_dense.dense_call(slots[i][0], product))
       for layer in norms:
-        object.__setattr__(layer, 'call', masked_batch_norm_call(layer, mask))
+        object.__setattr__(layer, 'call', masked_batch_norm_call(layer, mask, moments))
       return keras_model(x, training=training)
     finally:
       for (layer, name), value in zip(slots, saved):
@@ -113,10 +114,10 @@ def _is_batch_norm(layer) -> bool:
 
 
 def masked_batch_norm_call(layer: tf.keras.layers.BatchNormalization,
-                           example_mask: Optional[tf.Tensor]):
+                           example_mask: Optional[tf.Tensor], moments: Optional[dict] = None):
   """A training-mode `call` for `layer` whose batch mean and (biased) variance count only the
   examples where `example_mask` is 1, over every axis but the feature axis, as Keras's
-  BatchNorm does for a batch of just those examples."""
+  BatchNorm does for a batch of just those examples; records them in `moments` if given."""
 
   def call(inputs, training=None, mask=None):
     del training, mask  # Training mode; the example mask is the round's, not Keras's.
@@ -134,10 +135,37 @@ def masked_batch_norm_call(layer: tf.keras.layers.BatchNormalization,
     # A step without examples (a client whose batches ran out) normalises nothing: its
     # outputs stay finite, so its masked loss stays zero, not NaN.
     variance = tf.where(count > 0, variance, tf.ones_like(variance))
+    if moments is not None:
+      moments[layer.name] = (mean, variance)
     return tf.nn.batch_normalization(x, mean, variance, layer.beta if layer.center else None,
                                      layer.gamma if layer.scale else None, layer.epsilon)
 
   return call
+
+
+def moving_statistics(keras_model: tf.keras.Model) -> Callable:
+  """`update(statistics, moments, trains)`: the model's non-trainable weights (each
+  BatchNorm's moving mean and variance, `[K, ...]` per client, in `non_trainable_weights`
+  order) after one step whose batch moments are `moments` (`functional_apply`'s, by layer
+  name, `[K, ...]` each): Keras's update `v − (v − batch)(1 − momentum)` with the biased batch
+  variance, as its BatchNorm applies it in TFF's graphs, for the clients where `trains`."""
+  norms = [layer for layer in keras_model.layers if _is_batch_norm(layer)]
+  slot = {}
+  for layer in norms:
+    slot[id(layer.moving_mean)] = (layer.name, 0, layer.momentum)
+    slot[id(layer.moving_variance)] = (layer.name, 1, layer.momentum)
+  slots = [slot[id(v)] for v in keras_model.non_trainable_weights]
+
+  def update(statistics, moments, trains):
+    out = []
+    for value, (name, which, momentum) in zip(statistics, slots):
+      batch = tf.cast(moments[name][which], value.dtype)
+      moved = value - (value - batch) * tf.cast(1.0 - momentum, value.dtype)
+      keep = tf.reshape(trains, [-1] + [1] * (value.shape.rank - 1))
+      out.append(tf.where(keep, moved, value))
+    return tuple(out)
+
+  return update
 
 
 def weight_slots(keras_model: tf.keras.Model, weights_model: tf.keras.Model,
@@ -204,11 +232,12 @@ def stack_clients(values: Sequence[Any]) -> Any:
 
 def _round_specs(args: Sequence[Any], num_clients: Optional[int]) -> list:
   """`_train_fn`'s arguments as `tf.TensorSpec`s for a trace that serves every round with
-  `num_clients` participants (None: any number): the global weights as they are; the starts
-  and client terms (`[K, ...]`) with their client axis `num_clients`; the round's example
-  table and its `[E, S, K, B]` batch index, mask and `[E, S, K]` step flags with only the
-  client axis fixed."""
-  global_trainable, start, client_terms, examples, labels, index, mask, valid, epochs = args
+  `num_clients` participants (None: any number): the global weights as they are; the starts,
+  client terms and per-client statistics (`[K, ...]`) with their client axis `num_clients`;
+  the round's example table and its `[E, S, K, B]` batch index, mask and `[E, S, K]` step
+  flags with only the client axis fixed."""
+  (global_trainable, start, client_terms, statistics, examples, labels, index, mask, valid,
+   epochs) = args
 
   def spec(t, unknown=(), client_axis=None):
     shape = list(np.shape(t))
@@ -223,6 +252,7 @@ def _round_specs(args: Sequence[Any], num_clients: Optional[int]) -> list:
         lambda t: spec(t, client_axis=client_axis), structure)
 
   return [specs(global_trainable), specs(start, 0), specs(client_terms, 0),
+          specs(statistics, None if start is None else 0),
           spec(examples, unknown=[0]), spec(labels, unknown=[0]),
           spec(index, unknown=[0, 1, 3], client_axis=2),
           spec(mask, unknown=[0, 1, 3], client_axis=2),
@@ -265,8 +295,9 @@ class VectorizedClientWork:
                client_regularizer: Optional[Callable[[Any], Any]] = None,
                step_observers: Sequence[client_work_lib.StepObserver] = (), latent: bool = False,
                factor_dense: bool = True, batch_norm: bool = False):
-    """`batch_norm`: BatchNorm models are allowed (`functional_apply`), for client work whose
-    clients start from the global model and whose trained statistics are discarded."""
+    """`batch_norm`: BatchNorm models are allowed (`functional_apply`); each client's moving
+    statistics train from the global model's or its own (`train(statistics=)`) and come back
+    as `non_trainable`."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     client_work_lib.check_weight_fields(weight_fields)
@@ -304,6 +335,8 @@ class VectorizedClientWork:
       raise ConfigError('vectorised clients do not compute latent representations of a model '
                         'with BatchNorm.')
     self._apply = functional_apply(self._keras_model, batch_norm=batch_norm)
+    self._update_statistics = (moving_statistics(self._keras_model) if self._batch_norm
+                               else None)
     self._latent = None
     self._latent_and_output = None
     if latent or 'latent_mean' in weight_fields:
@@ -410,17 +443,18 @@ class VectorizedClientWork:
 
   def _client_step_fn(self, reg: _Regularization, global_trainable, plan, base_of, anchor_of):
     """One client's step, `(weights, x, y, mask, trains, context, terms, rows, anchors) →
-    (gradients, metric sums, factors, differentiated)`: the gradients the updater applies (an
+    (gradients, metric sums, factors, differentiated, moments)`: the gradients the updater applies (an
     affine regulariser's terms are added there), the step's per-client metric sums weighted by
     whether it trains, the factored kernels' `(inputs, δ)` (`factored_dense`) and, with step
     observers, the gradients as differentiated, before any closed-form term or frozen tensor's
-    zero (what they observe)."""
+    zero (what they observe), and the batch moments of its BatchNorm layers (`functional_apply`).
+    """
     traits = reg.traits
 
     def client_step(args):
       local, bx, by, bmask, trains, context, client, rows, anchors = args
       regularizer = reg.of_client(client)
-      products, inputs, probes = {}, {}, {}
+      products, inputs, probes, moments = {}, {}, {}, {}
       with tf.GradientTape() as tape:
         tape.watch(local)
         for n, i in enumerate(plan.indices if plan else ()):
@@ -437,7 +471,8 @@ class VectorizedClientWork:
         if traits.reads_latent:
           latent, logits = self._latent_and_output(local, bx, training=True)
         else:
-          logits = self._apply(local, bx, training=True, kernel_products=products, mask=bmask)
+          logits = self._apply(local, bx, training=True, kernel_products=products, mask=bmask,
+                               moments=moments)
         n = tf.reduce_sum(bmask)
         per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=tf.cast(by, tf.int64), logits=logits)
@@ -467,12 +502,12 @@ class VectorizedClientWork:
       step_sums = (data_loss * n * count, tf.cast(n * count, tf.int64), correct * count,
                    tf.cast(trains, tf.int64))
       factors = tuple((inputs[i], d) for i, d in zip(sorted(probes), deltas))
-      return tuple(gradients), step_sums, factors, differentiated
+      return tuple(gradients), step_sums, factors, differentiated, moments
 
     return client_step
 
-  def _train_fn(self, global_trainable, start, client_terms, examples, labels, index, mask,
-                valid, epochs, num_clients=None, factored=frozenset()):
+  def _train_fn(self, global_trainable, start, client_terms, statistics, examples, labels, index,
+                mask, valid, epochs, num_clients=None, factored=frozenset()):
     """Local training of every participant (`build_local_training` with a client axis); each
     step gathers its batches from the round's example table (`stack_client_batches`).
 
@@ -480,7 +515,9 @@ class VectorizedClientWork:
     `start` weights `[K, ...]` (personalised methods, whose clients keep a model). With
     `client_terms` (a structure with a leading client axis), each client's regulariser is
     `client_regularizer(its terms)` (KAPC's proximal term towards the client's own s_i);
-    otherwise every client uses the shared `regularizer` towards `global_trainable`.
+    otherwise every client uses the shared `regularizer` towards `global_trainable`. A
+    BatchNorm model's moving `statistics` are the global model's (FedAvg family) or, with
+    `start`, each client's `[K, ...]`; the trained ones are `out['non_trainable']`.
     """
     del epochs  # Each client's epochs are in `valid`.
     reg = self._regularization(client_terms)
@@ -496,6 +533,12 @@ class VectorizedClientWork:
       weights = tuple(broadcast_clients(g, k) for g in global_trainable)
     else:
       weights = tuple(start)
+    if self._update_statistics is None:
+      statistics = ()
+    elif start is None:
+      statistics = tuple(broadcast_clients(v, k) for v in statistics)
+    else:
+      statistics = clients(tuple(statistics))
     updater = self._updater
     read_weights = lambda carry: clients(updater.weights(carry))
     terms = () if client_terms is None else client_terms
@@ -524,7 +567,7 @@ class VectorizedClientWork:
       skip = frozenset(plan.indices)
     num_epochs, num_steps = tf.shape(valid)[0], tf.shape(valid)[1]
 
-    def epoch(e, carry, sums, observed, factored_state):
+    def epoch(e, carry, sums, observed, factored_state, statistics):
       if first_context is not None:
         context, affine = tf.cond(
             tf.equal(e, 0), lambda: first_context,
@@ -541,12 +584,12 @@ class VectorizedClientWork:
         anchored = tf.reduce_any([tf.reduce_any(tf.not_equal(scale, 0.0))
                                   for scale in affine[0]])
 
-      def step(s, carry, sums, observed, factored_state):
+      def step(s, carry, sums, observed, factored_state, statistics):
         trains = valid[e, s]
         t = e * num_steps + s  # The step's place in the round's history.
         # The clients' gradients in one vectorised step, then the optimizer's update of all of
         # them (`stacked_optimizer`: in place for TFF's SGD(M)).
-        gradients, step_sums, factors, differentiated = tf.vectorized_map(
+        gradients, step_sums, factors, differentiated, moments = tf.vectorized_map(
             client_step, (read_weights(carry), tf.gather(examples, index[e, s]),
                           tf.gather(labels, index[e, s]), mask[e, s], trains, context, terms,
                           plan.client_rows(factored_state, t) if plan else (), plan_anchors))
@@ -565,18 +608,21 @@ class VectorizedClientWork:
         sums = tuple(a + b for a, b in zip(sums, step_sums))
         observed = tuple(o.observe(state, differentiated)
                          for o, state in zip(self._step_observers, observed))
-        return s + 1, carry, sums, observed, factored_state
+        if statistics:
+          statistics = self._update_statistics(statistics, moments, trains)
+        return s + 1, carry, sums, observed, factored_state, statistics
 
-      return (e + 1, *tf.while_loop(lambda s, *_: s < num_steps, step,
-                                    (tf.constant(0), carry, sums, observed, factored_state))[1:])
+      return (e + 1, *tf.while_loop(
+          lambda s, *_: s < num_steps, step,
+          (tf.constant(0), carry, sums, observed, factored_state, statistics))[1:])
 
     zero = tf.zeros([k], tf.float32)
     # Per client: Σ batch-loss·n, examples, correct predictions, batches.
     sums = (zero, tf.zeros([k], tf.int64), zero, tf.zeros([k], tf.int64))
     observed = tuple(o.initial(weights) for o in self._step_observers)
-    _, carry, sums, observed, factored_state = tf.while_loop(
+    _, carry, sums, observed, factored_state, statistics = tf.while_loop(
         lambda e, *_: e < num_epochs, epoch,
-        (tf.constant(0), updater.start(weights), sums, observed, factored_state))
+        (tf.constant(0), updater.start(weights), sums, observed, factored_state, statistics))
     weights = clients(updater.finish(carry))
     if plan is not None:
       # The factored kernels formed once: the updater left them at the round's start.
@@ -590,6 +636,8 @@ class VectorizedClientWork:
 
     # `steps` per client, as `client_work.build_local_training` reports it for one client.
     out = collections.OrderedDict(trained=weights, sums=sums, steps=sums[3])
+    if statistics:
+      out['non_trainable'] = clients(statistics)
     for observer, state in zip(self._step_observers, observed):
       out[observer.name] = observer.result(state, sums[3])
     if start is None:
@@ -663,11 +711,12 @@ class VectorizedClientWork:
     return None
 
   def train(self, client_inputs: Sequence[Any], global_trainable=None, start=None,
-            client_terms=None, read_before_elsewhere: bool = False
+            client_terms=None, statistics=None, read_before_elsewhere: bool = False
             ) -> tuple[collections.OrderedDict, collections.OrderedDict]:
     """`(out, data)`: the participants' local training (`_train_fn`'s outputs: `trained`,
     the metric `sums`, with a global model `update`, ...) and their round data
-    (`stack_client_batches`). `read_before_elsewhere`: the inputs' datasets were read already
+    (`stack_client_batches`). `statistics`: a BatchNorm model's moving statistics, the global
+    model's or, with `start`, each client's (`_train_fn`). `read_before_elsewhere`: the inputs' datasets were read already
     this round (FedLap personalisation's local models train on the data its method's clients
     read): each is rebuilt first, as TFF deserialises it afresh for every computation."""
     self._restore_tf2_layer_classes()
@@ -683,7 +732,13 @@ class VectorizedClientWork:
         # This regulariser trains every kernel per step: a round whose history would be worth
         # factoring uses the trace of one that is not, rather than tracing again.
         factored = frozenset()
-    args = (global_trainable, start, client_terms, data['examples'], data['labels'],
+    if self._update_statistics is None:
+      statistics = None
+    elif statistics is None:
+      raise ValueError('a BatchNorm model trains from moving statistics: pass statistics=.')
+    else:
+      statistics = tuple(statistics)
+    args = (global_trainable, start, client_terms, statistics, data['examples'], data['labels'],
             data['index'], data['mask'], data['valid'], data['epochs'])
     with tf.device(self._device) if self._device else contextlib.nullcontext():
       if (k, factored) not in self._traced_for:
@@ -729,7 +784,8 @@ class VectorizedClientWork:
     if global_weights.non_trainable and not self._batch_norm:
       raise ConfigError('vectorised clients need a model without non-trainable weights.')
     global_trainable = tuple(np.asarray(w) for w in global_weights.trainable)
-    out, data = self.train(client_inputs, global_trainable, client_terms=client_terms)
+    out, data = self.train(client_inputs, global_trainable, client_terms=client_terms,
+                           statistics=tuple(np.asarray(w) for w in global_weights.non_trainable))
     _, examples, _, batches = (t.numpy() for t in out['sums'])
     epochs = data['epochs']
     k = len(client_inputs)

@@ -9,8 +9,8 @@ only the other layers, as the KAPC paper's Table 6 does for FedBN). On a model w
 normalisation layers (cnn2, mlp2) that is FedAvg whose clients keep their locally trained
 models; the KAPC paper's MNIST/FMNIST configs therefore run FedBN on `cnn2_bn`.
 
-Executor: on BatchNorm models (cnn2_bn, resnet18) `runtime.executor = 'auto'` runs FedBN on
-TFF's C++ runtime, since vectorised clients refuse the BN moving statistics (non-trainable weights).
+Vectorised clients train each client's own moving statistics with it
+(`learning.vectorized.moving_statistics`), as TFF's client work does.
 """
 
 from __future__ import annotations

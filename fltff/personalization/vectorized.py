@@ -10,8 +10,8 @@ proximal term, and the parts before and after it are the round's own
 round stay TFF computations (`PersonalizedAlgorithm.split_round`), so the state and result are
 the same as TFF's to float rounding (tests/test_vectorized.py).
 
-Scope: models whose weights are all trainable (FedBN's BatchNorm statistics are refused, as
-for the FedAvg family).
+BatchNorm models: each client's moving statistics (its client state's `non_trainable`) train
+with it and come back in its upload, as TFF's client work returns them (FedBN keeps them local).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class VectorizedPersonalWork:
     self._work = VectorizedClientWork(
         model_spec, optimizer, device=device, factor_dense=factor_dense,
         client_regularizer=(lambda terms: parts.client_regularizer(*terms)) if self._regularized
-        else None)
+        else None, batch_norm=True)
     # Without autograph, as the training: no tensor-dependent Python control flow here.
     self._starts = tf.function(self._starts_fn, reduce_retracing=True, autograph=False)
     self._results = tf.function(self._results_fn, reduce_retracing=True, autograph=False)
@@ -89,10 +89,13 @@ class VectorizedPersonalWork:
     k = self._work.traced_client_count(len(client_inputs))
     start, s, sent, own = (tuple(part) for part in self._starts(rows, personal, num_clients=k))
     out, data = self._work.train(client_inputs, start=start,
-                                 client_terms=(s, sent) if self._regularized else None)
+                                 client_terms=(s, sent) if self._regularized else None,
+                                 statistics=personal.get('non_trainable'))
     examples = out['sums'][1]
     examples_per_epoch = client_work_lib.examples_per_epoch(examples, data['epochs'])
     value, weight = self._results(personal, clients, s, sent, own, tuple(out['trained']),
                                   examples_per_epoch, num_clients=k)
     value = collections.OrderedDict(trainable=tuple(value['trainable']))
+    if 'non_trainable' in out:
+      value['non_trainable'] = tuple(out['non_trainable'])
     return value, weight, self._work.model_outputs(out['sums'])

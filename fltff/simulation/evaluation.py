@@ -113,7 +113,7 @@ def check_protocols(protocols, personalized: bool, has_local_splits: bool,
     raise ConfigError("experiment.evaluation: trained_local reads the participants' trained "
                       'models from the vectorised client work; this run does not vectorise its '
                       "clients (runtime.executor = 'in_process' or 'auto'), or its model has "
-                      'BatchNorm statistics, which vectorised clients do not keep.')
+                      'BatchNorm statistics, which it does not read.')
   return protocols
 
 
