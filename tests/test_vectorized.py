@@ -560,8 +560,8 @@ def test_auto_client_work_vectorises_what_it_can_and_the_runtime_places_it(data,
       algorithm = chosen(UNSUPPORTED['own_client_work'](spec), rt)
       assert rt.executor == 'tff_cpp' and len(rt.worker_pids) == 2
       assert 'cannot vectorise its clients' in algorithm.client_work_reason
-    with make_runtime() as rt:  # FedBN's clients keep their BatchNorm statistics.
-      algorithm = chosen(METHODS['fedbn'](build_model_spec(data, 'cnn2_bn', seed=0)), rt)
+    with make_runtime() as rt:  # MOON reads other models' representations of its batches.
+      algorithm = chosen(METHODS['moon'](build_model_spec(data, 'cnn2_bn', seed=0)), rt)
       assert rt.executor == 'tff_cpp' and 'non-trainable weights' in algorithm.client_work_reason
     # Recycling the worker is the C++ runtime's: chosen before any method, and then 'auto'
     # client work stays client by client.
