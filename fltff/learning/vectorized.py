@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import logging
 import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple, Optional
@@ -257,6 +258,26 @@ def _round_specs(args: Sequence[Any], num_clients: Optional[int]) -> list:
           spec(index, unknown=[0, 1, 3], client_axis=2),
           spec(mask, unknown=[0, 1, 3], client_axis=2),
           spec(valid, unknown=[0, 1], client_axis=2), spec(epochs, client_axis=0)]
+
+
+class _LoopedConvolutionGradients(logging.Filter):
+  """Drops pfor's warning that it loops over the clients for an op it cannot batch: in the
+  vectorised step that is a convolution's filter gradient, computed client by client by
+  design (docs/performance.md), not a fault to show in the user's console at every trace."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return 'uses a while_loop. Fix that!' not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_looped_gradients():
+  logger = tf.get_logger()
+  quiet = _LoopedConvolutionGradients()
+  logger.addFilter(quiet)
+  try:
+    yield
+  finally:
+    logger.removeFilter(quiet)
 
 
 class _EveryDataset:
@@ -740,7 +761,8 @@ class VectorizedClientWork:
       statistics = tuple(statistics)
     args = (global_trainable, start, client_terms, statistics, data['examples'], data['labels'],
             data['index'], data['mask'], data['valid'], data['epochs'])
-    with tf.device(self._device) if self._device else contextlib.nullcontext():
+    with (tf.device(self._device) if self._device else contextlib.nullcontext(),
+          _quiet_looped_gradients()):
       if (k, factored) not in self._traced_for:
         # Traced once for every round of this client count: the round's example count, epochs,
         # steps and batch size left unknown. Traced on the first round's exact shapes instead,
