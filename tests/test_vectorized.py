@@ -589,8 +589,13 @@ def test_auto_client_work_vectorises_what_it_can_and_the_runtime_places_it(data,
       algorithm = chosen(UNSUPPORTED['own_client_work'](spec), rt)
       assert rt.executor == 'tff_cpp' and len(rt.worker_pids) == 2
       assert 'cannot vectorise its clients' in algorithm.client_work_reason
+    bn_spec = build_model_spec(data, 'cnn2_bn', seed=0)
+    with make_runtime() as rt:  # FedBN's clients train their own BatchNorm statistics.
+      algorithm = chosen(METHODS['fedbn'](bn_spec), rt)
+      assert (rt.executor, rt.vectorised, algorithm.client_work_reason) == ('in_process', True,
+                                                                             None)
     with make_runtime() as rt:  # MOON reads other models' representations of its batches.
-      algorithm = chosen(METHODS['moon'](build_model_spec(data, 'cnn2_bn', seed=0)), rt)
+      algorithm = chosen(METHODS['moon'](bn_spec), rt)
       assert rt.executor == 'tff_cpp' and 'non-trainable weights' in algorithm.client_work_reason
     # Recycling the worker is the C++ runtime's: chosen before any method, and then 'auto'
     # client work stays client by client.
