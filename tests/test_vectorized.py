@@ -495,23 +495,28 @@ def _small_batchnorm_model(input_shape=(28, 28, 1), num_classes=10, seed=0):
   return tf.keras.Model(inputs, outputs)
 
 
-def test_personalised_clients_train_their_own_batchnorm_statistics_as_the_cpp_runtime(data, cpp):
+@pytest.mark.parametrize('method,model', [('fedbn', 'model'),
+                                          ('fedavg+fedlap_personalization', 'local')])
+def test_clients_train_their_own_batchnorm_statistics_as_the_cpp_runtime(method, model, data,
+                                                                        cpp):
   # FedBN: BatchNorm layers and their moving statistics stay with each client, which starts
-  # from its own and uploads the trained ones; vectorised, each client's statistics follow
-  # Keras's moving average of its batches' moments (`vectorized.moving_statistics`).
+  # from its own and uploads the trained ones; FedLap personalisation: FedAvg's clients (their
+  # statistics from the server's, then discarded as TFF does) and each client's local model,
+  # statistics included. Vectorised, a client's statistics follow Keras's moving average of
+  # its batches' moments (`vectorized.moving_statistics`).
   from fltff.learning.model_spec import ModelSpec  # pylint: disable=g-import-not-at-top
 
   spec = ModelSpec(_small_batchnorm_model, (28, 28, 1), 10)
-  expected = run_rounds(equality_methods()['fedbn'](spec), data, cpp, EQUALITY_CLIENTS, rounds=2)
-  algorithm = _vectorized(equality_methods()['fedbn'](spec))
+  expected = run_rounds(equality_methods()[method](spec), data, cpp, EQUALITY_CLIENTS, rounds=2)
+  algorithm = _vectorized(equality_methods()[method](spec))
   actual = run_rounds(algorithm, data, InProcessContext(), EQUALITY_CLIENTS, rounds=2)
   tff.framework.set_default_context(cpp)
-  assert_equal_runs(expected, actual, 'fedbn (vectorised, BatchNorm)')
+  assert_equal_runs(expected, actual, f'{method} (vectorised, BatchNorm)')
   initial = spec.initial_weights().non_trainable
   states = actual[0][-1][1]  # The last round's clients' new states.
   assert len(initial) == 4 and states
   for state in states.values():
-    trained = state['model']['non_trainable']
+    trained = state[model]['non_trainable']
     assert all(not np.allclose(a, b) for a, b in zip(trained, initial))  # They moved.
 
 

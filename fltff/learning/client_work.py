@@ -530,8 +530,8 @@ def build_local_update(model_spec: ModelSpec, optimizer):
   """Federated computation training each participant's *own* model on its data.
 
   `(weights@CLIENTS, client_input@CLIENTS) -> (client_index, trained ModelWeights)@CLIENTS`,
-  with no regulariser and no aggregation: the purely local models of personalised methods.
-  The client index travels with each result because TFF's multi-worker (mergeable) context
+  with no regulariser and no aggregation: the purely local models of personalised methods,
+  each with its own trained BatchNorm statistics. The client index travels with each result because TFF's multi-worker (mergeable) context
   returns per-client values in the order the sub-rounds finish, not in client order.
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
@@ -541,12 +541,12 @@ def build_local_update(model_spec: ModelSpec, optimizer):
   @tff.tensorflow.computation(weights_type, data_type)
   def local_update(weights, data):
     local_model = model_spec.tff_model()
-    trained = build_local_training(local_model, optimizer)(weights, data['batches'],
-                                                           data['info'])['trained']
+    out = build_local_training(local_model, optimizer)(weights, data['batches'], data['info'])
     client_index = client_index_of(data)
     new_weights = tff.learning.models.ModelWeights(
-        trainable=tf.nest.pack_sequence_as(weights.trainable, list(trained)),
-        non_trainable=weights.non_trainable)
+        trainable=tf.nest.pack_sequence_as(weights.trainable, list(out['trained'])),
+        non_trainable=tf.nest.pack_sequence_as(weights.non_trainable,
+                                               list(out['non_trainable'])))
     return client_index, new_weights
 
   @tff.federated_computation(tff.FederatedType(weights_type, tff.CLIENTS),

@@ -136,7 +136,7 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
     self.inner.vectorize_clients(device, factor_dense)
     self._local_work = VectorizedClientWork(self.personalization.model_spec,
                                             self.personalization.optimizer, device=device,
-                                            factor_dense=factor_dense)
+                                            factor_dense=factor_dense, batch_norm=True)
 
   @property
   def vectorized(self) -> bool:
@@ -190,12 +190,18 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
     from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
 
     start = stack_clients([tuple(model['trainable']) for model in local_models])
+    statistics = None
+    if len(local_models[0]['non_trainable']):  # A BatchNorm model's, each local model's own.
+      statistics = stack_clients([tuple(model['non_trainable']) for model in local_models])
     # The method's clients read these datasets this round: read them afresh, as TFF would.
-    out, _ = self._local_work.train(inputs, start=start, read_before_elsewhere=True)
+    out, _ = self._local_work.train(inputs, start=start, statistics=statistics,
+                                    read_before_elsewhere=True)
     trained = [t.numpy() for t in out['trained']]
+    moved = [t.numpy() for t in out.get('non_trainable', ())]
     return [(client_work_lib.client_index_of_input(data),
-             tff.learning.models.ModelWeights(trainable=[t[k] for t in trained],
-                                              non_trainable=list(model['non_trainable'])))
+             tff.learning.models.ModelWeights(
+                 trainable=[t[k] for t in trained],
+                 non_trainable=[t[k] for t in moved] if moved else list(model['non_trainable'])))
             for k, (data, model) in enumerate(zip(inputs, local_models))]
 
   def global_model_weights(self, state):
