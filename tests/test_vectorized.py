@@ -425,10 +425,10 @@ def test_methods_with_their_own_client_work_refuse_in_one_error(method, spec):
 # is the same step: the matrix above covers it on mlp2).
 @pytest.mark.parametrize('mu', [0.1])
 def test_a_batchnorm_client_work_equals_tffs(mu, cpp):
-  # cnn2_bn: BatchNorm after both convolutions (Keras's fused kernel in TFF's graph) and both
-  # hidden dense layers; the vectorised step normalises each client's batch with the moments
-  # of its real examples. Clients of 40, 24 and 33 examples in batches of 16 (padded partial
-  # batches), 1, 1 and 0 epochs.
+  # A convolution and a dense layer into BatchNorm (Keras's fused kernel in TFF's graph for the
+  # first); the vectorised step normalises each client's batch with the moments of its real
+  # examples. Clients of 40, 24 and 33 examples in batches of 16 (padded partial batches), 1, 1
+  # and 0 epochs.
   # Continuous random inputs: MNIST's exactly tied background values under max-pooling make
   # the position that gets the gradient depend on the kernel (even TFF's own executors differ).
   # One epoch each: BatchNorm training on so few examples can be chaotic — for a client of 28
@@ -437,10 +437,8 @@ def test_a_batchnorm_client_work_equals_tffs(mu, cpp):
   from fltff.learning import client_work as client_work_lib  # pylint: disable=g-import-not-at-top
   from fltff.learning.model_spec import ModelSpec  # pylint: disable=g-import-not-at-top
   from fltff.learning.regularizers import ProximalRegularizer  # pylint: disable=g-import-not-at-top
-  from fltff.models import build_model  # pylint: disable=g-import-not-at-top
 
-  spec = ModelSpec(functools.partial(build_model, 'cnn2_bn', input_shape=(28, 28, 1),
-                                     num_classes=10, seed=0), (28, 28, 1), 10)
+  spec = ModelSpec(_small_batchnorm_model, (28, 28, 1), 10)
   regularizer = ProximalRegularizer(mu) if mu else None
   rng = np.random.default_rng(0)
   inputs = []
@@ -450,7 +448,7 @@ def test_a_batchnorm_client_work_equals_tffs(mu, cpp):
     batches = tf.data.Dataset.from_tensor_slices(examples).shuffle(n, seed=k).batch(16)
     inputs.append(client_work_lib.client_input(batches, k, epochs))
   weights = spec.initial_weights()
-  assert len(weights.non_trainable) == 8  # Each BatchNorm's moving mean and variance.
+  assert len(weights.non_trainable) == 4  # Each BatchNorm's moving mean and variance.
   tff.framework.set_default_context(cpp)
   work = client_work_lib.build_client_work(spec, SGDM(), regularizer)
   expected = work.next(work.initialize(), [weights] * 3, inputs)
