@@ -77,7 +77,9 @@ _EXECUTORS = flags.DEFINE_bool('executors', False, "FedAvg rounds of TFF's built
                                 'for each --executor_shapes entry.')
 _EXECUTOR_SHAPES = flags.DEFINE_list('executor_shapes', ['mlp2:10x600', 'mlp2:100x60',
                                                          'cnn2:10x600'],
-                                     'model:clients x examples per client, for --executors.')
+                                     'model:CLIENTSxEXAMPLES (examples per client) or '
+                                     'model:CLIENTSxFEWEST-MOST (unequal clients, sizes spread '
+                                     'evenly), for --executors.')
 _EXECUTOR_VARIANTS = flags.DEFINE_list(
     'executor_variants', ['fltff_tff_cpp', 'fltff_in_process', 'fltff_vectorized',
                           'one_model_floor'],
@@ -123,10 +125,15 @@ def input_shape(model: str) -> tuple[int, int, int]:
 
 
 def _client_data(num_clients, examples, seed=0, shape=(28, 28, 1)) -> _BenchClients:
+  """`examples` per client, or with `examples = (fewest, most)` sizes spread evenly between
+  them (unequal clients, as a label-skewed partition makes them)."""
   rng = np.random.default_rng(seed)
-  return _BenchClients([(rng.integers(0, 256, size=(examples, *shape), dtype=np.uint8),
-                         rng.integers(0, 10, size=examples).astype(np.int32))
-                        for _ in range(num_clients)])
+  if isinstance(examples, tuple):
+    sizes = np.linspace(*examples, num_clients).round().astype(int)
+  else:
+    sizes = [examples] * num_clients
+  return _BenchClients([(rng.integers(0, 256, size=(n, *shape), dtype=np.uint8),
+                         rng.integers(0, 10, size=n).astype(np.int32)) for n in sizes])
 
 
 class PlainTfFedAvg:
@@ -171,22 +178,21 @@ class PlainTfFedAvg:
 
 class OneModelFloor:
   """The round's arithmetic without federated learning, as a floor for the executors: ONE Keras
-  model trained (SGD with momentum) on all the clients' examples, each step taking one batch
-  from every client (clients × batch examples), as many steps as one client's epochs. Per-client
+  model trained (SGD with momentum) on all the clients' examples in batches of clients × batch
+  examples (as many steps as one client's epoch when the clients are equal). Per-client
   weights make the same FLOPs as K small convolutions/matmuls instead of one K-times-larger
   one; this is how fast that one larger one runs here."""
 
   def __init__(self, keras_fn, data: _BenchClients):
     self.model = keras_fn()
     variables = self.model.trainable_variables
-    examples = len(data[0][1])
-    batch = min(_BATCH.value, examples)
-    steps = examples // batch  # Full batches (a smaller last one is dropped).
-    # [steps, clients × batch, ...]: client k's step-s batch is a contiguous slice.
-    x = np.stack([x for x, _ in data], 1)[:steps * batch]
-    y = np.stack([y for _, y in data], 1)[:steps * batch]
-    self._x = tf.constant(x.reshape(steps, -1, *x.shape[2:]).astype(np.float32) / 255.0)
-    self._y = tf.constant(y.reshape(steps, -1))
+    x = np.concatenate([x for x, _ in data])
+    y = np.concatenate([y for _, y in data])
+    batch = min(_BATCH.value * len(data), len(y))
+    steps = len(y) // batch  # Full batches (a smaller last one is dropped).
+    self._x = tf.constant(x[:steps * batch].reshape(steps, batch, *x.shape[1:]).astype(
+        np.float32) / 255.0)
+    self._y = tf.constant(y[:steps * batch].reshape(steps, batch))
 
     @tf.function
     def epoch(x, y):
@@ -213,16 +219,18 @@ def _round_datasets(data: _BenchClients, r):
   return [data.datasets.batches(k, shuffle_seed=r * 1000 + k) for k in range(len(data))]
 
 
-def _round_fn(algorithm):
+def _round_fn(algorithm, sizes=None):
   """One round of any method (`protocol.run_round`, the driver's core) on given datasets, with
-  all clients taking part; its state (server state, client states) carries over."""
+  all clients taking part (`sizes`: their example counts, default `--examples` each); its
+  state (server state, client states) carries over."""
   holder = {'state': algorithm.initialize()}
   store = ClientStateStore(algorithm.initial_client_state)
 
   def one_round(datasets):
     out, _ = protocol.run_round(
         algorithm, holder['state'], range(len(datasets)), batches_of=lambda k: datasets[k],
-        epochs_of=lambda k: _EPOCHS.value, num_examples_of=lambda k: _EXAMPLES.value,
+        epochs_of=lambda k: _EPOCHS.value,
+        num_examples_of=lambda k: _EXAMPLES.value if sizes is None else sizes[k],
         client_state_of=store.get)
     holder['state'] = out.state
     for k, value in out.client_states.items():
@@ -294,12 +302,19 @@ def _torch_round(model: str, data: _BenchClients, style: str):
 
 
 def _parse_shape(text: str):
+  """`(model, clients, examples)` of `model:CLIENTSxEXAMPLES`, or of `model:CLIENTSxFEW-MANY`
+  (unequal clients, `examples = (few, many)`)."""
   try:
     model, dims = text.split(':')
-    clients, examples = (int(v) for v in dims.lower().split('x'))
+    clients, examples = dims.lower().split('x')
+    clients = int(clients)
+    examples = (tuple(int(v) for v in examples.split('-')) if '-' in examples
+                else int(examples))
+    if clients < 1 or min(np.atleast_1d(examples)) < 1 or np.size(examples) > 2:
+      raise ValueError
   except ValueError:
-    raise ValueError(f'--executor_shapes entry {text!r} is not model:CLIENTSxEXAMPLES, e.g. '
-                     'mlp2:10x600') from None
+    raise ValueError(f'--executor_shapes entry {text!r} is not model:CLIENTSxEXAMPLES or '
+                     'model:CLIENTSxFEWEST-MOST, e.g. mlp2:10x600, cnn2:10x100-1100') from None
   return model, clients, examples
 
 
@@ -348,6 +363,7 @@ def compare_executors() -> int:
       keras_fn = functools.partial(build_model, model, input_shape=shape, num_classes=10, seed=0)
       spec = learning.ModelSpec(keras_fn, shape, 10, name=model)
       data = _client_data(clients, examples, shape=shape)
+      label = f'{model} {clients}x' + '-'.join(str(n) for n in np.atleast_1d(examples))
       opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
       builtin = tff.learning.algorithms.build_weighted_fed_avg(
           spec.tff_model, client_optimizer_fn=tff.learning.optimizers.build_sgdm(_LR, _MOMENTUM),
@@ -382,7 +398,7 @@ def compare_executors() -> int:
           except ConfigError as e:
             print(f'{name} on {model}: not timed ({e})', flush=True)
             continue
-        rounds[name] = _round_fn(algorithm)
+        rounds[name] = _round_fn(algorithm, [len(y) for _, y in data])
       measured = [n for n in names if n in rounds]
       times = {n: [] for n in measured}
       for r in range(_ROUNDS.value):
@@ -392,9 +408,9 @@ def compare_executors() -> int:
           t0 = time.perf_counter()
           rounds[n](datasets)
           times[n].append(time.perf_counter() - t0)
-        print(f'{model} {clients}x{examples} round {r + 1}: '
+        print(f'{label} round {r + 1}: '
               + ', '.join(f'{n} {times[n][-1]:.3f} s' for n in measured), flush=True)
-      results.append(((model, clients, examples),
+      results.append((label,
                       {n: statistics.median(v[1:]) for n, v in times.items()}))
     tff.framework.set_default_context(cpp_context)
     worker_mib = sum(memory_bench.rss_mib(p) for p in rt.worker_pids)
@@ -403,17 +419,17 @@ def compare_executors() -> int:
   print(f'\nFedAvg round, batch {_BATCH.value}, {_EPOCHS.value} epoch(s), SGD {_LR} momentum '
         f'{_MOMENTUM}; median of rounds 2-{_ROUNDS.value}, ratio to TFF\'s built-in:')
   print(f'  {"shape":18s}' + ''.join(f'{n:>24s}' for n in fedavg_names))
-  for (model, clients, examples), med in results:
-    print(f'  {model + " " + str(clients) + "x" + str(examples):18s}' + ''.join(
+  for label, med in results:
+    print(f'  {label:18s}' + ''.join(
         f'{med[n]:>11.3f} s ({med[n] / med["tff_builtin"]:6.3f}x)' if n in med else f'{"-":>24s}'
         for n in fedavg_names))
   if methods:
     print('\nOther methods with vectorised clients (in-process), same runs: ratio to TFF\'s '
           'built-in FedAvg [and to fltff_vectorized FedAvg]:')
     print(f'  {"shape":18s}' + ''.join(f'{m:>32s}' for m in methods))
-    for (model, clients, examples), med in results:
+    for label, med in results:
       ours = med.get('fltff_vectorized')
-      print(f'  {model + " " + str(clients) + "x" + str(examples):18s}' + ''.join(
+      print(f'  {label:18s}' + ''.join(
           (f'{med["vectorized:" + m]:>11.3f} s ({med["vectorized:" + m] / med["tff_builtin"]:6.3f}x'
            + (f' [{med["vectorized:" + m] / ours:5.2f}x])' if ours else ')' + ' ' * 9))
           if 'vectorized:' + m in med else f'{"-":>32s}' for m in methods))

@@ -34,19 +34,20 @@ def test_bench_prints_ratio(extra, pattern):
 
 
 def test_bench_executors_prints_ratios_to_tffs_builtin():
-  result = run_program('pipelines.bench', '--executors', '--executor_shapes=mlp2:3x20',
+  # Unequal clients (10, 20 and 30 examples), as a label-skewed partition makes them.
+  result = run_program('pipelines.bench', '--executors', '--executor_shapes=mlp2:3x10-30',
                        '--executor_methods=fedlap', '--rounds=2', timeout=300,
                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
   assert result.returncode == 0, result.stderr[-3000:]
   # Built-in, C++ runtime, in-process, vectorised, and the one-model floor.
   assert re.search(r'tff_builtin\s+fltff_tff_cpp\s+fltff_in_process\s+fltff_vectorized\s+'
                    r'one_model_floor\n', result.stdout), result.stdout
-  assert re.search(r'mlp2 3x20\s+\d+\.\d+ s \(\s*1\.000x\)(\s+\d+\.\d+ s \(\s*\d+\.\d{3}x\)){4}',
+  assert re.search(r'mlp2 3x10-30\s+\d+\.\d+ s \(\s*1\.000x\)(\s+\d+\.\d+ s \(\s*\d+\.\d{3}x\)){4}',
                    result.stdout), result.stdout
   # The other methods, vectorised, in the same runs: to the built-in and to fltff's FedAvg.
   table = result.stdout.split('Other methods with vectorised clients')[-1]
   assert re.search(r'\s+fedlap\n', table), result.stdout
-  assert re.search(r'mlp2 3x20\s+\d+\.\d+ s \(\s*\d+\.\d{3}x \[\s*\d+\.\d{2}x\]\)',
+  assert re.search(r'mlp2 3x10-30\s+\d+\.\d+ s \(\s*\d+\.\d{3}x \[\s*\d+\.\d{2}x\]\)',
                    table), result.stdout
   assert re.search(r'peak RSS of this process .*: \d+ MiB', result.stdout), result.stdout
 
@@ -60,6 +61,10 @@ def test_bench_executors_refuses_an_unknown_variant_or_method_in_one_line():
   assert result.returncode == 2
   assert "error: --executor_methods ['fedsgd']: choose from" in result.stderr, (
       result.stderr[-2000:])
+  result = run_program_here('pipelines.bench', '--executors', '--executor_shapes=mlp2:3x30-0')
+  assert result.returncode == 2
+  assert ("error: --executor_shapes entry 'mlp2:3x30-0' is not model:CLIENTSxEXAMPLES or "
+          'model:CLIENTSxFEWEST-MOST') in result.stderr, result.stderr[-2000:]
   assert 'Traceback' not in result.stderr
 
 
@@ -80,6 +85,7 @@ def test_executor_shapes_give_resnet18_cifar_images_as_the_pytorch_reference_doe
   from pipelines import bench  # pylint: disable=g-import-not-at-top
   from pipelines import torch_reference  # pylint: disable=g-import-not-at-top
 
+  assert bench._parse_shape('cnn2:10x100-1100') == ('cnn2', 10, (100, 1100))  # pylint: disable=protected-access
   assert bench.input_shape('resnet18') == (32, 32, 3)
   assert bench.input_shape('cnn2_bn') == bench.input_shape('mlp2') == (28, 28, 1)
   for model in torch_reference.MODELS:  # The same images, channels first there.

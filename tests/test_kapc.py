@@ -17,9 +17,7 @@ from fltff.personalization import bls as bls_lib
 from fltff.simulation import driver as driver_lib
 from helpers import REPO
 from helpers import random_client_datasets
-from helpers import read_csv
 from helpers import run_and_resume
-from helpers import run_pipeline
 from helpers import tiny_mlp
 from launcher import run_program
 
@@ -676,20 +674,10 @@ def test_kapc_pipeline_with_client_selection_channel_and_resume(tmp_path):
   rows, resumed, stdout = run_and_resume(args, tmp_path, stop_round=2)
   full = tmp_path / 'full'
   assert 'personal_local accuracy by best_round_mean' in stdout
-  # The default executor ('auto') vectorises KAPC's clients; TFF's C++ runtime, client by
-  # client, gives the same rounds.
+  # The default executor ('auto') vectorises KAPC's clients (equal to TFF's C++ runtime, client
+  # by client: test_vectorized.py, KAPC+BLS's rounds and a pipeline's).
   assert 'runs on the in-process executor, vectorised clients.' in stdout
-  result = run_pipeline(*args, '--gin_bindings=runtime.executor = "tff_cpp"',
-                        f'--output_dir={tmp_path / "cpp"}', in_process=True)
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert "runs on TFF's C++ runtime (local worker_binary)." in result.stdout
-  cpp = read_csv(os.path.join(tmp_path, 'cpp', 'metrics.csv'))
-  assert len(cpp) == len(rows) == 4
-  for a, c in zip(rows, cpp):
-    for column in ('train_loss', 'train_accuracy', 'personal_local_accuracy', 'kapc/omega_mean',
-                   'kapc/self_relation_mean'):
-      np.testing.assert_allclose(float(a[column]), float(c[column]), rtol=1e-5)
-    assert a['examples'] == c['examples'] and a['bytes_up'] == c['bytes_up']
+  assert len(rows) == 4
   for row in rows:
     assert row['clients'] == '4'
     assert float(row['personal_local_accuracy']) > 0.2
