@@ -97,16 +97,6 @@ def _assert_same_metrics(run_dir, reference):
       assert float(a[key]) == pytest.approx(float(b[key]), rel=1e-4, abs=1e-5), (a['round'], key)
 
 
-# End to end through pipelines.run; every method (FedLayerWise included) is compared in-process
-# on 2 workers in test_workers_equality.py.
-@pytest.mark.parametrize('method,args', [('fedavg', FEDAVG)])
-def test_two_workers_match_local_runtime(method, args, workers, local_reference, tmp_path):
-  ws = workers(2)
-  result = run_pipeline(*args, *_binding(ws), f'--output_dir={tmp_path}')
-  assert result.returncode == 0, result.stderr[-3000:]
-  _assert_same_metrics(str(tmp_path), local_reference[method])
-
-
 def _wait_for_round(run_dir, proc, round_num):
   latest = os.path.join(run_dir, 'checkpoints', 'latest.json')
   deadline = time.monotonic() + 300
@@ -117,6 +107,9 @@ def _wait_for_round(run_dir, proc, round_num):
   raise AssertionError(f'round {round_num} never checkpointed')
 
 
+# End to end through pipelines.run on 2 workers: the rounds before and after one is lost equal
+# the local runtime's (the driver's rounds of FedAvg and KAPC+BLS on 2 workers, in-process:
+# test_workers_equality.py; one method per shape of what is merged: test_vectorized.py).
 def test_lost_worker_round_repeats_on_the_other(workers, local_reference, tmp_path):
   ws = workers(2)
   out = str(tmp_path)
