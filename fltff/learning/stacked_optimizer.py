@@ -42,7 +42,8 @@ def broadcast_clients(value, k):
   return tf.broadcast_to(value[tf.newaxis], tf.concat([[k], tf.shape(value)], 0))
 
 
-def _client_mask(trains: tf.Tensor, rank: int) -> tf.Tensor:
+def client_mask(trains: tf.Tensor, rank: int) -> tf.Tensor:
+  """`trains [K]` shaped to select per client in a `[K, ...]` tensor of `rank`."""
   return tf.reshape(trains, [-1] + [1] * (rank - 1))
 
 
@@ -120,7 +121,7 @@ class MappedOptimizer:
     def select():
       # A client without a batch at this step (fewer batches or epochs) is left unchanged.
       return tf.nest.map_structure(
-          lambda n, o: tf.where(_client_mask(trains, n.shape.rank), n, o),
+          lambda n, o: tf.where(client_mask(trains, n.shape.rank), n, o),
           (updated, new_state), (weights, state))
 
     # Skipped when every client trains: a full-size select per tensor and step.

@@ -52,6 +52,7 @@ from fltff.learning.round_data import stack_client_batches
 from fltff.learning.stacked_optimizer import Anchor
 from fltff.learning.stacked_optimizer import FusedSGDM
 from fltff.learning.stacked_optimizer import broadcast_clients
+from fltff.learning.stacked_optimizer import client_mask
 from fltff.learning.stacked_optimizer import stacked_optimizer
 from fltff.runtime.in_process import StackedClients
 from fltff.runtime.in_process import aligned_stack
@@ -162,8 +163,7 @@ def moving_statistics(keras_model: tf.keras.Model) -> Callable:
     for value, (name, which, momentum) in zip(statistics, slots):
       batch = tf.cast(moments[name][which], value.dtype)
       moved = value - (value - batch) * tf.cast(1.0 - momentum, value.dtype)
-      keep = tf.reshape(trains, [-1] + [1] * (value.shape.rank - 1))
-      out.append(tf.where(keep, moved, value))
+      out.append(tf.where(client_mask(trains, value.shape.rank), moved, value))
     return tuple(out)
 
   return update
