@@ -526,6 +526,10 @@ def main(argv) -> int:
     methods = memory_bench.METHODS if _MEMORY.value == ['all'] else _MEMORY.value
     return memory_bench.compare(methods, _MEMORY_ROUNDS.value, _RECYCLE_EVERY.value,
                                 _MMAP_THRESHOLD.value)
+  if _ROUNDS.value < 2:
+    print(f'error: --rounds={_ROUNDS.value}: the first round traces and is left out of the '
+          'median, so a comparison needs --rounds=2 or more.', file=sys.stderr)
+    return 2
   if _EXECUTORS.value:
     return compare_executors()
   keras_fn = lambda: build_model(_MODEL.value, input_shape=(28, 28, 1), num_classes=10, seed=0)

@@ -61,6 +61,9 @@ def test_bench_executors_refuses_an_unknown_variant_or_method_in_one_line():
   assert result.returncode == 2
   assert "error: --executor_methods ['fedsgd']: choose from" in result.stderr, (
       result.stderr[-2000:])
+  result = run_program_here('pipelines.bench', '--executors', '--rounds=1')
+  assert result.returncode == 2
+  assert 'error: --rounds=1: the first round traces' in result.stderr, result.stderr[-2000:]
   result = run_program_here('pipelines.bench', '--executors', '--executor_shapes=mlp2:3x30-0')
   assert result.returncode == 2
   assert ("error: --executor_shapes entry 'mlp2:3x30-0' is not model:CLIENTSxEXAMPLES or "
