@@ -45,7 +45,12 @@ class Worker:
   def stop(self):
     if self.proc.poll() is None:
       self.proc.send_signal(signal.SIGTERM)
-      assert self.proc.wait(timeout=30) == 0  # Clean exit on SIGTERM.
+      try:
+        code = self.proc.wait(timeout=30)
+      except subprocess.TimeoutExpired:
+        self.crash()  # Never left running, port open, after the test.
+        raise AssertionError('the worker did not stop within 30 s of SIGTERM') from None
+      assert code == 0  # Clean exit on SIGTERM.
 
   def crash(self):
     self.proc.kill()  # SIGKILL: PDEATHSIG takes its worker_binary down too.

@@ -9,6 +9,7 @@ import tensorflow_federated as tff
 
 from fltff.runtime import TffRuntime
 from fltff.runtime.local import wait_for_exit
+from helpers import REPO
 from launcher import Program
 from launcher import wait_until
 
@@ -167,3 +168,35 @@ def test_the_default_rpc_deadline_follows_the_rounds(tff_runtime):
   finally:
     fixed.close()
     tff.framework.set_default_context(tff_runtime.context)
+
+
+# A signal handler that stops the main thread's wait, as the workers' SIGTERM handlers do; a
+# timer signal every 2 ms makes the handler land inside the wait's own code many times.
+_STOP_IN_A_HANDLER = '''
+import signal, sys, time
+sys.setrecursionlimit(200)
+from fltff.runtime.local import StopSignal
+stop = StopSignal()
+signal.signal(signal.SIGALRM, lambda *_: stop.set())
+signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)
+start, waits = time.monotonic(), 0
+while time.monotonic() - start < 2.0:
+  stop._set = False
+  stop.wait(0.001)
+  waits += 1
+signal.setitimer(signal.ITIMER_REAL, 0)
+print('waits', waits)
+'''
+
+
+def test_a_stop_set_by_a_signal_handler_never_hangs_the_wait():
+  """With `threading.Event` in its place most runs of this hang or overflow the stack (nested
+  handlers blocked on the lock the interrupted wait holds): a worker that never stopped on
+  SIGTERM."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  result = subprocess.run([sys.executable, '-c', _STOP_IN_A_HANDLER], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert int(result.stdout.split()[-1]) > 100

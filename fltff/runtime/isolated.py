@@ -13,7 +13,6 @@ import signal
 import socket
 import struct
 import sys
-import threading
 import time
 
 from absl import app
@@ -41,10 +40,11 @@ def loopback_up() -> None:
 
 def main(argv) -> int:
   del argv
+  from fltff.runtime.local import StopSignal  # pylint: disable=g-import-not-at-top
   from fltff.runtime.local import WorkerProcess  # pylint: disable=g-import-not-at-top
   from fltff.runtime.tls import serve_forwarder  # pylint: disable=g-import-not-at-top
 
-  stop = threading.Event()
+  stop = StopSignal()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   signal.signal(signal.SIGINT, lambda *_: stop.set())
   loopback_up()

@@ -870,19 +870,30 @@ def local_runtime(executor: str = 'tff_cpp', device: str = 'auto') -> Iterator[T
 
 
 class StopSignal:
-  """SIGTERM/SIGINT as the round driver sees them: `is_set()` after the first (stop after the
-  current round); `before_exit` holds what a second signal runs before the process ends (the
-  round driver checkpoints its last completed round there)."""
+  """SIGTERM/SIGINT as the round driver and the workers see them: `is_set()` after the first
+  (stop after the current round); `before_exit` holds what a second signal runs before the
+  process ends (the round driver checkpoints its last completed round there).
+
+  A plain flag, not a `threading.Event`: a signal handler runs in the main thread between
+  two bytecodes, and `Event.set` there takes the lock that the interrupted `Event.wait` may
+  hold, which hangs the process (a worker that never stopped on SIGTERM, its port open)."""
 
   def __init__(self):
-    self._event = threading.Event()
+    self._set = False
     self.before_exit: list[Callable[[], None]] = []
 
   def set(self) -> None:
-    self._event.set()
+    self._set = True
 
   def is_set(self) -> bool:
-    return self._event.is_set()
+    return self._set
+
+  def wait(self, timeout: float) -> bool:
+    """`is_set()` after at most `timeout` seconds (sooner once set)."""
+    deadline = time.monotonic() + timeout
+    while not self._set and time.monotonic() < deadline:
+      time.sleep(min(0.05, max(deadline - time.monotonic(), 0.0)))
+    return self._set
 
 
 def install_signal_handlers(

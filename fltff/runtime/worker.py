@@ -20,7 +20,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 
 from absl import app
 from absl import flags
@@ -41,7 +40,7 @@ _INSECURE = flags.DEFINE_bool(
     'files as this user. Only on a trusted, isolated network.')
 
 
-def _wait(stop: threading.Event, alive, what: str, log: str) -> int:
+def _wait(stop, alive, what: str, log: str) -> int:
   while not stop.wait(0.5):
     if not alive():
       print(f'error: {what} exited; see {log}', file=sys.stderr, flush=True)
@@ -49,7 +48,7 @@ def _wait(stop: threading.Event, alive, what: str, log: str) -> int:
   return 0
 
 
-def _plaintext(stop: threading.Event) -> int:
+def _plaintext(stop) -> int:
   from fltff.runtime.local import WorkerProcess  # pylint: disable=g-import-not-at-top
 
   worker = WorkerProcess(port=_PORT.value, host=socket.gethostname(),
@@ -64,7 +63,7 @@ def _plaintext(stop: threading.Event) -> int:
     worker.stop()
 
 
-def _secure(stop: threading.Event) -> int:
+def _secure(stop) -> int:
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from fltff.errors import RuntimeUnavailableError  # pylint: disable=g-import-not-at-top
   from fltff.runtime.local import IsolatedWorker  # pylint: disable=g-import-not-at-top
@@ -99,7 +98,9 @@ def main(argv) -> int:
   from fltff.errors import FltffError  # pylint: disable=g-import-not-at-top
   from fltff.runtime.local import release_default_context  # pylint: disable=g-import-not-at-top
 
-  stop = threading.Event()
+  from fltff.runtime.local import StopSignal  # pylint: disable=g-import-not-at-top
+
+  stop = StopSignal()
 
   def handler(signum, frame):  # pylint: disable=unused-argument
     stop.set()
