@@ -302,8 +302,8 @@ def _torch_round(model: str, data: _BenchClients, style: str):
 
 
 def _parse_shape(text: str):
-  """`(model, clients, examples)` of `model:CLIENTSxEXAMPLES`, or of `model:CLIENTSxFEW-MANY`
-  (unequal clients, `examples = (few, many)`)."""
+  """`(model, clients, examples)` of `model:CLIENTSxEXAMPLES`, or of
+  `model:CLIENTSxFEWEST-MOST` (unequal clients, `examples = (fewest, most)`)."""
   try:
     model, dims = text.split(':')
     clients, examples = dims.lower().split('x')
