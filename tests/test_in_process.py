@@ -51,8 +51,11 @@ def contexts(tff_runtime):
 
 
 def test_pipeline_in_process_equals_cpp_and_resumes_without_a_worker(small_run, tmp_path):
-  args = [*SMALL, '--gin_bindings=runtime.executor = "in_process"']
-  full, resumed, _ = run_and_resume(args, tmp_path, stop_round=2)
+  # Client by client: 'auto' would vectorise FedAvg here (that run is test_vectorized's).
+  args = [*SMALL, '--gin_bindings=runtime.executor = "in_process"',
+          '--gin_bindings=experiment.client_work = "per_client"']
+  full, resumed, stdout = run_and_resume(args, tmp_path, stop_round=2)
+  assert 'runs on the in-process executor.' in stdout, stdout
   cpp = read_csv(os.path.join(small_run[0], 'metrics.csv'))  # SMALL on the C++ runtime.
   assert len(full) == len(resumed) == len(cpp) == 3
   for a, b, c in zip(full, resumed, cpp):
