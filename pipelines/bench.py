@@ -515,6 +515,7 @@ def compare_checkpoints(spec) -> int:
 
 def main(argv) -> int:
   del argv
+  heap.pooled_tensors()  # Before the first TensorFlow op, as `fltff run` (fltff.runtime.heap).
   absl_logging.set_verbosity(absl_logging.WARNING)
   # Every comparison installs the contexts it times; TFF's import-time one is never used (and
   # would print a traceback at exit after an early `error:` return).

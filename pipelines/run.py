@@ -32,6 +32,7 @@ import gin  # pylint: disable=g-import-not-at-top,wrong-import-position
 import fltff  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
 from fltff import resources  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff.runtime import heap  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.config_checks import check_gin_bindings  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import FltffError  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -105,6 +106,7 @@ def _kept(output_dir: str) -> str:
 
 def main(argv) -> int:
   del argv
+  heap.pooled_tensors()  # Before the first TensorFlow op (fltff.runtime.heap).
   # Progress lines are ours (stdout); library INFO chatter (TFF, Keras) is not.
   absl_logging.set_verbosity(absl_logging.WARNING)
   output_dir = _OUTPUT_DIR.value or os.path.join(

@@ -7,6 +7,11 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from fltff.runtime import heap  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+# The tests' tensors come from the allocator fltff's programs choose (before any op runs here).
+heap.pooled_tensors()
+
 
 @pytest.fixture(scope='session', autouse=True)
 def tff_runtime():

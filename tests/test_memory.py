@@ -135,7 +135,7 @@ def test_tensorboard_rows_keep_no_memory_and_read_back(tmp_path):
   assert len(values) == 1600 and values[1600] == 0.75
 
 
-def test_recycling_the_local_worker_changes_no_number_and_leaves_no_worker(tmp_path):
+def test_recycling_the_local_worker_changes_no_number_and_leaves_no_worker(tmp_path, monkeypatch):
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   from fltff import learning  # pylint: disable=g-import-not-at-top
@@ -162,6 +162,9 @@ def test_recycling_the_local_worker_changes_no_number_and_leaves_no_worker(tmp_p
   runs = {}
   for name, recycle_every, mmap_kib in (('plain', 0, 128), ('recycled', 2, 128),
                                         ('glibc_default_malloc', 0, 0)):
+    if name == 'glibc_default_malloc':
+      # And the worker's tensors from malloc, not TensorFlow's pooling allocator.
+      monkeypatch.setenv('TF_CPU_ALLOCATOR_USE_BFC', 'false')
     rt = Recorder(recycle_every=recycle_every, mmap_threshold_kib=mmap_kib)
     try:
       RoundDriver(algorithm, data, config, str(tmp_path / name), progress=lambda _: None,
@@ -182,6 +185,27 @@ def test_recycling_the_local_worker_changes_no_number_and_leaves_no_worker(tmp_p
   assert [[r[c] for c in columns] for r in runs['glibc_default_malloc']] == plain
 
 
+def test_programs_and_the_local_worker_pool_tensor_memory_unless_told_otherwise(monkeypatch):
+  from fltff.runtime import heap  # pylint: disable=g-import-not-at-top
+  from helpers import run_program_here  # pylint: disable=g-import-not-at-top
+
+  # This test process takes its tensors from the pooling allocator (tests/conftest.py), whose
+  # statistics TensorFlow reports (the malloc allocator keeps none).
+  tf.constant(1.0) + 1.0  # pylint: disable=expression-not-assigned
+  assert tf.config.experimental.get_memory_info('CPU:0')['peak'] > 0
+  monkeypatch.delenv('TF_CPU_ALLOCATOR_USE_BFC', raising=False)
+  assert heap.worker_environment(0, base={})['TF_CPU_ALLOCATOR_USE_BFC'] == 'true'
+  # `fltff run` asks for it before its first op (a bad flag returns right after).
+  result = run_program_here('pipelines.run', '--gin_file=no_such_config.gin')
+  assert result.returncode == 2 and 'error:' in result.stderr
+  assert os.environ['TF_CPU_ALLOCATOR_USE_BFC'] == 'true'
+  # A value the user set wins, in the program and in its local worker.
+  monkeypatch.setenv('TF_CPU_ALLOCATOR_USE_BFC', 'false')
+  run_program_here('pipelines.bench', '--executors', '--rounds=1')
+  assert os.environ['TF_CPU_ALLOCATOR_USE_BFC'] == 'false'
+  assert heap.worker_environment(128)['TF_CPU_ALLOCATOR_USE_BFC'] == 'false'
+
+
 def test_the_local_worker_and_the_driver_get_the_fixed_mmap_threshold():
   from fltff.runtime import TffRuntime  # pylint: disable=g-import-not-at-top
   from fltff.runtime import heap  # pylint: disable=g-import-not-at-top
@@ -193,13 +217,14 @@ def test_the_local_worker_and_the_driver_get_the_fixed_mmap_threshold():
 
   with TffRuntime() as rt:
     assert worker_env(rt)[b'MALLOC_MMAP_THRESHOLD_'] == b'131072'
+    assert worker_env(rt)[b'TF_CPU_ALLOCATOR_USE_BFC'] == b'true'
     rt.after_round(1)  # Trims the driver's heap; nothing else happens without recycling.
   with TffRuntime(mmap_threshold_kib=0) as rt:
     assert b'MALLOC_MMAP_THRESHOLD_' not in worker_env(rt) or 'MALLOC_MMAP_THRESHOLD_' in os.environ
   assert heap.fix_mmap_threshold(128)  # glibc here: mallopt accepted the setting.
   assert not heap.fix_mmap_threshold(0)
   assert heap.worker_environment(64, {})['MALLOC_MMAP_THRESHOLD_'] == str(64 * 1024)
-  assert heap.worker_environment(0, {}) == {}
+  assert heap.worker_environment(0, {}) == {'TF_CPU_ALLOCATOR_USE_BFC': 'true'}
   for bad in (-1, 1.5, True):
     with pytest.raises(ConfigError, match='runtime.mmap_threshold_kib'):
       make_runtime(mmap_threshold_kib=bad)
