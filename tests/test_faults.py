@@ -100,37 +100,29 @@ def test_restore_with_no_intact_checkpoint_is_a_clear_error(tmp_path):
     ckpt.restore({'w': np.zeros(3, np.float32)}, lambda message: None)
 
 
-@pytest.fixture(scope='module')
-def two_round_run(tmp_path_factory):
-  out = str(tmp_path_factory.mktemp('faults') / 'run')
-  result = run_pipeline_here(*TWO_ROUNDS, f'--output_dir={out}')
-  assert result.returncode == 0, result.stderr[-3000:]
-  return out
-
-
-def test_resume_from_a_truncated_checkpoint_falls_back(two_round_run, tmp_path):
+def test_resume_from_a_truncated_checkpoint_falls_back(small_run, tmp_path):
   out = str(tmp_path / 'run')
-  shutil.copytree(two_round_run, out)
-  _truncate(os.path.join(out, 'checkpoints', 'round_00002.npz'))
-  result = run_pipeline_here(*TWO_ROUNDS, f'--output_dir={out}', '--resume')
+  shutil.copytree(small_run[0], out)
+  _truncate(os.path.join(out, 'checkpoints', 'round_00003.npz'))
+  result = run_pipeline_here(*SMALL, f'--output_dir={out}', '--resume')
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'Traceback' not in result.stderr
   warnings = _warnings(result)
-  assert len(warnings) == 1 and 'round 2 is damaged' in warnings[0], result.stderr[-3000:]
-  assert 'Resumed from the checkpoint of round 1' in result.stdout
-  assert [r['round'] for r in read_csv(os.path.join(out, 'metrics.csv'))] == ['1', '2']
-  assert json.load(open(os.path.join(out, 'checkpoints', 'latest.json')))['round'] == 2
+  assert len(warnings) == 1 and 'round 3 is damaged' in warnings[0], result.stderr[-3000:]
+  assert 'Resumed from the checkpoint of round 2' in result.stdout
+  assert [r['round'] for r in read_csv(os.path.join(out, 'metrics.csv'))] == ['1', '2', '3']
+  assert json.load(open(os.path.join(out, 'checkpoints', 'latest.json')))['round'] == 3
 
 
-def test_resume_with_no_intact_checkpoint_is_one_line(two_round_run, tmp_path):
+def test_resume_with_no_intact_checkpoint_is_one_line(small_run, tmp_path):
   out = str(tmp_path / 'run')
-  shutil.copytree(two_round_run, out)
+  shutil.copytree(small_run[0], out)
   with open(os.path.join(out, 'checkpoints', 'latest.json'), 'w') as f:
     f.write('garbage')
   for name in os.listdir(os.path.join(out, 'checkpoints')):
     if name.endswith('.npz'):
       _truncate(os.path.join(out, 'checkpoints', name))
-  assert_one_line_error(run_pipeline_here(*TWO_ROUNDS, f'--output_dir={out}', '--resume'),
+  assert_one_line_error(run_pipeline_here(*SMALL, f'--output_dir={out}', '--resume'),
                         'No intact checkpoint', 'latest.json is damaged')
 
 
