@@ -24,6 +24,7 @@ from helpers import assert_one_line_error
 from helpers import pipeline_env
 from helpers import read_csv
 from helpers import run_pipeline_here
+from helpers import tagged_worker_pids
 from launcher import Program
 
 from fltff.errors import CheckpointError
@@ -221,9 +222,9 @@ def test_matrices_are_drawn_as_labelled_heat_maps_on_one_scale_across_rounds(tmp
 
 # -- 8. signals and worker logs ------------------------------------------------------------
 def _start_and_signal(out: str, tmpdir: str, signals: int, after_rounds: int = 1,
-                      extra: tuple = ()) -> tuple[int, str]:
-  """Starts a long run, sends SIGTERM `signals` times once `after_rounds` rounds are done;
-  (status, stderr)."""
+                      extra: tuple = (), while_running=lambda: None) -> tuple[int, str]:
+  """Starts a long run, calls `while_running()` and sends SIGTERM `signals` times once
+  `after_rounds` rounds are done; (status, stderr)."""
   proc = Program('pipelines.run', *SMALL, '--gin_bindings=experiment.rounds = 50',
                  '--gin_bindings=experiment.local_epochs = 5', *extra, f'--output_dir={out}',
                  env=dict(pipeline_env(), TMPDIR=tmpdir))
@@ -234,6 +235,7 @@ def _start_and_signal(out: str, tmpdir: str, signals: int, after_rounds: int = 1
       break
     time.sleep(0.05)
   assert proc.poll() is None, 'the run ended before the signal'
+  while_running()
   for _ in range(signals):
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
@@ -261,14 +263,27 @@ def test_two_sigterms_keep_every_completed_round_and_logs_stay_out_of_tmp(tmp_pa
   assert not [n for n in os.listdir(tmpdir) if n.startswith('fltff_worker')]
 
 
-def test_one_sigterm_is_one_line_without_gin_context(tmp_path):
+def test_one_sigterm_stops_after_the_round_in_one_line_keeping_every_round(tmp_path):
   out, tmpdir = str(tmp_path / 'run'), tmp_path / 'tmp'
   tmpdir.mkdir()
-  status, stderr = _start_and_signal(out, str(tmpdir), signals=1)
+  before = tagged_worker_pids()
+
+  def worker_seen():
+    assert tagged_worker_pids() - before, 'the leak check cannot see the running worker'
+
+  status, stderr = _start_and_signal(out, str(tmpdir), signals=1, after_rounds=2,
+                                     while_running=worker_seen)
   assert status == 143, stderr[-3000:]
+  assert 'Traceback' not in stderr, stderr[-3000:]
   lines = [l for l in stderr.splitlines() if l.strip()]
-  assert [l for l in lines if l.startswith('stopped: ')], stderr[-3000:]
+  stopped = [l for l in lines if l.startswith('stopped: ')]
+  assert len(stopped) == 1 and 'Stopped by signal after round' in stopped[0], stderr[-3000:]
+  # No gin context or other text: our own lines only.
   assert all(l.startswith(('warning: ', 'stopped: ')) for l in lines), stderr[-3000:]
+  completed = len(read_csv(os.path.join(out, 'metrics.csv')))
+  saved = json.load(open(os.path.join(out, 'checkpoints', 'latest.json')))['round']
+  assert saved == completed >= 2  # Every completed round is in the checkpoint.
+  assert not tagged_worker_pids() - before
 
 
 @pytest.mark.parametrize('address,message', [
