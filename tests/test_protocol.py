@@ -170,10 +170,11 @@ def test_a_resume_whose_client_states_are_gone_is_refused_not_reset(store, data,
   every client silently back at its initial state: one CheckpointError, nothing resumed."""
   from fltff.errors import CheckpointError  # pylint: disable=g-import-not-at-top
 
+  algorithm = personalization.build_local(spec, NUM_CLIENTS, client_optimizer=SGD())
+
   def drive(rounds, resume):
     config = RoundConfig(rounds=rounds, clients_per_round=3, batch_size=32, checkpoint_every=2,
                          seed=4, client_state_store=store)
-    algorithm = personalization.build_local(spec, NUM_CLIENTS, client_optimizer=SGD())
     RoundDriver(algorithm, data, config, str(tmp_path), progress=lambda _: None).run(
         resume=resume)
 
@@ -229,10 +230,11 @@ def test_a_second_signal_checkpoints_the_last_completed_round(data, spec, tmp_pa
 
 
 def test_a_resume_without_a_checkpoint_logs_each_round_once(data, spec, tmp_path):
+  algorithm = personalization.build_local(spec, NUM_CLIENTS, client_optimizer=SGD())
+
   def drive(resume):
     config = RoundConfig(rounds=2, clients_per_round=3, batch_size=32, checkpoint_every=2,
                          seed=4)
-    algorithm = personalization.build_local(spec, NUM_CLIENTS, client_optimizer=SGD())
     RoundDriver(algorithm, data, config, str(tmp_path), progress=lambda _: None).run(
         resume=resume)
 
@@ -250,10 +252,11 @@ def test_a_resume_without_a_checkpoint_logs_each_round_once(data, spec, tmp_path
 def test_a_resume_that_reruns_rounds_leaves_each_round_once_in_tensorboard(data, spec, tmp_path):
   from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=g-import-not-at-top
 
+  algorithm = personalization.build_local(spec, NUM_CLIENTS, client_optimizer=SGD())
+
   def drive(rounds, resume):
     config = RoundConfig(rounds=rounds, clients_per_round=3, batch_size=32, checkpoint_every=2,
                          seed=4)
-    algorithm = personalization.build_local(spec, NUM_CLIENTS, client_optimizer=SGD())
     RoundDriver(algorithm, data, config, str(tmp_path), progress=lambda _: None).run(
         resume=resume)
 
