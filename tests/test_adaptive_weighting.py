@@ -244,7 +244,8 @@ def test_per_client_smoothing_in_a_process_without_client_indices_is_one_clear_e
         model_aggregator=aggregators.layerwise_adaptive_factory(None, num_clients=3))
 
 
-@pytest.mark.parametrize('builder', ['fedlayerwise', 'fedadp'])
+# FedLayerWise's compiles in every run on two workers (test_vectorized's matrix).
+@pytest.mark.parametrize('builder', ['fedadp'])
 def test_process_compiles_to_mergeable_form(builder):
   spec = ModelSpec(_mlp, (DIM,), CLASSES)
   algorithm = getattr(learning, f'build_{builder}')(spec, num_clients=3)

@@ -208,7 +208,8 @@ def test_fedbabu_never_changes_the_head():
   assert _diff([trained[0]], [start[0]]) > 1e-3  # The body trains.
 
 
-@pytest.mark.parametrize('builder', ['fedavg', 'fedprox', 'sgdm', 'fednova', 'fedbabu', 'fedlap'])
+# FedNova's compiles in every run on two workers (test_vectorized's matrix).
+@pytest.mark.parametrize('builder', ['fedavg', 'fedprox', 'sgdm', 'fedbabu', 'fedlap'])
 def test_every_base_scheme_with_ccn_compiles_to_mergeable_form(builder):
   algorithm = getattr(learning, f'build_{builder}')(SPEC, model_aggregator=aggregators.contribution_normalization_factory())
   assert algorithm.name == f'{builder}+ccn'

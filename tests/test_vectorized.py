@@ -44,20 +44,23 @@ NUM_CLIENTS = EQUALITY_CLIENTS
 SGDM = equality_sgdm
 
 # One method for each form of client work (the vectorised step, what it starts from and what
-# it returns): the FedAvg family (FedAvg; FedProx's anchored term, FedLap's epoch context,
+# it returns): the FedAvg family (FedAvg; FedLap's epoch context,
 # FedBABU's frozen head, FedNova's steps and CCN's latent mean as weight fields; FedLayerWise
 # for the adaptive aggregators, whose FedAdp, like SGDM's and uniform weighting's server
 # steps, changes only the TFF computation after the clients), SCAFFOLD (per-client
 # corrections c − c_i, its controls and c updated), MOON (a per-client batch term: the
 # contrastive loss against each client's previous model, over the batch's real examples) and
 # the personalised round (`fltff.personalization.vectorized`): per-client proximal anchors s_i
-# (KAPC; FedAMP's from its own relation) and, with BLS, per-client layer masks and Ω searches;
+# (FedAMP's; KAPC's from its relationship cube, with BLS: per-client layer masks and Ω searches);
 # FedBN for the start from the server's aggregate with local layers (Local and pFedLA differ
 # from these only in the server's relation, a TFF computation). BatchNorm models: below.
 # FedLap personalisation: the method's clients and the participants' local models (from
-# their own start weights).
-VECTORISED = ('fedavg', 'fedprox', 'fedlap', 'fedlayerwise', 'fednova+ccn', 'fedbabu',
-              'scaffold', 'scaffold+ccn', 'moon', 'kapc', 'kapc+bls', 'fedamp', 'fedbn',
+# their own start weights). FedProx's term at the global model is the vectorised work against
+# TFF's in `test_a_batchnorm_client_work_equals_tffs`; KAPC without BLS trains its clients as
+# FedAMP does (anchors from a relation: KAPC's relation step in `[kapc+bls]` and
+# `test_kapc_relationship_steps_after_training_equal_the_cpp_runtime`).
+VECTORISED = ('fedavg', 'fedlap', 'fedlayerwise', 'fednova+ccn', 'fedbabu', 'scaffold',
+              'scaffold+ccn', 'moon', 'kapc+bls', 'fedamp', 'fedbn',
               'fedavg+fedlap_personalization')
 METHODS = {name: equality_methods()[name] for name in VECTORISED}
 
