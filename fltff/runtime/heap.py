@@ -1,33 +1,14 @@
-"""Where a round's memory comes from: TensorFlow's pooling allocator, and glibc's heap.
+"""Where a round's memory comes from (docs/performance.md, "Where a round's memory comes from").
 
-TensorFlow's default CPU allocator takes every tensor from malloc. A round allocates and frees
-the same model-sized tensors again and again, and glibc serves each large one with a fresh
-`mmap` that the kernel fills page by page (hundreds of thousands of page faults a second in a
-vectorised round, close to half of its CPU time in the kernel). TensorFlow's BFC allocator
-(`TF_CPU_ALLOCATOR_USE_BFC=true`) keeps the memory it took and reuses it: `pooled_tensors()`
-asks for it in this process (effective when no TensorFlow op has run yet; fltff's programs ask
-at their start) and `worker_environment` for the local `worker_binary`. A value the user set
-in the environment wins.
-
-Outside the tensors:
-
-A federated round allocates and frees the same model-sized buffers again and again (client
-states, serialized datasets, gathered updates). glibc's malloc serves a block of 128 KiB or more
-with `mmap` (given back to the kernel at `free`) — until the first such block is freed: then it
-raises that threshold, up to 32 MiB, and later model-sized blocks come from the heap, where
-they fragment it. Resident memory then creeps up by a few KiB each round in the driver and by
-far more in TFF's `worker_binary`; with a fixed threshold the growth per round falls several
-times (`fltff bench --memory`, docs/performance.md). The arithmetic is untouched; only where
-memory comes from changes.
-
-* `fix_mmap_threshold(kib)`: `mallopt(M_MMAP_THRESHOLD)` in this process (which also turns off
-  the dynamic raise);
-* `worker_environment(kib)`: the same setting for a child process (`MALLOC_MMAP_THRESHOLD_`,
-  read by glibc at the child's start), used for the local `worker_binary`;
-* `trim()`: `malloc_trim(0)`, which hands the free pages inside the heap back to the kernel;
-  the round driver calls it after each round.
-
-These three are no-ops where libc is not glibc. No setting here changes a number.
+A round allocates and frees the same model-sized buffers at every step. Tensors: TensorFlow's
+default CPU allocator takes each from malloc, whose large blocks are fresh mmaps the kernel
+fills page by page; `pooled_tensors` asks for TensorFlow's BFC allocator instead, which reuses
+its memory (in this process before its first op, or in a child's environment). Other buffers:
+glibc raises its mmap threshold after the first large `free`, and model-sized blocks then
+fragment the heap; `fix_mmap_threshold` / `worker_environment` fix it (the local
+`worker_binary` grows several times more slowly per round) and `trim` (`malloc_trim(0)`, after
+each round) returns the heap's free pages. None of this changes a number; the glibc settings
+are no-ops where libc is not glibc.
 """
 
 from __future__ import annotations
