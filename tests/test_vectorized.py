@@ -48,7 +48,8 @@ SGDM = equality_sgdm
 # FedBABU's frozen head, FedNova's steps and CCN's latent mean as weight fields; FedLayerWise
 # for the adaptive aggregators, whose FedAdp, like SGDM's and uniform weighting's server
 # steps, changes only the TFF computation after the clients), SCAFFOLD (per-client
-# corrections c − c_i, its controls and c updated), MOON (a per-client batch term: the
+# corrections c − c_i, its controls and c updated; with CCN, whose latent mean SCAFFOLD's
+# clients return beside them), MOON (a per-client batch term: the
 # contrastive loss against each client's previous model, over the batch's real examples) and
 # the personalised round (`fltff.personalization.vectorized`): per-client proximal anchors s_i
 # (FedAMP's; KAPC's from its relationship cube, with BLS: per-client layer masks and Ω searches);
@@ -59,9 +60,8 @@ SGDM = equality_sgdm
 # TFF's in `test_a_batchnorm_client_work_equals_tffs`; KAPC without BLS trains its clients as
 # FedAMP does (anchors from a relation: KAPC's relation step in `[kapc+bls]` and
 # `test_kapc_relationship_steps_after_training_equal_the_cpp_runtime`).
-VECTORISED = ('fedavg', 'fedlap', 'fedlayerwise', 'fednova+ccn', 'fedbabu', 'scaffold',
-              'scaffold+ccn', 'moon', 'kapc+bls', 'fedamp', 'fedbn',
-              'fedavg+fedlap_personalization')
+VECTORISED = ('fedavg', 'fedlap', 'fedlayerwise', 'fednova+ccn', 'fedbabu', 'scaffold+ccn',
+              'moon', 'kapc+bls', 'fedamp', 'fedbn', 'fedavg+fedlap_personalization')
 METHODS = {name: equality_methods()[name] for name in VECTORISED}
 
 
@@ -97,7 +97,7 @@ def _vectorized(algorithm):
 #   sub-round per worker and returns the sub-rounds in completion order, so per-client values
 #   must be matched to clients by index, never by position. One method per shape of what is
 #   merged: gathered per-client weights (FedNova with CCN), per-client server memory
-#   (FedLayerWise), client state (SCAFFOLD) and personalised local layers (FedBN). (MOON's
+#   (FedLayerWise), client state (SCAFFOLD, with CCN) and personalised local layers (FedBN). (MOON's
 #   client state and pFedLA's server-only hypernetworks merge nothing of their own.) The
 #   weighted mean, personalised client results with a server step that reads them (KAPC+BLS:
 #   R and Ω) and the round driver's evaluation and checkpoints on workers:
@@ -113,7 +113,7 @@ def _vectorized(algorithm):
 #   rounds with factoring forced in round 1: none of its kernels trains factored, and the
 #   rounds share one trace.
 IN_PROCESS_TOO = frozenset({'fedavg', 'fedlayerwise', 'moon', 'kapc+bls'})
-ON_TWO_WORKERS = frozenset({'fednova+ccn', 'fedlayerwise', 'scaffold', 'fedbn'})
+ON_TWO_WORKERS = frozenset({'fednova+ccn', 'fedlayerwise', 'scaffold+ccn', 'fedbn'})
 DYNAMIC_AXIS_TOO = frozenset({'fedavg'})
 FACTORED_TOO = frozenset({'fedbabu', 'kapc+bls'})
 assert IN_PROCESS_TOO | ON_TWO_WORKERS | DYNAMIC_AXIS_TOO | FACTORED_TOO <= set(METHODS)
