@@ -100,31 +100,25 @@ def test_mu_zero_equals_fedavg_over_two_rounds():
   assert sorted(states) == [0, 1, 2]
 
 
-def test_round_one_equals_fedavg():
-  """The previous model of a new client is the initial model = w^1: ℓ_con = log 2, no gradient."""
+def test_round_one_equals_fedavg_and_round_two_differs():
+  """The previous model of a new client is the initial model = w^1: ℓ_con = log 2, no gradient
+  in round 1; in round 2 the previous local models differ from the global one."""
   algorithm = learning.build_moon(SPEC, num_clients=3, client_optimizer=_sgd(), mu=5.0)
   initial = SPEC.initial_weights().trainable
   for a, b in zip(algorithm.client_state_init(), initial):
     np.testing.assert_array_equal(a, b)
   process, state = start_process(algorithm)
   avg_process, avg_state = start_process(learning.build_fedavg(SPEC, client_optimizer=_sgd()))
-  state, _ = _moon_round(algorithm, process, state, {}, [0, 1, 2], (12, 8, 16), (2, 1, 3))
+  state, states = _moon_round(algorithm, process, state, {}, [0, 1, 2], (12, 8, 16), (2, 1, 3))
   avg_state = _fedavg_round(avg_process, avg_state, [0, 1, 2], (12, 8, 16), (2, 1, 3))
   moved = 0.0
   for a, b, w in zip(_trainable(avg_process, avg_state), _trainable(process, state), initial):
     np.testing.assert_allclose(a, b, atol=1e-5)
     moved = max(moved, float(np.max(np.abs(b - w))))
   assert moved > 1e-3
-
-
-def test_round_with_previous_model_differs_from_fedavg():
-  algorithm = learning.build_moon(SPEC, num_clients=3, client_optimizer=_sgd(), mu=5.0)
-  process, state = start_process(algorithm)
-  state, states = _moon_round(algorithm, process, state, {}, [0, 1, 2], (12, 8, 16), (2, 1, 3))
-  avg_process = learning.build_fedavg(SPEC, client_optimizer=_sgd()).process
+  # Round 2 from the same global model (FedAvg set to MOON's round-1 model).
   avg_state = avg_process.set_model_weights(avg_process.initialize(),
                                             process.get_model_weights(state))
-  # Round 2 from the same global model: the previous local models now differ from it.
   state, _ = _moon_round(algorithm, process, state, states, [0, 1, 2], (12, 8, 16), (1, 1, 1), 5)
   avg_state = _fedavg_round(avg_process, avg_state, [0, 1, 2], (12, 8, 16), (1, 1, 1), 5)
   diff = max(float(np.max(np.abs(a - b))) for a, b in
