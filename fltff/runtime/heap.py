@@ -35,7 +35,7 @@ def _glibc() -> Optional[ctypes.CDLL]:
   return libc
 
 
-def pooled_tensors(environ=None) -> None:
+def pooled_tensors(environ: Optional[dict] = None) -> None:
   """TensorFlow's BFC allocator for this process's tensors (or, given `environ`, for a child
   started with it), unless the environment names an allocator already."""
   (os.environ if environ is None else environ).setdefault(*_POOLED)
