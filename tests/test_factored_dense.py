@@ -4,7 +4,8 @@ The factored kernels must give TFF's numbers: for each way a factored kernel is 
 rounds with factoring forced for both kernels of mlp2 against TFF's C++ runtime are part of
 `test_vectorized.py`'s executor matrix (`FACTORED_TOO`); here the vectorised training with and
 without factoring is compared on rounds with idle steps, several epochs, per-client start
-weights and anchors, with and without momentum, and which kernels a round factors.
+weights and anchors, with and without momentum (where momentum enters), and which kernels a
+round factors.
 """
 
 import collections

@@ -201,7 +201,7 @@ def test_programs_and_the_local_worker_pool_tensor_memory_unless_told_otherwise(
   assert os.environ['TF_CPU_ALLOCATOR_USE_BFC'] == 'true'
   # A value the user set wins, in the program and in its local worker.
   monkeypatch.setenv('TF_CPU_ALLOCATOR_USE_BFC', 'false')
-  run_program_here('pipelines.bench', '--executors', '--rounds=1')
+  assert run_program_here('pipelines.bench', '--executors', '--rounds=1').returncode == 2
   assert os.environ['TF_CPU_ALLOCATOR_USE_BFC'] == 'false'
   assert heap.worker_environment(128)['TF_CPU_ALLOCATOR_USE_BFC'] == 'false'
 

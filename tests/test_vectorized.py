@@ -106,9 +106,9 @@ def _vectorized(algorithm):
 #   one trace whose client axis is unknown (`with_clients` leaves it, whatever the method).
 # - FACTORED_TOO: dense kernels trained in factored form (`fltff.learning.factored_dense`),
 #   forced here for both mlp2 kernels: a frozen head (FedBABU) and a proximal term at each
-#   client's own anchor with per-layer masks (KAPC+BLS). Each factored step (no regulariser, a
-#   proximal term at the global model or at a client's anchor, per-client start weights, with
-#   and without momentum) equals the per-step update in `test_factored_dense.py`.
+#   client's own anchor with per-layer masks (KAPC+BLS), with momentum. Each factored step (no
+#   regulariser, a proximal term at the global model or at a client's anchor, per-client start
+#   weights; momentum where it enters) equals the per-step update in `test_factored_dense.py`.
 #   A method whose registry entry says it does not factor (`factors`) runs its vectorised
 #   rounds with factoring forced in round 1: none of its kernels trains factored, and the
 #   rounds share one trace.
