@@ -20,9 +20,13 @@ import os
 import signal
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from absl import app
 from absl import flags
+
+if TYPE_CHECKING:  # For the annotations; main() imports it where it is used.
+  from fltff.runtime.local import StopSignal
 
 _PORT = flags.DEFINE_integer('port', 8000, 'Port the worker listens on (all interfaces).')
 _MAX_CALLS = flags.DEFINE_integer('max_concurrent_computation_calls', -1,
@@ -40,7 +44,7 @@ _INSECURE = flags.DEFINE_bool(
     'files as this user. Only on a trusted, isolated network.')
 
 
-def _wait(stop, alive, what: str, log: str) -> int:
+def _wait(stop: 'StopSignal', alive, what: str, log: str) -> int:
   while not stop.wait(0.5):
     if not alive():
       print(f'error: {what} exited; see {log}', file=sys.stderr, flush=True)
@@ -48,7 +52,7 @@ def _wait(stop, alive, what: str, log: str) -> int:
   return 0
 
 
-def _plaintext(stop) -> int:
+def _plaintext(stop: 'StopSignal') -> int:
   from fltff.runtime.local import WorkerProcess  # pylint: disable=g-import-not-at-top
 
   worker = WorkerProcess(port=_PORT.value, host=socket.gethostname(),
@@ -63,7 +67,7 @@ def _plaintext(stop) -> int:
     worker.stop()
 
 
-def _secure(stop) -> int:
+def _secure(stop: 'StopSignal') -> int:
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from fltff.errors import RuntimeUnavailableError  # pylint: disable=g-import-not-at-top
   from fltff.runtime.local import IsolatedWorker  # pylint: disable=g-import-not-at-top
