@@ -29,8 +29,8 @@ def __getattr__(name):
 
 
 def register_configurables() -> None:
-  """Imports every module of fltff, so all gin configurables are registered — including
-  a method module no package `__init__` names yet (a new method is one module)."""
+  """Imports every fltff module, registering all gin configurables, even of a method module
+  no package `__init__` names yet."""
   import pkgutil  # pylint: disable=g-import-not-at-top
 
   for name in __all__:
@@ -46,9 +46,8 @@ _PROGRAMS = ('fltff.runtime.worker', 'fltff.runtime.isolated')
 
 
 def _release_tff_context_at_exit() -> None:
-  """`import tensorflow_federated` installs a context whose collection at interpreter exit
-  prints a traceback (`ServiceManager.__del__`); collected here, while Python is whole, any
-  program that imported fltff exits quietly."""
+  """Releases TFF's default context while Python is whole: collected at interpreter exit it
+  prints a traceback (`ServiceManager.__del__`)."""
   if 'tensorflow_federated' not in sys.modules:
     return
   try:

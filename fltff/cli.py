@@ -34,8 +34,8 @@ def _program(command: str):
 
 
 def _check_gin_files(args: Sequence[str]) -> None:
-  """A `--gin_file` that does not exist ends the command here, before TensorFlow is imported
-  (`fltff run` checks it again, for `python -m pipelines.run`)."""
+  """Exits on a missing `--gin_file` before TensorFlow is imported (`fltff run` checks again,
+  for `python -m pipelines.run`)."""
   from fltff import resources  # pylint: disable=g-import-not-at-top
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
 

@@ -1,9 +1,8 @@
 """Type checks of numeric settings, shared by the gin configuration and the library's builders.
 
-`check_number` is the one rule; `check_gin_bindings` applies it at configuration time to every
-gin-bound parameter annotated `int`/`float` (or `Optional` of them), so a value such as
-`client_optimizer.learning_rate = "abc"` or `experiment.clients_per_round = 2.5` ends in one
-`ConfigError` naming the binding, not in a TypeError deep inside TensorFlow.
+`check_gin_bindings` applies `check_number` to every gin-bound parameter annotated `int`/`float`
+(or `Optional` of them), so e.g. `experiment.clients_per_round = 2.5` ends in a `ConfigError`
+naming the binding, not in a TypeError deep inside TensorFlow.
 """
 
 from __future__ import annotations
@@ -25,10 +24,8 @@ _NUMERIC_ANNOTATIONS = {
 
 def check_number(name: str, value: Any, integer: bool = False,
                  allow_none: bool = False) -> None:
-  """Raises `ConfigError` unless `value` is a real number (an `int` with `integer`).
-
-  Booleans are neither (`True` is an `int` to Python, never a learning rate or a round count).
-  """
+  """Raises `ConfigError` unless `value` is a real number (an `int` with `integer`); booleans,
+  though `int`s to Python, never count."""
   if value is None and allow_none:
     return
   kind = numbers.Integral if integer else numbers.Real  # NumPy scalars included.
@@ -45,11 +42,11 @@ def _numeric_kind(annotation: Any) -> Optional[tuple[bool, bool]]:
 
 
 def check_gin_bindings(config: Mapping[tuple[str, str], Mapping[str, Any]]) -> None:
-  """`check_number` for every bound parameter of `config` annotated as a number.
+  """`check_number` for every parameter bound in `config` and annotated as a number.
 
   Args:
-    config: Gin's bindings, `{(scope, selector): {parameter: value}}` (what gin hands to its
-      finalize hooks). References and macros (`@name`, `%NAME`) are not checked here.
+    config: Gin's bindings, `{(scope, selector): {parameter: value}}`, as its finalize hooks
+      get them; references and macros (`@name`, `%NAME`) are not checked.
   """
   import gin  # pylint: disable=g-import-not-at-top
 

@@ -1,9 +1,8 @@
-"""Error types that the pipeline turns into one readable message and a non-zero exit.
+"""Errors for bad input or environment, which the pipeline reports as one line and an exit code.
 
-Library code raises these for bad input (impossible partitions, unknown names, missing data,
-shape mismatches, divergence). `pipelines.run` catches `FltffError` and prints
-`error: <message>` without a traceback; anything else is a bug and keeps its traceback.
-Faults a run survives (a damaged checkpoint skipped, an exploding loss) are one `warning:` line.
+`pipelines.run` catches `FltffError` and prints `error: <message>` without a traceback; anything
+else is a bug and keeps its traceback. Faults a run survives (a damaged checkpoint skipped, an
+exploding loss) are one `warning:` line (`warn`).
 """
 
 import sys

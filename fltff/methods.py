@@ -1,9 +1,8 @@
 """The one registry of fltff's methods: name → builder and what the method needs.
 
-Every program that lists methods reads it: gin (`experiment.method = @<gin name>`: the
-registry name, but `@local_training` for `local`), `fltff bench`, the memory bench, the program API
-(`fltff.simulation.program`) and the tests. `VARIANTS` names the compositions they compare
-(CCN on a FedAvg-family method, KAPC with BLS, FedAvg with FedLap personalisation).
+Gin (`experiment.method = @<gin name>`), `fltff bench`, the memory bench, the program API
+(`fltff.simulation.program`) and the tests read it. `VARIANTS` names the compositions they
+compare (CCN on a FedAvg-family method, KAPC with BLS, FedAvg with FedLap personalisation).
 
     from fltff import methods
     algorithm = methods.build('kapc+bls', model_spec, num_clients=10,
@@ -24,17 +23,14 @@ __all__ = ['METHODS', 'Method', 'VARIANTS', 'Variant', 'build', 'get', 'names', 
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """A method of fltff and what it needs (each trait is checked against the built method in
-  `tests/test_methods.py`).
+  """A method of fltff and what it needs (`tests/test_methods.py` checks each trait).
 
   Attributes:
-    name: Its registry and gin name.
     builder: `module:function` of its `build_<method>` (imported when used).
     num_clients: The builder takes the total number of clients N (state sized by N).
     client_ids: Its round uses each participant's client index (per-client server memory,
-      client state, per-client aggregator weights): TFF's program API, which carries none,
-      cannot drive it.
-    client_state: Clients carry a state between rounds (SCAFFOLD's c_i, MOON's previous model,
+      client state or aggregator weights), so TFF's program API (which has none) cannot drive it.
+    client_state: Clients carry state between rounds (SCAFFOLD's c_i, MOON's previous model,
       personal models), kept by the round driver's store.
     personalised: Every client is evaluated with its own model; there is no global model.
     vectorises: Its client work runs vectorised (`experiment.client_work`) on models without
@@ -43,8 +39,7 @@ class Method:
       plain SGD(M) steps, or a proximal term with one scale per tensor.
     composes_aggregator: The builder takes `model_aggregator=` (any TFF weighted aggregation
       factory; CCN with `+ccn`).
-    gin_name: Its gin configurable's name (`experiment.method = @<gin_name>`): its name,
-      except `local_training`.
+    gin_name: `experiment.method = @<gin_name>`; `name`, but `local_training` for `local`.
   """
   name: str
   builder: str
@@ -101,16 +96,15 @@ def _ccn() -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """A composition the programs and tests compare: registry method `base` built with the
-  keyword arguments `kwargs()` returns (a callable: aggregation factories are built per use),
-  with the traits in `traits` changed."""
+  """A composition the programs and tests compare: method `base` built with `kwargs()` (called
+  per use: aggregation factories are built anew) and the traits in `traits` changed."""
   base: str
   kwargs: Callable[[], dict] = dict
   traits: Mapping[str, bool] = dataclasses.field(default_factory=dict)
 
 
-# `<method>+ccn` for every method that composes an aggregator (CCN's Λ needs each client's
-# index); `+fedlap_personalization` wraps the built method (`with_fedlap_personalization`).
+# `<method>+ccn` for each method that composes an aggregator (CCN's Λ needs client indices);
+# `+fedlap_personalization` wraps the built method (`with_fedlap_personalization`).
 VARIANTS: Mapping[str, Variant] = {
     **{f'{name}+ccn': Variant(name, _ccn, {'client_ids': True})
        for name, m in METHODS.items() if m.composes_aggregator},
@@ -140,8 +134,8 @@ def get(name: str) -> Method:
 
 def build(name: str, model_spec, num_clients: Optional[int] = None, client_optimizer=None,
           **kwargs):
-  """The built method (or variant) `name` for `model_spec`: its builder called with
-  `client_optimizer`, N = `num_clients` where it takes one, the variant's and `kwargs`."""
+  """Method or variant `name` built for `model_spec` with `client_optimizer`, `num_clients`
+  (where taken), the variant's kwargs and `kwargs`."""
   method = get(name)
   if name in VARIANTS:
     kwargs = {**VARIANTS[name].kwargs(), **kwargs}
@@ -158,8 +152,8 @@ def build(name: str, model_spec, num_clients: Optional[int] = None, client_optim
 
 
 def of_builder(builder: Callable[..., Any]) -> Optional[Method]:
-  """The registry entry whose builder is `builder` (gin's configurable or the plain function),
-  or None for a builder of the user's own."""
+  """The registry entry of `builder` (gin's configurable or the plain function), or None for a
+  user's own builder."""
   import inspect  # pylint: disable=g-import-not-at-top
   target = inspect.unwrap(builder)
   for method in METHODS.values():

@@ -1,9 +1,8 @@
 """Where fltff's shipped files are, in a checkout and in an installed package alike.
 
-The gin configs live at the top of the repository (`gin_configs/`) and install as
-`fltff/gin_configs/` (pyproject.toml); their `include` lines and the sample data's paths are
-written from the repository root (`gin_configs/base/...`, `fltff/data/samples/...`), so they
-resolve against the checkout's root or against the installed package's folder.
+The gin configs (`gin_configs/` in the repository, installed as `fltff/gin_configs/`) and the
+sample data are named by paths from the repository root (`gin_configs/base/...`,
+`fltff/data/samples/...`), which resolve against the checkout or the installed package folder.
 """
 
 import os
@@ -33,9 +32,8 @@ def find_shipped(path: str) -> Optional[str]:
 
 
 def find_gin_files(paths) -> list[str]:
-  """Each experiment gin file as `find_shipped` finds it, and every file they include as
-  `enable_gin_lookup` makes gin find it; `ConfigError` naming the first file that is not there
-  (checked by the `fltff` command before it imports TensorFlow, so this error comes at once)."""
+  """The gin files as `find_shipped` finds them, after checking that they and their includes
+  (looked up as gin will) exist; `ConfigError` naming the first that does not."""
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
   found = [find_shipped(path) for path in paths]
@@ -82,8 +80,7 @@ def include_not_found(target: str, where: str) -> str:
           'among the configs fltff ships')
 
 
-# Folders of the gin files being parsed, innermost last (gin opens an included file while the
-# including one is still open).
+# Folders of the gin files being parsed, innermost last (gin opens includes mid-file).
 _PARSING = []
 
 
@@ -126,9 +123,8 @@ def enable_gin_lookup() -> None:
   readers = gin.config._FILE_READERS  # pylint: disable=protected-access
   if any(reader is _open_beside_including_file for reader, _ in readers):
     return
-  # gin's own reader is `open`: replaced by one that records the folder of the file it opens,
-  # so that files included from it are looked up beside it. gin's reader of files inside
-  # Python packages logs an error line for each place an include is not: kept, quietly.
+  # gin's reader `open` becomes one recording the opened file's folder, for includes beside it;
+  # gin's package-file reader, which logs an error wherever an include is not, is quietened.
   readers[:] = [(_Tracked if reader is open else reader,
                  _quietly(check) if getattr(check, '__module__', '') == 'gin.resource_reader'
                  else check) for reader, check in readers]
@@ -143,9 +139,8 @@ def _quietly(check):
     try:
       return check(path)
     except TypeError:
-      # gin reads `gin_configs/base` as the package `gin_configs.base`; where a checkout is on
-      # sys.path, `gin_configs/` is a namespace package without a file path, and gin's check
-      # fails instead of saying the file is not there.
+      # With a checkout on sys.path, gin reads `gin_configs/` as a namespace package without
+      # a file path, and its check raises instead of answering "not there".
       return False
     finally:
       logging.disable(logging.NOTSET)
@@ -154,8 +149,8 @@ def _quietly(check):
 
 
 def source_version() -> dict:
-  """fltff's version and, in a git checkout, its commit (`-dirty` with uncommitted changes):
-  what a run's `summary.json` records of the code that produced it."""
+  """fltff's version and, in a git checkout, its commit (`-dirty` with uncommitted changes), as
+  a run's `summary.json` records them."""
   import subprocess  # pylint: disable=g-import-not-at-top
 
   from fltff import __version__  # pylint: disable=g-import-not-at-top

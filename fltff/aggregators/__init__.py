@@ -1,15 +1,11 @@
-"""TFF aggregation factories (single-pass, see docs/architecture.md), importable into any TFF
-process.
+"""TFF aggregation factories (single-pass, docs/architecture.md), usable in any TFF process.
 
-- `layerwise_adaptive_factory` (FedLayerWise) and `fedadp_factory` (FedAdp): adaptive weighting
-  of client updates from the angle between each client's and the global gradient, per layer or
-  for the whole model; the equations are exported as pure TF functions.
-- `contribution_normalization_factory` (CCN; gin `contribution_normalization`, bound as a method's
-  `model_aggregator`), `contribution_normalized_factory` and `fednova_factory` (FedNova):
-  weighted means with contribution-normalised weights and/or normalised averaging.
-- Every fltff factory names the update-weight fields it needs (`weight_fields`); the learning
-  builders' `model_aggregator=` accepts them and any TFF weighted aggregation factory.
-- `gather.build_gather`: the single-pass gathering all of them are built on.
+- `layerwise_adaptive_factory` (FedLayerWise), `fedadp_factory` (FedAdp): weights from the angle
+  between each client's and the global gradient, per layer or model; equations as TF functions.
+- `contribution_normalization_factory` (CCN; gin `contribution_normalization`, a method's
+  `model_aggregator`), `contribution_normalized_factory`, `fednova_factory` (FedNova).
+- Each names the update-weight fields it needs (`weight_fields`); the builders'
+  `model_aggregator=` takes them or any TFF weighted factory. `gather.build_gather` underlies all.
 """
 
 from fltff.aggregators.adaptive_weighting import AdaptiveWeightingFactory

@@ -2,15 +2,13 @@
 
 Sources: H. Wu, P. Wang, "Fast-Convergent Federated Learning with Adaptive Weighting" (FedAdp, IEEE
 TCCN 2021) and "Layer-Wise Adaptive Weighting for Faster Convergence in Federated Learning"
-(FedLayerWise), which applies FedAdp's rule to each layer separately. Equation numbers below are
-FedLayerWise's. Two typos of that paper are resolved as in docs/methods/adaptive.md: the Gompertz
-map decreases with the angle (FedAdp's form), and eq. (7) averages the clients' *updated* layer
-weights.
+(FedLayerWise: FedAdp's rule per layer). Equation numbers are FedLayerWise's. Two typos of that
+paper are resolved as in docs/methods/adaptive.md: the Gompertz map decreases with the angle
+(FedAdp's form), and eq. (7) averages the clients' *updated* layer weights.
 
-Every equation is a pure TF function tested against NumPy; the factory only composes them. The
-factory is single-pass (docs/architecture.md): one `federated_aggregate` gathers each participant's
-update, sample count and client index, then all math runs at the server. That is what lets it
-compile to TFF's mergeable form and run across several workers.
+The equations are pure TF functions tested against NumPy; the factory composes them single-pass
+(docs/architecture.md): one `federated_aggregate` gathers each participant's update, sample count
+and client index, and all math runs at the server, so it compiles to TFF's mergeable form.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ from fltff.models.layers import row_cosine
 GOMPERTZ_ALPHA = 5.0
 
 
-# --- the equations ------------------------------------------------------------------------
 def client_gradients(updates: tf.Tensor, learning_rate: float) -> tf.Tensor:
   """Eq. (3): `g_k = (w(t−1) − w_k(t)) / η`; `updates` hold `w(t−1) − w_k(t)` (TFF's delta)."""
   return tf.convert_to_tensor(updates) / learning_rate
@@ -43,15 +40,10 @@ def global_gradient(gradients: tf.Tensor, num_examples: tf.Tensor) -> tf.Tensor:
 
 
 def instantaneous_angles(gradients: tf.Tensor, global_grad: tf.Tensor) -> tf.Tensor:
-  """Eq. (1): `θ_k = arccos(<g_k, g> / (|g_k| |g|))` per client, cosine clipped to [−1, 1].
+  """Eq. (1): `θ_k = arccos(<g_k, g> / (|g_k| |g|))`, `[K]` in [0, π], cosine clipped to [−1, 1].
 
-  Args:
-    gradients: `[K, D]` flattened client gradients (of one layer, or of the whole model).
-    global_grad: `[D]` flattened global gradient.
-
-  Returns:
-    `[K]` angles in [0, π]. A zero-norm gradient has angle 0 (the cosine convention of
-    `fltff.models.layers.row_cosine`), so it never produces NaN.
+  `gradients` `[K, D]` (one layer or the whole model, flattened), `global_grad` `[D]`. A zero-norm
+  gradient has angle 0 (`fltff.models.layers.row_cosine`'s convention), so never NaN.
   """
   broadcast = tf.broadcast_to(global_grad[tf.newaxis, :], tf.shape(gradients))
   return tf.acos(tf.clip_by_value(row_cosine(gradients, broadcast), -1.0, 1.0))
@@ -61,10 +53,8 @@ def smoothed_angles(previous: tf.Tensor, current: tf.Tensor,
                     participations: tf.Tensor) -> tf.Tensor:
   """Eq. (4): `θ̃(t) = ((t−1)/t) θ̃(t−1) + θ(t)/t`, t = rounds *this client* has taken part in.
 
-  Args:
-    previous: smoothed angles before this round (any value where t = 1).
-    current: this round's instantaneous angles.
-    participations: t, counting this round (>= 1), broadcastable to the angles.
+  `participations`: t counting this round (>= 1), broadcastable to the angles; `previous` may be
+  any value where t = 1.
   """
   t = tf.cast(participations, current.dtype)
   return (t - 1.0) / t * previous + current / t
@@ -76,12 +66,7 @@ def gompertz(angles: tf.Tensor, alpha: float = GOMPERTZ_ALPHA) -> tf.Tensor:
 
 
 def adaptive_weights(contributions: tf.Tensor, num_examples: tf.Tensor) -> tf.Tensor:
-  """Eq. (6): `ψ_k = n_k e^{f_k} / Σ_k' n_k' e^{f_k'}` along axis 0 (clients).
-
-  Args:
-    contributions: `[K, ...]` Gompertz values f.
-    num_examples: `[K]` sample counts n_k (> 0).
-  """
+  """Eq. (6): `ψ_k = n_k e^{f_k} / Σ_k' n_k' e^{f_k'}` over axis 0; f `[K, ...]`, n `[K]` > 0."""
   log_n = tf.math.log(num_examples)
   log_n = tf.reshape(log_n, [-1] + [1] * (len(contributions.shape) - 1))
   return tf.nn.softmax(contributions + log_n, axis=0)
@@ -90,28 +75,23 @@ def adaptive_weights(contributions: tf.Tensor, num_examples: tf.Tensor) -> tf.Te
 def weighted_layer_mean(values: tf.Tensor, layer_weights: tf.Tensor) -> tf.Tensor:
   """Eq. (7): `Σ_k ψ_k,l v_k,l` for one tensor of layer l (`values` `[K, ...]`, ψ `[K]`).
 
-  Applied to the clients' deltas `w(t−1) − w_k(t)` this is `w(t−1) − Σ_k ψ_k,l w_k,l(t)` since
-  Σ_k ψ_k,l = 1: the server's new layer is the ψ-weighted mean of the *updated* client layers.
-  """
+  On the deltas `w(t−1) − w_k(t)` this is `w(t−1) − Σ_k ψ_k,l w_k,l(t)` (Σ_k ψ_k,l = 1): the new
+  layer is the ψ-weighted mean of the *updated* client layers."""
   return tf.tensordot(layer_weights, values, axes=1)
 
 
-# --- the factory --------------------------------------------------------------------------
 class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
   """TFF weighted aggregation factory for FedAdp (model-wise) and FedLayerWise (layer-wise).
 
-  Usable wherever TFF takes a `model_aggregator`, e.g.
-  `tff.learning.algorithms.build_weighted_fed_avg(..., model_aggregator=layerwise_adaptive_factory(groups))`.
+  Usable wherever TFF takes a `model_aggregator` (e.g. `build_weighted_fed_avg`). With TFF's plain
+  float32 weight no client identity arrives: angles are unsmoothed (θ̃ = θ) and `num_clients` must
+  be unset. With `OrderedDict(num_examples=float32, client_index=int32)` (fltff's client work,
+  `weight_fields=('client_index',)`) `num_clients` is required, and every client's smoothed angles
+  and participation counts live in the state (saved in fltff's checkpoints). A mismatch raises
+  `ConfigError` in `create`.
 
-  Weights: with the float32 example count of a plain TFF process, angles are not smoothed
-  across rounds (no client identity reaches the aggregator: θ̃ = θ), and `num_clients` must
-  be unset (a `ConfigError` otherwise). With
-  `OrderedDict(num_examples=float32, client_index=int32)` (fltff's client work with
-  `weight_fields=('client_index',)`) and `num_clients` set, the smoothed angles and participation
-  counts of every client live in the aggregator's state — saved in fltff's checkpoints.
-
-  Measurements per round: `client_index` [K] (`position` in the round with a plain float
-  weight), `angle` θ [K, L], `smoothed_angle` θ̃ [K, L], `psi` ψ [K, L] (L = 1 for FedAdp).
+  Measurements: `client_index` [K] (`position` with a plain float weight), `angle` θ [K, L],
+  `smoothed_angle` θ̃ [K, L], `psi` ψ [K, L] (L = 1 for FedAdp).
   """
 
   def __init__(self,
@@ -120,17 +100,15 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
                alpha: float = GOMPERTZ_ALPHA,
                learning_rate: float = 1.0):
     """Args:
-      layers: Groups of indices into the flattened update (`tf.nest.flatten`) forming each
-        layer, or `fltff.models.layer_groups(model)` as it is. `None`: every tensor is its
-        own layer. A single group of all tensors is FedAdp.
+      layers: Per layer, indices into the flattened update (`tf.nest.flatten`), or
+        `fltff.models.layer_groups(model)` as is. None: one layer per tensor; one group: FedAdp.
       num_clients: Total number of clients (size of the smoothing state).
       alpha: Gompertz α (the papers: 5).
       learning_rate: η of eq. (3); angles do not depend on it.
     """
     from fltff.config_checks import check_number  # pylint: disable=g-import-not-at-top
 
-    # Type-checked here: a TFF factory passed positionally as `num_clients` used to surface
-    # only as a raw gRPC error deep inside the first round.
+    # Checked now: a factory passed positionally here would fail as a raw gRPC error in round 1.
     check_number('AdaptiveWeightingFactory num_clients', num_clients, integer=True,
                  allow_none=True)
     if num_clients is not None and num_clients < 1:
@@ -154,8 +132,7 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
 
   @property
   def weight_fields(self) -> tuple[str, ...]:
-    """The update-weight fields the client work must send: the client index when angles are
-    smoothed per client (`num_clients` set); none for TFF's plain float weight."""
+    """Update-weight fields the client work must send: `client_index` if `num_clients` is set."""
     return ('client_index',) if self._num_clients is not None else ()
 
   def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:

@@ -1,13 +1,12 @@
 """Composing fltff's factories with TFF's aggregation wrappers.
 
-fltff's factories gather every participant's values in one aggregate (single-pass), so they
-cannot take an inner TFF factory (secure sum or DP noise would have to run per client
-inside them). TFF's wrappers that act on each client's value first — `clipping_factory`,
-`zeroing_factory` — go *around* them; `with_weight_fields_of` keeps the inner factory's
-`weight_fields` visible on the wrapper, so the learning builders still send the fields the
-inner factory needs. TFF's unweighted factories (e.g. `DifferentiallyPrivateFactory`) are
-accepted by the builders directly (`build_algorithm` makes them weighted, ignoring ν, as TFF's
-own `build_weighted_fed_avg` does).
+fltff's factories gather all participants' values in one aggregate (single-pass), so they take
+no inner TFF factory (secure sum or DP noise would have to run per client inside them). TFF
+wrappers acting on each client's value first (`clipping_factory`, `zeroing_factory`) go *around*
+them; `with_weight_fields_of` keeps the inner factory's `weight_fields` visible on the wrapper,
+so the learning builders still send them. TFF's unweighted factories (e.g.
+`DifferentiallyPrivateFactory`) go to the builders directly (`build_algorithm` makes them
+weighted, ignoring ν, as TFF's `build_weighted_fed_avg` does).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ class _WithWeightFields(tff.aggregators.WeightedAggregationFactory):
 
 def with_weight_fields_of(outer: tff.aggregators.WeightedAggregationFactory,
                           inner) -> tff.aggregators.WeightedAggregationFactory:
-  """`outer`, a TFF wrapper built around the fltff factory `inner`, that still says which
-  update-weight fields `inner` needs, e.g.
-  `with_weight_fields_of(tff.aggregators.clipping_factory(1.0, ccn), ccn)`."""
+  """`outer` (a TFF wrapper around the fltff factory `inner`) exposing `inner`'s `weight_fields`.
+
+  E.g. `with_weight_fields_of(tff.aggregators.clipping_factory(1.0, ccn), ccn)`."""
   return _WithWeightFields(outer, getattr(inner, 'weight_fields', ()))

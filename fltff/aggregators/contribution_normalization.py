@@ -1,29 +1,24 @@
 """Client contribution normalisation (CCN) and FedNova's normalised averaging.
 
-CCN source: "Client Contribution Normalization for Enhanced Federated Learning". Each client
-sends the mean of its model's latent (last hidden) layer over its local training data with its
-update. With S the clients' cosine-similarity matrix (diagonal 1), temperature T and the base
-scheme's own weights ν:
+CCN ("Client Contribution Normalization for Enhanced Federated Learning"): each client sends with
+its update the mean of its model's latent (last hidden) layer over its local training data. With
+S the clients' cosine-similarity matrix (diagonal 1), temperature T and the base scheme's weights ν:
 
     Λ_r = Σ_{q≠r} exp(Σ_p S_qp / T) / Σ_q exp(Σ_p S_qp / T) = 1 − softmax_r(Σ_p S_rp / T),
     ω_r = Λ_r ν_r / Σ_q Λ_q ν_q,
 
-so a client whose representation is unlike the others' (small row sum) gets the largest Λ.
-With one participant Λ = 0 and ω is undefined; fltff then keeps the base weights,
-ω_r = ν_r / Σ_q ν_q (likewise whenever Σ_q Λ_q ν_q = 0).
+so a client whose representation is unlike the others' (small row sum) gets the largest Λ. With
+one participant Λ = 0 and ω is undefined; fltff then keeps ω_r = ν_r / Σ_q ν_q (likewise whenever
+Σ_q Λ_q ν_q = 0).
 
-FedNova (Wang et al., NeurIPS 2020): client k with τ_k local steps sends its normalised update
-d_k = Δ_k / τ_k; the server applies τ_eff Σ_k p_k d_k with p the (here: possibly CCN-rescaled)
-weights and τ_eff = Σ_k p_k τ_k. With equal τ this is FedAvg's Σ_k p_k Δ_k.
+FedNova (Wang et al., NeurIPS 2020): client k with τ_k local steps sends d_k = Δ_k / τ_k; the
+server applies τ_eff Σ_k p_k d_k, p the (possibly CCN-rescaled) weights, τ_eff = Σ_k p_k τ_k.
 
-One factory serves both and their combination: it gathers every participant's update, weight, latent
-mean and step count in one `federated_aggregate` (single-pass, docs/architecture.md) and does the
-math at the server. Base schemes that average updates with weights ν (FedAvg, FedProx, SGDM,
-FedBABU, FedLap, SCAFFOLD, FedNova) take it as their `model_aggregator`; CCN only changes ν to Λν.
-It cannot wrap another TFF factory (TFF's secure sum, DP): Λ needs every participant's latent mean
-at the server before any update is weighted, which a per-client inner aggregation cannot provide.
-TFF's outer wrappers that act on each client's value before aggregation (e.g.
-`tff.aggregators.zeroing_factory`, `clipping_factory` around it) compose.
+One single-pass factory (docs/architecture.md: one `federated_aggregate` of updates, weights,
+latent means, step counts; math at the server) serves both. Schemes averaging updates with ν
+(FedAvg, FedProx, SGDM, FedBABU, FedLap, SCAFFOLD, FedNova) take it as `model_aggregator`. It
+cannot wrap another TFF factory (secure sum, DP): Λ needs every latent mean before any update is
+weighted. TFF's outer wrappers (e.g. `zeroing_factory`, `clipping_factory`) compose.
 """
 
 from __future__ import annotations
@@ -56,12 +51,9 @@ def contribution_factors(similarity: tf.Tensor, temperature: float) -> tf.Tensor
 
 
 def normalized_weights(factors: tf.Tensor, base_weights: tf.Tensor) -> tf.Tensor:
-  """ω_r = Λ_r ν_r / Σ_q Λ_q ν_q, or ν_r / Σ_q ν_q where Λ·ν = 0.
+  """ω_r = Λ_r ν_r / Σ_q Λ_q ν_q, or ν_r / Σ_q ν_q where Λ·ν = 0 (e.g. one client: Λ = 0).
 
-  Λ·ν = 0 when one client participates (softmax of one score is 1, so Λ = 0) or in any other
-  degenerate case: CCN then leaves the base scheme's weights unchanged instead of returning
-  0/0. Both divisions are safe, so no NaN is formed (all ν = 0 gives ω = 0: a zero update).
-  """
+  Both divisions are NaN-safe; all ν = 0 gives ω = 0 (a zero update)."""
   base_weights = tf.convert_to_tensor(base_weights)
   w = tf.convert_to_tensor(factors, base_weights.dtype) * base_weights
   total = tf.reduce_sum(w)
@@ -79,10 +71,9 @@ def nova_aggregate(updates: list, weights: tf.Tensor, steps: tf.Tensor) -> list:
 class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
   """Weighted mean of the clients' updates with CCN weights and/or FedNova normalisation.
 
-  The update weight must be a struct with `num_examples` (ν), plus `latent_mean` when
-  `temperature` is set (CCN) and `local_steps` when `normalized_averaging` (FedNova); an
-  optional `client_index` is reported with the per-client measurements (Λ, ω).
-  """
+  The update weight is a struct with `num_examples` (ν), plus `latent_mean` for CCN
+  (`temperature` set) and `local_steps` for FedNova (else `ConfigError` in `create`); an
+  optional `client_index` labels the per-client measurements (Λ, ω)."""
 
   def __init__(self, temperature: Optional[float] = None, normalized_averaging: bool = False):
     from fltff.config_checks import check_number  # pylint: disable=g-import-not-at-top
@@ -100,8 +91,7 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
 
   @property
   def weight_fields(self) -> tuple[str, ...]:
-    """The update-weight fields the client work must send (`fltff.learning.build_algorithm`
-    reads this): the client index, CCN's latent mean, FedNova's local step count."""
+    """Update-weight fields the client work must send (read by `fltff.learning.build_algorithm`)."""
     return (('client_index',) + (('latent_mean',) if self._temperature else ()) +
             (('local_steps',) if self._nova else ()))
 
@@ -159,12 +149,10 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
 
 @gin.configurable('contribution_normalization')
 def contribution_normalization_factory(temperature: float = 1.0) -> NormalizedMeanFactory:
-  """CCN over the base scheme's weights ν (gin: `<method>.model_aggregator =
-  @contribution_normalization()`, with `contribution_normalization.temperature` = T).
+  """CCN over the base scheme's weights ν, with T = `temperature`.
 
-  FedAvg, FedProx, SGDM, FedBABU, FedLap and SCAFFOLD average with Λν instead of ν; FedNova
-  keeps its normalised averaging with the weights Λν.
-  """
+  gin: `<method>.model_aggregator = @contribution_normalization()`. FedNova keeps its normalised
+  averaging, with the weights Λν."""
   return NormalizedMeanFactory(temperature)
 
 

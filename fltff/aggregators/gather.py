@@ -1,12 +1,11 @@
 """Single-pass gathering of every participant's update and weight at the server.
 
 fltff's aggregators need all participants' values at once (angles against the global update,
-similarities between clients). docs/architecture.md requires them to be single-pass, so that TFF's
-mergeable-computation context can split a round across workers: one `federated_aggregate`
-whose accumulator concatenates the clients' values along a new leading axis (merging two
-partial accumulators is another concatenation), followed by pure server-side math. No
-`tff.federated_select` (wrong rows in the mergeable context) and no aggregate that depends on
-another ("Detected one aggregate dependent on another").
+similarities between clients), single-pass (docs/architecture.md) so that TFF's mergeable context
+can split a round across workers: one `federated_aggregate` whose accumulator concatenates client
+values along a new leading axis (merging is another concatenation), then server-side math. No
+`tff.federated_select` (wrong rows in the mergeable context), no aggregate depending on another
+("Detected one aggregate dependent on another").
 """
 
 from __future__ import annotations
@@ -24,12 +23,11 @@ def _unknown_rows(spec: tf.TensorSpec) -> tf.Tensor:
 
 
 def build_gather(value_type, weight_type):
-  """Federated computation `(value@CLIENTS, weight@CLIENTS) -> gathered@SERVER`.
+  """`(gather, its result type)`: `(value@CLIENTS, weight@CLIENTS) -> gathered@SERVER`.
 
-  `gathered` is `OrderedDict(update=tuple of [K, ...] tensors (the flattened value),
-  weight=the weight structure with a leading [K] axis)`; rows are in the order TFF merged the
-  clients, so anything per-client (e.g. a client index) must travel inside the weight.
-  """
+  `gathered = OrderedDict(update=tuple of [K, ...] (the flattened value), weight=<the weight with
+  a leading [K] axis>)`, rows in TFF's merge order: per-client data (e.g. a client index) must
+  travel inside the weight."""
   specs = collections.OrderedDict(
       update=tuple(tf.nest.flatten(tff.types.type_to_tf_tensor_specs(value_type))),
       weight=tff.types.type_to_tf_tensor_specs(weight_type))

@@ -1,9 +1,7 @@
 """fltff data layer: sources -> partitioners -> per-client data (TFF `ClientData`).
 
-Sources (`tfds_source`, `idx_source`, `npz_source`, `image_folder_source`, `femnist_source`,
-`synthetic_source`) return an `ArrayDataset` of NumPy arrays; partitioners (`iid_partition`,
-`shard_partition`, `dirichlet_partition`, `mixed_partition`, `natural_partition`) split its
-training labels into per-client index arrays; `build_federated_data` (gin name
+Sources (`*_source`) return an `ArrayDataset` of NumPy arrays; partitioners (`*_partition`)
+split its training labels into per-client index arrays; `build_federated_data` (gin name
 `federated_data`) combines both into a `FederatedData`, whose `client_data()` is a
 `tff.simulation.datasets.ClientData`.
 """

@@ -20,17 +20,17 @@ class FederatedData:
   """A dataset split into clients.
 
   Attributes:
-    dataset: The underlying arrays.
     client_ids: One id per client, e.g. 'client_000'.
     train_indices: Per client, indices into `dataset.x_train`, aligned with `client_ids`.
-    local_test_indices: Optional per-client indices into `dataset.x_test` for personalised
-      evaluation.
+    local_test_indices: Optional per-client indices into `dataset.x_test` (personalised
+      evaluation).
+    source_seed: The seed the source drew its data with, if it has one.
   """
   dataset: ArrayDataset
   client_ids: list[str]
   train_indices: list[np.ndarray]
   local_test_indices: Optional[list[np.ndarray]] = None
-  source_seed: Optional[int] = None  # The seed the source drew its data with, if it has one.
+  source_seed: Optional[int] = None
 
   def num_clients(self) -> int:
     return len(self.client_ids)
@@ -74,13 +74,8 @@ class FederatedData:
     return out
 
   def client_data(self):
-    """The training split as `tff.simulation.datasets.ClientData`.
-
-    Elements are `OrderedDict(x=..., y=...)` with the arrays' own dtypes (uint8 images,
-    float32 features, int32 labels); scaling, shuffling and batching are the caller's
-    preprocessing. `create_tf_dataset_for_client` slices the client's arrays in NumPy; the
-    serialisable form (`dataset_computation`) embeds the training arrays as constants.
-    """
+    """The training split as `tff.simulation.datasets.ClientData` of `OrderedDict(x=, y=)` in the
+    arrays' dtypes, unscaled and unbatched; `dataset_computation` embeds the arrays as constants."""
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -104,8 +99,7 @@ class FederatedData:
                             f'{ids[-1]!r}.')
         idx = self.train_indices[position[client_id]]
         return from_arrays(x_all[idx], y_all[idx])
-      # Symbolic id (inside a tf.function / tff.tensorflow.computation): look it up in-graph.
-      # An unknown id leaves `match` empty and `match[0]` fails at run time.
+      # Symbolic id (tf.function, TFF computation): in-graph lookup; unknown ids fail at run time.
       i = tf.where(tf.equal(tf.constant(ids), client_id))[0, 0]
       b = tf.constant(bounds, dtype=tf.int64)
       idx = tf.constant(flat)[b[i]:b[i + 1]]
@@ -164,14 +158,10 @@ def _call_source(source: Callable[..., Any], seed: int) -> tuple[Any, Optional[i
 
 
 def subsample(dataset: ArrayDataset, fraction: float, seed: int) -> ArrayDataset:
-  """A random `fraction` of the training and of the test examples (drawn without replacement).
+  """A seeded random `fraction` of the training and of the test examples, in original order.
 
-  KAPC's setting without client selection draws 10 % of the training and test data at random
-  before partitioning. The draw is seeded; the kept examples stay in their original order.
-
-  Raises:
-    ConfigError: For a fraction outside (0, 1] or a dataset with a natural partition (drawing
-      examples would break its clients).
+  KAPC's setting without client selection keeps 10 % of both before partitioning. `ConfigError`
+  for a fraction outside (0, 1] or a dataset with a natural partition (a draw would break it).
   """
   if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
     raise ConfigError(f'federated_data.data_fraction must be a number in (0, 1], got '
@@ -202,26 +192,20 @@ def build_federated_data(source: Callable[[], ArrayDataset] = gin.REQUIRED,
                          local_test_examples: int = 0,
                          data_fraction: float = 1.0,
                          run_seed: int = 0) -> FederatedData:
-  """Loads a source, partitions its training set and (optionally) makes local test splits.
+  """Loads a source, partitions its training set and optionally makes local test splits.
 
   Args:
     source: A callable returning an `ArrayDataset` (in gin: `@npz_source`).
     partitioner: A callable `(labels=, num_clients=, seed=)` returning the partition (in gin:
       `@shard_partition`); one that also takes `dataset=` receives the dataset.
-    num_clients: Number of clients.
-    seed: Seed of the partition, of the local test splits, of the `data_fraction` draw and of
-      a source that draws its data (e.g. `synthetic_source`) unless its own seed is bound;
-      None (default): `run_seed`, so one `experiment.seed` changes them with everything else.
-    local_test_examples: Per-client local test examples; 0 for none. With the natural
-      partition of a source that has per-client held-out data (synthetic), each client's
-      own held-out examples are used (at most this many); otherwise they are drawn from the
-      central test set with the client's training label distribution (`local_test_split`).
-    data_fraction: Fraction of the training and of the test examples drawn at random (seeded
-      by `seed`) before partitioning; 1 keeps everything (`subsample`).
-    run_seed: The experiment's seed (`experiment.seed`), used when `seed` is None.
-
-  Returns:
-    A `FederatedData`.
+    seed: Seed of the partition, the local test splits, the `data_fraction` draw and a source
+      that draws its data (e.g. `synthetic_source`) unless its own seed is bound; None:
+      `run_seed` (`experiment.seed`), so one seed changes them all.
+    local_test_examples: Per client, 0 for none: at most this many of its own held-out examples
+      under a natural partition that has them, else drawn from the central test set in its
+      label proportions (`local_test_split`).
+    data_fraction: Fraction of the training and of the test examples kept (`subsample`)
+      before partitioning.
   """
   if source is gin.REQUIRED or partitioner is gin.REQUIRED:
     raise ConfigError('federated_data needs a source and a partitioner, e.g. '

@@ -1,9 +1,8 @@
 """Partitioners: split a labelled training set into per-client index arrays.
 
-Every partitioner takes `labels` (1-D integer array) plus `num_clients` and `seed`, and
-returns a list with one sorted int64 index array per client. The result is a deterministic
-function of the arguments; clients are disjoint; and every index is used exactly once,
-except in `mixed_partition`, which draws fixed-size clients and leaves the rest unused.
+Each takes `labels` (1-D integer array), `num_clients` and `seed` and returns one sorted int64
+index array per client, deterministically. Clients are disjoint and every index is used once,
+except in `mixed_partition` (fixed-size clients; the rest stays unused).
 """
 
 from typing import Any, Optional, Sequence
@@ -57,21 +56,12 @@ def shard_partition(labels: np.ndarray,
                     seed: int = 0) -> Partition:
   """Pathological non-IID shards of McMahan et al. (AISTATS 2017, Sec. 3).
 
-  The examples are sorted by label (stable, so ties keep index order) and cut into
-  `num_shards` contiguous shards; each client gets `shards_per_client` random shards. When
-  `num_shards` does not divide the number of examples, the first `n % num_shards` shards
-  are one example longer (`np.array_split`), so the partition stays complete.
+  Examples are sorted by label (stably) and cut into `num_shards` contiguous shards, the first
+  `n % num_shards` one longer so none is lost; each client gets `shards_per_client` random ones.
 
   Args:
-    labels: 1-D integer labels.
-    num_clients: Number of clients.
-    num_shards: Total number of shards; must equal `num_clients * shards_per_client`.
-      `None` (the default) means exactly that (the paper: 100 clients, 200 shards).
-    shards_per_client: Shards per client (the paper: 2).
-    seed: Seed for the shard assignment.
-
-  Returns:
-    One sorted int64 index array per client.
+    num_shards: Must equal `num_clients * shards_per_client`; `None` means that (the paper:
+      100 clients, 200 shards, so 2 per client).
   """
   labels = _check_labels(labels)
   if shards_per_client < 1:
@@ -109,20 +99,12 @@ def dirichlet_partition(labels: np.ndarray,
   """Label-skewed partition with Dirichlet class proportions (Hsu et al., 2019).
 
   For every class c, draws p_c ~ Dir(alpha * 1_N) over the N clients and splits the shuffled
-  examples of class c by p_c. The whole draw is repeated (up to `max_tries` times) until
-  every client has at least `min_samples_per_client` examples. Small alpha (0.1) is very
-  skewed, large alpha approaches IID; the papers use alpha = 0.1, 0.3, 0.5.
+  examples of class c by p_c; the whole draw is repeated, up to `max_tries` times (else
+  `ConfigError`), until every client has at least `min_samples_per_client` examples.
 
   Args:
-    labels: 1-D integer labels.
-    num_clients: Number of clients.
-    alpha: Dirichlet concentration, > 0.
-    seed: Seed.
-    min_samples_per_client: Smallest acceptable client size.
-    max_tries: How many draws to try before giving up.
-
-  Returns:
-    One sorted int64 index array per client.
+    alpha: Concentration, > 0: 0.1 is very skewed, large values approach IID (the papers use
+      0.1, 0.3, 0.5).
   """
   labels = _check_labels(labels)
   if not alpha > 0:
@@ -155,10 +137,8 @@ def dirichlet_partition(labels: np.ndarray,
 
 
 def _largest_remainder(weights: np.ndarray, total: int) -> np.ndarray:
-  """Integer counts proportional to `weights` summing to `total` (largest remainder).
-
-  Ties in the fractional parts go to the lower index.
-  """
+  """Integer counts proportional to `weights` summing to `total` (largest remainder; ties in
+  the fractional parts go to the lower index)."""
   weights = np.asarray(weights, dtype=np.float64)
   exact = weights / weights.sum() * total
   counts = np.floor(exact).astype(np.int64)
@@ -178,26 +158,14 @@ def mixed_partition(labels: np.ndarray,
                     seed: int = 0) -> Partition:
   """FedLayerWise's "k IID + m non-IID clients" partition (settings 5+5 and 2+8, 600 each).
 
-  Clients 0..num_iid-1 are IID: `samples_per_client` examples stratified over all classes
-  present (equal counts per class; the remainder goes to randomly chosen classes). The
-  other `num_noniid` clients each draw `samples_per_client` examples from
-  `classes_per_noniid_client` classes, split evenly between them; each non-IID client takes
-  the classes least used so far by earlier non-IID clients (ties broken at random), so
-  class demand is spread. Clients are disjoint and have exactly `samples_per_client`
-  examples; unlike the other partitioners the examples left over are not used.
+  Every client gets exactly `samples_per_client` examples; left-over examples are not used. The
+  `num_iid` IID clients come first, stratified over all classes present (the remainder to
+  random classes). A non-IID client's examples are split evenly over the
+  `classes_per_noniid_client` classes least used by earlier non-IID clients (ties at random).
 
   Args:
-    labels: 1-D integer labels.
-    num_clients: Optional; if given it must equal `num_iid + num_noniid`, and either of
-      those may be left unset and is then derived from it.
-    num_iid: Number of IID clients.
-    num_noniid: Number of non-IID clients.
-    samples_per_client: Examples per client.
-    classes_per_noniid_client: Classes per non-IID client.
-    seed: Seed.
-
-  Returns:
-    One sorted int64 index array per client, IID clients first.
+    num_clients: Optional; must equal `num_iid + num_noniid`, either of which may then be
+      left unset.
   """
   labels = _check_labels(labels)
   if num_iid is None and num_noniid is None:
@@ -271,18 +239,14 @@ def natural_partition(labels: np.ndarray,
                       num_clients: Optional[int] = None,
                       seed: int = 0,
                       dataset: Any = None) -> Partition:
-  """The dataset's own clients (e.g. the synthetic source's generated clients).
+  """The dataset's own clients (`dataset.natural_partition`, e.g. synthetic or FEMNIST).
 
   Args:
-    labels: 1-D integer labels of `dataset.x_train`.
-    num_clients: Optional; if given it must equal the number of natural clients.
-    seed: Unused (the natural partition is fixed by the source).
-    dataset: The `ArrayDataset`; `build_federated_data` passes it.
-
-  Returns:
-    The source's partition as sorted int64 index arrays.
+    num_clients: Optional; must equal the number of natural clients.
+    seed: Unused: the source fixes the partition.
+    dataset: The `ArrayDataset` of `labels`; `build_federated_data` passes it.
   """
-  del seed  # The natural partition does not depend on it.
+  del seed
   labels = _check_labels(labels)
   parts = getattr(dataset, 'natural_partition', None)
   if parts is None:
@@ -318,23 +282,12 @@ def local_test_split(test_labels: np.ndarray,
                      train_label_histogram_per_client: np.ndarray,
                      examples_per_client: int,
                      seed: int = 0) -> Partition:
-  """Per-client local test sets with each client's training label distribution.
+  """Per-client local test sets (indices into the central test set) for personalised evaluation.
 
-  Used for personalised evaluation. For client i, `examples_per_client` test examples are
-  split over the classes in proportion to row i of the histogram (largest-remainder
-  rounding) and drawn from the central test set, without replacement within a client unless
-  a class has fewer test examples than needed (then with replacement). Classes that have no
-  test examples at all are dropped from the proportions. Different clients draw
-  independently, so two clients may share test examples.
-
-  Args:
-    test_labels: 1-D integer labels of the central test set.
-    train_label_histogram_per_client: `[num_clients, num_classes]` training label counts.
-    examples_per_client: Local test examples per client.
-    seed: Seed.
-
-  Returns:
-    One sorted int64 index array (into the test set) per client.
+  Client i's `examples_per_client` are split over the classes in proportion to row i of
+  `train_label_histogram_per_client` (`[num_clients, num_classes]`; largest remainder; classes
+  absent from the test set dropped) and drawn from the test set without replacement, unless a
+  class has too few (then with). Clients draw independently, so they may share examples.
   """
   test_labels = _check_labels(test_labels)
   hist = np.asarray(train_label_histogram_per_client)

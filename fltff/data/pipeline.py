@@ -18,11 +18,8 @@ def example_shape(x: np.ndarray) -> tuple[int, ...]:
 
 
 def preprocess_batch(batch):
-  """uint8 images → float32 in [0, 1]; other inputs → float32; labels → int32.
-
-  Applied after batching and inside the client's dataset graph, so images travel to the TFF
-  worker as uint8 (4x fewer bytes than float32).
-  """
+  """uint8 images → float32 in [0, 1]; other inputs → float32; labels → int32. Runs inside the
+  client's dataset graph, so images travel to the TFF worker as uint8."""
   x = batch['x']
   if x.dtype == tf.uint8:
     x = tf.cast(x, tf.float32) / 255.0
@@ -32,19 +29,15 @@ def preprocess_batch(batch):
 
 
 def client_examples(x: np.ndarray, y: np.ndarray) -> tf.data.Dataset:
-  """One client's preprocessed examples (`preprocess_batch` per example, in the dataset graph:
-  images still travel to the TFF worker as uint8)."""
+  """One client's examples, each through `preprocess_batch` in the dataset graph."""
   return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y)).map(
       preprocess_batch)
 
 
 def batch_examples(examples: tf.data.Dataset, num_examples: int, batch_size: int,
                    shuffle_seed: Optional[int] = None) -> tf.data.Dataset:
-  """`examples` batched; reshuffled every epoch when a seed is given.
-
-  With a seed, the order of every epoch is a deterministic function of the seed, so a run
-  resumed from a checkpoint sees exactly the batches an uninterrupted run would.
-  """
+  """`examples` batched and, given a seed, reshuffled every epoch in an order fixed by the seed
+  (a run resumed from a checkpoint sees the batches an uninterrupted run would)."""
   if shuffle_seed is not None:
     examples = examples.shuffle(num_examples, seed=int(shuffle_seed),
                                 reshuffle_each_iteration=True)
@@ -53,27 +46,24 @@ def batch_examples(examples: tf.data.Dataset, num_examples: int, batch_size: int
 
 def client_batches(x: np.ndarray, y: np.ndarray, batch_size: int,
                    shuffle_seed: Optional[int] = None) -> tf.data.Dataset:
-  """Batched dataset of one client's examples (see `batch_examples`); for one-off use —
-  round loops use `ClientDatasets`."""
+  """One client's batches (`batch_examples`), for one-off use; round loops use `ClientDatasets`."""
   return batch_examples(client_examples(x, y), len(x), batch_size, shuffle_seed)
 
 
 @dataclasses.dataclass(frozen=True)
 class ArraySource:
-  """What one of `ClientDatasets`' round datasets holds, for a reader that skips tf.data.
+  """What a `ClientDatasets` round dataset holds, for readers that skip tf.data.
 
-  `order` yields the example indices 0..n-1 in the dataset's order, one pass per iteration: a
-  shuffle with the same seeds, so each iteration (epoch) gives the same permutation as the
-  dataset's own (tf.data's shuffle draws positions, whatever the elements). The dataset's
-  batches are `preprocess_batch` of `(x[i], y[i])` for consecutive `batch_size` chunks of the
-  order, with `(x, y) = arrays()` (a call, so that nothing holds a second copy of the client's
-  data between rounds). The vectorised client work reads rounds this way
-  (`learning/vectorized.py`).
+  `order` yields indices 0..n-1 in the dataset's order, one pass (epoch) per iteration: the
+  same-seeded shuffle gives the same permutation (tf.data's shuffle draws positions, whatever
+  the elements). The batches are `preprocess_batch` of `(x[i], y[i])` over consecutive
+  `batch_size` chunks of `order`, `(x, y) = arrays()` (a call, so no second copy of the data
+  outlives a round). The vectorised client work (`learning/vectorized.py`) reads rounds this way.
   """
   arrays: Callable[[], tuple[np.ndarray, np.ndarray]]
   order: tf.data.Dataset
   batch_size: int
-  num_examples: int  # n, the length of `order` (known here: no cardinality op per read).
+  num_examples: int  # n, `order`'s length (no cardinality op per read).
 
 
 _ARRAY_SOURCE = '_fltff_array_source'
@@ -87,11 +77,9 @@ def array_source(dataset: tf.data.Dataset) -> Optional[ArraySource]:
 class ClientDatasets:
   """Each client's batches per round, with its examples dataset built once.
 
-  Why: every `Dataset.map` traces a new function that TensorFlow's eager runtime never frees
-  (tens of KiB each, whatever the data size), so building client datasets from scratch every
-  round grows the driver with every round; here a round only adds `shuffle` and `batch`, which
-  trace nothing. A client's first round still
-  costs one traced function: memory grows with the distinct clients seen, not with rounds.
+  Every `Dataset.map` traces a function TensorFlow's eager runtime never frees, so rebuilding
+  client datasets every round would grow the driver every round; a round here adds only
+  `shuffle` and `batch`, which trace nothing: memory grows with distinct clients, not rounds.
   """
 
   def __init__(self, arrays_of: Callable[[int], tuple[np.ndarray, np.ndarray]],
@@ -106,8 +94,8 @@ class ClientDatasets:
       self._examples[client_index] = (client_examples(x, y), len(x))
     examples, num_examples = self._examples[client_index]
     batches = batch_examples(examples, num_examples, self._batch_size, shuffle_seed)
-    # The same shuffle (its seeds resolved now, as the examples' shuffle's just were) over the
-    # indices: a reader of `array_source` gets the batches' order without the per-example map.
+    # The same shuffle (seeds resolved now, like the examples') over the indices: readers of
+    # `array_source` get the batches' order without the per-example map.
     order = tf.data.Dataset.range(num_examples)
     if shuffle_seed is not None:
       order = order.shuffle(num_examples, seed=int(shuffle_seed), reshuffle_each_iteration=True)

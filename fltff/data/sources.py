@@ -1,19 +1,11 @@
-"""Data sources: each returns the whole dataset as in-memory NumPy arrays.
+"""Data sources, each returning a whole dataset as in-memory NumPy arrays (`ArrayDataset`).
 
-Six sources, all gin-configurable and none of which downloads anything unless asked to:
-
-* `tfds_source`: MNIST, Fashion-MNIST, CIFAR-10/100 through `tfds.load` from a prepared
-  `data_dir` (or with `download=True`).
-* `idx_source`: the MNIST-family IDX files as their authors (and Debian's
-  `dataset-fashion-mnist` package) distribute them (`train-images-idx3-ubyte.gz`, ...).
-* `npz_source`: a Keras-layout `.npz` file (`x_train, y_train, x_test, y_test`).
-* `image_folder_source`: an image folder in the published CINIC-10 layout
-  (`<root>/<split>/<class>/*.png`).
-* `femnist_source`: FEMNIST (federated EMNIST, one client per writer) through
-  `tff.simulation.datasets.emnist.load_data`, with its natural writer partition.
-* `synthetic_source`: the Synthetic(alpha, beta) generator of FedProx (Li et al., "Federated
-  Optimization in Heterogeneous Networks", MLSys 2020, Sec. 5.1), itself from LEAF. It needs
-  nothing on disk and is the offline default.
+Only `tfds_source` and `femnist_source` (TFF's FEMNIST) can download, and only with
+`download=True`. `idx_source` (MNIST-family IDX files), `npz_source` (Keras-layout `.npz`) and
+`image_folder_source` (CINIC-10 layout) read local files; relative paths are looked up in the
+current directory, then in fltff's shipped files. `synthetic_source`, FedProx's Synthetic(alpha,
+beta) (Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020), needs nothing
+on disk and is the offline default.
 """
 
 import dataclasses
@@ -36,14 +28,11 @@ class ArrayDataset:
   """A whole dataset in memory.
 
   Attributes:
-    name: A short name, e.g. 'mnist' or 'synthetic_1_1'.
     x_train: Images as uint8 `[n, H, W, C]`; feature vectors as float32 `[n, d]`.
     y_train: int32 labels `[n]` in `[0, num_classes)`.
-    x_test: Like `x_train`, the central test set.
-    y_test: Like `y_train`.
-    num_classes: The number of classes.
-    natural_partition: Optional per-client index arrays into `x_train` for datasets that come
-      with clients (the synthetic source: one array per generated client).
+    x_test: The central test set, like `x_train` (`y_test` like `y_train`).
+    natural_partition: Optional per-client index arrays into `x_train`, for datasets that come
+      with clients (synthetic, FEMNIST).
     natural_test_partition: Optional per-client index arrays into `x_test`, aligned with
       `natural_partition`: each client's own held-out examples.
   """
@@ -57,12 +46,10 @@ class ArrayDataset:
   natural_test_partition: Optional[list[np.ndarray]] = None
 
 
-# Split once into batches of this size when materialising a TFDS split as arrays.
 _TFDS_BATCH = 8192
 
 
 def _tfds_data_dir(data_dir: Optional[str]) -> str:
-  """The directory `tfds.load` reads from: `data_dir`, $TFDS_DATA_DIR or TFDS's default."""
   if data_dir:
     return os.path.abspath(os.path.expanduser(data_dir))
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
@@ -71,7 +58,6 @@ def _tfds_data_dir(data_dir: Optional[str]) -> str:
 
 
 def _images(x: np.ndarray) -> np.ndarray:
-  """Adds a channel axis to `[n, H, W]` images."""
   return x[..., np.newaxis] if x.ndim == 3 else x
 
 
@@ -79,29 +65,22 @@ def _images(x: np.ndarray) -> np.ndarray:
 def tfds_source(name: str,
                 data_dir: Optional[str] = None,
                 download: bool = False) -> ArrayDataset:
-  """Loads a TFDS image classification dataset as arrays.
+  """Loads a TFDS image classification dataset: uint8 images `[n, H, W, C]`, int32 labels.
 
   Args:
-    name: A TFDS image classification dataset with 'train' and 'test' splits and an
-      (image, label) supervised form: e.g. 'mnist', 'fashion_mnist', 'cifar10', 'cifar100',
-      'kmnist', 'emnist/digits', 'svhn_cropped'. Its class count comes from the label feature.
-    data_dir: The TFDS data directory; `None` means $TFDS_DATA_DIR or `~/tensorflow_datasets`.
-    download: Whether TFDS may download and prepare the data if it is not in `data_dir`.
-
-  Returns:
-    An `ArrayDataset` with uint8 images `[n, H, W, C]` and int32 labels.
+    name: A TFDS dataset with 'train' and 'test' splits and an (image, label) supervised form
+      (e.g. 'mnist', 'cifar100', 'emnist/digits'); its label feature gives the class count.
+    data_dir: The TFDS data directory; `None`: $TFDS_DATA_DIR or `~/tensorflow_datasets`.
 
   Raises:
-    ConfigError: For a name TFDS does not know, or a dataset that is not image
-      classification.
+    ConfigError: For a name TFDS does not know or a dataset that is not image classification.
     DataError: If the data is not prepared in `data_dir` and `download` is False.
   """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
   num_classes = _tfds_num_classes(tfds, name, data_dir)
   try:
-    # Not `batch_size=-1`: TFDS then batches by the split size from the metadata, which
-    # `tfds.testing.mock_data` reports as 0, and the process aborts (batch of sys.maxsize).
+    # Not `batch_size=-1`: under `tfds.testing.mock_data` (split size 0) that aborts.
     splits = tfds.load(name, split=['train', 'test'], as_supervised=True,
                        data_dir=data_dir, download=download)
   except Exception as e:  # pylint: disable=broad-except
@@ -134,8 +113,7 @@ def tfds_source(name: str,
 
 
 def _tfds_num_classes(tfds, name: str, data_dir: Optional[str]) -> int:
-  """The class count of TFDS dataset `name` (from its builder's label feature, no data read);
-  `ConfigError` for an unknown name or a dataset that is not (image, label) classification."""
+  """The class count from TFDS dataset `name`'s label feature (no data read), or `ConfigError`."""
   try:
     builder = tfds.builder(name, data_dir=data_dir)
   except Exception as e:  # pylint: disable=broad-except
@@ -154,8 +132,6 @@ def _tfds_num_classes(tfds, name: str, data_dir: Optional[str]) -> int:
 
 
 def _candidates(path: str) -> list[pathlib.Path]:
-  """Where a relative data path is looked up: the current directory, then fltff's shipped
-  files (`fltff/data/samples/...`, in a checkout or an installed package)."""
   p = pathlib.Path(os.path.expanduser(path))
   if p.is_absolute():
     return [p]
@@ -163,7 +139,6 @@ def _candidates(path: str) -> list[pathlib.Path]:
 
 
 def _resolve_path(path: str) -> pathlib.Path:
-  """Resolves `path` against the current directory, then fltff's shipped files."""
   candidates = _candidates(path)
   for c in candidates:
     if c.is_file():
@@ -176,11 +151,9 @@ def _resolve_path(path: str) -> pathlib.Path:
 
 _NPZ_KEYS = ('x_train', 'y_train', 'x_test', 'y_test')
 
-# IDX element types (LeCun's format description, "THE IDX FILE FORMAT"): the third byte of the
-# magic number; data are stored big-endian.
+# IDX element types by the magic number's third byte (LeCun's "THE IDX FILE FORMAT"; big-endian).
 _IDX_DTYPES = {0x08: np.dtype('u1'), 0x09: np.dtype('i1'), 0x0B: np.dtype('>i2'),
                0x0C: np.dtype('>i4'), 0x0D: np.dtype('>f4'), 0x0E: np.dtype('>f8')}
-# The four files of the MNIST family, per split: (images, labels).
 IDX_FILES = {
     'train': ('train-images-idx3-ubyte', 'train-labels-idx1-ubyte'),
     'test': ('t10k-images-idx3-ubyte', 't10k-labels-idx1-ubyte'),
@@ -192,14 +165,8 @@ _IDX_HINT = ('Fashion-MNIST: `apt-get install dataset-fashion-mnist` (Debian/Ubu
 
 
 def read_idx(path: str) -> np.ndarray:
-  """Reads one IDX file (gzip-compressed if its name ends in `.gz`) into a NumPy array.
-
-  The format: two zero bytes, a type byte (0x08 uint8 ... 0x0E float64), the number of
-  dimensions, each dimension as a big-endian uint32, then the data in row-major order.
-
-  Raises:
-    DataError: For a file that is not IDX, is truncated, or has bytes left over.
-  """
+  """Reads one IDX file (gzip-compressed if named `*.gz`) into a NumPy array; `DataError` for a
+  file that is not IDX (magic `00 00 <type> <ndim>`), is truncated, or has bytes left over."""
   import gzip  # pylint: disable=g-import-not-at-top
   import zlib  # pylint: disable=g-import-not-at-top
 
@@ -238,26 +205,16 @@ def _idx_file(root: pathlib.Path, stem: str) -> Optional[pathlib.Path]:
 def idx_source(path: str = '/usr/share/datasets/fashion-mnist',
                name: Optional[str] = None,
                num_classes: int = 10) -> ArrayDataset:
-  """MNIST-family data from the four IDX files its authors distribute.
+  """MNIST-family data from its four IDX files: uint8 images `[n, 28, 28, 1]`, int32 labels.
 
-  Reads `train-images-idx3-ubyte[.gz]`, `train-labels-idx1-ubyte[.gz]`,
-  `t10k-images-idx3-ubyte[.gz]` and `t10k-labels-idx1-ubyte[.gz]` from `path`: the layout of
-  MNIST (LeCun et al.), Fashion-MNIST (Xiao et al., 2017; Debian/Ubuntu package
-  `dataset-fashion-mnist` installs it in `/usr/share/datasets/fashion-mnist/`) and KMNIST.
+  Reads the `IDX_FILES` (`train-images-idx3-ubyte[.gz]`, ...), the layout of MNIST (LeCun et
+  al.), Fashion-MNIST (Xiao et al., 2017; Debian/Ubuntu's `dataset-fashion-mnist` installs it in
+  `/usr/share/datasets/fashion-mnist/`) and KMNIST. `DataError` for a missing or damaged file,
+  or files that do not match (image and label counts, image shapes, label range).
 
   Args:
-    path: The folder with the four files (absolute, or relative to the current directory
-      or the repository root); each file may be gzip-compressed (`.gz`) or not.
-    name: Dataset name for outputs; defaults to the folder name with '-' as '_'
-      (`fashion_mnist`).
-    num_classes: Number of classes; every label must lie in `[0, num_classes)`.
-
-  Returns:
-    An `ArrayDataset` with uint8 images `[n, 28, 28, 1]` and int32 labels.
-
-  Raises:
-    DataError: For a missing folder or file, a file that is not IDX or is truncated, or files
-      that do not match (image and label counts, image shapes, label range).
+    name: Defaults to the folder name with '-' as '_' (`fashion_mnist`).
+    num_classes: Every label must lie in `[0, num_classes)`.
   """
   root = next((c for c in _candidates(path) if c.is_dir()),
               pathlib.Path(os.path.expanduser(path)))
@@ -307,7 +264,6 @@ def _labels(y: np.ndarray, key: str, path: pathlib.Path) -> np.ndarray:
 
 
 def _features(x: np.ndarray) -> np.ndarray:
-  """uint8 images get a channel axis if needed; other inputs become float32."""
   if x.dtype == np.uint8:
     return _images(x)
   return _images(x).astype(np.float32) if x.ndim == 3 else x.astype(np.float32)
@@ -319,18 +275,13 @@ def npz_source(path: str,
                num_classes: Optional[int] = None) -> ArrayDataset:
   """Loads a Keras-layout `.npz` file (`x_train, y_train, x_test, y_test`).
 
+  uint8 `[n, H, W]` images get a channel axis; non-uint8 inputs become float32. `DataError` if
+  the file or one of its arrays is missing or inconsistent; `ConfigError` for a label >=
+  `num_classes`.
+
   Args:
-    path: The file; a relative path is looked up in the current directory, then relative to
-      the repository root (the parent of the `fltff` package).
-    name: The dataset name; defaults to the file name without extension.
+    name: Defaults to the file name without extension.
     num_classes: Defaults to `max(label) + 1` over both splits.
-
-  Returns:
-    An `ArrayDataset`; uint8 `[n, H, W]` images get a channel axis, non-uint8 inputs become
-    float32.
-
-  Raises:
-    DataError: If the file or one of its arrays is missing or inconsistent.
   """
   resolved = _resolve_path(path)
   try:
@@ -409,17 +360,14 @@ def image_folder_source(path: str,
                         classes=CINIC10_CLASSES,
                         train_split: str = 'train',
                         test_split: str = 'test') -> ArrayDataset:
-  """Images from `<path>/<split>/<class>/*.png`, CINIC-10's published layout.
+  """Images (`.png`, `.jpg`; one size, read as RGB) from `<path>/<split>/<class>/`.
 
-  CINIC-10 (Darlow et al., 2018) is distributed as such a folder (`train/`, `valid/`, `test/`,
-  each with the ten CIFAR class folders); download and unpack it, then point `path` at it.
-  `train_split` may also be e.g. 'train' with 'valid' merged by the user beforehand.
+  This is the published layout of CINIC-10 (Darlow et al., 2018): `train/`, `valid/`, `test/`,
+  each with the ten CIFAR class folders; download and unpack it, then point `path` at it (to
+  train on 'valid' too, merge it into the training folder beforehand).
 
   Args:
-    path: The dataset root (absolute, or relative to the current directory or repository root).
-    name: Dataset name for outputs.
     classes: Class folder names in label order (default: CINIC-10's, CIFAR-10's order).
-    train_split: Folder of the training images.
     test_split: Folder of the central test images.
   """
   root = next((c for c in _candidates(path) if c.is_dir()),
@@ -437,16 +385,13 @@ def image_folder_source(path: str,
                       y_test=y_test, num_classes=len(classes))
 
 
-# TFF (0.87) keeps federated EMNIST as one SQLite database for both variants: `load_data`
-# fetches `emnist_all.sqlite.lzma` and decompresses it on the fly into
-# `<cache_dir>/emnist_all.sqlite` (default cache_dir `~/.tff`); the variants are splits.
+# TFF 0.87's federated EMNIST: one SQLite file, both variants as splits (`femnist_source`).
 _EMNIST_URL = 'https://storage.googleapis.com/tff-datasets-public/emnist_all.sqlite.lzma'
 _EMNIST_FILE = 'emnist_all.sqlite'
 _EMNIST_TRAIN_SPLIT = {True: 'digits_only_train', False: 'all_train'}
 
 
 def _tff_cache_dir(cache_dir: Optional[str]) -> str:
-  """The directory TFF's dataset loaders cache in: `cache_dir` or `~/.tff`."""
   return os.path.abspath(os.path.expanduser(cache_dir or os.path.join('~', '.tff')))
 
 
@@ -489,41 +434,28 @@ def femnist_source(num_clients: int = 10,
                    min_examples_per_client: int = 1) -> ArrayDataset:
   """FEMNIST (LEAF's federated EMNIST, one client per writer) through TFF's loader.
 
-  The data comes from `tff.simulation.datasets.emnist.load_data(only_digits, cache_dir)`,
-  which in TFF 0.87 reads one SQLite file, `<cache_dir>/emnist_all.sqlite` (default
-  `~/.tff`), for both variants. Nothing is downloaded unless `download=True`: then TFF
-  fetches `emnist_all.sqlite.lzma` (about 3,400 writers) and decompresses it there.
+  `tff.simulation.datasets.emnist.load_data` (TFF 0.87) reads `<cache_dir>/emnist_all.sqlite`
+  (default `~/.tff`) for both variants. Only with `download=True` does TFF fetch
+  `emnist_all.sqlite.lzma` (about 3,400 writers) and decompress it there.
 
-  `num_clients` writers are drawn among those with at least `min_examples_per_client`
-  training examples: the eligible writer ids are sorted and
-  `np.random.default_rng(seed).choice(..., num_clients, replace=False)` picks them; the
-  chosen ids are then sorted again, so client i is the i-th chosen writer in id order.
-
-  TFF's pixels are float32 in [0, 1] with 1.0 the white background and 0.0 the ink, the
-  inverse of MNIST's look. They are converted to uint8 ink-on-black like MNIST (0
-  background, 255 ink): `x = round((1 - pixels) * 255)`.
+  The `num_clients` writers are drawn without replacement (`default_rng(seed).choice`) from
+  the sorted ids of writers with at least `min_examples_per_client` training examples; client
+  i is the i-th chosen writer in id order. TFF's float pixels (1.0 white background, 0.0 ink)
+  become uint8 ink-on-black like MNIST: `round((1 - pixels) * 255)`.
 
   Args:
-    num_clients: Number of writers (clients).
-    only_digits: Only digit examples (10 classes, about 3,380 writers) instead of digits,
-      upper- and lower-case letters (62 classes, about 3,400 writers).
-    cache_dir: TFF's cache directory; `None` means TFF's default, `~/.tff`.
-    download: Whether TFF may download the database if it is not in `cache_dir`.
-    seed: Seed of the writer selection.
-    min_examples_per_client: Only writers with at least this many training examples are
-      eligible.
+    only_digits: Digits only (10 classes, about 3,380 writers) instead of digits and upper-
+      and lower-case letters (62 classes).
 
   Returns:
-    An `ArrayDataset` named 'femnist' ('femnist_digits' with `only_digits`): uint8
-    `[n, 28, 28, 1]` images and int32 labels of the chosen writers, the writers' training
-    examples as `natural_partition` (contiguous, one index array per writer) and their test
-    examples as the central test set and `natural_test_partition`.
+    'femnist' ('femnist_digits' with `only_digits`): the chosen writers' uint8 `[n, 28, 28, 1]`
+    images and int32 labels; training examples as `natural_partition` (contiguous, one index
+    array per writer), test examples as the central test set and `natural_test_partition`.
 
   Raises:
-    ConfigError: For `num_clients` or `min_examples_per_client` below 1, or fewer eligible
-      writers than `num_clients`.
-    DataError: If the database is missing and `download` is False, the download fails, or
-      the file is not a readable TFF EMNIST database.
+    ConfigError: For counts below 1, or fewer eligible writers than `num_clients`.
+    DataError: If the database is missing (and `download` is False) or unreadable, or the
+      download fails.
   """
   if num_clients < 1:
     raise ConfigError(f'femnist_source.num_clients must be >= 1, got {num_clients}.')
@@ -617,31 +549,22 @@ def synthetic_source(alpha: float = 1.0,
   Per client k: u_k ~ N(0, alpha), B_k ~ N(0, beta); W_k[j, c] ~ N(u_k, 1),
   b_k[c] ~ N(u_k, 1); v_k[j] ~ N(B_k, 1); x ~ N(v_k, Sigma) with diagonal
   Sigma_jj = j^-1.2; y = argmax(softmax(W_k x + b_k)). As in the FedProx reference
-  generator, alpha and beta are used as standard deviations (`np.random.normal(0, alpha)`).
-  `iid=True` is FedProx's Synthetic-IID: one W, b ~ N(0, 1) shared by all clients and
-  v_k = B_k (all zeros for beta = 0, the setting of the paper).
+  generator, alpha and beta are standard deviations (`np.random.normal(0, alpha)`).
+  `iid=True` is FedProx's Synthetic-IID: one W, b ~ N(0, 1) for all clients and v_k = B_k
+  (all zeros for beta = 0, the paper's setting).
 
-  Client sizes follow the reference generator's power law, `int(lognormal(4, 2)) + 50`,
-  here `min_samples + int(lognormal(4, 2))`, clipped to `max_samples` (the unclipped
-  lognormal has a heavy tail: a few clients would get tens of thousands of examples).
-  Each client keeps a random `test_fraction` of its examples (at least one) as held-out
-  test data; these form the central test set and `natural_test_partition`.
+  A client's size (train + test) is `min_samples + int(lognormal(4, 2))` (the reference: `+ 50`),
+  clipped to `max_samples` against the heavy tail. Each client holds out a random
+  `test_fraction` (at least one example): the central test set and `natural_test_partition`.
 
   Args:
     alpha: How much the clients' models differ (>= 0).
     beta: How much the clients' input distributions differ (>= 0).
-    num_clients: The number of generated clients.
-    dimension: Input dimension.
-    num_classes: Number of classes.
-    iid: Generate Synthetic-IID instead.
-    min_samples: Smallest number of examples per client (train + test).
-    max_samples: Largest number of examples per client (train + test).
-    test_fraction: Fraction of each client's examples held out for testing, in [0, 1).
-    seed: Seed of the generator; the output is a deterministic function of all arguments.
+    test_fraction: In [0, 1).
 
   Returns:
-    An `ArrayDataset` with float32 `x` `[n, dimension]`, int32 `y`, and the natural
-    partition (one train index array per client, contiguous).
+    float32 `x` `[n, dimension]`, int32 `y` and the natural partition (one contiguous train
+    index array per client), a deterministic function of all arguments.
 
   Raises:
     ConfigError: For negative alpha/beta, fewer than one client, or inconsistent sizes.

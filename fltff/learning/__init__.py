@@ -1,14 +1,16 @@
 """Client work and process builders, one module per method.
 
-Every builder `build_<method>` takes a `ModelSpec` (and its optimizers as arguments: none
-reads gin) and returns an `Algorithm` (a TFF learning process plus its per-client
-communication sizes); module `<method>.py` holds it. Gin names: `fedavg`, `fedprox`, `sgdm`,
-`fedadp`, `fedlayerwise`, `fedlap`, `fednova`, `fedbabu`, `scaffold`, `moon`. The
-FedAvg-family builders (FedAvg, FedProx, SGDM, FedLap, FedNova, FedBABU, SCAFFOLD) take
-`model_aggregator=` — any TFF weighted aggregation factory, or fltff's (CCN:
-`aggregators.contribution_normalization_factory(T)`). A builder that declares
-a `num_clients` argument receives the experiment's total number of clients from the wiring
-(`fltff.simulation.experiment`; stateful aggregators size their state by it).
+`build_<method>` (in `<method>.py`, gin name `<method>`) takes a `ModelSpec` and its optimizers
+as arguments (none reads gin) and returns an `Algorithm`: a TFF learning process plus its
+per-client communication sizes. Shared arguments:
+
+- `client_optimizer`: None means `optimizers.default_client_optimizer()`.
+- `server_learning_rate`: η_s of the server SGD on the mean delta (1: plain averaging);
+  `server_optimizer` replaces that SGD (then leave η_s at 1).
+- `model_aggregator` (FedAvg family): any TFF weighted aggregation factory (default the
+  weighted mean), e.g. CCN's `aggregators.contribution_normalization_factory(T)`.
+- `client_weighting`: 'num_examples' (n_k/n, default) or 'uniform' (1/|S_t|).
+- `num_clients`: the total number of clients (passed by `fltff.simulation.experiment`).
 """
 
 from fltff.learning.client_work import CLIENT_INFO_SPEC

@@ -1,17 +1,10 @@
-"""Client work for global methods whose clients carry their own state between rounds.
+"""Client work for global methods whose clients carry a state shaped like the trainable weights.
 
-SCAFFOLD's control variate c_i and MOON's previous local model are tensors shaped like the
-model's trainable weights, kept in the round driver's per-client state store
-(`Algorithm.client_state_init`, `Algorithm.client_states_key`). The state comes in with the
-client data (`client_input(..., client_state=...)`, a one-element dataset under `state`) and
-the participants' new states go out through one gathering aggregate
-(`fltff.aggregators.gather`), keyed by client index, under `CLIENT_STATES_KEY` in the client
-work's measurements, where the driver reads them back.
-
-`build_stateful_client_work` (client by client, for TFF's runtimes) and
-`VectorizedStatefulWork` (a round's participants together) are the shared plumbing; a method
-supplies its per-client terms, its clients' new states and, if it has one, its server-side
-client-work state (SCAFFOLD's c), as functions that serve both.
+SCAFFOLD's c_i and MOON's previous model are kept in the round driver's store; a state comes in
+with the client data (a one-element dataset under `state`) and the new states go out, keyed by
+client index, through one gathering aggregate (`fltff.aggregators.gather`) under
+`CLIENT_STATES_KEY`. `build_stateful_client_work` (client by client) and
+`VectorizedStatefulWork` (all participants together) share the method's functions.
 """
 
 from __future__ import annotations
@@ -43,25 +36,20 @@ def build_stateful_client_work(
     client_fn: Callable[..., tuple],
     server_init_fn: Optional[Callable[[], Any]] = None,
     server_update_fn: Optional[Callable[[Any, Any], Any]] = None):
-  """A `ClientWorkProcess` whose clients read and return a state shaped like the trainable
-  weights.
+  """A `ClientWorkProcess` whose clients read and return a state shaped like the weights.
 
   Args:
-    model_spec: The model.
-    client_fn: TF code run per participant inside a `tff.tensorflow.computation`:
-      `client_fn(initial_weights, server_value, data, client_state) -> (ClientResult,
-      unfinalized metrics, new client state, server contribution)`. `client_state` is the
-      element of `data['state']` (a tuple of tensors); `server_value` is the broadcast
-      client-work state (None without `server_init_fn`); the contribution is summed over the
-      participants for `server_update_fn` (ignored without it; return `()`).
-    server_init_fn: No-arg TF function giving the client work's initial server state (SCAFFOLD's
-      c); None: the client work has no server state.
-    server_update_fn: `(server_state, summed contributions) -> new server state` (TF).
+    client_fn: Per-participant TF code, `(initial_weights, server_value, data, client_state) ->
+      (ClientResult, unfinalized metrics, new client state, server contribution)`;
+      `client_state` is `data['state']`'s element, `server_value` the broadcast server state
+      (None without one); contributions are summed for `server_update_fn` (else return `()`).
+    server_init_fn: No-arg TF function giving the server state (SCAFFOLD's c); None: none.
+    server_update_fn: `(server_state, summed contributions) -> new server state`; given
+      exactly when `server_init_fn` is (else `ValueError`).
 
   Returns:
-    `(process, state_type)`: the `ClientWorkProcess`, whose measurements are `train` (metrics)
-    and `CLIENT_STATES_KEY`, the gathered `OrderedDict(update=(new states with a leading [K]
-    axis), weight=client_index[K])`; and the TFF type of one client's state.
+    `(process, TFF type of one client's state)`; the process measures `train` and, under
+    `CLIENT_STATES_KEY`, `OrderedDict(update=[K, ...] new states, weight=client_index[K])`.
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from fltff.aggregators.gather import build_gather  # pylint: disable=g-import-not-at-top
@@ -128,7 +116,7 @@ def build_stateful_client_work(
           client_update, (weights, tff.federated_broadcast(state), client_data))
       new_server_state = tff.federated_map(update_server_state,
                                            (state, tff.federated_sum(contributions)))
-    # Independent aggregates (metrics, gathered states, summed contributions): one pass.
+    # The aggregates are independent: one pass.
     measurements = tff.federated_zip(collections.OrderedDict(
         train=metrics_aggregation_fn(model_outputs),
         **{CLIENT_STATES_KEY: gather(new_states, indices)}))
@@ -138,14 +126,12 @@ def build_stateful_client_work(
 
 
 class VectorizedStatefulWork:
-  """A stateful method's client work for a round's participants together
-  (`experiment.client_work`), from the same pieces its `build_stateful_client_work` client step
-  uses: `VectorizedClientWork` (`work`) trains every participant with its regulariser made from
-  its row of `client_terms(server_state, client states)`, then `client_final(out, client
-  states) -> (new states, server contributions)` and, with `server_update`, the server state
-  from the summed contributions. The terms and finals are written once for one client or for
-  a leading client axis (broadcasting). `next` has the client work process's shape: the same
-  state and measurements (`train` and the gathered states under `CLIENT_STATES_KEY`)."""
+  """A stateful method's client work for a round's participants together.
+
+  `work` trains each participant with the regulariser from its row of `client_terms(server
+  state, client states)`; `client_final(out, client states)` gives `(new states, server
+  contributions)`, `server_update` the server state from their sum. `next` returns the same
+  state and measurements as the `build_stateful_client_work` process."""
 
   def __init__(self, work, client_terms: Callable[[Any, tuple], tuple],
                client_final: Callable[[dict, tuple], tuple],
@@ -174,16 +160,13 @@ class VectorizedStatefulWork:
 
 
 def unpack_client_states(gathered) -> dict[int, list[np.ndarray]]:
-  """`{client index: its new state (list of arrays)}` from the gathered value under
-  `CLIENT_STATES_KEY` (rows in the order TFF merged the clients)."""
+  """`{client index: new state (list of arrays)}` from the gathered `CLIENT_STATES_KEY` value."""
   return {int(k): [np.asarray(a[row]) for a in gathered['update']]
           for row, k in enumerate(np.asarray(gathered['weight']))}
 
 
 def with_client_states(algorithm, client_state_init: Callable[[], list]):
-  """Marks `algorithm` (built on a `build_stateful_client_work` process) as keeping client
-  state: the driver starts a client from `client_state_init()` and reads the new states under
-  `CLIENT_STATES_KEY`."""
+  """Marks `algorithm` as keeping client state, starting from `client_state_init()`."""
   algorithm.client_state_init = client_state_init
   algorithm.client_states_key = CLIENT_STATES_KEY
   return algorithm

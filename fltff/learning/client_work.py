@@ -6,17 +6,11 @@ Each participant receives the global `ModelWeights` and its client input
                 info=<one-element dataset of OrderedDict(client_index, epochs)>)
 
 and runs `epochs` passes over `batches` with a `tff.learning.optimizers.Optimizer`, minimising
-`loss(batch) + regulariser(local, global)` (plus the regulariser's optional batch-dependent
-term). The per-client `info` travels as a one-element dataset because
-`compose_learning_process` accepts only sequence-valued client data
-(TFF 0.87); it carries the client's slot (for stateful aggregators) and its
-number of local epochs (stragglers do fewer).
-
-Each epoch reads the batches into `TensorArray`s with one `Dataset.reduce` and trains on them
-in a `tf.while_loop` (1.5-2x faster per round than stepping inside `Dataset.reduce`, the
-loop TFF's own `model_delta_client_work` uses, with identical results). Unlike TFF,
-non-finite updates are *not* silently zeroed: divergence must surface so the round driver can
-stop and keep the last good checkpoint.
+`loss(batch) + regulariser(local, global)` (plus the regulariser's optional batch term). `info`
+is a dataset because `compose_learning_process` accepts only sequence-valued client data (TFF
+0.87); it carries the client's slot (for stateful aggregators) and its local epochs
+(stragglers do fewer). Unlike TFF, non-finite updates are *not* zeroed: divergence must
+surface so the round driver can stop and keep the last good checkpoint.
 """
 
 from __future__ import annotations
@@ -40,36 +34,30 @@ CLIENT_INFO_SPEC = collections.OrderedDict(
 
 @dataclasses.dataclass(frozen=True)
 class RegularizerTraits:
-  """What a `LocalRegularizer` offers besides `epoch_start` and `penalty`, declared as its
-  `traits` and read by the training loops (never probed). Each flag promises a method or a
-  form of the gradient:
+  """A `LocalRegularizer`'s declared `traits`, read (never probed) by the training loops: each
+  flag promises a method or a form of the gradient beyond `epoch_start` and `penalty`.
 
   Attributes:
-    analytic: `gradient(local, global_, context) -> list of tensors`, the closed-form gradient
-      of `penalty` w.r.t. `local`, added to the data gradient instead of differentiating
-      `penalty` (cheaper per step).
+    analytic: `gradient(local, global_, context) -> list of tensors`, `penalty`'s closed-form
+      gradient w.r.t. `local`, added to the data gradient instead of differentiating `penalty`.
     affine: `affine_gradient(global_, context) -> (scales, offsets) or None`: the gradient is
-      `scale_t * w_t + offset_t`, both fixed for the epoch (a scale may be None: 0). The loop
-      forms them once per epoch and adds them to the data gradient in one `tf.add_n` per
-      tensor and step. None: use `gradient` (so `affine` needs `analytic`).
+      `scale_t * w_t + offset_t`, fixed for the epoch (a None scale: 0); None: use `gradient`
+      (so `affine` needs `analytic`).
     global_anchor: The offsets are `−scale ⊙ global_` (FedProx, FedLap): vectorised clients add
-      `scale ⊙ (w − global_)` with the one global model instead of forming a `[clients, ...]`
-      offset per epoch (`stacked_optimizer`).
+      `scale ⊙ (w − global_)` instead of forming `[clients, ...]` offsets (`stacked_optimizer`).
     own_anchor: `offset_anchor(global_) -> list of tensors`: the offsets are `−scale ⊙ anchor`
-      for this anchor (KAPC: the client's s_i); vectorised clients with per-client regularisers
-      read the stacked anchors instead of forming offsets.
+      (KAPC: the client's s_i); vectorised clients read the stacked anchors instead.
     per_tensor_scales: Each `affine_gradient` scale is one number per tensor: vectorised
       clients may train Dense kernels in factored form (`factored_dense`).
-    batch_term: `batch_penalty(local, global_, batch, context) -> scalar`, a term that depends
-      on the minibatch (MOON's model-contrastive loss); `batch` has `x` and `y` and, with
-      vectorised clients, `mask` (1 for a real example of a padded batch: the term averages
-      over those only). It is added to the data loss inside the same tape and differentiated
-      with it, so it may depend on the trained variables through the model itself, not only
-      through `local`; `penalty`/`gradient` still apply on top of it.
+    batch_term: `batch_penalty(local, global_, batch, context) -> scalar`, a minibatch term
+      (MOON's model-contrastive loss); `batch` has `x`, `y` and, on vectorised clients, `mask`
+      (1 for a real example of a padded batch; average over those only). Differentiated with
+      the data loss in one tape, so it may depend on the variables through the model, not only
+      through `local`; `penalty`/`gradient` still apply on top.
     reads_latent: `batch_penalty` reads the training pass's latent representation
-      (`batch['latent']`, vectorised clients only).
+      (`batch['latent']`, vectorised clients only; needs `batch_term`).
     measures: `measurements(trained, global_) -> nested dict of scalars`, averaged over the
-      round's participants and reported as `client_work/regularizer/...` (FedLap's λ, d).
+      participants and reported as `client_work/regularizer/...` (FedLap's λ, d).
   """
   analytic: bool = False
   affine: bool = False
@@ -87,26 +75,22 @@ class RegularizerTraits:
       raise ValueError('reads_latent describes a batch term: set batch_term=True too.')
 
 
-# A regulariser that declares no traits (one of a user's own): its penalty is differentiated
-# with the loss, nothing else is assumed.
+# The traits of a regulariser that declares none (a user's own): only `penalty`, differentiated.
 PENALTY_ONLY = RegularizerTraits()
 
 
 def traits_of(regularizer) -> Optional[RegularizerTraits]:
-  """The declared `traits` of `regularizer`; `PENALTY_ONLY` for one that declares none; None
-  without a regulariser."""
+  """`regularizer`'s declared `traits` (`PENALTY_ONLY` if none); None without a regulariser."""
   if regularizer is None:
     return None
   return getattr(regularizer, 'traits', PENALTY_ONLY)
 
 
 class LocalRegularizer(Protocol):
-  """A term added to the client's local objective that depends on the global weights.
+  """A term of the client's local objective that depends on the global weights.
 
-  `epoch_start` runs at the start of every local epoch and returns a context held fixed for
-  that epoch (FedLap's λ); `penalty` is differentiated with the data loss at every step unless
-  the regulariser's `traits` (`RegularizerTraits`) offer its gradient in closed form, and say
-  which of the optional methods it has.
+  `epoch_start` returns a context fixed for the epoch (FedLap's λ); `penalty` is differentiated
+  with the data loss every step unless `traits` (`RegularizerTraits`) offer a closed form.
   """
   traits: RegularizerTraits
 
@@ -119,15 +103,12 @@ class LocalRegularizer(Protocol):
 
 
 class StepObserver(Protocol):
-  """Something a method accumulates over a client's local steps besides the weights (SCAFFOLD's
-  gradient sum, `scaffold.GradientMean`). Both local-training loops carry its state — one
-  client's in `build_local_training`, every participant's with a leading client axis in
-  `vectorized.VectorizedClientWork` — and put `result` in their output under `name`.
+  """State a method accumulates over a client's local steps (SCAFFOLD's `GradientMean`).
 
-  `observe` sees each step's gradients as differentiated, for every trainable tensor: the
-  minibatch loss's, with a batch term's and a penalty-only regulariser's penalty; without a
-  closed-form or affine regulariser's terms (SCAFFOLD's correction) and before frozen tensors
-  are zeroed.
+  Carried by `build_local_training` and (`[K, ...]`) `vectorized.VectorizedClientWork`, which
+  output `result` under `name`. `observe` sees every tensor's gradient as differentiated: with
+  any batch term and penalty-only penalty; without closed-form or affine terms (SCAFFOLD's
+  correction); before frozen tensors are zeroed.
   """
   name: str
 
@@ -146,14 +127,11 @@ def client_input(batches: tf.data.Dataset, client_index: int, epochs: int,
                  state_in_dataset: bool = True, info_in_dataset: bool = True):
   """Packs one participant's batches and info in the layout `build_client_work` expects.
 
-  `client_state` (a nested structure of arrays: SCAFFOLD's control variate c_i, KAPC's personal
-  model) travels under `state`: as a one-element dataset, for the same reason as `info`, or —
-  with `state_in_dataset=False`, for processes written as their own federated computation
-  (the personalised ones) — as plain tensors, which are cheaper to ship to the runtime and to
-  read there (a model-sized constant in a dataset graph is parsed on every call).
-  `info_in_dataset=False` keeps `info` as plain NumPy scalars: for inputs that only Python
-  reads (vectorised client work, `fltff.learning.vectorized`), which skips building one
-  dataset per participant (about 0.3 ms each).
+  `client_state` (arrays: SCAFFOLD's c_i, KAPC's personal model) travels under `state`: as a
+  one-element dataset like `info` or, with `state_in_dataset=False` (processes written as their
+  own federated computation: the personalised ones), as plain tensors, cheaper to ship and read
+  (a model-sized constant in a dataset graph is parsed on every call). `info_in_dataset=False`
+  keeps `info` as NumPy scalars, for inputs only Python reads (vectorised client work).
   """
   info = collections.OrderedDict(client_index=np.int32(client_index), epochs=np.int32(epochs))
   if info_in_dataset:
@@ -168,11 +146,8 @@ def client_input(batches: tf.data.Dataset, client_index: int, epochs: int,
 
 
 def client_types(model_spec: ModelSpec, state_type=None, state_in_dataset: bool = True):
-  """TFF types of the broadcast `ModelWeights` and of one client's input (`client_input`).
-
-  `state_type`: the TFF type of the client's `state` (of one element of the `state` dataset
-  with `state_in_dataset`), when the method passes per-client state in (see `client_input`).
-  """
+  """TFF types of the broadcast `ModelWeights` and of one client's input (`client_input`);
+  `state_type`: of its `state` (of one element of it with `state_in_dataset`), if any."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   element_type, weights_type = model_spec.element_type(), model_spec.weights_type()
@@ -203,7 +178,7 @@ def client_info_of_input(data) -> dict:
   """The `info` packed into one `client_input(...)` (Python ints: client_index, epochs)."""
   info = data['info']
   if isinstance(info, tf.data.Dataset):
-    # One op, not an iterator: creating an iterator per client costs milliseconds.
+    # One op: an iterator per client would cost milliseconds.
     info = info.get_single_element()
   return {name: int(value) for name, value in info.items()}
 
@@ -214,17 +189,15 @@ def client_index_of_input(data) -> int:
 
 
 def examples_per_epoch(examples, epochs):
-  """A client's examples per local epoch (FedAvg's update weight n_i): the examples it trained
-  on over all its epochs, divided by its epochs (at least 1). Works on one client's scalars
-  and on `[K]` vectors of participants."""
+  """FedAvg's update weight n_i: examples trained on over all epochs // max(epochs, 1); one
+  client's scalars or `[K]` vectors."""
   return tf.cast(examples, tf.int64) // tf.cast(tf.maximum(epochs, 1), tf.int64)
 
 
 def step_gradients(gradients, values, regularizer: Optional[LocalRegularizer],
                    global_trainable, context, affine, frozen: frozenset) -> list:
-  """A local step's gradients: the data gradients plus the regulariser's closed-form gradient
-  (its per-epoch `affine` terms when given, else `regularizer.gradient` when it has one; a
-  regulariser with neither was differentiated with the loss), frozen tensors zeroed."""
+  """The data gradients plus the regulariser's closed form (`affine` terms if given, else
+  `regularizer.gradient` if analytic), frozen tensors zeroed."""
   if affine is not None:
     gradients = [tf.add_n([g, o] if a is None else [g, a * w, o])
                  for g, w, a, o in zip(gradients, values, *affine)]
@@ -241,35 +214,23 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
                          step_observers: Sequence[StepObserver] = ()):
   """Returns a `tf.function` running the local epochs on `model` (a `VariableModel`).
 
-  The function maps `(initial_weights, batches, info)` to an OrderedDict with `trained` (the
-  trainable weights after training), `non_trainable` (e.g. BatchNorm statistics after
-  training), `examples_per_epoch`, `steps` (optimizer steps taken),
-  `metrics` (unfinalized) and, with `latent_fn`, `latent_mean` (the mean of
-  `latent_fn(x)` over the client's data with the trained weights). Everything is read inside
-  the function: read outside, in a graph-mode `tff.tensorflow.computation`, variables would not
-  be ordered after the training loop.
-
-  Args:
-    model: The `tff.learning.models.VariableModel` to train.
-    optimizer: A `tff.learning.optimizers.Optimizer`.
-    regularizer: Optional `LocalRegularizer`.
-    frozen: Indices of trainable tensors that must not change (FedBABU's head): their
-      gradients are zeroed.
-    latent_fn: Optional Keras model mapping inputs to the latent layer (sharing the weights).
-    step_observers: `StepObserver`s fed every step's data gradients; each one's result is
-      returned under its `name` (SCAFFOLD's `gradient_mean`).
+  It maps `(initial_weights, batches, info)` to an OrderedDict: `trained` and `non_trainable`
+  (e.g. BatchNorm statistics) weights after training, `examples_per_epoch`, `steps` (optimizer
+  steps), unfinalized `metrics`, each step observer's result under its `name` and, with
+  `latent_fn` (a Keras model from inputs to the latent layer, sharing the weights),
+  `latent_mean` over the client's data with the trained weights. All is read inside: outside,
+  in a graph-mode `tff.tensorflow.computation`, reads would not follow the training loop.
+  `frozen`: indices of trainable tensors kept fixed (FedBABU's head).
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  # A regulariser with a closed-form gradient adds it to the data gradient directly: the same
-  # update as differentiating `penalty` (tested), without taping the penalty at every step.
+  # A closed-form gradient is added directly: the update of differentiating `penalty` (tested).
   traits = traits_of(regularizer) or PENALTY_ONLY
   analytic_gradient, has_affine, batch_dependent = (traits.analytic, traits.affine,
                                                     traits.batch_term)
   frozen = frozenset(frozen)
 
-  # Without autograph: the loops are written as `tf.while_loop`s and every `if` is on a Python
-  # value, so there is nothing to convert (conversion cost seconds at every program start).
+  # No autograph: loops are `tf.while_loop`s, every `if` is on a Python value (converting is slow).
   @tf.function(autograph=False)
   def train(initial_weights, batches, info):
     info = read_single(info, _info_zero())
@@ -310,11 +271,8 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
         return (examples + tf.cast(output.num_examples, tf.int64), steps + 1, optimizer_state,
                 observed)
 
-      # The epoch's batches are read into TensorArrays first (a `Dataset.reduce` with no model
-      # ops), then trained on in a `tf.while_loop`: the same steps in the same order, without
-      # tf.data invoking the step function once per batch (1.5-2x faster rounds for every
-      # method on TFF's C++ runtime, same numbers). Read per epoch, so a dataset
-      # that reshuffles each iteration still does.
+      # Batches read into TensorArrays, then trained on in a `tf.while_loop` (faster than TFF's
+      # steps inside `Dataset.reduce`); read per epoch, so a reshuffling dataset reshuffles.
       arrays = tf.nest.map_structure(
           lambda spec: tf.TensorArray(spec.dtype, size=0, dynamic_size=True, infer_shape=False,
                                       element_shape=spec.shape), batches.element_spec)
@@ -383,12 +341,8 @@ def check_client_weighting(client_weighting: str) -> None:
 
 def client_result(initial_weights, data, out, weight_fields: Sequence[str] = (),
                   client_weighting: str = 'num_examples'):
-  """The `ClientResult` of local training `out` (see `build_local_training`).
-
-  The update is `initial − trained` and its weight ν the example count n_k
-  (`client_weighting='num_examples'`) or 1 (`'uniform'`), extended with the requested
-  `weight_fields` (see `build_client_work`).
-  """
+  """The `ClientResult` of local training `out`: update `initial − trained`, weight ν = n_k
+  (`client_weighting='num_examples'`) or 1 (`'uniform'`), with `weight_fields`."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   check_client_weighting(client_weighting)
@@ -411,9 +365,8 @@ def client_result(initial_weights, data, out, weight_fields: Sequence[str] = (),
 
 
 def client_result_type(model_spec: ModelSpec, weight_fields: Sequence[str] = ()):
-  """The TFF type of one participant's `client_result` (update and weight ν with its
-  `weight_fields`), known without tracing the client work (`process.build_algorithm` creates
-  the aggregator from it, and builds the client work only when a round runs it)."""
+  """The TFF type of one participant's `client_result`, without tracing the client work
+  (`process.build_algorithm` makes the aggregator from it before any round runs)."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   check_weight_fields(weight_fields)
@@ -442,8 +395,7 @@ def latent_fn_for(keras_model, weight_fields: Sequence[str]):
 
 
 def build_stateless_initialize():
-  """The `initialize` of a client work that keeps no state (`build_client_work`'s): `()` at
-  the server."""
+  """The `initialize` of a stateless client work (`build_client_work`'s): `()` at the server."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   @tff.federated_computation
@@ -462,26 +414,21 @@ def build_client_work(model_spec: ModelSpec,
                       client_weighting: str = 'num_examples'):
   """A `tff.learning.templates.ClientWorkProcess` doing local training from the global model.
 
-  The update is `initial − trained` (TFF's model-delta convention, so TFF's finalizers apply
-  it with the server optimizer) and its weight is the client's number of training examples
-  n_k (examples per epoch), the FedAvg weighting of McMahan et al. (2017), eq. (1), or 1 for
-  every participant with `client_weighting='uniform'` (the unweighted mean 1/|S_t| Σ_k w_k of
-  the FedProx and FedLap papers).
+  The update is `initial − trained` (TFF's model-delta convention) and its weight the client's
+  training examples per epoch n_k, FedAvg's weighting (McMahan et al. (2017), eq. (1)), or 1
+  with `client_weighting='uniform'` (the unweighted mean 1/|S_t| Σ_k w_k of the FedProx and
+  FedLap papers). `optimizer`: a `tff.learning.optimizers.Optimizer`.
 
   Args:
-    model_spec: The model.
-    optimizer: A `tff.learning.optimizers.Optimizer` for local steps.
-    regularizer: Optional `LocalRegularizer` (FedProx's proximal term, FedLap's, ...).
-    metrics_aggregator: As in TFF; defaults to `tff.learning.metrics.sum_then_finalize`.
-    weight_fields: Extra fields sent with the update (`WEIGHT_FIELDS`). None: the weight is
-      the float32 example count that TFF's `MeanFactory` expects. Otherwise it is
-      `OrderedDict(num_examples=float32, <fields>)`: `client_index` (int32; lets stateful
-      aggregators such as FedAdp/FedLayerWise key per-client state), `latent_mean` (float32
-      [D]: the mean latent representation over the client's data after training, for CCN),
-      `local_steps` (int32 optimizer steps, for FedNova).
-    frozen: Indices of trainable tensors kept fixed during local training (FedBABU's head).
-    client_weighting: `CLIENT_WEIGHTINGS`: 'num_examples' (ν = n_k) or 'uniform' (ν = 1; with
-      `weight_fields` it is the `num_examples` field that is 1).
+    metrics_aggregator: As in TFF; default `tff.learning.metrics.sum_then_finalize`.
+    weight_fields: Extra fields sent with the update (`WEIGHT_FIELDS`). Empty: the weight is
+      the float32 example count TFF's `MeanFactory` expects; else `OrderedDict(num_examples=
+      float32, <fields>)`: `client_index` (int32; keys stateful aggregators' per-client state,
+      FedAdp/FedLayerWise), `latent_mean` (float32 [D], the client's mean latent representation
+      after training, for CCN), `local_steps` (int32 optimizer steps, for FedNova).
+    frozen: Indices of trainable tensors kept fixed (FedBABU's head).
+    client_weighting: 'num_examples' (ν = n_k) or 'uniform' (ν = 1; with `weight_fields`, the
+      `num_examples` field is 1).
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -529,11 +476,9 @@ def build_client_work(model_spec: ModelSpec,
 def build_local_update(model_spec: ModelSpec, optimizer):
   """Federated computation training each participant's *own* model on its data.
 
-  `(weights@CLIENTS, client_input@CLIENTS) -> (client_index, trained ModelWeights)@CLIENTS`,
-  with no regulariser and no aggregation: the purely local models of personalised methods,
-  each with its own trained BatchNorm statistics. The client index travels with each result because TFF's multi-worker (mergeable) context
-  returns per-client values in the order the sub-rounds finish, not in client order.
-  """
+  `(weights@CLIENTS, client_input@CLIENTS) -> (client_index, trained ModelWeights)@CLIENTS`, no
+  regulariser or aggregation (personalised methods' local models, own BatchNorm statistics);
+  the index because TFF's mergeable context returns results in finish order."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   weights_type, data_type = client_types(model_spec)

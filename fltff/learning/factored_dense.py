@@ -1,32 +1,21 @@
 """Dense kernels trained in factored form on vectorised clients.
 
-A dense layer's kernel gradient at a local step is the rank-B product `G_t = x_tᵀ δ_t` of the
-step's layer inputs `x_t [B, in]` and the loss's gradient `δ_t [B, out]` with respect to the
-layer's pre-activations. Under TFF's SGD(M) (`a ← μ a + g`, `w ← w − η a`), with an affine
-regulariser term whose scale `c` is one number per tensor (`g = G_t + c (w − A)`: FedProx
-towards the global model, KAPC's proximal term towards the client's s_i; none for FedAvg),
-every client's kernel and momentum stay in the span of `D = W_0 − A` and the `G_j`:
+A dense layer's kernel gradient at a step is the rank-B product `G_t = x_tᵀ δ_t` of its inputs
+`x_t [B, in]` and the loss's gradient `δ_t [B, out]` at its pre-activations. Under TFF's SGD(M)
+(`a ← μ a + g`, `w ← w − η a`), with no regulariser (FedAvg) or an affine one with one scale `c`
+per tensor (`g = G_t + c (w − A)`: FedProx towards the global model, KAPC towards s_i), every
+client's kernel and momentum stay in the span of `D = W_0 − A` and the `G_j`:
+`w_t = W_0 + α_t D + Σ_j β_tj G_j`, `a_t = a_t^D D + Σ_j γ_tj G_j`, and a step updates the
+coefficients in closed form (`FactoredKernels.advance`). The forward pass computes
+`x w_t = x W_0 + α (x W_0 − x A) + ((x Xᵀ) ⊙ β) Δ` from the round's history `X [T·B, in]` of
+inputs and `Δ [T·B, out]` of δs (the gradient w.r.t. a zero added to the pre-activations); the
+kernel is formed once, at the round's end. When every client starts from the global model,
+`x W_0` is one matmul.
 
-    w_t = W_0 + α_t D + Σ_j β_tj G_j,        a_t = a_t^D D + Σ_j γ_tj G_j,
-
-and the step maps the span to itself: `γ ← μ γ + e_t + c β`, `a^D ← μ a^D + c (1 + α)`,
-`β ← β − η γ`, `α ← α − η a^D` (without momentum `β ← β − η (e_t + c β)`, `α ← α − η c (1 + α)`).
-So the clients' kernels need not be formed at every step. The forward pass computes
-
-    x w_t = x W_0 + α (x W_0 − x A) + ((x Xᵀ) ⊙ β) Δ
-
-from the round's history `X [T·B, in]` of layer inputs and `Δ [T·B, out]` of pre-activation
-gradients (`δ` is read as the gradient of the loss with respect to a zero tensor added to the
-pre-activations), and the kernel is formed once, at the end of the round. When every client
-starts from the global model, `x W_0` is one matmul for all clients.
-
-This pays where the round's history is small against the kernel: it replaces, per step, the
-`[K, in, out]` kernel gradients and the SGD(M) pass over the clients' kernels and
-accumulators (about seven kernel-sized memory passes) by products with the `[K, T·B, in +
-out]` history, whose cost grows with the step. `worth_factoring` takes a kernel when the
-round's rows `T·B` satisfy `T·B (in + out) ≤ in · out` (mlp2's 784 × 200 hidden kernel: up to
-159 rows, e.g. 6 steps of 10 at 100 clients × 60 examples; not the 600 rows of 10 × 600).
-The numbers are the per-step update's up to float rounding (tests/test_factored_dense.py).
+Per step this trades the `[K, in, out]` kernel gradients and SGD(M) pass (about seven
+kernel-sized memory passes) for products with the growing `[K, T·B, in + out]` history: worth
+it while `T·B (in + out) ≤ in · out` (`worth_factoring`; mlp2's 784 × 200 kernel: ≤ 159 rows).
+Equal to the per-step update to float rounding (tests/test_factored_dense.py).
 """
 
 from __future__ import annotations
@@ -42,8 +31,7 @@ from fltff.errors import ConfigError
 
 def dense_kernels(slots: Sequence[tuple[object, str]], frozen: frozenset = frozenset()
                   ) -> dict[int, tuple[int, int]]:
-  """`{trainable index: (in, out)}` of the kernels of plain Keras `Dense` layers among the
-  weight `slots` (`(layer, attribute)` per trainable weight), frozen ones left out."""
+  """`{trainable index: (in, out)}` of the unfrozen plain `Dense` kernels among `slots`."""
   kernels = {}
   for i, (layer, name) in enumerate(slots):
     if i not in frozen and type(layer) is tf.keras.layers.Dense and name == 'kernel':
@@ -53,15 +41,13 @@ def dense_kernels(slots: Sequence[tuple[object, str]], frozen: frozenset = froze
 
 
 def worth_factoring(fan_in: int, fan_out: int, rows: int) -> bool:
-  """Whether a round with `rows` history rows (steps × batch) trains an `[in, out]` kernel
-  cheaper in factored form: the history's products `rows·(in + out)` per example against the
-  kernel's `in·out` (module docstring)."""
+  """Whether `rows` history rows (steps × batch) make factoring an `[in, out]` kernel cheaper
+  (module docstring)."""
   return rows * (fan_in + fan_out) <= fan_in * fan_out
 
 
 def dense_call(layer: tf.keras.layers.Dense, product: Callable[[tf.Tensor], tf.Tensor]):
-  """A `call` for `layer` that computes `product(x)` in place of `x @ kernel`, then the
-  layer's bias and activation, as `Dense.call` does for rank-2 inputs."""
+  """`layer`'s `Dense.call` with `product(x)` for `x @ kernel`; `ConfigError` unless rank 2."""
 
   def call(inputs):
     inputs = tf.convert_to_tensor(inputs)
@@ -81,9 +67,8 @@ def dense_call(layer: tf.keras.layers.Dense, product: Callable[[tf.Tensor], tf.T
 
 @dataclasses.dataclass(frozen=True)
 class FactoredKernels:
-  """The factored kernels of one round's training (`learning.vectorized`): which trainable
-  indices, the SGD(M) hyperparameters, and whether the kernels carry the `D = W_0 − A` term
-  (clients with their own start weights and an anchored regulariser)."""
+  """One round's factored kernels (`learning.vectorized`); `with_anchor`: they carry the
+  `D = W_0 − A` term (clients with their own start weights and an anchored regulariser)."""
 
   indices: tuple[int, ...]
   learning_rate: float
@@ -91,16 +76,15 @@ class FactoredKernels:
   with_anchor: bool
 
   def initial_state(self, weights: Sequence[tf.Tensor], k, steps, batch) -> tuple:
-    """Per index `(X, Δ, β [K, T], γ [K, T], α [K], a^D [K])`, zeros, for `steps` (T) steps of
-    `batch` examples: the histories are `tf.TensorArray`s of a `[K, B, in]` (`[K, B, out]`)
-    element per step, so writing a step does not copy the history."""
+    """Per index `(X, Δ, β [K, T], γ [K, T], α [K], a^D [K])`, zeros, for T = `steps` of `batch`
+    examples; X, Δ are `tf.TensorArray`s of `[K, B, in|out]` per step (a write copies nothing)."""
     state = []
     for i in self.indices:
       fan_in, fan_out = weights[i].shape[-2], weights[i].shape[-1]
       dtype = weights[i].dtype
 
       def history(width, dtype=dtype):
-        # Zeros to start with: every step's element exists when the prefix is gathered.
+        # Zeros: every step's element exists when the prefix is gathered.
         return tf.TensorArray(dtype, size=steps, clear_after_read=False,
                               element_shape=tf.TensorShape([None, None, width])).unstack(
                                   tf.zeros([steps, k, batch, width], dtype))
@@ -112,9 +96,8 @@ class FactoredKernels:
 
   @staticmethod
   def client_rows(state, t) -> tuple:
-    """What the clients' map gets per index at step `t`: `(X [K, t', B, in], Δ [K, t', B,
-    out], β [K, t'], α [K])` for the steps before `t` (t' = max(t, 1): at step 0 one step of
-    zeros), not the later ones (zeros; reading them cost as much again)."""
+    """The clients' map's input per index at step `t`: `(X [K, t', B, in], Δ [K, t', B, out],
+    β [K, t'], α [K])` for the steps before `t` only (t' = max(t, 1): one zero step at 0)."""
     steps = tf.maximum(t, 1)
 
     def prefix(history):
@@ -126,9 +109,8 @@ class FactoredKernels:
   @staticmethod
   def product(x: tf.Tensor, base: tf.Tensor, rows, anchor: Optional[tf.Tensor],
               probe: tf.Tensor) -> tf.Tensor:
-    """One client's `x w_t` (module docstring) plus `probe` (zeros: its gradient is δ).
-    `base` is W_0 (gradient stopped: the kernel's own gradient is never formed), `rows` the
-    client's `(X [T, B, in], Δ [T, B, out], β [T], α)`, `anchor` A when D is carried."""
+    """One client's `x w_t` (module docstring) plus `probe` (zeros: its gradient is δ); `base`
+    W_0 (gradient stopped), `rows` `(X [T, B, in], Δ [T, B, out], β [T], α)`, `anchor` A or None."""
     history_x, history_d, beta, alpha = rows
     z = tf.matmul(x, tf.stop_gradient(base))
     if anchor is not None:
@@ -140,10 +122,9 @@ class FactoredKernels:
     return z + tf.matmul(tf.matmul(x, history_x, transpose_b=True) * weight, history_d) + probe
 
   def advance(self, state, t, factors, scales, trains: tf.Tensor) -> tuple:
-    """The state after step `t`: each client's `(x_t, δ_t)` (`factors`, per index, `[K, B,
-    ...]`) written into the history and the coefficients stepped with the regulariser's
-    scales `c` (`[K]` per index; zeros without one). A client that does not train at the step
-    (`trains`) keeps its state."""
+    """The state after step `t`: `factors` `(x_t, δ_t)` (`[K, B, ...]` per index) written to the
+    history, coefficients stepped with scales `c` (`[K]` per index; zeros without a
+    regulariser); clients not in `trains` keep theirs. `ValueError` unless `c` is `[K]`."""
     lr = self.learning_rate
     new_state = []
     for (hx, hd, beta, gamma, alpha, alpha_acc), (x, d), c in zip(state, factors, scales):
@@ -170,8 +151,8 @@ class FactoredKernels:
 
   def kernels(self, state, bases: Sequence[tf.Tensor], anchors: Sequence[Optional[tf.Tensor]]
               ) -> list[tf.Tensor]:
-    """The trained kernels `[K, in, out]`: `W_0 + α D + Xᵀ (β ⊙ Δ)` per index, from the
-    clients' start kernels `bases` (`[K, in, out]`, or `[in, out]` shared) and anchors."""
+    """The trained kernels `[K, in, out]`, `W_0 + α D + Xᵀ (β ⊙ Δ)`, from start kernels `bases`
+    (`[K, in, out]`, or `[in, out]` shared) and `anchors`."""
     out = []
     for (hx, hd, beta, _, alpha, _), base, anchor in zip(state, bases, anchors):
       hx = tf.transpose(hx.stack(), [1, 0, 2, 3])

@@ -17,11 +17,9 @@ def build_fedavg(model_spec: ModelSpec, client_optimizer=None,
                  model_aggregator=None, client_weighting: str = 'num_examples') -> Algorithm:
   """FedAvg: `w^{t+1} = w^t − η_s Σ_k (n_k/n) (w^t − w_k^{t+1})` with η_s = 1 by default.
 
-  Equals `tff.learning.algorithms.build_weighted_fed_avg` for the same client optimizer;
-  `client_weighting='uniform'` replaces n_k/n by 1/|S_t| and then equals
-  `build_unweighted_fed_avg`. `model_aggregator`: any TFF weighted aggregation factory
-  (default the weighted mean); `aggregators.contribution_normalization_factory(T)` reweights
-  the mean by CCN's Λ, on top of either weighting.
+  Equals `tff.learning.algorithms.build_weighted_fed_avg` for the same client optimizer, or
+  with `client_weighting='uniform'` `build_unweighted_fed_avg`; CCN's `model_aggregator`
+  reweights either mean by Λ.
   """
   return build_algorithm(
       ccn_name('fedavg', model_aggregator), model_spec,

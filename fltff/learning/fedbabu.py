@@ -1,9 +1,7 @@
 """FedBABU (Oh et al., ICLR 2022): federated training of the body with the head frozen.
 
-The head (the model's last layer of the layer grouping) keeps its random initialisation during
-federated training: its gradients are zeroed in local training, so its update is exactly 0 and
-the aggregated head never changes (tested). Personalisation by fine-tuning the head at
-evaluation time is left to the personalised-evaluation work (not in this module).
+The head (the last layer of the layer grouping) keeps its random initialisation: its gradients
+are zeroed in local training, so its update is exactly 0 and it never changes (tested).
 """
 
 from __future__ import annotations
@@ -26,9 +24,8 @@ def head_indices(model_spec: ModelSpec) -> list[int]:
 def build_fedbabu(model_spec: ModelSpec, client_optimizer=None,
                   server_learning_rate: float = 1.0, server_optimizer=None,
                   model_aggregator=None) -> Algorithm:
-  """FedBABU: FedAvg on the body; the head stays at its initialisation. Its evaluation
-  fine-tunes the whole global model on each client's data first (`experiment.evaluation`'s
-  'finetuned_local', `fltff.simulation.evaluation.Finetuner`)."""
+  """FedBABU: FedAvg on the body, head frozen. Evaluation first fine-tunes the whole global
+  model on each client's data (`fltff.simulation.evaluation.Finetuner`, 'finetuned_local')."""
   algorithm = build_algorithm(
       ccn_name('fedbabu', model_aggregator), model_spec,
       client_optimizer or optimizers.default_client_optimizer(),

@@ -1,26 +1,17 @@
-"""FedLap: layer-based (per-neuron) regularisation of the local objective.
-
-Source: "Lay Importance on the Layer: Federated Learning for Non-IID data with Layer-based
-Regularization" (FedLap). Client k minimises
+"""FedLap ("Lay Importance on the Layer: Federated Learning for Non-IID data with Layer-based
+Regularization"): per-neuron regularisation of the local objective. Client k minimises
 
     h_k(W) = ℓ_k(W) + 1/2 Σ_l <λ_l, d_l>,
     λ_lj = 1 − cos(w_lj^local, w_lj^global) ∈ [0, 2],   d_lj = ||w_lj^local − w_lj^global||²,
 
-over every layer l of the layer grouping and every neuron (row) j of it (`fltff.models.to_rows`:
-a Dense kernel has one row per input neuron, a conv kernel one row per input-patch element, a
-bias is one row). λ is computed at the start of every local epoch from the current local
-weights and held fixed during the epoch (Algorithm 1: in the first epoch local = global, so
-λ = 0 and the epoch is plain SGD); `refresh='step'` recomputes it before every step instead.
-λ never receives gradient: ∂/∂w_lj of the term is `λ_lj (w_lj − w_lj^global)`.
+over layers l and their rows (neurons) j (`fltff.models.to_rows`). λ gets no gradient and is
+fixed within each local epoch, from the weights at its start (Algorithm 1; in epoch 1 λ = 0:
+plain SGD), or recomputed before every step (`refresh='step'`).
 
-Importance q ∈ [0, 1] (fltff's formula; the source's q is not reproduced literally here).
-Each row's coefficient is
-
-    c_lj(q) = a(q) λ_lj + b(q) μ,   a(q) = 1 − |2q − 1|,   b(q) = max(0, 2q − 1),
-
-and the regulariser is `1/2 Σ_lj c_lj d_lj`. So q = 0 is exactly FedAvg (c ≡ 0), q = 1/2 is
-exactly FedLap's h_k above (c = λ), q = 1 is exactly FedProx with strength μ (c ≡ μ, the term
-is μ/2 ||w − w^global||²), and q moves linearly along FedAvg → FedLap → FedProx in between.
+Importance q ∈ [0, 1] (fltff's formula; the source's q is not reproduced literally) gives row
+coefficients `c_lj = a(q) λ_lj + b(q) μ`, `a(q) = 1 − |2q − 1|`, `b(q) = max(0, 2q − 1)`, in the
+term `1/2 Σ_lj c_lj d_lj`: q = 0 is exactly FedAvg (c ≡ 0), 1/2 FedLap's h_k (c = λ), 1 FedProx
+with strength μ (c ≡ μ), linear in between.
 """
 
 from __future__ import annotations
@@ -74,10 +65,8 @@ def fedlap_penalty(local: Sequence[tf.Tensor], global_: Sequence[tf.Tensor],
 
 def coefficient_tensors(local: Sequence[tf.Tensor], lambdas: Sequence[tf.Tensor], q: float,
                         mu: float) -> list[tf.Tensor]:
-  """`c_lj = a(q) λ_lj + b(q) μ` per row, shaped to broadcast against each weight (a row is
-  constant along `to_rows`'s last axis: `[..., 1]`, scalar for a scalar weight), not
-  materialised at the weight's size: the local step reads it once per step, so a smaller
-  tensor is less memory traffic."""
+  """`c_lj = a(q) λ_lj + b(q) μ` per row, shaped `[..., 1]` (scalar for a scalar weight) to
+  broadcast against each weight: smaller than the weight, so less memory traffic per step."""
   a, b = importance_coefficients(q)
   out = []
   for w, lam in zip(local, lambdas):
@@ -130,8 +119,7 @@ class FedLapRegularizer:
 
   @property
   def traits(self) -> client_work_lib.RegularizerTraits:
-    """Closed-form gradient; affine `c ⊙ (w − w_global)` with c fixed per epoch (refresh
-    'epoch': vectorised clients use the one global model as the anchor); λ, d measured."""
+    """Closed-form, affine `c ⊙ (w − w_global)`, global-anchored if c is fixed per epoch."""
     return client_work_lib.RegularizerTraits(
         analytic=True, affine=True, global_anchor=self.refresh == 'epoch', measures=True)
 
@@ -162,21 +150,11 @@ def build_fedlap(model_spec: ModelSpec, q: float = 0.5, mu: float = 0.01,
                  client_weighting: str = 'num_examples') -> Algorithm:
   """FedLap: FedAvg with the layer-based regulariser of importance q (module docstring).
 
-  The server averages the participants' models weighted by their example counts n_k/n (the
-  default, as `fedavg`); the paper averages them unweighted, 1/|S_t| Σ_k w_k:
-  `client_weighting='uniform'`.
-
   Args:
-    model_spec: The model.
     q: Importance in [0, 1]: 0 FedAvg, 0.5 FedLap (the papers' setting), 1 FedProx(μ).
     mu: FedProx strength reached at q = 1.
     refresh: 'epoch' (Algorithm 1: λ fixed within each local epoch) or 'step'.
-    client_optimizer: Local optimizer (default: `optimizers.default_client_optimizer()`).
-    server_learning_rate: Server SGD step on the mean delta (1: plain averaging).
-    server_optimizer: Replaces the server SGD (then leave `server_learning_rate` at 1).
-    model_aggregator: Any TFF weighted aggregation factory (default the weighted mean), e.g.
-      `fltff.aggregators.contribution_normalization_factory(T)`.
-    client_weighting: 'num_examples' (n_k/n) or 'uniform' (1/|S_t|, the paper's rule).
+    client_weighting: 'uniform' is the paper's unweighted mean.
   """
   layers, names = model_spec.trainable_layers()
   return build_algorithm(

@@ -1,9 +1,8 @@
-"""FedLayerWise: FedAvg whose server weights each client's layers by its gradient angle.
-
-"Layer-Wise Adaptive Weighting for Faster Convergence in Federated Learning": per layer l and
-client k, ψ_k,l from the smoothed angle between the client's and the global gradient (eqs.
-(1)-(6)); the new layer is the ψ-weighted mean of the clients' updated layers (eq. (7)). The
-rule lives in `fltff.aggregators.layerwise_adaptive_factory`; this module only wires it.
+"""FedLayerWise ("Layer-Wise Adaptive Weighting for Faster Convergence in Federated Learning")
+and FedAdp: FedAvg whose server weights each client's layers (FedAdp: whole update) by its
+gradient angle. Per layer l and client k, ψ_k,l comes from the smoothed angle between the
+client's and the global gradient (eqs. (1)-(6)); the new layer is the ψ-weighted mean of the
+clients' updated layers (eq. (7)). The rule: `fltff.aggregators.layerwise_adaptive_factory`.
 """
 
 from __future__ import annotations

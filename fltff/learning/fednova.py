@@ -1,10 +1,9 @@
 """FedNova (Wang et al., "Tackling the Objective Inconsistency Problem in Heterogeneous
 Federated Optimization", NeurIPS 2020): normalised averaging of client updates.
 
-Clients that take more local steps (more data, more epochs, stragglers doing fewer) would bias
-FedAvg towards their own objective; FedNova divides each update by its number of local steps
-τ_k and rescales the mean by τ_eff = Σ_k p_k τ_k (`fltff.aggregators.nova_aggregate`). With
-equal τ it is exactly FedAvg (tested).
+Each update is divided by its number of local steps τ_k and the mean rescaled by
+τ_eff = Σ_k p_k τ_k (`fltff.aggregators.nova_aggregate`), so clients taking more steps do not
+bias the objective; with equal τ it is exactly FedAvg (tested).
 """
 
 from __future__ import annotations
@@ -23,9 +22,8 @@ from fltff.errors import ConfigError
 def build_fednova(model_spec: ModelSpec, client_optimizer=None,
                   server_learning_rate: float = 1.0, server_optimizer=None,
                   model_aggregator=None) -> Algorithm:
-  """FedNova; `model_aggregator=aggregators.contribution_normalization_factory(T)` also
-  applies CCN's Λ to the weights p_k. FedNova's normalised averaging is its aggregator, so only CCN (or
-  nothing) can be passed here."""
+  """FedNova. Its normalised averaging is its aggregator: `model_aggregator` may only be None or
+  `aggregators.contribution_normalization_factory(T)` (CCN's Λ on the weights p_k)."""
   from fltff.aggregators import contribution_normalization as ccn  # pylint: disable=g-import-not-at-top
 
   if model_aggregator is None:

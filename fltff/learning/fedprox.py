@@ -18,10 +18,9 @@ def build_fedprox(model_spec: ModelSpec, mu: float = 0.01, client_optimizer=None
                   model_aggregator=None, client_weighting: str = 'num_examples') -> Algorithm:
   """FedProx: clients minimise `F_k(w) + μ/2 ||w − w^t||²` (eq. (2)); server averages as FedAvg.
 
-  The server mean weights client k by n_k/n by default; the paper (Algorithm 2) averages the
-  participants unweighted, 1/|S_t| Σ_k w_k^{t+1}: `client_weighting='uniform'`.
-  Not TFF 0.87's `build_weighted_fed_prox`, whose proximal gradient has the wrong sign.
-  With μ = 0 this is exactly `fedavg` (with the same `client_weighting`).
+  The server weights client k by n_k/n; the paper's unweighted mean (Algorithm 2) is
+  `client_weighting='uniform'`. Unlike TFF 0.87's `build_weighted_fed_prox`, the proximal
+  gradient has the right sign. μ = 0 is exactly `fedavg` (same `client_weighting`).
   """
   return build_algorithm(
       ccn_name('fedprox', model_aggregator), model_spec,

@@ -1,8 +1,5 @@
-"""Bridge from a Keras model builder to TFF's `VariableModel` and back.
-
-A `ModelSpec` is what every process builder receives: a deterministic Keras builder (so that
-every `tff.tensorflow.computation` that rebuilds the model gets the same architecture and seeded
-initial weights) plus the input spec of one *batch* after preprocessing.
+"""`ModelSpec`, what every process builder receives: a Keras model builder bridged to TFF's
+`VariableModel`, with the input spec of one preprocessed batch.
 """
 
 from __future__ import annotations
@@ -20,10 +17,9 @@ class ModelSpec:
   """A Keras model builder and the element spec of the batches it trains on.
 
   Attributes:
-    keras_fn: No-arg callable returning a fresh, deterministically initialised Keras model
-      whose outputs are logits.
+    keras_fn: No-arg callable returning a fresh Keras model with logit outputs, initialised
+      identically on every call (so every computation that rebuilds it gets the same model).
     input_shape: Shape of one example after preprocessing (float32).
-    num_classes: Number of output classes.
     name: The zoo name, for logs.
   """
 
@@ -54,9 +50,8 @@ class ModelSpec:
     )
 
   def _built_model_facts(self) -> dict:
-    """What the process builders read off a built model (types, specs, metric finalizers),
-    from one model built in a throwaway graph, once per spec: each graph-mode Keras build
-    costs a noticeable part of a program's start, and these never change for a spec."""
+    """What process builders read off a model (types, specs, finalizers), built once per spec in
+    a throwaway graph: each graph-mode Keras build is costly, and the facts never change."""
     facts = self.__dict__.get('_facts')
     if facts is None:
       import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
@@ -95,11 +90,8 @@ class ModelSpec:
     return self._built_model_facts()['metric_finalizers']
 
   def trainable_layers(self) -> tuple[list[list[int]], list[str]]:
-    """The layer grouping as indices into the trainable weights (= an update's tensors).
-
-    Returns `(layers, names)`: one index list and one Keras layer name per layer that has
-    trainable weights, input to output (`fltff.models.layer_groups`).
-    """
+    """`(layers, names)`: per layer with trainable weights, input to output, its indices into
+    the trainable weights (= an update's tensors) and Keras name (`fltff.models.layer_groups`)."""
     from fltff.models import layer_groups  # pylint: disable=g-import-not-at-top
     from fltff.models import update_index_groups  # pylint: disable=g-import-not-at-top
 
@@ -118,10 +110,8 @@ class ModelSpec:
 
 
 def type_num_bytes(tff_type) -> int:
-  """Bytes of one value of `tff_type` as exchanged (sum over its tensors; placements ignored).
-
-  Used for communication accounting from the actual types a process sends, not estimates.
-  """
+  """Bytes of one value of `tff_type` as exchanged (sum over its tensors; placements ignored);
+  `ValueError` for a tensor of unknown shape or an unsupported type."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   if isinstance(tff_type, tff.FederatedType):

@@ -1,23 +1,11 @@
 """MOON (Li, He, Song, "Model-Contrastive Federated Learning", CVPR 2021).
 
-Client i trains from the global model w^t on `ℓ = ℓ_CE + μ ℓ_con` per minibatch (eq. (4)),
-where the model-contrastive loss (eq. (3)) pulls the representation z of x under the model
-being trained towards z_glob, its representation under the fixed global model w^t, and pushes
-it away from z_prev, its representation under the client's own previous local model (the model
-it ended its last participation with). The server aggregates like FedAvg.
-
-In fltff:
-- The representation is the model zoo's latent layer (`fltff.models.latent_model`, the one CCN
-  averages), flattened; the paper's projection head is not added.
-- The previous local model's trainable weights are the client's state in the round driver's
-  store (`client_state.build_stateful_client_work`, like SCAFFOLD's c_i); the participants'
-  trained models are gathered back into it. A client that never took part starts from the
-  initial model (as MOON's official code does), so in round 1 z_prev = z_glob, ℓ_con = log 2
-  with zero gradient and the round equals FedAvg's (tested); with μ = 0 MOON is FedAvg.
-- The fixed global and previous models are extra Keras models in the client computation, run
-  in inference mode (`training=False`). The previous model uses the global model's
-  non-trainable weights (BatchNorm statistics): the state holds trainable weights only.
-- Nothing extra is communicated: the client state never leaves the client.
+Local loss `ℓ_CE + μ ℓ_con` (eq. (4)): ℓ_con (eq. (3)) pulls the representation z towards z_glob
+(global model) and away from z_prev (the client's previous local model); FedAvg's server. z is
+the zoo's latent layer, flattened (the paper's projection head is not added). The client state
+(the previous model's trainable weights) never leaves the client; a new client starts from the
+initial model (as MOON's code), so round 1 and μ = 0 equal FedAvg (tested). More in
+docs/methods/personalised.md.
 """
 
 from __future__ import annotations
@@ -41,19 +29,10 @@ def model_contrastive_loss(z: tf.Tensor, z_glob: tf.Tensor, z_prev: tf.Tensor,
                            temperature: float, mask: Optional[tf.Tensor] = None) -> tf.Tensor:
   """MOON's model-contrastive loss (Li, He, Song, CVPR 2021, eq. (3)), averaged over examples.
 
-  `ℓ_con = −log( exp(sim(z, z_glob)/τ) / (exp(sim(z, z_glob)/τ) + exp(sim(z, z_prev)/τ)) )`
-  with `sim` the cosine similarity of each example's representations.
-
-  Args:
-    z: `[B, D]` representations of B examples under the local model.
-    z_glob: The same examples' representations under the global model.
-    z_prev: The same examples' representations under the previous local model.
-    temperature: τ > 0.
-    mask: Optional `[B]`, 1 for the examples to average over (a padded batch's real ones).
-
-  Returns:
-    The mean of ℓ_con over the B examples, or over the masked ones (0 if none); a zero vector
-    has similarity 0 to everything.
+  `ℓ_con = −log( exp(sim(z, z_glob)/τ) / (exp(sim(z, z_glob)/τ) + exp(sim(z, z_prev)/τ)) )` for
+  `[B, D]` representations under the local, global and previous local model; `sim` is the
+  cosine similarity (0 for a zero vector), τ = `temperature` > 0. `mask`: optional `[B]`, 1 for
+  the examples to average over (0 if none).
   """
   z, z_glob, z_prev = (tf.math.l2_normalize(t, axis=-1) for t in (z, z_glob, z_prev))
   logits = tf.stack([tf.reduce_sum(z * z_glob, -1), tf.reduce_sum(z * z_prev, -1)], -1)
@@ -70,15 +49,8 @@ def _flat(z: tf.Tensor) -> tf.Tensor:
 class ModelContrastiveRegularizer:
   """`LocalRegularizer` adding `μ ℓ_con` on each minibatch (`batch_penalty`).
 
-  Args:
-    local_model: The Keras model being trained (its latent layer gives z).
-    global_model, previous_model: Two more Keras models of the same architecture, loaded with
-      `global_weights` (`ModelWeights`) and `previous_trainable` (+ the global non-trainable
-      weights) at every epoch start, inside the training function (idempotent, so that the
-      assignments are ordered before the epoch's steps).
-    mu: μ ≥ 0.
-    temperature: τ > 0.
-  """
+  `global_model` and `previous_model` get `global_weights` and `previous_trainable` (+ the global
+  non-trainable weights) at every epoch start, ordered before the epoch's steps."""
 
   traits = client_work_lib.RegularizerTraits(batch_term=True)
 
@@ -112,12 +84,10 @@ class ModelContrastiveRegularizer:
     return tf.constant(0.0)
 
   def batch_penalty(self, local, global_, batch, context):
-    """`μ ℓ_con(z, z_glob, z_prev)` on `batch['x']`; differentiable through the local model
-    (the global model is the Keras model loaded at the epoch start)."""
+    """`μ ℓ_con(z, z_glob, z_prev)` on `batch['x']`, differentiable through the local model."""
     del local, global_, context
     x = batch['x']
-    # The data loss's forward pass has already updated BatchNorm statistics on this batch;
-    # this second pass (in training mode, as the representation being trained) must not.
+    # The data loss's pass already updated BatchNorm statistics; this training-mode pass must not.
     saved = [v.read_value() for v in self._statistics]
     z = _flat(self._latent(x, training=True))
     for v, s in zip(self._statistics, saved):
@@ -128,16 +98,10 @@ class ModelContrastiveRegularizer:
 
 
 class StackedModelContrastive:
-  """MOON's `μ ℓ_con` for one client of a vectorised round (`vectorized_moon_work`): the same
-  term as `ModelContrastiveRegularizer`, with the three models as one functional latent
-  apply (`vectorized.functional_apply`) on the local weights, the global weights and the
-  client's previous weights (its row of the stacked client states), averaged over the batch's
-  real examples (`batch['mask']`). z is the training pass's own latent output
-  (`batch['latent']`, `RegularizerTraits.reads_latent`), as MOON's official code takes z and
-  the logits from one `net(x)` call: the same value as the second training-mode pass
-  `ModelContrastiveRegularizer` makes (on models without BatchNorm, the only ones that
-  vectorise; with dropout the two would draw different masks), at one forward and one backward
-  pass less per step."""
+  """MOON's `μ ℓ_con` for one client of a vectorised round, one functional latent apply on the
+  local, global and previous weights. z is the training pass's own latent (`batch['latent']`),
+  as in MOON's code: on the BatchNorm-free models that vectorise it equals
+  `ModelContrastiveRegularizer`'s second pass (dropout aside), one forward/backward pass less."""
 
   traits = client_work_lib.RegularizerTraits(batch_term=True, reads_latent=True)
 
@@ -167,8 +131,7 @@ class StackedModelContrastive:
 
 
 def previous_models(server_value, previous: tuple) -> tuple:
-  """MOON's per-client term: the client's previous local model (its client state), for one
-  client or for a round's clients along a leading axis. MOON has no server state."""
+  """MOON's per-client term: the previous local model(s) (client state; no server state)."""
   del server_value
   return tuple(previous)
 
@@ -181,10 +144,7 @@ def trained_models(out: dict, previous: tuple) -> tuple:
 
 def vectorized_moon_work(model_spec: ModelSpec, optimizer, mu: float, temperature: float,
                          device: Optional[str] = None):
-  """MOON's client work for a round's participants together (`experiment.client_work`):
-  `StackedModelContrastive` on each client's previous model (`previous_models`), the trained
-  models as the new states (`trained_models`), as `build_moon_client_work` does client by
-  client (`client_state.VectorizedStatefulWork`)."""
+  """`build_moon_client_work`'s twin for a round's participants together."""
   from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
 
   work = VectorizedClientWork(
@@ -195,8 +155,7 @@ def vectorized_moon_work(model_spec: ModelSpec, optimizer, mu: float, temperatur
 
 
 def build_moon_client_work(model_spec: ModelSpec, optimizer, mu: float, temperature: float):
-  """Client work of MOON: the client state is its previous local model's trainable weights;
-  the new state is the trained model (gathered under `client_state.CLIENT_STATES_KEY`)."""
+  """MOON's client work; client state: the previous local model's trainable weights."""
 
   def client_fn(initial_weights, server_value, data, previous):
     keras_model = model_spec.keras_fn()
@@ -220,10 +179,8 @@ def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, m
 
   Args:
     model_spec: The model (needs the zoo's latent layer).
-    num_clients: N, the total number of clients (each keeps its previous local model).
-    client_optimizer: Local optimizer (default: `optimizers.default_client_optimizer()`).
-    mu: μ, the weight of the model-contrastive loss (paper: 5 on CIFAR-10, 1 on CIFAR-100).
-    temperature: τ (paper: 0.5).
+    mu: μ ≥ 0, the weight of ℓ_con (paper: 5 on CIFAR-10, 1 on CIFAR-100).
+    temperature: τ > 0 (paper: 0.5).
   """
   if num_clients < 1:
     raise ConfigError(f'moon needs num_clients >= 1, got {num_clients}.')
@@ -239,7 +196,7 @@ def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, m
       'moon', model_spec, optimizer, optimizers.server_sgd(server_optimizer, 1.0, 'moon'),
       client_work=build_moon_client_work(model_spec, optimizer, mu, temperature))
   algorithm.num_clients = num_clients
-  # MOON's batch term reads the model: its kernels are never factored (`factor_dense` unused).
+  # The batch term reads the model: kernels are never factored (`factor_dense` unused).
   algorithm.vectorized_fn = lambda device, factor_dense=True: vectorized_moon_work(
       model_spec, optimizer, mu, temperature, device)
   initial = [w.copy() for w in model_spec.initial_weights().trainable]

@@ -1,9 +1,8 @@
 """Optimizers (TFF's functional optimizers): one plain builder, and its two gin faces.
 
-Library builders never read gin: they take optimizers as arguments and fall back to
-`default_client_optimizer()` / `build_optimizer('sgd', η_s)`. The experiment wiring
-(`fltff.simulation.experiment`) passes the gin-configured `client_optimizer()` and, when the
-user binds any `server_optimizer.*` parameter, `server_optimizer()`.
+Library builders never read gin; the experiment wiring (`fltff.simulation.experiment`) passes
+them the gin-configured `client_optimizer()` and, if any `server_optimizer.*` is bound,
+`server_optimizer()`.
 """
 
 from __future__ import annotations
@@ -53,20 +52,16 @@ def server_optimizer(name: str = 'sgd', learning_rate: float = 1.0, momentum: fl
                      beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7):
   """The optimizer applying the aggregated update at the server.
 
-  `'sgd'` with learning rate 1 is FedAvg's plain averaging; `'sgdm'` is server momentum
-  (SGDM, Hsu et al. 2019 "FedAvgM"). Used only when a `server_optimizer.*` parameter is
-  bound, and then for every FedAvg-family method (it replaces the method's own
-  `server_learning_rate`; `sgdm` has its own momentum and refuses it).
-  """
+  `'sgd'` with learning rate 1 is FedAvg's averaging; `'sgdm'` is server momentum (Hsu et al.
+  2019, "FedAvgM"). Used only when a `server_optimizer.*` parameter is bound, then by every
+  FedAvg-family method instead of its `server_learning_rate` (the `sgdm` method, with its own
+  momentum, refuses it)."""
   return build_optimizer(name, learning_rate, momentum, beta_1, beta_2, epsilon,
                          'server_optimizer')
 
 
 def server_sgd(server_optimizer_arg, server_learning_rate: float, method: str):
-  """A builder's server optimizer: the one passed in, else plain SGD with η_s.
-
-  Passing both an optimizer and a non-default η_s is refused (one of them would be ignored).
-  """
+  """The server optimizer passed in (`ConfigError` unless η_s is 1), else SGD with η_s."""
   if server_optimizer_arg is None:
     return build_optimizer('sgd', server_learning_rate, role=f'{method}.server_learning_rate')
   if server_learning_rate != 1.0:

@@ -1,8 +1,8 @@
 """Composing a method's learning process from TFF templates, and the `Algorithm` record.
 
-Every global method of the library is `compose_learning_process(initial weights, broadcast,
-client work, aggregator, optimizer finalizer)`; a method changes only the piece that defines
-it (a regulariser in the client work, an aggregation factory, the server optimizer).
+Every global method is `compose_learning_process(initial weights, broadcast, client work,
+aggregator, optimizer finalizer)` and changes only the piece that defines it (a regulariser in
+the client work, an aggregation factory, the server optimizer).
 """
 
 from __future__ import annotations
@@ -28,15 +28,10 @@ class Algorithm(protocol.FederatedAlgorithm):
   """A built global method (`protocol.FederatedAlgorithm` over a TFF LearningProcess).
 
   Attributes:
-    name: Method name for logs and reports.
-    build_process: Builds `process`, the `tff.learning.templates.LearningProcess` whose client
-      data is `client_work.client_input(...)` per participant: on first use, so that rounds
-      with vectorised client work never trace TFF's per-client client work.
-    model_spec: The model it trains.
-    bytes_down_per_client: Bytes the server sends one participant per round (from the TFF type
-      of the broadcast value).
-    bytes_up_per_client: Bytes one participant sends the server per round (from the TFF type of
-      the client work's result: update and weight).
+    build_process: Builds `process` (client data: `client_work.client_input(...)`) on first
+      use, so vectorised rounds never trace TFF's per-client work.
+    bytes_down_per_client: Bytes sent to one participant per round (TFF type of the broadcast).
+    bytes_up_per_client: Bytes one participant sends per round (TFF type of update and weight).
   """
 
   name: str
@@ -44,19 +39,11 @@ class Algorithm(protocol.FederatedAlgorithm):
   model_spec: ModelSpec
   bytes_down_per_client: int
   bytes_up_per_client: int
-  # Methods with per-client state (SCAFFOLD's c_i): `client_state_init()` gives a new client's
-  # state (a list of arrays, passed in via `client_input(client_state=...)`), and the process's
-  # `client_work` measurements hold the participants' new states under `client_states_key`
-  # (gathered as OrderedDict(update=arrays with a leading [K] axis, weight=client_index[K])).
-  client_state_init: Optional[Callable[[], list]] = None
-  client_states_key: Optional[str] = None
-  # Methods whose state is indexed by client (FedAdp/FedLayerWise's smoothed angles,
-  # SCAFFOLD's and MOON's client states): the N it is sized for. Client indices must be < N.
-  num_clients: Optional[int] = None
-  # The composed pieces (distributor, the client work's `initialize`, aggregator, finalizer),
-  # which vectorised rounds run, and a builder of the client work's vectorised twin
-  # (`fltff.learning.vectorized.VectorizedClientWork`): set by `build_algorithm` for the
-  # default client work only.
+  client_state_init: Optional[Callable[[], list]] = None  # A new client's state (SCAFFOLD's c_i).
+  client_states_key: Optional[str] = None  # The new states' `client_work` measurement.
+  num_clients: Optional[int] = None  # N that client-indexed state is sized for; indices < N.
+  # Default client work only: the composed pieces (distributor, client work `initialize`,
+  # aggregator, finalizer) that vectorised rounds run, and the `VectorizedClientWork` builder.
   components: Optional[tuple] = None
   vectorized_fn: Optional[Callable[[Optional[str]], Any]] = None
   _vectorized: Any = dataclasses.field(default=None, repr=False)
@@ -66,11 +53,8 @@ class Algorithm(protocol.FederatedAlgorithm):
     """The `tff.learning.templates.LearningProcess` (built on first use)."""
     return self.build_process()
 
-  # -- protocol.FederatedAlgorithm -----------------------------------------------------------
   def initialize(self, call: protocol.Call = protocol.direct_call):
-    """The process's initial state with the model spec's initial weights (so every method of a
-    run starts from the same model). Vectorised: the same state (`compose_learning_process`'s
-    `LearningAlgorithmState`) from the pieces the rounds run."""
+    """The initial state, with the spec's initial weights (all methods of a run start alike)."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     if self.vectorized:
@@ -92,15 +76,14 @@ class Algorithm(protocol.FederatedAlgorithm):
     return None if self.client_state_init is None else self.client_state_init()
 
   def client_input(self, batches, client_index: int, epochs: int, client_state=None):
-    # Vectorised client work reads the info and state in Python: no datasets for them.
+    # Vectorised client work reads info and state in Python: no datasets.
     return client_work_lib.client_input(batches, client_index, epochs, client_state=client_state,
                                         state_in_dataset=not self.vectorized,
                                         info_in_dataset=not self.vectorized)
 
   def next(self, state, server_input, client_inputs: Sequence,
            call: protocol.Call = protocol.direct_call) -> protocol.RoundOutput:
-    """`process.next(state, client_inputs)` after checking the clients' indices in Python; the
-    participants' new client states come from the client work's measurements."""
+    """`process.next` after checking the client indices; new client states from measurements."""
     from fltff.learning.client_state import unpack_client_states  # pylint: disable=g-import-not-at-top
 
     if server_input is not None:
@@ -130,22 +113,16 @@ class Algorithm(protocol.FederatedAlgorithm):
 
   @property
   def reports_trained_weights(self) -> bool:
-    """Whether `trained_weights` can give the participants' models (vectorised rounds, on a
-    model whose weights are all trainable: `trained_weights` gives trainable weights only)."""
+    """Whether `trained_weights` gives the models: vectorised rounds, all weights trainable."""
     return self.vectorized and not self.model_spec.initial_weights().non_trainable
 
   def trained_weights(self) -> Optional[tuple]:
-    """The last round's participants' models after local training (one `[K, ...]` array per
-    trainable tensor, in the order of the round's clients), or None when the round did not run
-    the vectorised client work."""
+    """The last round's trained models (`[K, ...]` per trainable tensor), None unless vectorised."""
     work = getattr(self._vectorized, '_work', self._vectorized)  # MOON's and SCAFFOLD's wrap it.
     return getattr(work, 'last_trained', None)
 
   def _vectorized_next(self, state, client_inputs: Sequence, call: protocol.Call):
-    """`process.next` with the client work run by `VectorizedClientWork`: the composition of
-    `tff.learning.templates.compose_learning_process` (distributor, client work, aggregator,
-    finalizer; same state and measurements), each other piece run by `call` as TFF computes
-    it."""
+    """`process.next` with `VectorizedClientWork` as client work (same state and measurements)."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     distributor, _, aggregator, finalizer = self.components
@@ -177,22 +154,16 @@ def build_algorithm(name: str,
   """Builds a FedAvg-family method as a composed `tff.learning` LearningProcess.
 
   Args:
-    name: Method name.
-    model_spec: The model.
     client_optimizer: `tff.learning.optimizers.Optimizer` for local steps.
     server_optimizer: `tff.learning.optimizers.Optimizer` applying the aggregated delta.
-    regularizer: Optional local regulariser (see `client_work.LocalRegularizer`).
-    model_aggregator: Any `tff.aggregators.WeightedAggregationFactory`; default
-      `MeanFactory()`, the sample-weighted mean of FedAvg. fltff's factories (CCN, FedNova,
-      FedAdp/FedLayerWise) say which extra weight fields they need (`weight_fields`).
-    weight_fields: Extra fields of the update weight (`client_work.WEIGHT_FIELDS`):
-      `client_index`, `latent_mean`, `local_steps`. None: the aggregator's `weight_fields`
-      (none for TFF's own factories, whose weight stays the float example count).
+    model_aggregator: Any `tff.aggregators.WeightedAggregationFactory` (default `MeanFactory()`,
+      FedAvg's weighted mean); an unweighted one is wrapped and ignores ν.
+    weight_fields: Extra update-weight fields (`client_work.WEIGHT_FIELDS`); None: the
+      aggregator's `weight_fields` (none for TFF's factories: the weight stays n_k).
     frozen: Trainable tensors kept fixed during local training (FedBABU's head).
     client_work: A `ClientWorkProcess` replacing the default local training (SCAFFOLD's).
-    client_weighting: The base weight ν of each participant's update: 'num_examples' (n_k,
-      FedAvg's sample-weighted mean) or 'uniform' (1, the unweighted mean of the FedProx and
-      FedLap papers). The aggregator (and CCN on top of it) weights by ν.
+    client_weighting: Each update's base weight ν: 'num_examples' (n_k) or 'uniform' (1, only
+      with the default client work, else `ConfigError`).
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -202,8 +173,7 @@ def build_algorithm(name: str,
                       f'work only; {name} builds its own.')
 
   if isinstance(model_aggregator, tff.aggregators.UnweightedAggregationFactory):
-    # E.g. TFF's DP factories: the unweighted mean of the updates, ν ignored (as in TFF's
-    # build_weighted_fed_avg).
+    # E.g. TFF's DP factories; ν ignored, as in TFF's build_weighted_fed_avg.
     model_aggregator = tff.aggregators.as_weighted_aggregator(model_aggregator)
   if weight_fields is None:
     weight_fields = tuple(getattr(model_aggregator, 'weight_fields', ()))
@@ -212,7 +182,7 @@ def build_algorithm(name: str,
   distributor = tff.learning.templates.build_broadcast_process(weights_type)
   default_client_work = client_work is None
   if default_client_work:
-    # TFF's client work is traced only when a round runs it (not for vectorised rounds).
+    # TFF's client work is traced only when a round runs it.
     result_type = client_work_lib.client_result_type(model_spec, weight_fields)
     client_work_initialize = client_work_lib.build_stateless_initialize()
   else:
@@ -248,10 +218,8 @@ def build_algorithm(name: str,
       build_process=build_process,
       model_spec=model_spec,
       components=(distributor, client_work_initialize, aggregator, finalizer),
-      # A client work of the user's own: fltff cannot know its arithmetic to vectorise it.
+      # fltff cannot vectorise a user's own client work.
       vectorized_fn=vectorized_fn if default_client_work else None,
-      # The distributor broadcasts the full ModelWeights; each client uploads its
-      # ClientResult (update and weight) to the aggregator.
       bytes_down_per_client=type_num_bytes(weights_type),
       bytes_up_per_client=type_num_bytes(result_type),
   )

@@ -1,26 +1,12 @@
-"""The one shape of every fltff method: a round with the server state and the participants'
-client states passed in and returned explicitly.
+"""The protocol every fltff method implements, in the shape of FedJAX's `FederatedAlgorithm`.
 
-The shape follows FedJAX's `FederatedAlgorithm` (`init`/`apply`, client states in and out);
-underneath, each method keeps its TFF template (a `tff.learning` LearningProcess for the global
-methods, so `tff.learning.programs.train_model` can drive them; an `IterativeProcess` for the
-personalised ones). A round, for any method:
-
-    state = algorithm.initialize(call)
-    inputs = [algorithm.client_input(batches_k, k, epochs_k, client_state_k) for k in P]
-    server_input = algorithm.server_input(P, [client_state_k], [n_k])   # None: the method has none
-    out = algorithm.next(state, server_input, inputs, call)             # a `RoundOutput`
-    # out.state: the new server state; out.client_states: {k: k's new state} for k in P.
-
-A method without client state returns `{}`; FedAvg-family methods with state (SCAFFOLD's
-c_i, MOON's previous model) and personalised ones (personal model, server copy, Ω) return the
-participants' new states the same way, and one `ClientStateStore` keeps them between rounds
-(`fltff.simulation.driver.RoundDriver`, the only round loop; `run_round` is its core, also used
-by `pipelines.bench`). `call(fn, *args)` runs a TFF computation (the runtime's failover
-wrapper; default: a plain call).
-
-Server-side memory that is indexed by client but never leaves the server (FedAdp's and
-FedLayerWise's smoothed angles, KAPC's relationship cube R) is server state, not client state.
+A round (docs/outputs.md): `initialize`, then `client_input` per participant, `server_input`
+and `next(state, server_input, inputs, call)`, which returns a `RoundOutput` with the new server
+state and the participants' new client states. Global methods run a `tff.learning`
+LearningProcess underneath, personalised ones an `IterativeProcess`. `call(fn, *args)` runs a
+TFF computation (the runtime's failover wrapper; default: a plain call). `RoundDriver`
+(`fltff.simulation.driver`, built on `run_round`) is the only round loop. Per-client memory that
+never leaves the server (FedAdp's angles, KAPC's R) is server state.
 """
 
 from __future__ import annotations
@@ -44,56 +30,33 @@ def direct_call(fn, *args):
 
 @dataclasses.dataclass
 class RoundOutput:
-  """What one round of any method returns.
-
-  Attributes:
-    state: The new server state.
-    client_states: `{client index: its new state}` for the round's participants (empty for a
-      method without client state).
-    train: The training metrics (`loss`, `accuracy`, `num_examples`).
-    measurements: The process's other measurements (nested; scalars go to metrics.csv,
-      arrays to the per-round JSONL).
-    clients: The participants, in the order of `bytes_down`/`bytes_up`.
-    bytes_down, bytes_up: Bytes sent to / received from each participant (float64 `[P]`).
-    arrays: Extra per-round arrays to log (e.g. KAPC's Ω per participant).
-    server_seconds: Time of the method's Python-side server bookkeeping (inside `next`).
-  """
+  """What one round of any method returns."""
   state: Any
-  client_states: dict
-  train: Mapping
-  measurements: dict
-  clients: list
-  bytes_down: np.ndarray
-  bytes_up: np.ndarray
-  arrays: dict = dataclasses.field(default_factory=dict)
-  server_seconds: float = 0.0
+  client_states: dict  # `{client index: new state}` of the participants (`{}`: stateless).
+  train: Mapping  # Training metrics: `loss`, `accuracy`, `num_examples`.
+  measurements: dict  # The rest, nested: scalars go to metrics.csv, arrays to the JSONL.
+  clients: list  # The participants, in the order of the byte counts.
+  bytes_down: np.ndarray  # Bytes sent to each participant (float64 `[P]`).
+  bytes_up: np.ndarray  # Bytes received from each participant.
+  arrays: dict = dataclasses.field(default_factory=dict)  # Extra arrays to log (KAPC's Ω).
+  server_seconds: float = 0.0  # The method's Python server bookkeeping inside `next`.
 
 
 class FederatedAlgorithm:
-  """The protocol every built method implements (see the module docstring).
-
-  Attributes set by implementations: `name`, `process` (the TFF template), `model_spec`,
-  `num_clients` (N the method's state is sized for; None: any), `personalized` (True: every
-  client is evaluated with its own model; there is no global model), `personal_models` (clients
-  keep personal models, `personal_weights`), `bytes_down_per_client`
-  and `bytes_up_per_client` (the most a participant receives / sends per round: the channel
-  model's sizes).
-  """
+  """The protocol every built method implements (`process`: its TFF template)."""
   name: str
   model_spec: Any
-  bytes_down_per_client: int
-  bytes_up_per_client: int
-  num_clients: Optional[int] = None
-  personalized: bool = False
-  personal_models: bool = False
-  # `device -> vectorised client work` where the method can vectorise its clients, and the
-  # work once `vectorize_clients` made it (the round runs it instead of the TFF client work).
+  bytes_down_per_client: int  # The most a participant receives per round (channel sizes).
+  bytes_up_per_client: int  # The most a participant sends per round.
+  num_clients: Optional[int] = None  # N the state is sized for; None: any.
+  personalized: bool = False  # Clients are evaluated with their own models; no global model.
+  personal_models: bool = False  # Clients keep personal models (`personal_weights`).
+  # `device -> vectorised client work` where possible, and the work `vectorize_clients` made.
   vectorized_fn: Optional[Callable[[Optional[str]], Any]] = None
   _vectorized: Any = None
-  # Why `experiment.client_work = 'auto'` left the clients unvectorised (None otherwise).
+  # Why `experiment.client_work = 'auto'` left the clients unvectorised.
   client_work_reason: Optional[str] = None
 
-  # -- state ---------------------------------------------------------------------------------
   def initialize(self, call: Call = direct_call):
     """The server state at round 0."""
     raise NotImplementedError
@@ -110,11 +73,9 @@ class FederatedAlgorithm:
 
   @property
   def vectorized(self) -> bool:
-    """Whether `vectorize_clients` switched the round to the vectorised client work (its
-    client inputs then carry their info as plain values, not as a dataset)."""
+    """Whether rounds run the vectorised client work (client info then as plain values)."""
     return self._vectorized is not None
 
-  # -- one round -----------------------------------------------------------------------------
   def client_input(self, batches, client_index: int, epochs: int, client_state=None):
     """One participant's CLIENTS-placed input: its data, index, epochs and own state."""
     raise NotImplementedError
@@ -131,11 +92,11 @@ class FederatedAlgorithm:
     raise NotImplementedError
 
   def vectorize_clients(self, device: Optional[str] = None, factor_dense: bool = True) -> None:
-    """Run each round's client work for all participants in one vectorised TensorFlow step
-    (`experiment.client_work`, `fltff.learning.vectorized`) from now on: the work
-    `vectorized_fn(device, factor_dense)` makes (the builders set it where the method can);
-    `ConfigError` for a method that cannot. `factor_dense=False`: no Dense kernel is trained
-    in factored form (`experiment.factor_dense`, `fltff.learning.factored_dense`)."""
+    """From now on, runs all participants' client work as one vectorised TensorFlow step.
+
+    `vectorized_fn(device, factor_dense)` builds it (`fltff.learning.vectorized`);
+    `factor_dense=False` trains no Dense kernel in factored form. Raises `ConfigError` for a
+    method without `vectorized_fn`."""
     if self.vectorized_fn is not None:
       self._vectorized = self.vectorized_fn(device, factor_dense)
       return
@@ -143,7 +104,6 @@ class FederatedAlgorithm:
                       f"one of fltff's (experiment.client_work = 'vectorised' supports every fltff method "
                       f'built by its builders, which know their client work).')
 
-  # -- evaluation, communication, outputs ----------------------------------------------------
   def global_model_weights(self, state):
     """The global model (`tff.learning.models.ModelWeights`), or None for personalised methods."""
     del state
@@ -153,8 +113,7 @@ class FederatedAlgorithm:
   reports_trained_weights: bool = False  # Whether `trained_weights` gives the round's models.
 
   def trained_weights(self) -> Optional[tuple]:
-    """The last round's participants' models after local training (one `[K, ...]` array per
-    trainable tensor, in the round's client order), where the method reports them; else None."""
+    """The last round's trained models (`[K, ...]` per trainable tensor, client order), or None."""
     return None
 
   def personal_weights(self, state, client_state):
@@ -191,12 +150,10 @@ def run_round(algorithm: FederatedAlgorithm, state, clients: Sequence[int],
               batches_of: Callable[[int], Any], epochs_of: Callable[[int], int],
               num_examples_of: Callable[[int], float], client_state_of: Callable[[int], Any],
               call: Call = direct_call) -> tuple[RoundOutput, float]:
-  """One round of any method for the participants `clients`: builds their inputs (data and own
-  state), the server input, runs `algorithm.next`; returns the output and the seconds spent in
-  it (the method's Python server bookkeeping excluded, reported as `server_seconds`).
+  """One round of any method for `clients`: builds the inputs and runs `algorithm.next`.
 
-  Client states are returned, not stored: the caller commits `out.client_states` once the round
-  is known to be good.
+  Returns `(out, seconds in next)`, Python server bookkeeping excluded (in `out.server_seconds`).
+  Client states are not stored: the caller commits `out.client_states` once the round is good.
   """
   clients = [int(k) for k in clients]
   states = [client_state_of(k) for k in clients] if algorithm.has_client_state else [None] * len(

@@ -14,9 +14,8 @@ def proximal_penalty(local: Sequence[tf.Tensor], global_: Sequence[tf.Tensor],
                      mu: float) -> tf.Tensor:
   """FedProx's proximal term `μ/2 ||w − w^t||²` (Li et al., MLSys 2020, eq. (2)).
 
-  Its gradient with respect to `w` is `μ (w − w^t)`: it pulls the client towards the global
-  model. (TFF 0.87's `proximal_client_work` adds `μ (w^t − w)` instead — the opposite sign.)
-  """
+  Its gradient `μ (w − w^t)` pulls towards the global model; TFF 0.87's `proximal_client_work`
+  adds `μ (w^t − w)`, the opposite sign."""
   return 0.5 * mu * tf.add_n(
       [tf.reduce_sum(tf.square(w - g)) for w, g in zip(local, global_)])
 
@@ -61,16 +60,14 @@ class ProximalRegularizer:
 
   @property
   def traits(self) -> RegularizerTraits:
-    """Closed-form, affine gradient `μ m_t (w_t − a_t)`, one scale per tensor (μ m_t: dense
-    kernels may train in factored form); anchored at the global model (FedProx) or, given
-    one, at `anchor` (`offset_anchor`)."""
+    """Closed-form, affine gradient with one scale μ m_t per tensor (dense kernels may train
+    factored), anchored at the global model or at `anchor` (`offset_anchor`)."""
     return RegularizerTraits(analytic=True, affine=True, global_anchor=self.anchor is None,
                              own_anchor=True, per_tensor_scales=True)
 
   def offset_anchor(self, global_):
-    """The anchor `a` of `affine_gradient`'s offsets `−c_t a_t`: vectorised clients with
-    their own anchors (KAPC's s_i) add `c ⊙ (w − a)` reading it, without forming the
-    offsets (`stacked_optimizer.Anchor`)."""
+    """The anchor `a` of `affine_gradient`'s offsets `−c_t a_t`, so vectorised clients with own
+    anchors (KAPC's s_i) add `c ⊙ (w − a)` without forming them (`stacked_optimizer.Anchor`)."""
     return global_ if self.anchor is None else self.anchor
 
   def affine_gradient(self, global_, context):

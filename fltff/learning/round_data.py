@@ -1,11 +1,4 @@
-"""A round's participant batches as one example table: the input of vectorised local training
-(`vectorized.VectorizedClientWork`).
-
-Every participant's batches for all its local epochs are read at once — from the arrays behind
-the pipeline's datasets (`data.pipeline.ArraySource`) where it can, else through tf.data — and
-laid out as `examples`/`labels` rows with an `index [epoch, step, client, batch]` into them, a
-`mask` of real examples and `valid` steps (`stack_client_batches`).
-"""
+"""A round's participant batches as one example table, the input of vectorised local training."""
 
 from __future__ import annotations
 
@@ -24,9 +17,8 @@ from fltff.learning import client_work as client_work_lib
 
 
 def _read_options() -> tf.data.Options:
-  """tf.data's static graph optimisations off: they rewrite each client's pipeline when its
-  iterator is created (most of a small client's read time), and change no element or
-  order."""
+  """tf.data's static optimisations off: they change no element or order, but rewrite each
+  client's pipeline at iterator creation, most of a small client's read time."""
   options = tf.data.Options()
   options.experimental_optimization.apply_default_optimizations = False
   options.autotune.enabled = False
@@ -37,26 +29,15 @@ def stack_client_batches(client_inputs: Sequence[Any],
                          read_before: Optional[weakref.WeakSet] = None) -> collections.OrderedDict:
   """The participants' batches for every local epoch, as rows of one example table.
 
-  Returns `examples [N + 1, ...]` (float32) and `labels [N + 1]` (int32) as tensors, whose last
-  row is zeros (padding), and NumPy arrays `index [E, S, K, B]` (the row of each batch
-  position: epoch e, step s, client k's batch is `examples[index[e, s, k]]`), `mask
-  [E, S, K, B]` (1 for a real example), `valid [E, S, K]` (client k trains at epoch e, step s),
-  `epochs [K]`. `round_batches` gives the batches themselves.
+  Returns `examples [N + 1, ...]` (float32) and `labels [N + 1]` (int32) tensors, the last row
+  zeros (padding), and NumPy `index [E, S, K, B]` (epoch e, step s, client k's batch is
+  `examples[index[e, s, k]]`), `mask [E, S, K, B]` (1: real example), `valid [E, S, K]` (client
+  k trains at epoch e, step s) and `epochs [K]`. `round_batches` gives the batches themselves.
 
-  Each client's dataset is read once per epoch, as the client work iterates it inside a TFF
-  computation (a dataset that reshuffles every iteration gives the same epoch orders as its
-  `repeat`). Epoch 0's batches are kept even for a client with no epochs (they feed CCN's
-  latent mean, computed over the data after training).
-
-  Datasets made by `ClientDatasets` (the pipeline driver's) are read from their arrays: one
-  pipeline draws the shuffled orders of indices, the table holds each participant's examples
-  once (whatever the number of epochs) and `preprocess_batch` runs once on it
-  (`data.pipeline.ArraySource`). Other datasets are read through tf.data, and the table holds
-  every batch as read (one copy per epoch).
-
-  A dataset in `read_before` (which collects every dataset read here) is rebuilt from its graph
-  first (`fresh_dataset`): TFF's runtime deserialises every dataset it gets, so a dataset
-  passed again starts its shuffle afresh there, not where its last read left it.
+  Datasets are read once per epoch, as TFF's client work iterates them (epoch 0 even for a
+  client with no epochs, for CCN's latent mean); `ClientDatasets` ones from their arrays
+  (`ArraySource`: each example stored and preprocessed once). A dataset already in `read_before`
+  is rebuilt first (`fresh_dataset`), restarting its shuffle as TFF's runtime does.
   """
   read_before = weakref.WeakSet() if read_before is None else read_before
   epochs = [client_work_lib.client_info_of_input(data)['epochs'] for data in client_inputs]
@@ -87,26 +68,22 @@ def stack_client_batches(client_inputs: Sequence[Any],
   table_x = np.concatenate([table_x, np.zeros((1, *table_x.shape[1:]), table_x.dtype)])
   table_y = np.concatenate([table_y, np.zeros(1, table_y.dtype)])
   if from_arrays:
-    # The pipeline's per-example preprocessing, on the whole table at once (elementwise, so
-    # the same values; the padding row stays zeros).
+    # The pipeline's elementwise preprocessing on the whole table (the padding row stays 0).
     processed = preprocess_batch(collections.OrderedDict(x=table_x, y=table_y))
     table_x, table_y = processed['x'], processed['y']
-  # As tensors: the round's examples are copied once, into TensorFlow (a NumPy round trip of
-  # a 100-client round's images would cost a noticeable part of the round).
+  # As tensors: the examples are copied once, into TensorFlow (a NumPy round trip is costly).
   return collections.OrderedDict(
       examples=tf.cast(table_x, tf.float32), labels=tf.cast(table_y, tf.int32), index=index,
       mask=mask, valid=valid, epochs=np.asarray(epochs, np.int32))
 
 
 def round_batches(data: collections.OrderedDict) -> tuple[np.ndarray, np.ndarray]:
-  """`(x [E, S, K, B, ...], y [E, S, K, B])`: the batches of a `stack_client_batches` result
-  (padding positions zeros), e.g. to inspect a round."""
+  """`(x [E, S, K, B, ...], y [E, S, K, B])` of a `stack_client_batches` result (padding 0)."""
   return (np.asarray(data['examples'])[data['index']], np.asarray(data['labels'])[data['index']])
 
 
 def _as_tff_reads(dataset: tf.data.Dataset, read_before: weakref.WeakSet) -> tf.data.Dataset:
-  """`dataset` as TFF's runtime would read it: rebuilt from its graph (`fresh_dataset`) when it
-  was read here before, since TFF deserialises every dataset it gets anew."""
+  """`dataset` as TFF's runtime reads it: rebuilt (`fresh_dataset`) if read here before."""
   from fltff.runtime.in_process import fresh_dataset  # pylint: disable=g-import-not-at-top
 
   fresh = fresh_dataset(dataset) if dataset in read_before else dataset
@@ -115,17 +92,15 @@ def _as_tff_reads(dataset: tf.data.Dataset, read_before: weakref.WeakSet) -> tf.
 
 
 def _round_choice(counts: Sequence[int], passes: Sequence[int]) -> np.ndarray:
-  """Which client's dataset each element of the round's stream comes from: client after
-  client, `counts` elements per pass, `passes` passes each."""
+  """Each stream element's client: client after client, `counts[k] * passes[k]` elements."""
   return np.repeat(np.arange(len(counts), dtype=np.int64),
                    [c * p for c, p in zip(counts, passes)])
 
 
 def _round_stream(datasets: Sequence[tf.data.Dataset], passes: Sequence[Any],
                   choice) -> tf.data.Dataset:
-  """One tf.data pipeline for the whole round (`_round_choice`'s order), each dataset repeated
-  for its passes (Python ints or scalar tensors): about ten times cheaper than an eager
-  iterator per client and epoch."""
+  """One tf.data pipeline for the round (`_round_choice`'s order), each dataset repeated for its
+  passes (ints or scalar tensors): far cheaper than an eager iterator per client and epoch."""
   return tf.data.Dataset.choose_from_datasets(
       [ds if isinstance(p, int) and p == 1 else ds.repeat(p) for ds, p in zip(datasets, passes)],
       tf.data.Dataset.from_tensor_slices(choice), stop_on_empty_dataset=False)
@@ -134,10 +109,8 @@ def _round_stream(datasets: Sequence[tf.data.Dataset], passes: Sequence[Any],
 @tf.function(reduce_retracing=True)
 def _read_orders(orders: Sequence[tf.data.Dataset], passes: tf.Tensor,
                  choice: tf.Tensor) -> tf.Tensor:
-  """`_round_stream` over the clients' order datasets, read as one vector. Built inside a
-  traced function, traced again only for another participant count (the passes are a
-  tensor): constructing the pipeline over 100 datasets eagerly every round costs more than
-  reading it."""
+  """`_round_stream` over the clients' order datasets, read as one vector; traced (again only
+  for another client count) as building the pipeline eagerly costs more than reading it."""
   passes = [passes[i] for i in range(len(orders))]
   return _round_stream(orders, passes, choice).batch(
       tf.size(choice, out_type=tf.int64)).with_options(_read_options()).get_single_element()
@@ -145,12 +118,12 @@ def _read_orders(orders: Sequence[tf.data.Dataset], passes: tf.Tensor,
 
 def _read_array_sources(sources: Sequence[ArraySource], passes: Sequence[int],
                         read_before: weakref.WeakSet):
-  """`(table_x, table_y, rows, sizes, batches per epoch)` of the round from the clients' arrays
-  (at least one client): the table is the participants' examples, each once, one client after
-  another (the raw arrays' values: `preprocess_batch` still to apply); `rows [T, B]` is each
-  batch's table rows (each client's epochs' batches in order; -1 pads a short batch). One
-  tf.data pipeline draws every client's epoch orders (indices only), several times cheaper
-  than going through the datasets' per-example map."""
+  """`(table_x, table_y, rows, sizes, batches per epoch)` from the clients' arrays (≥ 1 client).
+
+  The table holds each participant's raw examples once, client after client (`preprocess_batch`
+  still to apply); `rows [T, B]` are each batch's table rows, each client's epochs in order (-1
+  pads a short batch). One pipeline draws all epoch orders (indices only), much cheaper than
+  the datasets' per-example map."""
   orders = [_as_tff_reads(source.order, read_before) for source in sources]
   sizes_n = [source.num_examples for source in sources]
   choice = _round_choice(sizes_n, passes)
@@ -181,9 +154,7 @@ def _read_array_sources(sources: Sequence[ArraySource], passes: Sequence[int],
 
 
 def _read_datasets(datasets: Sequence[tf.data.Dataset], passes: Sequence[int]):
-  """`(table_x, table_y, rows, sizes, batches per epoch)` of the round from the clients'
-  datasets (see `_read_array_sources`): the table holds every batch as read (each client's
-  epochs' batches in order, padded to the largest batch)."""
+  """`_read_array_sources`' result from datasets, the table holding every batch as read."""
   bx, by, sizes, counts = _read_dataset_batches(datasets, passes)
   batch = by.shape[1] if by.ndim > 1 else 0
   rows = np.arange(len(by) * batch, dtype=np.int64).reshape(len(by), batch)
@@ -192,8 +163,7 @@ def _read_datasets(datasets: Sequence[tf.data.Dataset], passes: Sequence[int]):
 
 
 def _read_dataset_batches(datasets: Sequence[tf.data.Dataset], passes: Sequence[int]):
-  """`(x, y, sizes, batches per epoch)` of the round from the clients' datasets: x `[T, B,
-  ...]` (each client's epochs' batches in order, padded), y `[T, B]`, sizes `[T]`."""
+  """`(x [T, B, ...], y [T, B], sizes [T], batches per epoch)`: all epochs' batches, padded."""
   counts = [int(dataset.cardinality()) for dataset in datasets]
   if any(c < 0 for c in counts):
     # Unknown batch counts (e.g. a `filter`): read the clients one by one.

@@ -1,21 +1,15 @@
 """SCAFFOLD (Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated
 Learning", ICML 2020, Algorithm 1): local steps corrected by control variates.
 
-Client i holds a control variate c_i (kept in the round driver's per-client state store and
-passed in through `client_input(..., client_state=c_i)`); the server holds c (the client
-work's state). Each local step uses the corrected gradient `g_i(y) − c_i + c` (eq. (3)); after
-training the client's new control is the mean of its minibatch gradients over the local steps —
-with plain SGD this is exactly option II, `c_i⁺ = c_i − c + (x − y)/(K η_l)` (eq. (4), tested),
-and it stays a gradient estimate with momentum or Adam, where option II's formula would not.
-The server applies the model update with its optimizer and `c ← c + (1/N) Σ_{i∈S} (c_i⁺ − c_i)`
+c_i is the client state, c the client work's server state. Local steps use `g_i(y) − c_i + c`
+(eq. (3)); c_i⁺ is the mean minibatch gradient over the local steps: with plain SGD exactly
+option II, `c_i − c + (x − y)/(K η_l)` (eq. (4), tested), and, unlike that formula, still a
+gradient estimate with momentum or Adam. The server applies `c ← c + (1/N) Σ_{i∈S} (c_i⁺ − c_i)`
 (eq. (5)).
 
-Deviation, documented: the model update is the example-weighted mean of the participants'
-deltas (FedAvg's ν), not the unweighted mean of the paper, so that SCAFFOLD with zero controls
-is exactly FedAvg and CCN applies Λ to the same ν as for every other base scheme.
-
-Everything is one pass: the broadcast of c depends only on the state, the new client controls
-are gathered and their deltas summed by two independent aggregates.
+Deviation (our choice): the model update is the example-weighted mean of the deltas (FedAvg's
+ν), not the paper's unweighted one, so zero controls give exactly FedAvg and CCN reweights the
+same ν as for every other base scheme.
 """
 
 from __future__ import annotations
@@ -68,9 +62,8 @@ class ControlVariateCorrection:
 
 
 class GradientMean:
-  """The client's new control c_i⁺: its minibatch data gradients averaged over its own local
-  steps (a `client_work.StepObserver`, the same for both local-training loops). With plain SGD
-  this is option II of eq. (4)."""
+  """The new control c_i⁺: the client's minibatch gradients averaged over its local steps (a
+  `client_work.StepObserver` for both training loops); with plain SGD, option II of eq. (4)."""
 
   name = 'gradient_mean'
 
@@ -99,15 +92,13 @@ def server_control_update(control: Sequence[tf.Tensor], delta_sum: Sequence[tf.T
 
 
 def correction(server_control: Sequence[tf.Tensor], controls: Sequence[tf.Tensor]) -> tuple:
-  """`c − c_i`, the term each client's gradient step adds (Alg. 1, line 10): for one client,
-  or for a round's clients along a leading axis of `controls`."""
+  """`c − c_i`, added to each local gradient (Alg. 1, line 10); `controls` may be stacked."""
   return tuple(c - ci for c, ci in zip(server_control, controls))
 
 
 def new_controls(out: dict, controls: Sequence[tf.Tensor]) -> tuple:
-  """`(c_i⁺, Δc_i)` after local training (option II as `GradientMean` gives it; a client that
-  took no step, no data or zero epochs, keeps its control), from the training's outputs
-  `gradient_mean` and `steps`: for one client, or for a round's clients along a leading axis."""
+  """`(c_i⁺, Δc_i)` from the training's `gradient_mean` and `steps` (a client that took no step
+  keeps its control); for one client or along a leading client axis."""
   took_steps = out['steps'] > 0
 
   def rows(g):  # One flag per client, against the client axis of `g`.
@@ -120,12 +111,7 @@ def new_controls(out: dict, controls: Sequence[tf.Tensor]) -> tuple:
 
 def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: int,
                                weight_fields: Sequence[str] = ()):
-  """Client work of SCAFFOLD: state c@SERVER; client data carries c_i in `state`.
-
-  Measurements: `train` (metrics) and `client_states`, the gathered
-  `OrderedDict(update=(c_i⁺ tensors with a leading [K] axis), weight=client_index[K])` that the
-  round driver writes back to its state store (`client_state.build_stateful_client_work`).
-  """
+  """SCAFFOLD's client work: c the server state, c_i the client state (`client_state`)."""
   client_work_lib.check_weight_fields(weight_fields)
   specs = model_spec.trainable_specs()
 
@@ -152,10 +138,7 @@ def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: in
 
 def vectorized_scaffold_work(model_spec: ModelSpec, optimizer, num_clients: int,
                              weight_fields: Sequence[str] = (), device=None):
-  """SCAFFOLD's client work for a round's participants together (`experiment.client_work`),
-  from the pieces `build_scaffold_client_work` uses: `ControlVariateCorrection` with each
-  client's `correction`, the `GradientMean` observer, `new_controls` and
-  `server_control_update` (`client_state.VectorizedStatefulWork`)."""
+  """`build_scaffold_client_work`'s twin for a round's participants together."""
   from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
 
   work = VectorizedClientWork(model_spec, optimizer, weight_fields=weight_fields, device=device,
@@ -170,17 +153,8 @@ def vectorized_scaffold_work(model_spec: ModelSpec, optimizer, num_clients: int,
 def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
                    server_learning_rate: float = 1.0, server_optimizer=None,
                    model_aggregator=None) -> Algorithm:
-  """SCAFFOLD; `model_aggregator=aggregators.contribution_normalization_factory(T)` applies
-  CCN's Λ to the update weights.
-
-  Args:
-    model_spec: The model.
-    num_clients: N, the total number of clients (the server control averages over N).
-    client_optimizer: Local optimizer (default: `optimizers.default_client_optimizer()`).
-    server_learning_rate: η_g.
-    model_aggregator: The model update's weighted aggregation (default the weighted mean).
-      Only the model update goes through it; the control variates Δc_i do not.
-  """
+  """SCAFFOLD with η_g = `server_learning_rate`; the server control averages over N =
+  `num_clients`. Only the model update, not Δc_i, goes through `model_aggregator` (CCN: Λ)."""
   from fltff.config_checks import check_number  # pylint: disable=g-import-not-at-top
 
   check_number('scaffold num_clients', num_clients, integer=True)
@@ -199,7 +173,7 @@ def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=Non
   algorithm.bytes_down_per_client += control_bytes
   algorithm.bytes_up_per_client += control_bytes
   algorithm.num_clients = num_clients
-  # SCAFFOLD sums its clients' gradients: its kernels are never factored (`factor_dense` unused).
+  # SCAFFOLD sums its gradients: kernels are never factored (`factor_dense` unused).
   algorithm.vectorized_fn = lambda device, factor_dense=True: vectorized_scaffold_work(
       model_spec, optimizer, num_clients, getattr(model_aggregator, 'weight_fields', ()), device)
   return client_state.with_client_states(algorithm,

@@ -1,30 +1,20 @@
 """The client optimizer's local step for a round's stacked participants (vectorised clients).
 
-`learning.vectorized` trains every participant at once, their weights stacked along a leading
-client axis `[K, ...]`. Each step computes all clients' gradients in one `tf.vectorized_map`
-and then applies the client optimizer through one of these updaters:
+`learning.vectorized` stacks the participants' weights as `[K, ...]` and computes all clients'
+gradients in one `tf.vectorized_map` per step; an updater then applies the client optimizer.
+`MappedOptimizer` maps any TFF optimizer's `next` over the clients. `FusedSGDM` applies TFF's
+`build_sgdm` (a ← μ·a + g, w ← w − η·a; without momentum w ← w − η·g) in place with
+TensorFlow's fused kernels on variables holding the stacked weights and accumulators: one pass
+per tensor, not ops that each write a model-sized `[K, ...]` tensor. A client without a batch
+at a step keeps its weights and optimizer state.
 
-* `MappedOptimizer`: any TFF optimizer, `optimizer.next` per client in one
-  `tf.vectorized_map`, a client without a batch at this step keeping its weights and state.
-* `FusedSGDM`: TFF's `build_sgdm` (with or without momentum) applied in place to variables
-  holding the stacked weights and accumulators: TensorFlow's fused training kernels
-  (`ResourceApplyMomentum`, `ResourceApplyGradientDescent`; their sparse forms on the
-  training clients' rows when some client has no batch at the step). The arithmetic is
-  `_SGD.next`'s (a ← μ·a + g, w ← w − η·a; without momentum w ← w − η·g), but one pass over
-  weights, accumulator and gradient per step instead of elementwise ops that each write a
-  fresh model-sized `[K, ...]` tensor, which is faster than the mapped update.
+An affine regulariser's terms (`client_work.step_gradients`: `g + s ⊙ w + o`; FedProx, FedLap,
+KAPC) go to `step`, not into the clients' map, so `FusedSGDM` can fuse them into the update; an
+offset `−s ⊙ global` comes as an `Anchor`, added as `s ⊙ (w − global)` (no `[K, ...]` offset
+formed per epoch).
 
-An affine regulariser's gradient terms (`client_work.step_gradients`: `g + s ⊙ w + o`; FedProx,
-FedLap, KAPC) are passed to `step` instead of being added inside the clients' map. `FusedSGDM`
-adds them in the same pass as the update, one XLA-compiled elementwise function, when every
-client trains at the step (fewer passes over the stacked weights). The XLA function has no
-idle-client select: with one (a broadcast `tf.where`) it is slower than the separate ops.
-Where the offset is `−s ⊙ global` (FedProx, FedLap), it is given as an `Anchor`, the one global
-model, and the term is `s ⊙ (w − global)`: no `[K, ...]` offset formed per epoch and read at
-every step, a model-sized read and write less per epoch.
-
-An updater is used as `carry = start(weights)`, then per step `weights(carry)` and
-`carry = step(carry, gradients, trains, affine)`, and `finish(carry)` for the trained weights.
+Use: `carry = start(weights)`, per step `weights(carry)` and
+`carry = step(carry, gradients, trains, affine)`, then `finish(carry)` for the trained weights.
 """
 
 from __future__ import annotations
@@ -48,8 +38,8 @@ def client_mask(trains: tf.Tensor, rank: int) -> tf.Tensor:
 
 
 def _per_client(term, weight: tf.Tensor) -> tf.Tensor:
-  """A stacked per-client term `[K, *shape]` shaped to broadcast against the stacked weight
-  `[K, ...]` as one client's term broadcasts against its weight (trailing axes aligned)."""
+  """Per-client `term [K, *shape]` reshaped to broadcast against `weight [K, ...]` as one
+  client's term does against its weight (trailing axes aligned)."""
   term = tf.convert_to_tensor(term, weight.dtype)
   missing = weight.shape.rank - term.shape.rank
   if missing <= 0:
@@ -59,27 +49,24 @@ def _per_client(term, weight: tf.Tensor) -> tf.Tensor:
 
 
 def _affine_gradient(gradient, weight, scale, offset) -> tf.Tensor:
-  """`g + s ⊙ w + o` for one stacked tensor, in `client_work.step_gradients`'s order; with
-  `offset` an `Anchor`, `g + s ⊙ (w − a)` for the one anchor `a` every client shares."""
+  """`g + s ⊙ w + o` for one stacked tensor (`step_gradients`'s order); `g + s ⊙ (w − a)` for
+  an `Anchor` offset."""
   if isinstance(offset, Anchor):
     return gradient + _per_client(scale, weight) * (weight - offset.value)
   return tf.add_n([gradient, _per_client(scale, weight) * weight, _per_client(offset, weight)])
 
 
 class Anchor:
-  """An offset given as `−s ⊙ a` by the anchor `a`: one all clients share, without a client
-  axis (the global model: FedProx, FedLap, `RegularizerTraits.global_anchor`), or each client's
-  own, stacked `[clients, ...]` (KAPC's s_i, `offset_anchor`). Read at every step as it is,
-  not from a `[clients, ...]` offset formed per epoch."""
+  """The anchor `a` of an offset `−s ⊙ a`: shared, without a client axis (the global model,
+  `RegularizerTraits.global_anchor`), or each client's own `[K, ...]` (KAPC's s_i)."""
 
   def __init__(self, value: tf.Tensor):
     self.value = value
 
 
 def add_affine(gradients, weights, affine, skip: frozenset = frozenset()) -> list:
-  """`g + s ⊙ w + o` per tensor for stacked clients: `client_work.step_gradients`'s affine
-  regulariser terms (`affine = (scales, offsets)`, each with a leading client axis; an offset
-  may be an `Anchor`); the tensors in `skip` as they are."""
+  """Stacked gradients plus the affine terms `affine = (scales, offsets)` (`[K, ...]`; an offset
+  may be an `Anchor`), except for the tensors in `skip`."""
   if affine is None:
     return list(gradients)
   return [g if i in skip else _affine_gradient(g, w, a, o)
@@ -87,10 +74,8 @@ def add_affine(gradients, weights, affine, skip: frozenset = frozenset()) -> lis
 
 
 class MappedOptimizer:
-  """Any `tff.learning.optimizers.Optimizer`, run per client in one `tf.vectorized_map`.
-
-  The carry is `(weights, optimizer_state)`, both stacked. Frozen tensors keep their values.
-  """
+  """Any `tff.learning.optimizers.Optimizer`, run per client in one `tf.vectorized_map`; the
+  carry is the stacked `(weights, optimizer_state)`."""
 
   def __init__(self, optimizer, frozen: frozenset = frozenset()):
     self._optimizer, self._frozen = optimizer, frozen
@@ -119,7 +104,7 @@ class MappedOptimizer:
                     for i, (w, u) in enumerate(zip(weights, updated)))
 
     def select():
-      # A client without a batch at this step (fewer batches or epochs) is left unchanged.
+      # Idle clients (fewer batches or epochs) stay unchanged.
       return tf.nest.map_structure(
           lambda n, o: tf.where(client_mask(trains, n.shape.rank), n, o),
           (updated, new_state), (weights, state))
@@ -132,11 +117,8 @@ class MappedOptimizer:
 
 
 def sgdm_hyperparameters(optimizer) -> Optional[tuple[float, Optional[float]]]:
-  """`(learning_rate, momentum or None)` when `optimizer` is TFF's `build_sgdm`, else None.
-
-  Recognised by its module and its state's keys: `_SGD` is private to TFF, and an optimizer
-  that merely resembles it must not get `FusedSGDM`'s arithmetic.
-  """
+  """`(learning_rate, momentum or None)` for TFF's `build_sgdm`, else None (checked by module
+  and state keys: `_SGD` is private, and a look-alike must not get `FusedSGDM`)."""
   if type(optimizer).__module__ != 'tensorflow_federated.python.learning.optimizers.sgdm':
     return None
   state = optimizer.initialize((tf.TensorSpec([], tf.float32),))
@@ -151,12 +133,8 @@ def sgdm_hyperparameters(optimizer) -> Optional[tuple[float, Optional[float]]]:
 class FusedSGDM:
   """TFF's SGD(M) applied in place to variables holding the stacked weights and accumulators.
 
-  The variables (shape `[None, ...]`, any number of clients) are made by `prepare`, outside
-  the training function; `start` writes the round's starting weights (zero accumulators),
-  `finish` reads the trained weights and empties the variables, so nothing model-sized stays
-  held between rounds. A step where some client has no batch applies to the training clients'
-  rows only (the sparse kernels: the same arithmetic per row).
-  """
+  `prepare` makes them (`[None, ...]`) outside the training function; `finish` empties them, so
+  nothing model-sized is held between rounds."""
 
   def __init__(self, learning_rate: float, momentum: Optional[float],
                frozen: frozenset = frozenset()):
@@ -188,14 +166,12 @@ class FusedSGDM:
       if self._momentum is not None:
         self._accumulators = [empty(s) for s in specs]
 
-  # The carry is a token threaded through start, steps and finish: every read and update
-  # waits for it, so the order of the variables' writes is data flow, not left to automatic
-  # control dependencies across the training loop and its conditional.
+  # The carry is a token threaded through start, steps and finish, so the variables' writes
+  # are ordered by data flow, not by automatic control dependencies across loop and cond.
   def start(self, weights: Sequence[tf.Tensor]) -> tf.Tensor:
     assigned = [variable.assign(value) for variable, value in zip(self._weights, weights)]
-    # `tf.zeros` of the shape, not `tf.zeros_like(value)`: traced with an unknown client
-    # count, the latter left the accumulators empty at the first step (seen in TF 2.14,
-    # tests/test_stacked_optimizer.py; the cause was not pinned down).
+    # Not `tf.zeros_like(value)`: traced with an unknown client count it left the accumulators
+    # empty at the first step (TF 2.14, cause unknown; tests/test_stacked_optimizer.py).
     assigned += [accumulator.assign(tf.zeros(tf.shape(value), value.dtype))
                  for accumulator, value in zip(self._accumulators, weights)]
     with tf.control_dependencies([a.op if hasattr(a, 'op') else a for a in assigned]):
@@ -234,9 +210,8 @@ class FusedSGDM:
       return tf.constant(True)
 
   def _affine_update_fn(self, gradients, scales, offsets, anchors, skip) -> tf.Tensor:
-    """Every client's step with the affine terms, `g + s ⊙ w + o` (in `step_gradients`'s
-    order; `g + s ⊙ (w − a)` with shared `anchors` instead of `offsets`) and the update in one
-    XLA-compiled elementwise pass per tensor."""
+    """Every client's step with the affine terms (`_affine_gradient`; `anchors` or `offsets`)
+    in one XLA-compiled elementwise pass per tensor."""
     for i, (variable, gradient) in enumerate(zip(self._weights, gradients)):
       if i in self._frozen or i in skip:
         continue
@@ -254,20 +229,18 @@ class FusedSGDM:
     return tf.constant(True)
 
   def _affine_gradients_fn(self, gradients, weights, scales, offsets, anchors, skip) -> list:
-    """`add_affine` compiled with XLA, for the steps where some client is idle. Not as TF ops:
-    in the graph, Grappler may turn the model-sized sum into a named temporary variable, which
-    this branch, when not taken, creates and never destroys, and the training loop's next
-    step fails with AlreadyExistsError (tests/test_stacked_optimizer.py)."""
+    """`add_affine` under XLA, for steps with an idle client. As plain TF ops, Grappler may make
+    the sum a named temporary variable that the untaken branch never destroys: the next step
+    fails with AlreadyExistsError (tests/test_stacked_optimizer.py)."""
     offsets = tuple(Anchor(a) for a in anchors) if anchors else offsets
     return add_affine(gradients, weights, (scales, offsets), skip)
 
   def step(self, carry: tf.Tensor, gradients: Sequence[tf.Tensor], trains: tf.Tensor,
            affine=None, skip: frozenset = frozenset()) -> tf.Tensor:
-    """One local step of every client; `affine` (an affine regulariser's `(scales, offsets)`,
-    stacked) is added to the gradients here, fused with the update when every client trains.
-    (A broadcast `tf.where` for idle clients inside the XLA function made it slower than the
-    separate ops, so steps with idle clients take the sparse kernels.) The tensors in `skip`
-    are left as they are (kernels trained in factored form, `factored_dense`)."""
+    """One local step of every client, `affine` (stacked `(scales, offsets)`) added here and
+    fused with the update when every client trains (an idle-client `tf.where` in the XLA
+    function is slower: those steps use the sparse kernels). `skip`: tensors left as they are
+    (factored kernels, `factored_dense`)."""
     gradients = tuple(gradients)
     skip = frozenset(skip)
 

@@ -1,34 +1,24 @@
 """Client-vectorised local training: one round's participants trained in one TensorFlow step.
 
-TFF maps the client work over participants one at a time (one graph call per client; on the
-C++ runtime also one serialised dataset and one gRPC call each). Here the participants'
-weights get a leading client axis and every local step is one `tf.vectorized_map` over the
-clients: a batched matmul/convolution instead of K small ones. It is the same
-computation as `client_work.build_local_training` — the same regulariser hooks, frozen
-tensors, metrics and update weight, and the same optimizer arithmetic (`stacked_optimizer`:
-TFF's SGD(M) in place on the stacked weights, any other optimizer's `next` mapped over the
-clients) — so a round's results equal TFF's to float rounding (tests/test_vectorized.py).
-
-Clients differ in batch count, last-batch size and epochs: the round's batches are padded to
-`[epochs, steps, clients, batch, ...]`, padded examples are masked out of the loss (the mean
-is over the real examples only) and a client with no batch at a step keeps its weights and
-optimizer state (`tf.where`), so padding changes nothing.
-
-When every client starts from the global model with the shared regulariser, the first epoch's
-regulariser context is the same for all of them and is computed once; an epoch whose anchored
-term `s ⊙ (w − global)` has every scale zero (FedLap's first epoch: λ = 0 at local = global)
-takes the plain update. Both are exact: the same numbers, less work.
+The participants' weights get a leading client axis and every local step is one
+`tf.vectorized_map` over the clients (a batched matmul/convolution, not K small ones) of
+`client_work.build_local_training`'s step (optimizer: `stacked_optimizer`), so a round equals
+TFF's to float rounding (tests/test_vectorized.py). Unequal clients are padded to `[epochs,
+steps, clients, batch, ...]`: padded examples are masked out of the loss and a client with no
+batch at a step keeps its weights and optimizer state. Exact shortcuts: with every client
+starting from the global model under the shared regulariser, the first epoch's context is
+computed once; an epoch whose anchored term `s ⊙ (w − global)` has every scale zero (FedLap's
+first epoch: λ = 0 at local = global) takes the plain update.
 
 Scope (anything else raises a `ConfigError` naming it): models without layer losses whose
-variables are all trainable, or, for client work that reads no representation (all below
-but MOON and CCN), whose only other variables are BatchNorm statistics, trained per client
-(`functional_apply(batch_norm=True)`, `moving_statistics`); the default client work of
+variables are all trainable or, for client work that reads no representation (all below but
+MOON and CCN), whose only other variables are BatchNorm statistics, trained per client
+(`functional_apply(batch_norm=True)`, `moving_statistics`). Client work: the default of
 `process.build_algorithm` (FedAvg, FedProx, FedLap, SGDM, FedAdp, FedLayerWise, FedNova,
-FedBABU, CCN); SCAFFOLD (`scaffold.vectorized_scaffold_work`: per-client corrections, the
-gradient mean tracked); and, through `fltff.personalization.vectorized` (per-client start
-weights and regularisers), the personalised process (KAPC with or without BLS, FedAMP, Local,
-pFedLA); MOON (`moon.vectorized_moon_work`: a per-client regulariser with a batch-dependent
-term, the contrastive loss over the batch's representations, masked to its real examples).
+FedBABU, CCN); SCAFFOLD (`scaffold.vectorized_scaffold_work`); MOON (`moon.vectorized_moon_work`:
+a per-client regulariser whose batch term is masked to the real examples); and, through
+`fltff.personalization.vectorized` (per-client starts and regularisers), the personalised
+process (KAPC ± BLS, FedAMP, Local, pFedLA).
 """
 
 from __future__ import annotations
@@ -62,19 +52,15 @@ from fltff.runtime.in_process import clients_argument
 
 def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.keras.Model] = None,
                      batch_norm: bool = False):
-  """`apply(trainable, x, training)`: `keras_model`'s output with the trainable weights of
-  `weights_model` (default: `keras_model`; e.g. the full model when `keras_model` is its
-  latent sub-model, which shares its layers) replaced by the tensors `trainable` (in
-  `trainable_weights` order).
+  """`apply(trainable, x, training)`: `keras_model`'s output with `weights_model`'s trainable
+  weights (default `keras_model`'s; e.g. the full model of a latent sub-model sharing its
+  layers) swapped, as layer attributes, for the tensors `trainable` (`trainable_weights` order),
+  so the layers' own `call` runs on tensors `tf.vectorized_map` can stack.
 
-  Each weight is found as an attribute of its layer (Dense's `kernel`, Conv2D's `bias`, ...)
-  and swapped for the call, so the layers' own `call` code runs on plain tensors, which
-  `tf.vectorized_map` can stack along a client axis. With `batch_norm`, BatchNormalization
-  layers are allowed: in training mode they normalise with the moments of the batch's real
-  examples (`apply(..., mask=)`, `masked_batch_norm_call`), which `apply(..., moments={})`
-  records by layer name for the moving statistics (`moving_statistics`).
-  Raises `ConfigError` for models this cannot express (non-trainable weights other than those,
-  layer losses, weights not held as layer attributes).
+  With `batch_norm`, BatchNormalization layers normalise with the moments of the batch's real
+  examples (`apply(..., mask=)`), recorded by layer name in `apply(..., moments={})` for
+  `moving_statistics`. `ConfigError` for other non-trainable weights, layer losses or weights
+  not held as layer attributes.
   """
   weights_model = keras_model if weights_model is None else weights_model
   slots = weight_slots(keras_model, weights_model, batch_norm)
@@ -83,10 +69,8 @@ def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.ker
   def apply(trainable: Sequence[tf.Tensor], x: tf.Tensor, training: bool = True,
             kernel_products: Optional[dict[int, Callable]] = None,
             mask: Optional[tf.Tensor] = None, moments: Optional[dict] = None) -> tf.Tensor:
-    """`kernel_products` (`{trainable index: product}`, plain `Dense` kernels only): that
-    layer computes `product(x)` in place of `x @ kernel` (`factored_dense.dense_call`).
-    `mask` (`[batch]`, 1 for a real example): what BatchNorm's batch moments count; `moments`:
-    a dict that gets each BatchNorm layer's `(mean, variance)` of the batch by its name."""
+    """`kernel_products`: `{trainable index: product}` computed for a plain `Dense` kernel's
+    `x @ kernel`. `mask` (`[batch]`, 1 for a real example): what BatchNorm's moments count."""
     if norms and not training:
       raise ConfigError('vectorised clients train BatchNorm models; inference with the moving '
                         'statistics runs on the Keras model.')
@@ -117,9 +101,8 @@ def _is_batch_norm(layer) -> bool:
 
 def masked_batch_norm_call(layer: tf.keras.layers.BatchNormalization,
                            example_mask: Optional[tf.Tensor], moments: Optional[dict] = None):
-  """A training-mode `call` for `layer` whose batch mean and (biased) variance count only the
-  examples where `example_mask` is 1, over every axis but the feature axis, as Keras's
-  BatchNorm does for a batch of just those examples; records them in `moments` if given."""
+  """A training-mode `call` for `layer`: Keras's BatchNorm over the examples where
+  `example_mask` is 1 (biased variance); the moments are recorded in `moments` if given."""
 
   def call(inputs, training=None, mask=None):
     del training, mask  # Training mode; the example mask is the round's, not Keras's.
@@ -134,8 +117,7 @@ def masked_batch_norm_call(layer: tf.keras.layers.BatchNormalization,
     variance = tf.reduce_sum(
         tf.math.squared_difference(x, tf.stop_gradient(mean)) * weight, axes) / tf.maximum(
             count, 1.0)
-    # A step without examples (a client whose batches ran out) normalises nothing: its
-    # outputs stay finite, so its masked loss stays zero, not NaN.
+    # A step without examples (an idle client) stays finite: its masked loss is zero, not NaN.
     variance = tf.where(count > 0, variance, tf.ones_like(variance))
     if moments is not None:
       moments[layer.name] = (mean, variance)
@@ -146,11 +128,9 @@ def masked_batch_norm_call(layer: tf.keras.layers.BatchNormalization,
 
 
 def moving_statistics(keras_model: tf.keras.Model) -> Callable:
-  """`update(statistics, moments, trains)`: the model's non-trainable weights (each
-  BatchNorm's moving mean and variance, `[K, ...]` per client, in `non_trainable_weights`
-  order) after one step whose batch moments are `moments` (`functional_apply`'s, by layer
-  name, `[K, ...]` each): Keras's update `v − (v − batch)(1 − momentum)` with the biased batch
-  variance, as its BatchNorm applies it in TFF's graphs, for the clients where `trains`."""
+  """`update(statistics, moments, trains)`: the BatchNorm moving statistics (`[K, ...]`, in
+  `non_trainable_weights` order) after a step with batch `moments` (`functional_apply`'s):
+  Keras's `v − (v − batch)(1 − momentum)` with the biased variance, for the clients in `trains`."""
   norms = [layer for layer in keras_model.layers if _is_batch_norm(layer)]
   slot = {}
   for layer in norms:
@@ -171,8 +151,7 @@ def moving_statistics(keras_model: tf.keras.Model) -> Callable:
 
 def weight_slots(keras_model: tf.keras.Model, weights_model: tf.keras.Model,
                  batch_norm: bool = False) -> list[tuple[Any, str]]:
-  """`(layer, attribute)` holding each of `weights_model`'s trainable weights, for
-  `functional_apply` (`ConfigError` for what it cannot express)."""
+  """`(layer, attribute)` holding each trainable weight, for `functional_apply` (its errors)."""
   norms = [layer for layer in weights_model.layers if _is_batch_norm(layer)] if batch_norm else []
   statistics = {id(v) for layer in norms for v in (layer.moving_mean, layer.moving_variance)}
   if any(id(v) not in statistics for v in weights_model.non_trainable_weights):
@@ -199,19 +178,15 @@ def weight_slots(keras_model: tf.keras.Model, weights_model: tf.keras.Model,
   return slots
 
 
-# How many distinct client counts `_train_fn` is traced for with the count fixed (one trace
-# each, a few seconds); rounds with further counts share one trace with a dynamic axis.
+# Client counts traced with a fixed client axis (`with_clients`); others share a dynamic one.
 MAX_STATIC_CLIENT_COUNTS = 4
 
 
 def with_clients(structure: Any, num_clients: Optional[int], axis: int = 0) -> Any:
-  """`structure`'s tensors with their client axis `axis` fixed at `num_clients` (unchanged
-  when None).
+  """`structure`'s tensors with client axis `axis` fixed at `num_clients` (None: unchanged).
 
-  `tf.vectorized_map` hands each client its row through `gather(x, i)`, which pfor turns
-  back into `x` itself only when both `x`'s leading dimension and the number of clients are
-  known at trace time; otherwise it copies every mapped argument, the stacked weights
-  included, at every local step (a tenth of a round's op time and more).
+  Unless a mapped tensor's leading dimension and the client count are known at trace time,
+  pfor copies every argument of `tf.vectorized_map` (the stacked weights too) at every step.
   """
   if num_clients is None or structure is None:
     return structure
@@ -226,17 +201,13 @@ def with_clients(structure: Any, num_clients: Optional[int], axis: int = 0) -> A
 
 
 def stack_clients(values: Sequence[Any]) -> Any:
-  """The participants' values (one nested structure of arrays each: client states, local
-  models) stacked along a new leading client axis, as tensors."""
+  """The participants' nested arrays (client states, local models) stacked as `[K, ...]`."""
   return tf.nest.map_structure(lambda *rows: stacked_tensor(aligned_stack(rows)), *values)
 
 
 def _round_specs(args: Sequence[Any], num_clients: Optional[int]) -> list:
-  """`_train_fn`'s arguments as `tf.TensorSpec`s for a trace that serves every round with
-  `num_clients` participants (None: any number): the global weights as they are; the starts,
-  client terms and per-client statistics (`[K, ...]`) with their client axis `num_clients`;
-  the round's example table and its `[E, S, K, B]` batch index, mask and `[E, S, K]` step
-  flags with only the client axis fixed."""
+  """`_train_fn`'s arguments as `tf.TensorSpec`s for every round of `num_clients` participants
+  (None: any): the global weights as they are, elsewhere only client axes known."""
   (global_trainable, start, client_terms, statistics, examples, labels, index, mask, valid,
    epochs) = args
 
@@ -261,9 +232,8 @@ def _round_specs(args: Sequence[Any], num_clients: Optional[int]) -> list:
 
 
 class _LoopedConvolutionGradients(logging.Filter):
-  """Drops pfor's warning that it loops over the clients for an op it cannot batch: in the
-  vectorised step that is a convolution's filter gradient, computed client by client by
-  design (docs/performance.md), not a fault to show in the user's console at every trace."""
+  """Drops pfor's warning that it loops over clients: a convolution's filter gradient, looped
+  by design (docs/performance.md)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     return 'uses a while_loop. Fix that!' not in record.getMessage()
@@ -303,10 +273,9 @@ class VectorizedClientWork:
   """`client_work.build_client_work`'s computation for all of a round's participants at once.
 
   `__call__(global_weights, client_inputs, call)` returns `(results, train_metrics,
-  regularizer_stats)`: the participants' `ClientResult`s (`StackedClientResults`: update
-  `global − trained`, weight as `client_work.client_result`), the round's training metrics (the participants'
-  unfinalized metrics through `tff.learning.metrics.sum_then_finalize`, run by `call`), and
-  the participants' mean regulariser measurements (None without them).
+  regularizer_stats)`: `StackedClientResults` (as `client_work.client_result`), the metrics
+  through `tff.learning.metrics.sum_then_finalize` (run by `call`), and the mean regulariser
+  measurements (None without them).
   """
 
   def __init__(self, model_spec: ModelSpec, optimizer,
@@ -316,9 +285,8 @@ class VectorizedClientWork:
                client_regularizer: Optional[Callable[[Any], Any]] = None,
                step_observers: Sequence[client_work_lib.StepObserver] = (), latent: bool = False,
                factor_dense: bool = True, batch_norm: bool = False):
-    """`batch_norm`: BatchNorm models are allowed (`functional_apply`); each client's moving
-    statistics train from the global model's or its own (`train(statistics=)`) and come back
-    as `non_trainable`."""
+    """`batch_norm`: allow BatchNorm models (`functional_apply`); the moving statistics train
+    from `train(statistics=)` and come back as `non_trainable`."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     client_work_lib.check_weight_fields(weight_fields)
@@ -340,8 +308,6 @@ class VectorizedClientWork:
       metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
           model_spec.metric_finalizers(), metrics_type)
 
-    # The client work's own metrics aggregation (sum over participants, then the model's
-    # finalizers), run by the round's `call` as TFF runs it.
     @tff.federated_computation(tff.FederatedType(metrics_type, tff.CLIENTS))
     def aggregate_metrics(model_outputs):
       return metrics_aggregation_fn(model_outputs)
@@ -367,13 +333,13 @@ class VectorizedClientWork:
       self._latent = (functional_apply(latent_keras, self._keras_model),
                       int(latent_keras.output_shape[-1]))
     if latent:
-      # The latent layer and the logits from one forward pass (a regulariser that contrasts
-      # the training pass's representation, MOON, gets it without a second pass).
+      # Latent layer and logits from one forward pass (MOON's representation, no second pass).
       self._latent_and_output = functional_apply(
           tf.keras.Model(self._keras_model.inputs,
                          [latent_keras.output, self._keras_model.output]), self._keras_model)
     self._updater = stacked_optimizer(optimizer, frozenset(frozen))
-    # Dense kernels that rounds with a short history train in factored form (`factored_dense`).
+    # Dense kernels short rounds train factored (`factored_dense`); none with step observers,
+    # which see every tensor's gradient.
     self._dense_kernels = (factored_dense.dense_kernels(self._apply.slots, frozenset(frozen))
                            if factor_dense and isinstance(self._updater, FusedSGDM)
                            and not step_observers else {})
@@ -382,21 +348,19 @@ class VectorizedClientWork:
     self._weight_fields = tuple(weight_fields)
     self._frozen = frozenset(frozen)
     self._client_weighting = client_weighting
-    # Observers see every tensor's gradient: no kernel is trained in factored form with them.
     self._step_observers = tuple(step_observers)
     self._device = device
     self._train = tf.function(self._train_fn, reduce_retracing=True, autograph=False)
     self._static_client_counts: set[int] = set()
     self._traced_for: set[tuple[Optional[int], frozenset]] = set()
     self._read_before = weakref.WeakSet()
-    # The factored kernel sets the training was traced with (`factored_dense`), for inspection.
+    # Factored kernel sets traced so far (`factored_dense`), for inspection.
     self.factored_traces: set[tuple[int, ...]] = set()
 
   @property
   def latent_apply(self):
-    """`apply(trainable, x, training)` of the model's latent layer (`models.latent_model`,
-    sharing the model's layers; `functional_apply`): CCN's latent mean, MOON's
-    representation. Needs `latent=True` (or a `latent_mean` weight field)."""
+    """`functional_apply` of the latent layer (`models.latent_model`): CCN's latent mean, MOON's
+    representation. `ValueError` without `latent=True` (or a `latent_mean` weight field)."""
     if self._latent is None:
       raise ValueError('VectorizedClientWork(latent=True) builds the latent-layer model.')
     return self._latent[0]
@@ -404,11 +368,8 @@ class VectorizedClientWork:
   def _restore_tf2_layer_classes(self) -> None:
     """Makes the eager Keras model callable again after a model was built in a graph.
 
-    Building a Keras model inside a `tf.Graph` (TFF traces every computation that way) swaps
-    the Keras layer classes to their TF1 implementations, and a model built eagerly before then
-    refuses to be called ("invalid state") — e.g. when `_train` retraces for a new round shape.
-    Building one model eagerly swaps the classes back.
-    """
+    Building one in a graph (TFF's tracing) swaps the layer classes to TF1's; earlier eager models
+    then refuse calls ("invalid state", e.g. when `_train` retraces) until one is built eagerly."""
     from keras.src.engine import base_layer_v1  # pylint: disable=g-import-not-at-top
 
     if any(isinstance(layer, base_layer_v1.Layer)
@@ -416,13 +377,10 @@ class VectorizedClientWork:
       self._keras_fn()
 
   # -- the TensorFlow part -----------------------------------------------------------------
-  # Traced without autograph: the loops are `tf.while_loop`s and every condition is a Python
-  # value known at trace time, so there is nothing to convert (converting these functions cost
-  # seconds at every program start).
+  # No autograph: loops are `tf.while_loop`s, every condition a Python value (converting is slow).
   def _regularization(self, client_terms) -> _Regularization:
-    """How the round's regularisers enter the step, read off their declared traits: the shared
-    regulariser's, or (with per-client `client_terms`) the first client's — the same class for
-    every client."""
+    """How the round's regularisers enter the step, from the traits of the shared one or the
+    first client's (with `client_terms`; the same class for every client)."""
     shared = self._regularizer
     probe = shared
     if client_terms is not None:
@@ -438,9 +396,8 @@ class VectorizedClientWork:
 
   @staticmethod
   def _epoch_context_fn(reg: _Regularization, global_trainable):
-    """One client's `(weights, terms) → (context, affine)`: its regulariser's epoch context
-    and, for an affine one, the epoch's `(scales, offsets)` — only the scales with the global
-    model as anchor, `(scales, anchors)` with each client's own anchor."""
+    """One client's `(weights, terms) → (context, affine)`: the epoch context and, if affine,
+    `(scales, offsets)`, `(scales,)` for the global anchor, `(scales, anchors)` for own ones."""
 
     def epoch_context(args):
       local, client = args
@@ -455,8 +412,7 @@ class VectorizedClientWork:
         affine = affine[:1]
       elif reg.client_anchor:
         affine = (affine[0], tuple(regularizer.offset_anchor(global_trainable)))
-      # `None` scales (no w-term, SCAFFOLD's correction) cannot cross vectorized_map: a
-      # scalar zero per client, which broadcasts (not a model-sized zero tensor).
+      # `None` scales (SCAFFOLD's correction) cannot cross vectorized_map: a scalar zero.
       return context, tuple(tuple(tf.zeros([], w.dtype) if a is None else a
                                   for a, w in zip(part, local)) for part in affine)
 
@@ -464,12 +420,8 @@ class VectorizedClientWork:
 
   def _client_step_fn(self, reg: _Regularization, global_trainable, plan, base_of, anchor_of):
     """One client's step, `(weights, x, y, mask, trains, context, terms, rows, anchors) →
-    (gradients, metric sums, factors, differentiated, moments)`: the gradients the updater applies (an
-    affine regulariser's terms are added there), the step's per-client metric sums weighted by
-    whether it trains, the factored kernels' `(inputs, δ)` (`factored_dense`) and, with step
-    observers, the gradients as differentiated, before any closed-form term or frozen tensor's
-    zero (what they observe), and the batch moments of its BatchNorm layers (`functional_apply`).
-    """
+    (gradients, metric sums, factors, differentiated, moments)`: affine terms are left to the
+    updater, the sums weighted by `trains`, `factors` the factored kernels' `(inputs, δ)`."""
     traits = reg.traits
 
     def client_step(args):
@@ -479,8 +431,8 @@ class VectorizedClientWork:
       with tf.GradientTape() as tape:
         tape.watch(local)
         for n, i in enumerate(plan.indices if plan else ()):
-          # The factored kernel's `x w_t`; the gradient with respect to a zero added to the
-          # pre-activations is δ, the kernel's own gradient never formed.
+          # `x w_t` of a factored kernel; the gradient w.r.t. a zero added to the
+          # pre-activations is δ (the kernel's gradient is never formed).
           probes[i] = tf.zeros([tf.shape(bx)[0], local[i].shape[-1]], local[i].dtype)
           tape.watch(probes[i])
 
@@ -512,7 +464,6 @@ class VectorizedClientWork:
       gradients = [tf.zeros([], w.dtype) if i in probes else next(found)
                    for i, w in enumerate(local)]
       deltas = list(found)
-      # What step observers see: the gradient as differentiated (as `build_local_training`).
       differentiated = tuple(gradients) if self._step_observers else ()
       gradients = client_work_lib.step_gradients(
           gradients, local, None if traits.affine else regularizer,
@@ -529,24 +480,18 @@ class VectorizedClientWork:
 
   def _train_fn(self, global_trainable, start, client_terms, statistics, examples, labels, index,
                 mask, valid, epochs, num_clients=None, factored=frozenset()):
-    """Local training of every participant (`build_local_training` with a client axis); each
-    step gathers its batches from the round's example table (`stack_client_batches`).
+    """Local training of every participant (`build_local_training` with a client axis).
 
-    The clients start from `global_trainable` (FedAvg family) or, when given, from their own
-    `start` weights `[K, ...]` (personalised methods, whose clients keep a model). With
-    `client_terms` (a structure with a leading client axis), each client's regulariser is
-    `client_regularizer(its terms)` (KAPC's proximal term towards the client's own s_i);
-    otherwise every client uses the shared `regularizer` towards `global_trainable`. A
-    BatchNorm model's moving `statistics` are the global model's (FedAvg family) or, with
-    `start`, each client's `[K, ...]`; the trained ones are `out['non_trainable']`.
+    From `global_trainable` or each client's `start` `[K, ...]` (personalised methods), with the
+    shared `regularizer` or, given `client_terms` `[K, ...]`, `client_regularizer(its terms)`
+    (KAPC: towards its s_i). BatchNorm `statistics` are the global model's or, with `start`,
+    each client's `[K, ...]`; the trained ones are `out['non_trainable']`.
     """
     del epochs  # Each client's epochs are in `valid`.
     reg = self._regularization(client_terms)
     plan = self._factored_plan(factored, reg.probe, reg.global_anchor or reg.client_anchor,
                                start)
-    # `num_clients` (a Python int, when given) fixes the client axis at trace time (see
-    # `with_clients`): `train` traces the arguments with it (`_round_specs`); the weights read
-    # from the updater's `[None, ...]` variables get it here.
+    # Reads of the updater's `[None, ...]` variables get the traced client count (`with_clients`).
     clients = functools.partial(with_clients, num_clients=num_clients)
     k = tf.shape(valid)[2] if num_clients is None else num_clients
     if start is None:
@@ -563,15 +508,13 @@ class VectorizedClientWork:
     updater = self._updater
     read_weights = lambda carry: clients(updater.weights(carry))
     terms = () if client_terms is None else client_terms
-    # A factored kernel's start W_0 and anchor A (`factored_dense`), from the clients' weights
-    # and the plan's anchors (one client's inside the map, stacked outside it).
+    # A factored kernel's W_0 and A (`factored_dense`): one client's in the map, stacked outside.
     base_of = ((lambda i, w: global_trainable[i]) if start is None else (lambda i, w: w[i]))
     anchor_of = lambda n, i, anchors: ((anchors[n] if reg.client_anchor else global_trainable[i])
                                        if plan.with_anchor else None)
     epoch_context = self._epoch_context_fn(reg, global_trainable)
     client_step = self._client_step_fn(reg, global_trainable, plan, base_of, anchor_of)
-    # Every client starting from the global model with the shared regulariser has the same
-    # first epoch context (FedLap's λ at local = global): computed once, not per client.
+    # The first epoch's context, shared by all clients here (module docstring): computed once.
     first_context = None
     if start is None and client_terms is None:
       first_context = tf.nest.map_structure(
@@ -600,16 +543,13 @@ class VectorizedClientWork:
         affine = (affine[0], tuple(Anchor(a) for a in affine[1]))
       if reg.global_anchor:
         affine = (affine[0], tuple(Anchor(g) for g in global_trainable))
-        # `s ⊙ (w − global)` with every scale zero adds exactly nothing: the epoch takes the
-        # plain update (FedLap's first epoch, where λ = 0 at local = global; FedProx, μ = 0).
+        # All scales zero (FedLap's first epoch; FedProx's μ = 0): the plain update.
         anchored = tf.reduce_any([tf.reduce_any(tf.not_equal(scale, 0.0))
                                   for scale in affine[0]])
 
       def step(s, carry, sums, observed, factored_state, statistics):
         trains = valid[e, s]
         t = e * num_steps + s  # The step's place in the round's history.
-        # The clients' gradients in one vectorised step, then the optimizer's update of all of
-        # them (`stacked_optimizer`: in place for TFF's SGD(M)).
         gradients, step_sums, factors, differentiated, moments = tf.vectorized_map(
             client_step, (read_weights(carry), tf.gather(examples, index[e, s]),
                           tf.gather(labels, index[e, s]), mask[e, s], trains, context, terms,
@@ -646,7 +586,7 @@ class VectorizedClientWork:
         (tf.constant(0), updater.start(weights), sums, observed, factored_state, statistics))
     weights = clients(updater.finish(carry))
     if plan is not None:
-      # The factored kernels formed once: the updater left them at the round's start.
+      # Factored kernels formed once (the updater left them at the round's start).
       formed = plan.kernels(
           factored_state, [base_of(i, weights) for i in plan.indices],
           [anchor_of(n, i, plan_anchors) for n, i in enumerate(plan.indices)])
@@ -655,16 +595,13 @@ class VectorizedClientWork:
         weights[i] = kernel
       weights = clients(tuple(weights))
 
-    # `steps` per client, as `client_work.build_local_training` reports it for one client.
     out = collections.OrderedDict(trained=weights, sums=sums, steps=sums[3])
     if statistics:
       out['non_trainable'] = clients(statistics)
     for observer, state in zip(self._step_observers, observed):
       out[observer.name] = observer.result(state, sums[3])
     if start is None:
-      # The update `global − trained`, computed here: the result stays a TensorFlow tensor on
-      # its way to the aggregator (copying the model-sized stacked arrays out to NumPy and
-      # back would cost a large part of a 100-client round).
+      # Computed here, the update reaches the aggregator as a TF tensor (no NumPy round trip).
       out['update'] = tuple(g[tf.newaxis] - w for g, w in zip(global_trainable, weights))
     if 'latent_mean' in self._weight_fields:
       out['latent_mean'] = self._latent_means(weights, examples, index, mask, k)
@@ -674,8 +611,8 @@ class VectorizedClientWork:
     return out
 
   def _latent_means(self, weights, examples, index, mask, k):
-    """CCN's latent mean (`aggregators.ccn`): each client's mean latent representation under
-    its trained weights, over one pass of its data (the first epoch's batches)."""
+    """Each client's mean latent representation under its trained weights over its first
+    epoch's batches (CCN's, `aggregators.ccn`)."""
     latent_apply, latent_dim = self._latent
 
     def latent_sums(args):
@@ -694,9 +631,8 @@ class VectorizedClientWork:
     return total / tf.maximum(count, 1.0)[:, tf.newaxis]
 
   def factored_kernels(self, data) -> frozenset:
-    """The trainable indices of the Dense kernels worth training in factored form in the round
-    of `data` (`stack_client_batches`): `factored_dense.worth_factoring` for its history of
-    epochs × steps × batch rows."""
+    """Trainable indices of the Dense kernels worth factoring (`factored_dense.worth_factoring`)
+    in `data`'s round (`stack_client_batches`; epochs × steps × batch rows)."""
     epochs, steps, _, batch = np.shape(data['index'])
     rows = epochs * steps * batch
     return frozenset(i for i, (fan_in, fan_out) in self._dense_kernels.items()
@@ -704,10 +640,8 @@ class VectorizedClientWork:
 
   def _factored_plan(self, requested: frozenset, regularizer, anchored: bool, start
                      ) -> Optional[factored_dense.FactoredKernels]:
-    """The round's `FactoredKernels`, or None: factoring needs no regulariser, or an affine one
-    anchored at the global model or each client's own anchor with one scale per tensor
-    (`RegularizerTraits.per_tensor_scales`: FedProx, KAPC), whose gradient is not taken
-    through the loss."""
+    """The round's `FactoredKernels`, or None: factoring needs no regulariser or an anchored one
+    with `per_tensor_scales` (FedProx, KAPC)."""
     if not requested or not self._regularizer_factors(regularizer, anchored):
       return None
     learning_rate, momentum = self._updater.hyperparameters
@@ -723,8 +657,8 @@ class VectorizedClientWork:
 
   # -- the round ----------------------------------------------------------------------------
   def traced_client_count(self, k: int) -> Optional[int]:
-    """`k`, for tracing the round's functions with a fixed client axis (`with_clients`), for
-    up to `MAX_STATIC_CLIENT_COUNTS` distinct counts; None (a dynamic axis) beyond them."""
+    """`k` for a fixed client axis (`with_clients`), for `MAX_STATIC_CLIENT_COUNTS` distinct
+    counts; None (a dynamic axis) beyond."""
     if k in self._static_client_counts or len(
         self._static_client_counts) < MAX_STATIC_CLIENT_COUNTS:
       self._static_client_counts.add(k)
@@ -734,12 +668,11 @@ class VectorizedClientWork:
   def train(self, client_inputs: Sequence[Any], global_trainable=None, start=None,
             client_terms=None, statistics=None, read_before_elsewhere: bool = False
             ) -> tuple[collections.OrderedDict, collections.OrderedDict]:
-    """`(out, data)`: the participants' local training (`_train_fn`'s outputs: `trained`,
-    the metric `sums`, with a global model `update`, ...) and their round data
-    (`stack_client_batches`). `statistics`: a BatchNorm model's moving statistics, the global
-    model's or, with `start`, each client's (`_train_fn`). `read_before_elsewhere`: the inputs' datasets were read already
-    this round (FedLap personalisation's local models train on the data its method's clients
-    read): each is rebuilt first, as TFF deserialises it afresh for every computation."""
+    """`(out, data)`: `_train_fn`'s outputs (`trained`, metric `sums`, from a global model
+    `update`, ...) and the round data (`stack_client_batches`); `ValueError` for a BatchNorm
+    model without `statistics`. `read_before_elsewhere`: the datasets were read already this
+    round (FedLap personalisation's local models): each is rebuilt first, as TFF deserialises
+    it afresh for every computation."""
     self._restore_tf2_layer_classes()
     data = stack_client_batches(
         client_inputs, _EveryDataset() if read_before_elsewhere else self._read_before)
@@ -750,8 +683,7 @@ class VectorizedClientWork:
     if factored:
       reg = self._regularization(client_terms)
       if not self._regularizer_factors(reg.probe, reg.global_anchor or reg.client_anchor):
-        # This regulariser trains every kernel per step: a round whose history would be worth
-        # factoring uses the trace of one that is not, rather than tracing again.
+        # This regulariser cannot factor: reuse the unfactored trace rather than trace again.
         factored = frozenset()
     if self._update_statistics is None:
       statistics = None
@@ -764,10 +696,8 @@ class VectorizedClientWork:
     with (tf.device(self._device) if self._device else contextlib.nullcontext(),
           _quiet_looped_gradients()):
       if (k, factored) not in self._traced_for:
-        # Traced once for every round of this client count: the round's example count, epochs,
-        # steps and batch size left unknown. Traced on the first round's exact shapes instead,
-        # `reduce_retracing` traced again in the next rounds as those changed (seconds of
-        # tracing in round 2 as well).
+        # One trace per client count, with example count, epochs, steps and batch size unknown
+        # (traced on exact shapes, `reduce_retracing` would retrace as they change).
         self._train.get_concrete_function(*_round_specs(args, k), num_clients=k,
                                           factored=factored)
         self._traced_for.add((k, factored))
@@ -775,8 +705,7 @@ class VectorizedClientWork:
     return out, data
 
   def model_outputs(self, sums) -> collections.OrderedDict:
-    """The participants' unfinalized metrics (`[K]` arrays, the model's dtypes) from the
-    training's per-client sums."""
+    """The participants' unfinalized metrics (`[K]`, the model's dtypes) from the sums."""
     loss_sum, examples, correct, batches = (np.asarray(t) for t in sums)
     return collections.OrderedDict(
         (name, [np.asarray(v).astype(d) for v, d in zip(values, self._metric_dtypes[name])])
@@ -787,8 +716,7 @@ class VectorizedClientWork:
     return self.round_results(global_weights, client_inputs, call)[:3]
 
   def next(self, state, global_weights, client_inputs: Sequence[Any], call=None):
-    """The client work process's `next` for the participants together: `(state, results,
-    measurements)`, the state unchanged (the default client work keeps none) and the
+    """The client work's `next`: `(state, results, measurements)`, the state unchanged, the
     measurements `train` and, with a measuring regulariser, `regularizer`."""
     results, train, regularizer_stats, _ = self.round_results(global_weights, client_inputs,
                                                               call)
@@ -799,9 +727,8 @@ class VectorizedClientWork:
 
   def round_results(self, global_weights, client_inputs: Sequence[Any], call=None,
                     client_terms=None):
-    """`(results, train, regularizer_stats, out)`: `__call__`'s results and the training's
-    outputs `out` (`trained`, `sums`, `gradient_mean` when tracked); with `client_terms`
-    (a leading client axis), each client's regulariser is `client_regularizer(its row)`."""
+    """`(results, train, regularizer_stats, out)`: `__call__`'s and the training's `out`; with
+    `client_terms` (`[K, ...]`), each client's regulariser is `client_regularizer(its row)`."""
     call = call or (lambda fn, *args: fn(*args))
     if global_weights.non_trainable and not self._batch_norm:
       raise ConfigError('vectorised clients need a model without non-trainable weights.')
@@ -825,7 +752,7 @@ class VectorizedClientWork:
       if 'local_steps' in self._weight_fields:
         weight['local_steps'] = batches.astype(np.int32)
     results = StackedClientResults(update, weight, k)
-    # The participants' trained models, kept for the `trained_local` evaluation protocol.
+    # The trained models, for the `trained_local` evaluation protocol.
     self.last_trained = out['trained']
     train = call(self._aggregate_metrics,
                  clients_argument(StackedClients(self.model_outputs(out['sums']), k)))
@@ -837,9 +764,8 @@ class VectorizedClientWork:
 
 
 class StackedClientResults(Sequence):
-  """A round's `ClientResult`s, stacked: `update` and `update_weight` hold the participants'
-  arrays along a leading axis (the layout the in-process context aggregates without splitting,
-  `runtime.in_process.StackedClients`); `results[k]` is participant k's `ClientResult`."""
+  """A round's `ClientResult`s with `[K, ...]` `update` and `update_weight`, which the in-process
+  context aggregates unsplit (`StackedClients`); `results[k]` is participant k's."""
 
   def __init__(self, update, update_weight, num_clients: int):
     self.update, self.update_weight, self._num_clients = update, update_weight, num_clients

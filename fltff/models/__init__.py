@@ -2,10 +2,8 @@
 
 `build_model` (gin: `model.name`, `model.input_shape`, `model.num_classes`, `model.seed`)
 builds a deterministic functional Keras model that outputs logits and names its last hidden
-layer 'latent' (`latent_model`). `layer_groups` defines "layer l" (kernel + bias of a Dense/Conv
-layer; normalisation layers on their own); `to_rows`, `row_cosine` and `row_squared_distance`
-give the per-neuron view used by per-neuron rules such as FedLap's. `register(name, fn)` adds
-your own model under a name.
+layer 'latent'; `register(name, fn)` adds your own. `layer_groups` defines "layer l";
+`to_rows`, `row_cosine` and `row_squared_distance` give per-neuron views (e.g. for FedLap).
 """
 
 from fltff.models.layers import group_weights

@@ -1,13 +1,9 @@
 """The layer grouping every layer-wise method uses, and per-neuron row views of weights.
 
-`layer_groups` decides which weights form "layer l" for FedLap, FedLayerWise, KAPC, BLS,
-pFedLA, FedBN, FedBABU, ...: the kernel and bias of a Dense/Conv layer form one layer, a
-normalisation layer (BatchNorm gamma/beta plus its moving statistics) is a layer of its own
-(FedBN keeps those local), and layers without weights are skipped.
-
-`to_rows`, `row_cosine` and `row_squared_distance` give the per-neuron view that per-neuron rules
-need, e.g. FedLap's regulariser `1/2 Σ_l <λ_l, d_l>` with `λ_lj = 1 − cos(w_lj^local,
-w_lj^global)` and `d_lj = ||w_lj^local − w_lj^global||²`, where j runs over the rows of layer l.
+`layer_groups` defines "layer l" for FedLap, FedLayerWise, KAPC, BLS, pFedLA, FedBN, FedBABU,
+...; `to_rows`, `row_cosine` and `row_squared_distance` give the per-neuron view of rules such
+as FedLap's regulariser `1/2 Σ_l <λ_l, d_l>`, with `λ_lj = 1 − cos(w_lj^local, w_lj^global)`,
+`d_lj = ||w_lj^local − w_lj^global||²` and j running over the rows of layer l.
 """
 
 from collections.abc import Iterator, Sequence
@@ -34,12 +30,12 @@ class LayerGroup:
   """The weights of one layer, as indices into a Keras model's flat weight lists.
 
   Attributes:
-    name: Keras layer name (for nested models the innermost layer's own name).
+    name: Keras layer name (in nested models, the innermost layer's own).
     kind: 'dense', 'conv', 'norm' (BatchNorm, LayerNorm, GroupNorm) or 'other'.
-    trainable_indices: Indices into `model.trainable_weights`, in that list's order (kernel
-      first, then bias; gamma then beta).
-    non_trainable_indices: Indices into `model.non_trainable_weights` (e.g. BatchNorm moving
-      mean and variance, or the weights of a frozen layer).
+    trainable_indices: Into `model.trainable_weights`, in its order (kernel then bias; gamma
+      then beta).
+    non_trainable_indices: Into `model.non_trainable_weights` (e.g. BatchNorm moving mean and
+      variance, or a frozen layer's weights).
   """
   name: str
   kind: str
@@ -76,24 +72,14 @@ def _leaf_layers(layer: tf.keras.layers.Layer) -> Iterator[tf.keras.layers.Layer
 
 
 def layer_groups(model: tf.keras.Model) -> list[LayerGroup]:
-  """Groups `model`'s weights into layers, ordered input → output.
+  """Groups `model`'s weights into layers (the one "layer l"), ordered input → output.
 
-  This is the one definition of "layer l" for every layer-wise method: each leaf Keras layer
-  that owns weights is one group (kernel + bias of a Dense/Conv layer; gamma + beta + moving
-  mean/variance of a BatchNorm layer, kind 'norm'). Nested models and custom blocks are
-  descended into. A weight shared by several layers belongs to the first that owns it. A frozen
-  layer (`trainable=False`, e.g. FedBABU's head) is still a group, with its weights in
-  `non_trainable_indices` and empty `trainable_indices`.
-
-  The groups partition `model.trainable_weights` (and `model.non_trainable_weights`): every
-  index appears exactly once. For functional models the order is Keras' own weight order, i.e.
-  the trainable indices of consecutive groups are consecutive.
-
-  Args:
-    model: A built Keras model.
-
-  Returns:
-    A list of `LayerGroup`s.
+  Each leaf Keras layer owning weights is one group: kernel + bias of a Dense/Conv layer; a
+  norm layer's gamma, beta and moving statistics on their own (FedBN keeps them local). Nested
+  models and custom blocks are descended into; a shared weight belongs to the first owner; a
+  frozen layer (e.g. FedBABU's head) is a group with only `non_trainable_indices`. The groups
+  partition `model.trainable_weights` and `model.non_trainable_weights`; in functional models
+  consecutive groups have consecutive trainable indices (Keras' weight order).
 
   Raises:
     ConfigError: If `model` is not built or owns weights no leaf layer accounts for.
@@ -128,20 +114,13 @@ def layer_groups(model: tf.keras.Model) -> list[LayerGroup]:
 
 def group_weights(weights: Sequence[tf.Tensor], groups: Sequence[LayerGroup], *,
                   trainable: bool = True) -> list[list[tf.Tensor]]:
-  """Slices a flat weight list into per-layer lists, following `groups`.
+  """Slices a flat weight list into per-layer lists (possibly empty), following `groups`.
 
   Args:
-    weights: A list aligned with `model.trainable_weights` (or, with `trainable=False`, with
-      `model.non_trainable_weights`): variables, tensors, updates, NumPy arrays, ...
+    weights: Variables, tensors, updates, arrays, ... aligned with `model.trainable_weights`
+      (with `trainable=False`: `model.non_trainable_weights`); one per grouped weight, else
+      `ConfigError`.
     groups: `layer_groups(model)`.
-    trainable: Which index set of the groups to use.
-
-  Returns:
-    One list per group (possibly empty, e.g. a norm layer's non-trainable list when
-    `trainable=True` holds gamma and beta and the moving stats live in the other list).
-
-  Raises:
-    ConfigError: If `weights` does not have one entry per grouped weight.
   """
   key = 'trainable_indices' if trainable else 'non_trainable_indices'
   expected = sum(len(getattr(g, key)) for g in groups)
@@ -153,20 +132,12 @@ def group_weights(weights: Sequence[tf.Tensor], groups: Sequence[LayerGroup], *,
 
 
 def to_rows(weight: tf.Tensor) -> tf.Tensor:
-  """Reshapes a weight to the 2-D per-neuron view [rows, cols] that per-neuron rules use.
+  """Reshapes a weight of static rank to the 2-D per-neuron view [rows, cols] (a reshape).
 
-  *   Dense kernel [in, out] → unchanged: one row per INPUT neuron (its outgoing weights).
-  *   Conv kernel [kh, kw, cin, cout] → [kh·kw·cin, cout]: one row per element of the input
-      patch (spatial offset × input channel), holding its weights to every output channel.
-      In general a rank-r tensor (r ≥ 2) becomes [prod(shape[:-1]), shape[-1]].
-  *   1-D tensors (bias, BatchNorm gamma/beta) [n] → [1, n]: the whole vector is one row.
-  *   Scalars → [1, 1].
-
-  Args:
-    weight: A tensor of statically known rank.
-
-  Returns:
-    The reshaped tensor (a view; no copy of values is implied).
+  *   Dense kernel [in, out]: unchanged, one row per INPUT neuron (its outgoing weights).
+  *   Conv kernel [kh, kw, cin, cout] → [kh·kw·cin, cout]: one row per input-patch element
+      (offset × input channel); any rank r ≥ 2 gives [prod(shape[:-1]), shape[-1]].
+  *   1-D tensors (bias, BatchNorm gamma/beta) [n] → [1, n]; scalars → [1, 1].
   """
   weight = tf.convert_to_tensor(weight)
   rank = weight.shape.rank
@@ -185,23 +156,11 @@ def to_rows(weight: tf.Tensor) -> tf.Tensor:
 
 
 def row_cosine(a: tf.Tensor, b: tf.Tensor, eps: float = 1e-8) -> tf.Tensor:
-  """Cosine similarity of corresponding rows of `to_rows(a)` and `to_rows(b)`.
+  """Cosine similarity of corresponding rows of `to_rows(a)` and `to_rows(b)`, one per row.
 
-  FedLap's per-neuron weight `λ_lj = 1 − cos(w_lj^local, w_lj^global)` is `1 − row_cosine`.
-
-  A row whose Euclidean norm is at most `eps` in either tensor has no direction; its cosine is
-  defined as 1 (no dissimilarity, so FedLap adds no penalty for it); so is that of identical
-  rows, exactly (not 1 up to rounding: FedLap's λ is 0 at local = global). The result is clipped to
-  [-1, 1], always finite, and its gradient is finite everywhere (including zero rows, whose
-  gradient is 0).
-
-  Args:
-    a: A weight tensor.
-    b: A tensor of the same shape and dtype.
-    eps: Norm at or below which a row counts as zero.
-
-  Returns:
-    A 1-D tensor with one value per row.
+  FedLap's `λ_lj` is `1 − row_cosine`. A row with norm ≤ `eps` in either tensor, and a pair of
+  identical rows, get exactly 1 (no penalty; FedLap's λ is 0 at local = global). The result
+  is in [-1, 1], with a finite gradient everywhere (0 at zero rows).
   """
   ra, rb = to_rows(a), to_rows(b)
   ra.shape.assert_is_compatible_with(rb.shape)
@@ -215,32 +174,21 @@ def row_cosine(a: tf.Tensor, b: tf.Tensor, eps: float = 1e-8) -> tf.Tensor:
   inv_a = tf.math.rsqrt(tf.where(valid, sq_a, one))
   inv_b = tf.math.rsqrt(tf.where(valid, sq_b, one))
   cos = tf.clip_by_value(dot * inv_a * inv_b, -1.0, 1.0)
-  # Identical rows (a·b, |a|² and |b|² the same sums of the same products) have cosine exactly
-  # 1; rsqrt's rounding would leave it a few ulps off (FedLap's λ at local = global, which its
-  # Algorithm 1 takes as 0).
+  # Identical rows (a·b, |a|², |b|² then equal sums) get exactly 1, not rsqrt's few-ulps-off
+  # value: FedLap's Algorithm 1 takes λ as 0 at local = global.
   same = tf.logical_and(tf.equal(dot, sq_a), tf.equal(dot, sq_b))
   return tf.where(tf.logical_and(valid, tf.logical_not(same)), cos, one)
 
 
 def row_squared_distance(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
-  """Squared Euclidean distance of corresponding rows of `to_rows(a)` and `to_rows(b)`.
-
-  FedLap's per-neuron distance `d_lj = ||w_lj^local − w_lj^global||²`.
-
-  Args:
-    a: A weight tensor.
-    b: A tensor of the same shape and dtype.
-
-  Returns:
-    A 1-D tensor with one value per row.
-  """
+  """Squared Euclidean distance of corresponding rows of `to_rows(a)` and `to_rows(b)`, one
+  per row: FedLap's `d_lj = ||w_lj^local − w_lj^global||²`."""
   ra, rb = to_rows(a), to_rows(b)
   ra.shape.assert_is_compatible_with(rb.shape)
   return tf.reduce_sum(tf.square(ra - rb), axis=1)
 
 
 def update_index_groups(groups: Sequence[LayerGroup]) -> list[list[int]]:
-  """`layer_groups`' output as index groups into a model update (the trainable weights, as
-  TFF's client work sends them); layers without trainable weights have no part in an update
-  and are left out."""
+  """`layer_groups` as index groups into a model update (the trainable weights TFF's client
+  work sends); layers without trainable weights are left out."""
   return [list(g.trainable_indices) for g in groups if g.trainable_indices]

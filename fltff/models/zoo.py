@@ -1,18 +1,12 @@
 """Keras model zoo of the layer-aware FL papers fltff reproduces.
 
-Every model is a functional `tf.keras.Model` that maps float32 inputs (images in [0, 1] of shape
-`input_shape`, or a flat feature vector such as Synthetic(α, β)'s `(60,)`) to LOGITS (no softmax;
-train with `SparseCategoricalCrossentropy(from_logits=True)`).
-
-Contracts shared by all models:
-
-*   Determinism: every kernel initializer is `glorot_uniform` with the explicit seed
-    `seed * 1000 + i` (i = index of the layer with a kernel, input → output); biases and
-    BatchNorm parameters start at constants. The same `(name, input_shape, num_classes, seed)`
-    therefore always yields identical initial weights, in any process.
-*   Every layer has an explicit, stable name (independent of Keras' global name counters).
-*   The layer whose output feeds the final classifier is named `LATENT_LAYER` (`'latent'`);
-    `latent_model` exposes it (CCN's mean latent representation, MOON's representation).
+Every model is a functional `tf.keras.Model` mapping float32 inputs (images in [0, 1], or a flat
+feature vector such as Synthetic(α, β)'s `(60,)`) to LOGITS (no softmax; train with
+`SparseCategoricalCrossentropy(from_logits=True)`), with explicit, stable layer names. Kernels
+are `glorot_uniform` seeded `seed * 1000 + i` (i: index of the layer with a kernel, input →
+output), biases and BatchNorm parameters start constant: equal `(name, input_shape,
+num_classes, seed)` give identical initial weights in any process. The layer feeding the
+classifier is `LATENT_LAYER` (`'latent'`), exposed by `latent_model`.
 """
 
 from collections.abc import Callable, Sequence
@@ -28,9 +22,8 @@ LATENT_LAYER = 'latent'
 # Seeds of layer i are `seed * _SEED_STRIDE + i`; no zoo model has this many kernels.
 _SEED_STRIDE = 1000
 
-# PyTorch-equivalent BatchNorm settings (momentum 0.1 there == 0.9 here), as used by the
-# reference CIFAR implementations of ResNet-18 and VGG-16; Keras' default 0.99 adapts too
-# slowly for a few local epochs per round.
+# PyTorch's BatchNorm settings (its momentum 0.1 is 0.9 here), as in the reference CIFAR
+# ResNet-18 and VGG-16; Keras' default 0.99 adapts too slowly for a few local epochs per round.
 _BN_MOMENTUM = 0.9
 _BN_EPSILON = 1e-5
 
@@ -87,11 +80,8 @@ def _image_input(name: str, input_shape: tuple[int, ...], min_hw: int):
 
 
 def _logistic(name, input_shape, num_classes, init):
-  """Multinomial logistic regression: FedProx's Synthetic(α, β) model (Li et al., 2020).
-
-  It has no hidden layer, so its 'latent' layer is the Flatten layer: the latent
-  representation is the flattened input itself.
-  """
+  """Multinomial logistic regression, FedProx's Synthetic(α, β) model (Li et al., 2020); with
+  no hidden layer, 'latent' is the Flatten layer (the flattened input)."""
   inputs = tf.keras.Input(shape=input_shape, dtype=tf.float32, name='input')
   x = tf.keras.layers.Flatten(name=LATENT_LAYER)(inputs)
   logits = _dense(num_classes, init, 'logits')(x)
@@ -99,11 +89,8 @@ def _logistic(name, input_shape, num_classes, init):
 
 
 def _mlp2(name, input_shape, num_classes, init):
-  """784-200-10 MLP with one hidden layer of 200 ReLU units (FedLap's MNIST/FMNIST model).
-
-  Note: McMahan et al.'s (2017) "2NN" has two hidden layers (784-200-200-10); this is FedLap's
-  single-hidden-layer network, 159,010 parameters on 28x28 inputs.
-  """
+  """784-200-10 ReLU MLP, FedLap's MNIST/FMNIST model (159,010 parameters on 28x28 inputs), not
+  McMahan et al.'s (2017) "2NN" (784-200-200-10)."""
   inputs = tf.keras.Input(shape=input_shape, dtype=tf.float32, name='input')
   x = tf.keras.layers.Flatten(name='flatten')(inputs)
   x = _dense(200, init, LATENT_LAYER, 'relu')(x)
@@ -126,10 +113,8 @@ def _cnn_cifar_tutorial(name, input_shape, num_classes, init):
 
 
 def _cnn_mnist_582k(name, input_shape, num_classes, init):
-  """McMahan et al.'s (2017) MNIST CNN with 'valid' padding: 582,026 parameters on 28x28x1.
-
-  conv5x5·32 → pool2 → conv5x5·64 → pool2 → flatten (4·4·64 = 1024) → dense 512 → classifier.
-  """
+  """McMahan et al.'s (2017) MNIST CNN with 'valid' padding, 582,026 parameters on 28x28x1:
+  conv5x5·32 → pool2 → conv5x5·64 → pool2 → flatten (4·4·64 = 1024) → dense 512 → classifier."""
   inputs, x = _image_input(name, input_shape, min_hw=16)
   x = _conv(32, 5, init, 'conv1', activation='relu')(x)
   x = tf.keras.layers.MaxPool2D(2, name='pool1')(x)
@@ -142,11 +127,10 @@ def _cnn_mnist_582k(name, input_shape, num_classes, init):
 
 
 def _cnn2(name, input_shape, num_classes, init):
-  """KAPC's MNIST/FMNIST CNN: two 5x5 convs (32, 64 filters) + dense 512 + dense 128.
+  """KAPC's MNIST/FMNIST CNN: two 5x5 convs (32, 64 filters), dense 512, dense 128 ('latent').
 
-  The convolutions use 'same' padding, as in McMahan et al.'s (2017) CNN, so 28x28 inputs
-  give 7·7·64 = 3136 features after the two 2x2 max-pools (1,725,194 parameters for 10
-  classes). The 128-unit layer is the latent layer.
+  'same' padding as in McMahan et al.'s (2017) CNN: 28x28 inputs give 7·7·64 = 3136 features
+  after the two 2x2 max-pools; 1,725,194 parameters for 10 classes.
   """
   inputs, x = _image_input(name, input_shape, min_hw=4)
   x = _conv(32, 5, init, 'conv1', padding='same', activation='relu')(x)
@@ -163,21 +147,17 @@ def _cnn2(name, input_shape, num_classes, init):
 def _cnn2_bn(name, input_shape, num_classes, init):
   """`cnn2` with BatchNorm, for FedBN on the KAPC paper's MNIST/FMNIST setting.
 
-  The KAPC paper (§7.1; NUMBERS.md §5.1) gives the 2CNN's two 5x5 conv layers and its 512- and
-  128-unit hidden FC layers but says nothing about normalisation, so FedBN (which keeps the
-  BatchNorm layers local) has nothing to keep local on `cnn2`. The BatchNorm placement here is
-  OUR choice: a BatchNorm after every conv and after both hidden dense layers, each between
-  the layer and its ReLU (as in FedBN's reference digit model, med-air/FedBN `DigitModel`),
-  with the zoo's PyTorch-equivalent momentum 0.9 and epsilon 1e-5:
+  The KAPC paper (§7.1) gives the 2CNN's layers but no normalisation, which leaves FedBN
+  nothing to keep local on `cnn2`. The BatchNorm placement is OUR choice: after every conv and
+  both hidden dense layers, before the ReLU (as in FedBN's reference digit model, med-air/FedBN
+  `DigitModel`), with the zoo's momentum 0.9 and epsilon 1e-5:
 
     conv1 5x5·32 → bn1 → ReLU → pool1 → conv2 5x5·64 → bn2 → ReLU → pool2 → flatten (3136)
     → dense1 512 → bn3 → ReLU → dense2 128 → bn4 → ReLU ('latent') → logits.
 
-  The conv and dense layers are `cnn2`'s ('same' padding, biases kept, same sizes and seeds),
-  so on 28x28x1 inputs with 10 classes it has cnn2's 1,725,194 parameters plus
-  2·(32 + 64 + 512 + 128) = 1,472 trainable BatchNorm parameters (gamma, beta) and as many
-  moving statistics (mean, variance): 1,726,666 trainable, 1,728,138 in all. The latent
-  layer is the ReLU after bn4 (128-d), the representation the classifier reads.
+  Conv and dense layers are `cnn2`'s (padding, biases, sizes, seeds): on 28x28x1 with 10
+  classes, 1,725,194 + 1,472 BatchNorm gamma/beta = 1,726,666 trainable parameters, and as many
+  moving statistics again: 1,728,138 in all.
   """
   inputs, x = _image_input(name, input_shape, min_hw=4)
   x = _conv(32, 5, init, 'conv1', padding='same')(x)
@@ -220,10 +200,9 @@ def _basic_block(x: tf.Tensor, filters: int, strides: int, init: _Init,
 def _resnet18(name, input_shape, num_classes, init):
   """CIFAR ResNet-18 (He et al., 2016; the common CIFAR variant).
 
-  3x3 stem conv (64) + BN, no initial max-pool, four stages of two BasicBlocks with
-  64/128/256/512 filters and strides 1/2/2/2, 1x1 projection shortcuts, global average pool
-  (named 'latent', 512-d) and the classifier. Convolutions have no bias (each is followed by
-  BN): 11,173,962 trainable parameters for 10 classes, plus 9,600 BN moving statistics.
+  3x3 stem conv (64) + BN, no max-pool; four stages of two BasicBlocks (64/128/256/512 filters,
+  strides 1/2/2/2, 1x1 projection shortcuts); global average pool ('latent', 512-d). Bias-free
+  convs (BN follows): 11,173,962 trainable parameters for 10 classes + 9,600 BN statistics.
   """
   inputs, x = _image_input(name, input_shape, min_hw=1)
   x = _conv(64, 3, init, 'stem_conv', padding='same', use_bias=False)(x)
@@ -242,11 +221,11 @@ _VGG16_CFG = (64, 64, 'M', 128, 128, 'M', 256, 256, 256, 'M', 512, 512, 512, 'M'
 
 
 def _vgg16(name, input_shape, num_classes, init):
-  """VGG-16 (Simonyan & Zisserman, 2015) with BatchNorm, as used by the CCN paper on CIFAR.
+  """VGG-16-BN (Simonyan & Zisserman, 2015), as used by the CCN paper on CIFAR.
 
-  The 13 3x3 'same' conv layers (with bias) are each followed by BatchNorm and ReLU (the
-  VGG-16-BN variant, which trains from scratch); five 2x2 max-pools take 32x32 inputs to
-  1x1x512. Then flatten → dense 128 ReLU ('latent', CCN's 128-d latent layer) → classifier.
+  13 3x3 'same' convs (with bias), each followed by BatchNorm (which lets it train from
+  scratch) and ReLU; five 2x2 max-pools take 32x32 inputs to 1x1x512; then flatten → dense
+  128 ReLU ('latent', CCN's 128-d latent layer) → classifier.
   """
   inputs, x = _image_input(name, input_shape, min_hw=32)
   conv_i, pool_i = 0, 0
@@ -285,15 +264,13 @@ UserModelFn = Callable[[tuple[int, ...], int, int], tf.keras.Model]
 
 
 def register(name: str, model_fn: UserModelFn) -> None:
-  """Makes your own Keras model buildable by name, everywhere a zoo name is accepted
-  (`experiment.model`, gin's `model.name`, `build_model`).
+  """Makes your own Keras model buildable by name wherever a zoo name is accepted.
 
-  `model_fn(input_shape, num_classes, seed)` returns a new `tf.keras.Model` that outputs
-  logits of shape `[batch, num_classes]`, with the same initial weights for the same seed
-  (executors and resumed runs rebuild it). Methods that need a latent layer (CCN, MOON) find
-  the layer named 'latent'; the layer grouping of the layer-wise methods is derived from the
-  model's layers (`layer_groups`). Register from a module your gin file imports
-  (`import my_project.models`). Re-registering a name replaces it; a built-in cannot be.
+  `model_fn(input_shape, num_classes, seed)` returns a new `tf.keras.Model` with logits
+  `[batch, num_classes]` and the same initial weights for the same seed (executors and resumed
+  runs rebuild it); CCN and MOON need its layer named 'latent', and layer-wise methods group its
+  layers by `layer_groups`. Register from a module your gin file imports. Re-registering a name
+  replaces it; a built-in name is refused.
   """
   if not isinstance(name, str) or not name.strip():
     raise ConfigError(f'A model name is a non-empty string; got {name!r}.')
@@ -316,18 +293,14 @@ def build_model(name: str = gin.REQUIRED,
                 input_shape: Sequence[int] = (28, 28, 1),
                 num_classes: int = 10,
                 seed: int = 0) -> tf.keras.Model:
-  """Builds zoo model `name`, outputting logits of shape [batch, num_classes].
+  """Builds zoo model `name`, outputting logits of shape [batch, num_classes >= 2].
+
+  `ConfigError` for an unknown name, or a shape or class count the model cannot take.
 
   Args:
-    name: One of `model_names()`: the built-in `MODEL_NAMES` or a model registered with
-      `register`.
-    input_shape: Shape of one example without the batch dimension: (H, W, C) or (H, W) for
-      the CNNs, any shape for 'logistic' and 'mlp2' (they flatten it).
-    num_classes: Number of output logits (>= 2).
-    seed: Seed of all initializers; equal arguments give identical initial weights.
-
-  Raises:
-    ConfigError: Unknown name, or a shape / class count the model cannot take.
+    name: One of `model_names()` (built-in `MODEL_NAMES` or registered with `register`).
+    input_shape: One example's shape: (H, W, C) or (H, W) for the CNNs, any shape for
+      'logistic' and 'mlp2' (they flatten it).
   """
   if name not in _REGISTRY:
     raise ConfigError(
@@ -354,13 +327,8 @@ def build_model(name: str = gin.REQUIRED,
 
 
 def latent_model(model: tf.keras.Model) -> tf.keras.Model:
-  """Maps `model`'s input to its latent (last hidden) layer's output, sharing its weights.
-
-  This is the representation CCN averages per client and MOON contrasts.
-
-  Raises:
-    ConfigError: `model` has no layer named `LATENT_LAYER`.
-  """
+  """Maps `model`'s input to its latent (last hidden) layer's output, sharing its weights: the
+  representation CCN averages per client and MOON contrasts; `ConfigError` if there is none."""
   try:
     latent = model.get_layer(LATENT_LAYER)
   except ValueError:

@@ -1,11 +1,10 @@
 """Personalised federated learning: per-client models kept in the driver's client state store.
 
-- `build_fedlap_personalization` (gin `fedlap_personalization`, FedLap thesis): a purely local
-  model per client, mixed with the global model layer by layer (`fedlap_mixing.py`).
-- `process.py`: the personalised round shared by KAPC and the personalised baselines; each
-  method is a `RelationRule` in its own module: `kapc.py` (KAPC + BLS, IEEE TMC 2024),
-  `local.py` (gin `local_training`), `fedamp.py`, `fedbn.py`, `pfedla.py`. BLS's pure
-  functions are in `bls.py`.
+- `build_fedlap_personalization` (gin `fedlap_personalization`, FedLap thesis): a local model per
+  client mixed layer by layer with the global one (`fedlap_mixing.py`).
+- `process.py`: the round shared by KAPC and the personalised baselines, one `RelationRule` module
+  each: `kapc.py` (KAPC + BLS, IEEE TMC 2024; BLS's functions in `bls.py`), `local.py` (gin
+  `local_training`), `fedamp.py`, `fedbn.py`, `pfedla.py`.
 """
 
 from fltff.personalization.fedamp import build_fedamp

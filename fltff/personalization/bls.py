@@ -1,26 +1,17 @@
-"""BLS: bidirectional layer selection of KAPC (server skips layers, clients upload a prefix).
+"""BLS: KAPC's bidirectional layer selection (server skips layers, clients upload a prefix).
 
-Source: the KAPC + BLS paper (IEEE TMC 2024), §5. Client i keeps a personal model w_i of L
-layers (a layer is the list of its tensors, e.g. kernel and bias). The server keeps the
-relationship cube R `[N, L, N]` and sends client i its personalised server model, layer by
-layer s_i^l = Σ_j r_ij^l w_j^l, which regularises the client's local training. BLS saves
-communication in both directions:
+Source: the KAPC + BLS paper (IEEE TMC 2024), §5. A layer is its tensors (e.g. kernel and bias);
+s_i^l = Σ_j r_ij^l w_j^l, sent by the server, regularises client i's local training.
 
-* Server side (§5.1, Algorithm 3): layer l is not sent to client i when its self-relationship
-  r_ii^l exceeds μ. The client then trains that layer without a regulariser.
-  `server_skip_mask_tf`.
-* Client side (§5.2, Definition 1, inequality (29), Algorithm 4): after local training client i
-  uploads only its first Ω_i layers. `select_omega_tf` is Algorithm 4 for one client and round;
-  `layer_bounds` gives Eqs. (30)–(31), `criterion_sides_tf`/`criterion_tf` inequality (29) at
-  every Ω, `search_tf` Algorithm 4's search (lines 15–24), `layer_dimensions` the per-layer
-  sizes (29) needs; `upload_mask_tf` turns Ω into the layers that are sent.
+* Server (§5.1, Algorithm 3, `server_skip_mask_tf`): layer l is not sent to client i when
+  r_ii^l > μ; the client trains that layer without a regulariser.
+* Client (§5.2, Definition 1, Algorithm 4, `select_omega_tf`): after training client i uploads
+  only its first Ω_i layers. Parts: Eqs. (30)–(31) `layer_bounds`, inequality (29)
+  `criterion_sides_tf`/`criterion_tf` with sizes from `layer_dimensions`, lines 15–24 `search_tf`.
 
-Everything here is TensorFlow, usable inside a `tf.function`/TFF computation; the NumPy
-references of Algorithms 3–4 and (29) are the test oracles in tests/test_bls.py.
-
-How Algorithm 4 and inequality (29) are read line by line, what is reconstructed from the
-garbled text (R1–R4) and what fltff chooses where the paper is silent (C1–C7): the BLS
-section of docs/methods/personalised.md.
+All TensorFlow, usable in TFF computations; NumPy oracles in tests/test_bls.py. The line-by-line
+reading of Algorithm 4 and (29), what is reconstructed from garbled text (R1–R4) and our choices
+where the paper is silent (C1–C7): the BLS section of docs/methods/personalised.md.
 """
 
 from __future__ import annotations
@@ -34,10 +25,6 @@ import tensorflow as tf
 from fltff.errors import ConfigError
 
 TensorLike = Union[tf.Tensor, np.ndarray, float, int]
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation helpers.
 
 
 def _is_python_number(x) -> bool:
@@ -95,26 +82,17 @@ def _check_dimensions(columns, out_dims, num_classes, num_layers) -> None:
     raise ConfigError(f'BLS num_classes must be a positive integer, got {num_classes}.')
 
 
-# ---------------------------------------------------------------------------------------------
-# Per-layer quantities: Eqs. (30)–(31) and the sizes in (29).
-
-
 def layer_bounds(weights_layers: Sequence[Sequence[TensorLike]],
                  server_layers: Sequence[Sequence[TensorLike]]) -> tuple[tf.Tensor, tf.Tensor]:
-  """(B, τ) per layer, Eqs. (30)–(31): B^l = ||w^l||_F and τ^l = ||w^l − s^l||_F, the Frobenius
-  norms over all tensors of layer l together.
+  """Returns `(B, τ)`, Eqs. (30)–(31): `[L]` Frobenius norms of w^l and w^l − s^l (weights' dtype).
 
   Args:
-    weights_layers: L lists of tensors, the client's model after local training, by layer.
-    server_layers: L lists of tensors of the same shapes, the regulariser the client received
-      (for a layer the server skipped, the caller passes the client's own layer at the
-      round's start: module docstring, C4).
-
-  Returns:
-    `(B, tau)`, two tensors `[L]` in the dtype of the client's weights.
+    weights_layers: By layer, the client's tensors after local training.
+    server_layers: Same shapes: the regulariser received; for a layer the server skipped, the
+      client's own layer at the round's start (C4).
 
   Raises:
-    ConfigError: The two models do not have the same layers and shapes.
+    ConfigError: The two models differ in layers or shapes.
   """
   _check_layer_structure(weights_layers, server_layers)
   b, tau = [], []
@@ -129,14 +107,11 @@ def layer_bounds(weights_layers: Sequence[Sequence[TensorLike]],
 
 def layer_dimensions(layer_shapes: Sequence[Sequence[Sequence[int]]]
                      ) -> tuple[list[int], list[int]]:
-  """(n^l, d^l) per layer from its tensors' static shapes (module docstring, C5).
+  """Returns `(columns, out_dims)`, n^l and d^l per layer, from static shapes (C5).
 
-  Args:
-    layer_shapes: L lists of shapes (Keras layout), e.g. `[[(784, 200), (200,)], ...]`.
-
-  Returns:
-    `(columns, out_dims)`: n^l, the fan-in of the layer's kernel (the product of all its axes
-    but the last), and d^l, its last axis; n^l = d^l = length for a layer of vectors only.
+  n^l is the kernel's fan-in (product of all axes but the last), d^l its last axis; n^l = d^l =
+  length for a layer of vectors only. `layer_shapes`: by layer, its shapes (Keras layout), e.g.
+  `[[(784, 200), (200,)], ...]`.
 
   Raises:
     ConfigError: No layers, a layer without tensors, or an unknown or zero dimension.
@@ -160,10 +135,6 @@ def layer_dimensions(layer_shapes: Sequence[Sequence[Sequence[int]]]
       columns.append(size)
       out_dims.append(size)
   return columns, out_dims
-
-
-# ---------------------------------------------------------------------------------------------
-# Inequality (29).
 
 
 def _log_half_ratio(tau: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
@@ -190,20 +161,16 @@ def _log_m_curve(tau: tf.Tensor, b: tf.Tensor, half_log_n: tf.Tensor) -> tf.Tens
 def criterion_sides_tf(b_hat: TensorLike, tau_hat: TensorLike, b: TensorLike, tau: TensorLike,
                        columns: Sequence[int], out_dims: Sequence[int],
                        num_classes: Union[int, None] = None) -> tuple[tf.Tensor, tf.Tensor]:
-  """The logarithms of the two sides of inequality (29) at every Ω = 1..L (float64 `[L]`).
+  """`(log_lhs, log_rhs)`: logs of inequality (29)'s sides at every Ω = 1..L (float64 `[L]`).
+
+  Entry Ω − 1 is log `L d^Ω M̂(Ω) / (Ω c M 2^{L−Ω})` and log `Π_{l>Ω} B^l` (0 at Ω = L); NaN
+  where the left side is undefined (C6).
 
   Args:
-    b_hat: B̂^l `[L]`, this round's layer norms (M̂(Ω), Algorithm 4 line 12).
-    tau_hat: τ̂^l `[L]`, this round's distances to the received regulariser.
-    b: B^l `[L]`, the stored full-layer bounds (M and the product on the right, line 13).
-    tau: τ^l `[L]`, the stored full-layer bounds (M).
-    columns: n^l, L positive integers (`layer_dimensions`).
-    out_dims: d^l, L positive integers.
-    num_classes: c (default d^L; module docstring, C5).
-
-  Returns:
-    `(log_lhs, log_rhs)`: entry Ω − 1 is log of `L d^Ω M̂(Ω) / (Ω c M 2^{L−Ω})` and of
-    `Π_{l>Ω} B^l` (0 at Ω = L). NaN where the left side is undefined (C6).
+    b_hat, tau_hat: B̂^l, τ̂^l `[L]`: this round's norms and distances (M̂(Ω), Algorithm 4 line 12).
+    b, tau: B^l, τ^l `[L]`: the stored full-layer bounds (M; B also on the right, line 13).
+    columns, out_dims: n^l, d^l: L positive integers each (`layer_dimensions`).
+    num_classes: c (default d^L; C5).
 
   Raises:
     ConfigError: Bad sizes (checked in Python), or vectors of a static length other than L.
@@ -241,29 +208,20 @@ def criterion_tf(b_hat: TensorLike, tau_hat: TensorLike, b: TensorLike, tau: Ten
   return log_lhs < log_rhs
 
 
-# ---------------------------------------------------------------------------------------------
-# Algorithm 4.
-
-
 def search_tf(satisfied: TensorLike, omega_prev: TensorLike,
               min_layers: TensorLike = 1) -> tuple[tf.Tensor, tf.Tensor]:
-  """Algorithm 4, lines 15–24: the search from the previous Ω on (29)'s truth values.
+  """Algorithm 4, lines 15–24: `(Ω^k, |Ω^k − Ω_0|)` (int32) from (29)'s truth values.
 
-  Starting at Ω_0 = Ω^{k−1} (clipped into [min_layers, L]): if (29) holds at Ω_0, Ω moves
-  down one layer at a time and stops at the first Ω < Ω_0 where (29) fails; otherwise it moves
-  up and stops at the first Ω > Ω_0 where (29) holds. Both loops take at least one step and
-  stop at the ends of [min_layers, L] (module docstring, C3).
+  From Ω_0 = Ω^{k−1} clipped into [min_layers, L]: if (29) holds at Ω_0, Ω moves down and stops at
+  the first Ω < Ω_0 where (29) fails, else up to the first Ω > Ω_0 where it holds. Both loops
+  take at least one step and stop at the ends of [min_layers, L] (C3).
 
   Args:
     satisfied: bool `[L]`, entry Ω − 1 whether (29) holds at Ω (`criterion_tf`).
-    omega_prev: Ω^{k−1}, int scalar (tensor or Python).
     min_layers: Smallest Ω, in [1, L].
 
-  Returns:
-    `(omega, steps)`: int32 scalars, Ω^k and |Ω^k − Ω_0|.
-
   Raises:
-    ConfigError: `satisfied` is not a non-empty vector, or min_layers is outside [1, L]
+    ConfigError: `satisfied` is not a non-empty bool vector, or min_layers is outside [1, L]
       (checked where known in Python).
   """
   satisfied = tf.convert_to_tensor(satisfied)
@@ -292,30 +250,24 @@ def select_omega_tf(b: TensorLike, tau: TensorLike, b_max: TensorLike, tau_max: 
                     omega_prev: TensorLike, columns: Sequence[int], out_dims: Sequence[int],
                     num_classes: Union[int, None] = None, min_layers: TensorLike = 1
                     ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
-  """Algorithm 4 for one client and round (module docstring): usable in a TFF computation.
+  """Algorithm 4 for one client and round, usable in a TFF computation.
 
-  Branch A (Ω^{k−1} = L: the last upload was complete, or the client never took part — C2):
-  the stored bounds become max(stored, this round's), Ω^k = L − 1 (at least min_layers), no
-  search. Branch B (otherwise): the stored bounds are kept as they are, (29) is evaluated with
-  this round's (B, τ) as (B̂, τ̂) and the stored ones as (B, τ), and `search_tf` runs from
-  Ω^{k−1}. Both branches are computed and `tf.where` picks one (no data-dependent control flow
-  in the graph); branch A's results do not depend on (29).
+  Branch A (Ω^{k−1} = L: last upload complete, or a new client, C2): the stored bounds become
+  max(stored, this round's), Ω^k = L − 1 (at least min_layers), no search. Branch B: the stored
+  bounds stay, (29) takes this round's (B, τ) as (B̂, τ̂) and the stored ones as (B, τ), and
+  `search_tf` runs from Ω^{k−1}. `tf.where` picks one of both computed branches (no
+  data-dependent control flow); branch A's results do not depend on (29).
 
   Args:
-    b: This round's B^l `[L]` (Eq. 30, `layer_bounds`).
-    tau: This round's τ^l `[L]` (Eq. 31).
-    b_max: The stored B^l `[L]` before this round (0 before the client's first selection).
-    tau_max: The stored τ^l `[L]` before this round.
+    b, tau: This round's B^l, τ^l `[L]` (Eqs. 30–31, `layer_bounds`).
+    b_max, tau_max: The stored B^l, τ^l `[L]` (0 before the client's first selection).
     omega_prev: Ω^{k−1} (L for a client that never took part).
-    columns: n^l, L positive integers (`layer_dimensions`).
-    out_dims: d^l, L positive integers.
-    num_classes: c (default d^L).
+    columns, out_dims, num_classes: As in `criterion_sides_tf`.
     min_layers: Smallest Ω, in [1, L].
 
   Returns:
     `(omega, steps, b_max, tau_max)`: int32 Ω^k and its moves (0 in branch A), and the stored
-    bounds to keep for the client's next selection, in the dtype of `b_max` (float32 unless
-    it is a float tensor of another type).
+    bounds for the next selection, in `b_max`'s dtype (float32 unless a float tensor).
 
   Raises:
     ConfigError: Bad sizes or min_layers (checked where known in Python).
@@ -346,10 +298,6 @@ def select_omega_tf(b: TensorLike, tau: TensorLike, b_max: TensorLike, tau_max: 
   return omega, steps, tf.where(full, b_a, b_max), tf.where(full, tau_a, tau_max)
 
 
-# ---------------------------------------------------------------------------------------------
-# Masks and communication.
-
-
 def _check_mu(mu) -> None:
   if _is_python_number(mu) and not mu >= 0:
     raise ConfigError(f'BLS mu must be >= 0, got {mu}.')
@@ -375,8 +323,7 @@ def server_skip_mask_tf(self_relationship: TensorLike, mu: TensorLike) -> tf.Ten
 
 
 def upload_mask_tf(omega: TensorLike, num_layers: TensorLike) -> tf.Tensor:
-  """bool `[L]`, True for the first Ω layers (the ones the client uploads). Ω and L may be
-  tensors; checked when Python numbers."""
+  """bool `[L]`, True for the first Ω (uploaded) layers; Ω ∈ [0, L] checked for Python numbers."""
   if _is_python_number(num_layers) and _is_python_number(omega):
     if num_layers < 1:
       raise ConfigError(f'BLS num_layers must be >= 1, got {num_layers}.')

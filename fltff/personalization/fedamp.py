@@ -1,10 +1,9 @@
-"""FedAMP (Huang et al., "Personalized Cross-Silo Federated Learning on Non-IID Data", AAAI
-2021): attentive message passing between the participants' models.
+"""FedAMP (Huang et al., AAAI 2021): attentive message passing between participants' models.
 
-The personalised round (`process.build_personalized_process`) whose slice is FedAMP's
-message-passing weights, recomputed every round from the server's copies of the
-participants' models (whole-model distances, the same for every layer); clients continue
-their own model with the proximal term λ Σ_l ||w^l − s_i^l||² towards s_i.
+Paper: "Personalized Cross-Silo Federated Learning on Non-IID Data". The personalised round's
+slice is FedAMP's weights, recomputed each round from the server's copies (whole-model
+distances, the same for every layer); clients continue their own model with the proximal term
+λ Σ_l ||w^l − s_i^l||² towards s_i.
 """
 
 from __future__ import annotations
@@ -25,15 +24,13 @@ from fltff.personalization.process import normalize_rows
 
 def attentive_relationship(models: Sequence[tf.Tensor], num_layers: int, sigma: float,
                            alpha: float) -> tf.Tensor:
-  """FedAMP's message-passing weights (Huang et al., AAAI 2021, eq. (8)) as a `[P, L, P]` slice.
+  """FedAMP's message-passing weights (eq. (8)) as a `[P, L, P]` slice, equal for every layer.
 
-  `ξ_ij = α A'(||w_i − w_j||²)` with `A(x) = 1 − exp(−x/σ)` for j ≠ i, `ξ_ii = 1 − Σ_{j≠i} ξ_ij`,
-  the same for every layer (FedAMP is not layer-wise); rows projected onto the simplex.
-  """
+  `ξ_ij = α A'(||w_i − w_j||²)` with `A(x) = 1 − exp(−x/σ)` for j ≠ i, `ξ_ii = 1 − Σ_{j≠i} ξ_ij`;
+  rows projected onto the simplex."""
   flat = tf.concat([tf.reshape(w, [tf.shape(w)[0], -1]) for w in models], axis=1)
-  # Distances are translation-invariant; centring first keeps ||a||² + ||b||² − 2ab from
-  # cancelling (models near one another, as in early rounds, would otherwise get distances of
-  # the order of float32 rounding of ||w||², which differ between executors).
+  # Centring (distances are translation-invariant) keeps ||a||² + ||b||² − 2ab from cancelling:
+  # close models (early rounds) would get float32 rounding noise of ||w||², varying by executor.
   flat = flat - tf.reduce_mean(flat, axis=0, keepdims=True)
   sq = tf.reduce_sum(flat * flat, axis=1)
   dist = tf.maximum(sq[:, None] + sq[None, :] - 2.0 * tf.matmul(flat, flat, transpose_b=True),
@@ -48,8 +45,7 @@ def attentive_relationship(models: Sequence[tf.Tensor], num_layers: int, sigma: 
 
 @dataclasses.dataclass(frozen=True)
 class AttentiveRelation(process_lib.RelationRule):
-  """FedAMP's weights from the server's copies, recomputed every round: the server keeps no R
-  (its state holds an empty `[0, L, 0]` one), so nothing in it grows with the clients."""
+  """FedAMP's weights, recomputed each round; the state's R is empty (`[0, L, 0]`), not N-sized."""
   lambda_: float = 0.5
   sigma: float = 1.0
   alpha: float = 0.1

@@ -1,15 +1,12 @@
-"""FedBN (Li et al., "FedBN: Federated Learning on Non-IID Features via Local Batch
-Normalization", ICLR 2021): FedAvg with the normalisation layers kept local.
+"""FedBN (Li et al., ICLR 2021): FedAvg with the normalisation layers kept local.
 
-The personalised round (`process.build_personalized_process`) whose slice is FedAvg's
-sample-weighted mean (r_ij = n_j / Σ_P n) in every layer but the normalisation layers (the
-identity there); clients start from s_i, so each gets FedAvg's aggregate with its own
-normalisation layers (and statistics, which never leave the client: the round's bytes count
-only the other layers, as the KAPC paper's Table 6 does for FedBN). On a model without
-normalisation layers (cnn2, mlp2) that is FedAvg whose clients keep their locally trained
-models; the KAPC paper's MNIST/FMNIST configs therefore run FedBN on `cnn2_bn`.
-
-Vectorised clients train each client's own moving statistics with it
+Paper: "FedBN: Federated Learning on Non-IID Features via Local Batch Normalization". The
+personalised round's slice is FedAvg's sample-weighted mean (r_ij = n_j / Σ_P n), the identity
+in normalisation layers; clients start from s_i, so each gets FedAvg's aggregate with its own
+normalisation layers and statistics, which never leave it (the bytes count only the other
+layers, as the KAPC paper's Table 6 does for FedBN). Without normalisation layers (cnn2, mlp2)
+this is FedAvg whose clients keep their trained models, so the KAPC paper's MNIST/FMNIST
+configs run FedBN on `cnn2_bn`. Vectorised clients train their own moving statistics
 (`learning.vectorized.moving_statistics`), as TFF's client work does.
 """
 

@@ -1,27 +1,18 @@
 """FedLap personalisation: a persistent purely local model mixed layer by layer with the global.
 
-Thesis extension of FedLap. Every client keeps its own model, trained only on its own data
-whenever it takes part in a round (it persists in the round driver's client state store across
-the rounds it skips). Its personalised model mixes local and global weights per layer l:
-
-    p_l = β_l w_l^local + (1 − β_l) w_l^global,
-
-with the degree of personalisation chosen by `mixing`:
+Thesis extension of FedLap. Each client keeps its own model, trained only on its own data when
+it takes part (kept in the driver's client state store across skipped rounds). Its personalised
+model is `p_l = β_l w_l^local + (1 − β_l) w_l^global` per layer l, with `mixing`:
 
 * `'fixed'`: β_l = `degree` for every layer.
-* `'dissimilarity'` (default): β_l = clip(degree · D_l / mean_l' D_l', 0, 1), where
-  D_l = mean_j λ_lj / 2 ∈ [0, 1] is FedLap's per-neuron dissimilarity
-  λ_lj = 1 − cos(w_lj^local, w_lj^global) averaged over the layer's rows. Layers on which the
-  client's own model has moved away from the global one (client-specific features) are
-  personalised more, layers on which both agree keep the better-trained global weights; the
-  average β over layers is `degree`, so the knob means the same in both modes.
+* `'dissimilarity'` (default): β_l = clip(degree · D_l / mean_l' D_l', 0, 1), D_l ∈ [0, 1] the
+  mean over the layer's rows of FedLap's λ_lj / 2, λ_lj = 1 − cos(w_lj^local, w_lj^global).
+  Layers where the local model moved away (client-specific features) are personalised more;
+  where both agree the better-trained global weights stay. The mean β over layers is `degree`.
 
-A client that has never trained locally is evaluated with the global model (β = 0).
-
-`with_fedlap_personalization(algorithm, personalization)` adds this to any global method as a
-`protocol.FederatedAlgorithm`: each client's state becomes `OrderedDict(local=<its local
-model>[, method=<the method's own client state>])`, and a round runs the method's round and
-the participants' local updates.
+A client that never trained locally is evaluated with the global model (β = 0).
+`with_fedlap_personalization` adds this to any global method; client states become
+`OrderedDict(local=<its local model>[, method=<the method's client state>])`.
 """
 
 from __future__ import annotations
@@ -120,17 +111,14 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
 
   @property
   def process(self):
-    """The inner method's learning process (built on first use: vectorised rounds never
-    need it)."""
+    """The inner method's process (built on first use; vectorised rounds never need it)."""
     return self.inner.process
 
   def initialize(self, call: protocol.Call = protocol.direct_call):
     return self.inner.initialize(call)
 
   def vectorize_clients(self, device=None, factor_dense: bool = True) -> None:
-    """The method's clients vectorised (its own `vectorize_clients`: a `ConfigError` where it
-    cannot) and the participants' local models trained together: `VectorizedClientWork` from
-    each one's own start weights, no regulariser — `build_local_update`'s computation."""
+    """Vectorises the method's clients (else `ConfigError`) and the local models' training."""
     from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
 
     self.inner.vectorize_clients(device, factor_dense)

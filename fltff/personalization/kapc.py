@@ -1,15 +1,11 @@
 """KAPC: personalised FL through a learned layer-wise relationship cube R, with BLS.
 
-Source: the KAPC + BLS paper (IEEE TMC 2024), Algorithms 1–5. Per round (Algorithm 5, the
-default `relationship_update='before_send'`): slice R `[N, L, N]` to the participants and
-renormalise its rows; take E_r steps on Eq. (11) (`update_relationship`, f_s the L2 norm of §4.2
-or, with `coaching_loss='squared'`, its square) using the server's copies of the participants'
-models; form `s_i^l = Σ_j r'_ij^l w_j^l` (`personalized_server_models`) and BLS's skip mask
-(Algorithm 3); each client trains towards its s_i (`regularizers.ProximalRegularizer`, μ = 2λ)
-and uploads its first Ω_i layers (Algorithm 4, `bls.py`); the stepped slice is written back
-into R. The round is `process.build_personalized_process`; this module is KAPC's rule
-(`KapcRule`). The order of the steps, the initial R, the hyperparameters and our reading
-where the paper is silent: docs/methods/personalised.md.
+Source: the KAPC + BLS paper (IEEE TMC 2024), Algorithms 1–5. `KapcRule`, for
+`process.build_personalized_process`, follows Algorithm 5 by default: the participants' slice of
+R `[N, L, N]`, rows renormalised, takes E_r steps on Eq. (11) (`update_relationship`) over the
+server's model copies; s_i (clients train towards it, μ = 2λ) and BLS's skip mask come from the
+stepped slice, which is written back into R. Step order, initial R, hyperparameters and our
+reading where the paper is silent: docs/methods/personalised.md.
 """
 
 from __future__ import annotations
@@ -32,16 +28,14 @@ from fltff.personalization.process import refreshed_models
 from fltff.personalization.process import scatter_relationship
 from fltff.personalization.process import slice_relationship
 
-# When KAPC takes its E_r steps on R: before s_i is sent (Algorithm 5, the default) or after
-# the clients trained (fltff's earlier order).
+# When R takes its E_r steps: before s_i is sent (Algorithm 5) or after training (our alternative).
 RELATIONSHIP_UPDATES = ('before_send', 'after_training')
-# f_s of the R step (Eq. (6)/(11)): the L2 norm (§4.2) or its square (fltff's earlier reading).
+# f_s of the R step (Eqs. (6), (11)): the L2 norm (§4.2) or its square (our alternative reading).
 COACHING_LOSSES = ('norm', 'squared')
 
 
 def _layer_squares(differences: Sequence[tf.Tensor], layer_of: Sequence[int]) -> tf.Tensor:
-  """`[P, L]`: per participant and layer, the sum of squares of its tensors in `differences`
-  (each `[P, ...]`)."""
+  """`[P, L]` sums of squares per participant and layer of `differences` (each `[P, ...]`)."""
   per_tensor = [tf.reduce_sum(tf.reshape(tf.square(d), [tf.shape(d)[0], -1]), axis=1)
                 for d in differences]
   return tf.stack([tf.add_n([q for q, l in zip(per_tensor, layer_of) if l == layer])
@@ -51,10 +45,9 @@ def _layer_squares(differences: Sequence[tf.Tensor], layer_of: Sequence[int]) ->
 def relationship_objective(relation: tf.Tensor, models: Sequence[tf.Tensor],
                            layer_of: Sequence[int], lambda_: float, beta: float,
                            coaching_loss: str = 'norm') -> tf.Tensor:
-  """KAPC's R-step objective (Eq. (11), summed over the participants i):
-  `Σ_i [λ Σ_l f_s(s_i^l(R), w_i^l) + β/2 Σ_l ||r_i^l − 1/P||²]`, with `f_s` the L2 norm
-  `||s_i^l − w_i^l||` of the layer's tensors together (`coaching_loss='norm'`, §4.2) or its
-  square (`'squared'`, fltff's earlier reading)."""
+  """Eq. (11) summed over i: `Σ_i [λ Σ_l f_s(s_i^l(R), w_i^l) + β/2 Σ_l ||r_i^l − 1/P||²]`.
+
+  f_s: the L2 norm of `s_i^l − w_i^l` over the layer's tensors (`'norm'`, §4.2) or its square."""
   s = personalized_server_models(relation, models, layer_of)
   squares = _layer_squares([a - w for a, w in zip(s, models)], layer_of)
   fit = tf.reduce_sum(tf.sqrt(squares) if coaching_loss == 'norm' else squares)
@@ -63,8 +56,7 @@ def relationship_objective(relation: tf.Tensor, models: Sequence[tf.Tensor],
 
 
 def layer_grams(models: Sequence[tf.Tensor], layer_of: Sequence[int]) -> tf.Tensor:
-  """`G[:, l, :] = Σ_{t∈l} W_t W_tᵀ` (`[P, L, P]`, R's layout): the participants' models'
-  inner products per layer, all the squared-loss R step needs of them."""
+  """`G[:, l, :] = Σ_{t∈l} W_t W_tᵀ` (`[P, L, P]`): all the squared-loss R step needs of W."""
   flats = [tf.reshape(w, [tf.shape(w)[0], -1]) for w in models]
   grams = []
   for layer in range(max(layer_of) + 1):
@@ -75,9 +67,7 @@ def layer_grams(models: Sequence[tf.Tensor], layer_of: Sequence[int]) -> tf.Tens
 
 def relationship_gradient(relation: tf.Tensor, grams: tf.Tensor, lambda_: float,
                           beta: float) -> tf.Tensor:
-  """∂/∂R of `relationship_objective(coaching_loss='squared')` in closed form: per layer,
-  with `S = R W`, `2λ (S − W) Wᵀ + β (R − 1/P) = 2λ (R G − G) + β (R − 1/P)`,
-  `G = layer_grams(W)`."""
+  """∂/∂R of the 'squared' objective per layer: `2λ (R G − G) + β (R − 1/P)`, G = `layer_grams`."""
   num = tf.cast(tf.shape(relation)[-1], relation.dtype)
   fit = tf.einsum('ilk,klj->ilj', relation, grams) - grams
   return 2.0 * lambda_ * fit + beta * (relation - 1.0 / num)
@@ -86,18 +76,13 @@ def relationship_gradient(relation: tf.Tensor, grams: tf.Tensor, lambda_: float,
 def relationship_gradient_norm(relation: tf.Tensor, models: Sequence[tf.Tensor],
                                layer_of: Sequence[int], lambda_: float,
                                beta: float) -> tf.Tensor:
-  """∂/∂R of `relationship_objective(coaching_loss='norm')` (Eqs. (12)–(13) with f_s the L2
-  norm of §4.2): with `d_i^l = s_i^l − w_i^l = Σ_j r_ij^l w_j^l − w_i^l`,
+  """∂/∂R of the 'norm' objective (Eqs. (12)–(13), f_s the L2 norm of §4.2).
 
-      ∂/∂r_ij^l = λ <d_i^l, w_j^l> / ||d_i^l|| + β (r_ij^l − 1/P).
-
-  At `d_i^l = 0` (s_i^l = w_i^l: e.g. round 1, when every copy is the initial model) the norm
-  has no gradient; its minimum-norm subgradient there is 0, so the fit term contributes 0 and
-  the step is the β term alone (ours: the paper does not discuss the point). `d_i^l` is formed
-  from the models centred on the first participant's, `Σ_j r_ij^l c_j^l − c_i^l` with
-  `c_j = w_j − w_0` (equal to `s_i^l − w_i^l` because rows sum to 1): identical models then
-  give exactly `d = 0` instead of rounding noise whose direction would be arbitrary while the
-  quotient keeps the magnitude `||w^l||`.
+  With d_i^l = s_i^l − w_i^l: `∂/∂r_ij^l = λ <d_i^l, w_j^l> / ||d_i^l|| + β (r_ij^l − 1/P)`. At
+  d_i^l = 0 (e.g. round 1, all copies initial) the fit term takes its minimum-norm subgradient 0
+  (ours: the paper is silent). d is formed from models centred on the first participant's
+  (`c_j = w_j − w_0`; equal since rows sum to 1), so identical models give exactly d = 0, not
+  rounding noise of arbitrary direction that the quotient would scale to ||w^l||.
   """
   num_layers = max(layer_of) + 1
   inner = [0.0] * num_layers   # Per layer: <d_i, w_j>, [P, P].
@@ -119,14 +104,10 @@ def update_relationship(relation: tf.Tensor, models: Sequence[tf.Tensor],
                         layer_of: Sequence[int], lambda_: float, beta: float,
                         learning_rate: float, steps: int,
                         coaching_loss: str = 'norm') -> tf.Tensor:
-  """E_r projected gradient steps on `relationship_objective` (KAPC, Eq. (12), Algorithm 1
-  lines 4–6), each followed by `normalize_rows` (clip at 0, renormalise).
+  """E_r projected gradient steps (Eq. (12), Algorithm 1 lines 4–6), each then `normalize_rows`.
 
-  `coaching_loss='norm'`: `relationship_gradient_norm` (two `[P, P] × [P, d]`-sized products
-  per step). `'squared'`: `relationship_gradient`'s closed form, where the models enter through
-  their `[P, P]` inner products, computed once, so a step costs `O(P³ L)` instead of
-  `O(P² d)`.
-  tests/test_kapc.py checks both against differentiating the objective and against NumPy.
+  `'norm'`: `relationship_gradient_norm` (two `[P, P] × [P, d]` products per step); `'squared'`:
+  the closed form on inner products computed once, `O(P³ L)` per step instead of `O(P² d)`.
   """
   if steps <= 0:
     return relation
@@ -144,12 +125,9 @@ def update_relationship(relation: tf.Tensor, models: Sequence[tf.Tensor],
 class KapcRule(process_lib.RelationRule):
   """KAPC's rule: R learned by E_r projected steps (Eq. (12)) in the order of Algorithm 5.
 
-  Defaults: R starts random (§4.4; `process.initial_relationship`), the R step's f_s is the L2
-  norm (§4.2; `relationship_gradient_norm`), λ = 1 and β = 0.005 (the point of the §7.3.1
-  ablation at α = 0.1 that both of its sweeps share; see gin_configs/kapc/kapc_dir0.1_common.gin).
-
-  `start_from='server'` (clients start from s_i instead of their own model) is not KAPC; it
-  exists for tests that read s_i back from the clients.
+  Defaults: random initial R (§4.4), f_s the L2 norm (§4.2), λ = 1, β = 0.005 (the point the two
+  sweeps of the §7.3.1 ablation at α = 0.1 share; gin_configs/kapc/kapc_dir0.1_common.gin).
+  `start_from='server'` is not KAPC: it lets tests read s_i back from the clients.
   """
   lambda_: float = 1.0
   beta: float = 0.005
@@ -182,8 +160,7 @@ class KapcRule(process_lib.RelationRule):
     rel = normalize_rows(slice_relationship(state['relation'], server_input['clients']))
     if self.relationship_update != 'before_send':
       return rel, {}
-    # Algorithm 5: the server's copies of the participants' latest models (stale layers
-    # filled) are what the clients uploaded when they last took part.
+    # Algorithm 5: step on the server's copies (the clients' last uploads, stale layers filled).
     stepped = self._step(rel, list(server_input['models']), context)
     return stepped, {'relation': stepped}  # `server_update` writes the stepped slice back.
 
@@ -191,8 +168,7 @@ class KapcRule(process_lib.RelationRule):
     clients = server_input['clients']
     relation = state['relation']
     if self.relationship_update == 'before_send':
-      # The fresh uploads become the next round's copies (`next_client_states`) and are not
-      # used for a second step now.
+      # Fresh uploads only become next round's copies (`next_client_states`): no second step.
       relation = scatter_relationship(relation, clients, server_msg['relation'])
     else:
       # The fresh uploads, layers not uploaded filled with the stale copies.
@@ -213,11 +189,8 @@ def build_kapc(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
                relationship_seed: int = 0) -> process_lib.PersonalizedAlgorithm:
   """KAPC; with `bls_mu` set, KAPC+BLS (μ = bls_mu).
 
-  `relationship_update`: 'before_send' (Algorithm 5: R stepped on the server's copies, then
-  s_i and the skip mask from the stepped R) or 'after_training' (fltff's earlier order).
-  `coaching_loss`: f_s of the R step, 'norm' (§4.2) or 'squared' (fltff's earlier reading).
-  `relationship_init`: 'random' (§4.4; U(0, 1) rows normalised, seeded by
-  `relationship_seed`), 'uniform' (fltff's earlier start) or 'identity'.
+  `relationship_update`, `coaching_loss`: see `RELATIONSHIP_UPDATES`, `COACHING_LOSSES`;
+  `relationship_init`: 'random' (§4.4, seeded by `relationship_seed`), 'uniform' or 'identity'.
   """
   rule = KapcRule(lambda_=lambda_, beta=beta,
                   relationship_learning_rate=relationship_learning_rate,

@@ -1,9 +1,8 @@
-"""Local training: every client trains only its own model and nothing is exchanged.
+"""Local training: every client trains only its own model; nothing is exchanged (0 bytes).
 
-The personalised round (`process.build_personalized_process`) with R fixed to the identity
-and λ = 0: s_i is the client's own model, nothing is sent or uploaded (0 bytes). With λ > 0
-(`FixedRelation(lambda_=λ)`) each client trains FedProx(μ = 2λ) towards its own previous
-model, a sanity case the tests use.
+The personalised round with R fixed to the identity and λ = 0, so s_i is the client's own model.
+With λ > 0 (`FixedRelation(lambda_=λ)`) each client trains FedProx(μ = 2λ) towards its own
+previous model, a sanity case for tests.
 """
 
 from __future__ import annotations

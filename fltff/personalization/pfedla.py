@@ -1,30 +1,23 @@
 """pFedLA: layer-wise aggregation weights from per-client hypernetworks.
 
-Source: Ma, Zhang, Guo, Xu, "Layer-wised Model Aggregation for Personalized Federated
-Learning", CVPR 2022. The server keeps, for every client i, a hypernetwork HN_i(v_i; φ_i): a
-learnable embedding v_i and an MLP whose output for layer l is a weight per client,
-`α_i^l = HN_i(v_i; φ_i)^l` (eq. (5)); client i receives the personalised aggregate
-`θ̄_i^l = Σ_j α_ij^l θ_j^l` (eq. (4)), trains it locally to θ_i, and the server moves the
-hypernetwork along the client's update: `φ_i ← φ_i + η_hn (∂θ̄_i/∂φ_i)ᵀ Δθ_i` with
-`Δθ_i = θ_i − θ̄_i` (eq. (7), the chain rule with Δθ standing for −∇L; the same for v_i).
+Source: Ma, Zhang, Guo, Xu, "Layer-wised Model Aggregation for Personalized Federated Learning",
+CVPR 2022. Per client i a hypernetwork HN_i(v_i; φ_i) (embedding v_i, MLP) gives layer l's weights
+over clients, `α_i^l` (eq. (5)); client i trains `θ̄_i^l = Σ_j α_ij^l θ_j^l` (eq. (4)) to θ_i, then
+`φ_i ← φ_i + η_hn (∂θ̄_i/∂φ_i)ᵀ Δθ_i`, `Δθ_i = θ_i − θ̄_i` (eq. (7): the chain rule with Δθ for
+−∇L; likewise v_i). `HypernetworkRelation` (start from s_i, λ = 0) is the rule for
+`process.build_personalized_process`.
 
-Our reading, stated because the paper leaves it open or we chose differently:
+Our reading, where the paper leaves it open or we chose differently:
 
-1. Architecture: `e → relu(W1 e + b1) → relu(W2 · + b2) → relu(H_l · + c_l)` per layer l, one
-   output per client, normalised to a distribution over clients (a row that is all zero
-   becomes uniform). Embedding and hidden sizes default to 100 (the public pFedLA code's
-   defaults), η_hn = 5e-3, plain SGD.
-2. Initialisation: Glorot weights, head weights scaled by 0.01 and head biases 1, so every
-   client starts near uniform weights (FedAvg's unweighted mean) instead of a random mixture.
-3. With partial participation the weights are restricted to the round's participants and
-   renormalised (as KAPC's Algorithm 5 does): the server input carries the participants'
-   stored models, not all N.
-4. Each client starts the round from θ̄_i and keeps its trained θ_i as its personal model
-   (evaluated on its local test split); the server stores θ_i for later aggregation.
-
-The process is `process.build_personalized_process` with this module's `HypernetworkRelation`
-(clients start from s_i, λ = 0): the same single-pass round as KAPC, with the hypernetworks
-in the server state and this module's step instead of KAPC's R step.
+1. Architecture `e → relu(W1 e + b1) → relu(W2 · + b2) → relu(H_l · + c_l)` per layer l, one
+   output per client, normalised over clients (all-zero row: uniform); embedding and hidden sizes
+   100 (the public pFedLA code's defaults), η_hn = 5e-3, plain SGD.
+2. Glorot initialisation, head weights ×0.01 and head biases 1: every client starts near uniform
+   weights (FedAvg's unweighted mean), not a random mixture.
+3. Partial participation: weights restricted to the participants and renormalised (as KAPC's
+   Algorithm 5); the server input holds only their stored models.
+4. Clients start from θ̄_i and keep their trained θ_i as personal model (evaluated on the local
+   test split); the server stores θ_i for later aggregation.
 """
 
 from __future__ import annotations
@@ -48,11 +41,9 @@ from fltff.personalization.process import personalized_server_models
 
 def initial_hypernetworks(num_clients: int, num_layers: int, embedding_dim: int = 100,
                           hidden_dim: int = 100, seed: int = 0) -> collections.OrderedDict:
-  """Every client's hypernetwork parameters, stacked along a leading `[N]` axis.
+  """Every client's hypernetwork parameters, stacked `[N, ...]`; sizes < 1: `ConfigError`.
 
-  Drawn with stateless TF ops (so a TFF computation holds a seed, not N copies of the
-  parameters as constants).
-  """
+  Stateless TF draws: a TFF computation holds a seed, not N parameter sets as constants."""
   if embedding_dim < 1 or hidden_dim < 1:
     raise ConfigError(f'pfedla embedding_dim and hidden_dim must be >= 1, got '
                       f'{embedding_dim}, {hidden_dim}.')
@@ -90,13 +81,9 @@ def update_hypernetworks(params, clients: tf.Tensor, models: Sequence[tf.Tensor]
   """One step `φ_i ← φ_i + η (∂θ̄_i/∂φ_i)ᵀ Δθ_i` for every participant (eq. (7)).
 
   Args:
-    params: The participants' hypernetworks (leading axis P, in the order of `clients`).
-    clients: The participants' client indices (the columns of their weights).
-    models: Per trainable tensor, the participants' stored models `[P, ...]` that θ̄ was
-      aggregated from.
+    params: The participants' hypernetworks (leading axis P, in `clients` order).
+    models: Per trainable tensor, the participants' stored models `[P, ...]` θ̄ came from.
     deltas: Per trainable tensor, `θ_i − θ̄_i` `[P, ...]`.
-    layer_of: The layer of each trainable tensor.
-    num_layers: L.
     learning_rate: η_hn.
   """
   flat = tf.nest.flatten(params)
@@ -172,8 +159,7 @@ def _rows(params, clients):
 def build_pfedla(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
                  embedding_dim: int = 100, hidden_dim: int = 100, learning_rate: float = 5e-3,
                  seed: Optional[int] = 0) -> process_lib.PersonalizedAlgorithm:
-  """pFedLA (Ma et al., CVPR 2022): per-client hypernetworks give layer-wise aggregation
-  weights; clients start from their personalised aggregate and keep their trained model."""
+  """pFedLA (module docstring); `seed` (None: 0) seeds the hypernetworks' initialisation."""
   return process_lib.build_personalized_process(
       model_spec, num_clients, client_optimizer or optimizers.default_client_optimizer(),
       HypernetworkRelation(embedding_dim=embedding_dim, hidden_dim=hidden_dim,

@@ -1,22 +1,17 @@
 """The personalised round shared by KAPC, FedAMP, FedBN, Local and pFedLA.
 
-One single-pass TFF round (docs/architecture.md) for every method that keeps one model per client
-and gives each participant its own server model `s_i^l = Σ_{j∈P} r_ij^l w_j^l` from a layer-wise
-relationship slice R[P, :, P] over the round's participants P:
+One single-pass TFF round (docs/architecture.md) for methods keeping one model per client; each
+participant i gets `s_i^l = Σ_{j∈P} r_ij^l w_j^l` from a layer-wise slice R[P, :, P]:
 
-1. `prepare` (server): the method's rule gives the slice from the server state and the
-   server's copies of the participants' latest models (`server_input['models']`); from it
-   `s_i` and, with BLS, the skip mask `r_ii^l > μ` (KAPC Algorithm 3);
-2. `client_update`: client i starts from its own model (`start_from='own'`) or from `s_i`
-   (`'server'`), trains E epochs on `f_i(w) + λ Σ_l ||w^l − s_i^l||²` (no term for skipped
-   layers) and uploads its first Ω_i layers (BLS, Algorithm 4, `bls.py`; all layers without
-   BLS);
-3. one gathering aggregate brings the participants' results back;
-4. `finish` (server): the rule's server update gives the new server state.
+1. `prepare` (server): the rule's slice from the server state and the server's copies of the
+   participants' latest models; s_i and, with BLS, the skip mask `r_ii^l > μ` (KAPC Algorithm 3);
+2. `client_update`: start from the own model (`start_from='own'`) or s_i (`'server'`), train E
+   epochs on `f_i(w) + λ Σ_l ||w^l − s_i^l||²` (no term for skipped layers), upload the first Ω_i
+   layers (BLS, Algorithm 4, `bls.py`; all without BLS);
+3. one gathering aggregate; 4. `finish` (server): the rule's server update.
 
-A method is a `RelationRule` (its own module): the initial server state, the slice the
-per-client start models come from, and the server update. This module knows no method.
-Non-trainable weights (BatchNorm statistics) stay in the client's personal model.
+A method is a `RelationRule` (its own module: initial state, slice, server update); this module
+knows none. Non-trainable weights (BatchNorm statistics) stay in the personal model.
 """
 
 from __future__ import annotations
@@ -41,12 +36,8 @@ from fltff.personalization import bls
 START_FROM = ('own', 'server')
 
 
-# --- equations shared by the rules -----------------------------------------------------------
 def normalize_rows(relation: tf.Tensor) -> tf.Tensor:
-  """Projects rows (last axis) onto the simplex by clipping at 0 and renormalising.
-
-  A row that clips to all zeros becomes uniform.
-  """
+  """Projects rows (last axis) onto the simplex: clip at 0, renormalise; all-zero rows: uniform."""
   clipped = tf.maximum(relation, 0.0)
   total = tf.reduce_sum(clipped, axis=-1, keepdims=True)
   uniform = tf.ones_like(clipped) / tf.cast(tf.shape(clipped)[-1], clipped.dtype)
@@ -55,13 +46,7 @@ def normalize_rows(relation: tf.Tensor) -> tf.Tensor:
 
 def personalized_server_models(relation: tf.Tensor, models: Sequence[tf.Tensor],
                                layer_of: Sequence[int]) -> list[tf.Tensor]:
-  """`s_i^l = Σ_j r_ij^l w_j^l` (KAPC, Algorithm 1) for every tensor of every layer.
-
-  Args:
-    relation: `[P, L, P]` relationship slice (rows sum to 1).
-    models: Per trainable tensor t, the participants' values stacked `[P, ...]`.
-    layer_of: For each tensor, the index of its layer in the grouping.
-  """
+  """`s_i^l = Σ_j r_ij^l w_j^l` (KAPC, Algorithm 1) per tensor; `relation` `[P, L, P]`."""
   out = []
   for w, layer in zip(models, layer_of):
     flat = tf.reshape(w, [tf.shape(w)[0], -1])
@@ -76,10 +61,7 @@ def slice_relationship(relation: tf.Tensor, clients: tf.Tensor) -> tf.Tensor:
 
 def scatter_relationship(relation: tf.Tensor, clients: tf.Tensor,
                          new_slice: tf.Tensor) -> tf.Tensor:
-  """Writes a (row-normalised) slice back into R scaled by the slice's previous mass.
-
-  Entries for non-participants are untouched, so each full row still sums to 1.
-  """
+  """Writes a normalised slice into R scaled by its old mass; others kept (rows still sum to 1)."""
   rows = tf.gather(relation, clients, axis=0)                           # [P, L, N]
   old = tf.gather(rows, clients, axis=2)                                # [P, L, P]
   mass = tf.reduce_sum(old, axis=-1, keepdims=True)
@@ -91,8 +73,7 @@ def scatter_relationship(relation: tf.Tensor, clients: tf.Tensor,
 
 
 def message_rows(server_msg) -> collections.OrderedDict:
-  """The per-participant entries of a personalised round's broadcast, each `[P, ...]` in the
-  order of `server_msg['clients']`: `models` (s_i per tensor), `skip` and, when sent, `own`."""
+  """The broadcast's per-participant entries (s_i, skip, own), `[P, ...]` in `clients` order."""
   rows = collections.OrderedDict(models=tuple(server_msg['models']), skip=server_msg['skip'])
   if 'own' in server_msg:
     rows['own'] = tuple(server_msg['own'])
@@ -104,13 +85,10 @@ RELATIONSHIP_INITS = ('uniform', 'identity', 'random')
 
 def initial_relationship(num_clients: int, num_layers: int, init: str,
                          seed: int = 0) -> np.ndarray:
-  """R at round 0: `'uniform'` (1/N), `'identity'` or `'random'`.
+  """R at round 0: `'uniform'` (1/N), `'identity'` or `'random'`; else `ConfigError`.
 
-  `'random'` (KAPC §4.4: the server initialises R randomly, Algorithm 1 line 2): every entry
-  drawn from U(0, 1) with `np.random.default_rng(seed)`, then each row r_i^l divided by its sum
-  (rows are distributions over clients, as Algorithm 5 lines 6 and 12 normalise them). The
-  distribution is ours: the paper names none.
-  """
+  `'random'` (KAPC §4.4, Algorithm 1 line 2): U(0, 1) draws (ours; the paper names none) from
+  `np.random.default_rng(seed)`, each row r_i^l divided by its sum (as Algorithm 5 lines 6, 12)."""
   shape = [num_clients, num_layers, num_clients]
   if init == 'uniform':
     return np.full(shape, 1.0 / num_clients, np.float32)
@@ -145,11 +123,9 @@ class RelationRule:
   """How a personalised method obtains R and updates its server state (one module each).
 
   Attributes (set by subclasses): `lambda_` (λ of the client term towards s_i; 0: none),
-  `start_from` ('own' or 'server'), `local_layer_kinds` (layer kinds whose rows are the
-  identity, FedBN's normalisation layers), `relationship_init` (`RELATIONSHIP_INITS`) and
-  `relationship_seed` (for 'random').
-  Every method runs inside `tff.tensorflow.computation`s built by
-  `build_personalized_process`.
+  `start_from` (`START_FROM`), `local_layer_kinds` (layer kinds whose rows are the identity:
+  FedBN's normalisation layers), `relationship_init` (`RELATIONSHIP_INITS`), `relationship_seed`
+  (for 'random'). The methods run inside `build_personalized_process`'s TFF computations.
   """
   lambda_: float = 0.0
   start_from: str = 'own'
@@ -167,7 +143,7 @@ class RelationRule:
         self.relationship_seed)))
 
   def relation(self, state, server_input, context: RoundContext):
-    """(the `[P, L, P]` slice s_i and the skip mask come from, extra broadcast entries)."""
+    """Returns (the `[P, L, P]` slice for s_i and the skip mask, extra broadcast entries)."""
     return normalize_rows(slice_relationship(state['relation'], server_input['clients'])), {}
 
   def server_update(self, state, server_input, server_msg, trained, uploaded,
@@ -178,34 +154,23 @@ class RelationRule:
     return collections.OrderedDict(relation=state['relation'])
 
 
-# --- the process ------------------------------------------------------------------------------
 @dataclasses.dataclass
 class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   """A personalised method (`protocol.FederatedAlgorithm`; `personalized` is True).
 
-  `process.next(state, server_input, client_data)` with `server_input =
-  OrderedDict(clients=int32[P], models=tuple of [P, ...] server copies, num_examples=float32[P])`
-  and client data `client_input(batches, k, epochs, client_state)`. Its result holds, in the
-  order of `clients`: `personal` (each client's new model), `omega`, `uploaded` (`bool[P, L]`:
-  the layers the server received), with BLS `b_max`, `tau_max` (`[P, L]`) and the bytes
-  actually sent down/up per client. The server's new copies are not returned (they would
-  double what crosses the runtime boundary): `next_client_states` rebuilds them from
-  `personal` and `uploaded` (uploaded layers, the stale copy for the rest); they are the
-  `models` of the clients' next `server_input`.
+  `process.next(state, server_input, client_data)`: `server_input = OrderedDict(clients=int32[P],
+  models=tuple of [P, ...] server copies, num_examples=float32[P])`. Result, in `clients` order:
+  `personal` (new models), `omega`, `uploaded` (`bool[P, L]`), with BLS `b_max`, `tau_max`
+  (`[P, L]`), and bytes sent down/up per client; not the server's new copies (they would double
+  what crosses the runtime boundary): `next_client_states` rebuilds them.
 
-  Per-client state, as drivers keep it: `OrderedDict(model=OrderedDict(trainable,
-  non_trainable), server_copy=<the server's copy of its trainable weights, stale layers
-  included>, omega=<last Ω>)`, with BLS also `b_max`, `tau_max` (float32 `[L]`: Algorithm 4's
-  stored bounds B^l, τ^l, maxima over the client's full-layer rounds, `bls.select_omega_tf`);
-  `new_client_state`, `server_input`, `client_input` and `next_client_states` are the one
-  implementation of that bookkeeping.
+  Client state (`new_client_state`, `next_client_states`): `OrderedDict(model=OrderedDict(
+  trainable, non_trainable), server_copy=<the server's copy of its trainable weights, stale layers
+  included>, omega=<last Ω>)`, with BLS `b_max`, `tau_max` (float32 `[L]`, Algorithm 4's B^l, τ^l).
 
-  With BLS, `next` adds to the `kapc` measurements `stale_server_layers`: how many of the
-  round's participants' layers the server still holds at the initial weights after the round
-  (every tensor of the layer equal to the initial model's, bit for bit, in the copies
-  `next_client_states` returns), and `stale_server_layer_fraction` (that count over P·L).
-  Every participant has taken part at least once by then, so such a layer is one it never
-  uploaded. (`process.next` alone does not compute them: the server's copies are rebuilt here.)
+  With BLS, `next` (not `process.next`) adds `kapc` measurements `stale_server_layers`
+  (participants' layers whose server copy still equals the initial weights bit for bit, i.e.
+  never uploaded) and `stale_server_layer_fraction` (over P·L).
   """
   name: str
   process: object
@@ -214,24 +179,19 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   tensor_layers: list  # The layer of each trainable tensor.
   # Whether clients' personal trainable weights are part of their input (see the builder).
   model_from_client: bool = True
-  # Whether BLS is on: clients keep Algorithm 4's running maxima in their state.
-  bls: bool = False
-  # N: R and the per-client state are sized for it; client indices must be < N.
-  num_clients: Optional[int] = None
+  bls: bool = False  # BLS on: client states keep Algorithm 4's running maxima.
+  num_clients: Optional[int] = None  # N: sizes R and the client state; indices must be < N.
   personalized: bool = True
   personal_models: bool = True
-  # The round as `(prepare_round, end_round)` around the client work, and a builder of the
-  # client work's vectorised twin (`fltff.personalization.vectorized.VectorizedPersonalWork`).
+  # `(prepare_round, end_round)` around the client work; a builder of `VectorizedPersonalWork`.
   split_round: Optional[tuple] = None
   vectorized_fn: Optional[Callable[[Optional[str]], Any]] = None
-  # Per layer: kept on its client and never sent either way (the rule's `local_layer_kinds`,
-  # FedBN's BatchNorm layers). The server's copy of such a layer is the client's own, which
-  # the driver keeps for it; it is not counted in the bytes. Empty: none.
+  # Per layer: kept on the client, never sent (the rule's `local_layer_kinds`; empty: none). Its
+  # server copy is the client's own, kept by the driver, and not counted in the bytes.
   local_layers: tuple = ()
   _initial: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
   _vectorized: Any = dataclasses.field(default=None, repr=False, compare=False)
 
-  # -- protocol.FederatedAlgorithm -----------------------------------------------------------
   def initialize(self, call: protocol.Call = protocol.direct_call):
     return call(self.process.initialize)
 
@@ -251,8 +211,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 
   @property
   def bytes_down_per_client(self) -> int:
-    """All layers but the local ones (BLS may send fewer: the round's `bytes_down` counts what
-    was sent)."""
+    """All but the local layers (BLS may send fewer: the round's `bytes_down` counts them)."""
     return int(sum(self.communicated_layer_bytes))
 
   @property
@@ -261,8 +220,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 
   def next(self, state, server_input, client_inputs: Sequence,
            call: protocol.Call = protocol.direct_call) -> protocol.RoundOutput:
-    """`process.next(state, server_input, client_inputs)`; the participants' new states are
-    rebuilt from the result and their previous server copies (in `server_input`)."""
+    """`process.next`; new client states rebuilt from the result and `server_input`'s copies."""
     if self.vectorized:
       output = self._vectorized_next(state, server_input, client_inputs, call)
     else:
@@ -294,17 +252,14 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 
   def _vectorized_next(self, state, server_input, client_inputs: Sequence,
                        call: protocol.Call):
-    """`process.next` with the client work run by `VectorizedPersonalWork`: `prepare_round`,
-    the participants' training together, `end_round` (the same state and result)."""
+    """`process.next` as `prepare_round`, `VectorizedPersonalWork`, `end_round` (same result)."""
     from fltff.runtime.in_process import StackedClients  # pylint: disable=g-import-not-at-top
     from fltff.runtime.in_process import clients_argument  # pylint: disable=g-import-not-at-top
     from fltff.runtime.in_process import stacked_tensor  # pylint: disable=g-import-not-at-top
     from fltff.runtime.in_process import tensor_results  # pylint: disable=g-import-not-at-top
 
     prepare_round, end_round = self.split_round
-    # The participants' model copies and their s_i (each `[P, ...]`, model-sized per
-    # participant) go from one computation to the next as tensors: converted once, never
-    # copied out to NumPy and back (the copies took a large part of a round at 100 clients).
+    # The `[P, ...]` copies and s_i stay tensors between computations: no NumPy round trips.
     with tensor_results() as in_process:
       if in_process:
         server_input = tf.nest.map_structure(stacked_tensor, server_input)
@@ -319,23 +274,19 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     return client_state['model']
 
   def round_files(self, state) -> dict:
-    """The relationship cube for the report's heat map (KAPC paper, Fig. 7); none for a rule
-    that keeps no R (FedAMP)."""
+    """R for the report's heat map (KAPC paper, Fig. 7); none for a rule keeping no R (FedAMP)."""
     relation = np.asarray(state['relation'])
     return {'relationship.npy': relation} if relation.size else {}
 
   def summary_extras(self, num_clients: int) -> dict:
-    """The server's memory for the method: its state (KAPC's R `[N, L, N]`; pFedLA's
-    hypernetworks too) plus one model copy per client (the stale layers KAPC keeps)."""
+    """Server memory: its state (R; pFedLA's hypernetworks) plus one model copy per client."""
     from fltff.learning.model_spec import type_num_bytes  # pylint: disable=g-import-not-at-top
 
     server_state = type_num_bytes(self.process.initialize.type_signature.result.member)
     return {'server_memory_mb': (server_state + num_clients * self.bytes_up_per_client) / 1e6}
 
-  # -- the per-client bookkeeping --------------------------------------------------------------
   def new_client_state(self) -> collections.OrderedDict:
-    """A client that never took part: the initial model, Ω = L (BLS: Algorithm 4's branch
-    for a first selection, `bls.py` C2), with BLS stored bounds B = τ = 0."""
+    """A new client: the initial model, Ω = L (`bls.py`, C2), with BLS stored B = τ = 0."""
     trainable, non_trainable = self._initial_weights()
     num_layers = len(self.layer_sizes_bytes)
     state = collections.OrderedDict(
@@ -350,16 +301,14 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 
   def _initial_weights(self) -> tuple:
     """(trainable, non-trainable) NumPy weights of the initial model, built once."""
-    if self._initial is None:  # Building the Keras model once, not once per client.
+    if self._initial is None:
       initial = self.model_spec.initial_weights()
       self._initial = ([np.array(w) for w in initial.trainable],
                        [np.array(w) for w in initial.non_trainable])
     return self._initial
 
   def stale_server_layers(self, client_states: dict) -> int:
-    """How many layers of these clients' server copies equal the initial model's, bit for bit
-    (all the layer's tensors). `client_states`: `{client: state}` as `next_client_states`
-    returns them."""
+    """How many layers of `client_states`' server copies equal the initial model's bit for bit."""
     initial = self._initial_weights()[0]
     num_layers = len(self.layer_sizes_bytes)
     count = 0
@@ -376,9 +325,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     return count
 
   def client_input(self, batches, client_index: int, epochs: int, client_state):
-    """One participant's client data: `client_work.client_input` with its personal model
-    (trainable weights only where `model_from_client`), last Ω and (BLS) running maxima as
-    `state` (tensors)."""
+    """`client_work.client_input` with the personal model, last Ω and BLS maxima as `state`."""
     personal = collections.OrderedDict()
     if self.model_from_client:
       personal['trainable'] = tuple(client_state['model']['trainable'])
@@ -395,8 +342,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 
   def server_input(self, clients: Sequence[int], client_states: Sequence,
                    num_examples: Sequence[float]) -> collections.OrderedDict:
-    """The server's input for the participants `clients` (states in the same order); a
-    client index outside `[0, num_clients)` is a `ConfigError` here, in Python."""
+    """Server input for `clients` (states in that order); an index outside [0, N): `ConfigError`."""
     from fltff.runtime.in_process import aligned_stack  # pylint: disable=g-import-not-at-top
 
     self.check_client_indices(clients)
@@ -431,10 +377,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 
 
 class _RowCopies:
-  """Row `p` of each stacked `[P, ...]` array, copied when indexed: a client's stale server
-  copy, kept as its own array (a view would keep the round's whole stack alive), and made only
-  for the layers it did not upload (copying every layer would cost a model per participant
-  each round)."""
+  """Stale server copy: row `p` of each `[P, ...]` stack, copied lazily (a view pins the stack)."""
 
   def __init__(self, stacked: Sequence, p: int):
     self._stacked, self._p = stacked, p
@@ -445,20 +388,12 @@ class _RowCopies:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PersonalizedRound:
-  """The personalised round's arithmetic in its parts (module docstring): the server's
-  `prepare` and `finish`, and a participant's `client_row`, `client_start`,
-  `client_regularizer` and `client_result` around its local training. The TFF process
-  (`build_personalized_process`) and the vectorised clients (`personalization.vectorized`) run
-  the same parts.
+  """The round's parts (module docstring), run by the TFF process and by vectorised clients.
 
   Attributes:
-    rule: The method's `RelationRule`.
-    context: The layer structure and N (`RoundContext`).
     layers: Each layer's trainable tensor indices (`ModelSpec.trainable_layers`).
     local_layers: Per layer, whether it stays local (the rule's `local_layer_kinds`).
-    layer_sizes_bytes: Per layer, its bytes.
     columns, out_dims: BLS's n^l and d^l (`bls.layer_dimensions`).
-    lambda_, start_from: The rule's λ and where clients start (`START_FROM`).
     bls_mu, min_upload_layers: BLS's μ (None: BLS off) and Ω's lower limit.
   """
 
@@ -481,10 +416,9 @@ class PersonalizedRound:
 
   @property
   def model_from_client(self) -> bool:
-    """Whether a participant's own trainable weights come from its client state rather than
-    the broadcast: the server's copy may differ from them (BLS uploads part of the model;
-    without communication nothing is uploaded). Otherwise the copy in `server_input` is the
-    client's model (one model per participant less to ship in)."""
+    """Whether own trainable weights come from the client state, not `server_input`'s copy.
+
+    Needed where the copy may differ (BLS; no communication); else using it ships a model less."""
     return self.bls_mu is not None or not self.communicates
 
   @property
@@ -495,10 +429,8 @@ class PersonalizedRound:
   def num_layers(self) -> int:
     return self.context.num_layers
 
-  # -- server, before the clients --------------------------------------------------------
   def prepare(self, state, server_input):
-    """The broadcast: each participant's s_i, its skip row (BLS's `r_ii^l > μ`) and r_ii, and
-    the rule's own entries for its `server_update`."""
+    """The broadcast: per participant s_i, skip row (BLS: `r_ii^l > μ`), r_ii; the rule's extras."""
     rel, extra = self.rule.relation(state, server_input, self.context)
     local_layers = np.asarray(self.local_layers, bool)
     if local_layers.any():
@@ -515,24 +447,21 @@ class PersonalizedRound:
         clients=server_input['clients'], models=tuple(s), skip=skip, self_relation=self_rel)
     if not self.model_from_client and self.start_from == 'own':
       message['own'] = tuple(server_input['models'])
-    message.update(extra)  # The rule's own entries, for its `server_update`.
+    message.update(extra)
     return message
 
-  # -- a participant -----------------------------------------------------------------------
   @staticmethod
   def message_rows(server_msg) -> collections.OrderedDict:
     """Every participant's entries of the broadcast, `[P, ...]` (`message_rows`)."""
     return message_rows(server_msg)
 
   def client_row(self, server_msg, k):
-    """Client k's entries of the broadcast: its s_i per tensor, its skip row and, when the
-    message carries them, its own weights (`own`)."""
+    """Client k's broadcast entries: s_i per tensor, skip row and, when sent, `own` weights."""
     pos = tf.argmax(tf.cast(tf.equal(server_msg['clients'], k), tf.int32), output_type=tf.int32)
     return tf.nest.map_structure(lambda m: m[pos], message_rows(server_msg))
 
   def client_start(self, row, personal):
-    """From a client's `client_row`: its start weights, its s_i, which tensors' layers it was
-    sent, its own model."""
+    """`(start weights, s_i, per tensor whether its layer was sent, own model)` from a row."""
     s = list(row['models'])
     sent = [tf.logical_not(row['skip'][l]) for l in self.layer_of]
     if self.model_from_client:
@@ -547,9 +476,7 @@ class PersonalizedRound:
     return start, s, sent, own
 
   def client_regularizer(self, s, sent):
-    """λ Σ_l ||w^l − s^l||²: the proximal term with μ = 2λ towards s_i; without BLS every
-    layer is sent and the mask is dropped (one op less per tensor and local step). None for
-    λ = 0."""
+    """λ Σ_l ||w^l − s^l||²: proximal term, μ = 2λ, towards s_i (masked with BLS); None if λ = 0."""
     if self.lambda_ <= 0:
       return None
     mask = None if self.bls_mu is None else [tf.cast(c, w.dtype) for c, w in zip(sent, s)]
@@ -561,8 +488,7 @@ class PersonalizedRound:
     if self.bls_mu is None:
       omega, steps = tf.constant(self.num_layers, tf.int32), tf.constant(0, tf.int32)
     else:
-      # A skipped layer is compared with the client's own model at the round's start (it
-      # received no s^l this round): bls.py, C4. Algorithm 4 on B^l, τ^l (Eqs. 30–31).
+      # Skipped layers: τ against the own start model (bls.py, C4); Algorithm 4 on Eqs. (30)–(31).
       reference = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
       b, tau = bls.layer_bounds([[trained[t] for t in g] for g in self.layers],
                                 [[reference[t] for t in g] for g in self.layers])
@@ -575,17 +501,14 @@ class PersonalizedRound:
       weight['b_max'], weight['tau_max'] = b_max, tau_max
     return collections.OrderedDict(trainable=tuple(trained)), weight
 
-  # -- server, after the clients -----------------------------------------------------------
   def finish(self, state, server_input, server_msg, gathered, value_template):
-    """`(new state, result, measurements)` from the gathered uploads (`value_template`: the
-    structure of one upload, which the gathered tensors are packed back into)."""
+    """`(new state, result, measurements)`; `value_template`: one upload's structure."""
     clients = server_input['clients']
     ids = gathered['weight']['client_index']
     # Results arrive in any order (several workers): matched to clients by index.
     rows = tf.argmax(tf.cast(tf.equal(clients[:, None], ids[None, :]), tf.int32), axis=1,
                      output_type=tf.int32)
-    # In the server's order already (one worker, vectorised clients): the gathered tensors as
-    # they are, not a gathered copy of every participant's model.
+    # Already in order (one worker, vectorised clients): used as they are, not copied by a gather.
     in_order = tf.reduce_all(tf.equal(rows, tf.range(tf.size(rows))))
     values = [tf.cond(in_order, lambda v=v: tf.identity(v), lambda v=v: tf.gather(v, rows))
               for v in gathered['update']]
@@ -620,8 +543,7 @@ class PersonalizedRound:
         skipped_layer_fraction=tf.reduce_mean(tf.cast(server_msg['skip'], tf.float32)),
         self_relation_mean=tf.reduce_mean(server_msg['self_relation']),
         self_relation_max=tf.reduce_max(server_msg['self_relation']))
-    # r_ii^l of the slice s_i came from, per layer: its mean over the participants (CSV
-    # columns) and every participant's value (`[P, L]`, in `clients` order: measurements.jsonl).
+    # r_ii^l: per-layer means (CSV columns), all `[P, L]` in `clients` order (measurements.jsonl).
     for l in range(self.num_layers):
       stats[f'self_relation_layer_{l}'] = tf.reduce_mean(server_msg['self_relation'][:, l])
     stats['self_relation'] = server_msg['self_relation']
@@ -632,17 +554,12 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
                                rule: RelationRule, bls_mu: Optional[float] = None,
                                min_upload_layers: int = 1,
                                name: str = 'personalized') -> PersonalizedAlgorithm:
-  """Builds a personalised method from its `rule` as a TFF process (module docstring): the
-  parts of `PersonalizedRound` as TFF computations.
+  """Builds a personalised method from its `rule`: `PersonalizedRound` as TFF computations.
 
   Args:
-    model_spec: The model.
     num_clients: N.
-    client_optimizer: Local optimizer.
-    rule: The method's `RelationRule` (KAPC, FedAMP, FedBN, Local, pFedLA: one module each).
-    bls_mu: BLS server threshold μ (None: BLS off — every layer sent, every layer uploaded).
-    min_upload_layers: Ω's lower limit (BLS, Algorithm 4; `bls.py`, C3).
-    name: For logs.
+    bls_mu: BLS server threshold μ (None: BLS off, every layer sent and uploaded).
+    min_upload_layers: Ω's lower limit, in [1, L] (BLS, Algorithm 4; `bls.py`, C3).
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from fltff.aggregators.gather import build_gather  # pylint: disable=g-import-not-at-top
@@ -740,8 +657,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
 
   value_type, weight_type, _ = client_update.type_signature.result
   gather, gathered_type = build_gather(value_type, weight_type)
-  # The gathered update is the value flattened by `tf.nest`, which orders a dict's entries by
-  # key: 'non_trainable' before 'trainable'. Packed back into the value's structure, not sliced.
+  # `tf.nest` flattens dicts by key ('non_trainable' first): repack the update, don't slice it.
   value_template = tff.types.type_to_tf_tensor_specs(value_type)
 
   @tff.tensorflow.computation(state_type, server_input_type, broadcast_type, gathered_type)
@@ -771,8 +687,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
         client_update, (tff.federated_broadcast(server_msg), client_data))
     return round_end(state, server_input, server_msg, value, weight, model_outputs)
 
-  # The same round split around the client work, for vectorised clients: `prepare_round`,
-  # the participants' `client_update` (outside TFF), `end_round`.
+  # The round split around `client_update`, which vectorised clients run outside TFF.
   @tff.federated_computation(*server_types)
   def prepare_round(state, server_input):
     return tff.federated_map(prepare, (state, server_input))

@@ -1,17 +1,13 @@
 """Client-vectorised rounds for the personalised methods (KAPC, FedAMP, Local, pFedLA).
 
-`build_personalized_process`'s client work — start from the client's own model (or s_i),
-train E epochs on `f_i(w) + λ Σ_l ||w^l − s_i^l||²`, BLS's choice of Ω (KAPC Algorithms 3–4)
-— for all of a round's participants in one TensorFlow step: the local training is
-`learning.vectorized.VectorizedClientWork` with per-client start weights and a per-client
-proximal term, and the parts before and after it are the round's own
-(`process.PersonalizedRound`: `client_start`, `client_result`), mapped over the clients with
-`tf.vectorized_map`. The server's parts of the
-round stay TFF computations (`PersonalizedAlgorithm.split_round`), so the state and result are
-the same as TFF's to float rounding (tests/test_vectorized.py).
-
-BatchNorm models: each client's moving statistics (its client state's `non_trainable`) train
-with it and come back in its upload, as TFF's client work returns them (FedBN keeps them local).
+`build_personalized_process`'s client work (start model, E epochs on
+`f_i(w) + λ Σ_l ||w^l − s_i^l||²`, BLS's choice of Ω) for all participants in one TensorFlow step:
+the training is `learning.vectorized.VectorizedClientWork` with per-client start weights and
+proximal terms; the parts around it are `process.PersonalizedRound`'s `client_start` and
+`client_result` under `tf.vectorized_map`. The server's parts stay TFF computations
+(`PersonalizedAlgorithm.split_round`), so state and result equal TFF's to float rounding
+(tests/test_vectorized.py). BatchNorm models: each client's moving statistics (its state's
+`non_trainable`) train with it and return in its upload, as in TFF (FedBN keeps them local).
 """
 
 from __future__ import annotations
@@ -31,12 +27,11 @@ from fltff.learning.vectorized import with_clients
 
 
 def participant_rows(rows, listed: Sequence[int], order: Sequence[int]) -> collections.OrderedDict:
-  """Each participant's `client_row`, stacked in the order `order`, from the broadcast's
-  per-participant entries `rows` (`process.message_rows`: `[P, ...]` in the order `listed`, the
-  broadcast's clients). The broadcast already lists them in that order when the round's
-  clients are trained in the order the server listed them (always, in `_vectorized_next`):
-  then the rows are the message's own tensors, not a gathered copy of s_i and the own models
-  per client."""
+  """Each participant's `client_row`, stacked in `order`, from the broadcast's `rows`.
+
+  `rows`: `process.message_rows`, `[P, ...]` in the order `listed`. If `order` is that order
+  (always, in `_vectorized_next`), `rows` is returned as it is, not copied by a gather; a client
+  missing from `listed` raises `ValueError`."""
   listed = [int(k) for k in listed]
   if listed == list(order):
     return rows
@@ -49,9 +44,7 @@ def participant_rows(rows, listed: Sequence[int], order: Sequence[int]) -> colle
 
 
 class VectorizedPersonalWork:
-  """`__call__(server_msg, client_inputs)` → `(value, weight, model_outputs)`, each stacked
-  along the participants (in `client_inputs` order): what the process's `client_update` returns
-  per client, for `end_round`."""
+  """Called with `(server_msg, client_inputs)`: `client_update`'s outputs stacked in input order."""
 
   def __init__(self, model_spec: ModelSpec, optimizer, parts, device: Optional[str] = None,
                factor_dense: bool = True):

@@ -2,13 +2,11 @@
 
 A round allocates and frees the same model-sized buffers at every step. Tensors: TensorFlow's
 default CPU allocator takes each from malloc, whose large blocks are fresh mmaps the kernel
-fills page by page; `pooled_tensors` asks for TensorFlow's BFC allocator instead, which reuses
-its memory (in this process before its first op, or in a child's environment). Other buffers:
-glibc raises its mmap threshold after the first large `free`, and model-sized blocks then
-fragment the heap; `fix_mmap_threshold` / `worker_environment` fix it (the local
-`worker_binary` grows several times more slowly per round) and `trim` (`malloc_trim(0)`, after
-each round) returns the heap's free pages. None of this changes a number; the glibc settings
-are no-ops where libc is not glibc.
+fills page by page; `pooled_tensors` selects TensorFlow's reusing BFC allocator (before this
+process's first op, or for a child). Other buffers: glibc raises its mmap threshold after the
+first large `free`, and model-sized blocks then fragment the heap; `fix_mmap_threshold` /
+`worker_environment` keep it fixed, and `trim` (after each round) returns the free pages. None
+of this changes a number; the glibc settings are no-ops where libc is not glibc.
 """
 
 from __future__ import annotations
@@ -36,14 +34,12 @@ def _glibc() -> Optional[ctypes.CDLL]:
 
 
 def pooled_tensors(environ: Optional[dict] = None) -> None:
-  """TensorFlow's BFC allocator for this process's tensors (or, given `environ`, for a child
-  started with it), unless the environment names an allocator already."""
+  """TensorFlow's BFC allocator for this process (or, in `environ`, a child) unless one is named."""
   (os.environ if environ is None else environ).setdefault(*_POOLED)
 
 
 def fix_mmap_threshold(kib: int) -> bool:
-  """Serves blocks of `kib` KiB or more with mmap in this process, without glibc's dynamic raise
-  (0: leave glibc's default). Returns whether the setting was applied."""
+  """Fixes glibc's mmap threshold here at `kib` KiB (0: no-op); returns whether it did."""
   libc = _glibc()
   if kib <= 0 or libc is None:
     return False
@@ -51,8 +47,7 @@ def fix_mmap_threshold(kib: int) -> bool:
 
 
 def worker_environment(kib: int, base: Optional[dict] = None) -> dict:
-  """`base` (default: this process's environment) with the threshold and the pooled tensor
-  allocator set for a child process."""
+  """`base` (default: `os.environ`) with the threshold and pooled tensors set, for a child."""
   env = dict(os.environ if base is None else base)
   pooled_tensors(env)
   if kib > 0:

@@ -2,10 +2,10 @@
 
 TFF's native compiler lowers the computation to a tree of federated intrinsics over compiled
 TensorFlow graphs; each graph is imported once as a TensorFlow function, and a small
-interpreter evaluates the tree with CLIENTS values as per-participant lists or, from
-vectorised client work, stacked (`StackedClients`). No arithmetic is rewritten: results equal
-the C++ runtime's up to floating-point scheduling (tests/test_in_process.py). How it works,
-step by step: docs/architecture.md ("The in-process executor").
+interpreter evaluates the tree with CLIENTS values as per-participant lists or stacked
+(`StackedClients`). No arithmetic is rewritten: results equal the C++ runtime's up to
+floating-point scheduling (tests/test_in_process.py). Details: docs/architecture.md, "The
+in-process executor".
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ class InProcessError(ConfigError):
 
 
 # ---- values ------------------------------------------------------------------------------
-# Internal representation: tf.Tensor (eager), tf.data.Dataset, structure.Struct of values,
-# `_Clients` (one value per participant), or a Python callable (functions).
+# Internal values: eager tf.Tensor, tf.data.Dataset, Struct, `_Clients`/`_Stacked`, callable.
 
 
 class _Clients(list):
@@ -56,15 +55,11 @@ class _Clients(list):
 
 
 class StackedClients:
-  """A CLIENTS-placed argument given as one structure whose arrays all carry a leading
-  participant axis of length `num_clients`: the same argument as the list
-  `[value with every array a[k]] for k in range(num_clients)`, without splitting it.
+  """A CLIENTS-placed argument as one structure whose arrays lead with a participant axis.
 
-  The in-process context keeps such a value stacked through `federated_zip`, `federated_map`
-  and `federated_aggregate` over one compiled graph (see `_TensorFlowFunction.map_stacked`
-  and `fold_stacked`), so a vectorised client work (`fltff.learning.vectorized`)
-  hands its participants' results to the aggregator without one Python value per
-  participant. Only this context accepts it.
+  Stands for `[value with every array a[k]] for k in range(num_clients)`; this context alone
+  takes it and keeps it stacked through zip, map and aggregate (`map_stacked`, `fold_stacked`),
+  so vectorised client work needs no Python value per participant.
   """
 
   def __init__(self, value, num_clients: int):
@@ -83,15 +78,13 @@ class StackedClients:
 # TensorFlow's CPU tensors must start on this boundary (Eigen's EIGEN_MAX_ALIGN_BYTES): a
 # tensor made on a misaligned buffer aborts the process.
 _TENSOR_ALIGNMENT = 64
-# Only model-sized arrays are handed over; smaller ones are copied as before.
 _SHARE_MIN_BYTES = 1 << 20
 _SHAREABLE_DTYPES = frozenset(np.dtype(d) for d in (np.float16, np.float32, np.float64, np.int8,
                                                      np.int16, np.int32, np.int64, np.uint8))
 
 
 def aligned_stack(rows) -> np.ndarray:
-  """`np.stack(rows)` (the same array) in a buffer aligned for TensorFlow, so that
-  `stacked_tensor` hands it to TensorFlow without a copy."""
+  """`np.stack(rows)` in a buffer aligned for TensorFlow, so `stacked_tensor` need not copy."""
   rows = [np.asarray(r) for r in rows]
   dtype = np.result_type(*rows)
   shape = (len(rows), *rows[0].shape)
@@ -104,13 +97,9 @@ def aligned_stack(rows) -> np.ndarray:
 
 
 def stacked_tensor(array) -> tf.Tensor:
-  """`tf.convert_to_tensor(array)` for an `aligned_stack` result: the tensor shares the
-  array's buffer (DLPack; the array stays alive while the tensor does) instead of copying it.
-  Model-sized stacks are what a vectorised round hands in (KAPC's server copies, SCAFFOLD's
-  controls, MOON's previous models: tens of MB each at 100 mlp2 clients, whose copy would
-  cost tens of milliseconds a round).
-  The array must not be written afterwards. Any other value (misaligned, non-contiguous,
-  read-only, small, another dtype) is copied as `tf.convert_to_tensor` does."""
+  """`tf.convert_to_tensor(array)` sharing a model-sized `aligned_stack` result's buffer
+  (DLPack; the array must not be written afterwards); any other value (misaligned,
+  non-contiguous, read-only, small, another dtype) is copied."""
   if (isinstance(array, np.ndarray) and array.nbytes >= _SHARE_MIN_BYTES
       and array.dtype in _SHAREABLE_DTYPES and array.flags.c_contiguous
       and array.flags.writeable and array.ctypes.data % _TENSOR_ALIGNMENT == 0):
@@ -119,9 +108,8 @@ def stacked_tensor(array) -> tf.Tensor:
 
 
 def tensor_results():
-  """`InProcessContext.tensor_results()` of the current TFF context when it is one (it
-  yields True); in any other a no-op that yields False (results are NumPy as TFF returns
-  them)."""
+  """`InProcessContext.tensor_results()` of the current context if it is one (yields True);
+  else a no-op yielding False (results are NumPy, as TFF returns them)."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   current = tff.framework.get_context_stack().current
@@ -131,8 +119,7 @@ def tensor_results():
 
 
 def clients_argument(stacked: StackedClients):
-  """`stacked` as the current TFF context takes it: as it is in an `InProcessContext`, as the
-  per-participant list in any other (TFF's C++ runtime)."""
+  """`stacked` itself in an `InProcessContext`, its per-participant list in any other context."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   if isinstance(tff.framework.get_context_stack().current, InProcessContext):
@@ -141,8 +128,7 @@ def clients_argument(stacked: StackedClients):
 
 
 class _Stacked:
-  """Internal CLIENTS-placed value kept stacked: `value` is an internal value (tensor or
-  Struct) whose every leaf is a tensor with a leading axis of `count` participants."""
+  """Internal CLIENTS value kept stacked: every leaf of `value` leads with `count` participants."""
 
   __slots__ = ('value', 'count')
 
@@ -196,9 +182,8 @@ def _unflatten(leaves, type_spec, t):
 
 
 def _build(leaves, type_spec, t):
-  """`_unflatten`'s recursion, a module function: a nested recursive closure is a reference
-  cycle that holds each call's result tensors until Python's cycle collector runs (hundreds
-  of MB of model-sized tensors per round for a personalised method at 100 clients)."""
+  """`_unflatten`'s recursion, a module function: a recursive closure is a reference cycle,
+  holding each call's result tensors until Python's cycle collector runs."""
   if isinstance(type_spec, t['types'].StructType):
     return t['structure'].Struct([(name, _build(leaves, member, t))
                                   for name, member in t['structure'].to_elements(type_spec)])
@@ -212,20 +197,15 @@ _FRESH_NAMES = itertools.count()
 
 
 def fresh_dataset(dataset: tf.data.Dataset) -> tf.data.Dataset:
-  """`dataset` rebuilt from its graph, as TFF's runtime receives it (it serialises datasets).
-
-  A dataset that reshuffles on every iteration keeps its seed generator in the Python object:
-  passed twice as it is (FedLap personalisation trains the global and the local model on the
-  same batches), the second pass would see another order than on the C++ runtime, where every
-  call gets a freshly deserialised pipeline. The round trip gives every call that fresh state.
-  """
+  """`dataset` rebuilt from its graph, fresh as TFF's runtime deserialises it for each call:
+  a reshuffling dataset passed twice (FedLap personalisation) would otherwise go on with its
+  seed generator's state, unlike on the C++ runtime."""
   serialized = tf.raw_ops.DatasetToGraphV2(
       input_dataset=tf.data.experimental.to_variant(dataset)).numpy()
   graph_def = tf.compat.v1.GraphDef()
   graph_def.ParseFromString(serialized)
-  # The graph names the dataset's seed generators by handle; in this process the handle would
-  # find the live one (and its advanced state). A new name makes the runtime create a fresh
-  # generator, as in a worker that has never seen it.
+  # Seed generators are named by handle, which here finds the live one (its state advanced);
+  # a new name makes the runtime create a fresh generator.
   renamed = False
   for node in graph_def.node:
     if node.op != 'Const' or node.attr['dtype'].type != tf.resource.as_datatype_enum:
@@ -293,11 +273,9 @@ def _to_python(value, t, keep_tensors: bool = False):
 
 
 def _array_view(tensor: tf.Tensor) -> np.ndarray:
-  """`tensor`'s value as a read-only NumPy array over its own buffer (`np.asarray`), where
-  `tensor.numpy()` copies it. A round's model-sized results (a personalised method's new
-  client states: a model per participant) would be copied into freshly allocated memory, and
-  memory that was freed a few seconds before can be slow to touch again. Read-only, so that
-  nothing writes into a buffer TensorFlow may share with another tensor."""
+  """`tensor`'s value as a read-only NumPy array over its own buffer: `tensor.numpy()` copies
+  model-sized results into fresh memory, which can be slow to touch. Read-only, as TensorFlow
+  may share the buffer with another tensor."""
   array = np.asarray(tensor)
   if array.flags.writeable:
     array = array.view()
@@ -326,12 +304,8 @@ def _num_clients_of(value, type_spec, t) -> Optional[int]:
 
 
 def _rename_library_functions(graph_def, suffix: str) -> None:
-  """Gives the graph's function library unique names, in place.
-
-  TFF's compiler rewrites the call ops of traced functions (it disables Grappler in them) but
-  keeps their names, which this process's eager context already holds with the original bodies;
-  importing them under the same names would clash.
-  """
+  """Gives the graph's function library unique names, in place: TFF's compiler rewrites
+  traced functions but keeps their names, which this process holds with the original bodies."""
   names = {f.signature.name for f in graph_def.library.function}
   if not names:
     return
@@ -378,8 +352,7 @@ def _as_list(out) -> list:
 
 
 def _stack_leaves(leaves_per_client: list) -> Optional[list]:
-  """Each leaf position stacked over the clients, or None when some position holds datasets,
-  strings, or tensors of unequal shape or dtype."""
+  """Leaf positions stacked over clients; None for datasets, strings, unequal shapes or dtypes."""
   if len(leaves_per_client) < 2:
     return None
   stacked = []
@@ -394,11 +367,8 @@ def _stack_leaves(leaves_per_client: list) -> Optional[list]:
 
 
 def _call_flat(function, leaves: list):
-  """Calls a pruned function on its flat tensor inputs.
-
-  The public call path binds the arguments to a structured signature, which formats every
-  tensor (a large part of a small round); the inputs here are already flat and typed.
-  """
+  """Calls a pruned function on its flat tensor inputs, skipping the public path's binding to
+  a structured signature (which formats every tensor)."""
   return function._call_flat(leaves, function.captured_inputs)  # pylint: disable=protected-access
 
 
@@ -441,18 +411,14 @@ class _TensorFlowFunction:
     self._looped_map = None
     self._looped_fold = None
     self._append_columns = None  # `_find_append_columns`, on first fold; False: not a gather.
-    # Stateful random ops: TFF's runtime runs the graph afresh on every call, so each call
-    # gets the op's first draw; a function called again here would advance the op's state.
-    # Such a graph is pruned anew for each call (and never looped or vectorised).
+    # Stateful random ops: TFF runs the graph afresh each call (the op's first draw); here it
+    # is pruned anew per call, so its state never advances (it is never looped or vectorised).
     self._draws_random = any(_is_stateful_random(op) for op in self._run.graph.get_operations())
     self._fresh_run = (lambda: wrapped.prune(feeds, fetches)) if self._draws_random else None
 
   # -- many clients in one call ------------------------------------------------------------
-  # A federated_map or a federated_aggregate's fold over K participants would cost K calls
-  # from Python (~1 ms each). Instead a map is one pfor-vectorised call over the stacked
-  # participants (several times faster than one call per participant at 100 clients), or
-  # one tf.function that loops over them calling the same graph once per
-  # participant, in order, where pfor fails; a fold is always the loop.
+  # Not K calls from Python: a map over K participants is one pfor-vectorised call (where pfor
+  # fails, one tf.function calling the graph per participant in order); a fold is that loop.
 
   def map_clients(self, args: list) -> Optional[list]:
     """`[self(a) for a in args]` in one call; None when the arguments cannot be stacked
@@ -467,9 +433,8 @@ class _TensorFlowFunction:
     return [self.unflatten_result(list(leaves)) for leaves in per_client]
 
   def map_stacked(self, stacked_arg):
-    """`self` applied to each participant's slice of `stacked_arg` (an internal value whose
-    leaves carry a leading participant axis), in one call; the result stacked the same way.
-    None when it cannot (see `map_clients`; also results holding datasets)."""
+    """`self` on each participant's slice of `stacked_arg` (leaves with a leading participant
+    axis) in one call, the result stacked alike; None as `map_clients`, or for datasets."""
     if self._init is not None or self.type_signature.parameter is None:
       return None
     out = self._map_stacked_leaves(self.flatten_arg(stacked_arg))
@@ -513,8 +478,7 @@ class _TensorFlowFunction:
     return None if stacked is None else self._fold_stacked_leaves(zero, stacked)
 
   def fold_stacked(self, zero, stacked_values):
-    """`fold_clients` over the participants' slices of `stacked_values` (an internal value
-    whose leaves carry a leading participant axis), in order; None when it cannot."""
+    """`fold_clients` over the participants' slices of `stacked_values`; None when it cannot."""
     parameter = self.type_signature.parameter
     if self._init is not None or parameter is None or len(parameter) != 2:
       return None
@@ -531,10 +495,8 @@ class _TensorFlowFunction:
     if self._append_columns is None:
       self._append_columns = self._find_append_columns(len(acc)) or False
     if self._append_columns:
-      # A gathering accumulate appends each client's value as a row: folding the stacked
-      # clients is one concatenation (the same rows, without copying the accumulator K times).
-      # An empty accumulator (the aggregation's zero) adds no row: the stacked column is the
-      # result as it is, not a model-sized copy.
+      # A gathering accumulate appends each client's value as a row: the fold is one concat
+      # (an empty accumulator, the zero, adds none: the stacked column is the result as is).
       return self.unflatten_result([
           stacked[j] if a.shape[0] == 0 else tf.concat([a, stacked[j]], 0)
           for a, j in zip(acc, self._append_columns)])
@@ -671,8 +633,7 @@ def _map_structs(fn, t, *values):
 
 
 def _zip_clients(value, t):
-  """A Struct of CLIENTS values (possibly nested) as CLIENTS Structs, member by member; kept
-  stacked when every member is."""
+  """A (nested) Struct of CLIENTS values as CLIENTS Structs; stacked if every member is."""
   structure = t['structure']
   if isinstance(value, (_Clients, _Stacked)):
     return value
@@ -695,7 +656,6 @@ class _Interpreter:
     self._t = context.tff
     self._num_clients = num_clients
 
-  # -- building blocks ---------------------------------------------------------------------
   def evaluate(self, comp, env: _Env):
     bb = self._t['bb']
     if isinstance(comp, bb.Reference):
@@ -737,9 +697,8 @@ class _Interpreter:
 
   def _compiled_wrapper(self, comp):
     """The compiled computation C when `comp` is `(x -> C(x))` or `(x -> let v=C(x) in v)`,
-    else None. TFF's compiler leaves such wrappers around e.g. an aggregate's accumulate;
-    seen as C itself, the map and fold run over the stacked clients in one call instead of
-    one interpreted call per client (e.g. FedLayerWise's gathering fold)."""
+    else None: seen as C, a map or fold over stacked clients is one call, not one per client
+    (TFF's compiler leaves such wrappers, e.g. around an aggregate's accumulate)."""
     bb = self._t['bb']
     name, body = comp.parameter_name, comp.result
     if name is None:
@@ -753,7 +712,6 @@ class _Interpreter:
       result = body.function
     return result
 
-  # -- intrinsics --------------------------------------------------------------------------
   def _intrinsic(self, comp):
     uri = comp.uri
     n = self._num_clients
@@ -819,12 +777,8 @@ class _Interpreter:
 
 
 class InProcessContext(context_base.SyncContext):
-  """A TFF synchronous context that runs computations in this process (module docstring).
-
-  Args:
-    device: A TensorFlow device string (e.g. '/GPU:0') for the computations, or None for
-      TensorFlow's placement (its GPU when it sees one).
-  """
+  """A TFF synchronous context that runs computations in this process (module docstring), on
+  TensorFlow `device` (e.g. '/GPU:0'; None: TensorFlow's choice)."""
 
   def __init__(self, device: Optional[str] = None):
     self.tff = _tff_internals()
@@ -835,10 +789,9 @@ class InProcessContext(context_base.SyncContext):
 
   @contextlib.contextmanager
   def tensor_results(self):
-    """Within the block, computations return their tensors as TensorFlow tensors instead of
-    NumPy copies, and take them back without another copy: for a caller that feeds one
-    computation's result into the next (the personalised vectorised round passes its
-    participants' model-sized s_i from `prepare_round` to the clients and to `end_round`)."""
+    """Within the block, computations return tensors as they are (not NumPy copies) and take
+    them back uncopied: for a caller feeding one result into the next (the personalised
+    vectorised round's model-sized s_i, from `prepare_round` to the clients and `end_round`)."""
     self._tensor_results += 1
     try:
       yield True

@@ -1,10 +1,8 @@
-r"""The inside of an isolated `worker_binary`: run in a private network namespace by
-`fltff.runtime.local.IsolatedWorker` (the local C++ runtime, and `fltff.runtime.worker` behind
-mutual TLS), never by hand.
+r"""The inside of an isolated `worker_binary`, run by `fltff.runtime.local.IsolatedWorker`.
 
-It brings up the namespace's own loopback, starts `worker_binary` there (reachable from this
-namespace only: it has no other interface) and relays a Unix socket to it; the socket file is
-the only way in, and only its owner may open it (mode 0600).
+In the private network namespace it brings up the loopback, starts `worker_binary` there
+(reachable from this namespace only) and relays a Unix socket to it: the only way in, which
+only its owner may open (mode 0600).
 """
 
 import fcntl

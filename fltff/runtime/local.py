@@ -1,19 +1,9 @@
 """TFF execution contexts whose `worker_binary` processes we own.
 
-TFF's default local context (`tff.backends.native.create_sync_local_cpp_execution_context`)
-starts the C++ `worker_binary` lazily and relies on `__del__` to stop it, which fails at
-interpreter exit and leaves the worker running. fltff instead
-starts the worker itself:
-
-* the child gets `PR_SET_PDEATHSIG(SIGKILL)`, so it dies even if the driver is SIGKILLed;
-* its stdout/stderr go to a log file, never to the parent's streams (a worker that inherits a
-  pipe blocks the reader of that pipe until it dies): `tff_worker.log` in the run folder for
-  the pipeline (`log_dir`), else a temporary file; a log left empty is removed at `stop()`;
-* `TffRuntime.close()` (called by the context manager, an `atexit` hook and the pipeline's
-  SIGTERM/SIGINT handlers) terminates it by PID and waits for it.
-
-The execution context built on top is exactly TFF's own local one: a `RemoteExecutor` talking
-gRPC to the worker, wrapped in a `SyncExecutionContext` with TFF's native compiler.
+TFF's default local context stops its worker in `__del__`, which fails at interpreter exit and
+leaves it running. fltff starts the worker with `PR_SET_PDEATHSIG(SIGKILL)` (it dies even with
+a SIGKILLed driver), its output in a log file (an inherited pipe would block its reader until
+the worker dies), and `TffRuntime.close()` (context manager, `atexit`, signal handlers) stops it.
 """
 
 from __future__ import annotations
@@ -46,9 +36,8 @@ from fltff.runtime import heap
 _PR_SET_PDEATHSIG = 1
 # After a lost worker, how long each remaining one has to answer before it counts as lost too.
 RECONNECT_TIMEOUT_S = 5.0
-# `rpc_timeout=None` (the default): each RPC's deadline is FIRST_RPC_TIMEOUT_S until a round
-# has completed (the first round also compiles), then RPC_TIMEOUT_FACTOR x the slowest round so
-# far, at least RPC_TIMEOUT_FLOOR_S: a hung worker is found within a few rounds' time.
+# Adaptive RPC deadline (`rpc_timeout=None`): FIRST_RPC_TIMEOUT_S until a round completes (the
+# first also compiles), then RPC_TIMEOUT_FACTOR x the slowest round, at least the floor.
 FIRST_RPC_TIMEOUT_S = 3600.0
 RPC_TIMEOUT_FACTOR = 10.0
 RPC_TIMEOUT_FLOOR_S = 300.0
@@ -104,8 +93,7 @@ class WorkerProcess:
         f'--port={self.port}',
         f'--max_concurrent_computation_calls={max_concurrent_computation_calls}',
     ]
-    # Only pass preexec_fn from the main thread: PDEATHSIG fires when the *thread* that forked
-    # the child exits, so forking from a short-lived thread would kill the worker early.
+    # preexec_fn only from the main thread: PDEATHSIG fires when the forking *thread* exits.
     use_deathsig = die_with_parent and threading.current_thread() is threading.main_thread()
     self.process = subprocess.Popen(  # pylint: disable=consider-using-with
         args,
@@ -143,14 +131,12 @@ class WorkerProcess:
 
 
 class IsolatedWorker:
-  """One `worker_binary` in a private, unprivileged network namespace (`unshare --user
-  --map-root-user --net`), reached only through a Unix socket in a folder of mode 0700.
+  """A `worker_binary` in a private network namespace, reached only by a Unix socket.
 
-  `worker_binary` executes any TensorFlow graph it is sent and always listens on every
-  interface: in its own namespace the only interface is that namespace's loopback, so nothing
-  on the network (nor another local user) can reach it. `fltff.runtime.isolated` runs inside
-  and relays the socket to it. Used for the local C++ runtime and, behind mutual TLS, by
-  `python -m fltff.runtime.worker`.
+  `worker_binary` runs any TensorFlow graph it is sent and listens on every interface; in its
+  own unprivileged namespace (`unshare --user --map-root-user --net`) the only one is a private
+  loopback, and the socket's folder has mode 0700: neither the network nor another local user
+  reaches it. `fltff.runtime.isolated` runs inside and relays the socket.
   """
 
   def __init__(self, max_concurrent_computation_calls: int = -1,
@@ -159,8 +145,7 @@ class IsolatedWorker:
                start_timeout: float = 60.0):
     import sys  # pylint: disable=g-import-not-at-top
 
-    # Mode 0700. A Unix socket's path may not exceed 107 bytes: a deep TMPDIR falls back to
-    # /tmp.
+    # A Unix socket's path may not exceed 107 bytes: a deep TMPDIR falls back to /tmp.
     base = tempfile.gettempdir()
     if len(os.path.join(base, 'fltff_worker_xxxxxxxx', 'worker.sock')) > 100:
       base = '/tmp'
@@ -224,8 +209,8 @@ class IsolatedWorker:
     return self.process.poll() is None
 
   def stop(self, timeout: float = 15.0) -> None:
-    """Stops the relay, which stops `worker_binary`; removes the socket, and the folder unless
-    it holds a non-empty log of ours."""
+    """Stops the relay and so `worker_binary`; removes the socket, and the folder unless it
+    holds a non-empty log of ours (`worker_binary`'s own stop removes an empty one)."""
     if self.process.poll() is None:
       try:
         self.process.send_signal(signal.SIGTERM)
@@ -242,20 +227,14 @@ class IsolatedWorker:
       self._log.close()
     with contextlib.suppress(OSError):
       os.remove(self.socket_path)
-    # The folder goes unless it holds a non-empty log of ours (worker_binary's own stop
-    # removes an empty one).
     if (not self._own_log or not os.path.exists(self.log_path)
         or os.path.getsize(self.log_path) == 0):
       shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class WorkerLostError(RuntimeUnavailableError):
-  """A TFF worker stopped answering during a computation (named by `address`).
-
-  Deliberately *not* a `tff.framework.RetryableError`: TFF's execution contexts retry those
-  forever, so a dead worker would hang the driver. fltff's runtime decides instead: drop the
-  worker and repeat the round on the others, or stop with this message.
-  """
+  """A TFF worker (`address`) stopped answering; not a `tff.framework.RetryableError`, which
+  TFF retries forever (a dead worker would hang the driver)."""
 
   def __init__(self, address: str, detail: str):
     super().__init__(f'TFF worker {address} was lost ({detail}).')
@@ -274,10 +253,8 @@ def _fail_fast_stub_class():
     """Raises `WorkerLostError` instead of TFF's endlessly retried `RetryableGRPCError`."""
 
     def __init__(self, channel, address: str, rpc_timeout: float):  # pylint: disable=super-init-not-called
-      # Not TFF's __init__: it subscribes a callback to the channel's connectivity, for an
-      # `is_ready` nothing in TFF 0.87 reads; the subscription starts a polling thread that
-      # holds the channel (and this stub) for the life of the process, so a replaced worker's
-      # channel could be neither closed nor freed (each recycle would keep one).
+      # Not TFF's __init__: its connectivity subscription (for an unused `is_ready`) starts a
+      # thread holding channel and stub for good: a replaced worker's channel would leak.
       from tensorflow_federated.proto.v0 import executor_pb2_grpc  # pylint: disable=g-import-not-at-top
 
       self._channel = channel
@@ -325,8 +302,8 @@ def _fail_fast_stub_class():
 def _connect_stub(address: str, timeout: float, rpc_timeout: float = 3600.0,
                   credentials: Optional[grpc.ChannelCredentials] = None,
                   server_name: Optional[str] = None):
-  """A fail-fast TFF executor stub for `address`, once the worker answers (over mutual TLS
-  with `credentials`; `server_name` overrides the name checked in the worker's certificate)."""
+  """A fail-fast executor stub for `address` once the worker answers; mutual TLS with
+  `credentials` (`server_name`: the name to check in the worker's certificate)."""
   if credentials is None:
     channel = grpc.insecure_channel(address, _GRPC_OPTIONS)
   else:
@@ -363,12 +340,8 @@ _COMPILED = weakref.WeakKeyDictionary()
 
 
 def _compile_once(comp):
-  """TFF's native compilation of `comp`, done once per computation for all contexts.
-
-  Each context's `CompilerPipeline` would compile a computation again after a recycle (and the
-  TensorFlow graph work of compiling stays in the driver, a few MiB per recycle); the
-  compiled form does not depend on the context, so it is shared.
-  """
+  """TFF's native compilation of `comp`, shared by all contexts (it depends on none): each
+  context's `CompilerPipeline` would redo it, and keep its graphs, after every recycle."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   compiled = _COMPILED.get(comp)
@@ -404,22 +377,17 @@ def _mergeable_context_for_stubs(stubs):
 
 
 def _release_compiled_computations() -> None:
-  """Empties TFF's cache of compiled computations (else each recycle leaks one context's).
-
-  TFF 0.87's `CompilerPipeline.compile` is a `functools.lru_cache` on the method, one cache for
-  all pipelines keyed by (pipeline, computation): a replaced context's pipeline and everything
-  it compiled stay referenced until 128 newer entries push them out (~2 MiB per recycle for
-  mlp2 FedAvg, ~12 MiB for FedLayerWise). The live context recompiles on its next call (once).
-  """
+  """Empties TFF 0.87's `CompilerPipeline.compile` cache, one `lru_cache` for all pipelines:
+  else a replaced context's compilations stay until 128 newer entries evict them. The live
+  context recompiles once."""
   from tensorflow_federated.python.core.impl.execution_contexts import compiler_pipeline  # pylint: disable=g-import-not-at-top
 
   compiler_pipeline.CompilerPipeline.compile.cache_clear()
 
 
 class _LostWorkerTaskFilter:
-  """Drops asyncio's 'Task exception was never retrieved' for a lost worker: when TFF's
-  mergeable context loses one sub-round, the others' failures are never awaited, and the
-  runtime reports the loss itself (one line) instead of a traceback per worker."""
+  """Drops asyncio's 'Task exception was never retrieved' for a lost worker (TFF's mergeable
+  context never awaits the other sub-rounds' failures; the runtime reports the loss once)."""
 
   def filter(self, record) -> bool:
     exc = (record.exc_info or (None, None, None))[1]
@@ -437,18 +405,12 @@ def _quiet_lost_worker_tasks() -> None:
 
 
 class TffRuntime:
-  """Owns a TFF execution context and the worker processes behind it.
+  """Owns a TFF execution context and the worker processes behind it (`make_runtime`).
 
-  * No `workers`: starts one local `worker_binary` — TFF's local C++ runtime.
-  * One address: TFF's remote executor talking to that worker (exactly the local context's
-    construction, over the network).
-  * Several addresses: TFF's mergeable-computation context; each round's participants are
-    split into one sub-round per worker and the partial aggregates merged (this is why fltff's
-    aggregators are single-pass, see docs/architecture.md).
-
-  `call(fn, *args)` runs a computation with failover: when a worker is lost it is dropped, the
-  context is rebuilt on the remaining workers (a lost *local* worker is restarted) and the call
-  repeated, at most `max_retries` times. `close()` is idempotent and registered with `atexit`.
+  No `workers`: a local `worker_binary`. One: TFF's remote executor on it. Several: TFF's
+  mergeable context, each round split into one sub-round per worker and the partial aggregates
+  merged (hence fltff's single-pass aggregators). `call` fails over, dropping a lost worker (or
+  restarting a local one). `close()` is idempotent and registered with `atexit`.
   """
 
   def __init__(self, workers: Sequence[str] = (), connect_timeout: float = 60.0,
@@ -481,8 +443,7 @@ class TffRuntime:
     self.recycle_every = int(recycle_every)
     self.executor = executor
     self.device = device
-    # Whether the bound method's clients are vectorised (`bind`).
-    self.vectorised = False
+    self.vectorised = False  # Set by `bind`: whether the method's clients are vectorised.
     self.mmap_threshold_kib = int(mmap_threshold_kib)
     self._stubs = []
     self.context = None
@@ -514,18 +475,13 @@ class TffRuntime:
 
   @property
   def runs_in_process(self) -> bool:
-    """Whether this runtime can run a round's client work in this process (the in-process
-    executor, or 'auto' before `bind`): what vectorised client work needs."""
+    """Whether client work can run in this process: 'in_process', or 'auto' before `bind`."""
     return self.executor in ('auto', 'in_process')
 
   def bind(self, algorithm) -> None:
-    """Places `algorithm`'s rounds (the round driver calls this first). What the clients
-    compute was chosen before, by the experiment (`experiment.client_work`); this decides only
-    where it runs: `executor='auto'` (the pipeline's default) runs vectorised client work on
-    the in-process executor and any other on TFF's C++ runtime — or, with `device` '/GPU:0',
-    on the in-process executor client by client (TFF's C++ runtime never uses a GPU).
-    Vectorised client work on the C++ runtime is refused (`ConfigError`).
-    """
+    """Places `algorithm`'s rounds (the driver calls this first): 'auto' runs vectorised client
+    work, and any with `device` '/GPU:0', in process, the rest on TFF's C++ runtime. Raises
+    `ConfigError` for vectorised client work on 'tff_cpp'."""
     self.vectorised = bool(algorithm.vectorized)
     if self.executor != 'auto':
       if self.vectorised and self.executor != 'in_process':
@@ -548,9 +504,8 @@ class TffRuntime:
     return 'not chosen yet (auto)'
 
   def _start_worker(self):
-    """A local worker logging to `<log_dir>/tff_worker.log` (appended), or a temporary file:
-    an `IsolatedWorker`, or with `isolate_local_worker=False` a `WorkerProcess` on all
-    interfaces."""
+    """An `IsolatedWorker` (or a `WorkerProcess` on all interfaces if not
+    `isolate_local_worker`) logging to `<log_dir>/tff_worker.log` or a temporary file."""
     log_path = None if self.log_dir is None else os.path.join(self.log_dir, 'tff_worker.log')
     if self.isolate_local_worker:
       return IsolatedWorker(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
@@ -561,8 +516,8 @@ class TffRuntime:
     return worker
 
   def _install_context(self, timeout: Optional[float] = None) -> None:
-    """Connects to every worker and installs TFF's context over them. With `timeout` (a
-    reconnect after a loss), a worker that does not answer in time is a `WorkerLostError`."""
+    """Installs TFF's context over the workers; with `timeout`, a silent one raises
+    `WorkerLostError`."""
     stubs = []
     for address in self.workers:
       try:
@@ -584,10 +539,8 @@ class TffRuntime:
                  ', '.join(self.workers))
 
   def program_context(self):
-    """A `tff.program.NativeFederatedContext` on this runtime's worker, for TFF's program API
-    (`tff.learning.programs.train_model`): install it with `tff.framework.set_default_context`
-    for the program, then reinstall `self.context`. One worker only (TFF's mergeable context
-    is synchronous)."""
+    """A `NativeFederatedContext` for TFF's program API, to install for the program (then
+    reinstall `self.context`); one worker only, as TFF's mergeable context is synchronous."""
 
     if self.executor != 'tff_cpp':
       raise ConfigError("program_context needs TFF's C++ runtime (runtime.executor = 'tff_cpp').")
@@ -629,8 +582,6 @@ class TffRuntime:
       logging.warning('%s Restarted the local worker at %s.', error, self.workers[0])
       return
     self._release_connections()
-    # The others may be gone too (one host down, or all killed): each gets a short wait, not
-    # `connect_timeout`, and one that does not answer is lost as well.
     while True:
       try:
         self._install_context(timeout=min(self.connect_timeout, RECONNECT_TIMEOUT_S))
@@ -659,8 +610,8 @@ class TffRuntime:
     for channel in self._channels:
       with contextlib.suppress(Exception):
         channel.close()
-    # TFF's context runs an event-loop thread whose target references its runner, so the
-    # runner's `__del__` (which stops it) never runs: stop it here, as that `__del__` would.
+    # The context's event-loop thread references its runner, whose `__del__` (which stops
+    # the loop) therefore never runs: do its work here.
     runner = getattr(getattr(self, 'context', None), '_async_runner', None)
     if runner is not None:
       with contextlib.suppress(Exception):
@@ -669,12 +620,10 @@ class TffRuntime:
     _release_compiled_computations()
 
   def after_round(self, round_num: int, round_seconds: Optional[float] = None) -> None:
-    """Called by the driver after each completed round: with `recycle_every` = K > 0, the local
-    `worker_binary` is replaced by a fresh one every K rounds. All state lives in the driver, so
-    results are unchanged; the worker's memory (which TFF's C++ runtime grows every round)
-    starts over. Remote workers are never recycled. The driver's free heap pages go
-    back to the kernel (`heap.trim`). With the adaptive RPC deadline (`rpc_timeout=None`),
-    `round_seconds` sets it (`RPC_TIMEOUT_FACTOR`)."""
+    """After each round: adapts the RPC deadline to `round_seconds`, trims the heap and, with
+    `recycle_every` = K > 0, replaces the local `worker_binary` every K rounds (its memory,
+    which TFF's C++ runtime grows each round, starts over; all state is in the driver, so
+    results are unchanged). Remote workers are never recycled."""
     if self.adaptive_rpc_timeout and round_seconds:
       self._slowest_round = max(self._slowest_round, float(round_seconds))
       self.rpc_timeout = max(RPC_TIMEOUT_FLOOR_S, RPC_TIMEOUT_FACTOR * self._slowest_round)
@@ -692,7 +641,7 @@ class TffRuntime:
       return
     self._closed = True
     try:
-      # A fresh context object whose executor is never created: nothing is started by it.
+      # A context whose executor is never created starts nothing.
       self._tff.framework.set_default_context(_sync_context_for_stub(stub=None))
     except Exception:  # pylint: disable=broad-except
       pass
@@ -709,13 +658,8 @@ class TffRuntime:
 
 
 def release_default_context() -> None:
-  """Replaces TFF's import-time default context by one that owns no `ServiceManager`.
-
-  `import tensorflow_federated` installs a local C++ context whose `ServiceManager.__del__`
-  fails noisily ("'NoneType' object has no attribute 'Popen'") when it is collected at
-  interpreter exit. Programs that exit without having created a `TffRuntime` (e.g. on a
-  configuration error) call this so the old manager is collected while Python is still whole.
-  """
+  """Replaces TFF's import-time default context, whose `ServiceManager.__del__` fails at exit
+  ("'NoneType' object has no attribute 'Popen'"): for programs exiting without a `TffRuntime`."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   tff.framework.set_default_context(_sync_context_for_stub(stub=None))
@@ -746,45 +690,37 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                  executor: str = 'auto', device: str = 'auto',
                  mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
                  isolate_local_worker: bool = True) -> TffRuntime:
-  """Builds the experiment's runtime.
+  """Builds the experiment's runtime; `ConfigError` for an invalid setting.
 
   Args:
-    workers: `host:port` of running TFF workers (`python -m fltff.runtime.worker`); empty for
+    workers: `host:port` of running TFF workers (`python -m fltff.runtime.worker`); empty:
       the local C++ runtime.
     connect_timeout: Seconds to wait for each worker to answer at start.
-    rpc_timeout: Deadline of each RPC to a worker, in seconds; a worker silent that long
-      counts as lost. None (default): an hour until the first round completes, then 10 x the
-      slowest round so far, at least 5 minutes (`TffRuntime.after_round`).
+    rpc_timeout: Seconds after which a worker silent in an RPC counts as lost. None: an hour
+      until a round completes, then 10 x the slowest round, at least 5 minutes.
     max_retries: How often a round is repeated after losing a worker.
     log_dir: Folder of the local worker's log (`tff_worker.log`); None: a temporary file.
-    tls_ca_file: Mutual TLS to remote workers (the default): the CA that signed the workers'
-      certificates.
-    tls_cert_file: This driver's certificate (PEM), signed by the workers' client CA.
-    tls_key_file: This driver's private key (PEM).
-    tls_server_name: The name to check in the workers' certificates, when it is not the host
-      part of their addresses.
-    insecure_plaintext: Talk to remote workers in plaintext (workers started with
-      `--insecure_plaintext`): only on a trusted network.
-    recycle_every: Replace the local worker_binary by a fresh one every this many rounds (0:
-      never); bounds the worker's memory on long runs, results unchanged (`after_round`).
-    executor: 'auto' (default): the in-process executor for vectorised client work
-      (`experiment.client_work`), TFF's C++ runtime for any other, for remote `workers` and
-      with `recycle_every` (`TffRuntime.bind`). 'tff_cpp': TFF's C++ runtime, a local
-      `worker_binary` or the remote `workers`. 'in_process': the same compiled computations
-      run in this process, no worker (`fltff.runtime.in_process`; equal results; client by
-      client it is slower than TFF's C++ runtime on CPUs, see docs/performance.md).
-    device: 'auto' | 'cpu' | 'gpu': where the in-process executor runs the computations
-      ('auto': TensorFlow's choice, its GPU when it sees one). TFF's C++ runtime never uses a
-      GPU (TFF issues 3709, 4600): with 'tff_cpp' only 'auto' and 'cpu' are accepted.
-    mmap_threshold_kib: glibc serves blocks of this many KiB or more with mmap, in the driver
+    tls_ca_file, tls_cert_file, tls_key_file: Mutual TLS to remote workers (the default): the
+      CA of the workers' certificates; this driver's certificate (signed by the workers'
+      client CA) and key; all PEM.
+    tls_server_name: The name to check in the workers' certificates, if not their host.
+    insecure_plaintext: Plaintext to workers started with `--insecure_plaintext`: only on a
+      trusted network.
+    recycle_every: Replace the local worker_binary every this many rounds (0: never), bounding
+      its memory; results unchanged.
+    executor: 'auto': the in-process executor for vectorised client work without `workers` or
+      `recycle_every`, else 'tff_cpp' (TFF's C++ runtime, local or remote). 'in_process': the
+      same computations in this process (`fltff.runtime.in_process`; equal results, slower
+      client by client on CPUs).
+    device: 'auto' (TensorFlow's choice), 'cpu' or 'gpu' (in process only: TFF's C++ runtime
+      never uses a GPU, TFF issues 3709, 4600).
+    mmap_threshold_kib: glibc serves blocks of this many KiB or more with mmap in the driver
       and the local worker, and the driver trims its heap after each round
-      (`fltff.runtime.heap`: keeps resident memory from creeping up with rounds; results
-      unchanged). 0: glibc's default, no trimming.
+      (`fltff.runtime.heap`; results unchanged). 0: glibc's default, no trimming.
     isolate_local_worker: Run the local `worker_binary` in a private network namespace,
-      reached through a Unix socket only this user can open (`IsolatedWorker`; needs
-      unprivileged user namespaces, as on most Linux hosts). False: it listens in plaintext on
-      every interface, where anyone who reaches the port can run code on this host; only for
-      hosts without user namespaces, behind a firewall.
+      behind a Unix socket only this user can open (`IsolatedWorker`; needs unprivileged user
+      namespaces). False: it listens in plaintext on every interface, where anyone reaching
+      the port can run code on this host; only behind a firewall.
   """
   if not isinstance(isolate_local_worker, bool):
     raise ConfigError(f'runtime.isolate_local_worker must be True or False, got '
@@ -870,13 +806,10 @@ def local_runtime(executor: str = 'tff_cpp', device: str = 'auto') -> Iterator[T
 
 
 class StopSignal:
-  """SIGTERM/SIGINT as the round driver and the workers see them: `is_set()` after the first
-  (stop after the current round); `before_exit` holds what a second signal runs before the
-  process ends (the round driver checkpoints its last completed round there).
+  """Set by the first SIGTERM/SIGINT; `before_exit`: what a second one runs before the exit.
 
-  A plain flag, not a `threading.Event`: a signal handler runs in the main thread between
-  two bytecodes, and `Event.set` there takes the lock that the interrupted `Event.wait` may
-  hold, which hangs the process (a worker that never stopped on SIGTERM, its port open)."""
+  A plain flag: `threading.Event.set` in a signal handler takes the lock the interrupted
+  `Event.wait` may hold, which hangs the process."""
 
   def __init__(self):
     self._set = False
@@ -898,16 +831,11 @@ class StopSignal:
 
 def install_signal_handlers(
     on_second: Optional[Callable[[int], None]] = None) -> StopSignal:
-  """SIGTERM/SIGINT: first a graceful stop request, a second one stops at once.
+  """SIGTERM/SIGINT: the first asks for a stop after the current round, a second stops now.
 
-  Returns the `StopSignal` the first signal sets; the round driver checks it between rounds,
-  saves the checkpoint and stops (`fltff.errors.StopRequested`). A second signal first runs
-  its `before_exit` callables (the driver checkpoints the last completed round). Raising from the handler at an arbitrary
-  point is not enough on its own: inside TFF's asyncio/gRPC machinery, or in a garbage
-  collector callback that happens to be running, such an exception is swallowed ("Exception
-  ignored in ...") and the run would go on (observed). So on a second signal `on_second(signum)`
-  runs — the pipeline's says which rounds are checkpointed, stops its workers and ends the
-  process with `os._exit` —; without it the handler raises `StopNow` (a `SystemExit`).
+  Returns the `StopSignal` the first sets. A second runs its `before_exit` callables, then
+  `on_second(signum)` (which may end the process with `os._exit`: an exception raised inside
+  TFF's asyncio/gRPC machinery or a GC callback can be swallowed), else raises `StopNow`.
   """
   stop = StopSignal()
 

@@ -1,18 +1,15 @@
-"""Encrypted, authenticated access to a TFF worker, with gRPC's own TLS (no cryptography of
-ours).
+"""Encrypted, authenticated access to a TFF worker with gRPC's TLS (no cryptography of ours).
 
 TFF's `worker_binary` executes any TensorFlow graph it is sent (which can read and write files
-on its host), speaks plaintext gRPC and listens on all interfaces; it has no TLS or
-bind-address option. A fltff worker therefore runs it where nothing outside can reach it —
-inside an unprivileged network namespace of its own (`unshare --user --net`: only a private
-loopback) — and puts a TLS terminator in front:
+on its host), speaks plaintext gRPC on all interfaces and has no TLS or bind-address option.
+A fltff worker therefore runs it in an unprivileged network namespace of its own (`unshare
+--user --net`: only a private loopback) behind a TLS terminator:
 
     driver ──mTLS (gRPC's TLS: client certificate required)──▶ forwarder on <host>:<port>
       ──▶ Unix socket (file mode 0600) ──▶ forwarder inside the namespace ──▶ worker_binary
 
-`serve_forwarder` is that terminator: a gRPC server (TLS credentials from gRPC, i.e.
-BoringSSL) that relays every RPC, byte for byte, to an upstream channel. Clients without a
-certificate signed by the worker's client CA are refused during the TLS handshake.
+`serve_forwarder` is that terminator: a gRPC server (BoringSSL) relaying every RPC byte for
+byte; clients without a certificate signed by the worker's client CA fail the TLS handshake.
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ def _read(path: str, what: str) -> bytes:
 
 def server_credentials(cert_file: str, key_file: str,
                        client_ca_file: str) -> grpc.ServerCredentials:
-  """mTLS server credentials: our certificate and key; clients must present a certificate
-  signed by `client_ca_file`."""
+  """mTLS server credentials, requiring client certificates signed by `client_ca_file`."""
   return grpc.ssl_server_credentials(
       [(_read(key_file, 'TLS key'), _read(cert_file, 'TLS certificate'))],
       root_certificates=_read(client_ca_file, 'client CA certificate'),
@@ -52,11 +48,7 @@ def channel_credentials(ca_file: str, cert_file: str,
 
 
 class _Relay(grpc.GenericRpcHandler):
-  """Relays every method, as a bidirectional stream of raw bytes, to `channel`.
-
-  On the wire a unary call is a stream of one message each way, so one streaming handler
-  serves TFF's unary and streaming methods alike.
-  """
+  """Relays every method, unary ones too, to `channel` as a bidirectional raw-bytes stream."""
 
   def __init__(self, channel: grpc.Channel):
     self._channel = channel
@@ -81,11 +73,8 @@ class _Relay(grpc.GenericRpcHandler):
 
 
 def _until_cancelled(request_iterator):
-  """The caller's messages, ending when the caller cancels or goes away.
-
-  gRPC's server-side iterator raises `RpcError` then; passed on as is, the upstream channel's
-  reader thread would log it as "Exception iterating requests!" with a traceback.
-  """
+  """The caller's messages, ending quietly when the caller cancels or goes away (the
+  `RpcError` would be logged upstream as "Exception iterating requests!", with a traceback)."""
   try:
     yield from request_iterator
   except grpc.RpcError:
@@ -100,11 +89,9 @@ _MESSAGE_OPTIONS = [('grpc.max_send_message_length', -1),
 def serve_forwarder(listen: str, upstream: str,
                     credentials: Optional[grpc.ServerCredentials] = None,
                     max_workers: int = 16) -> tuple[grpc.Server, int]:
-  """Starts a gRPC server on `listen` relaying every RPC to `upstream` (plaintext: a Unix
-  socket or loopback address); TLS on `listen` when `credentials` are given.
-
-  Returns the server and its port (0 for a Unix socket).
-  """
+  """Starts a server on `listen` (TLS with `credentials`) relaying every RPC to `upstream`
+  (plaintext: a Unix socket or loopback address); returns it and its port (0 for a Unix
+  socket), or raises `ConfigError` if it cannot listen."""
   from concurrent import futures  # pylint: disable=g-import-not-at-top
 
   channel = grpc.insecure_channel(upstream, options=_MESSAGE_OPTIONS)

@@ -5,15 +5,13 @@ r"""Runs one TFF worker (the C++ `worker_binary` shipped in the TFF wheel) on th
   python -m fltff.runtime.worker --port=8000 --insecure_plaintext   # trusted networks only
 
 Secure by default: `worker_binary` (which executes any TensorFlow graph it is sent, and has no
-TLS or bind-address option) runs inside a private, unprivileged network namespace where nothing
-outside can reach it, behind a TLS terminator on `--port` that requires a client certificate
-signed by `--tls_client_ca` (mutual TLS, gRPC's own TLS; `fltff.runtime.tls`). The driver
-connects with `runtime.tls_ca_file`, `runtime.tls_cert_file`, `runtime.tls_key_file`.
-`--insecure_plaintext` instead runs `worker_binary` directly on all interfaces, plaintext:
-anyone who reaches the port can run code on this host.
-
-Prints the address to give the driver (`runtime.workers=['<host>:8000']`) and stops the worker
-on SIGTERM/SIGINT, exiting 0.
+TLS or bind-address option) runs in a private, unprivileged network namespace nothing outside
+can reach, behind a TLS terminator on `--port` requiring a client certificate signed by
+`--tls_client_ca` (mutual TLS; `fltff.runtime.tls`). The driver connects with
+`runtime.tls_ca_file`, `runtime.tls_cert_file`, `runtime.tls_key_file`. `--insecure_plaintext`
+runs `worker_binary` directly on all interfaces, plaintext: anyone who reaches the port can
+run code on this host. Prints the address for the driver (`runtime.workers=['<host>:8000']`);
+stops the worker on SIGTERM/SIGINT, exiting 0.
 """
 
 import os

@@ -1,11 +1,9 @@
 """Wireless channel and system-time model of a synchronous FL round (pure NumPy).
 
-The model follows the simulation setting of the KAPC paper (IEEE TMC 2024, Table 4) and turns
-the bytes a client downloads and uploads into seconds, so that rounds can be reported as in the
-paper's Table 5 (download, computation, upload, server time and round time).
-
-The model's assumptions, formulas and the magnitudes they give with the defaults: the
-"System model" section of docs/methods/personalised.md.
+Follows the KAPC paper's simulation setting (IEEE TMC 2024, Table 4), turning the bytes a
+client downloads and uploads into seconds for rounds reported as in its Table 5 (download,
+computation, upload, server and round time). Assumptions, formulas and the magnitudes of the
+defaults: "System model" in docs/methods/personalised.md.
 """
 
 from __future__ import annotations
@@ -33,13 +31,8 @@ def dbm_to_watts(dbm: ArrayLike) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class ChannelParams:
-  """Per-client channel parameters, one entry per client.
-
-  Attributes:
-    bandwidth_hz: Uplink bandwidth b_i of each client, in Hz.
-    power_dbm: Transmit power p_i of each client, in dBm.
-    distance_m: Distance d_i of each client to the server, in metres.
-  """
+  """Per-client parameters, one entry per client: uplink bandwidth b_i in Hz, transmit power
+  p_i in dBm, distance d_i to the server in metres."""
   bandwidth_hz: np.ndarray
   power_dbm: np.ndarray
   distance_m: np.ndarray
@@ -86,12 +79,7 @@ def _as_seconds(name: str, values: ArrayLike) -> np.ndarray:
 
 @gin.configurable('channel_model')
 class ChannelModel:
-  """Uplink/downlink rates and transfer times of N clients (see the module docstring).
-
-  Attributes:
-    num_clients: Number of clients N.
-    params: The per-client parameters drawn from `seed`.
-  """
+  """Rates and transfer times of `num_clients` (N) clients with `params` drawn from `seed`."""
 
   def __init__(self,
                num_clients: int,
@@ -106,22 +94,16 @@ class ChannelModel:
                noise_dbm_per_hz: float = -174.0,
                interference_dbm: Optional[float] = -100.0,
                share_downlink: bool = True):
-    """Draws the per-client parameters.
+    """Draws each client's bandwidth, power and distance uniformly from its (low, high) range.
 
     Args:
-      num_clients: Number of clients N (at least 1).
-      seed: Seed of the draw; the same seed gives the same parameters.
-      bandwidth_mhz: (low, high) range of the clients' uplink bandwidths, in MHz.
-      power_dbm: (low, high) range of the clients' transmit powers, in dBm.
-      distance_m: (low, high) range of the clients' distances to the server, in metres.
-      server_bandwidth_mhz: The server's downlink bandwidth B_s, in MHz.
-      server_power_dbm: The server's transmit power P_s, in dBm.
-      path_loss_db_at_1m: Path loss at the 1 m reference distance, in dB (negative).
-      path_loss_exponent: Path-loss exponent (4: g = 10^(PL/10) * d^-4).
-      noise_dbm_per_hz: Noise power spectral density N0, in dBm/Hz.
-      interference_dbm: Additive interference power I, in dBm; None for no interference.
-      share_downlink: Split B_s equally among the receivers of a round (True) or give each
-        receiver the whole B_s (False).
+      server_bandwidth_mhz: The server's downlink bandwidth B_s.
+      server_power_dbm: The server's transmit power P_s.
+      path_loss_db_at_1m: Path loss PL at the 1 m reference distance (negative).
+      path_loss_exponent: The gain is g = 10^(PL/10) * d^-exponent.
+      noise_dbm_per_hz: Noise power spectral density N0.
+      interference_dbm: Additive interference power I; None: none.
+      share_downlink: Split B_s equally among a round's receivers, else each gets all of B_s.
 
     Raises:
       ConfigError: A parameter is out of range.
@@ -187,15 +169,11 @@ class ChannelModel:
 
   def downlink_rate(self, clients: ArrayLike,
                     num_receivers: Optional[int] = None) -> np.ndarray:
-    """Downlink rates of the given clients, in bit/s.
+    """Downlink rates (B_s/K) log2(1 + P_s g_i / (N0 B_s/K + I)) of the given clients, in bit/s.
 
     Args:
-      clients: Indices of the clients receiving in the round.
-      num_receivers: Number K of receivers sharing the server's bandwidth; defaults to
-        `len(clients)`. Ignored (K = 1) when the model was built with `share_downlink=False`.
-
-    Returns:
-      (B_s/K) log2(1 + P_s g_i / (N0 B_s/K + I)) for each client.
+      num_receivers: K, the receivers sharing the server's bandwidth (default `len(clients)`;
+        K = 1 with `share_downlink=False`).
     """
     indices = self._indices(clients)
     if num_receivers is None:
@@ -226,36 +204,21 @@ class ChannelModel:
 
   def download_seconds(self, clients: ArrayLike, bytes_down: ArrayLike,
                        num_receivers: Optional[int] = None) -> np.ndarray:
-    """Seconds 8 * bytes_down_i / r_down_i to download `bytes_down` (scalar or per client).
-
-    Args:
-      clients: Indices of the clients receiving in the round.
-      bytes_down: Bytes each client downloads, a scalar or one value per client.
-      num_receivers: As in `downlink_rate`; defaults to `len(clients)`.
-
-    Returns:
-      Download seconds of each client.
-    """
+    """Seconds 8 * bytes_down_i / r_down_i to download `bytes_down` (scalar or per client);
+    `num_receivers` as in `downlink_rate`."""
     rate = self.downlink_rate(clients, num_receivers)
     return self._bits('bytes_down', bytes_down, len(rate)) / rate
 
 
 def round_time_breakdown(download_s: ArrayLike, compute_s: ArrayLike, upload_s: ArrayLike,
                          server_s: float) -> dict:
-  """Per-round time figures of a synchronous round, as in the KAPC paper's Table 5.
-
-  Args:
-    download_s: Download seconds of each participant.
-    compute_s: Local computation seconds of each participant.
-    upload_s: Upload seconds of each participant.
-    server_s: Server-side seconds of the round (aggregation etc.).
+  """Time figures of a synchronous round from per-participant seconds (KAPC paper, Table 5).
 
   Returns:
-    A dict with the participants' mean 'download_seconds', 'compute_seconds' and
-    'upload_seconds', the 'server_seconds', the 'round_seconds'
-    max_i(download_i + compute_i + upload_i) + server_s (the server waits for the slowest
-    participant) and 'slowest_client_position', the position of that participant in the
-    inputs (the first one on ties).
+    The participants' mean 'download_seconds', 'compute_seconds' and 'upload_seconds',
+    'server_seconds', 'round_seconds' = max_i(download_i + compute_i + upload_i) + server_s
+    (the server waits for the slowest participant) and 'slowest_client_position', that
+    participant's position in the inputs (the first on ties).
 
   Raises:
     ConfigError: The inputs are empty, of different lengths, negative or not finite.
@@ -285,23 +248,16 @@ def round_time_breakdown(download_s: ArrayLike, compute_s: ArrayLike, upload_s: 
 
 def deadline_epochs(download_s: ArrayLike, upload_s: ArrayLike, seconds_per_epoch: ArrayLike,
                     epochs: int, deadline_s: Optional[float]) -> np.ndarray:
-  """Whole local epochs each client completes within a round deadline.
+  """Whole local epochs (int64) each client completes within a round deadline.
 
-  This ties system heterogeneity to the channel: a client far from the server spends more of
-  the deadline transferring the model and has less left for local training. Each client runs
-  floor((deadline - download - upload) / seconds_per_epoch) epochs, clipped to [0, epochs];
-  0 means the client misses the round (it is dropped). A fit that is exact up to a relative
-  1e-9 counts as a fit, so floating-point rounding does not lose an epoch.
+  A client far from the server spends more of the deadline on transfers, leaving less for
+  training: it runs floor((deadline - download - upload) / seconds_per_epoch) epochs, clipped
+  to [0, epochs]; 0 drops it from the round.
 
   Args:
-    download_s: Download seconds of each client.
-    upload_s: Upload seconds of each client.
     seconds_per_epoch: Seconds of one local epoch, a positive scalar or one per client.
-    epochs: The configured number of local epochs E (at least 1).
-    deadline_s: Round deadline in seconds, or None for no deadline (every client runs E).
-
-  Returns:
-    An int64 array of epochs per client, each in [0, epochs].
+    epochs: The configured local epochs E (at least 1).
+    deadline_s: Round deadline in seconds; None: every client runs E.
 
   Raises:
     ConfigError: Lengths differ, or a value is out of range.

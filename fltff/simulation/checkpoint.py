@@ -1,10 +1,9 @@
 """Round checkpoints: process state, client state store and metric history, written atomically.
 
-A checkpoint is `checkpoints/round_XXXXX.npz` (all arrays) plus `round_XXXXX.json` (round number
-and the metric rows so far); `latest.json` names the newest complete pair. Files are written to a
-temporary name and renamed, so a run killed mid-write never corrupts the last checkpoint. A
-checkpoint damaged afterwards (a truncated copy, a full disk, a hand-edited `latest.json`) is
-skipped on restore for the newest intact one kept, with a warning.
+A checkpoint is `checkpoints/round_XXXXX.npz` (all arrays) and `round_XXXXX.json` (round, metric
+rows so far); `latest.json` names the newest complete pair. Files are written under a temporary
+name and renamed, so a killed run never corrupts the last checkpoint; one damaged later (a
+truncated copy, a full disk, a hand-edited `latest.json`) is skipped with a warning on restore.
 """
 
 from __future__ import annotations
@@ -58,8 +57,7 @@ class Checkpointer:
   """Saves and restores the driver's state under `<output_dir>/checkpoints`."""
 
   def __init__(self, output_dir: str, keep: int = 3, durable: bool = True):
-    """`durable=False` skips the `fsync`s (only `pipelines.bench --checkpoints` does, to
-    measure their cost)."""
+    """`durable=False` skips the `fsync`s (for `pipelines.bench --checkpoints` to time them)."""
     self.directory = os.path.join(output_dir, 'checkpoints')
     self.keep = keep
     self.durable = durable
@@ -117,11 +115,9 @@ class Checkpointer:
 
   def restore(self, process_state_template: Any,
               warn_fn: Callable[[str], None] = warn) -> tuple[int, Any, dict, dict]:
-    """Returns `(round, process_state, meta, other_arrays)` of the newest intact checkpoint.
-
-    Damaged checkpoints (and a damaged `latest.json`) are skipped with one `warn_fn` line;
-    `CheckpointError` if none is intact.
-    """
+    """`(round, process_state, meta, other_arrays)` of the newest intact checkpoint, skipping
+    damaged ones (and `latest.json`) with one `warn_fn` line. Raises `FileNotFoundError` if
+    there is none, `CheckpointError` if none is intact."""
     latest_path = os.path.join(self.directory, 'latest.json')
     latest, problems = None, []
     try:
@@ -130,8 +126,8 @@ class Checkpointer:
     except _DAMAGE as e:
       if os.path.exists(latest_path):
         problems.append(f'{latest_path} is damaged ({_describe(e)})')
-    # Every round file is complete (written atomically), so the newest intact one is resumed
-    # even past a stale `latest.json` (a crash between the two writes, or a restored copy).
+    # Round files are written atomically: the newest intact one wins over a stale `latest.json`
+    # (a crash between the two writes, or a restored copy).
     candidates = list(reversed(self.rounds()))
     if latest is not None and latest not in candidates:
       problems.append(f'latest.json names round {latest}, whose checkpoint is missing')

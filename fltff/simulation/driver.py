@@ -1,16 +1,9 @@
 """The round driver: sampling, local epochs, evaluation, metrics, checkpoints, resume.
 
-One driver for every method: it speaks only `fltff.learning.protocol` (server state and the
-participants' client states in and out of `algorithm.next`) and keeps the client states in one
-`ClientStateStore`, saved in every checkpoint. Evaluation runs under the protocols `experiment.evaluation` names (`evaluation.PROTOCOL_COLUMNS`: the global
-model on the central test set or on the clients' local test splits, each client's own model,
-a participant's model after its local training, after the method's fine-tuning); the summary
-takes the first protocol's headline number by `experiment.headline_statistic`.
-
-Data flows one way (docs/architecture.md): gin → pipeline → (data, model, process, runtime) → this
-driver → metrics/checkpoints → report. Every random choice (participants, data order) is a function
-of `(seed, round, client)`, so a run resumed from a checkpoint ends with exactly the metrics of an
-uninterrupted run.
+One driver for every method, speaking only `fltff.learning.protocol`; the client states live
+in one `ClientStateStore`, saved in every checkpoint. Every random choice (participants, data
+order) is a function of `(seed, round, client)`, so a resumed run ends with exactly an
+uninterrupted run's metrics. Data flow: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -118,8 +111,7 @@ class RoundDriver:
       raise ConfigError(f'{algorithm.name} evaluates personal models on local test splits: '
                         'set federated_data.local_test_examples > 0.')
     self.channel = channel
-    # With a `TffRuntime`, computations run with failover (a lost worker's round is repeated
-    # on the others); the round's inputs are deterministic, so the repeat is exact.
+    # A `TffRuntime` fails over; the repeated round is exact, as its inputs are deterministic.
     self.call = runtime.call if runtime is not None else protocol.direct_call
     self.runtime = runtime
     if runtime is not None:
@@ -141,8 +133,7 @@ class RoundDriver:
     self.num_clients = data.num_clients()
     self.participants = sampling.num_participants(self.num_clients, config.clients_per_round,
                                                   config.client_fraction)
-    # The one per-client state store (SCAFFOLD's controls, MOON's previous models, personal
-    # models and server copies, local models of FedLap personalisation): in memory or SQLite.
+    # All per-client state (SCAFFOLD's controls, MOON's previous models, personal models...).
     self.client_states = build_client_state_store(config.client_state_store, output_dir,
                                                   algorithm.initial_client_state)
     self.datasets = ClientDatasets(data.client_arrays, config.batch_size)
@@ -165,13 +156,9 @@ class RoundDriver:
                                  sampling.shuffle_seed(self.config.seed, round_num, client_index))
 
   def plan_round(self, round_num: int):
-    """Participants and their local epochs: `(clients, epochs by client, dropped)`.
-
-    Stragglers come from `straggler_fraction` (a coin flip) or, with `round_deadline` and a
-    channel model, from the channel: a client runs the whole epochs that fit into the deadline
-    after its (full-size) download and upload, with compute time
-    `compute_seconds_per_example` × its examples per epoch; none fitting drops it.
-    """
+    """`(participants, local epochs by client, dropped)`: stragglers from `straggler_fraction`
+    or, with `round_deadline`, the channel (the whole epochs of `compute_seconds_per_example` ×
+    examples that fit the deadline after a full-size download and upload; none: dropped)."""
     cfg = self.config
     sampled = sampling.sample_clients(self.num_clients, self.participants, cfg.seed, round_num)
     epochs, dropped = sampling.straggler_plan(sampled, cfg.local_epochs, cfg.straggler_fraction,
@@ -192,11 +179,8 @@ class RoundDriver:
 
   def system_columns(self, clients: Sequence[int], epochs: dict, bytes_down, bytes_up,
                      train_seconds: float, server_seconds: float) -> dict:
-    """The round's simulated time breakdown (KAPC paper, Table 5) from the channel model.
-
-    Per-client compute is the round's measured training time apportioned by work (examples ×
-    epochs), i.e. as if the clients had run one after another on this machine.
-    """
+    """The round's simulated time breakdown (KAPC paper, Table 5) from the channel model; each
+    client's compute is the measured training time apportioned by examples × epochs."""
     if self.channel is None or not clients:
       return {}
     from fltff.simulation.channel import round_time_breakdown  # pylint: disable=g-import-not-at-top
@@ -227,11 +211,8 @@ class RoundDriver:
     }
 
   def run_round(self, state, round_num: int):
-    """One round; returns `(new_state, metrics_row, the participants' new client states)`.
-
-    Client states are returned, not stored: `run` commits them only once the round is known to
-    be good, so a diverged round leaves the store as checkpointed.
-    """
+    """One round: `(new_state, metrics row, the participants' new client states)`, the states
+    not yet stored (`run` commits them once the round is known to be good)."""
     clients, epochs, dropped = self.plan_round(round_num)
     out, seconds = protocol.run_round(
         self.algorithm, state, clients,
@@ -253,13 +234,9 @@ class RoundDriver:
     return out.state, row, out.client_states
 
   def evaluate(self, state, round_num: int) -> dict:
-    """The round's evaluation under each of `self.protocols` (`evaluation.PROTOCOL_COLUMNS`).
-
-    The local protocols test the round's participants on their own local test splits (the
-    KAPC paper's "selected clients", §7.2); each writes the clients' mean to its column and the
-    per-client values to the row's `_clients` (for the per-client bests) and to
-    measurements.jsonl. FedLap personalisation adds its own columns (`evaluate_personalized`).
-    """
+    """The round's evaluation under `self.protocols`, the local ones testing the round's
+    participants (KAPC's "selected clients", §7.2): the mean goes to the protocol's column,
+    per-client values to the row's `_clients` and measurements.jsonl."""
     out: dict = {}
     per_client: dict = {}
     global_weights = (None if self.algorithm.personalized else
@@ -300,8 +277,7 @@ class RoundDriver:
                       'non_trainable': non_trainable}
 
   def local_accuracies(self, weights_of: Callable[[int], Any]) -> dict[int, float]:
-    """Accuracy of each of the round's clients on its own local test split, with the model
-    `weights_of(client)` (clients without local test examples are left out)."""
+    """Accuracy of each round client on its local test split (if any), with `weights_of(k)`."""
     accuracies = {}
     for k in self._round_clients:
       x, y = self.data.local_test_arrays(k)
@@ -337,8 +313,7 @@ class RoundDriver:
                            'client_states': self.client_states.fingerprint(round_num)},
         self.client_states.checkpoint(round_num))
     self.client_states.prune(self.checkpointer.rounds())
-    # What a checkpoint costs (it must grow with the clients changed, not with the
-    # population): seconds including the client store's part, and the file's size.
+    # Its cost (seconds, file size) must grow with the clients changed, not the population.
     self._checkpoint_costs.append((time.perf_counter() - t0, os.path.getsize(stem + '.npz')))
     for name, array in self.algorithm.round_files(state).items():
       np.save(os.path.join(self.output_dir, name), array)
@@ -346,8 +321,8 @@ class RoundDriver:
   def restore(self, template_state):
     round_num, state, meta, arrays = self.checkpointer.restore(template_state)
     self.rows = [r for r in meta['rows'] if r['round'] <= round_num]
-    # The rows and measurements of rounds after the checkpoint are redone: dropped now, so that
-    # a resume that stops before its first round leaves no round the kept state lacks.
+    # Later rounds' rows and measurements go now: a resume that stops before its first round
+    # must leave none that the kept state lacks.
     self.outputs.write_rows(self.rows)
     self.outputs.truncate_measurements(round_num)
     self.client_states.restore(round_num, arrays, self.algorithm.initial_client_state)
@@ -448,8 +423,7 @@ class RoundDriver:
     finally:
       if before_exit is not None and self.save_completed in before_exit:
         before_exit.remove(self.save_completed)
-      # Whatever stopped the loop (divergence, a dead worker, Ctrl-C), completed rounds stay
-      # (all but when it stopped while a round was being recorded: see `save_completed`).
+      # Whatever stopped the loop, completed rounds are kept (see `save_completed`).
       self.save_completed()
       if self.rows:
         self.outputs.write_json('summary.json', self.summary())
@@ -460,9 +434,8 @@ class RoundDriver:
     return self.summary()
 
   def save_completed(self) -> None:
-    """Checkpoints the last completed round unless it already is. A second signal calls this
-    (`fltff.runtime.StopSignal.before_exit`) before the process ends; it does nothing while
-    a round is being recorded, when the client store and the last completed round differ."""
+    """Checkpoints the last completed round unless it is already (a second signal's
+    `StopSignal.before_exit`); a no-op while a round is being recorded."""
     if not self._consistent or self._last_good[0] <= self._last_saved:
       return
     self._consistent = False
@@ -480,12 +453,9 @@ class RoundDriver:
   LOSS_WARNING_FACTOR = 1e3
 
   def check_loss_growth(self, row: dict) -> None:
-    """Warns once when the training loss exceeds `LOSS_WARNING_FACTOR` (1000) × ln(classes).
-
-    ln(classes) is the cross-entropy of a uniform guess, about an untrained model's loss; a
-    loss 1000 times that is divergence that may never reach NaN (e.g. too large a learning
-    rate, whose first round can already explode, so round 1 is no reference). The run goes on.
-    """
+    """Warns once if the training loss exceeds `LOSS_WARNING_FACTOR` × ln(classes), a uniform
+    guess's loss: divergence that may never reach NaN (round 1, which may already explode, is
+    no reference). The run goes on."""
     limit = self.LOSS_WARNING_FACTOR * math.log(max(self.algorithm.model_spec.num_classes, 2))
     if not self._loss_warned and row['train_loss'] > limit:
       self._loss_warned = True
@@ -494,8 +464,8 @@ class RoundDriver:
            'diverging; consider a lower client_optimizer.learning_rate.')
 
   def is_finite(self, new_state, client_states: dict) -> bool:
-    """Whether the new server state (for global methods: the model weights) and the
-    participants' new states are free of NaN/inf."""
+    """Whether the new server state (global methods: its trainable weights) and client states
+    are finite."""
     checked = (new_state if self.algorithm.personalized else
                self.algorithm.global_model_weights(new_state).trainable)
     return _finite_tree(checked) and all(_finite_tree(s) for s in client_states.values())

@@ -49,24 +49,20 @@ class Evaluator:
     return {'loss': total_loss / n, 'accuracy': total_correct / n}
 
 
-# Evaluation protocols: what model is tested on which data. The metrics.csv column each one
-# writes (the mean over the clients it evaluates; per-client values go to measurements.jsonl
-# and into the summary's per-client bests).
+# Protocols (which model on which data) -> metrics.csv column. All but 'central' test clients on
+# their local test splits; the column holds the mean (each client's: measurements.jsonl).
 PROTOCOL_COLUMNS = {
     # The global model on the central test set (FedAvg-family papers: FedLap, FedLayerWise, CCN).
     'central': 'test_accuracy',
-    # The global model on each evaluated client's local test split (KAPC paper §7.1: its FedAvg
-    # baseline).
+    # The global model (KAPC paper §7.1: its FedAvg baseline).
     'global_local': 'global_local_accuracy',
-    # Each client's own model (personalised methods: KAPC, FedAMP, FedBN, pFedLA, local training)
-    # on its local test split.
+    # Each client's own model (personalised methods: KAPC, FedAMP, FedBN, pFedLA, local training).
     'personal_local': 'personal_local_accuracy',
-    # Each participant's model right after its local training in the round, on its local test
-    # split: the personalised reading of a global method (the KAPC paper counts FedProx and MOON
-    # among the personalised methods, §7.2).
+    # Each participant's model right after its local training in the round: a global method read
+    # as personalised (the KAPC paper counts FedProx and MOON among those, §7.2).
     'trained_local': 'trained_local_accuracy',
     # The global model after the method's own fine-tuning on the client's training data
-    # (FedBABU: the whole model fine-tuned, Oh et al. §3), on its local test split.
+    # (FedBABU: the whole model fine-tuned, Oh et al. §3).
     'finetuned_local': 'finetuned_local_accuracy',
 }
 LOCAL_PROTOCOLS = ('global_local', 'personal_local', 'trained_local', 'finetuned_local')
@@ -148,13 +144,12 @@ def client_bests(rows, protocol: str) -> dict[int, float]:
 
 
 class Finetuner:
-  """The `finetuned_local` protocol's fine-tuning, as FedBABU defines it (Oh et al., ICLR 2022,
-  §3: the global model's body and head are both trained on the client's own data before it is
-  tested). The epochs and the optimizer (the run's client optimizer) are our choice: the KAPC
-  paper, whose FedBABU baseline this serves, does not state them.
+  """The `finetuned_local` protocol's fine-tuning as FedBABU defines it (Oh et al., ICLR 2022,
+  §3: the global model's body and head both trained on the client's own data before testing).
 
-  Runs fltff's one local training (`VectorizedClientWork`, no regulariser, nothing frozen) for
-  all the round's clients together.
+  The epochs and the optimizer (the run's client optimizer) are our choice: the KAPC paper,
+  whose FedBABU baseline this serves, does not state them. Runs fltff's local training
+  (`VectorizedClientWork`, no regulariser, nothing frozen) for all the round's clients at once.
   """
 
   def __init__(self, model_spec, client_optimizer, epochs: int):

@@ -34,8 +34,8 @@ def _finite(value) -> bool:
 
 RUN_MARKER = '.fltff-run'  # Written into every run folder: the folder is a fltff run's.
 LOCK_FILE = '.fltff-run.lock'
-# The run folders this process holds (real path -> open lock file): a lock is the process's, so
-# `run_experiment` may take the one `pipelines.run` took before it.
+# Run folders this process holds (real path -> open lock file): a lock is per process, so
+# `run_experiment` may retake the one `pipelines.run` took.
 _HELD_LOCKS: dict = {}
 
 
@@ -47,8 +47,8 @@ def _is_run_folder(output_dir: str) -> bool:
 
 
 def _lock(output_dir: str) -> None:
-  """Holds `<output_dir>/.fltff-run.lock` (an exclusive `flock`, released by the kernel when
-  this process ends, however it ends) for the rest of the process."""
+  """Holds `<output_dir>/.fltff-run.lock` for the rest of the process (an exclusive `flock`,
+  which the kernel releases however the process ends)."""
   import fcntl  # pylint: disable=g-import-not-at-top
 
   key = os.path.realpath(output_dir)
@@ -72,13 +72,10 @@ def _lock(output_dir: str) -> None:
 
 
 def prepare_output_dir(output_dir: str, resume: bool) -> bool:
-  """Creates `output_dir`, checks it is writable and takes it for this run, before any work;
-  returns whether this call created the folder (see `remove_if_unused`).
+  """Creates `output_dir`, checks it is writable and locks it for this process, before any work.
 
-  The folder is locked for the life of the process (a second run on it gets one line). Without
-  `resume` it must be new or empty: a folder with an earlier run's results, or with files that
-  are not a fltff run's, is never written into. With `resume` it must be a fltff run's folder
-  (or empty). Raises `ConfigError`.
+  Never writes into a folder holding files not a fltff run's or, without `resume`, an earlier
+  run's checkpoints or results (`ConfigError`). Returns whether this call created the folder.
   """
   if os.path.exists(output_dir) and not os.path.isdir(output_dir):
     raise ConfigError(f'--output_dir {output_dir} is an existing file, not a folder; choose '
@@ -118,16 +115,14 @@ def prepare_output_dir(output_dir: str, resume: bool) -> bool:
 
 
 def release_output_dir(output_dir: str) -> None:
-  """Gives up this process's hold on a run folder (`prepare_output_dir`'s lock), e.g. when a
-  run ends in a program that goes on."""
+  """Releases this process's lock on a run folder (e.g. a run ends in a program that goes on)."""
   handle = _HELD_LOCKS.pop(os.path.realpath(output_dir), None)
   if handle is not None:
     handle.close()
 
 
 def remove_if_unused(output_dir: str) -> bool:
-  """Removes a run folder that holds nothing but this process's marker and lock (a run that
-  failed before writing anything); returns whether it did."""
+  """Removes a run folder holding only this process's marker and lock; returns whether it did."""
   if not os.path.isdir(output_dir) or set(os.listdir(output_dir)) - {RUN_MARKER, LOCK_FILE}:
     return False
   if os.path.realpath(output_dir) not in _HELD_LOCKS:
@@ -165,9 +160,9 @@ _DATA_LOCATIONS = ('.path', '.data_dir', '.cache_dir')
 
 
 def config_changes(earlier: str, now: str) -> list[tuple[str, str, str]]:
-  """`(binding, earlier value, value now)` for each binding of both operative configs whose
-  value differs, other than `RESUMABLE_CHANGES` and data locations. A binding in only one of
-  them (a parameter added to or removed from fltff since) is not a change."""
+  """`(binding, earlier value, value now)` for each binding whose value differs between the
+  operative configs, except `RESUMABLE_CHANGES` and data locations (a binding in only one of
+  them, added to or removed from fltff since, is no change)."""
   a, b = config_bindings(earlier), config_bindings(now)
   changes = []
   for key in sorted(set(a) & set(b)):
@@ -179,10 +174,9 @@ def config_changes(earlier: str, now: str) -> list[tuple[str, str, str]]:
 
 def check_config(output_dir: str, config_text: str, resumed_from: Optional[int],
                  allow_changes: bool = False) -> None:
-  """Resumed from a checkpoint (`resumed_from`, a round), a configuration that differs from
-  the run's `config.gin` (`config_changes`) is refused in one `ConfigError` naming the
-  bindings; with `allow_changes` the differences are appended to `config_changes.txt`
-  (round, binding, old and new value)."""
+  """On a resume (`resumed_from`: a round), refuses a configuration that differs from the
+  run's `config.gin` (`config_changes`) with one `ConfigError`; with `allow_changes` appends
+  the differences to `config_changes.txt`."""
   path = os.path.join(output_dir, 'config.gin')
   if resumed_from and os.path.exists(path):
     with open(path) as f:
@@ -230,12 +224,8 @@ def _png(gray) -> bytes:
 
 
 class _EventWriter:
-  """TensorBoard event files written from protobufs, with no TensorFlow op.
-
-  `tf.summary` in eager mode keeps a fraction of a KiB of driver memory per scalar written,
-  for the whole run (KiBs per round for a 40-column row); these are the same events
-  (scalars, histograms, PNG images with their TensorBoard plugin metadata) built directly.
-  """
+  """TensorBoard event files built from protobufs, with no TensorFlow op (eager `tf.summary`
+  keeps driver memory per scalar written, for the whole run)."""
 
   def __init__(self, logdir: str):
     # pylint: disable=g-import-not-at-top
@@ -278,8 +268,7 @@ class _EventWriter:
             display_name=tag, description=''))
 
   def restart_at(self, step: int) -> None:
-    """Marks a restart at `step`: TensorBoard then drops the events of `step` and later that
-    earlier event files of the run hold (a resume reruns the rounds after its checkpoint)."""
+    """Marks a restart: TensorBoard drops earlier files' events from `step` on (a resume)."""
     import time  # pylint: disable=g-import-not-at-top
 
     from tensorboard.compat.proto import event_pb2  # pylint: disable=g-import-not-at-top
@@ -307,9 +296,8 @@ class RunOutputs:
 
   def write_rows(self, rows: Sequence[dict]) -> None:
     """Rewrites metrics.csv from all rows (cheap; keeps it exact after a resume)."""
-    # The newest row's order first: rows restored from a checkpoint come back with sorted
-    # keys, a row of this process has the driver's order (round first). Keys starting with
-    # '_' are in-memory only (per-client evaluations).
+    # The newest row's order first (restored rows have sorted keys, new ones the driver's
+    # order); '_' keys are in-memory only.
     fields = []
     for row in [*rows[-1:], *rows]:
       fields.extend(k for k in row if k not in fields and not k.startswith('_'))
@@ -322,8 +310,7 @@ class RunOutputs:
     os.replace(tmp, self.csv_path)
 
   def restart_at(self, round_num: int) -> None:
-    """A resumed run starts again at `round_num`: its earlier events from there on are
-    superseded in TensorBoard (no step twice)."""
+    """A resume restarts at `round_num`: TensorBoard supersedes earlier events from there."""
     self._writer.restart_at(round_num)
 
   def log_scalars(self, row: dict) -> None:
@@ -333,13 +320,10 @@ class RunOutputs:
     self._writer.flush()
 
   def log_arrays(self, round_num: int, arrays: dict, scalar_tags=()) -> None:
-    """Non-scalar measurements (e.g. FedLayerWise's ψ [clients, layers]).
-
-    Appended to `measurements.jsonl` (one JSON object per round, for plotting) and logged to
-    TensorBoard as histograms under `key` (`key/values` where a scalar of the round, one of
-    `scalar_tags`, has that name) and, for matrices, as a heat-map image under `key/heatmap`:
-    one tag holds one kind of summary, or TensorBoard shows neither well.
-    """
+    """Appends non-scalar measurements (e.g. FedLayerWise's ψ [clients, layers]) to
+    `measurements.jsonl` and logs them to TensorBoard: histograms under `key` (`key/values` if
+    one of `scalar_tags` has that name: one summary kind per tag), matrices also as heat maps
+    under `key/heatmap`."""
     import numpy as np  # pylint: disable=g-import-not-at-top
 
     path = os.path.join(self.output_dir, 'measurements.jsonl')
@@ -412,10 +396,9 @@ class RunOutputs:
     return path
 
   def plot_matrices(self) -> list[str]:
-    """`heatmap_<name>.png` for every per-round matrix in `measurements.jsonl` (e.g.
-    FedLayerWise's ψ and angles, participants × layers): the last round's matrix with labelled
-    axes and a colour bar whose scale spans every round of the run, so the pictures of
-    different rounds and runs compare. Returns the files written."""
+    """`heatmap_<name>.png` of the last round's value of each per-round matrix in
+    `measurements.jsonl` (e.g. FedLayerWise's ψ), its colour scale spanning all rounds so
+    pictures compare. Returns the files written."""
     import numpy as np  # pylint: disable=g-import-not-at-top
 
     path = os.path.join(self.output_dir, 'measurements.jsonl')

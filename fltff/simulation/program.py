@@ -1,16 +1,15 @@
 """fltff processes under TFF's program API (`tff.learning.programs.train_model`).
 
 `train_model` drives any `tff.learning.templates.LearningProcess` from a
-`tff.program.FederatedDataSource` and keeps its progress with a `ProgramStateManager` (e.g.
-`tff.program.FileProgramStateManager`). fltff's global methods are LearningProcesses whose
-client data is `fltff.learning.client_input(batches, client_index, epochs)`, a struct of two
-datasets; TFF 0.87's `NativeFederatedContext` only materialises CLIENTS data whose member is
-a dataset or a tensor (a list of structs is zipped against the struct's fields), so
-`as_dataset_process(algorithm, epochs)` wraps a method into a LearningProcess that takes each
-client's batches as one dataset, as TFF's own processes do, and packs the fltff input inside
-the computation (client index 0: the methods whose aggregation needs the client's identity —
-FedAdp/FedLayerWise with per-client smoothing, CCN, FedNova — and those whose per-client state
-lives in fltff's round driver — SCAFFOLD, MOON, the personalised ones — need `pipelines.run`).
+`tff.program.FederatedDataSource`, keeping its progress with a `ProgramStateManager` (e.g.
+`tff.program.FileProgramStateManager`). fltff's client data,
+`fltff.learning.client_input(batches, client_index, epochs)`, is a struct of two datasets, but
+TFF 0.87's `NativeFederatedContext` only materialises CLIENTS data whose member is a dataset
+or a tensor; so `as_dataset_process(algorithm, epochs)` wraps a method into a LearningProcess
+taking each client's batches as one dataset, as TFF's own processes do, and packs the fltff
+input (client index 0) inside the computation. Methods whose aggregation needs the client's
+identity (FedAdp/FedLayerWise with per-client smoothing, CCN, FedNova) or whose client state
+lives in fltff's round driver (SCAFFOLD, MOON, the personalised ones) need `pipelines.run`.
 `ClientInputDataSource` is a serialisable data source of per-client arrays (`train_model`
 stores its position in the program state).
 """
@@ -85,9 +84,8 @@ class ClientInputIterator(tff.program.FederatedDataSourceIterator):
     return cls(arrays, meta['batch_size'], meta['epochs'], meta['seed'], meta['calls'])
 
   def __deepcopy__(self, memo) -> 'ClientInputIterator':
-    # `train_model` deep-copies the iterator every round. The arrays and the type are never
-    # changed (and TFF's struct types do not survive `copy.deepcopy`); only the call count
-    # moves, so a shallow copy is an independent copy.
+    # `train_model` deep-copies the iterator every round; only the call count ever changes
+    # (and TFF's struct types do not survive `copy.deepcopy`), so a shallow copy is independent.
     del memo
     clone = object.__new__(type(self))
     clone.__dict__.update(self.__dict__)
@@ -132,11 +130,9 @@ def as_dataset_process(algorithm, epochs: int):
   """`algorithm.process` as a `tff.learning.templates.LearningProcess` whose client data is
   each client's batched dataset (elements `OrderedDict(x=..., y=...)`), for TFF's program API.
 
-  Every client trains `epochs` local epochs; its fltff client index is 0 (see the module
-  docstring for the methods this excludes).
+  Every client trains `epochs` local epochs as fltff client index 0. Raises `ConfigError` for
+  a method that needs the client's identity or driver-held client state (module docstring).
   """
-  # Only a method whose round uses neither the client's index (per-client aggregator state,
-  # CCN's and FedNova's gathered weights) nor client state kept by fltff's round driver.
   without_identity = [m.name for m in methods.METHODS.values()
                       if not (m.client_ids or m.client_state)]
   if algorithm.name not in without_identity:
@@ -169,8 +165,7 @@ def as_dataset_process(algorithm, epochs: int):
 
 
 class DatasetIterator(ClientInputIterator):
-  """`ClientInputIterator` whose selection is each client's batches only (for
-  `as_dataset_process`)."""
+  """`ClientInputIterator` selecting each client's batches only (for `as_dataset_process`)."""
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)

@@ -1,21 +1,16 @@
 """The per-client state store (docs/architecture.md: stateful clients).
 
-Personal models, control variates, previous models and stale layers live here, keyed by client
-index, as nested NumPy structures. The round driver owns it, feeds participants' entries to a
-process as CLIENTS-placed values, writes the outputs back, and saves it with checkpoints.
+Personal models, control variates, previous models, stale layers: nested NumPy structures by
+client index, which the round driver feeds to a process and saves with checkpoints. Chosen by
+`experiment.client_state_store`:
 
-Two implementations with one interface (`get`, `set_many`, `__contains__`, `checkpoint`,
-`restore`), chosen by `experiment.client_state_store`:
-
-* `ClientStateStore` ('memory', the default): a dict; each checkpoint writes every client's
-  state into the checkpoint's `.npz`. Fastest for small populations.
-* `SqliteClientStateStore` ('sqlite'): the states in `<output_dir>/client_states.sqlite`
-  (SQLite from Python's standard library: one file, transactions, crash-safe journal, no extra
-  dependency). RAM holds only a bounded cache of recently used clients; a round writes its
-  participants' new states in one transaction, tagged with the round; a checkpoint writes
-  nothing more (its cost is the clients changed since the last one) and prunes versions no kept
-  checkpoint needs; a restore drops the versions newer than the checkpoint's round — so a
-  `kill -9` at any moment and `--resume` give the uninterrupted run's numbers.
+* `ClientStateStore` ('memory', the default): a dict, saved whole in every checkpoint's
+  `.npz`; fastest for small populations.
+* `SqliteClientStateStore` ('sqlite'): `<output_dir>/client_states.sqlite`, a bounded cache
+  in RAM. Each round commits its participants' new states in one transaction, tagged with the
+  round; a checkpoint only prunes versions no kept checkpoint needs (cost: the clients changed)
+  and a restore drops newer ones, so a `kill -9` at any moment and `--resume` give the
+  uninterrupted run's numbers.
 """
 
 from __future__ import annotations
@@ -84,7 +79,7 @@ class ClientStateStore:
     if _SQLITE_MARKER in arrays:
       raise ConfigError("This run's client states are in client_states.sqlite: resume it with "
                         "experiment.client_state_store = 'sqlite'.")
-    # Checkpoints before the single store kept the method's client states under 'method/'.
+    # Older checkpoints hold the client states under 'method/'.
     prefix = 'client' if any(key.startswith('client/') for key in arrays) else 'method'
     self.load_arrays(arrays, template_fn=template_fn, prefix=prefix)
 
@@ -92,8 +87,7 @@ class ClientStateStore:
     self._states = {}
 
   def fingerprint(self, round_num: int) -> dict:
-    """What a checkpoint records of the states (`fingerprint_of`): the clients with a state
-    and the shapes of each one's arrays."""
+    """`fingerprint_of` the clients with a state and the shapes of each one's arrays."""
     del round_num
     return fingerprint_of((k, [np.shape(leaf) for leaf in tf.nest.flatten(self._states[k])])
                           for k in sorted(self._states))
@@ -139,9 +133,8 @@ def _unpack(blob: bytes, template) -> Any:
 class SqliteClientStateStore:
   """Client states in SQLite, RAM bounded by a small cache (module docstring).
 
-  Table `states(client, round, leaves)`: one row per client and round it changed in; a client's
-  state is its newest row. `cache_size` bounds the decoded states kept in RAM (the round's
-  participants are read, trained and written back, so a few rounds' worth suffices).
+  Table `states(client, round, leaves)`: a row per client and round it changed in, the newest
+  its state. `cache_size`: decoded states kept in RAM (a few rounds' participants suffice).
   """
 
   FILE_NAME = 'client_states.sqlite'
@@ -200,8 +193,8 @@ class SqliteClientStateStore:
       if self._structure is None:
         self._structure = state
     else:
-      # A stored state needs only the states' structure (the same for every client of a
-      # method), not a fresh initial state (a model-sized copy for the personalised methods).
+      # A stored state needs only the structure (the same for every client), not a fresh
+      # initial state (a model-sized copy for the personalised methods).
       if self._structure is None:
         self._structure = self._init_fn(k)
       try:
@@ -233,13 +226,11 @@ class SqliteClientStateStore:
       raise
 
   def checkpoint(self, round_num: int) -> dict[str, np.ndarray]:
-    """Everything up to `round_num` is written already (each round committed its own): the
-    checkpoint only records that its client states are here."""
+    """Only a marker: the states up to `round_num` are here (each round committed its own)."""
     return {_SQLITE_MARKER: np.asarray(round_num, np.int64)}
 
   def prune(self, kept_rounds) -> None:
-    """After a checkpoint: for the clients changed since the last one, deletes the versions
-    older than what the oldest kept checkpoint needs (cost: the changed clients)."""
+    """Deletes the changed clients' versions older than the oldest kept checkpoint needs."""
     if not kept_rounds:
       return
     oldest = min(kept_rounds)
@@ -252,8 +243,7 @@ class SqliteClientStateStore:
     self._changed.clear()
 
   def restore(self, round_num: int, arrays: dict, template_fn: Callable[[int], Any]) -> None:
-    """Back to the states as of round `round_num`: newer versions (rounds after the checkpoint,
-    or a torn run) are deleted."""
+    """Back to the states as of round `round_num`, deleting newer versions (e.g. a torn run)."""
     del template_fn
     if _SQLITE_MARKER not in arrays:
       raise ConfigError("This run's checkpoints hold its client states in the checkpoint "
@@ -265,8 +255,7 @@ class SqliteClientStateStore:
     self._changed = {row[0] for row in self._sql('execute', 'SELECT DISTINCT client FROM states')}
 
   def fingerprint(self, round_num: int) -> dict:
-    """What a checkpoint records of the states (`fingerprint_of`): each client with a state as
-    of round `round_num` and the round of its newest version."""
+    """`fingerprint_of` each client with a state as of `round_num` and its newest round."""
     return fingerprint_of(self._sql('execute', 
         'SELECT client, MAX(round) FROM states WHERE round <= ? GROUP BY client ORDER BY client',
         (int(round_num),)))
