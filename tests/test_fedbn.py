@@ -112,8 +112,8 @@ def test_fedbn_keeps_batchnorm_local_averages_the_rest_by_examples_and_sends_no_
 
 def test_pipeline_runs_fedbn_on_cnn2_bn_and_evaluates_each_clients_own_statistics(tmp_path):
   # Client by client on TFF's C++ runtime: tracing cnn2_bn's vectorised step costs more than
-  # two rounds here. The default ('auto') vectorises it (test_vectorized.py: the choice, and
-  # the clients' own statistics equal to these).
+  # two rounds here. 'auto' vectorises it on clients of about equal size (test_vectorized.py:
+  # the choice, and the clients' own statistics equal to these).
   result = run_pipeline(
       '--gin_file=gin_configs/kapc/offline_mnist1003_fedbn_cnn2_bn.gin',
       '--gin_bindings=experiment.rounds = 2', '--gin_bindings=experiment.local_epochs = 1',

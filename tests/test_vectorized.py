@@ -618,6 +618,48 @@ def test_auto_client_work_vectorises_what_it_can_and_the_runtime_places_it(data,
     tff.framework.set_default_context(cpp)
 
 
+@pytest.mark.parametrize('steps,participants,expected', [
+    ([10, 10, 10], 3, 1.0),
+    ([1, 2, 3, 6], 4, 2.0),  # 4 x 6 / 12
+    ([5, 5, 5, 20], 2, None),  # Partial participation: against every pair, equally likely.
+])
+def test_expected_padding_is_k_times_the_mean_longest_over_the_mean_total(steps, participants,
+                                                                          expected):
+  from fltff.simulation.experiment import expected_padding  # pylint: disable=g-import-not-at-top
+
+  if expected is None:
+    pairs = np.array(list(itertools.combinations(steps, participants)), np.float64)
+    expected = participants * pairs.max(axis=1).mean() / pairs.sum(axis=1).mean()
+    np.testing.assert_allclose(expected_padding(steps, participants, draws=4000), expected,
+                               rtol=0.03)
+  else:
+    assert expected_padding(steps, participants) == expected
+
+
+def test_auto_trains_a_convolutional_model_client_by_client_on_a_cpu_when_padding_costs(data):
+  # A vectorised round runs every client for the longest one's steps; cnn2's convolutions gain
+  # too little over the C++ runtime on a CPU to pay for much padding (conv_padding_limit).
+  from fltff.runtime.local import make_runtime  # pylint: disable=g-import-not-at-top
+  from fltff.simulation.experiment import choose_client_work  # pylint: disable=g-import-not-at-top
+  from fltff.simulation.experiment import conv_padding_limit  # pylint: disable=g-import-not-at-top
+
+  cnn = build_model_spec(data, 'cnn2', seed=0)
+  mlp = build_model_spec(data, 'mlp2', seed=0)
+  unequal, equal = [2, 4, 6, 12], [6, 6, 6, 6]  # Padding 2.0 and 1.0.
+  assert 1.0 < conv_padding_limit(4) < 1.1 and conv_padding_limit(100) > 1.6
+  cases = [(cnn, unequal, 'auto', 'cpu', False), (cnn, equal, 'auto', 'cpu', True),
+           (mlp, unequal, 'auto', 'cpu', True), (cnn, unequal, 'vectorised', 'cpu', True),
+           (cnn, None, 'auto', 'cpu', True)]
+  for model_spec, steps, client_work, device, vectorised in cases:
+    with make_runtime(device=device) as rt:
+      algorithm = learning.build_fedavg(model_spec)
+      choose_client_work(algorithm, client_work, True, rt, steps, 4)
+      assert algorithm.vectorized == vectorised, (model_spec.name, steps, client_work)
+      if not vectorised:
+        assert 'pad them to 2.00x their steps' in algorithm.client_work_reason
+      assert rt.context is None  # Nothing started: the runtime places the rounds at bind.
+
+
 def test_pipeline_refuses_vectorising_a_batchnorm_model_in_one_line(tmp_path):
   # Every fltff method vectorises on models without BatchNorm; MOON, which reads the
   # representations of other models, is refused on one with it when vectorised clients are

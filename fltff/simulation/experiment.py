@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from absl import logging
 import gin
+import numpy as np
 
 from fltff import resources
 from fltff.data import build_federated_data
@@ -28,6 +29,7 @@ from fltff.learning.model_spec import ModelSpec
 from fltff.personalization.fedlap_mixing import with_fedlap_personalization
 from fltff.simulation.driver import RoundConfig
 from fltff.simulation.driver import RoundDriver
+from fltff.simulation import sampling
 from fltff.simulation.evaluation import Finetuner
 from fltff.simulation.checkpoint import Checkpointer
 from fltff.simulation.outputs import prepare_output_dir
@@ -63,15 +65,54 @@ def server_optimizer_bound() -> bool:
 CLIENT_WORKS = ('auto', 'vectorised', 'per_client')
 
 
+def expected_padding(steps: Sequence[int], participants: int, draws: int = 64) -> float:
+  """K·E[max steps] / E[Σ steps] of a round of K = `participants` clients drawn from `steps`.
+
+  A vectorised round runs every participant for the longest one's steps; 1.0 means no padding.
+  Partial participation is estimated from `draws` fixed-seed draws.
+  """
+  steps = np.asarray(steps, np.float64)
+  if participants >= len(steps):
+    return float(len(steps) * steps.max() / steps.sum())
+  rng = np.random.default_rng(0)
+  chosen = steps[np.stack([rng.choice(len(steps), participants, replace=False)
+                           for _ in range(draws)])]
+  return float(participants * chosen.max(axis=1).mean() / chosen.sum(axis=1).mean())
+
+
+def conv_padding_limit(participants: int) -> float:
+  """The padding above which 'auto' trains a convolutional model's clients one by one on a CPU.
+
+  Our fit to cnn2 rounds on a 2-core CPU (docs/performance.md, "Executors"):
+  vectorised convolutions gain little over TFF's C++ runtime at 10 clients (break-even ≈ 1.07)
+  and more at 100, where the per-client cost of the C++ runtime grows (break-even ≈ 1.7).
+  """
+  return 1.0 + participants / 150.0
+
+
+def _on_cpu(runtime) -> bool:
+  if runtime.device is not None:
+    return runtime.device == '/CPU:0'
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return not tf.config.list_physical_devices('GPU')
+
+
+def _has_convolutions(model_spec) -> bool:
+  return any('Conv' in type(m).__name__ for m in model_spec.keras_fn().submodules)
+
+
 def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool = True,
-                       runtime=None) -> None:
+                       runtime=None, steps: Optional[Sequence[int]] = None,
+                       participants: Optional[int] = None) -> None:
   """The experiment's choice of what its clients compute with (`experiment.client_work`).
 
   'vectorised' switches `algorithm` to its vectorised client work (`vectorize_clients`;
   `ConfigError` where the method or model has none, or where `runtime` cannot run it in this
   process); 'per_client' keeps TFF's client work; 'auto' vectorises where the method, the model
-  and the runtime allow it and otherwise records why not as `algorithm.client_work_reason`
-  (the run's first line says it). The runtime then only places the rounds (`TffRuntime.bind`).
+  and the runtime allow it, except a convolutional model on a CPU whose rounds would pad the
+  clients' local `steps` (one entry per client) beyond `conv_padding_limit(participants)`, and
+  otherwise records why not as `algorithm.client_work_reason` (the run's first line says it).
+  The runtime then only places the rounds (`TffRuntime.bind`).
   """
   if client_work not in CLIENT_WORKS:
     raise ConfigError(f'experiment.client_work must be one of {CLIENT_WORKS}, got '
@@ -90,6 +131,15 @@ def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool 
                         'C++ runtime, remote workers and runtime.recycle_every run them client '
                         'by client).')
     return
+  elif (client_work == 'auto' and steps is not None and participants and _on_cpu(runtime)
+        and _has_convolutions(algorithm.model_spec)):
+    padding = expected_padding(steps, participants)
+    if padding > conv_padding_limit(participants):
+      algorithm.client_work_reason = (
+          f'its clients differ in size: a vectorised round would pad them to {padding:.2f}x '
+          f'their steps, slower for convolutions on a CPU than client by client; '
+          f"experiment.client_work = 'vectorised' forces it")
+      return
   try:
     algorithm.vectorize_clients(None if runtime is None else runtime.device, factor_dense)
   except ConfigError as e:
@@ -239,7 +289,12 @@ def run_experiment(output_dir: str,
   if personalization is not None:
     algorithm = with_fedlap_personalization(
         algorithm, personalization(model_spec, client_optimizer=optimizers.client_optimizer()))
-  choose_client_work(algorithm, client_work, factor_dense, runtime)
+  # trained_local reads the vectorised clients' models: 'auto' keeps them vectorised for it.
+  steps = (None if 'trained_local' in (evaluation or ()) else
+           [-(-len(indices) // batch_size) for indices in data.train_indices])
+  choose_client_work(algorithm, client_work, factor_dense, runtime, steps,
+                     sampling.num_participants(data.num_clients(), clients_per_round,
+                                               client_fraction))
   finetuner = None
   if evaluation is not None and 'finetuned_local' in evaluation and getattr(
       algorithm, 'finetunes', False):
