@@ -2,6 +2,8 @@
 
 import collections
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -207,10 +209,7 @@ def test_programs_and_the_local_worker_pool_tensor_memory_unless_told_otherwise(
 
 
 def test_the_local_worker_and_a_driver_without_vectorised_clients_get_the_fixed_mmap_threshold():
-  from fltff import learning  # pylint: disable=g-import-not-at-top
   from fltff.runtime import TffRuntime  # pylint: disable=g-import-not-at-top
-  from fltff.simulation import build_model_spec  # pylint: disable=g-import-not-at-top
-  from helpers import mnist_sample_split  # pylint: disable=g-import-not-at-top
   from fltff.runtime import heap  # pylint: disable=g-import-not-at-top
   from fltff.runtime.local import make_runtime  # pylint: disable=g-import-not-at-top
 
@@ -221,19 +220,29 @@ def test_the_local_worker_and_a_driver_without_vectorised_clients_get_the_fixed_
   with TffRuntime() as rt:
     assert worker_env(rt)[b'MALLOC_MMAP_THRESHOLD_'] == b'131072'
     assert worker_env(rt)[b'TF_CPU_ALLOCATOR_USE_BFC'] == b'true'
-    assert rt.driver_heap_fixed
+    assert heap.threshold_fixed()
     rt.after_round(1)  # Trims the driver's heap; nothing else happens without recycling.
   # With 'auto' the driver's threshold follows the method's clients: glibc's adaptive one when
-  # they are vectorised in this process (faster rounds, the same memory), else fixed.
-  spec = build_model_spec(mnist_sample_split(3, seed=1), 'mlp2', seed=0)
-  for vectorised in (True, False):
-    with make_runtime() as rt:
-      assert not rt.driver_heap_fixed
-      algorithm = learning.build_fedavg(spec)
-      if vectorised:
-        algorithm.vectorize_clients()
-      rt.bind(algorithm)
-      assert rt.driver_heap_fixed == (not vectorised), vectorised
+  # they are vectorised in this process (faster rounds, the same memory), else fixed. The
+  # setting is per process and for good, so a fresh one shows it.
+  program = (
+      'from fltff import learning\nfrom fltff.runtime import heap\n'
+      'from fltff.runtime.local import make_runtime\n'
+      'from fltff.simulation import build_model_spec\nfrom helpers import mnist_sample_split\n'
+      "spec = build_model_spec(mnist_sample_split(3, seed=1), 'mlp2', seed=0)\n"
+      'for vectorised in (True, False):\n'
+      '  with make_runtime() as rt:\n'
+      '    algorithm = learning.build_fedavg(spec)\n'
+      '    if vectorised:\n'
+      '      algorithm.vectorize_clients()\n'
+      '    rt.bind(algorithm)\n'
+      "    print(vectorised, heap.threshold_fixed(), rt.executor)\n")
+  tests_dir = os.path.dirname(os.path.abspath(__file__))
+  result = subprocess.run([sys.executable, '-c', program], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(tests_dir),
+                          env=dict(os.environ, PYTHONPATH=tests_dir, TF_CPP_MIN_LOG_LEVEL='3'))
+  assert result.stdout.splitlines() == ['True False in_process', 'False True tff_cpp'], (
+      result.stdout, result.stderr[-2000:])
   with TffRuntime(mmap_threshold_kib=0) as rt:
     assert b'MALLOC_MMAP_THRESHOLD_' not in worker_env(rt) or 'MALLOC_MMAP_THRESHOLD_' in os.environ
   assert heap.fix_mmap_threshold(128)  # glibc here: mallopt accepted the setting.

@@ -639,6 +639,7 @@ def test_expected_padding_is_k_times_the_mean_longest_over_the_mean_total(steps,
 def test_auto_trains_a_convolutional_model_client_by_client_on_a_cpu_when_padding_costs(data):
   # A vectorised round runs every client for the longest one's steps; cnn2's convolutions gain
   # too little over the C++ runtime on a CPU to pay for much padding (conv_padding_limit).
+  # runtime.device = 'auto' counts as a CPU here (no GPU on the test machines).
   from fltff.runtime.local import make_runtime  # pylint: disable=g-import-not-at-top
   from fltff.simulation.experiment import choose_client_work  # pylint: disable=g-import-not-at-top
   from fltff.simulation.experiment import conv_padding_limit  # pylint: disable=g-import-not-at-top
@@ -649,7 +650,7 @@ def test_auto_trains_a_convolutional_model_client_by_client_on_a_cpu_when_paddin
   assert 1.0 < conv_padding_limit(4) < 1.1 and conv_padding_limit(100) > 1.6
   cases = [(cnn, unequal, 'auto', 'cpu', False), (cnn, equal, 'auto', 'cpu', True),
            (mlp, unequal, 'auto', 'cpu', True), (cnn, unequal, 'vectorised', 'cpu', True),
-           (cnn, None, 'auto', 'cpu', True)]
+           (cnn, None, 'auto', 'cpu', True), (cnn, unequal, 'auto', 'auto', False)]
   for model_spec, steps, client_work, device, vectorised in cases:
     with make_runtime(device=device) as rt:
       algorithm = learning.build_fedavg(model_spec)

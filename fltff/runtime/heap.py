@@ -19,6 +19,7 @@ import os
 from typing import Optional
 
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h.
+_fixed_here = []  # Set once this process's threshold is fixed (for good: mallopt's rule).
 _POOLED = ('TF_CPU_ALLOCATOR_USE_BFC', 'true')
 # The default: glibc's own initial threshold, made fixed.
 DEFAULT_MMAP_THRESHOLD_KIB = 128
@@ -45,7 +46,15 @@ def fix_mmap_threshold(kib: int) -> bool:
   libc = _glibc()
   if kib <= 0 or libc is None:
     return False
-  return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(kib) * 1024))
+  if libc.mallopt(_M_MMAP_THRESHOLD, int(kib) * 1024):
+    _fixed_here.append(int(kib))
+    return True
+  return False
+
+
+def threshold_fixed() -> bool:
+  """Whether `fix_mmap_threshold` fixed this process's threshold."""
+  return bool(_fixed_here)
 
 
 def worker_environment(kib: int, base: Optional[dict] = None) -> dict:

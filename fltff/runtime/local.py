@@ -447,18 +447,12 @@ class TffRuntime:
     self.mmap_threshold_kib = int(mmap_threshold_kib)
     self._stubs = []
     self.context = None
-    # Whether this process's mmap threshold is fixed: not with vectorised clients here, whose
-    # rounds run faster on glibc's adaptive threshold at the same memory (`bind`).
-    self.driver_heap_fixed = False
     atexit.register(self.close)
     if executor == 'auto':
       return  # The executor is chosen for the method: `bind`.
     if executor == 'tff_cpp':
-      self._fix_heap()
+      heap.fix_mmap_threshold(self.mmap_threshold_kib)
     self._start()
-
-  def _fix_heap(self) -> None:
-    self.driver_heap_fixed = heap.fix_mmap_threshold(self.mmap_threshold_kib)
 
   def _start(self) -> None:
     """Installs the context of `self.executor` ('tff_cpp' or 'in_process')."""
@@ -490,8 +484,8 @@ class TffRuntime:
     work, and any with `device` '/GPU:0', in process, the rest on TFF's C++ runtime. Raises
     `ConfigError` for vectorised client work on 'tff_cpp'."""
     self.vectorised = bool(algorithm.vectorized)
-    if not self.vectorised:
-      self._fix_heap()
+    if not self.vectorised:  # Vectorised rounds here run faster on glibc's adaptive threshold.
+      heap.fix_mmap_threshold(self.mmap_threshold_kib)
     if self.executor != 'auto':
       if self.vectorised and self.executor != 'in_process':
         raise ConfigError(f"{algorithm.name}'s clients are vectorised: they train in this "
@@ -638,7 +632,7 @@ class TffRuntime:
       self.rpc_timeout = max(RPC_TIMEOUT_FLOOR_S, RPC_TIMEOUT_FACTOR * self._slowest_round)
       for stub in self._stubs:
         stub._rpc_timeout = self.rpc_timeout  # pylint: disable=protected-access
-    if self.driver_heap_fixed:
+    if heap.threshold_fixed():
       heap.trim()
     if (self.recycle_every > 0 and not self.remote and self.executor == 'tff_cpp'
         and round_num % self.recycle_every == 0):
@@ -724,8 +718,9 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
     device: 'auto' (TensorFlow's choice), 'cpu' or 'gpu' (in process only: TFF's C++ runtime
       never uses a GPU, TFF issues 3709, 4600).
     mmap_threshold_kib: glibc serves blocks of this many KiB or more with mmap in the local
-      worker and, unless its clients are vectorised, in the driver, which then trims its heap
-      after each round (`fltff.runtime.heap`; results unchanged). 0: glibc's default.
+      worker and in the driver (with 'auto' or 'in_process': from `bind`, and only for clients
+      that are not vectorised), which then trims its heap after each round
+      (`fltff.runtime.heap`; results unchanged). 0: glibc's default.
     isolate_local_worker: Run the local `worker_binary` in a private network namespace,
       behind a Unix socket only this user can open (`IsolatedWorker`; needs unprivileged user
       namespaces). False: it listens in plaintext on every interface, where anyone reaching

@@ -69,7 +69,8 @@ def expected_padding(steps: Sequence[int], participants: int, draws: int = 64) -
   """K·E[max steps] / E[Σ steps] of a round of K = `participants` clients drawn from `steps`.
 
   A vectorised round runs every participant for the longest one's steps; 1.0 means no padding.
-  Partial participation is estimated from `draws` fixed-seed draws.
+  Partial participation is estimated from `draws` fixed-seed draws; every client is assumed to
+  train all its epochs (stragglers and a round deadline pad further).
   """
   steps = np.asarray(steps, np.float64)
   if participants >= len(steps):
@@ -83,8 +84,8 @@ def expected_padding(steps: Sequence[int], participants: int, draws: int = 64) -
 def conv_padding_limit(participants: int) -> float:
   """The padding above which 'auto' trains a convolutional model's clients one by one on a CPU.
 
-  Our fit to cnn2 rounds on a 2-core CPU (docs/performance.md, "Executors"):
-  vectorised convolutions gain little over TFF's C++ runtime at 10 clients (break-even ≈ 1.07)
+  Our rounded fit to cnn2 rounds on a 2-core CPU (docs/performance.md, "Executors"):
+  vectorised convolutions gain little over TFF's C++ runtime at 10 clients (break-even ≈ 1.05)
   and more at 100, where the per-client cost of the C++ runtime grows (break-even ≈ 1.7).
   """
   return 1.0 + participants / 150.0
@@ -98,7 +99,8 @@ def _on_cpu(runtime) -> bool:
 
 
 def _has_convolutions(model_spec) -> bool:
-  return any('Conv' in type(m).__name__ for m in model_spec.keras_fn().submodules)
+  from fltff.models import layer_groups  # pylint: disable=g-import-not-at-top
+  return any(group.kind == 'conv' for group in layer_groups(model_spec.keras_fn()))
 
 
 def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool = True,
@@ -131,8 +133,8 @@ def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool 
                         'C++ runtime, remote workers and runtime.recycle_every run them client '
                         'by client).')
     return
-  elif (client_work == 'auto' and steps is not None and participants and _on_cpu(runtime)
-        and _has_convolutions(algorithm.model_spec)):
+  elif (client_work == 'auto' and runtime.executor == 'auto' and steps is not None
+        and participants and _on_cpu(runtime) and _has_convolutions(algorithm.model_spec)):
     padding = expected_padding(steps, participants)
     if padding > conv_padding_limit(participants):
       algorithm.client_work_reason = (
