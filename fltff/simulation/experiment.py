@@ -134,9 +134,10 @@ def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool 
                         'by client).')
     return
   elif (client_work == 'auto' and runtime.executor == 'auto' and steps is not None
-        and participants and _on_cpu(runtime) and _has_convolutions(algorithm.model_spec)):
-    padding = expected_padding(steps, participants)
-    if padding > conv_padding_limit(participants):
+        and participants):
+    padding = expected_padding(steps, participants)  # Cheap: checked before the model.
+    if (padding > conv_padding_limit(participants) and _on_cpu(runtime)
+        and _has_convolutions(algorithm.model_spec)):
       algorithm.client_work_reason = (
           f'its clients differ in size: a vectorised round would pad them to {padding:.2f}x '
           f'their steps, slower for convolutions on a CPU than client by client; '
