@@ -7,8 +7,8 @@ process's first op, or for a child). Other buffers: glibc raises its mmap thresh
 first large `free`, and model-sized blocks then fragment the heap; `fix_mmap_threshold` /
 `worker_environment` keep it fixed (not in a driver that trains vectorised clients: its rounds
 are faster with the adaptive threshold, at the same memory), and `trim` (after each round)
-returns the free pages. None
-of this changes a number; the glibc settings are no-ops where libc is not glibc.
+returns the free pages. None of this changes a number; the glibc settings are no-ops where libc
+is not glibc.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 from typing import Optional
 
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h.
-_fixed_here = []  # Set once this process's threshold is fixed (for good: mallopt's rule).
+_FIXED = {'here': False}  # Whether this process's threshold is fixed (for good: mallopt's rule).
 _POOLED = ('TF_CPU_ALLOCATOR_USE_BFC', 'true')
 # The default: glibc's own initial threshold, made fixed.
 DEFAULT_MMAP_THRESHOLD_KIB = 128
@@ -47,14 +47,14 @@ def fix_mmap_threshold(kib: int) -> bool:
   if kib <= 0 or libc is None:
     return False
   if libc.mallopt(_M_MMAP_THRESHOLD, int(kib) * 1024):
-    _fixed_here.append(int(kib))
+    _FIXED['here'] = True
     return True
   return False
 
 
 def threshold_fixed() -> bool:
   """Whether `fix_mmap_threshold` fixed this process's threshold."""
-  return bool(_fixed_here)
+  return _FIXED['here']
 
 
 def worker_environment(kib: int, base: Optional[dict] = None) -> dict:
