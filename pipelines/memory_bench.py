@@ -5,12 +5,14 @@ FedAvg, FedLayerWise and KAPC through the real pipeline (`run_experiment` on the
 configs; also SCAFFOLD, a global method with client state), and TFF's built-in
 `build_weighted_fed_avg` in a plain loop on the same data (10
 clients of the MNIST sample, all taking part, mlp2). Resident memory (VmRSS) of the process
-and of its current `worker_binary` is read after every round; the slope is the least-squares
+and of its current `worker_binary` is read after every round (a pipeline run's extra last
+round, which also evaluates and checkpoints, is not sampled); the slope is the least-squares
 fit from 10 % of the rounds on (the first rounds trace and load).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -60,12 +62,16 @@ def _probe_fltff(method: str, rounds: int, recycle_every: int, rt, sample) -> No
   from . import run as run_lib  # pylint: disable=g-import-not-at-top
   from fltff.simulation import run_experiment  # pylint: disable=g-import-not-at-top
 
+  # A run's last round also evaluates, checkpoints and skips the heap trim, once: it runs one
+  # round more than it samples, so every sample is of a steady round.
   run_lib.configure([resources.find_shipped(CONFIGS[method])],
-                    [f'experiment.rounds = {rounds}', 'experiment.checkpoint_every = 1000000',
-                     f'experiment.eval_every = {rounds}'])
+                    [f'experiment.rounds = {rounds + 1}', 'experiment.checkpoint_every = 1000000',
+                     f'experiment.eval_every = {rounds + 1}'])
   rt.recycle_every = recycle_every
+  sampled = itertools.count()
   with tempfile.TemporaryDirectory() as out:
-    run_experiment(output_dir=out, runtime=rt, progress=lambda _: sample())
+    run_experiment(output_dir=out, runtime=rt,
+                   progress=lambda _: next(sampled) < rounds and sample())
 
 
 def _probe_tff_fedavg(rounds: int, recycle_every: int, rt, sample) -> None:
