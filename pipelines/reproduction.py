@@ -105,8 +105,9 @@ def seed_key(name: str) -> str:
 
 
 def seed_of(name: str) -> str:
-  """The seed label of a run for the report: 's<k>', or 'run' for a run without seeds."""
-  return seed_key(name) or 'run'
+  """The seed label of a run for the report: 's<k>'; a run without a seed binding is seed 0
+  (results/plan.txt)."""
+  return seed_key(name) or 's0'
 
 
 def _as_list(value) -> list[str]:
@@ -298,7 +299,7 @@ def _seed_pairs(group: dict, runs: dict, a: str, b: str):
   """[(seed, run a, run b)] for the seeds both have, and the seeds either lacks."""
   first = {seed_of(n): runs.get(n) for n in _as_list(group['runs'][a])}
   second = {seed_of(n): runs.get(n) for n in _as_list(group['runs'][b])}
-  # Runs without seeds pair with each other ('run').
+  # A run without a seed suffix is seed 0: it pairs with the other seed-0 run.
   pairs, missing = [], []
   for seed in sorted(set(first) | set(second)):
     if first.get(seed) and second.get(seed):
@@ -536,7 +537,7 @@ def pairs(section: dict, runs: dict, paper: dict, report: types.ModuleType) -> s
   gains = {}
   for group in section['groups']:
     base, _ = _group_runs(group, runs, original)
-    base_by_seed = {seed_key(r['label']): r for r in base}
+    base_by_seed = {seed_of(r['label']): r for r in base}
     for variant in group['runs']:
       present, missing = _group_runs(group, runs, variant)
       if not present:
@@ -548,7 +549,7 @@ def pairs(section: dict, runs: dict, paper: dict, report: types.ModuleType) -> s
       gain_best, gain_final = [], []
       if variant != original:
         for r in present:
-          b = base_by_seed.get(seed_key(r['label']))
+          b = base_by_seed.get(seed_of(r['label']))
           if b is None:
             continue
           if _best(r) and _best(b):

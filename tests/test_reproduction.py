@@ -374,8 +374,13 @@ def test_one_seed_has_no_spread_and_none_is_a_dash():
   assert reproduction._pm([90.0, 70.0]) == '80.00 ± 14.14 (n=2)'  # pylint: disable=protected-access
   assert reproduction._pm([1.0, -3.0], signed=True) == '-1.00 ± 2.83 (n=2)'  # pylint: disable=protected-access
   assert reproduction.mean_std([0.9]) == (0.9, None, 1)
+  # A run without a seed suffix is seed 0 (results/plan.txt): it pairs with seed-0 runs.
   assert [reproduction.seed_of(n) for n in ('a_s0', 'a_s12', 'ccn_fmnist_fedavg')] == [
-      's0', 's12', 'run']
+      's0', 's12', 's0']
+  group = {'runs': {'a': ['x', 'x_s1'], 'b': ['y_s0', 'y_s1', 'y_s2']}}
+  runs = {'x': 'X0', 'x_s1': 'X1', 'y_s0': 'Y0', 'y_s1': 'Y1', 'y_s2': 'Y2'}
+  assert reproduction._seed_pairs(group, runs, 'a', 'b') == (  # pylint: disable=protected-access
+      [('s0', 'X0', 'Y0'), ('s1', 'X1', 'Y1')], ['s2'])
 
 
 def test_report_groups_runs_that_differ_only_in_seed(tmp_path):
