@@ -271,9 +271,49 @@ def paper_table(section: dict, runs: dict, paper: dict, report: types.ModuleType
   note = entry.get('plusminus')
   if note:
     out.append(note + '\n')
+  out += self_relation_table(section, runs)
   for text in section.get('notes', []):
     out.append(text + '\n')
   return '\n'.join(out)
+
+
+def self_relations(run: dict) -> Optional[list[tuple[int, list[float]]]]:
+  """[(round, mean over clients of r_ii per layer)] from the run's measurements.jsonl (KAPC's
+  `kapc/self_relation`, one row per client, one column per layer), or None."""
+  path = os.path.join(run.get('dir', ''), 'measurements.jsonl')
+  if not os.path.exists(path):
+    return None
+  rounds = []
+  with open(path) as f:
+    for line in f:
+      record = json.loads(line)
+      rows = record.get('kapc/self_relation')
+      if rows:
+        rounds.append((int(record['round']),
+                       [sum(column) / len(column) for column in zip(*rows)]))
+  return rounds or None
+
+
+def self_relation_table(section: dict, runs: dict) -> list[str]:
+  """Lines of a table: per run of a KAPC row ('KAPC…') with measurements, mean r_ii per
+  layer, first → last round (whether R learns; local training's fixed R = I is left out)."""
+  out = []
+  for group in section['groups']:
+    for row in group['runs']:
+      if not row.startswith('KAPC'):
+        continue
+      for run in _group_runs(group, runs, row)[0]:
+        measured = self_relations(run)
+        if not measured:
+          continue
+        (first, start), (last, end) = measured[0], measured[-1]
+        if not out:
+          out += ["KAPC's self-relationships r_ii (mean over clients), per layer from the first "
+                  'to the last measured round (runs with measurements.jsonl):', '',
+                  '| run | rounds | r_ii per layer, first → last |', '|---|---|---|']
+        layers = ', '.join(f'{a:.3f} → {b:.3f}' for a, b in zip(start, end))
+        out.append(f'| {run["label"]} | {first}–{last} | {layers} |')
+  return out + [''] if out else []
 
 
 # -- FedLap: per-seed gaps against the claims ---------------------------------------------------

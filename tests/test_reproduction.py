@@ -237,6 +237,36 @@ def test_figures_have_a_band_over_seeds(results):
   assert open(os.path.join(results, 'reproduction.md')).read() == md
 
 
+def test_kapc_self_relations_are_the_mean_over_clients_per_layer_first_to_last(tmp_path):
+  import numpy as np
+  rng = np.random.default_rng(1)
+  cube = rng.uniform(size=(3, 4, 2))  # rounds x clients x layers
+  records = [{'round': r + 1, 'kapc/self_relation': cube[r].tolist(), 'clients': [0, 1, 2, 3]}
+             for r in range(3)]
+  records.insert(1, {'round': 9, 'omega': [2, 2, 2, 2]})  # a record without r_ii is skipped
+  _write_run(tmp_path, 'kapc_s0', {'test_accuracy': [0.5, 0.6, 0.7]}, measurements=records)
+  # Local training records its fixed R = I too: only the KAPC rows are tabled.
+  _write_run(tmp_path, 'local_s0', {'test_accuracy': [0.5, 0.6, 0.7]}, measurements=[
+      {'round': 1, 'kapc/self_relation': [[1.0, 1.0]] * 4}])
+  _write_run(tmp_path, 'fedavg_s0', {'test_accuracy': [0.5, 0.6, 0.7]})
+  runs = {name: {'dir': os.path.join(tmp_path, 'runs', name), 'label': name}
+          for name in ('kapc_s0', 'local_s0', 'fedavg_s0')}
+  measured = reproduction.self_relations(runs['kapc_s0'])
+  assert [r for r, _ in measured] == [1, 2, 3]
+  np.testing.assert_allclose([m for _, m in measured], cube.mean(axis=1), rtol=1e-12)
+  assert reproduction.self_relations(runs['fedavg_s0']) is None
+  section = {'groups': [{'runs': {'local training': ['local_s0'], 'KAPC': ['kapc_s0', 'kapc_s1'],
+                                  'FedAvg': ['fedavg_s0']}}]}
+  lines = reproduction.self_relation_table(section, runs)
+  start, end = cube[0].mean(axis=0), cube[-1].mean(axis=0)
+  assert lines[-2] == (f'| kapc_s0 | 1–3 | {start[0]:.3f} → {end[0]:.3f}, '
+                       f'{start[1]:.3f} → {end[1]:.3f} |')
+  assert sum(line.startswith(('| kapc', '| local', '| fedavg')) for line in lines) == 1
+  assert reproduction.self_relation_table(
+      {'groups': [{'runs': {'local training': ['local_s0'], 'FedAvg': ['fedavg_s0']}}]},
+      runs) == []
+
+
 def test_weight_shift_bounds():
   """CCN's weights against the bound the report states: equal base weights move < 1/N."""
   import numpy as np
