@@ -280,18 +280,19 @@ def paper_table(section: dict, runs: dict, paper: dict, report: types.ModuleType
 def self_relations(run: dict) -> Optional[list[tuple[int, list[float]]]]:
   """[(round, mean over clients of r_ii per layer)] from the run's measurements.jsonl (KAPC's
   `kapc/self_relation`, one row per client, one column per layer), or None."""
+  rounds = [(int(record['round']), [sum(column) / len(column) for column in zip(*rows)])
+            for record in measurement_records(run)
+            for rows in [record.get('kapc/self_relation')] if rows]
+  return rounds or None
+
+
+def measurement_records(run: dict) -> list[dict]:
+  """The records of the run's measurements.jsonl, one per round ([] without the file)."""
   path = os.path.join(run.get('dir', ''), 'measurements.jsonl')
   if not os.path.exists(path):
-    return None
-  rounds = []
+    return []
   with open(path) as f:
-    for line in f:
-      record = json.loads(line)
-      rows = record.get('kapc/self_relation')
-      if rows:
-        rounds.append((int(record['round']),
-                       [sum(column) / len(column) for column in zip(*rows)]))
-  return rounds or None
+    return [json.loads(line) for line in f]
 
 
 def self_relation_table(section: dict, runs: dict) -> list[str]:
@@ -507,20 +508,15 @@ def ccn_measurements(run: dict) -> Optional[list[dict]]:
   The keys are matched on their last part ('…/contribution', '…/weight'), as
   fltff.aggregators.contribution_normalization measures them.
   """
-  path = os.path.join(run.get('dir', ''), 'measurements.jsonl')
-  if not os.path.exists(path):
-    return None
   rounds = []
-  with open(path) as f:
-    for line in f:
-      record = json.loads(line)
-      found = {}
-      for key, value in record.items():
-        last = key.rsplit('/', 1)[-1]
-        if last in ('contribution', 'weight') and isinstance(value, list):
-          found[last] = [float(v) for v in value]
-      if 'contribution' in found and 'weight' in found:
-        rounds.append(found)
+  for record in measurement_records(run):
+    found = {}
+    for key, value in record.items():
+      last = key.rsplit('/', 1)[-1]
+      if last in ('contribution', 'weight') and isinstance(value, list):
+        found[last] = [float(v) for v in value]
+    if 'contribution' in found and 'weight' in found:
+      rounds.append(found)
   return rounds or None
 
 
