@@ -481,8 +481,7 @@ def rounds_to_target(section: dict, runs: dict, paper: dict, report=None) -> str
         if m not in first or b not in first:
           ours = NOT_RUN
         else:
-          pairs = [(seed_of(rm['label']), rm, rb) for rm in first[m] for rb in first[b]
-                   if seed_key(rm['label']) == seed_key(rb['label'])]
+          pairs = _seed_pairs(group, runs, m, b)[0]
           ours = ', '.join(
               (f'{s} ' if len(pairs) > 1 else '') +
               _reduction(rounds_to(rm, t), rounds_done(rm), rounds_to(rb, t), rounds_done(rb))
