@@ -214,9 +214,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     """All but the local layers (BLS may send fewer: the round's `bytes_down` counts them)."""
     return int(sum(self.communicated_layer_bytes))
 
-  @property
-  def bytes_up_per_client(self) -> int:
-    return int(sum(self.communicated_layer_bytes))
+  bytes_up_per_client = bytes_down_per_client
 
   def next(self, state, server_input, client_inputs: Sequence,
            call: protocol.Call = protocol.direct_call) -> protocol.RoundOutput:
@@ -421,14 +419,6 @@ class PersonalizedRound:
     Needed where the copy may differ (BLS; no communication); else using it ships a model less."""
     return self.bls_mu is not None or not self.communicates
 
-  @property
-  def layer_of(self) -> tuple:
-    return self.context.layer_of
-
-  @property
-  def num_layers(self) -> int:
-    return self.context.num_layers
-
   def prepare(self, state, server_input):
     """The broadcast: per participant s_i, skip row (BLS: `r_ii^l > μ`), r_ii; the rule's extras."""
     rel, extra = self.rule.relation(state, server_input, self.context)
@@ -436,7 +426,7 @@ class PersonalizedRound:
     if local_layers.any():
       eye = tf.eye(tf.shape(server_input['clients'])[0])[:, None, :]
       rel = tf.where(tf.constant(local_layers)[None, :, None], eye, rel)
-    s = personalized_server_models(rel, list(server_input['models']), self.layer_of)
+    s = personalized_server_models(rel, list(server_input['models']), self.context.layer_of)
     self_rel = tf.linalg.diag_part(tf.transpose(rel, [1, 0, 2]))       # [L, P]
     self_rel = tf.transpose(self_rel)                                   # [P, L]
     if self.bls_mu is None:
@@ -463,7 +453,7 @@ class PersonalizedRound:
   def client_start(self, row, personal):
     """`(start weights, s_i, per tensor whether its layer was sent, own model)` from a row."""
     s = list(row['models'])
-    sent = [tf.logical_not(row['skip'][l]) for l in self.layer_of]
+    sent = [tf.logical_not(row['skip'][l]) for l in self.context.layer_of]
     if self.model_from_client:
       own = list(personal['trainable'])
     elif self.start_from == 'own':
@@ -486,7 +476,7 @@ class PersonalizedRound:
     """What client k uploads after training: its model and `(index, Ω, BLS search)`."""
     n_i = tf.cast(tf.maximum(examples_per_epoch, 1), tf.float32)
     if self.bls_mu is None:
-      omega, steps = tf.constant(self.num_layers, tf.int32), tf.constant(0, tf.int32)
+      omega, steps = tf.constant(self.context.num_layers, tf.int32), tf.constant(0, tf.int32)
     else:
       # Skipped layers: τ against the own start model (bls.py, C4); Algorithm 4 on Eqs. (30)–(31).
       reference = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
@@ -513,7 +503,7 @@ class PersonalizedRound:
     values = [tf.cond(in_order, lambda v=v: tf.identity(v), lambda v=v: tf.gather(v, rows))
               for v in gathered['update']]
     omega = tf.gather(gathered['weight']['omega'], rows)
-    uploaded = tf.range(self.num_layers)[None, :] < omega[:, None]              # [P, L]
+    uploaded = tf.range(self.context.num_layers)[None, :] < omega[:, None]  # [P, L]
     if not self.communicates:
       uploaded = tf.zeros_like(uploaded)
     update = tf.nest.pack_sequence_as(value_template, values)
@@ -544,7 +534,7 @@ class PersonalizedRound:
         self_relation_mean=tf.reduce_mean(server_msg['self_relation']),
         self_relation_max=tf.reduce_max(server_msg['self_relation']))
     # r_ii^l: per-layer means (CSV columns), all `[P, L]` in `clients` order (measurements.jsonl).
-    for l in range(self.num_layers):
+    for l in range(self.context.num_layers):
       stats[f'self_relation_layer_{l}'] = tf.reduce_mean(server_msg['self_relation'][:, l])
     stats['self_relation'] = server_msg['self_relation']
     return new_state, result, stats

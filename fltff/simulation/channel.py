@@ -15,6 +15,7 @@ from typing import Optional, Sequence, Union
 import gin
 import numpy as np
 
+from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 
 ArrayLike = Union[float, int, Sequence[float], np.ndarray]
@@ -108,8 +109,7 @@ class ChannelModel:
     Raises:
       ConfigError: A parameter is out of range.
     """
-    if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)):
-      raise ConfigError(f'channel_model.num_clients must be an integer, got {num_clients!r}.')
+    check_number('channel_model.num_clients', num_clients, integer=True)
     if num_clients < 1:
       raise ConfigError(f'channel_model.num_clients must be at least 1, got {num_clients}.')
     bandwidth = _check_range('bandwidth_mhz', bandwidth_mhz, positive=True)
@@ -124,11 +124,8 @@ class ChannelModel:
                                              positive=True)
     self._noise_w_per_hz = float(dbm_to_watts(_check_number('noise_dbm_per_hz',
                                                             noise_dbm_per_hz)))
-    if interference_dbm is None:
-      self._interference_w = 0.0
-    else:
-      self._interference_w = float(dbm_to_watts(_check_number('interference_dbm',
-                                                              interference_dbm)))
+    self._interference_w = (0.0 if interference_dbm is None else float(
+        dbm_to_watts(_check_number('interference_dbm', interference_dbm))))
     self._share_downlink = bool(share_downlink)
     self.num_clients = int(num_clients)
 

@@ -33,6 +33,7 @@ from fltff.simulation.checkpoint import kept_message
 from fltff.simulation import evaluation as evaluation_lib
 from fltff.simulation.evaluation import Evaluator
 from fltff.simulation.outputs import RunOutputs
+from fltff.simulation.outputs import finite
 from fltff.simulation.outputs import rounds_to_targets
 from fltff.simulation.state_store import STORE_KINDS
 from fltff.simulation.state_store import build_client_state_store
@@ -86,10 +87,6 @@ class RoundConfig:
     if not self.compute_seconds_per_example > 0:
       raise ConfigError('experiment.compute_seconds_per_example must be > 0, got '
                         f'{self.compute_seconds_per_example!r}.')
-
-
-def _finite(value) -> bool:
-  return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _finite_tree(structure) -> bool:
@@ -480,7 +477,7 @@ class RoundDriver:
       if protocol_name == 'central':
         continue
       column = evaluation_lib.PROTOCOL_COLUMNS[protocol_name]
-      local = [r for r in self.rows if _finite(r.get(column))]
+      local = [r for r in self.rows if finite(r.get(column))]
       if local:
         best_local = max(local, key=lambda r: r[column])
         bests = evaluation_lib.client_bests(self.rows, protocol_name)

@@ -23,12 +23,13 @@ def rounds_to_targets(rows: Sequence[dict], targets: Sequence[float],
   out = {}
   for target in targets:
     hit = next((r['round'] for r in rows
-                if _finite(r.get(key)) and r[key] >= target), None)
+                if finite(r.get(key)) and r[key] >= target), None)
     out[f'{target:g}'] = hit
   return out
 
 
-def _finite(value) -> bool:
+def finite(value) -> bool:
+  """Whether a metrics value is a finite Python number (not '', None or NaN)."""
   return isinstance(value, (int, float)) and math.isfinite(value)
 
 
@@ -316,7 +317,7 @@ class RunOutputs:
   def log_scalars(self, row: dict) -> None:
     self._writer.write(int(row['round']), [
         self._writer.scalar(key, value) for key, value in row.items()
-        if key != 'round' and _finite(value)])
+        if key != 'round' and finite(value)])
     self._writer.flush()
 
   def log_arrays(self, round_num: int, arrays: dict, scalar_tags=()) -> None:
@@ -371,11 +372,11 @@ class RunOutputs:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for protocol, column in PROTOCOL_COLUMNS.items():  # One line per protocol the run evaluated.
-      ev = [r for r in rows if _finite(r.get(column))]
+      ev = [r for r in rows if finite(r.get(column))]
       if ev:
         label = 'central test' if protocol == 'central' else f'{protocol} (mean over clients)'
         ax1.plot([r['round'] for r in ev], [r[column] for r in ev], marker='.', label=label)
-    ev = [r for r in rows if _finite(r.get('test_accuracy'))]
+    ev = [r for r in rows if finite(r.get('test_accuracy'))]
     ax1.plot([r['round'] for r in rows], [r.get('train_accuracy') for r in rows], alpha=0.6,
              label='train (participants)')
     ax1.set_xlabel('round')
