@@ -176,14 +176,10 @@ def _flatten(value, type_spec, t) -> list:
   return [value]
 
 
-def _unflatten(leaves, type_spec, t):
-  """Inverse of `_flatten` for results: tensors, datasets (from variants) and Structs."""
-  return _build(iter(leaves), type_spec, t)
-
-
 def _build(leaves, type_spec, t):
-  """`_unflatten`'s recursion, a module function: a recursive closure is a reference cycle,
-  holding each call's result tensors until Python's cycle collector runs."""
+  """Inverse of `_flatten` for results (tensors, datasets from variants, Structs) from an
+  iterator of leaves; a module function: a recursive closure is a reference cycle, holding
+  each call's result tensors until Python's cycle collector runs."""
   if isinstance(type_spec, t['types'].StructType):
     return t['structure'].Struct([(name, _build(leaves, member, t))
                                   for name, member in t['structure'].to_elements(type_spec)])
@@ -441,9 +437,7 @@ class _TensorFlowFunction:
     return None if out is None else self.unflatten_result(out)
 
   def _map_stacked_leaves(self, stacked: list) -> Optional[list]:
-    if any(o.dtype in _UNSTACKABLE for o in _as_list(self._run.outputs)):
-      return None
-    if self._draws_random:
+    if self._draws_random or any(o.dtype in _UNSTACKABLE for o in _as_list(self._run.outputs)):
       return None
     if self._vectorized_map is None:
       run = self._run
@@ -452,7 +446,7 @@ class _TensorFlowFunction:
         return tf.vectorized_map(lambda leaves: _as_list(run(*leaves)), list(columns),
                                  fallback_to_while_loop=False)
 
-      self._vectorized_map = tf.function(vectorized)
+      self._vectorized_map = tf.function(vectorized, autograph=False)
     out = self._call_looped('_vectorized_map', stacked)
     if out is not None:
       return _as_list(out)
@@ -464,7 +458,7 @@ class _TensorFlowFunction:
         return tf.map_fn(lambda leaves: _as_list(run(*leaves)), list(columns),
                          fn_output_signature=specs, parallel_iterations=1)
 
-      self._looped_map = tf.function(mapped)
+      self._looped_map = tf.function(mapped, autograph=False)
     out = self._call_looped('_looped_map', stacked)
     return None if out is None else _as_list(out)
 
@@ -517,7 +511,7 @@ class _TensorFlowFunction:
             parallel_iterations=1)
         return acc
 
-      self._looped_fold = tf.function(fold)
+      self._looped_fold = tf.function(fold, autograph=False)
     out = self._call_looped('_looped_fold', acc + stacked)
     return None if out is None else self.unflatten_result(_as_list(out))
 
@@ -586,7 +580,7 @@ class _TensorFlowFunction:
     return _flatten(arg, self.type_signature.parameter, self._t)
 
   def unflatten_result(self, leaves: list):
-    return _unflatten(leaves, self.type_signature.result, self._t)
+    return _build(iter(leaves), self.type_signature.result, self._t)
 
   def __call__(self, arg=None):
     leaves = self.flatten_arg(arg)
@@ -703,14 +697,13 @@ class _Interpreter:
     name, body = comp.parameter_name, comp.result
     if name is None:
       return None
-    result = None
     if (isinstance(body, bb.Block) and len(body.locals) == 1
         and isinstance(body.result, bb.Reference) and body.result.name == body.locals[0][0]):
       body = body.locals[0][1]
     if (isinstance(body, bb.Call) and isinstance(body.function, bb.CompiledComputation)
         and isinstance(body.argument, bb.Reference) and body.argument.name == name):
-      result = body.function
-    return result
+      return body.function
+    return None
 
   def _intrinsic(self, comp):
     uri = comp.uri
