@@ -496,15 +496,7 @@ class VectorizedClientWork:
     k = tf.shape(valid)[2] if num_clients is None else num_clients
     if start is None:
       global_trainable = tuple(global_trainable)
-      weights = tuple(broadcast_clients(g, k) for g in global_trainable)
-    else:
-      weights = tuple(start)
-    if self._update_statistics is None:
-      statistics = ()
-    elif start is None:
-      statistics = tuple(broadcast_clients(v, k) for v in statistics)
-    else:
-      statistics = clients(tuple(statistics))
+    weights, statistics = self._client_starts(global_trainable, start, statistics, k, clients)
     updater = self._updater
     read_weights = lambda carry: clients(updater.weights(carry))
     terms = () if client_terms is None else client_terms
@@ -519,33 +511,15 @@ class VectorizedClientWork:
     if start is None and client_terms is None:
       first_context = tf.nest.map_structure(
           lambda t: broadcast_clients(t, k), epoch_context((global_trainable, ())))
-    factored_state, plan_anchors, skip = (), (), frozenset()
-    if plan is not None:
-      factored_state = plan.initial_state(
-          weights, k, tf.shape(valid)[0] * tf.shape(valid)[1], tf.shape(index)[3])
-      if plan.with_anchor and reg.client_anchor:
-        # Each client's anchor (KAPC's s_i), fixed for the round.
-        offset_anchors = tf.vectorized_map(
-            lambda client: tuple(reg.of_client(client).offset_anchor(global_trainable)), terms)
-        plan_anchors = tuple(offset_anchors[i] for i in plan.indices)
-      skip = frozenset(plan.indices)
+    factored_state, plan_anchors = self._factored_start(
+        plan, reg, weights, k, tf.shape(valid)[0] * tf.shape(valid)[1], tf.shape(index)[3],
+        terms, global_trainable)
+    skip = frozenset(plan.indices) if plan is not None else frozenset()
     num_epochs, num_steps = tf.shape(valid)[0], tf.shape(valid)[1]
 
     def epoch(e, carry, sums, observed, factored_state, statistics):
-      if first_context is not None:
-        context, affine = tf.cond(
-            tf.equal(e, 0), lambda: first_context,
-            lambda: tf.vectorized_map(epoch_context, (read_weights(carry), terms)))
-      else:
-        context, affine = tf.vectorized_map(epoch_context, (read_weights(carry), terms))
-      anchored = None
-      if reg.client_anchor:
-        affine = (affine[0], tuple(Anchor(a) for a in affine[1]))
-      if reg.global_anchor:
-        affine = (affine[0], tuple(Anchor(g) for g in global_trainable))
-        # All scales zero (FedLap's first epoch; FedProx's μ = 0): the plain update.
-        anchored = tf.reduce_any([tf.reduce_any(tf.not_equal(scale, 0.0))
-                                  for scale in affine[0]])
+      context, affine, anchored = self._epoch_terms(
+          reg, e, epoch_context, first_context, read_weights(carry), terms, global_trainable)
 
       def step(s, carry, sums, observed, factored_state, statistics):
         trains = valid[e, s]
@@ -577,9 +551,8 @@ class VectorizedClientWork:
           lambda s, *_: s < num_steps, step,
           (tf.constant(0), carry, sums, observed, factored_state, statistics))[1:])
 
-    zero = tf.zeros([k], tf.float32)
     # Per client: Σ batch-loss·n, examples, correct predictions, batches.
-    sums = (zero, tf.zeros([k], tf.int64), zero, tf.zeros([k], tf.int64))
+    sums = tuple(tf.zeros([k], dtype) for dtype in (tf.float32, tf.int64, tf.float32, tf.int64))
     observed = tuple(o.initial(weights) for o in self._step_observers)
     _, carry, sums, observed, factored_state, statistics = tf.while_loop(
         lambda e, *_: e < num_epochs, epoch,
@@ -587,24 +560,75 @@ class VectorizedClientWork:
     weights = clients(updater.finish(carry))
     if plan is not None:
       # Factored kernels formed once (the updater left them at the round's start).
-      formed = plan.kernels(
+      formed = dict(zip(plan.indices, plan.kernels(
           factored_state, [base_of(i, weights) for i in plan.indices],
-          [anchor_of(n, i, plan_anchors) for n, i in enumerate(plan.indices)])
-      weights = list(weights)
-      for i, kernel in zip(plan.indices, formed):
-        weights[i] = kernel
-      weights = clients(tuple(weights))
-
+          [anchor_of(n, i, plan_anchors) for n, i in enumerate(plan.indices)])))
+      weights = clients(tuple(formed.get(i, w) for i, w in enumerate(weights)))
     out = collections.OrderedDict(trained=weights, sums=sums, steps=sums[3])
     if statistics:
       out['non_trainable'] = clients(statistics)
+    return self._round_outputs(out, observed, reg, client_terms, global_trainable, start,
+                               (examples, index, mask, k))
+
+  def _client_starts(self, global_trainable, start, statistics, k, clients) -> tuple:
+    """`(weights, statistics)` each client starts from, `[K, ...]`: the global model's or its
+    own `start`, and the BatchNorm statistics (`()` without BatchNorm)."""
+    if start is None:
+      weights = tuple(broadcast_clients(g, k) for g in global_trainable)
+    else:
+      weights = tuple(start)
+    if self._update_statistics is None:
+      return weights, ()
+    if start is None:
+      return weights, tuple(broadcast_clients(v, k) for v in statistics)
+    return weights, clients(tuple(statistics))
+
+  @staticmethod
+  def _factored_start(plan, reg: _Regularization, weights, k, steps, batch, terms,
+                      global_trainable) -> tuple:
+    """`(state, anchors)` of the round's factored kernels (`()` without): the zero history, and
+    with per-client anchors each client's (KAPC's s_i), fixed for the round."""
+    if plan is None:
+      return (), ()
+    state, anchors = plan.initial_state(weights, k, steps, batch), ()
+    if plan.with_anchor and reg.client_anchor:
+      offset_anchors = tf.vectorized_map(
+          lambda client: tuple(reg.of_client(client).offset_anchor(global_trainable)), terms)
+      anchors = tuple(offset_anchors[i] for i in plan.indices)
+    return state, anchors
+
+  @staticmethod
+  def _epoch_terms(reg: _Regularization, e, epoch_context, first_context, weights, terms,
+                   global_trainable) -> tuple:
+    """Epoch `e`'s `(context, affine, anchored)` for every client: `first_context` (shared) in
+    epoch 0 where given; `anchored`, with a global anchor, says whether any scale is non-zero."""
+    if first_context is not None:
+      context, affine = tf.cond(tf.equal(e, 0), lambda: first_context,
+                                lambda: tf.vectorized_map(epoch_context, (weights, terms)))
+    else:
+      context, affine = tf.vectorized_map(epoch_context, (weights, terms))
+    anchored = None
+    if reg.client_anchor:
+      affine = (affine[0], tuple(Anchor(a) for a in affine[1]))
+    if reg.global_anchor:
+      affine = (affine[0], tuple(Anchor(g) for g in global_trainable))
+      # All scales zero (FedLap's first epoch; FedProx's μ = 0): the plain update.
+      anchored = tf.reduce_any([tf.reduce_any(tf.not_equal(scale, 0.0)) for scale in affine[0]])
+    return context, affine, anchored
+
+  def _round_outputs(self, out, observed, reg: _Regularization, client_terms, global_trainable,
+                     start, first_epoch) -> collections.OrderedDict:
+    """`out` with what is computed after training: the step observers' results from their
+    `observed` states, a global method's `update`, CCN's `latent_mean` over `first_epoch`
+    `(examples, index, mask, k)`, the regulariser's measurements."""
+    weights = out['trained']
     for observer, state in zip(self._step_observers, observed):
-      out[observer.name] = observer.result(state, sums[3])
+      out[observer.name] = observer.result(state, out['steps'])
     if start is None:
       # Computed here, the update reaches the aggregator as a TF tensor (no NumPy round trip).
       out['update'] = tuple(g[tf.newaxis] - w for g, w in zip(global_trainable, weights))
     if 'latent_mean' in self._weight_fields:
-      out['latent_mean'] = self._latent_means(weights, examples, index, mask, k)
+      out['latent_mean'] = self._latent_means(weights, *first_epoch)
     if reg.probe is not None and client_terms is None and reg.traits.measures:
       out['regularizer'] = tf.vectorized_map(
           lambda local: self._regularizer.measurements(tuple(local), global_trainable), weights)
