@@ -211,7 +211,8 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 
   @property
   def bytes_down_per_client(self) -> int:
-    """All but the local layers (BLS may send fewer: the round's `bytes_down` counts them)."""
+    """All but the local layers, each way (`bytes_up_per_client` too); BLS may send fewer: the
+    round's `bytes_up` and `bytes_down` count what it sends."""
     return int(sum(self.communicated_layer_bytes))
 
   bytes_up_per_client = bytes_down_per_client
