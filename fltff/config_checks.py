@@ -2,7 +2,8 @@
 
 `check_gin_bindings` applies `check_number` to every gin-bound parameter annotated `int`/`float`
 (or `Optional` of them), so e.g. `experiment.clients_per_round = 2.5` ends in a `ConfigError`
-naming the binding, not in a TypeError deep inside TensorFlow.
+naming the binding, not in a TypeError deep inside TensorFlow; and `check_builder` to every one
+annotated `Callable`, so `experiment.method = 'fedavg'` (a string, not `@fedavg`) ends in one.
 """
 
 from __future__ import annotations
@@ -41,28 +42,73 @@ def _numeric_kind(annotation: Any) -> Optional[tuple[bool, bool]]:
   return _NUMERIC_ANNOTATIONS.get(text.replace('typing.', '').replace(' ', ''))
 
 
+def _callable_kind(annotation: Any) -> Optional[bool]:
+  """For a `Callable` annotation whether None is allowed (`Optional`); None otherwise."""
+  text = (annotation if isinstance(annotation, str) else str(annotation)).replace(
+      'typing.', '').replace('collections.abc.', '').replace(' ', '')
+  if text.startswith('Callable'):
+    return text.endswith('|None')
+  return True if text.startswith('Optional[Callable') else None
+
+
+def _signature(selector: str) -> Optional[inspect.Signature]:
+  import gin  # pylint: disable=g-import-not-at-top
+
+  try:
+    fn = inspect.unwrap(gin.get_configurable(selector))
+    return inspect.signature(fn.__init__ if inspect.isclass(fn) else fn)
+  except (ValueError, TypeError, KeyError):
+    return None
+
+
+def check_builder(name: str, value: Any, allow_none: bool,
+                  config: Mapping[tuple[str, str], Mapping[str, Any]]) -> None:
+  """Raises `ConfigError` unless `value`, bound to `name` (annotated `Callable`), is a reference
+  to a configurable (`@fedavg`): not a string, number or collection, and not a call (`@fedavg()`)
+  of one that needs arguments gin does not bind (`config`, as in `check_gin_bindings`)."""
+  import gin  # pylint: disable=g-import-not-at-top
+
+  if value is None and allow_none:
+    return
+  if isinstance(value, gin.config.ConfigurableReference):
+    signature = _signature(value.configurable.selector) if value.evaluate else None
+    bound = config.get(('/'.join(value.scopes), value.configurable.selector), {})
+    needed = [p for p in (signature.parameters.values() if signature else ())
+              if p.name != 'self' and p.name not in bound and p.default in (p.empty, gin.REQUIRED)
+              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if needed:
+      target = value.selector.rsplit('.', 1)[-1]
+      raise ConfigError(f'{name} = @{target}() calls {target} while gin reads the '
+                        f'configuration, without its {needed[0].name}: write @{target}.')
+    return
+  if not isinstance(value, (str, int, float, list, tuple, dict)):
+    return
+  known = isinstance(value, str) and value.strip('@ ').isidentifier() and (
+      gin.config._REGISTRY.matching_selectors(value.strip('@ ')))  # pylint: disable=protected-access
+  hint = f'write {name} = @{value.strip("@ ")}' if known else f'{name} = @<configurable>'
+  raise ConfigError(f'{name} must name a configurable with @ ({hint}); got {value!r}.')
+
+
 def check_gin_bindings(config: Mapping[tuple[str, str], Mapping[str, Any]]) -> None:
-  """`check_number` for every parameter bound in `config` and annotated as a number.
+  """`check_number` for every parameter bound in `config` and annotated as a number,
+  `check_builder` for every one annotated `Callable`.
 
   Args:
     config: Gin's bindings, `{(scope, selector): {parameter: value}}`, as its finalize hooks
-      get them; references and macros (`@name`, `%NAME`) are not checked.
+      get them; macros (`%NAME`) are not checked.
   """
-  import gin  # pylint: disable=g-import-not-at-top
-
   for (scope, selector), params in config.items():
-    try:
-      fn = inspect.unwrap(gin.get_configurable(selector))
-      signature = inspect.signature(fn.__init__ if inspect.isclass(fn) else fn)
-    except (ValueError, TypeError, KeyError):
-      continue
+    signature = _signature(selector)
     for param, value in params.items():
-      if param not in signature.parameters or not isinstance(value, (str, int, float, list,
-                                                                      tuple, dict)):
+      if signature is None or param not in signature.parameters:
         continue
-      kind = _numeric_kind(signature.parameters[param].annotation)
-      if kind is not None:
-        name = f'{scope + "/" if scope else ""}{selector.rsplit(".", 1)[-1]}.{param}'
+      name = f'{scope + "/" if scope else ""}{selector.rsplit(".", 1)[-1]}.{param}'
+      annotation = signature.parameters[param].annotation
+      builder = _callable_kind(annotation)
+      kind = _numeric_kind(annotation)
+      if builder is not None:
+        check_builder(name, value, builder, config)
+      elif kind is not None and isinstance(value, (str, int, float, list, tuple, dict)):
         check_number(name, value, integer=kind[0], allow_none=kind[1])
 
 

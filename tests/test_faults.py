@@ -153,6 +153,22 @@ def test_badly_typed_numbers_are_one_line(bindings, fragments, tmp_path):
   assert_one_line_error(run_pipeline_here(*args), *fragments)
 
 
+@pytest.mark.parametrize('binding,fragments', [
+    ("experiment.method = 'fedprox'", ["got 'fedprox'", 'write experiment.method = @fedprox']),
+    ('experiment.method = 3', ['experiment.method must name a configurable with @', 'got 3']),
+    ("federated_data.partitioner = 'dirichlet'", ['federated_data.partitioner = @<configurable>',
+                                                  "got 'dirichlet'"]),
+    ("experiment.personalization = 'fedlap'", ['experiment.personalization', "'fedlap'"]),
+    ('experiment.method = @fedavg()', ['@fedavg() calls fedavg', 'its model_spec',
+                                       'write @fedavg']),
+])
+def test_a_builder_given_as_a_value_or_a_call_is_one_line(binding, fragments, tmp_path):
+  """Parameters annotated `Callable` take a configurable (`@fedavg`): a string, a number, or a
+  call gin would make without the builder's arguments, is one line naming the binding."""
+  args = [SMALL[0], f'--gin_bindings={binding}', f'--output_dir={tmp_path}']
+  assert_one_line_error(run_pipeline_here(*args), *fragments)
+
+
 @pytest.mark.parametrize('settings', [
     {'clients_per_round': 2.5}, {'clients_per_round': True}, {'rounds': True},
     {'batch_size': 10.0}, {'eval_every': '1'}, {'checkpoint_every': 1.5},
