@@ -172,6 +172,7 @@ def test_a_builder_given_as_a_value_or_a_call_is_one_line(binding, fragments, tm
 @pytest.mark.parametrize('settings', [
     {'clients_per_round': 2.5}, {'clients_per_round': True}, {'rounds': True},
     {'batch_size': 10.0}, {'eval_every': '1'}, {'checkpoint_every': 1.5},
+    {'target_accuracies': 0.5}, {'target_accuracies': [95]}, {'target_accuracies': ['high']},
 ])
 def test_round_config_rejects_non_integers(settings):
   with pytest.raises(ConfigError, match=f'experiment.{next(iter(settings))}'):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 import resource
 import time
@@ -68,6 +69,12 @@ class RoundConfig:
         raise ConfigError(f'experiment.{name} must be a positive integer, got {value!r}.')
     check_number('experiment.clients_per_round', self.clients_per_round, integer=True,
                  allow_none=True)
+    targets = self.target_accuracies
+    if isinstance(targets, str) or not isinstance(targets, (list, tuple)) or not all(
+        isinstance(t, numbers.Real) and not isinstance(t, bool) and 0 < t <= 1 for t in targets):
+      raise ConfigError(f'experiment.target_accuracies must be a list of accuracies in (0, 1], '
+                        f'got {targets!r}.')
+    self.target_accuracies = tuple(targets)
     check_number('experiment.seed', self.seed, integer=True)
     if self.seed < 0:
       raise ConfigError(f'experiment.seed must be >= 0, got {self.seed}.')
