@@ -6,7 +6,7 @@ Each command is one of the runner's programs (`pipelines/`, installed as `fltff.
 
 import importlib
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 COMMANDS = {
     'run': 'one experiment from gin files: metrics, checkpoints, plots, TensorBoard',
@@ -48,6 +48,25 @@ def _check_gin_files(args: Sequence[str]) -> None:
     sys.exit(2)
 
 
+def _parse_flags(argv: Sequence[str]) -> list[str]:
+  from absl import flags  # pylint: disable=g-import-not-at-top
+
+  try:
+    return flags.FLAGS(list(argv))
+  except flags.Error as e:
+    print(f'error: {e} (--help lists the flags).', file=sys.stderr)
+    sys.exit(2)
+
+
+def run_program(main_fn: Callable[[list[str]], int], argv: Optional[Sequence[str]] = None
+                ) -> None:
+  """`absl.app.run(main_fn)`, exiting with the status it returns; a bad flag is one `error:`
+  line and status 2 (absl prints a FATAL line and a hint, status 1)."""
+  from absl import app  # pylint: disable=g-import-not-at-top
+
+  app.run(lambda args: sys.exit(main_fn(args)), argv=argv, flags_parser=_parse_flags)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
   argv = list(sys.argv if argv is None else argv)
   if len(argv) < 2 or argv[1] in ('-h', '--help', 'help'):
@@ -60,7 +79,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   if command == 'run':
     _check_gin_files(argv[2:])
   program = _program(command)
-  from absl import app  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
 
   if {'-h', '--help', '-?'} & set(argv[2:]):
@@ -68,4 +86,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
           f'{flags.FLAGS.module_help(program.__name__)}')
     sys.exit(0)
   sys.argv = [f'fltff {command}'] + argv[2:]
-  app.run(lambda args: sys.exit(program.main(args)), argv=sys.argv)
+  run_program(program.main, sys.argv)

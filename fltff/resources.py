@@ -56,8 +56,12 @@ def _check_includes(path: str, seen: set) -> None:
   if path in seen:
     return
   seen.add(path)
-  with open(path) as f:
-    lines = f.read().splitlines()
+  try:
+    with open(path) as f:
+      lines = f.read().splitlines()
+  except (OSError, UnicodeDecodeError) as e:
+    reason = os.strerror(e.errno) if getattr(e, 'errno', None) else 'not a text file'
+    raise ConfigError(f'cannot read the gin file {path}: {reason}.') from None
   for number, line in enumerate(lines, 1):
     match = _INCLUDE.match(line.strip())
     if not match:

@@ -40,7 +40,6 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position
-from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -570,4 +569,5 @@ def main(argv) -> int:
 
 
 if __name__ == '__main__':
-  app.run(lambda argv: sys.exit(main(argv)))
+  from fltff.cli import run_program  # pylint: disable=g-import-not-at-top
+  run_program(main)

@@ -22,7 +22,6 @@ import re
 import sys
 from typing import Optional
 
-from absl import app
 from absl import flags
 
 # Where the configs are, in a checkout and installed (`fltff/pipelines`, `fltff/gin_configs`).
@@ -255,4 +254,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == '__main__':
-  app.run(lambda argv: sys.exit(main(argv)))
+  from fltff.cli import run_program  # pylint: disable=g-import-not-at-top
+  run_program(main)

@@ -37,7 +37,6 @@ import os
 import sys
 from typing import Optional
 
-from absl import app
 from absl import flags
 
 _RUNS = flags.DEFINE_list('runs', [], 'Run directories to compare.')
@@ -435,4 +434,5 @@ def main(argv) -> int:
 
 
 if __name__ == '__main__':
-  app.run(lambda argv: sys.exit(main(argv)))
+  from fltff.cli import run_program  # pylint: disable=g-import-not-at-top
+  run_program(main)

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 
-from absl import app
 from absl import flags
 
 from . import reproduction
@@ -123,4 +122,5 @@ def main(argv) -> int:
 
 
 if __name__ == '__main__':
-  app.run(lambda argv: sys.exit(main(argv)))
+  from fltff.cli import run_program  # pylint: disable=g-import-not-at-top
+  run_program(main)

@@ -24,7 +24,6 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 # TensorFlow must be imported before absl's app.run: imported inside it, Keras' Flatten
 # layer fails to build ("Attempt to convert a value (None)") (TF 2.14).
 import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
-from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 import gin  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -167,4 +166,5 @@ def main(argv) -> int:
 
 
 if __name__ == '__main__':
-  app.run(lambda argv: sys.exit(main(argv)))
+  from fltff.cli import run_program  # pylint: disable=g-import-not-at-top
+  run_program(main)

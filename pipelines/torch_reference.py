@@ -28,7 +28,6 @@ import sys
 import time
 
 import numpy as np
-from absl import app
 from absl import flags
 
 STYLES = ('torch_loop', 'torch_pfllib')
@@ -237,4 +236,5 @@ def main(argv, options: dict) -> int:
 
 if __name__ == '__main__':
   _flags = _define_flags()
-  app.run(lambda argv: sys.exit(main(argv, _flags)))
+  from fltff.cli import run_program  # pylint: disable=g-import-not-at-top
+  run_program(lambda argv: main(argv, _flags))

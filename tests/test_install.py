@@ -121,6 +121,9 @@ def test_the_command_lists_its_commands_and_their_flags():
   for command in ('run', 'report', 'reproduce', 'bench'):
     assert f'  {command} ' in usage.stdout
   assert_one_line_error(run('nonsense'), "unknown command 'nonsense'")
+  # A bad flag is one line too (absl's parser prints a FATAL line and a hint).
+  assert_one_line_error(run('run', '--nope=1'), "error: Unknown command line flag 'nope'")
+  assert_one_line_error(run('bench', '--rounds=abc'), "error: flag --rounds=abc")
   helped = run('run', '--help')
   assert helped.returncode == 0 and '--gin_file' in helped.stdout and '--resume' in helped.stdout
   assert 'Traceback' not in helped.stderr and 'Exception ignored' not in helped.stderr
@@ -130,7 +133,8 @@ def test_the_command_lists_its_commands_and_their_flags():
     ('nope.gin', 'error: Gin file nope.gin does not exist'),
     # A shipped config found from another folder, including one that is, and a missing file.
     ('bad.gin', 'error: Invalid gin configuration: an included file is not found: mine.gin '
-                '(in bad.gin, line 3)')])
+                '(in bad.gin, line 3)'),
+    ('.', 'error: cannot read the gin file .: Is a directory.')])
 def test_a_missing_gin_file_is_refused_before_tensorflow_is_imported(tmp_path, gin_file, error):
   # The command checks its --gin_file paths and their includes first: the error comes at once,
   # not after the seconds TensorFlow and TFF take to import. The checkout is on sys.path, so

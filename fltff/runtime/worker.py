@@ -20,7 +20,6 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from absl import app
 from absl import flags
 
 if TYPE_CHECKING:  # For the annotations; main() imports it where it is used.
@@ -122,4 +121,5 @@ def main(argv) -> int:
 
 if __name__ == '__main__':
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
-  app.run(lambda argv: sys.exit(main(argv)))
+  from fltff.cli import run_program  # pylint: disable=g-import-not-at-top
+  run_program(main)
