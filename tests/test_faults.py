@@ -336,6 +336,20 @@ def test_factories_type_check_their_arguments():
   adaptive_weighting.AdaptiveWeightingFactory([[0, 1], range(2, 4)], 3, 5, 0.1)
   with pytest.raises(ConfigError, match="scaffold num_clients must be an integer, got '3'"):
     scaffold_lib.build_scaffold(None, '3')
+  from fltff.learning import regularizers
+  with pytest.raises(ConfigError, match="Proximal mu must be a number, got 'a'"):
+    regularizers.ProximalRegularizer('a')
+
+
+@pytest.mark.parametrize('kwargs,message', [
+    ({'num_clients': 0}, 'kapc needs num_clients >= 1, got 0'),
+    ({'num_clients': 2.0}, 'kapc num_clients must be an integer, got 2.0'),
+    ({'num_clients': 3, 'bls_mu': 'high'}, "kapc+bls.bls_mu must be a number, got 'high'"),
+])
+def test_a_personalised_method_checks_its_arguments(kwargs, message, spec):
+  from fltff.personalization import build_kapc
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    build_kapc(spec, **kwargs)
 
 
 # -- num_clients smaller than the real clients: one Python error, not a raw gRPC INTERNAL ---

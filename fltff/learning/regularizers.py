@@ -30,6 +30,8 @@ class ProximalRegularizer:
 
   def __init__(self, mu: float, anchor: Optional[Sequence[tf.Tensor]] = None,
                tensor_mask: Optional[Sequence[tf.Tensor]] = None):
+    from fltff.config_checks import check_number  # pylint: disable=g-import-not-at-top
+    check_number('Proximal mu', mu)
     if mu < 0:
       from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
       raise ConfigError(f'Proximal mu must be >= 0, got {mu}.')

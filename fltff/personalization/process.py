@@ -26,6 +26,7 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
+from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import protocol
@@ -557,6 +558,11 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   from fltff.models.layers import layer_groups  # pylint: disable=g-import-not-at-top
 
   lambda_, start_from = rule.lambda_, rule.start_from
+  check_number(f'{name} num_clients', num_clients, integer=True)
+  if num_clients < 1:
+    raise ConfigError(f'{name} needs num_clients >= 1, got {num_clients}.')
+  check_number(f'{name}.lambda_', lambda_)
+  check_number(f'{name}.bls_mu', bls_mu, allow_none=True)
   if start_from not in START_FROM:
     raise ConfigError(f"start_from must be 'own' or 'server', got {start_from!r}.")
   if lambda_ < 0:
