@@ -111,7 +111,7 @@ def main(argv) -> int:
   output_dir = _OUTPUT_DIR.value or os.path.join(
       'runs', os.path.splitext(os.path.basename((_GIN_FILES.value or ['run'])[0]))[0])
   rt = None
-  created = False
+  created = failed = False
 
   def stop_now(signum: int) -> None:
     """A second signal: say what is checkpointed, stop our workers, exit at once."""
@@ -142,8 +142,7 @@ def main(argv) -> int:
     return EXIT_STOPPED
   except FltffError as e:
     print(f'error: {_short_gin_message(e)}', file=sys.stderr)
-    if created:
-      remove_if_unused(output_dir)  # A run that wrote nothing leaves no folder behind.
+    failed = True
     return EXIT_USER_ERROR
   except OSError as e:  # The machine's: a full disk, a folder made read-only, ...
     reason = os.strerror(e.errno) if e.errno else _short_gin_message(e)
@@ -155,6 +154,9 @@ def main(argv) -> int:
       rt.close()
     else:
       runtime.release_default_context()
+    if failed and created:
+      # A run that wrote nothing leaves no folder behind (its worker's log is closed by now).
+      remove_if_unused(output_dir)
     release_output_dir(output_dir)  # The run is over (main may be called again in-process).
   head = summary['headline']
   value = head['value']

@@ -159,8 +159,9 @@ def test_missing_gin_file_and_npz(tmp_path):
       run_pipeline_here('--gin_file=gin_configs/nope.gin', f'--output_dir={tmp_path}'), 'nope.gin')
   assert_one_line_error(
       run_pipeline_here(SMALL[0], "--gin_bindings=npz_source.path = '/nonexistent/x.npz'",
-                   f'--output_dir={tmp_path / "new"}'), '/nonexistent/x.npz')
-  assert not os.path.exists(tmp_path / 'new')  # A run that wrote nothing leaves no folder.
+                   f'--output_dir={tmp_path / "new" / "deeper" / "run"}'), '/nonexistent/x.npz')
+  # A run that wrote nothing leaves no folder, nor the folders made for it.
+  assert not os.path.exists(tmp_path / 'new')
 
 
 def test_report_compares_runs(small_run, tmp_path):

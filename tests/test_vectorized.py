@@ -538,15 +538,15 @@ def test_a_vectorised_batchnorm_model_offers_no_trained_local_models(data):
   assert algorithm.vectorized and not algorithm.reports_trained_weights
 
 
-def test_vectorised_client_work_needs_a_runtime_that_runs_it_in_this_process():
+def test_vectorised_client_work_needs_a_runtime_that_runs_it_in_this_process(tmp_path):
   # The experiment chooses the client work; a runtime pinned to TFF's C++ runtime refuses it.
-  result = run_pipeline_here(*SMALL, '--gin_bindings=experiment.client_work = "vectorised"',
-                             '--output_dir=/nonexistent/never-written')
+  out = f'--output_dir={tmp_path / "never" / "written"}'
+  result = run_pipeline_here(*SMALL, '--gin_bindings=experiment.client_work = "vectorised"', out)
   assert_one_line_error(result, "experiment.client_work = 'vectorised'",
                         "runtime.executor = 'auto' or 'in_process'")
-  result = run_pipeline_here(*SMALL, '--gin_bindings=experiment.client_work = "fast"',
-                             '--output_dir=/nonexistent/never-written')
+  result = run_pipeline_here(*SMALL, '--gin_bindings=experiment.client_work = "fast"', out)
   assert_one_line_error(result, 'experiment.client_work must be one of')
+  assert not (tmp_path / 'never').exists()  # Refused after its worker started: no folder left.
 
 
 EXPLICIT = ['--gin_bindings=runtime.executor = "in_process"',

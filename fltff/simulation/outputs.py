@@ -38,6 +38,7 @@ LOCK_FILE = '.fltff-run.lock'
 # Run folders this process holds (real path -> open lock file): a lock is per process, so
 # `run_experiment` may retake the one `pipelines.run` took.
 _HELD_LOCKS: dict = {}
+_CREATED: dict[str, str] = {}  # A run folder (real path) -> the outermost folder made for it.
 
 
 def _is_run_folder(output_dir: str) -> bool:
@@ -89,6 +90,9 @@ def prepare_output_dir(output_dir: str, resume: bool) -> bool:
                       'never written into; choose a new or empty --output_dir.')
   probe = os.path.join(output_dir, f'.fltff_write_test_{os.getpid()}')
   created = not os.path.exists(output_dir)
+  top = os.path.abspath(output_dir)  # The outermost folder this call creates.
+  while not os.path.exists(os.path.dirname(top)):
+    top = os.path.dirname(top)
   try:
     os.makedirs(output_dir, exist_ok=True)
     with open(probe, 'w') as f:
@@ -98,6 +102,8 @@ def prepare_output_dir(output_dir: str, resume: bool) -> bool:
     raise ConfigError(f'Cannot write to --output_dir {output_dir} ({e.strerror or e}); choose '
                       'a writable folder.') from None
   _lock(output_dir)
+  if created:
+    _CREATED[os.path.realpath(output_dir)] = top
   if not resume:
     checkpoints = os.path.join(output_dir, 'checkpoints')
     if os.path.isdir(checkpoints) and os.listdir(checkpoints):
@@ -123,17 +129,23 @@ def release_output_dir(output_dir: str) -> None:
 
 
 def remove_if_unused(output_dir: str) -> bool:
-  """Removes a run folder holding only this process's marker and lock; returns whether it did."""
+  """Removes a run folder holding only this process's marker and lock, and the empty folders
+  above it that `prepare_output_dir` created; returns whether it removed the run folder."""
   if not os.path.isdir(output_dir) or set(os.listdir(output_dir)) - {RUN_MARKER, LOCK_FILE}:
     return False
   if os.path.realpath(output_dir) not in _HELD_LOCKS:
     return False  # Not this process's folder.
+  top = _CREATED.pop(os.path.realpath(output_dir), None)
   for name in (RUN_MARKER, LOCK_FILE):
     with contextlib.suppress(FileNotFoundError):
       os.remove(os.path.join(output_dir, name))
   release_output_dir(output_dir)
-  with contextlib.suppress(OSError):
-    os.rmdir(output_dir)
+  folder = os.path.abspath(output_dir)
+  with contextlib.suppress(OSError):  # Stops at a folder that is not empty.
+    os.rmdir(folder)
+    while top is not None and folder != top:
+      folder = os.path.dirname(folder)
+      os.rmdir(folder)
   return not os.path.exists(output_dir)
 
 
