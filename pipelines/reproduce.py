@@ -88,28 +88,55 @@ def command(run: PlannedRun, runs_dir: str,
   return args, 'start'
 
 
+def check_gin_files(runs: list[PlannedRun]) -> None:
+  """`ConfigError` naming the first run whose gin file, or a file it includes, is missing: found
+  before the first run starts, not hours later when its turn comes."""
+  from fltff import resources  # pylint: disable=g-import-not-at-top
+  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+  for run in runs:
+    try:
+      resources.find_gin_files([run.gin_file])
+    except ConfigError as e:
+      raise ConfigError(f'planned run {run.name}: {e}') from None
+
+
+def _error_line(log_path: str) -> str:
+  """The last `error:` line of a run's log ('' if none)."""
+  with open(log_path, errors='replace') as f:
+    errors = [line.strip() for line in f if line.startswith('error: ')]
+  return errors[-1] if errors else ''
+
+
 def main(argv) -> int:
   del argv
+  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
   try:
-    plan = read_plan(_PLAN.value)
-  except (OSError, ValueError) as e:
+    plan = [run for run in read_plan(_PLAN.value)
+            if not _ONLY.value or any(run.name.startswith(p) for p in _ONLY.value)]
+    check_gin_files(plan)
+  except OSError as e:
+    print(f'error: cannot read the plan {_PLAN.value}: {e.strerror or e}.', file=sys.stderr)
+    return 2
+  except (ConfigError, ValueError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   runs_dir = os.path.expanduser(_RUNS_DIR.value)
   os.makedirs(runs_dir, exist_ok=True)
   failed = []
   for run in plan:
-    if _ONLY.value and not any(run.name.startswith(p) for p in _ONLY.value):
-      continue
     args, state = command(run, runs_dir, tuple(_BINDINGS.value))
     print(f'{time.strftime("%H:%M:%S")} {run.name}: {state}', flush=True)
     if state == 'done' or _DRY_RUN.value:
       continue
     start = time.monotonic()
-    with open(os.path.join(runs_dir, f'{run.name}.log'), 'a') as log:
+    log_path = os.path.join(runs_dir, f'{run.name}.log')
+    with open(log_path, 'a') as log:
       rc = subprocess.call(args, stdout=log, stderr=subprocess.STDOUT)
     print(f'{time.strftime("%H:%M:%S")} {run.name}: exit {rc} after '
-          f'{time.monotonic() - start:.0f} s', flush=True)
+          f'{time.monotonic() - start:.0f} s{"; " + _error_line(log_path) if rc else ""}',
+          flush=True)
     if rc:
       failed.append(run.name)
       if rc == 143:  # Stopped by SIGTERM/SIGINT: checkpointed; do not start the next run.

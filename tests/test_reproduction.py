@@ -372,6 +372,23 @@ def test_read_plan_and_commands(tmp_path):
       reproduce.read_plan(str(plan))
 
 
+def test_a_plan_with_a_missing_gin_file_is_refused_before_any_run(tmp_path):
+  """Checked up front (a typo in the plan's last line must not wait for the runs before it);
+  a failed run's error line is echoed beside its exit status."""
+  from pipelines import reproduce
+  plan = tmp_path / 'plan.txt'
+  plan.write_text('fine gin_configs/quickstart.gin\ntypo gin_configs/quikstart.gin\n')
+  result = run_program('pipelines.reproduce', f'--plan={plan}', f'--runs_dir={tmp_path / "r"}',
+                       timeout=120)
+  assert result.returncode == 2 and 'fine: start' not in result.stdout, result.stdout
+  assert result.stderr.strip().splitlines()[-1].startswith(
+      'error: planned run typo: Gin file gin_configs/quikstart.gin does not exist')
+  reproduce.check_gin_files(reproduce.read_plan(os.path.join(REPO, 'results', 'plan.txt')))
+  log = tmp_path / 'run.log'
+  log.write_text('W1128 noise\nerror: experiment.rounds must be a positive integer, got 0.\n')
+  assert reproduce._error_line(str(log)).endswith('got 0.')  # pylint: disable=protected-access
+
+
 def test_shipped_plan_names_every_manifest_run_and_existing_configs():
   """Every manifest run is planned, or an earlier run already in results/runs/."""
   from pipelines import reproduce
