@@ -15,7 +15,9 @@ Every number of ours is a run's headline (`summary.json`: protocol, column and s
 for runs made before the evaluation protocols (no headline), the best round of the column
 `report.local_key` / central test accuracy picks, marked as an earlier run. Seeds are the
 `_s<k>` suffix of the run names: each cell over seeds is the mean ± sample std (n − 1) over the
-seeds present, with n.
+seeds present, with n; in a KAPC table row with runs of both kinds, only the runs with a recorded
+headline (an earlier run's reading is another quantity: it is listed per seed and as a run to
+redo).
 
 Section kinds (`"kind"` in the manifest): `paper_table` (KAPC Tables 1–2: the paper's value per
 method beside our headline), `claim_gaps` (FedLap: per-seed gaps against the abstract's claims),
@@ -253,19 +255,28 @@ def paper_table(section: dict, runs: dict, paper: dict, report: types.ModuleType
         continue
       heads = [headline(r, report, local=True) for r in present]
       got = [(r, h) for r, h in zip(present, heads) if h['value'] is not None]
-      values = [100 * h['value'] for _, h in got]
+      # Earlier runs (no recorded headline) measured another quantity: beside recorded ones
+      # they are listed, not averaged in, and counted as runs to redo.
+      earlier = [r['label'] for r, h in got if not h['recorded']] if any(
+          h['recorded'] for _, h in got) else []
+      counted = [(r, h) for r, h in got if r['label'] not in earlier]
+      values = [100 * h['value'] for _, h in counted]
       mean = mean_std(values)[0]
       ours = DASH if mean is None else f'{mean:.2f}'
       gap = DASH if mean is None or value is None else f'{mean - value[0]:+.2f}'
       spread = _pm(values)
-      per_seed = ', '.join(f'{seed_of(r["label"])} {100 * h["value"]:.2f}' for r, h in got)
+      per_seed = ', '.join(
+          f'{seed_of(r["label"])} {100 * h["value"]:.2f}'
+          + (' (earlier run, not averaged)' if r['label'] in earlier else '') for r, h in got)
       other = {}
-      for r, h in got:
+      for r, h in counted:
         for k, v in readings(r, h).items():
           other.setdefault(k, []).append(v)
       other_cell = '; '.join(f'{k} {100 * sum(v) / len(v):.2f}' for k, v in other.items())
-      out.append(f'| {row} | {paper_cell} | {ours} | {_describe(heads)} | {gap} | {spread} | '
-                 f'{per_seed or DASH} | {other_cell or DASH} | {_missing_cell(missing)} |')
+      redo = missing + [f'{name} (earlier run)' for name in earlier]
+      out.append(f'| {row} | {paper_cell} | {ours} | {_describe([h for _, h in counted])} | '
+                 f'{gap} | {spread} | {per_seed or DASH} | {other_cell or DASH} | '
+                 f'{_missing_cell(redo)} |')
     out.append('')
     out += [n + '\n' for n in notes]
   note = entry.get('plusminus')

@@ -53,6 +53,10 @@ def results(tmp_path):
                   mean_client_best_global_local_accuracy=0.62,
                   mean_client_best_trained_local_accuracy=0.83))
   _write_run(root, 'old_s0', {'mean_local_accuracy': [0.70, 0.75, 0.72]})
+  # Seed 0 with a headline, seed 1 an earlier run: only seed 0 is averaged.
+  _write_run(root, 'mix_s0', {'trained_local_accuracy': [0.8, 0.9]},
+             _head('trained_local', 'trained_local_accuracy', 'best_round_mean', 0.9))
+  _write_run(root, 'mix_s1', {'mean_local_accuracy': [0.70, 0.6]})
   # FedLap-style, first_rounds = 2: FedLap and FedAvg over seeds 0-1, FedProx seed 0 only.
   _write_run(root, 'lap_s0', {'test_accuracy': [0.3, 0.5, 0.6, 0.7]})
   _write_run(root, 'avg_s0', {'test_accuracy': [0.2, 0.3, 0.65, 0.6]})
@@ -76,9 +80,10 @@ def results(tmp_path):
       {'id': 'kapc', 'kind': 'paper_table', 'paper': 'kp', 'title': 'KAPC',
        'groups': [{'label': 'T1 a0.1', 'table': 'Table 1', 'dataset': 'FMNIST', 'alpha': '0.1',
                    'runs': {'KAPC': ['kapc_s0', 'kapc_s1', 'kapc_s2'], 'FedAvg': ['avg_k_s0'],
-                            'local': ['local_s0'], 'old': ['old_s0']},
+                            'local': ['local_s0'], 'old': ['old_s0'],
+                            'mixed': ['mix_s0', 'mix_s1']},
                    'paper_rows': {'KAPC': 'kapc', 'FedAvg': 'fedavg', 'local': 'local_training',
-                                  'old': 'moon'}}]},
+                                  'old': 'moon', 'mixed': 'moon'}}]},
       {'id': 'gain', 'kind': 'claim_gaps', 'paper': 'p', 'title': 'Gain', 'first_rounds': 2,
        'rounds_to': 0.5,
        'groups': [{'label': 'g', 'runs': {'lap': ['lap_s0', 'lap_s1'], 'avg': ['avg_s0', 'avg_s1'],
@@ -160,6 +165,11 @@ def test_paper_table_puts_the_paper_number_beside_ours(results):
   assert old[1:6] == ['96.61 ± 0.35 [1]', '75.00', 'mean_local (earlier run), best-round mean',
                       '-21.61', '75.00 (n=1, no std)']
   assert '[1] MOON FLAG' in md and 'PLUSMINUS NOTE' in md
+  # A recorded headline and an earlier run: the earlier one is listed, not averaged, and redone.
+  assert _row(md, '| mixed |') == [
+      'mixed', '96.61 ± 0.35 [2]', '90.00', 'trained_local, best-round mean', '-6.61',
+      '90.00 (n=1, no std)', 's0 90.00, s1 70.00 (earlier run, not averaged)', '–',
+      'mix_s1 (earlier run)']
 
 
 def test_claim_gaps_per_seed_and_over_seeds(results):
