@@ -339,6 +339,9 @@ def test_factories_type_check_their_arguments():
   from fltff.learning import regularizers
   with pytest.raises(ConfigError, match="Proximal mu must be a number, got 'a'"):
     regularizers.ProximalRegularizer('a')
+  from fltff.learning import optimizers
+  with pytest.raises(ConfigError, match="server.learning_rate must be a number, got 'x'"):
+    optimizers.build_optimizer('sgd', 'x', role='server')
 
 
 @pytest.mark.parametrize('kwargs,message', [

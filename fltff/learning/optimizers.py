@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gin
 
+from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 
 _NAMES = ('sgd', 'sgdm', 'adam')
@@ -20,6 +21,9 @@ def build_optimizer(name: str, learning_rate: float, momentum: float = 0.9,
   """`'sgd'`, `'sgdm'` (momentum) or `'adam'` as a `tff.learning.optimizers.Optimizer`."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
+  for what, value in (('learning_rate', learning_rate), ('momentum', momentum),
+                      ('beta_1', beta_1), ('beta_2', beta_2), ('epsilon', epsilon)):
+    check_number(f'{role}.{what}', value)
   if learning_rate <= 0:
     raise ConfigError(f'{role}.learning_rate must be > 0, got {learning_rate}.')
   if name == 'sgd':
