@@ -42,6 +42,10 @@ def _numeric_kind(annotation: Any) -> Optional[tuple[bool, bool]]:
   return _NUMERIC_ANNOTATIONS.get(text.replace('typing.', '').replace(' ', ''))
 
 
+# What a gin binding holds when it is written as a value (not a reference or a macro).
+_PLAIN_VALUES = (str, int, float, list, tuple, dict)
+
+
 def _callable_kind(annotation: Any) -> Optional[bool]:
   """For a `Callable` annotation whether None is allowed (`Optional`); None otherwise."""
   text = (annotation if isinstance(annotation, str) else str(annotation)).replace(
@@ -72,8 +76,10 @@ def check_builder(name: str, value: Any, allow_none: bool,
     return
   if isinstance(value, gin.config.ConfigurableReference):
     signature = _signature(value.configurable.selector) if value.evaluate else None
+    if signature is None:
+      return
     bound = config.get(('/'.join(value.scopes), value.configurable.selector), {})
-    needed = [p for p in (signature.parameters.values() if signature else ())
+    needed = [p for p in signature.parameters.values()
               if p.name != 'self' and p.name not in bound and p.default in (p.empty, gin.REQUIRED)
               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if needed:
@@ -81,7 +87,7 @@ def check_builder(name: str, value: Any, allow_none: bool,
       raise ConfigError(f'{name} = @{target}() calls {target} while gin reads the '
                         f'configuration, without its {needed[0].name}: write @{target}.')
     return
-  if not isinstance(value, (str, int, float, list, tuple, dict)):
+  if not isinstance(value, _PLAIN_VALUES):
     return
   known = isinstance(value, str) and value.strip('@ ').isidentifier() and (
       gin.config._REGISTRY.matching_selectors(value.strip('@ ')))  # pylint: disable=protected-access
@@ -108,7 +114,7 @@ def check_gin_bindings(config: Mapping[tuple[str, str], Mapping[str, Any]]) -> N
       kind = _numeric_kind(annotation)
       if builder is not None:
         check_builder(name, value, builder, config)
-      elif kind is not None and isinstance(value, (str, int, float, list, tuple, dict)):
+      elif kind is not None and isinstance(value, _PLAIN_VALUES):
         check_number(name, value, integer=kind[0], allow_none=kind[1])
 
 
