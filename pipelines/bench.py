@@ -83,8 +83,10 @@ _EXECUTOR_VARIANTS = flags.DEFINE_list(
     'executor_variants', ['fltff_tff_cpp', 'fltff_in_process', 'fltff_vectorized',
                           'one_model_floor'],
     "For --executors: the fltff variants to time beside TFF's built-in (e.g. one at a time, "
-    'for the peak RSS of that variant alone), and one_model_floor: one model trained on every '
-    "client's batch at once, no per-client weights (the arithmetic's floor, not FL).")
+    'for the peak RSS of that variant alone), fltff_vectorized_one_group: vectorised with every '
+    'client padded to the longest (no groups of unequal clients), and one_model_floor: one model '
+    "trained on every client's batch at once, no per-client weights (the arithmetic's floor, "
+    'not FL).')
 _EXECUTOR_METHODS = flags.DEFINE_list(
     'executor_methods', ['fedlap', 'fedlayerwise', 'kapc'],
     "For --executors: methods (as --compare names them) also timed with vectorised clients "
@@ -331,7 +333,8 @@ def compare_executors() -> int:
   except ValueError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  known = ('fltff_tff_cpp', 'fltff_in_process', 'fltff_vectorized', 'one_model_floor')
+  known = ('fltff_tff_cpp', 'fltff_in_process', 'fltff_vectorized', 'fltff_vectorized_one_group',
+           'one_model_floor')
   unknown = [v for v in _EXECUTOR_VARIANTS.value if v not in known]
   if unknown or not _EXECUTOR_VARIANTS.value:
     print(f'error: --executor_variants {unknown or "(empty)"}: choose from {list(known)}',
@@ -354,6 +357,7 @@ def compare_executors() -> int:
     in_process = InProcessContext()
     contexts = {'tff_builtin': cpp_context, 'fltff_tff_cpp': cpp_context,
                 'fltff_in_process': in_process, 'fltff_vectorized': in_process,
+                'fltff_vectorized_one_group': in_process,
                 'one_model_floor': in_process,
                 **{s: in_process for s in torch_styles},
                 **{f'vectorized:{m}': in_process for m in methods}}
@@ -391,12 +395,14 @@ def compare_executors() -> int:
         tff.framework.set_default_context(contexts[name])
         method = name.split(':')[1] if name.startswith('vectorized:') else 'fedavg'
         algorithm = builders[method](opt)
-        if name == 'fltff_vectorized' or method != 'fedavg':
+        if name.startswith('fltff_vectorized') or method != 'fedavg':
           try:
             algorithm.vectorize_clients()  # experiment.client_work = 'vectorised'
           except ConfigError as e:
             print(f'{name} on {model}: not timed ({e})', flush=True)
             continue
+          # Every client padded to the longest: the baseline of the grouping of unequal clients.
+          algorithm.vectorized_work().group_clients = name != 'fltff_vectorized_one_group'
         rounds[name] = _round_fn(algorithm, [len(y) for _, y in data])
       measured = [n for n in names if n in rounds]
       times = {n: [] for n in measured}

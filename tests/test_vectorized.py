@@ -116,13 +116,30 @@ IN_PROCESS_TOO = frozenset({'fedavg', 'fedlayerwise', 'moon', 'kapc+bls'})
 ON_TWO_WORKERS = frozenset({'fednova+ccn', 'fedlayerwise', 'scaffold+ccn', 'fedbn'})
 DYNAMIC_AXIS_TOO = frozenset({'fedavg'})
 FACTORED_TOO = frozenset({'fedbabu', 'kapc+bls'})
-assert IN_PROCESS_TOO | ON_TWO_WORKERS | DYNAMIC_AXIS_TOO | FACTORED_TOO <= set(METHODS)
+# - GROUPED_TOO: every participant in a group of its own (`round_data.client_groups` without
+#   its thresholds), trained one group after another and merged back in client order: one
+#   method for each kind of per-client input or output beyond the weights (FedLap's shared first
+#   epoch, SCAFFOLD's step observer with CCN's latent mean, MOON's client state and batch term,
+#   KAPC+BLS's per-client starts and anchors, FedLap personalisation's local models).
+GROUPED_TOO = frozenset({'fedlap', 'scaffold+ccn', 'moon', 'kapc+bls',
+                         'fedavg+fedlap_personalization'})
+assert (IN_PROCESS_TOO | ON_TWO_WORKERS | DYNAMIC_AXIS_TOO | FACTORED_TOO | GROUPED_TOO
+        <= set(METHODS))
+
+
+def _groups_of_one(sizes: list):
+  """`client_groups` without its thresholds (a group per distinct size), recording the number
+  of groups of each round in `sizes`."""
+  def client_groups(mask, _):
+    groups = round_data.client_groups(mask, 0.0, min_saving=0.0, min_saved_steps=0.0)
+    sizes.append(len(groups))
+    return groups
+  return client_groups
 
 
 def _trained_work(algorithm):
-  base = getattr(algorithm, 'inner', algorithm)  # FedLap personalisation wraps the method.
-  work = base._vectorized  # pylint: disable=protected-access
-  return getattr(work, '_work', work)  # The personalised work wraps the client work.
+  # FedLap personalisation wraps the method.
+  return getattr(algorithm, 'inner', algorithm).vectorized_work()
 
 
 @pytest.fixture(scope='module')
@@ -176,6 +193,16 @@ def test_three_rounds_on_every_executor_equal_the_cpp_runtime(method, data, spec
       runs['factored'] = run_rounds(factored, data, InProcessContext(), NUM_CLIENTS)
     # Factoring ran: both mlp2 kernels (FedBABU: the body's only, its head is frozen).
     assert _trained_work(factored).factored_traces == {(0,) if method == 'fedbabu' else (0, 2)}
+  if method in GROUPED_TOO:
+    groups = []
+    with monkeypatch.context() as patch:
+      patch.setattr(vectorized, 'client_groups', _groups_of_one(groups))
+      grouped = _vectorized(METHODS[method](spec))
+      runs['grouped'] = run_rounds(grouped, data, InProcessContext(), NUM_CLIENTS)
+    # Every round's three participants differ in epochs x steps: three groups of one client,
+    # one trace for all.
+    assert groups and set(groups) == {3}
+    assert _trained_work(grouped)._train.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
   tff.framework.set_default_context(cpp)
   for executor, actual in runs.items():
     reference_run = expected_in_client_order if executor == '2 workers' else expected
@@ -346,6 +373,72 @@ def test_padding_and_masks_follow_each_clients_batches(known_batch_counts):
   assert not x[0, 0, 1, 2].any() and not x[0, 1, 1].any()
 
 
+def _mask_of(epochs_steps, batch=2):
+  """A `stack_client_batches` mask whose client k has full batches for `epochs_steps[k]`."""
+  num_epochs = max(e for e, _ in epochs_steps)
+  num_steps = max(s for _, s in epochs_steps)
+  mask = np.zeros((num_epochs, num_steps, len(epochs_steps), batch), np.float32)
+  for k, (e, s) in enumerate(epochs_steps):
+    mask[:e, :s, k] = 1.0
+  return mask
+
+
+@pytest.mark.parametrize('seed', range(6))
+@pytest.mark.parametrize('overhead', [0.0, 0.5, 4.0])
+def test_client_groups_are_the_cheapest_cut_of_the_clients_sorted_by_work(seed, overhead):
+  rng = np.random.default_rng(seed)
+  epochs_steps = [(int(rng.integers(1, 3)), int(rng.integers(1, 12))) for _ in range(6)]
+  groups = round_data.client_groups(_mask_of(epochs_steps), overhead, min_saving=0.0,
+                                    min_saved_steps=0.0)
+  assert sorted(np.concatenate(groups).tolist()) == list(range(6))
+  cost = lambda g: (len(g) + overhead) * max(epochs_steps[k][0] for k in g) * max(
+      epochs_steps[k][1] for k in g)
+  # Brute force: every cut of the clients sorted by epochs x steps into contiguous runs.
+  order = sorted(range(6), key=lambda k: epochs_steps[k][0] * epochs_steps[k][1])
+  best = min(sum(cost(order[i:j]) for i, j in zip((0,) + cuts, cuts + (6,)))
+             for n in range(6) for cuts in itertools.combinations(range(1, 6), n))
+  assert sum(cost(g) for g in groups) == pytest.approx(best)
+
+
+def test_client_groups_stay_one_unless_the_saving_pays_for_a_trace():
+  unequal = _mask_of([(1, 80), (1, 3), (1, 81), (1, 2)])
+  assert [g.tolist() for g in round_data.client_groups(unequal, 1.0)] == [[1, 3], [0, 2]]
+  # (4 + 1) x 81 client steps against (2 + 1) x 3 + (2 + 1) x 81: a saving of 153, 37.8 %.
+  assert len(round_data.client_groups(unequal, 1.0, min_saved_steps=154)) == 1
+  assert len(round_data.client_groups(unequal, 1.0, min_saving=0.38, min_saved_steps=0)) == 1
+  equal = _mask_of([(2, 40), (2, 40), (2, 39)])
+  assert len(round_data.client_groups(equal, 0.0)) == 1
+  # A large fixed cost per step (a small model) keeps even unequal clients together.
+  assert len(round_data.client_groups(unequal, 50.0)) == 1
+  assert len(round_data.client_groups(_mask_of([(1, 5)]), 0.0)) == 1
+
+
+def test_a_groups_round_data_is_its_clients_columns_without_all_padding_steps():
+  from fltff.learning.client_work import client_input  # pylint: disable=g-import-not-at-top
+  batches = lambda n: tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+      x=np.ones((n, 2), np.float32), y=np.zeros(n, np.int32))).batch(3)
+  data = round_data.stack_client_batches(
+      [client_input(batches(n), k, e) for k, (n, e) in enumerate([(30, 2), (4, 1), (7, 1)])])
+  group = round_data.group_data(data, np.array([1, 2]))
+  assert group['index'].shape == (1, 3, 2, 3)  # One epoch, client 2's 3 steps, 2 clients.
+  for key in ('index', 'mask', 'valid'):
+    np.testing.assert_array_equal(group[key], data[key][:1, :3, [1, 2]])
+  np.testing.assert_array_equal(group['epochs'], [1, 1])
+  assert group['examples'] is data['examples']
+  assert not data['mask'][:, :, [1, 2]][1:].any() and not data['mask'][:, 3:, [1, 2]].any()
+
+
+def test_macs_per_example_count_each_kernel_at_each_output_position():
+  from fltff.models.layers import macs_per_example  # pylint: disable=g-import-not-at-top
+  model = tf.keras.Sequential([
+      tf.keras.Input((6, 6, 2)),
+      tf.keras.layers.Conv2D(3, 3, padding='valid'),  # 4 x 4 positions of a 3x3x2x3 kernel.
+      tf.keras.layers.MaxPool2D(),
+      tf.keras.layers.Flatten(),
+      tf.keras.layers.Dense(5)])  # 12 x 5.
+  assert macs_per_example(model) == 4 * 4 * 3 * 3 * 2 * 3 + 12 * 5
+
+
 def test_each_epoch_reshuffles_and_a_dataset_passed_again_starts_afresh():
   # As on TFF's runtime: epochs of one call see successive shuffles, and the same dataset in a
   # later call (TFF deserialises it anew) sees the same orders again, not the next ones.
@@ -511,8 +604,17 @@ def test_clients_train_their_own_batchnorm_statistics_as_the_cpp_runtime(method,
   expected = run_rounds(equality_methods()[method](spec), data, cpp, EQUALITY_CLIENTS, rounds=2)
   algorithm = _vectorized(equality_methods()[method](spec))
   actual = run_rounds(algorithm, data, InProcessContext(), EQUALITY_CLIENTS, rounds=2)
+  # And each participant in a group of its own: the statistics (FedBN: each client's own;
+  # FedLap personalisation's clients: the server's) go with it.
+  groups = []
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(vectorized, 'client_groups', _groups_of_one(groups))
+    grouped = run_rounds(_vectorized(equality_methods()[method](spec)), data,
+                         InProcessContext(), EQUALITY_CLIENTS, rounds=2)
   tff.framework.set_default_context(cpp)
   assert_equal_runs(expected, actual, f'{method} (vectorised, BatchNorm)')
+  assert_equal_runs(expected, grouped, f'{method} (vectorised in groups, BatchNorm)')
+  assert groups and set(groups) == {3}
   initial = spec.initial_weights().non_trainable
   states = actual[0][-1][1]  # The last round's clients' new states.
   assert len(initial) == 4 and states

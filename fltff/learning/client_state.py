@@ -136,7 +136,7 @@ class VectorizedStatefulWork:
   def __init__(self, work, client_terms: Callable[[Any, tuple], tuple],
                client_final: Callable[[dict, tuple], tuple],
                server_update: Optional[Callable[[Any, tuple], Any]] = None):
-    self._work = work  # `Algorithm.trained_weights` reads `last_trained` here.
+    self._work = work  # `FederatedAlgorithm.vectorized_work` unwraps it.
     self._client_terms, self._client_final = client_terms, client_final
     self._server_update = server_update
 

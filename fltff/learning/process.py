@@ -118,8 +118,7 @@ class Algorithm(protocol.FederatedAlgorithm):
 
   def trained_weights(self) -> Optional[tuple]:
     """The last round's trained models (`[K, ...]` per trainable tensor), None unless vectorised."""
-    work = getattr(self._vectorized, '_work', self._vectorized)  # MOON's and SCAFFOLD's wrap it.
-    return getattr(work, 'last_trained', None)
+    return getattr(self.vectorized_work(), 'last_trained', None)
 
   def _vectorized_next(self, state, client_inputs: Sequence, call: protocol.Call):
     """`process.next` with `VectorizedClientWork` as client work (same state and measurements)."""

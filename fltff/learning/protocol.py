@@ -76,6 +76,10 @@ class FederatedAlgorithm:
     """Whether rounds run the vectorised client work (client info then as plain values)."""
     return self._vectorized is not None
 
+  def vectorized_work(self):
+    """The `VectorizedClientWork` that trains the participants; None unless vectorised."""
+    return getattr(self._vectorized, '_work', self._vectorized)  # MOON's, SCAFFOLD's wrap it.
+
   def client_input(self, batches, client_index: int, epochs: int, client_state=None):
     """One participant's CLIENTS-placed input: its data, index, epochs and own state."""
     raise NotImplementedError

@@ -5,7 +5,8 @@ The participants' weights get a leading client axis and every local step is one
 `client_work.build_local_training`'s step (optimizer: `stacked_optimizer`), so a round equals
 TFF's to float rounding (tests/test_vectorized.py). Unequal clients are padded to `[epochs,
 steps, clients, batch, ...]`: padded examples are masked out of the loss and a client with no
-batch at a step keeps its weights and optimizer state. Exact shortcuts: with every client
+batch at a step keeps its weights and optimizer state; where sizes differ so much that it pays,
+groups of similar clients train one after another (`round_data.client_groups`). Exact shortcuts: with every client
 starting from the global model under the shared regulariser, the first epoch's context is
 computed once; an epoch whose anchored term `s ⊙ (w − global)` has every scale zero (FedLap's
 first epoch: λ = 0 at local = global) takes the plain update.
@@ -38,12 +39,16 @@ from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import factored_dense
 from fltff.learning.model_spec import ModelSpec
+from fltff.learning.round_data import client_groups
+from fltff.learning.round_data import group_data
 from fltff.learning.round_data import stack_client_batches
+from fltff.learning.round_data import step_overhead
 from fltff.learning.stacked_optimizer import Anchor
 from fltff.learning.stacked_optimizer import FusedSGDM
 from fltff.learning.stacked_optimizer import broadcast_clients
 from fltff.learning.stacked_optimizer import client_mask
 from fltff.learning.stacked_optimizer import stacked_optimizer
+from fltff.models.layers import macs_per_example
 from fltff.runtime.in_process import StackedClients
 from fltff.runtime.in_process import aligned_stack
 from fltff.runtime.in_process import stacked_tensor
@@ -284,9 +289,11 @@ class VectorizedClientWork:
                client_weighting: str = 'num_examples', device: Optional[str] = None,
                client_regularizer: Optional[Callable[[Any], Any]] = None,
                step_observers: Sequence[client_work_lib.StepObserver] = (), latent: bool = False,
-               factor_dense: bool = True, batch_norm: bool = False):
+               factor_dense: bool = True, batch_norm: bool = False, group_clients: bool = True):
     """`batch_norm`: allow BatchNorm models (`functional_apply`); the moving statistics train
-    from `train(statistics=)` and come back as `non_trainable`."""
+    from `train(statistics=)` and come back as `non_trainable`. `group_clients` (also an
+    attribute): train clients of very unequal sizes in groups (`round_data.client_groups`)
+    rather than all padded to the longest."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     client_work_lib.check_weight_fields(weight_fields)
@@ -324,6 +331,7 @@ class VectorizedClientWork:
     self._apply = functional_apply(self._keras_model, batch_norm=batch_norm)
     self._update_statistics = (moving_statistics(self._keras_model) if self._batch_norm
                                else None)
+    self._macs_per_example = macs_per_example(self._keras_model)
     self._latent = None
     self._latent_and_output = None
     if latent or 'latent_mean' in weight_fields:
@@ -350,6 +358,7 @@ class VectorizedClientWork:
     self._client_weighting = client_weighting
     self._step_observers = tuple(step_observers)
     self._device = device
+    self.group_clients = group_clients
     self._train = tf.function(self._train_fn, reduce_retracing=True, autograph=False)
     self._static_client_counts: set[int] = set()
     self._traced_for: set[tuple[Optional[int], frozenset]] = set()
@@ -702,19 +711,37 @@ class VectorizedClientWork:
         client_inputs, _EveryDataset() if read_before_elsewhere else self._read_before)
     self._updater.prepare([tf.TensorSpec(w.shape, w.dtype)
                            for w in self._keras_model.trainable_weights], self._device)
-    k = self.traced_client_count(len(client_inputs))
-    factored = self.factored_kernels(data)
-    if factored:
-      reg = self._regularization(client_terms)
-      if not self._regularizer_factors(reg.probe, reg.global_anchor or reg.client_anchor):
-        # This regulariser cannot factor: reuse the unfactored trace rather than trace again.
-        factored = frozenset()
     if self._update_statistics is None:
       statistics = None
     elif statistics is None:
       raise ValueError('a BatchNorm model trains from moving statistics: pass statistics=.')
     else:
       statistics = tuple(statistics)
+    overhead = step_overhead(self._macs_per_example, np.shape(data['index'])[3])
+    groups = (client_groups(data['mask'], overhead) if self.group_clients
+              else [np.arange(len(client_inputs))])
+    if len(groups) == 1:
+      return self._train_group(data, global_trainable, start, client_terms, statistics), data
+    pick = lambda structure, clients: (None if structure is None else tf.nest.map_structure(
+        lambda t: tf.gather(t, clients), structure))
+    parts = [self._train_group(group_data(data, clients), global_trainable, pick(start, clients),
+                               pick(client_terms, clients),
+                               statistics if start is None else pick(statistics, clients))
+             for clients in groups]
+    position = np.argsort(np.concatenate(groups))
+    out = tf.nest.map_structure(lambda *group: tf.gather(tf.concat(group, 0), position), *parts)
+    return out, data
+
+  def _train_group(self, data, global_trainable, start, client_terms, statistics
+                   ) -> collections.OrderedDict:
+    """`_train_fn` on `data`'s participants, traced once per client count and factoring."""
+    k = self.traced_client_count(len(data['epochs']))
+    factored = self.factored_kernels(data)
+    if factored:
+      reg = self._regularization(client_terms)
+      if not self._regularizer_factors(reg.probe, reg.global_anchor or reg.client_anchor):
+        # This regulariser cannot factor: reuse the unfactored trace rather than trace again.
+        factored = frozenset()
     args = (global_trainable, start, client_terms, statistics, data['examples'], data['labels'],
             data['index'], data['mask'], data['valid'], data['epochs'])
     with (tf.device(self._device) if self._device else contextlib.nullcontext(),
@@ -725,8 +752,7 @@ class VectorizedClientWork:
         self._train.get_concrete_function(*_round_specs(args, k), num_clients=k,
                                           factored=factored)
         self._traced_for.add((k, factored))
-      out = self._train(*args, num_clients=k, factored=factored)
-    return out, data
+      return self._train(*args, num_clients=k, factored=factored)
 
   def model_outputs(self, sums) -> collections.OrderedDict:
     """The participants' unfinalized metrics (`[K]`, the model's dtypes) from the sums."""

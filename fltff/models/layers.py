@@ -9,6 +9,7 @@ as FedLap's regulariser `1/2 Σ_l <λ_l, d_l>`, with `λ_lj = 1 − cos(w_lj^loc
 from collections.abc import Iterator, Sequence
 import dataclasses
 
+import numpy as np
 import tensorflow as tf
 
 from fltff.errors import ConfigError
@@ -192,3 +193,20 @@ def update_index_groups(groups: Sequence[LayerGroup]) -> list[list[int]]:
   """`layer_groups` as index groups into a model update (the trainable weights TFF's client
   work sends); layers without trainable weights are left out."""
   return [list(g.trainable_indices) for g in groups if g.trainable_indices]
+
+
+def macs_per_example(keras_model) -> float:
+  """Multiply-adds of one example's forward pass through `keras_model`'s kernels (Dense and
+  convolutions: the kernel's size times the output's spatial positions)."""
+  total = 0.0
+  for layer in keras_model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+    kernel = getattr(layer, 'kernel', None)
+    if kernel is None:
+      continue
+    try:
+      shape = layer.output_shape
+    except AttributeError:  # A layer called more than once, or never in a graph.
+      shape = (None, kernel.shape[-1])
+    positions = np.prod(shape[1:-1]) if isinstance(shape, tuple) and len(shape) > 2 else 1
+    total += float(np.prod(kernel.shape)) * float(positions)
+  return total
