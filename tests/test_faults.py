@@ -348,6 +348,8 @@ def test_factories_type_check_their_arguments():
     ({'num_clients': 0}, 'kapc needs num_clients >= 1, got 0'),
     ({'num_clients': 2.0}, 'kapc num_clients must be an integer, got 2.0'),
     ({'num_clients': 3, 'bls_mu': 'high'}, "kapc+bls.bls_mu must be a number, got 'high'"),
+    ({'num_clients': 3, 'bls_mu': 1.5}, 'kapc+bls.bls_mu must be in [0, 1]'),
+    ({'num_clients': 3, 'bls_mu': -0.1}, 'kapc+bls.bls_mu must be in [0, 1]'),
 ])
 def test_a_personalised_method_checks_its_arguments(kwargs, message, spec):
   from fltff.personalization import build_kapc

@@ -104,6 +104,8 @@ def test_rerun_without_resume_refuses_to_overwrite(small_run):
     (['experiment.method = @fedavgg'], ['fedavgg']),
     (['client_optimizer.lr = 0.1'], ['lr']),
     (["experiment.model = 'mlp3'"], ['mlp3', 'mlp2']),
+    (['experiment.model = @fedavg'], ['a model name (a string), got the function build_fedavg', 'mlp2']),
+    (['experiment.method = @kapc', 'kapc.bls_mu = 1.5'], ['bls_mu must be in [0, 1]', '1.5']),
     (['federated_data.num_clients = 2000', 'shard_partition.shards_per_client = 1'],
      ['2000']),
     (['federated_data.partitioner = @dirichlet_partition',
@@ -136,6 +138,18 @@ def test_resume_with_another_configuration_is_refused_and_changes_nothing(small_
   result = run_pipeline_here(*SMALL, '--gin_bindings=experiment.seed = 5',
                         '--gin_bindings=experiment.rounds = 4', f'--output_dir={out}', '--resume')
   assert_one_line_error(result, 'experiment.seed: 0 -> 5', 'rounds 1-3', '--allow_config_change')
+  after = {name: os.path.getmtime(os.path.join(root, name))
+           for root, _, names in os.walk(out) for name in names if name != '.fltff-run.lock'}
+  assert after == before
+
+
+def test_resume_with_fewer_rounds_than_checkpointed_is_refused_and_changes_nothing(small_run):
+  out, _, _ = small_run
+  before = {name: os.path.getmtime(os.path.join(root, name))
+            for root, _, names in os.walk(out) for name in names if name != '.fltff-run.lock'}
+  result = run_pipeline_here(*SMALL, '--gin_bindings=experiment.rounds = 2',
+                             f'--output_dir={out}', '--resume')
+  assert_one_line_error(result, 'rounds 1-3', 'experiment.rounds = 2', '>= 3')
   after = {name: os.path.getmtime(os.path.join(root, name))
            for root, _, names in os.walk(out) for name in names if name != '.fltff-run.lock'}
   assert after == before

@@ -302,6 +302,12 @@ def build_model(name: str = gin.REQUIRED,
     input_shape: One example's shape: (H, W, C) or (H, W) for the CNNs, any shape for
       'logistic' and 'mlp2' (they flatten it).
   """
+  if not isinstance(name, str):
+    # E.g. `experiment.model = @fedavg`: gin passes the function itself.
+    what = (f'the function {name.__name__}' if callable(name) and hasattr(name, '__name__')
+            else repr(name))
+    raise ConfigError(f'experiment.model must be a model name (a string), got {what}; known '
+                      f'models: {", ".join(_REGISTRY)}.')
   if name not in _REGISTRY:
     raise ConfigError(
         f'Unknown model {name!r}; known models: {", ".join(_REGISTRY)} (your own: '

@@ -567,8 +567,10 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     raise ConfigError(f"start_from must be 'own' or 'server', got {start_from!r}.")
   if lambda_ < 0:
     raise ConfigError(f'{name}.lambda_ must be >= 0, got {lambda_}.')
-  if bls_mu is not None and bls_mu < 0:
-    raise ConfigError(f'{name}.bls_mu must be >= 0 (or None to disable BLS), got {bls_mu}.')
+  if bls_mu is not None and not 0 <= bls_mu <= 1:
+    # The server compares μ with self-relations r_ii <= 1: above 1 it never skips a layer.
+    raise ConfigError(f'{name}.bls_mu must be in [0, 1] (or None to disable BLS), got '
+                      f'{bls_mu}.')
   initial_relationship(num_clients, 1, rule.relationship_init)  # Validates the init.
   rule.check(name, bls_mu)
 

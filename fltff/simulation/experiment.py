@@ -305,6 +305,10 @@ def run_experiment(output_dir: str,
   # A resume must compute what the checkpointed rounds did: checked before anything is written.
   resumed_from = Checkpointer(output_dir).latest_round() if resume else None
   check_config(output_dir, gin.operative_config_str(), resumed_from, allow_config_change)
+  if resumed_from is not None and resumed_from > rounds:
+    raise ConfigError(f'--resume: the checkpoint holds rounds 1-{resumed_from}, more than '
+                      f'experiment.rounds = {rounds}; resume with experiment.rounds >= '
+                      f'{resumed_from} (the run is unchanged).')
   channel_seed = (gin.query_parameter('channel_model.seed') if gin_binds('channel_model.seed')
                   else seed)
   driver = RoundDriver(algorithm, data, config, output_dir, progress=progress, runtime=runtime,
