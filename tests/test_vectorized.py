@@ -729,6 +729,11 @@ def test_expected_padding_is_k_times_the_mean_longest_over_the_mean_total(steps,
                                                                           expected):
   from fltff.simulation.experiment import expected_padding  # pylint: disable=g-import-not-at-top
 
+  # In groups ({2, 3} and {80, 81}, test_client_groups_stay_one_unless_the_saving_pays_for_a_trace):
+  # 2 x 3 + 2 x 81 client steps run for 166 real ones.
+  assert expected_padding([80, 3, 81, 2], 4, step_overhead=1.0) == 168 / 166
+  assert expected_padding([80, 3, 81, 2], 4) == 4 * 81 / 166
+
   if expected is None:
     pairs = np.array(list(itertools.combinations(steps, participants)), np.float64)
     expected = participants * pairs.max(axis=1).mean() / pairs.sum(axis=1).mean()
@@ -752,11 +757,13 @@ def test_auto_trains_a_convolutional_model_client_by_client_on_a_cpu_when_paddin
   assert 1.0 < conv_padding_limit(4) < 1.1 and conv_padding_limit(100) > 1.6
   cases = [(cnn, unequal, 'auto', 'cpu', False), (cnn, equal, 'auto', 'cpu', True),
            (mlp, unequal, 'auto', 'cpu', True), (cnn, unequal, 'vectorised', 'cpu', True),
-           (cnn, None, 'auto', 'cpu', True), (cnn, unequal, 'auto', 'auto', False)]
+           (cnn, None, 'auto', 'cpu', True), (cnn, unequal, 'auto', 'auto', False),
+           # Padded to 1.99x in one group, 1.003x in two (round_data.client_groups).
+           (cnn, [2, 3, 300, 301], 'auto', 'cpu', True)]
   for model_spec, steps, client_work, device, vectorised in cases:
     with make_runtime(device=device) as rt:
       algorithm = learning.build_fedavg(model_spec)
-      choose_client_work(algorithm, client_work, True, rt, steps, 4)
+      choose_client_work(algorithm, client_work, True, rt, steps, 4, batch_size=32)
       assert algorithm.vectorized == vectorised, (model_spec.name, steps, client_work)
       if not vectorised:
         assert 'pad them to 2.00x their steps' in algorithm.client_work_reason

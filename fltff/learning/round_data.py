@@ -209,20 +209,31 @@ def client_groups(mask: np.ndarray, step_overhead: float,
                   min_saving: float = MIN_GROUP_SAVING,
                   min_saved_steps: float = MIN_SAVED_STEPS) -> list[np.ndarray]:
   """The participants of a round (`stack_client_batches`'s `mask [E, S, K, B]`) in groups that
-  train one after another, each padded only to its own longest member; one group unless that
-  saves `min_saving` of the round's modelled cost and `min_saved_steps` client steps.
+  train one after another, each padded only to its own longest member (`cheapest_groups` of
+  each client's epochs and steps)."""
+  has_batch = np.asarray(mask).any(axis=-1)
+  num_epochs, num_steps, _ = has_batch.shape
+  epochs = (has_batch.any(axis=1) * np.arange(1, num_epochs + 1)[:, None]).max(axis=0, initial=0)
+  steps = (has_batch.any(axis=0) * np.arange(1, num_steps + 1)[:, None]).max(axis=0, initial=0)
+  return cheapest_groups(epochs, steps, step_overhead, min_saving, min_saved_steps)
+
+
+def cheapest_groups(epochs: Sequence[int], steps: Sequence[int], step_overhead: float,
+                    min_saving: float = MIN_GROUP_SAVING,
+                    min_saved_steps: float = MIN_SAVED_STEPS) -> list[np.ndarray]:
+  """Clients of `epochs` × `steps` (one entry each) in groups, each padded to its longest member;
+  one group unless that saves `min_saving` of the round's modelled cost and `min_saved_steps`
+  client steps.
 
   A group of n clients runs its longest member's epochs × steps at n + `step_overhead` client
-  steps each (`step_overhead`). Clients sorted by their own epochs × steps are cut into contiguous groups of least
-  total cost (dynamic programming, O(K²)). Each client's training does not depend on the others',
-  so the grouping changes the arithmetic only as the batched kernels round.
+  steps each (`step_overhead`). Clients sorted by their own epochs × steps are cut into
+  contiguous groups of least total cost (dynamic programming, O(K²)). Each client's training does
+  not depend on the others', so the grouping changes the arithmetic only as the batched kernels
+  round.
   """
-  has_batch = np.asarray(mask).any(axis=-1)
-  num_epochs, num_steps, k = has_batch.shape
-  epochs = np.maximum((has_batch.any(axis=1) * np.arange(1, num_epochs + 1)[:, None]).max(
-      axis=0, initial=0), 1)
-  steps = np.maximum((has_batch.any(axis=0) * np.arange(1, num_steps + 1)[:, None]).max(
-      axis=0, initial=0), 1)
+  epochs = np.maximum(np.asarray(epochs, np.int64), 1)
+  steps = np.maximum(np.asarray(steps, np.int64), 1)
+  k = len(steps)
   order = np.argsort(epochs * steps, kind='stable')
   epochs, steps = epochs[order], steps[order]
 

@@ -65,20 +65,34 @@ def server_optimizer_bound() -> bool:
 CLIENT_WORKS = ('auto', 'vectorised', 'per_client')
 
 
-def expected_padding(steps: Sequence[int], participants: int, draws: int = 64) -> float:
-  """K·E[max steps] / E[Σ steps] of a round of K = `participants` clients drawn from `steps`.
+def expected_padding(steps: Sequence[int], participants: int, draws: int = 64,
+                     step_overhead: Optional[float] = None) -> float:
+  """E[client steps a vectorised round runs] / E[Σ steps] for K = `participants` clients drawn
+  from `steps`; 1.0 means no padding.
 
-  A vectorised round runs every participant for the longest one's steps; 1.0 means no padding.
-  Partial participation is estimated from `draws` fixed-seed draws; every client is assumed to
-  train all its epochs (stragglers and a round deadline pad further).
+  A vectorised round runs every participant for the longest one's steps (K · max), or with
+  `step_overhead` (`round_data.step_overhead`) each group of similar clients for its longest
+  member's (`round_data.cheapest_groups`). Partial participation is estimated from `draws`
+  fixed-seed draws; every client is assumed to train all its epochs (stragglers and a round
+  deadline pad further).
   """
-  steps = np.asarray(steps, np.float64)
+  from fltff.learning.round_data import cheapest_groups  # pylint: disable=g-import-not-at-top
+
+  steps = np.asarray(steps, np.int64)
   if participants >= len(steps):
-    return float(len(steps) * steps.max() / steps.sum())
-  rng = np.random.default_rng(0)
-  chosen = steps[np.stack([rng.choice(len(steps), participants, replace=False)
-                           for _ in range(draws)])]
-  return float(participants * chosen.max(axis=1).mean() / chosen.sum(axis=1).mean())
+    chosen = steps[np.newaxis]
+  else:
+    rng = np.random.default_rng(0)
+    chosen = steps[np.stack([rng.choice(len(steps), participants, replace=False)
+                             for _ in range(draws)])]
+
+  def run(row):
+    if step_overhead is None:
+      return len(row) * row.max()
+    return sum(len(g) * row[g].max() for g in cheapest_groups(np.ones_like(row), row,
+                                                             step_overhead))
+
+  return float(np.mean([run(row) for row in chosen]) / chosen.sum(axis=1).mean())
 
 
 def conv_padding_limit(participants: int) -> float:
@@ -105,14 +119,16 @@ def _has_convolutions(model_spec) -> bool:
 
 def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool = True,
                        runtime=None, steps: Optional[Sequence[int]] = None,
-                       participants: Optional[int] = None) -> None:
+                       participants: Optional[int] = None, batch_size: int = 32) -> None:
   """The experiment's choice of what its clients compute with (`experiment.client_work`).
 
   'vectorised' switches `algorithm` to its vectorised client work (`vectorize_clients`;
   `ConfigError` where the method or model has none, or where `runtime` cannot run it in this
   process); 'per_client' keeps TFF's client work; 'auto' vectorises where the method, the model
   and the runtime allow it, except a convolutional model on a CPU whose rounds would pad the
-  clients' local `steps` (one entry per client) beyond `conv_padding_limit(participants)`, and
+  clients' local `steps` (one entry per client, of `batch_size` examples) beyond
+  `conv_padding_limit(participants)` (`expected_padding`, grouped as the vectorised work groups
+  them), and
   otherwise records why not as `algorithm.client_work_reason` (the run's first line says it).
   The runtime then only places the rounds (`TffRuntime.bind`).
   """
@@ -134,14 +150,18 @@ def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool 
                         'by client).')
     return
   elif (client_work == 'auto' and runtime.executor == 'auto' and steps is not None
-        and participants):
-    padding = expected_padding(steps, participants)  # Cheap: checked before the model.
-    if (padding > conv_padding_limit(participants) and _on_cpu(runtime)
-        and _has_convolutions(algorithm.model_spec)):
+        and participants and _on_cpu(runtime) and _has_convolutions(algorithm.model_spec)):
+    from fltff.learning.round_data import step_overhead  # pylint: disable=g-import-not-at-top
+    from fltff.models.layers import macs_per_example  # pylint: disable=g-import-not-at-top
+
+    overhead = step_overhead(macs_per_example(algorithm.model_spec.keras_fn()), batch_size)
+    padding = expected_padding(steps, participants, step_overhead=overhead)
+    if padding > conv_padding_limit(participants):
       algorithm.client_work_reason = (
           f'its clients differ in size: a vectorised round would pad them to {padding:.2f}x '
-          f'their steps, slower for convolutions on a CPU than client by client; '
-          f"experiment.client_work = 'vectorised' forces it")
+          f'their steps (in groups of similar clients where that pays), slower for '
+          f"convolutions on a CPU than client by client; experiment.client_work = 'vectorised' "
+          f'forces it')
       return
   try:
     algorithm.vectorize_clients(None if runtime is None else runtime.device, factor_dense)
@@ -297,7 +317,7 @@ def run_experiment(output_dir: str,
            [-(-len(indices) // batch_size) for indices in data.train_indices])
   choose_client_work(algorithm, client_work, factor_dense, runtime, steps,
                      sampling.num_participants(data.num_clients(), clients_per_round,
-                                               client_fraction))
+                                               client_fraction), batch_size)
   finetuner = None
   if evaluation is not None and 'finetuned_local' in evaluation and getattr(
       algorithm, 'finetunes', False):
