@@ -6,10 +6,10 @@ The participants' weights get a leading client axis and every local step is one
 TFF's to float rounding (tests/test_vectorized.py). Unequal clients are padded to `[epochs,
 steps, clients, batch, ...]`: padded examples are masked out of the loss and a client with no
 batch at a step keeps its weights and optimizer state; where sizes differ so much that it pays,
-groups of similar clients train one after another (`round_data.client_groups`). Exact shortcuts: with every client
-starting from the global model under the shared regulariser, the first epoch's context is
-computed once; an epoch whose anchored term `s ⊙ (w − global)` has every scale zero (FedLap's
-first epoch: λ = 0 at local = global) takes the plain update.
+groups of similar clients train one after another (`round_data.client_groups`). Exact
+shortcuts: with every client starting from the global model under the shared regulariser, the
+first epoch's context is computed once; an epoch whose anchored term `s ⊙ (w − global)` has
+every scale zero (FedLap's first epoch: λ = 0 at local = global) takes the plain update.
 
 Scope (anything else raises a `ConfigError` naming it): models without layer losses whose
 variables are all trainable or, for client work that reads no representation (all below but
