@@ -413,6 +413,13 @@ def test_client_groups_stay_one_unless_the_saving_pays_for_a_trace():
   assert len(round_data.client_groups(_mask_of([(1, 5)]), 0.0)) == 1
 
 
+def test_clients_are_grouped_on_a_cpu_only(spec):
+  # The cost model is a CPU's; a GPU round keeps every client in one group.
+  assert vectorized.VectorizedClientWork(spec, SGDM(), device='/CPU:0').group_clients
+  assert not vectorized.VectorizedClientWork(spec, SGDM(), device='/GPU:0').group_clients
+  assert vectorized.on_cpu(None) == (not tf.config.list_physical_devices('GPU'))
+
+
 def test_a_groups_round_data_is_its_clients_columns_without_all_padding_steps():
   from fltff.learning.client_work import client_input  # pylint: disable=g-import-not-at-top
   batches = lambda n: tf.data.Dataset.from_tensor_slices(collections.OrderedDict(

@@ -205,6 +205,13 @@ def with_clients(structure: Any, num_clients: Optional[int], axis: int = 0) -> A
   return tf.nest.map_structure(fix, structure)
 
 
+def on_cpu(device: Optional[str]) -> bool:
+  """Whether computations placed on `device` (None: TensorFlow's choice) run on a CPU."""
+  if device is not None:
+    return 'CPU' in device.upper()
+  return not tf.config.list_physical_devices('GPU')
+
+
 def stack_clients(values: Sequence[Any]) -> Any:
   """The participants' nested arrays (client states, local models) stacked as `[K, ...]`."""
   return tf.nest.map_structure(lambda *rows: stacked_tensor(aligned_stack(rows)), *values)
@@ -292,8 +299,8 @@ class VectorizedClientWork:
                factor_dense: bool = True, batch_norm: bool = False, group_clients: bool = True):
     """`batch_norm`: allow BatchNorm models (`functional_apply`); the moving statistics train
     from `train(statistics=)` and come back as `non_trainable`. `group_clients` (also an
-    attribute): train clients of very unequal sizes in groups (`round_data.client_groups`)
-    rather than all padded to the longest."""
+    attribute; on a CPU only): train clients of very unequal sizes in groups
+    (`round_data.client_groups`) rather than all padded to the longest."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     client_work_lib.check_weight_fields(weight_fields)
@@ -358,7 +365,9 @@ class VectorizedClientWork:
     self._client_weighting = client_weighting
     self._step_observers = tuple(step_observers)
     self._device = device
-    self.group_clients = group_clients
+    # `client_groups`'s cost model is fitted on a CPU; on a GPU a step's fixed cost is far larger
+    # against a client's work, so GPU rounds keep one group unless told otherwise.
+    self.group_clients = group_clients and on_cpu(device)
     self._train = tf.function(self._train_fn, reduce_retracing=True, autograph=False)
     self._static_client_counts: set[int] = set()
     self._traced_for: set[tuple[Optional[int], frozenset]] = set()

@@ -106,10 +106,8 @@ def conv_padding_limit(participants: int) -> float:
 
 
 def _on_cpu(runtime) -> bool:
-  if runtime.device is not None:
-    return runtime.device == '/CPU:0'
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  return not tf.config.list_physical_devices('GPU')
+  from fltff.learning.vectorized import on_cpu  # pylint: disable=g-import-not-at-top
+  return on_cpu(runtime.device)
 
 
 def _has_convolutions(model_spec) -> bool:
