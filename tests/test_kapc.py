@@ -393,11 +393,11 @@ def test_identity_relationship_is_local_training_with_proximal_term_to_own_model
 
 
 @pytest.mark.parametrize('order', kapc_lib.RELATIONSHIP_UPDATES)
-def test_bls_with_mu_above_one_and_full_upload_equals_kapc(order):
-  """μ > 1 skips nothing; min_upload_layers = L forces Ω = L (Algorithm 4's restart from
+def test_bls_with_mu_one_and_full_upload_equals_kapc(order):
+  """μ = 1 skips nothing (r_ii <= 1, skipped where r_ii > μ); min_upload_layers = L forces Ω = L (Algorithm 4's restart from
   L − 1 is clipped back to min_upload_layers = L), so KAPC+BLS is KAPC, in either order."""
   plain = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), relationship_update=order), 4)
-  bls = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.5, min_upload_layers=2,
+  bls = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.0, min_upload_layers=2,
                           relationship_update=order), 4)
   for r, clients in enumerate(([0, 1, 2, 3], [1, 3], [0, 2, 3])):
     data = _datasets([8] * len(clients), seed=10 + r)
@@ -555,7 +555,7 @@ def test_bls_algorithm4_in_rounds_matches_select_omega_tf():
   norms (itself tested line by line in test_bls.py). Round 1 is every client's first selection
   (branch A: Ω = L − 1 = 1, no search, stored bounds = this round's); later rounds go through
   branch B (Ω^{k−1} = 1), where the stored bounds must not change."""
-  algorithm = kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.5)  # Nothing skipped.
+  algorithm = kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=1.0)  # Nothing skipped.
   columns, out_dims = bls_lib.layer_dimensions(
       [[np.shape(w) for w in SPEC.initial_weights().trainable[t:t + 2]] for t in (0, 2)])
   assert (columns, out_dims) == ([DIM, 8], [8, CLASSES])
