@@ -237,16 +237,16 @@ def cheapest_groups(epochs: Sequence[int], steps: Sequence[int], step_overhead: 
   order = np.argsort(epochs * steps, kind='stable')
   epochs, steps = epochs[order], steps[order]
 
-  def cost(i, j):
-    return (j - i + step_overhead) * epochs[i:j].max() * steps[i:j].max()
-
   best, cut = [0.0] + [np.inf] * k, [0] * (k + 1)
   for j in range(1, k + 1):
-    for i in range(j):
-      c = best[i] + cost(i, j)
-      if c < best[j]:
+    longest_epochs = longest_steps = 0
+    for i in range(j - 1, -1, -1):  # Groups i..j-1, their maxima kept as i falls.
+      longest_epochs = max(longest_epochs, epochs[i])
+      longest_steps = max(longest_steps, steps[i])
+      c = best[i] + (j - i + step_overhead) * longest_epochs * longest_steps
+      if c <= best[j]:  # `<=`: of equal costs the earliest cut, as an ascending search finds.
         best[j], cut[j] = c, i
-  single = cost(0, k) if k else 0.0
+  single = (k + step_overhead) * epochs.max() * steps.max() if k else 0.0
   if k < 2 or best[k] > (1.0 - min_saving) * single or single - best[k] < min_saved_steps:
     return [np.arange(k)]
   groups, j = [], k
