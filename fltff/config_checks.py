@@ -23,16 +23,28 @@ _NUMERIC_ANNOTATIONS = {
 }
 
 
-def check_number(name: str, value: Any, integer: bool = False,
-                 allow_none: bool = False) -> None:
-  """Raises `ConfigError` unless `value` is a real number (an `int` with `integer`); booleans,
-  though `int`s to Python, never count."""
+def check_number(name: str, value: Any, integer: bool = False, allow_none: bool = False,
+                 low: Optional[float] = None, high: Optional[float] = None,
+                 open_low: bool = False, open_high: bool = False, hint: str = '') -> None:
+  """Raises `ConfigError` unless `value` is a real number (an `int` with `integer`; booleans,
+  though `int`s to Python, never count) within `low`..`high` (each included unless open; NaN
+  never within), naming `name` and the bounds, then `hint` (e.g. '0: off')."""
   if value is None and allow_none:
     return
   kind = numbers.Integral if integer else numbers.Real  # NumPy scalars included.
   if isinstance(value, bool) or not isinstance(value, kind):
     wanted = 'an integer' if integer else 'a number'
     raise ConfigError(f'{name} must be {wanted}, got {value!r}.')
+  above = low is None or (value > low if open_low else value >= low)
+  below = high is None or (value < high if open_high else value <= high)
+  if not (above and below):
+    if high is None:
+      bound = f'{">" if open_low else ">="} {low}'
+    elif low is None:
+      bound = f'{"<" if open_high else "<="} {high}'
+    else:
+      bound = f'in {"(" if open_low else "["}{low}, {high}{")" if open_high else "]"}'
+    raise ConfigError(f'{name} must be {bound}, got {value}{"; " + hint if hint else ""}.')
 
 
 def _numeric_kind(annotation: Any) -> Optional[tuple[bool, bool]]:

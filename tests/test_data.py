@@ -306,7 +306,7 @@ def test_synthetic_source():
   assert iid.name == 'synthetic_iid' and iid.x_train.shape[1] == 8 and iid.y_train.max() < 3
   with pytest.raises(ConfigError, match='alpha >= 0 and beta >= 0, got alpha=-1'):
     data.synthetic_source(alpha=-1)
-  with pytest.raises(ConfigError, match='num_clients >= 1, got 0'):
+  with pytest.raises(ConfigError, match='synthetic_source.num_clients must be >= 1, got 0'):
     data.synthetic_source(num_clients=0)
 
 

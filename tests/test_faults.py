@@ -345,7 +345,7 @@ def test_factories_type_check_their_arguments():
 
 
 @pytest.mark.parametrize('kwargs,message', [
-    ({'num_clients': 0}, 'kapc needs num_clients >= 1, got 0'),
+    ({'num_clients': 0}, 'kapc num_clients must be >= 1, got 0'),
     ({'num_clients': 2.0}, 'kapc num_clients must be an integer, got 2.0'),
     ({'num_clients': 3, 'bls_mu': 'high'}, "kapc+bls.bls_mu must be a number, got 'high'"),
     ({'num_clients': 3, 'bls_mu': 1.5}, 'kapc+bls.bls_mu must be in [0, 1]'),

@@ -110,10 +110,7 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
 
     # Checked now: a factory passed positionally here would fail as a raw gRPC error in round 1.
     check_number('AdaptiveWeightingFactory num_clients', num_clients, integer=True,
-                 allow_none=True)
-    if num_clients is not None and num_clients < 1:
-      raise ConfigError(f'AdaptiveWeightingFactory num_clients must be >= 1, got '
-                        f'{num_clients}.')
+                 allow_none=True, low=1)
     check_number('AdaptiveWeightingFactory alpha', alpha)
     check_number('AdaptiveWeightingFactory learning_rate', learning_rate)
     if layers is not None and any(hasattr(g, 'trainable_indices') for g in layers):

@@ -78,9 +78,7 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
   def __init__(self, temperature: Optional[float] = None, normalized_averaging: bool = False):
     from fltff.config_checks import check_number  # pylint: disable=g-import-not-at-top
 
-    check_number('CCN temperature', temperature, allow_none=True)
-    if temperature is not None and temperature <= 0:
-      raise ConfigError(f'CCN temperature must be > 0, got {temperature}.')
+    check_number('CCN temperature', temperature, allow_none=True, low=0, open_low=True)
     self._temperature = temperature
     self._nova = normalized_averaging
 

@@ -211,16 +211,11 @@ def build_federated_data(source: Callable[[], ArrayDataset] = gin.REQUIRED,
     raise ConfigError('federated_data needs a source and a partitioner, e.g. '
                       'federated_data.source = @npz_source and '
                       'federated_data.partitioner = @shard_partition.')
-  if num_clients < 1:
-    raise ConfigError(f'federated_data.num_clients must be >= 1, got {num_clients}.')
-  if local_test_examples < 0:
-    raise ConfigError(f'federated_data.local_test_examples must be >= 0, got '
-                      f'{local_test_examples}.')
+  check_number('federated_data.num_clients', num_clients, integer=True, low=1)
+  check_number('federated_data.local_test_examples', local_test_examples, integer=True, low=0)
   if seed is None:
     seed = run_seed
-  check_number('federated_data.seed', seed, integer=True)
-  if seed < 0:
-    raise ConfigError(f'federated_data.seed must be >= 0, got {seed}.')
+  check_number('federated_data.seed', seed, integer=True, low=0)
   dataset, source_seed = _call_source(source, seed)
   if not isinstance(dataset, ArrayDataset):
     raise ConfigError(f'federated_data.source must return an ArrayDataset, got '

@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence
 import gin
 import numpy as np
 
+from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 
 Partition = list[np.ndarray]
@@ -26,8 +27,7 @@ def _check_labels(labels: np.ndarray) -> np.ndarray:
 
 
 def _check_num_clients(num_examples: int, num_clients: int, min_per_client: int = 1) -> None:
-  if num_clients < 1:
-    raise ConfigError(f'num_clients must be >= 1, got {num_clients}.')
+  check_number('num_clients', num_clients, integer=True, low=1)
   if num_examples < num_clients * min_per_client:
     raise ConfigError(
         f'cannot split {num_examples} examples into {num_clients} clients with at least '
@@ -64,11 +64,8 @@ def shard_partition(labels: np.ndarray,
       100 clients, 200 shards, so 2 per client).
   """
   labels = _check_labels(labels)
-  if shards_per_client < 1:
-    raise ConfigError(f'shard_partition.shards_per_client must be >= 1, got '
-                      f'{shards_per_client}.')
-  if num_clients < 1:
-    raise ConfigError(f'num_clients must be >= 1, got {num_clients}.')
+  check_number('shard_partition.shards_per_client', shards_per_client, integer=True, low=1)
+  check_number('num_clients', num_clients, integer=True, low=1)
   needed = num_clients * shards_per_client
   if num_shards is None:
     num_shards = needed
@@ -107,12 +104,11 @@ def dirichlet_partition(labels: np.ndarray,
       0.1, 0.3, 0.5).
   """
   labels = _check_labels(labels)
-  if not alpha > 0:
-    raise ConfigError(f'dirichlet_partition.alpha must be > 0, got {alpha}; the papers use '
-                      '0.1, 0.3 or 0.5.')
-  if min_samples_per_client < 0 or max_tries < 1:
-    raise ConfigError(f'dirichlet_partition needs min_samples_per_client >= 0 and max_tries '
-                      f'>= 1, got {min_samples_per_client} and {max_tries}.')
+  check_number('dirichlet_partition.alpha', alpha, low=0, open_low=True,
+               hint='the papers use 0.1, 0.3 or 0.5')
+  check_number('dirichlet_partition.min_samples_per_client', min_samples_per_client,
+               integer=True, low=0)
+  check_number('dirichlet_partition.max_tries', max_tries, integer=True, low=1)
   _check_num_clients(len(labels), num_clients, max(min_samples_per_client, 1))
   rng = np.random.default_rng(seed)
   class_indices = [np.flatnonzero(labels == c) for c in np.unique(labels)]
@@ -182,14 +178,10 @@ def mixed_partition(labels: np.ndarray,
     raise ConfigError(f'mixed_partition has num_iid + num_noniid = {num_iid} + {num_noniid} '
                       f'= {num_iid + num_noniid} clients but num_clients is {num_clients}; '
                       'make them agree.')
-  if samples_per_client < 1:
-    raise ConfigError(f'mixed_partition.samples_per_client must be >= 1, got '
-                      f'{samples_per_client}.')
+  check_number('mixed_partition.samples_per_client', samples_per_client, integer=True, low=1)
   classes = np.unique(labels)
-  if not 1 <= classes_per_noniid_client <= len(classes):
-    raise ConfigError(f'mixed_partition.classes_per_noniid_client must be in [1, '
-                      f'{len(classes)}] (the number of classes present), got '
-                      f'{classes_per_noniid_client}.')
+  check_number('mixed_partition.classes_per_noniid_client', classes_per_noniid_client,
+               integer=True, low=1, high=len(classes), hint='at most the classes present')
   total = (num_iid + num_noniid) * samples_per_client
   if total > len(labels):
     raise ConfigError(
@@ -294,8 +286,7 @@ def local_test_split(test_labels: np.ndarray,
   if hist.ndim != 2:
     raise ConfigError(f'train_label_histogram_per_client must be [num_clients, num_classes], '
                       f'got shape {hist.shape}.')
-  if examples_per_client < 1:
-    raise ConfigError(f'examples_per_client must be >= 1, got {examples_per_client}.')
+  check_number('examples_per_client', examples_per_client, integer=True, low=1)
   num_classes = hist.shape[1]
   pools = [np.flatnonzero(test_labels == c) for c in range(num_classes)]
   available = np.array([len(p) > 0 for p in pools])

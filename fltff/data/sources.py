@@ -19,6 +19,7 @@ import gin
 import numpy as np
 
 from fltff import resources
+from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.errors import DataError
 
@@ -457,11 +458,9 @@ def femnist_source(num_clients: int = 10,
     DataError: If the database is missing (and `download` is False) or unreadable, or the
       download fails.
   """
-  if num_clients < 1:
-    raise ConfigError(f'femnist_source.num_clients must be >= 1, got {num_clients}.')
-  if min_examples_per_client < 1:
-    raise ConfigError(f'femnist_source.min_examples_per_client must be >= 1, got '
-                      f'{min_examples_per_client}.')
+  check_number('femnist_source.num_clients', num_clients, integer=True, low=1)
+  check_number('femnist_source.min_examples_per_client', min_examples_per_client, integer=True,
+               low=1)
   resolved = _tff_cache_dir(cache_dir)
   path = os.path.join(resolved, _EMNIST_FILE)
   existed = os.path.isfile(path)
@@ -572,14 +571,10 @@ def synthetic_source(alpha: float = 1.0,
   if alpha < 0 or beta < 0:
     raise ConfigError(f'synthetic_source needs alpha >= 0 and beta >= 0, got alpha={alpha} '
                       f'and beta={beta}; use e.g. alpha = beta = 1 (Synthetic(1, 1)).')
-  if num_clients < 1:
-    raise ConfigError(f'synthetic_source needs num_clients >= 1, got {num_clients}.')
-  if dimension < 1 or num_classes < 2:
-    raise ConfigError(f'synthetic_source needs dimension >= 1 and num_classes >= 2, got '
-                      f'dimension={dimension} and num_classes={num_classes}.')
-  if not 0 <= test_fraction < 1:
-    raise ConfigError(f'synthetic_source.test_fraction must be in [0, 1), got '
-                      f'{test_fraction}.')
+  check_number('synthetic_source.num_clients', num_clients, integer=True, low=1)
+  check_number('synthetic_source.dimension', dimension, integer=True, low=1)
+  check_number('synthetic_source.num_classes', num_classes, integer=True, low=2)
+  check_number('synthetic_source.test_fraction', test_fraction, low=0, high=1, open_high=True)
   smallest = 2 if test_fraction > 0 else 1
   if min_samples < smallest or max_samples < min_samples:
     raise ConfigError(f'synthetic_source needs {smallest} <= min_samples <= max_samples, got '

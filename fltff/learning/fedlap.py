@@ -23,6 +23,7 @@ from typing import Optional
 import gin
 import tensorflow as tf
 
+from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import optimizers
@@ -36,8 +37,7 @@ from fltff.models.layers import row_squared_distance
 
 def importance_coefficients(q: float) -> tuple[float, float]:
   """`(a(q), b(q))`: the weights of λ and of μ in each row's coefficient (module docstring)."""
-  if not 0.0 <= q <= 1.0:
-    raise ConfigError(f'FedLap importance q must be in [0, 1], got {q}.')
+  check_number('FedLap importance q', q, low=0, high=1)
   return 1.0 - abs(2.0 * q - 1.0), max(0.0, 2.0 * q - 1.0)
 
 
@@ -90,8 +90,7 @@ class FedLapRegularizer:
                layers: Optional[Sequence[Sequence[int]]] = None,
                layer_names: Optional[Sequence[str]] = None):
     importance_coefficients(q)  # Validates q.
-    if mu < 0:
-      raise ConfigError(f'FedLap mu must be >= 0, got {mu}.')
+    check_number('FedLap mu', mu, low=0)
     if refresh not in ('epoch', 'step'):
       raise ConfigError(f"fedlap.refresh must be 'epoch' or 'step', got {refresh!r}.")
     self.q, self.mu, self.refresh = float(q), float(mu), refresh

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import gin
 import tensorflow as tf
 
-from fltff.errors import ConfigError
+from fltff.config_checks import check_number
 from fltff.learning import client_state
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import optimizers
@@ -182,12 +182,9 @@ def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, m
     mu: μ ≥ 0, the weight of ℓ_con (paper: 5 on CIFAR-10, 1 on CIFAR-100).
     temperature: τ > 0 (paper: 0.5).
   """
-  if num_clients < 1:
-    raise ConfigError(f'moon needs num_clients >= 1, got {num_clients}.')
-  if mu < 0:
-    raise ConfigError(f'moon.mu must be >= 0, got {mu}.')
-  if temperature <= 0:
-    raise ConfigError(f'moon.temperature must be > 0, got {temperature}.')
+  check_number('moon num_clients', num_clients, integer=True, low=1)
+  check_number('moon.mu', mu, low=0)
+  check_number('moon.temperature', temperature, low=0, open_low=True)
   from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
     latent_model(model_spec.keras_fn())  # A clear error now, not inside the computation.

@@ -24,13 +24,11 @@ def build_optimizer(name: str, learning_rate: float, momentum: float = 0.9,
   for what, value in (('learning_rate', learning_rate), ('momentum', momentum),
                       ('beta_1', beta_1), ('beta_2', beta_2), ('epsilon', epsilon)):
     check_number(f'{role}.{what}', value)
-  if learning_rate <= 0:
-    raise ConfigError(f'{role}.learning_rate must be > 0, got {learning_rate}.')
+  check_number(f'{role}.learning_rate', learning_rate, low=0, open_low=True)
   if name == 'sgd':
     return tff.learning.optimizers.build_sgdm(learning_rate=learning_rate)
   if name == 'sgdm':
-    if not 0 <= momentum < 1:
-      raise ConfigError(f'{role}.momentum must be in [0, 1), got {momentum}.')
+    check_number(f'{role}.momentum', momentum, low=0, high=1, open_high=True)
     return tff.learning.optimizers.build_sgdm(learning_rate=learning_rate, momentum=momentum)
   if name == 'adam':
     return tff.learning.optimizers.build_adam(

@@ -20,7 +20,6 @@ import gin
 import numpy as np
 import tensorflow as tf
 
-from fltff.errors import ConfigError
 from fltff.learning import client_state
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import optimizers
@@ -157,9 +156,7 @@ def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=Non
   `num_clients`. Only the model update, not Δc_i, goes through `model_aggregator` (CCN: Λ)."""
   from fltff.config_checks import check_number  # pylint: disable=g-import-not-at-top
 
-  check_number('scaffold num_clients', num_clients, integer=True)
-  if num_clients < 1:
-    raise ConfigError(f'scaffold needs num_clients >= 1, got {num_clients}.')
+  check_number('scaffold num_clients', num_clients, integer=True, low=1)
   optimizer = client_optimizer or optimizers.default_client_optimizer()
   client_work, control_type = build_scaffold_client_work(
       model_spec, optimizer, num_clients, getattr(model_aggregator, 'weight_fields', ()))

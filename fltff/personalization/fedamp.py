@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import gin
 import tensorflow as tf
 
-from fltff.errors import ConfigError
+from fltff.config_checks import check_number
 from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.personalization import process as process_lib
@@ -52,8 +52,7 @@ class AttentiveRelation(process_lib.RelationRule):
 
   def check(self, name, bls_mu) -> None:
     del bls_mu
-    if self.sigma <= 0:
-      raise ConfigError(f'{name}.sigma must be > 0, got {self.sigma}.')
+    check_number(f'{name}.sigma', self.sigma, low=0, open_low=True)
 
   def initial_state(self, context):
     return collections.OrderedDict(relation=tf.zeros([0, context.num_layers, 0]))

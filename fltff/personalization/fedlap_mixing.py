@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import gin
 import numpy as np
 
+from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.learning import protocol
 
@@ -63,8 +64,7 @@ class FedLapPersonalization:
                mixing: str = 'dissimilarity'):
     from fltff.learning.client_work import build_local_update  # pylint: disable=g-import-not-at-top
 
-    if not 0.0 <= degree <= 1.0:
-      raise ConfigError(f'personalization.degree must be in [0, 1], got {degree}.')
+    check_number('personalization.degree', degree, low=0, high=1)
     if mixing not in ('fixed', 'dissimilarity'):
       raise ConfigError(f"personalization.mixing must be 'fixed' or 'dissimilarity', got "
                         f'{mixing!r}.')

@@ -18,6 +18,7 @@ from typing import Optional
 import gin
 import tensorflow as tf
 
+from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
@@ -148,8 +149,7 @@ class KapcRule(process_lib.RelationRule):
       raise ConfigError(f'{name}.coaching_loss must be one of {", ".join(COACHING_LOSSES)}, '
                         f'got {self.coaching_loss!r}.')
     for label in ('beta', 'relationship_learning_rate', 'relationship_steps'):
-      if getattr(self, label) < 0:
-        raise ConfigError(f'{name}.{label} must be >= 0, got {getattr(self, label)}.')
+      check_number(f'{name}.{label}', getattr(self, label), low=0)
 
   def _step(self, relation, models, context):
     return update_relationship(relation, models, context.layer_of, self.lambda_, self.beta,

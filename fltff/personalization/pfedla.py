@@ -31,6 +31,7 @@ import gin
 import numpy as np
 import tensorflow as tf
 
+from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
@@ -44,9 +45,8 @@ def initial_hypernetworks(num_clients: int, num_layers: int, embedding_dim: int 
   """Every client's hypernetwork parameters, stacked `[N, ...]`; sizes < 1: `ConfigError`.
 
   Stateless TF draws: a TFF computation holds a seed, not N parameter sets as constants."""
-  if embedding_dim < 1 or hidden_dim < 1:
-    raise ConfigError(f'pfedla embedding_dim and hidden_dim must be >= 1, got '
-                      f'{embedding_dim}, {hidden_dim}.')
+  check_number('pfedla embedding_dim', embedding_dim, integer=True, low=1)
+  check_number('pfedla hidden_dim', hidden_dim, integer=True, low=1)
   n, l, d, h = num_clients, num_layers, embedding_dim, hidden_dim
 
   def glorot(fan_in, fan_out, stream, scale=1.0):
@@ -116,9 +116,7 @@ class HypernetworkRelation(process_lib.RelationRule):
     if self.lambda_ != 0:
       raise ConfigError(f'{name}: pFedLA has no proximal term (lambda_ must be 0, got '
                         f'{self.lambda_}).')
-    if self.learning_rate < 0:
-      raise ConfigError(f'{name}: the hypernetwork learning rate must be >= 0, got '
-                        f'{self.learning_rate}.')
+    check_number(f'{name}.learning_rate', self.learning_rate, low=0)
     initial_hypernetworks(1, 1, self.embedding_dim, self.hidden_dim)  # Validates the sizes.
 
   def initial_state(self, context):

@@ -558,27 +558,20 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   from fltff.models.layers import layer_groups  # pylint: disable=g-import-not-at-top
 
   lambda_, start_from = rule.lambda_, rule.start_from
-  check_number(f'{name} num_clients', num_clients, integer=True)
-  if num_clients < 1:
-    raise ConfigError(f'{name} needs num_clients >= 1, got {num_clients}.')
-  check_number(f'{name}.lambda_', lambda_)
-  check_number(f'{name}.bls_mu', bls_mu, allow_none=True)
+  check_number(f'{name} num_clients', num_clients, integer=True, low=1)
+  check_number(f'{name}.lambda_', lambda_, low=0)
+  # The server compares μ with self-relations r_ii <= 1: above 1 it would never skip a layer.
+  check_number(f'{name}.bls_mu', bls_mu, allow_none=True, low=0, high=1,
+               hint='None disables BLS')
   if start_from not in START_FROM:
     raise ConfigError(f"start_from must be 'own' or 'server', got {start_from!r}.")
-  if lambda_ < 0:
-    raise ConfigError(f'{name}.lambda_ must be >= 0, got {lambda_}.')
-  if bls_mu is not None and not 0 <= bls_mu <= 1:
-    # The server compares μ with self-relations r_ii <= 1: above 1 it never skips a layer.
-    raise ConfigError(f'{name}.bls_mu must be in [0, 1] (or None to disable BLS), got '
-                      f'{bls_mu}.')
   initial_relationship(num_clients, 1, rule.relationship_init)  # Validates the init.
   rule.check(name, bls_mu)
 
   layers, _ = model_spec.trainable_layers()
   num_layers = len(layers)
-  if not 1 <= min_upload_layers <= num_layers:
-    raise ConfigError(f'{name}.min_upload_layers must be in [1, {num_layers}], got '
-                      f'{min_upload_layers}.')
+  check_number(f'{name}.min_upload_layers', min_upload_layers, integer=True, low=1,
+               high=num_layers)
   layer_of = [0] * sum(len(g) for g in layers)
   for l, group in enumerate(layers):
     for t in group:

@@ -729,20 +729,14 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
   if not isinstance(isolate_local_worker, bool):
     raise ConfigError(f'runtime.isolate_local_worker must be True or False, got '
                       f'{isolate_local_worker!r}.')
-  check_number('runtime.rpc_timeout', rpc_timeout, allow_none=True)
-  if rpc_timeout is not None and rpc_timeout <= 0:
-    raise ConfigError(f'runtime.rpc_timeout must be > 0 seconds (None: adaptive), got '
-                      f'{rpc_timeout}.')
-  check_number('runtime.recycle_every', recycle_every, integer=True)
-  check_number('runtime.mmap_threshold_kib', mmap_threshold_kib, integer=True)
-  if mmap_threshold_kib < 0:
-    raise ConfigError(f'runtime.mmap_threshold_kib must be >= 0 (0: glibc\'s default), got '
-                      f'{mmap_threshold_kib}.')
+  check_number('runtime.rpc_timeout', rpc_timeout, allow_none=True, low=0, open_low=True,
+               hint='seconds; None: adaptive')
+  check_number('runtime.recycle_every', recycle_every, integer=True, low=0, hint='0: never')
+  check_number('runtime.mmap_threshold_kib', mmap_threshold_kib, integer=True, low=0,
+               hint="0: glibc's default")
   if executor == 'auto' and (workers or recycle_every):
     executor = 'tff_cpp'  # Only TFF's C++ runtime has workers to reach or to recycle.
   tf_device = check_executor(executor, device, workers, recycle_every)
-  if recycle_every < 0:
-    raise ConfigError(f'runtime.recycle_every must be >= 0 (0: never), got {recycle_every}.')
   from fltff.runtime import tls  # pylint: disable=g-import-not-at-top
 
   if isinstance(workers, str):

@@ -109,9 +109,7 @@ class ChannelModel:
     Raises:
       ConfigError: A parameter is out of range.
     """
-    check_number('channel_model.num_clients', num_clients, integer=True)
-    if num_clients < 1:
-      raise ConfigError(f'channel_model.num_clients must be at least 1, got {num_clients}.')
+    check_number('channel_model.num_clients', num_clients, integer=True, low=1)
     bandwidth = _check_range('bandwidth_mhz', bandwidth_mhz, positive=True)
     power = _check_range('power_dbm', power_dbm, positive=False)
     distance = _check_range('distance_m', distance_m, positive=True)

@@ -63,10 +63,7 @@ class RoundConfig:
 
   def validate(self) -> None:
     for name in ('rounds', 'local_epochs', 'batch_size', 'eval_every', 'checkpoint_every'):
-      value = getattr(self, name)
-      check_number(f'experiment.{name}', value, integer=True)
-      if value < 1:
-        raise ConfigError(f'experiment.{name} must be a positive integer, got {value!r}.')
+      check_number(f'experiment.{name}', getattr(self, name), integer=True, low=1)
     check_number('experiment.clients_per_round', self.clients_per_round, integer=True,
                  allow_none=True)
     targets = self.target_accuracies
@@ -75,15 +72,12 @@ class RoundConfig:
       raise ConfigError(f'experiment.target_accuracies must be a list of accuracies in (0, 1], '
                         f'got {targets!r}.')
     self.target_accuracies = tuple(targets)
-    check_number('experiment.seed', self.seed, integer=True)
-    if self.seed < 0:
-      raise ConfigError(f'experiment.seed must be >= 0, got {self.seed}.')
+    check_number('experiment.seed', self.seed, integer=True, low=0)
     check_number('experiment.client_fraction', self.client_fraction, allow_none=True)
     sampling.straggler_plan(np.arange(1), self.local_epochs, self.straggler_fraction,
                             self.straggler_mode, self.seed, 1)  # Validates both settings.
-    if self.round_deadline is not None and not self.round_deadline > 0:
-      raise ConfigError(f'experiment.round_deadline must be > 0 seconds (or None), got '
-                        f'{self.round_deadline!r}.')
+    check_number('experiment.round_deadline', self.round_deadline, allow_none=True, low=0,
+                 open_low=True, hint='seconds')
     if self.client_state_store not in STORE_KINDS:
       raise ConfigError(f'experiment.client_state_store must be one of '
                         f'{", ".join(map(repr, STORE_KINDS))}, got {self.client_state_store!r}.')
@@ -91,9 +85,8 @@ class RoundConfig:
       raise ConfigError(f'experiment.headline_statistic must be one of '
                         f'{", ".join(evaluation_lib.HEADLINE_STATISTICS)}, got '
                         f'{self.headline_statistic!r}.')
-    if not self.compute_seconds_per_example > 0:
-      raise ConfigError('experiment.compute_seconds_per_example must be > 0, got '
-                        f'{self.compute_seconds_per_example!r}.')
+    check_number('experiment.compute_seconds_per_example', self.compute_seconds_per_example,
+                 low=0, open_low=True)
 
 
 def _finite_tree(structure) -> bool:

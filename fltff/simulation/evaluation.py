@@ -154,11 +154,8 @@ class Finetuner:
 
   def __init__(self, model_spec, client_optimizer, epochs: int):
     from fltff.config_checks import check_number  # pylint: disable=g-import-not-at-top
-    from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
-    check_number('experiment.finetune_epochs', epochs, integer=True)
-    if epochs < 1:
-      raise ConfigError(f'experiment.finetune_epochs must be >= 1, got {epochs}.')
+    check_number('experiment.finetune_epochs', epochs, integer=True, low=1)
     self.epochs = epochs
     self._model_spec, self._optimizer = model_spec, client_optimizer
     self._work = None

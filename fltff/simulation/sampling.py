@@ -6,6 +6,7 @@ from typing import Optional
 
 import numpy as np
 
+from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 
 
@@ -21,8 +22,7 @@ def num_participants(num_clients: int, clients_per_round: Optional[int] = None,
     raise ConfigError('Set either experiment.clients_per_round or experiment.client_fraction, '
                       'not both.')
   if client_fraction is not None:
-    if not 0 < client_fraction <= 1:
-      raise ConfigError(f'experiment.client_fraction must be in (0, 1], got {client_fraction}.')
+    check_number('experiment.client_fraction', client_fraction, low=0, high=1, open_low=True)
     return max(int(round(client_fraction * num_clients)), 1)
   if clients_per_round is None:
     return num_clients
@@ -58,8 +58,7 @@ def straggler_plan(clients: np.ndarray, local_epochs: int, fraction: float, mode
   in [1, E] and sends what it has; with `mode='drop'` they are dropped from the round (FedAvg's
   behaviour), always keeping at least one participant.
   """
-  if not 0.0 <= fraction <= 1.0:
-    raise ConfigError(f'experiment.straggler_fraction must be in [0, 1], got {fraction}.')
+  check_number('experiment.straggler_fraction', fraction, low=0, high=1)
   if mode not in ('partial', 'drop'):
     raise ConfigError(f"experiment.straggler_mode must be 'partial' or 'drop', got {mode!r}.")
   epochs = {int(k): int(local_epochs) for k in clients}
