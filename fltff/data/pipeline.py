@@ -12,11 +12,6 @@ import numpy as np
 import tensorflow as tf
 
 
-def example_shape(x: np.ndarray) -> tuple[int, ...]:
-  """Shape of one preprocessed example (what the model's input layer receives)."""
-  return tuple(x.shape[1:])
-
-
 def preprocess_batch(batch):
   """uint8 images → float32 in [0, 1]; other inputs → float32; labels → int32. Runs inside the
   client's dataset graph, so images travel to the TFF worker as uint8."""

@@ -50,6 +50,12 @@ class ArrayDataset:
 _TFDS_BATCH = 8192
 
 
+def _contiguous(lengths) -> list[np.ndarray]:
+  """Index arrays of consecutive runs of `lengths` (a natural partition of concatenated data)."""
+  lengths = list(lengths)
+  return np.split(np.arange(sum(lengths), dtype=np.int64), np.cumsum(lengths)[:-1])
+
+
 def _tfds_data_dir(data_dir: Optional[str]) -> str:
   if data_dir:
     return os.path.abspath(os.path.expanduser(data_dir))
@@ -506,14 +512,8 @@ def femnist_source(num_clients: int = 10,
   num_classes = 10 if only_digits else 62
   splits = []
   for client_data in (train, test):
-    xs, ys, parts, start = [], [], [], 0
-    for writer in chosen:
-      x, y = _writer_arrays(client_data, writer)
-      xs.append(x)
-      ys.append(y)
-      parts.append(np.arange(start, start + len(y), dtype=np.int64))
-      start += len(y)
-    splits.append((np.concatenate(xs), np.concatenate(ys), parts))
+    xs, ys = zip(*[_writer_arrays(client_data, writer) for writer in chosen])
+    splits.append((np.concatenate(xs), np.concatenate(ys), _contiguous(map(len, ys))))
   (x_train, y_train, train_parts), (x_test, y_test, test_parts) = splits
   for writer, part in zip(chosen, train_parts):
     if part.size == 0:
@@ -593,9 +593,7 @@ def synthetic_source(alpha: float = 1.0,
     mean_x = rng.normal(big_b[:, None], 1, (num_clients, dimension))
   std_x = np.power(np.arange(1, dimension + 1, dtype=np.float64), -1.2) ** 0.5
 
-  train_x, train_y, test_x, test_y = [], [], [], []
-  train_part, test_part = [], []
-  n_train_total = n_test_total = 0
+  clients = []
   for k in range(num_clients):
     if iid:
       w, b = w_global, b_global
@@ -608,15 +606,8 @@ def synthetic_source(alpha: float = 1.0,
     n_test = max(1, int(round(test_fraction * n))) if test_fraction > 0 else 0
     perm = rng.permutation(n)
     test_idx, train_idx = np.sort(perm[:n_test]), np.sort(perm[n_test:])
-    train_x.append(x[train_idx])
-    train_y.append(y[train_idx])
-    test_x.append(x[test_idx])
-    test_y.append(y[test_idx])
-    train_part.append(np.arange(n_train_total, n_train_total + len(train_idx),
-                                dtype=np.int64))
-    test_part.append(np.arange(n_test_total, n_test_total + n_test, dtype=np.int64))
-    n_train_total += len(train_idx)
-    n_test_total += n_test
+    clients.append((x[train_idx], y[train_idx], x[test_idx], y[test_idx]))
+  train_x, train_y, test_x, test_y = zip(*clients)
 
   name = 'synthetic_iid' if iid else f'synthetic_{alpha:g}_{beta:g}'
   return ArrayDataset(
@@ -626,5 +617,5 @@ def synthetic_source(alpha: float = 1.0,
       x_test=np.concatenate(test_x).astype(np.float32).reshape(-1, dimension),
       y_test=np.concatenate(test_y).astype(np.int32),
       num_classes=num_classes,
-      natural_partition=train_part,
-      natural_test_partition=test_part)
+      natural_partition=_contiguous(map(len, train_y)),
+      natural_test_partition=_contiguous(map(len, test_y)))

@@ -64,6 +64,11 @@ def _bn(name: str) -> tf.keras.layers.BatchNormalization:
       momentum=_BN_MOMENTUM, epsilon=_BN_EPSILON, name=name)
 
 
+def _classifier(inputs, x, num_classes: int, init, name: str) -> tf.keras.Model:
+  """The model from `inputs` to logits: a linear 'logits' layer on the features `x`."""
+  return tf.keras.Model(inputs, _dense(num_classes, init, 'logits')(x), name=name)
+
+
 def _image_input(name: str, input_shape: tuple[int, ...], min_hw: int):
   """Returns (keras Input, HxWxC tensor); accepts [H, W] (adds a channel) or [H, W, C]."""
   if len(input_shape) not in (2, 3):
@@ -84,8 +89,7 @@ def _logistic(name, input_shape, num_classes, init):
   no hidden layer, 'latent' is the Flatten layer (the flattened input)."""
   inputs = tf.keras.Input(shape=input_shape, dtype=tf.float32, name='input')
   x = tf.keras.layers.Flatten(name=LATENT_LAYER)(inputs)
-  logits = _dense(num_classes, init, 'logits')(x)
-  return tf.keras.Model(inputs, logits, name=name)
+  return _classifier(inputs, x, num_classes, init, name)
 
 
 def _mlp2(name, input_shape, num_classes, init):
@@ -94,8 +98,7 @@ def _mlp2(name, input_shape, num_classes, init):
   inputs = tf.keras.Input(shape=input_shape, dtype=tf.float32, name='input')
   x = tf.keras.layers.Flatten(name='flatten')(inputs)
   x = _dense(200, init, LATENT_LAYER, 'relu')(x)
-  logits = _dense(num_classes, init, 'logits')(x)
-  return tf.keras.Model(inputs, logits, name=name)
+  return _classifier(inputs, x, num_classes, init, name)
 
 
 def _cnn_cifar_tutorial(name, input_shape, num_classes, init):
@@ -108,8 +111,7 @@ def _cnn_cifar_tutorial(name, input_shape, num_classes, init):
   x = _conv(64, 3, init, 'conv3', activation='relu')(x)
   x = tf.keras.layers.Flatten(name='flatten')(x)
   x = _dense(64, init, LATENT_LAYER, 'relu')(x)
-  logits = _dense(num_classes, init, 'logits')(x)
-  return tf.keras.Model(inputs, logits, name=name)
+  return _classifier(inputs, x, num_classes, init, name)
 
 
 def _cnn_mnist_582k(name, input_shape, num_classes, init):
@@ -122,8 +124,7 @@ def _cnn_mnist_582k(name, input_shape, num_classes, init):
   x = tf.keras.layers.MaxPool2D(2, name='pool2')(x)
   x = tf.keras.layers.Flatten(name='flatten')(x)
   x = _dense(512, init, LATENT_LAYER, 'relu')(x)
-  logits = _dense(num_classes, init, 'logits')(x)
-  return tf.keras.Model(inputs, logits, name=name)
+  return _classifier(inputs, x, num_classes, init, name)
 
 
 def _cnn2(name, input_shape, num_classes, init):
@@ -140,8 +141,7 @@ def _cnn2(name, input_shape, num_classes, init):
   x = tf.keras.layers.Flatten(name='flatten')(x)
   x = _dense(512, init, 'dense1', 'relu')(x)
   x = _dense(128, init, LATENT_LAYER, 'relu')(x)
-  logits = _dense(num_classes, init, 'logits')(x)
-  return tf.keras.Model(inputs, logits, name=name)
+  return _classifier(inputs, x, num_classes, init, name)
 
 
 def _cnn2_bn(name, input_shape, num_classes, init):
@@ -175,8 +175,7 @@ def _cnn2_bn(name, input_shape, num_classes, init):
   x = _dense(128, init, 'dense2')(x)
   x = _bn('bn4')(x)
   x = tf.keras.layers.ReLU(name=LATENT_LAYER)(x)
-  logits = _dense(num_classes, init, 'logits')(x)
-  return tf.keras.Model(inputs, logits, name=name)
+  return _classifier(inputs, x, num_classes, init, name)
 
 
 def _basic_block(x: tf.Tensor, filters: int, strides: int, init: _Init,
@@ -212,8 +211,7 @@ def _resnet18(name, input_shape, num_classes, init):
     x = _basic_block(x, filters, strides, init, f'stage{stage}_block1')
     x = _basic_block(x, filters, 1, init, f'stage{stage}_block2')
   x = tf.keras.layers.GlobalAveragePooling2D(name=LATENT_LAYER)(x)
-  logits = _dense(num_classes, init, 'logits')(x)
-  return tf.keras.Model(inputs, logits, name=name)
+  return _classifier(inputs, x, num_classes, init, name)
 
 
 _VGG16_CFG = (64, 64, 'M', 128, 128, 'M', 256, 256, 256, 'M', 512, 512, 512, 'M',
@@ -240,8 +238,7 @@ def _vgg16(name, input_shape, num_classes, init):
       x = tf.keras.layers.ReLU(name=f'relu{conv_i}')(x)
   x = tf.keras.layers.Flatten(name='flatten')(x)
   x = _dense(128, init, LATENT_LAYER, 'relu')(x)
-  logits = _dense(num_classes, init, 'logits')(x)
-  return tf.keras.Model(inputs, logits, name=name)
+  return _classifier(inputs, x, num_classes, init, name)
 
 
 _Builder = Callable[[str, tuple[int, ...], int, _Init], tf.keras.Model]
@@ -332,24 +329,21 @@ def build_model(name: str = gin.REQUIRED,
   return model
 
 
-def latent_model(model: tf.keras.Model) -> tf.keras.Model:
-  """Maps `model`'s input to its latent (last hidden) layer's output, sharing its weights: the
-  representation CCN averages per client and MOON contrasts; `ConfigError` if there is none."""
+def _latent_layer(model: tf.keras.Model) -> tf.keras.layers.Layer:
   try:
-    latent = model.get_layer(LATENT_LAYER)
+    return model.get_layer(LATENT_LAYER)
   except ValueError:
     raise ConfigError(
         f'Model {model.name!r} has no layer named {LATENT_LAYER!r}; zoo models all do.'
     ) from None
-  return tf.keras.Model(model.inputs, latent.output, name=f'{model.name}_latent')
+
+
+def latent_model(model: tf.keras.Model) -> tf.keras.Model:
+  """Maps `model`'s input to its latent (last hidden) layer's output, sharing its weights: the
+  representation CCN averages per client and MOON contrasts; `ConfigError` if there is none."""
+  return tf.keras.Model(model.inputs, _latent_layer(model).output, name=f'{model.name}_latent')
 
 
 def latent_dim(model: tf.keras.Model) -> int:
   """Size of the (flattened) latent representation of `model`."""
-  try:
-    shape = model.get_layer(LATENT_LAYER).output.shape[1:]
-  except ValueError:
-    raise ConfigError(
-        f'Model {model.name!r} has no layer named {LATENT_LAYER!r}; zoo models all do.'
-    ) from None
-  return int(math.prod(shape))
+  return int(math.prod(_latent_layer(model).output.shape[1:]))

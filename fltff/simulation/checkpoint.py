@@ -8,12 +8,10 @@ truncated copy, a full disk, a hand-edited `latest.json`) is skipped with a warn
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import zipfile
 import zlib
-from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
@@ -22,35 +20,11 @@ import tensorflow as tf
 from fltff.errors import CheckpointError
 from fltff.errors import ConfigError
 from fltff.errors import warn
+from fltff.simulation.outputs import atomic_write
+from fltff.simulation.outputs import write_json_file
 
 # What reading a damaged (truncated, overwritten, hand-edited) checkpoint file raises.
 _DAMAGE = (OSError, EOFError, ValueError, KeyError, TypeError, zipfile.BadZipFile, zlib.error)
-
-
-def _fsync(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
-def _atomic_write(path: str, write_fn, durable: bool = True) -> None:
-  """`write_fn(tmp)`, then renamed into place. `durable`: the file and its folder are flushed
-  to disk (`fsync`) around the rename, so a power loss leaves the old file or the new one,
-  never a torn one. A failed write (e.g. a full disk) removes its `.tmp`."""
-  tmp = path + '.tmp'
-  try:
-    write_fn(tmp)
-    if durable:
-      _fsync(tmp)
-    os.replace(tmp, path)
-  except BaseException:
-    with contextlib.suppress(OSError):
-      os.remove(tmp)
-    raise
-  if durable:
-    _fsync(os.path.dirname(path) or '.')
 
 
 class Checkpointer:
@@ -79,9 +53,9 @@ class Checkpointer:
           with archive.open(f'{name}.npy', 'w', force_zip64=True) as f:
             np.lib.format.write_array(f, np.asanyarray(array), allow_pickle=False)
 
-    _atomic_write(stem + '.npz', write_npz, self.durable)
+    atomic_write(stem + '.npz', write_npz, self.durable)
     payload = dict(meta, round=round_num)
-    _atomic_write(stem + '.json', lambda tmp: _write_json(tmp, payload), self.durable)
+    atomic_write(stem + '.json', lambda tmp: write_json_file(tmp, payload), self.durable)
     self.mark_latest(round_num)
     self._prune()
     return stem
@@ -92,8 +66,8 @@ class Checkpointer:
 
   def mark_latest(self, round_num: int) -> None:
     """Names round `round_num` the newest complete checkpoint (`latest.json`)."""
-    _atomic_write(os.path.join(self.directory, 'latest.json'),
-                  lambda tmp: _write_json(tmp, {'round': round_num}), self.durable)
+    atomic_write(os.path.join(self.directory, 'latest.json'),
+                  lambda tmp: write_json_file(tmp, {'round': round_num}), self.durable)
 
   def rounds(self) -> list[int]:
     """Rounds with a checkpoint file on disk, oldest first (damaged ones included)."""
@@ -113,10 +87,9 @@ class Checkpointer:
       return rounds[-1] if rounds else None
     return max([named] + rounds[-1:])
 
-  def restore(self, process_state_template: Any,
-              warn_fn: Callable[[str], None] = warn) -> tuple[int, Any, dict, dict]:
+  def restore(self, process_state_template: Any) -> tuple[int, Any, dict, dict]:
     """`(round, process_state, meta, other_arrays)` of the newest intact checkpoint, skipping
-    damaged ones (and `latest.json`) with one `warn_fn` line. Raises `FileNotFoundError` if
+    damaged ones (and `latest.json`) with one `warn` line. Raises `FileNotFoundError` if
     there is none, `CheckpointError` if none is intact."""
     latest_path = os.path.join(self.directory, 'latest.json')
     latest, problems = None, []
@@ -140,7 +113,7 @@ class Checkpointer:
         problems.append(f'checkpoint round {round_num} is damaged ({_describe(e)})')
         continue
       if problems:
-        warn_fn(f'{"; ".join(problems)}; resuming from round {round_num}.')
+        warn(f'{"; ".join(problems)}; resuming from round {round_num}.')
       return (round_num, self._unflatten(arrays, process_state_template), meta, arrays)
     if not candidates and not problems:
       raise FileNotFoundError(self.directory)
@@ -197,8 +170,3 @@ def kept_message(directory: str, last_round: int) -> str:
     return 'No round was completed, so nothing was checkpointed'
   rounds = 'Round 1 is' if last_round == 1 else f'Rounds 1-{last_round} are'
   return f'{rounds} kept in the checkpoint under {directory}'
-
-
-def _write_json(path: str, payload: dict) -> None:
-  with open(path, 'w') as f:
-    json.dump(payload, f, indent=1, sort_keys=True)

@@ -20,7 +20,6 @@ import numpy as np
 
 from fltff import resources
 from fltff.data import build_federated_data
-from fltff.data.pipeline import example_shape
 from fltff.config_checks import check_number
 from fltff.config_checks import gin_binds
 from fltff.errors import ConfigError
@@ -41,7 +40,7 @@ def build_model_spec(data, model: str, seed: int) -> ModelSpec:
   """The zoo model `model` sized for `data`'s examples and classes."""
   from fltff.models import build_model  # pylint: disable=g-import-not-at-top
 
-  shape = example_shape(data.dataset.x_train)
+  shape = tuple(data.dataset.x_train.shape[1:])
   keras_fn = functools.partial(build_model, name=model, input_shape=shape,
                                num_classes=data.dataset.num_classes, seed=seed)
   keras_fn()  # Fail fast (unknown name, incompatible shape) before TFF traces it.
@@ -54,12 +53,6 @@ def _bound_selectors() -> list[str]:
   return [f'{selector.rsplit(".", 1)[-1]}.{name}'
           for (_, selector), params in gin.config._CONFIG.items()  # pylint: disable=protected-access
           for name in params]
-
-
-def server_optimizer_bound() -> bool:
-  """Whether the user bound any `server_optimizer.*` parameter in gin."""
-  return any(selector.rsplit('.', 1)[-1] == 'server_optimizer' and params
-             for (_, selector), params in gin.config._CONFIG.items())  # pylint: disable=protected-access
 
 
 CLIENT_WORKS = ('auto', 'vectorised', 'per_client')
@@ -189,10 +182,10 @@ def build_method(method: Callable[..., Any], model_spec: ModelSpec, num_clients:
     kwargs['client_optimizer'] = optimizers.client_optimizer()
   if 'num_clients' in params:
     kwargs['num_clients'] = num_clients
-  if 'relationship_seed' in params and not any(
-      selector.endswith('.relationship_seed') for selector in _bound_selectors()):
+  bound = _bound_selectors()
+  if 'relationship_seed' in params and 'relationship_seed' not in (s.split('.')[-1] for s in bound):
     kwargs['relationship_seed'] = seed  # KAPC's random R follows the run seed unless bound.
-  if server_optimizer_bound():
+  if any(s.startswith('server_optimizer.') for s in bound):
     if 'server_optimizer' not in params:
       name = getattr(target, '__name__', str(method)).replace('build_', '')
       raise ConfigError(f'server_optimizer.* is bound, but {name} has no server optimizer to '

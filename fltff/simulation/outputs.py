@@ -20,12 +20,9 @@ RUN_RESULTS = ('metrics.csv', 'summary.json')
 def rounds_to_targets(rows: Sequence[dict], targets: Sequence[float],
                       key: str = 'test_accuracy') -> dict[str, Optional[int]]:
   """First round whose `key` reaches each target (None if never)."""
-  out = {}
-  for target in targets:
-    hit = next((r['round'] for r in rows
-                if finite(r.get(key)) and r[key] >= target), None)
-    out[f'{target:g}'] = hit
-  return out
+  return {f'{target:g}': next((r['round'] for r in rows
+                               if finite(r.get(key)) and r[key] >= target), None)
+          for target in targets}
 
 
 def finite(value) -> bool:
@@ -177,12 +174,9 @@ def config_changes(earlier: str, now: str) -> list[tuple[str, str, str]]:
   operative configs, except `RESUMABLE_CHANGES` and data locations (a binding in only one of
   them, added to or removed from fltff since, is no change)."""
   a, b = config_bindings(earlier), config_bindings(now)
-  changes = []
-  for key in sorted(set(a) & set(b)):
-    if a[key] == b[key] or key.startswith(RESUMABLE_CHANGES) or key.endswith(_DATA_LOCATIONS):
-      continue
-    changes.append((key, a[key], b[key]))
-  return changes
+  return [(key, a[key], b[key]) for key in sorted(set(a) & set(b))
+          if a[key] != b[key] and not key.startswith(RESUMABLE_CHANGES)
+          and not key.endswith(_DATA_LOCATIONS)]
 
 
 def check_config(output_dir: str, config_text: str, resumed_from: Optional[int],
@@ -208,12 +202,47 @@ def check_config(output_dir: str, config_text: str, resumed_from: Optional[int],
           f.write(f'resumed after round {resumed_from}: {key}: {old} -> {new}\n')
 
 
+def _fsync(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def atomic_write(path: str, write_fn, durable: bool = True) -> None:
+  """`write_fn(tmp)`, then renamed into place. `durable`: the file and its folder are flushed
+  to disk (`fsync`) around the rename, so a power loss leaves the old file or the new one,
+  never a torn one. A failed write (e.g. a full disk) removes its `.tmp`."""
+  tmp = path + '.tmp'
+  try:
+    write_fn(tmp)
+    if durable:
+      _fsync(tmp)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+  if durable:
+    _fsync(os.path.dirname(path) or '.')
+
+
+def write_json_file(path: str, payload: dict) -> None:
+  with open(path, 'w') as f:
+    json.dump(payload, f, indent=1, sort_keys=True)
+
+
+def _write_text(path: str, text: str, durable: bool = False) -> None:
+  def write(tmp):
+    with open(tmp, 'w') as f:
+      f.write(text)
+  atomic_write(path, write, durable)
+
+
 def record_config(output_dir: str, config_text: str) -> None:
   """Writes the run's operative configuration to `config.gin` (after `check_config`)."""
-  path = os.path.join(output_dir, 'config.gin')
-  with open(path + '.tmp', 'w') as f:
-    f.write(config_text)
-  os.replace(path + '.tmp', path)
+  _write_text(os.path.join(output_dir, 'config.gin'), config_text)
 
 
 def _png(gray) -> bytes:
@@ -246,15 +275,19 @@ class _EventWriter:
     # pylint: enable=g-import-not-at-top
     self._writer = EventFileWriter(logdir)
 
-  def write(self, step: int, values) -> None:
+  def _add(self, step: int, **fields) -> None:
+    """One event at `step`, written through to the file."""
     import time  # pylint: disable=g-import-not-at-top
 
     from tensorboard.compat.proto import event_pb2  # pylint: disable=g-import-not-at-top
+
+    self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), **fields))
+    self._writer.flush()
+
+  def write(self, step: int, values) -> None:
     from tensorboard.compat.proto import summary_pb2  # pylint: disable=g-import-not-at-top
 
-    summary = summary_pb2.Summary(value=list(values))
-    self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step),
-                                           summary=summary))
+    self._add(step, summary=summary_pb2.Summary(value=list(values)))
 
   @staticmethod
   def scalar(tag: str, value: float):
@@ -282,17 +315,9 @@ class _EventWriter:
 
   def restart_at(self, step: int) -> None:
     """Marks a restart: TensorBoard drops earlier files' events from `step` on (a resume)."""
-    import time  # pylint: disable=g-import-not-at-top
-
     from tensorboard.compat.proto import event_pb2  # pylint: disable=g-import-not-at-top
 
-    self._writer.add_event(event_pb2.Event(
-        wall_time=time.time(), step=int(step),
-        session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
-    self._writer.flush()
-
-  def flush(self) -> None:
-    self._writer.flush()
+    self._add(step, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
 
   def close(self) -> None:
     self._writer.close()
@@ -330,7 +355,6 @@ class RunOutputs:
     self._writer.write(int(row['round']), [
         self._writer.scalar(key, value) for key, value in row.items()
         if key != 'round' and finite(value)])
-    self._writer.flush()
 
   def log_arrays(self, round_num: int, arrays: dict, scalar_tags=()) -> None:
     """Appends non-scalar measurements (e.g. FedLayerWise's ψ [clients, layers]) to
@@ -355,7 +379,6 @@ class RunOutputs:
         gray = np.clip(np.round(value / scale * 255.0), 0, 255)
         values.append(self._writer.image(f'{key}/heatmap', gray))
     self._writer.write(int(round_num), values)
-    self._writer.flush()
 
   def truncate_measurements(self, last_round: int) -> None:
     """Drops measurement records after `last_round` (on resume)."""
@@ -363,16 +386,11 @@ class RunOutputs:
     if not os.path.exists(path):
       return
     with open(path) as f:
-      keep = [l for l in f if json.loads(l)['round'] <= last_round]
-    with open(path + '.tmp', 'w') as f:
-      f.writelines(keep)
-    os.replace(path + '.tmp', path)
+      _write_text(path, ''.join(l for l in f if json.loads(l)['round'] <= last_round))
 
   def write_json(self, name: str, payload: dict) -> None:
-    path = os.path.join(self.output_dir, name)
-    with open(path + '.tmp', 'w') as f:
-      json.dump(payload, f, indent=1, sort_keys=True)
-    os.replace(path + '.tmp', path)
+    atomic_write(os.path.join(self.output_dir, name),
+                 lambda tmp: write_json_file(tmp, payload), durable=False)
 
   def plot(self, rows: Sequence[dict], title: str) -> str:
     """accuracy_loss.png: each evaluated protocol's accuracy and the losses per round."""

@@ -173,9 +173,3 @@ class DatasetIterator(ClientInputIterator):
 
   def select(self, k: Optional[int] = None) -> list:
     return [data['batches'] for data in super().select(k)]
-
-  @classmethod
-  def from_bytes(cls, buffer: bytes) -> 'DatasetIterator':
-    plain = ClientInputIterator.from_bytes(buffer)
-    return cls(plain._arrays, plain._batch_size, plain._epochs, plain._seed,  # pylint: disable=protected-access
-               plain._calls)  # pylint: disable=protected-access
