@@ -47,6 +47,12 @@ def check_number(name: str, value: Any, integer: bool = False, allow_none: bool 
     raise ConfigError(f'{name} must be {bound}, got {value}{"; " + hint if hint else ""}.')
 
 
+def check_choice(name: str, value: Any, choices) -> None:
+  """Raises `ConfigError` unless `value` is one of `choices`, naming them."""
+  if value not in choices:
+    raise ConfigError(f'{name} must be one of {", ".join(map(repr, choices))}, got {value!r}.')
+
+
 def _numeric_kind(annotation: Any) -> Optional[tuple[bool, bool]]:
   text = annotation if isinstance(annotation, str) else getattr(annotation, '__name__', None)
   if not isinstance(text, str):

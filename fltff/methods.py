@@ -147,7 +147,8 @@ def build(name: str, model_spec, num_clients: Optional[int] = None, client_optim
   if name == 'fedavg+fedlap_personalization':
     from fltff.personalization import fedlap_mixing  # pylint: disable=g-import-not-at-top
     algorithm = fedlap_mixing.with_fedlap_personalization(
-        algorithm, fedlap_mixing.FedLapPersonalization(model_spec, client_optimizer))
+        algorithm, fedlap_mixing.build_fedlap_personalization(
+            model_spec, client_optimizer=client_optimizer))
   return algorithm
 
 

@@ -26,10 +26,30 @@ from fltff.personalization import fedbn as fedbn_lib
 from fltff.personalization import kapc as kapc_lib
 from fltff.personalization import local as local_lib
 from fltff.personalization import process as process_lib
+from fltff.personalization.process import personalized_server_models
 RNG = np.random.default_rng(5)
 DIM, CLASSES, LR = 5, 3, 0.1
 SPEC = ModelSpec(lambda: tiny_mlp(DIM, CLASSES, 23), (DIM,), CLASSES)
 LAYER_OF = [0, 0, 1, 1]
+
+
+def _layer_squares(differences, layer_of):
+  """`[P, L]` sums of squares per participant and layer of `differences` (each `[P, ...]`)."""
+  per_tensor = [tf.reduce_sum(tf.reshape(tf.square(d), [tf.shape(d)[0], -1]), axis=1)
+                for d in differences]
+  return tf.stack([tf.add_n([q for q, l in zip(per_tensor, layer_of) if l == layer])
+                   for layer in range(max(layer_of) + 1)], axis=1)
+
+
+def relationship_objective(relation, models, layer_of, lambda_, beta, coaching_loss='norm'):
+  """The oracle the R step's gradients are checked against (by autodiff): KAPC Eq. (11) summed
+  over i, `Σ_i [λ Σ_l f_s(s_i^l(R), w_i^l) + β/2 Σ_l ||r_i^l − 1/P||²]`; f_s the L2 norm of
+  `s_i^l − w_i^l` over the layer's tensors (`'norm'`, §4.2) or its square."""
+  s = personalized_server_models(relation, models, layer_of)
+  squares = _layer_squares([a - w for a, w in zip(s, models)], layer_of)
+  fit = tf.reduce_sum(tf.sqrt(squares) if coaching_loss == 'norm' else squares)
+  num = tf.cast(tf.shape(relation)[-1], relation.dtype)
+  return lambda_ * fit + 0.5 * beta * tf.reduce_sum(tf.square(relation - 1.0 / num))
 
 
 def _np_normalize(r):
@@ -126,7 +146,7 @@ def test_squared_relationship_gradient_matches_numpy_and_rows_stay_normalised():
   r = tf.constant(rel)
   with tf.GradientTape() as tape:
     tape.watch(r)
-    loss = kapc_lib.relationship_objective(r, [tf.constant(m) for m in models], LAYER_OF, lam,
+    loss = relationship_objective(r, [tf.constant(m) for m in models], LAYER_OF, lam,
                                            beta, coaching_loss='squared')
   grad = tape.gradient(loss, r).numpy()
   want = np.zeros_like(rel, np.float64)
@@ -170,7 +190,7 @@ def test_norm_relationship_gradient_matches_numpy_and_autodiff():
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
   with tf.GradientTape() as tape:
     tape.watch(r)
-    loss = kapc_lib.relationship_objective(r, tf_models, LAYER_OF, lam, beta)
+    loss = relationship_objective(r, tf_models, LAYER_OF, lam, beta)
   np.testing.assert_allclose(tape.gradient(loss, r).numpy(), want, rtol=1e-3, atol=1e-3)
   # The objective itself: λ Σ_i Σ_l ||d_i^l|| + β/2 ||R − 1/N||².
   fit = sum(np.linalg.norm(rel[:, l] @ f - f, axis=1).sum() for l, f in enumerate(flats))

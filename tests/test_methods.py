@@ -44,6 +44,17 @@ def test_each_entry_builds_with_the_traits_it_declares(name):
       algorithm.vectorize_clients()
 
 
+@pytest.mark.parametrize('name', ['fedavg+fedlap_personalization', 'kapc', 'fedprox'])
+def test_an_entry_without_a_client_optimizer_gets_the_default(name):
+  from fltff.learning import optimizers  # pylint: disable=g-import-not-at-top
+  algorithm = methods.build(name, SPEC, N)
+  default = optimizers.default_client_optimizer()
+  personalization = getattr(algorithm, 'personalization', None)
+  if personalization is not None:  # FedLap personalisation's own local training.
+    assert type(personalization.optimizer) is type(default)
+  assert algorithm.has_client_state == methods.get(name).client_state
+
+
 @pytest.mark.parametrize('name', ['fedavg', 'fedavg+ccn', 'fednova', 'scaffold', 'kapc'])
 def test_the_program_api_takes_exactly_the_methods_without_client_identity(name):
   # TFF's program API carries no client identity or client state.

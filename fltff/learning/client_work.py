@@ -23,6 +23,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 import tensorflow as tf
 
+from fltff.config_checks import check_choice
 from fltff.errors import ConfigError
 from fltff.learning.model_spec import ModelSpec
 
@@ -334,9 +335,7 @@ CLIENT_WEIGHTINGS = ('num_examples', 'uniform')
 
 def check_client_weighting(client_weighting: str) -> None:
   """Raises a one-line `ConfigError` unless `client_weighting` is in `CLIENT_WEIGHTINGS`."""
-  if client_weighting not in CLIENT_WEIGHTINGS:
-    raise ConfigError(f'client_weighting must be one of {CLIENT_WEIGHTINGS}, got '
-                      f'{client_weighting!r}.')
+  check_choice('client_weighting', client_weighting, CLIENT_WEIGHTINGS)
 
 
 def client_result(initial_weights, data, out, weight_fields: Sequence[str] = (),

@@ -23,8 +23,8 @@ from typing import Optional
 import gin
 import tensorflow as tf
 
+from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
-from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
@@ -91,8 +91,7 @@ class FedLapRegularizer:
                layer_names: Optional[Sequence[str]] = None):
     importance_coefficients(q)  # Validates q.
     check_number('FedLap mu', mu, low=0)
-    if refresh not in ('epoch', 'step'):
-      raise ConfigError(f"fedlap.refresh must be 'epoch' or 'step', got {refresh!r}.")
+    check_choice('fedlap.refresh', refresh, ('epoch', 'step'))
     self.q, self.mu, self.refresh = float(q), float(mu), refresh
     self.layers = None if layers is None else [list(g) for g in layers]
     self.layer_names = list(layer_names) if layer_names is not None else None

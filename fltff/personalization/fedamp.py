@@ -16,7 +16,6 @@ import gin
 import tensorflow as tf
 
 from fltff.config_checks import check_number
-from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.personalization import process as process_lib
 from fltff.personalization.process import normalize_rows
@@ -69,5 +68,5 @@ def build_fedamp(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
                  alpha: float = 0.1) -> process_lib.PersonalizedAlgorithm:
   """FedAMP with proximal weight λ, attention scale σ and α_k."""
   return process_lib.build_personalized_process(
-      model_spec, num_clients, client_optimizer or optimizers.default_client_optimizer(),
+      model_spec, num_clients, client_optimizer,
       AttentiveRelation(lambda_=lambda_, sigma=sigma, alpha=alpha), name='fedamp')

@@ -17,7 +17,6 @@ import dataclasses
 import gin
 import tensorflow as tf
 
-from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.personalization import process as process_lib
 
@@ -40,5 +39,5 @@ def build_fedbn(model_spec: ModelSpec, num_clients: int,
                 client_optimizer=None) -> process_lib.PersonalizedAlgorithm:
   """FedBN: FedAvg's aggregate with normalisation layers local."""
   return process_lib.build_personalized_process(
-      model_spec, num_clients, client_optimizer or optimizers.default_client_optimizer(),
+      model_spec, num_clients, client_optimizer,
       SampleWeightedRelation(), name='fedbn')

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import gin
 import numpy as np
 
+from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.learning import protocol
@@ -65,9 +66,7 @@ class FedLapPersonalization:
     from fltff.learning.client_work import build_local_update  # pylint: disable=g-import-not-at-top
 
     check_number('personalization.degree', degree, low=0, high=1)
-    if mixing not in ('fixed', 'dissimilarity'):
-      raise ConfigError(f"personalization.mixing must be 'fixed' or 'dissimilarity', got "
-                        f'{mixing!r}.')
+    check_choice('personalization.mixing', mixing, ('fixed', 'dissimilarity'))
     self.degree, self.mixing = float(degree), mixing
     self.layers = model_spec.trainable_layers()[0]
     self.model_spec, self.optimizer = model_spec, optimizer

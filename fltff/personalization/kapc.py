@@ -18,13 +18,11 @@ from typing import Optional
 import gin
 import tensorflow as tf
 
+from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
-from fltff.errors import ConfigError
-from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.personalization import process as process_lib
 from fltff.personalization.process import normalize_rows
-from fltff.personalization.process import personalized_server_models
 from fltff.personalization.process import refreshed_models
 from fltff.personalization.process import scatter_relationship
 from fltff.personalization.process import slice_relationship
@@ -33,27 +31,6 @@ from fltff.personalization.process import slice_relationship
 RELATIONSHIP_UPDATES = ('before_send', 'after_training')
 # f_s of the R step (Eqs. (6), (11)): the L2 norm (§4.2) or its square (our alternative reading).
 COACHING_LOSSES = ('norm', 'squared')
-
-
-def _layer_squares(differences: Sequence[tf.Tensor], layer_of: Sequence[int]) -> tf.Tensor:
-  """`[P, L]` sums of squares per participant and layer of `differences` (each `[P, ...]`)."""
-  per_tensor = [tf.reduce_sum(tf.reshape(tf.square(d), [tf.shape(d)[0], -1]), axis=1)
-                for d in differences]
-  return tf.stack([tf.add_n([q for q, l in zip(per_tensor, layer_of) if l == layer])
-                   for layer in range(max(layer_of) + 1)], axis=1)
-
-
-def relationship_objective(relation: tf.Tensor, models: Sequence[tf.Tensor],
-                           layer_of: Sequence[int], lambda_: float, beta: float,
-                           coaching_loss: str = 'norm') -> tf.Tensor:
-  """Eq. (11) summed over i: `Σ_i [λ Σ_l f_s(s_i^l(R), w_i^l) + β/2 Σ_l ||r_i^l − 1/P||²]`.
-
-  f_s: the L2 norm of `s_i^l − w_i^l` over the layer's tensors (`'norm'`, §4.2) or its square."""
-  s = personalized_server_models(relation, models, layer_of)
-  squares = _layer_squares([a - w for a, w in zip(s, models)], layer_of)
-  fit = tf.reduce_sum(tf.sqrt(squares) if coaching_loss == 'norm' else squares)
-  num = tf.cast(tf.shape(relation)[-1], relation.dtype)
-  return lambda_ * fit + 0.5 * beta * tf.reduce_sum(tf.square(relation - 1.0 / num))
 
 
 def layer_grams(models: Sequence[tf.Tensor], layer_of: Sequence[int]) -> tf.Tensor:
@@ -142,12 +119,8 @@ class KapcRule(process_lib.RelationRule):
 
   def check(self, name: str, bls_mu: Optional[float]) -> None:
     del bls_mu
-    if self.relationship_update not in RELATIONSHIP_UPDATES:
-      raise ConfigError(f'{name}.relationship_update must be one of '
-                        f'{", ".join(RELATIONSHIP_UPDATES)}, got {self.relationship_update!r}.')
-    if self.coaching_loss not in COACHING_LOSSES:
-      raise ConfigError(f'{name}.coaching_loss must be one of {", ".join(COACHING_LOSSES)}, '
-                        f'got {self.coaching_loss!r}.')
+    check_choice(f'{name}.relationship_update', self.relationship_update, RELATIONSHIP_UPDATES)
+    check_choice(f'{name}.coaching_loss', self.coaching_loss, COACHING_LOSSES)
     for label in ('beta', 'relationship_learning_rate', 'relationship_steps'):
       check_number(f'{name}.{label}', getattr(self, label), low=0)
 
@@ -198,6 +171,6 @@ def build_kapc(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
                   coaching_loss=coaching_loss, relationship_init=relationship_init,
                   relationship_seed=relationship_seed)
   return process_lib.build_personalized_process(
-      model_spec, num_clients, client_optimizer or optimizers.default_client_optimizer(), rule,
+      model_spec, num_clients, client_optimizer, rule,
       bls_mu=bls_mu, min_upload_layers=min_upload_layers,
       name='kapc+bls' if bls_mu is not None else 'kapc')

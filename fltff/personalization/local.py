@@ -11,7 +11,6 @@ import dataclasses
 
 import gin
 
-from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.personalization import process as process_lib
 
@@ -28,5 +27,5 @@ def build_local(model_spec: ModelSpec, num_clients: int,
                 client_optimizer=None) -> process_lib.PersonalizedAlgorithm:
   """Local: every client trains only its own model (no communication)."""
   return process_lib.build_personalized_process(
-      model_spec, num_clients, client_optimizer or optimizers.default_client_optimizer(),
+      model_spec, num_clients, client_optimizer,
       FixedRelation(), name='local')

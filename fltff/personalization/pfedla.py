@@ -33,7 +33,6 @@ import tensorflow as tf
 
 from fltff.config_checks import check_number
 from fltff.errors import ConfigError
-from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.personalization import process as process_lib
 from fltff.personalization.process import normalize_rows
@@ -159,7 +158,7 @@ def build_pfedla(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
                  seed: Optional[int] = 0) -> process_lib.PersonalizedAlgorithm:
   """pFedLA (module docstring); `seed` (None: 0) seeds the hypernetworks' initialisation."""
   return process_lib.build_personalized_process(
-      model_spec, num_clients, client_optimizer or optimizers.default_client_optimizer(),
+      model_spec, num_clients, client_optimizer,
       HypernetworkRelation(embedding_dim=embedding_dim, hidden_dim=hidden_dim,
                            learning_rate=learning_rate, seed=seed or 0),
       name='pfedla')

@@ -26,9 +26,11 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
+from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
+from fltff.learning import optimizers
 from fltff.learning import protocol
 from fltff.learning import regularizers
 from fltff.learning.model_spec import ModelSpec
@@ -90,16 +92,14 @@ def initial_relationship(num_clients: int, num_layers: int, init: str,
 
   `'random'` (KAPC §4.4, Algorithm 1 line 2): U(0, 1) draws (ours; the paper names none) from
   `np.random.default_rng(seed)`, each row r_i^l divided by its sum (as Algorithm 5 lines 6, 12)."""
+  check_choice('relationship_init', init, RELATIONSHIP_INITS)
   shape = [num_clients, num_layers, num_clients]
   if init == 'uniform':
     return np.full(shape, 1.0 / num_clients, np.float32)
   if init == 'identity':
     return np.tile(np.eye(num_clients, dtype=np.float32)[:, None, :], [1, num_layers, 1])
-  if init == 'random':
-    draw = np.random.default_rng(seed).uniform(size=shape)
-    return (draw / draw.sum(-1, keepdims=True)).astype(np.float32)
-  raise ConfigError(f'relationship_init must be one of {", ".join(RELATIONSHIP_INITS)}, '
-                    f'got {init!r}.')
+  draw = np.random.default_rng(seed).uniform(size=shape)
+  return (draw / draw.sum(-1, keepdims=True)).astype(np.float32)
 
 
 def refreshed_models(trained: Sequence[tf.Tensor], stale: Sequence[tf.Tensor],
@@ -205,16 +205,11 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     return self.new_client_state()
 
   @property
-  def communicated_layer_bytes(self) -> list:
-    """The bytes of each layer that crosses the network: 0 for a local layer."""
-    local = self.local_layers or (False,) * len(self.layer_sizes_bytes)
-    return [0 if keep else int(size) for size, keep in zip(self.layer_sizes_bytes, local)]
-
-  @property
   def bytes_down_per_client(self) -> int:
     """All but the local layers, each way (`bytes_up_per_client` too); BLS may send fewer: the
     round's `bytes_up` and `bytes_down` count what it sends."""
-    return int(sum(self.communicated_layer_bytes))
+    local = self.local_layers or (False,) * len(self.layer_sizes_bytes)
+    return int(sum(int(size) for size, keep in zip(self.layer_sizes_bytes, local) if not keep))
 
   bytes_up_per_client = bytes_down_per_client
 
@@ -550,6 +545,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
 
   Args:
     num_clients: N.
+    client_optimizer: Local training's optimizer (None: `optimizers.default_client_optimizer`).
     bls_mu: BLS server threshold μ (None: BLS off, every layer sent and uploaded).
     min_upload_layers: Ω's lower limit, in [1, L] (BLS, Algorithm 4; `bls.py`, C3).
   """
@@ -558,13 +554,13 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   from fltff.models.layers import layer_groups  # pylint: disable=g-import-not-at-top
 
   lambda_, start_from = rule.lambda_, rule.start_from
+  client_optimizer = client_optimizer or optimizers.default_client_optimizer()
   check_number(f'{name} num_clients', num_clients, integer=True, low=1)
   check_number(f'{name}.lambda_', lambda_, low=0)
   # The server compares μ with self-relations r_ii <= 1: above 1 it would never skip a layer.
   check_number(f'{name}.bls_mu', bls_mu, allow_none=True, low=0, high=1,
                hint='None disables BLS')
-  if start_from not in START_FROM:
-    raise ConfigError(f"start_from must be 'own' or 'server', got {start_from!r}.")
+  check_choice('start_from', start_from, START_FROM)
   initial_relationship(num_clients, 1, rule.relationship_init)  # Validates the init.
   rule.check(name, bls_mu)
 

@@ -26,6 +26,7 @@ from absl import logging
 import gin
 import grpc
 
+from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.errors import RuntimeUnavailableError
@@ -769,10 +770,8 @@ DEVICES = ('auto', 'cpu', 'gpu')
 def check_executor(executor: str, device: str, workers: Sequence[str] = (),
                    recycle_every: int = 0) -> Optional[str]:
   """Validates `runtime.executor`/`runtime.device`; returns the TensorFlow device (or None)."""
-  if executor not in EXECUTORS:
-    raise ConfigError(f'runtime.executor must be one of {EXECUTORS}, got {executor!r}.')
-  if device not in DEVICES:
-    raise ConfigError(f'runtime.device must be one of {DEVICES}, got {device!r}.')
+  check_choice('runtime.executor', executor, EXECUTORS)
+  check_choice('runtime.device', device, DEVICES)
   if executor == 'tff_cpp':
     if device == 'gpu':
       raise ConfigError("runtime.device = 'gpu' needs runtime.executor = 'in_process': TFF's "

@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from fltff.data.pipeline import ClientDatasets
+from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
 from fltff.errors import CheckpointError
 from fltff.errors import ConfigError
@@ -78,13 +79,9 @@ class RoundConfig:
                             self.straggler_mode, self.seed, 1)  # Validates both settings.
     check_number('experiment.round_deadline', self.round_deadline, allow_none=True, low=0,
                  open_low=True, hint='seconds')
-    if self.client_state_store not in STORE_KINDS:
-      raise ConfigError(f'experiment.client_state_store must be one of '
-                        f'{", ".join(map(repr, STORE_KINDS))}, got {self.client_state_store!r}.')
-    if self.headline_statistic not in evaluation_lib.HEADLINE_STATISTICS:
-      raise ConfigError(f'experiment.headline_statistic must be one of '
-                        f'{", ".join(evaluation_lib.HEADLINE_STATISTICS)}, got '
-                        f'{self.headline_statistic!r}.')
+    check_choice('experiment.client_state_store', self.client_state_store, STORE_KINDS)
+    check_choice('experiment.headline_statistic', self.headline_statistic,
+                 evaluation_lib.HEADLINE_STATISTICS)
     check_number('experiment.compute_seconds_per_example', self.compute_seconds_per_example,
                  low=0, open_low=True)
 

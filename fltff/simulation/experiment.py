@@ -20,6 +20,7 @@ import numpy as np
 
 from fltff import resources
 from fltff.data import build_federated_data
+from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
 from fltff.config_checks import gin_binds
 from fltff.errors import ConfigError
@@ -123,9 +124,7 @@ def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool 
   otherwise records why not as `algorithm.client_work_reason` (the run's first line says it).
   The runtime then only places the rounds (`TffRuntime.bind`).
   """
-  if client_work not in CLIENT_WORKS:
-    raise ConfigError(f'experiment.client_work must be one of {CLIENT_WORKS}, got '
-                      f'{client_work!r}.')
+  check_choice('experiment.client_work', client_work, CLIENT_WORKS)
   if not isinstance(factor_dense, bool):
     raise ConfigError(f'experiment.factor_dense must be True or False, got {factor_dense!r}.')
   if client_work == 'per_client':

@@ -6,6 +6,7 @@ from typing import Optional
 
 import numpy as np
 
+from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 
@@ -59,8 +60,7 @@ def straggler_plan(clients: np.ndarray, local_epochs: int, fraction: float, mode
   behaviour), always keeping at least one participant.
   """
   check_number('experiment.straggler_fraction', fraction, low=0, high=1)
-  if mode not in ('partial', 'drop'):
-    raise ConfigError(f"experiment.straggler_mode must be 'partial' or 'drop', got {mode!r}.")
+  check_choice('experiment.straggler_mode', mode, ('partial', 'drop'))
   epochs = {int(k): int(local_epochs) for k in clients}
   count = int(round(fraction * len(clients)))
   if mode == 'drop':

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from fltff.errors import CheckpointError
+from fltff.config_checks import check_choice
 from fltff.errors import ConfigError
 
 STORE_KINDS = ('memory', 'sqlite')
@@ -285,7 +286,5 @@ def build_client_state_store(kind: str, output_dir: str, init_fn: Callable[[int]
   """The store `experiment.client_state_store` names ('memory' or 'sqlite')."""
   if kind == 'memory':
     return ClientStateStore(init_fn)
-  if kind == 'sqlite':
-    return SqliteClientStateStore(output_dir, init_fn)
-  raise ConfigError(f'experiment.client_state_store must be one of {", ".join(STORE_KINDS)}, '
-                    f'got {kind!r}.')
+  check_choice('experiment.client_state_store', kind, STORE_KINDS)
+  return SqliteClientStateStore(output_dir, init_fn)
