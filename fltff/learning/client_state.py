@@ -23,14 +23,6 @@ from fltff.learning.model_spec import ModelSpec
 CLIENT_STATES_KEY = 'client_states'
 
 
-def _state_type(specs: list[tf.TensorSpec]):
-  """TFF type of a tuple of tensors with these specs."""
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-
-  return tff.types.to_type(tuple((s.dtype.as_numpy_dtype, tuple(s.shape.as_list()))
-                                 for s in specs))
-
-
 def build_stateful_client_work(
     model_spec: ModelSpec,
     client_fn: Callable[..., tuple],
@@ -60,7 +52,8 @@ def build_stateful_client_work(
     metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
         model_spec.metric_finalizers())
   specs = model_spec.trainable_specs()
-  state_type = _state_type(specs)
+  state_type = tff.types.to_type(tuple((s.dtype.as_numpy_dtype, tuple(s.shape.as_list()))
+                                       for s in specs))
   weights_type, data_type = client_work_lib.client_types(model_spec, state_type=state_type)
 
   def run_client(initial_weights, server_value, data):
@@ -79,9 +72,7 @@ def build_stateful_client_work(
     def client_update(initial_weights, data):
       return run_client(initial_weights, None, data)[:4]
 
-    @tff.federated_computation
-    def init_fn():
-      return tff.federated_value((), tff.SERVER)
+    init_fn = client_work_lib.build_stateless_initialize()
 
   else:
 

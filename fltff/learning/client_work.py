@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any, Optional, Protocol
 
@@ -352,15 +353,19 @@ def client_result(initial_weights, data, out, weight_fields: Sequence[str] = (),
     weight = tf.constant(1.0, tf.float32)
   else:
     weight = tf.cast(out['examples_per_epoch'], tf.float32)
-  if weight_fields:
-    weight = collections.OrderedDict(num_examples=weight)
-    if 'client_index' in weight_fields:
-      weight['client_index'] = client_index_of(data)
-    if 'latent_mean' in weight_fields:
-      weight['latent_mean'] = out['latent_mean']
-    if 'local_steps' in weight_fields:
-      weight['local_steps'] = out['steps']
+  weight = with_weight_fields(weight, weight_fields, {
+      'client_index': lambda: client_index_of(data), 'latent_mean': lambda: out['latent_mean'],
+      'local_steps': lambda: out['steps']})
   return tff.learning.templates.ClientResult(update=update, update_weight=weight)
+
+
+def with_weight_fields(weight, weight_fields: Sequence[str], fields: dict[str, Callable]):
+  """`weight` alone without `weight_fields`, else an `OrderedDict` of `num_examples=weight` and
+  each field (in `WEIGHT_FIELDS` order) from its no-argument function in `fields`."""
+  if not weight_fields:
+    return weight
+  return collections.OrderedDict(num_examples=weight, **{
+      name: fields[name]() for name in WEIGHT_FIELDS if name in weight_fields})
 
 
 def client_result_type(model_spec: ModelSpec, weight_fields: Sequence[str] = ()):
@@ -369,17 +374,13 @@ def client_result_type(model_spec: ModelSpec, weight_fields: Sequence[str] = ())
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   check_weight_fields(weight_fields)
-  weight = tff.TensorType(np.float32)
+  latent_dim = lambda: int(latent_fn_for(model_spec.keras_fn(), weight_fields).output_shape[-1])
+  weight = with_weight_fields(tff.TensorType(np.float32), weight_fields, {
+      'client_index': lambda: tff.TensorType(np.int32),
+      'latent_mean': lambda: tff.TensorType(np.float32, [latent_dim()]),
+      'local_steps': lambda: tff.TensorType(np.int32)})
   if weight_fields:
-    fields = [('num_examples', weight)]
-    if 'client_index' in weight_fields:
-      fields.append(('client_index', tff.TensorType(np.int32)))
-    if 'latent_mean' in weight_fields:
-      latent_dim = int(latent_fn_for(model_spec.keras_fn(), weight_fields).output_shape[-1])
-      fields.append(('latent_mean', tff.TensorType(np.float32, [latent_dim])))
-    if 'local_steps' in weight_fields:
-      fields.append(('local_steps', tff.TensorType(np.int32)))
-    weight = tff.StructWithPythonType(fields, collections.OrderedDict)
+    weight = tff.StructWithPythonType(list(weight.items()), collections.OrderedDict)
   return tff.StructWithPythonType(
       [('update', model_spec.weights_type().trainable), ('update_weight', weight)],
       tff.learning.templates.ClientResult)

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import gin
 
-from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.process import Algorithm
-from fltff.learning.process import build_algorithm
-from fltff.learning.process import ccn_name
+from fltff.learning.process import build_averaging_method
 
 
 @gin.configurable('fedavg')
@@ -21,8 +19,6 @@ def build_fedavg(model_spec: ModelSpec, client_optimizer=None,
   with `client_weighting='uniform'` `build_unweighted_fed_avg`; CCN's `model_aggregator`
   reweights either mean by Λ.
   """
-  return build_algorithm(
-      ccn_name('fedavg', model_aggregator), model_spec,
-      client_optimizer or optimizers.default_client_optimizer(),
-      optimizers.server_sgd(server_optimizer, server_learning_rate, 'fedavg'),
-      model_aggregator=model_aggregator, client_weighting=client_weighting)
+  return build_averaging_method(
+      'fedavg', model_spec, client_optimizer, server_optimizer, server_learning_rate,
+      model_aggregator, client_weighting=client_weighting)

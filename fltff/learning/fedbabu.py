@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import gin
 
-from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.process import Algorithm
-from fltff.learning.process import build_algorithm
-from fltff.learning.process import ccn_name
+from fltff.learning.process import build_averaging_method
 
 
 def head_indices(model_spec: ModelSpec) -> list[int]:
@@ -26,11 +24,8 @@ def build_fedbabu(model_spec: ModelSpec, client_optimizer=None,
                   model_aggregator=None) -> Algorithm:
   """FedBABU: FedAvg on the body, head frozen. Evaluation first fine-tunes the whole global
   model on each client's data (`fltff.simulation.evaluation.Finetuner`, 'finetuned_local')."""
-  algorithm = build_algorithm(
-      ccn_name('fedbabu', model_aggregator), model_spec,
-      client_optimizer or optimizers.default_client_optimizer(),
-      optimizers.server_sgd(server_optimizer, server_learning_rate, 'fedbabu'),
-      frozen=head_indices(model_spec),
-      model_aggregator=model_aggregator)
+  algorithm = build_averaging_method(
+      'fedbabu', model_spec, client_optimizer, server_optimizer, server_learning_rate,
+      model_aggregator, frozen=head_indices(model_spec))
   algorithm.finetunes = True
   return algorithm

@@ -26,11 +26,9 @@ import tensorflow as tf
 from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
 from fltff.learning import client_work as client_work_lib
-from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.process import Algorithm
-from fltff.learning.process import build_algorithm
-from fltff.learning.process import ccn_name
+from fltff.learning.process import build_averaging_method
 from fltff.models.layers import row_cosine
 from fltff.models.layers import row_squared_distance
 
@@ -155,9 +153,7 @@ def build_fedlap(model_spec: ModelSpec, q: float = 0.5, mu: float = 0.01,
     client_weighting: 'uniform' is the paper's unweighted mean.
   """
   layers, names = model_spec.trainable_layers()
-  return build_algorithm(
-      ccn_name('fedlap', model_aggregator), model_spec,
-      client_optimizer or optimizers.default_client_optimizer(),
-      optimizers.server_sgd(server_optimizer, server_learning_rate, 'fedlap'),
-      regularizer=FedLapRegularizer(q, mu, refresh, layers, names),
-      model_aggregator=model_aggregator, client_weighting=client_weighting)
+  return build_averaging_method(
+      'fedlap', model_spec, client_optimizer, server_optimizer, server_learning_rate,
+      model_aggregator, regularizer=FedLapRegularizer(q, mu, refresh, layers, names),
+      client_weighting=client_weighting)

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import gin
 
-from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.process import Algorithm
-from fltff.learning.process import build_algorithm
-from fltff.learning.process import ccn_name
+from fltff.learning.process import build_averaging_method
 from fltff.learning.regularizers import ProximalRegularizer
 
 
@@ -22,10 +20,6 @@ def build_fedprox(model_spec: ModelSpec, mu: float = 0.01, client_optimizer=None
   `client_weighting='uniform'`. Unlike TFF 0.87's `build_weighted_fed_prox`, the proximal
   gradient has the right sign. μ = 0 is exactly `fedavg` (same `client_weighting`).
   """
-  return build_algorithm(
-      ccn_name('fedprox', model_aggregator), model_spec,
-      client_optimizer or optimizers.default_client_optimizer(),
-      optimizers.server_sgd(server_optimizer, server_learning_rate, 'fedprox'),
-      regularizer=ProximalRegularizer(mu),
-      client_weighting=client_weighting,
-      model_aggregator=model_aggregator)
+  return build_averaging_method(
+      'fedprox', model_spec, client_optimizer, server_optimizer, server_learning_rate,
+      model_aggregator, regularizer=ProximalRegularizer(mu), client_weighting=client_weighting)

@@ -224,6 +224,19 @@ def build_algorithm(name: str,
   )
 
 
+def build_averaging_method(name: str, model_spec: ModelSpec, client_optimizer, server_optimizer,
+                           server_learning_rate: float, model_aggregator, **kwargs) -> Algorithm:
+  """`build_algorithm` for a method of the FedAvg family: named `name` (`ccn_name`), the default
+  client optimizer for None, the server step `optimizers.server_sgd`; `kwargs` as there."""
+  from fltff.learning import optimizers  # pylint: disable=g-import-not-at-top
+
+  return build_algorithm(
+      ccn_name(name, model_aggregator), model_spec,
+      client_optimizer or optimizers.default_client_optimizer(),
+      optimizers.server_sgd(server_optimizer, server_learning_rate, name),
+      model_aggregator=model_aggregator, **kwargs)
+
+
 def ccn_name(name: str, model_aggregator) -> str:
   """`name`, with '+ccn' when `model_aggregator` applies client contribution normalisation."""
   return f'{name}+ccn' if getattr(model_aggregator, 'temperature', None) else name

@@ -31,10 +31,7 @@ class ProximalRegularizer:
   def __init__(self, mu: float, anchor: Optional[Sequence[tf.Tensor]] = None,
                tensor_mask: Optional[Sequence[tf.Tensor]] = None):
     from fltff.config_checks import check_number  # pylint: disable=g-import-not-at-top
-    check_number('Proximal mu', mu)
-    if mu < 0:
-      from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
-      raise ConfigError(f'Proximal mu must be >= 0, got {mu}.')
+    check_number('Proximal mu', mu, low=0)
     self.mu = float(mu)
     self.anchor = None if anchor is None else tuple(anchor)
     self.mask = None if tensor_mask is None else tuple(tensor_mask)

@@ -14,6 +14,7 @@ same ν as for every other base scheme.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import gin
@@ -28,9 +29,6 @@ from fltff.learning.model_spec import type_num_bytes
 from fltff.learning.process import Algorithm
 from fltff.learning.process import build_algorithm
 from fltff.learning.process import ccn_name
-
-# Where the gathered new client controls appear in the process's client-work measurements.
-CLIENT_STATES_KEY = client_state.CLIENT_STATES_KEY
 
 
 class ControlVariateCorrection:
@@ -114,9 +112,6 @@ def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: in
   client_work_lib.check_weight_fields(weight_fields)
   specs = model_spec.trainable_specs()
 
-  def zeros():
-    return tuple(tf.zeros(s.shape, s.dtype) for s in specs)
-
   def client_fn(initial_weights, server_control, data, control):
     keras_model = model_spec.keras_fn()
     local_model = model_spec.tff_model(keras_model)
@@ -128,11 +123,10 @@ def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: in
     result = client_work_lib.client_result(initial_weights, data, out, weight_fields)
     return result, out['metrics'], new_control, delta
 
-  def update_control(control, delta_sum):
-    return server_control_update(control, delta_sum, num_clients)
-
   return client_state.build_stateful_client_work(
-      model_spec, client_fn, server_init_fn=zeros, server_update_fn=update_control)
+      model_spec, client_fn,
+      server_init_fn=lambda: tuple(tf.zeros(s.shape, s.dtype) for s in specs),
+      server_update_fn=functools.partial(server_control_update, num_clients=num_clients))
 
 
 def vectorized_scaffold_work(model_spec: ModelSpec, optimizer, num_clients: int,
@@ -145,7 +139,7 @@ def vectorized_scaffold_work(model_spec: ModelSpec, optimizer, num_clients: int,
                               step_observers=(GradientMean(),), batch_norm=True)
   return client_state.VectorizedStatefulWork(
       work, correction, new_controls,
-      lambda control, delta_sum: server_control_update(control, delta_sum, num_clients))
+      functools.partial(server_control_update, num_clients=num_clients))
 
 
 @gin.configurable('scaffold')

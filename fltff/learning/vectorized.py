@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import logging
 import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple, Optional
@@ -243,18 +242,12 @@ def _round_specs(args: Sequence[Any], num_clients: Optional[int]) -> list:
           spec(valid, unknown=[0, 1], client_axis=2), spec(epochs, client_axis=0)]
 
 
-class _LoopedConvolutionGradients(logging.Filter):
-  """Drops pfor's warning that it loops over clients: a convolution's filter gradient, looped
-  by design (docs/performance.md)."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    return 'uses a while_loop. Fix that!' not in record.getMessage()
-
-
 @contextlib.contextmanager
 def _quiet_looped_gradients():
+  """Drops pfor's warning that it loops over clients: a convolution's filter gradient, looped
+  by design (docs/performance.md)."""
   logger = tf.get_logger()
-  quiet = _LoopedConvolutionGradients()
+  quiet = lambda record: 'uses a while_loop. Fix that!' not in record.getMessage()
   logger.addFilter(quiet)
   try:
     yield
@@ -801,15 +794,11 @@ class VectorizedClientWork:
     weight = (np.ones(k, np.float32) if self._client_weighting == 'uniform'
               else client_work_lib.examples_per_epoch(examples, epochs).numpy().astype(
                   np.float32))
-    if self._weight_fields:
-      weight = collections.OrderedDict(num_examples=weight)
-      if 'client_index' in self._weight_fields:
-        weight['client_index'] = np.asarray(
-            [client_work_lib.client_index_of_input(c) for c in client_inputs], np.int32)
-      if 'latent_mean' in self._weight_fields:
-        weight['latent_mean'] = out['latent_mean'].numpy()
-      if 'local_steps' in self._weight_fields:
-        weight['local_steps'] = batches.astype(np.int32)
+    weight = client_work_lib.with_weight_fields(weight, self._weight_fields, {
+        'client_index': lambda: np.asarray(
+            [client_work_lib.client_index_of_input(c) for c in client_inputs], np.int32),
+        'latent_mean': lambda: out['latent_mean'].numpy(),
+        'local_steps': lambda: batches.astype(np.int32)})
     results = StackedClientResults(update, weight, k)
     # The trained models, for the `trained_local` evaluation protocol.
     self.last_trained = out['trained']
