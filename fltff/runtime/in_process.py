@@ -58,7 +58,7 @@ class StackedClients:
   """A CLIENTS-placed argument as one structure whose arrays lead with a participant axis.
 
   Stands for `[value with every array a[k]] for k in range(num_clients)`; this context alone
-  takes it and keeps it stacked through zip, map and aggregate (`map_stacked`, `fold_stacked`),
+  takes it and keeps it stacked through zip, map and aggregate (`map_stacked`, `fold`),
   so vectorised client work needs no Python value per participant.
   """
 
@@ -462,21 +462,16 @@ class _TensorFlowFunction:
     out = self._call_looped('_looped_map', stacked)
     return None if out is None else _as_list(out)
 
-  def fold_clients(self, zero, values: list):
+  def fold(self, zero, values):
     """`acc = zero; for v in values: acc = self((acc, v))` in one call (federated_aggregate's
-    accumulate); None when it cannot (see `map_clients`)."""
+    accumulate), over a list of client values or a `_Stacked` one's participants' slices; None
+    when it cannot (see `map_clients`)."""
     parameter = self.type_signature.parameter
     if self._init is not None or parameter is None or len(parameter) != 2:
       return None
-    stacked = _stack_leaves([_flatten(v, parameter[1], self._t) for v in values])
+    stacked = (_flatten(values.value, parameter[1], self._t) if isinstance(values, _Stacked)
+               else _stack_leaves([_flatten(v, parameter[1], self._t) for v in values]))
     return None if stacked is None else self._fold_stacked_leaves(zero, stacked)
-
-  def fold_stacked(self, zero, stacked_values):
-    """`fold_clients` over the participants' slices of `stacked_values`; None when it cannot."""
-    parameter = self.type_signature.parameter
-    if self._init is not None or parameter is None or len(parameter) != 2:
-      return None
-    return self._fold_stacked_leaves(zero, _flatten(stacked_values, parameter[1], self._t))
 
   def _fold_stacked_leaves(self, zero, stacked: list):
     if self._draws_random:
@@ -558,10 +553,8 @@ class _TensorFlowFunction:
     if fn is False:
       return None
     try:
-      if self.device:
-        with tf.device(self.device):
-          return fn(*leaves)
-      return fn(*leaves)
+      with tf.device(self.device) if self.device else contextlib.nullcontext():
+        return fn(*leaves)
     except (TypeError, ValueError, tf.errors.OpError, NotImplementedError):
       setattr(self, name, False)
       return None
@@ -584,10 +577,7 @@ class _TensorFlowFunction:
 
   def __call__(self, arg=None):
     leaves = self.flatten_arg(arg)
-    if self.device:
-      with tf.device(self.device):
-        out = self.flat_call(leaves)
-    else:
+    with tf.device(self.device) if self.device else contextlib.nullcontext():
       out = self.flat_call(leaves)
     return self.unflatten_result(out)
 
@@ -759,8 +749,7 @@ class _Interpreter:
     structure = self._t['structure']
     # TFF's federating executor folds the clients in order into one accumulator (no merge).
     if isinstance(accumulate, _TensorFlowFunction):
-      acc = (accumulate.fold_stacked(zero, values.value) if isinstance(values, _Stacked)
-             else accumulate.fold_clients(zero, list(values)))
+      acc = accumulate.fold(zero, values if isinstance(values, _Stacked) else list(values))
       if acc is not None:
         return report(acc)
     acc = zero

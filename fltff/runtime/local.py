@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import logging as std_logging
 import os
 import shutil
 import signal
@@ -273,30 +274,11 @@ def _fail_fast_stub_class():
           raise WorkerLostError(self.address, code.name) from None
         raise
 
-    def get_executor(self, request):
-      return self._call('GetExecutor', request)
-
-    def create_value(self, request):
-      return self._call('CreateValue', request)
-
-    def create_struct(self, request):
-      return self._call('CreateStruct', request)
-
-    def create_call(self, request):
-      return self._call('CreateCall', request)
-
-    def create_selection(self, request):
-      return self._call('CreateSelection', request)
-
-    def compute(self, request):
-      return self._call('Compute', request)
-
-    def dispose(self, request):
-      return self._call('Dispose', request)
-
-    def dispose_executor(self, request):
-      return self._call('DisposeExecutor', request)
-
+  # TFF's stub methods, each the RPC of its name in CamelCase through `_call`.
+  for name in ('get_executor', 'create_value', 'create_struct', 'create_call', 'create_selection',
+               'compute', 'dispose', 'dispose_executor'):
+    rpc = name.title().replace('_', '')
+    setattr(FailFastStub, name, lambda self, request, rpc=rpc: self._call(rpc, request))
   return FailFastStub
 
 
@@ -323,13 +305,13 @@ def _connect_stub(address: str, timeout: float, rpc_timeout: float = 3600.0,
   return channel, _fail_fast_stub_class()(channel, address, rpc_timeout)
 
 
-def _executor_factory(stub, default_num_clients: int = 0):
+def _executor_factory(stub):
   """TFF's remote-executor stack over `stub` (as TFF's own local C++ context builds it)."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   def stack_fn(cardinalities):
     if cardinalities.get(tff.CLIENTS) is None:
-      cardinalities[tff.CLIENTS] = default_num_clients
+      cardinalities[tff.CLIENTS] = 0
     ex = tff.framework.RemoteExecutor(stub)
     ex.set_cardinalities(cardinalities)
     return ex
@@ -345,17 +327,16 @@ def _compile_once(comp):
   context's `CompilerPipeline` would redo it, and keep its graphs, after every recycle."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  compiled = _COMPILED.get(comp)
-  if compiled is None:
-    compiled = tff.backends.native.desugar_and_transform_to_native(comp)
-    _COMPILED[comp] = compiled
-  return compiled
+  if comp not in _COMPILED:
+    _COMPILED[comp] = tff.backends.native.desugar_and_transform_to_native(comp)
+  return _COMPILED[comp]
 
 
-def _context_kwargs():
+def _context_kwargs(stub) -> dict:
+  """The arguments of TFF's execution contexts for a context over `stub`."""
   from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation  # pylint: disable=g-import-not-at-top
 
-  return dict(compiler_fn=_compile_once,
+  return dict(executor_fn=_executor_factory(stub), compiler_fn=_compile_once,
               transform_args=tensorflow_computation.transform_args,
               transform_result=tensorflow_computation.transform_result)
 
@@ -364,16 +345,14 @@ def _sync_context_for_stub(stub):
   """TFF's own local C++ context construction, over a stub we control."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  return tff.framework.SyncExecutionContext(executor_fn=_executor_factory(stub),
-                                            **_context_kwargs())
+  return tff.framework.SyncExecutionContext(**_context_kwargs(stub))
 
 
 def _mergeable_context_for_stubs(stubs):
   """TFF's mergeable-computation context: each round's clients split across the workers."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  async_contexts = [tff.framework.AsyncExecutionContext(executor_fn=_executor_factory(s),
-                                                        **_context_kwargs()) for s in stubs]
+  async_contexts = [tff.framework.AsyncExecutionContext(**_context_kwargs(s)) for s in stubs]
   return tff.backends.native.create_mergeable_comp_execution_context(async_contexts)
 
 
@@ -386,23 +365,14 @@ def _release_compiled_computations() -> None:
   compiler_pipeline.CompilerPipeline.compile.cache_clear()
 
 
-class _LostWorkerTaskFilter:
-  """Drops asyncio's 'Task exception was never retrieved' for a lost worker (TFF's mergeable
-  context never awaits the other sub-rounds' failures; the runtime reports the loss once)."""
-
-  def filter(self, record) -> bool:
-    exc = (record.exc_info or (None, None, None))[1]
-    message = record.getMessage()
-    return not (message.startswith('Task exception was never retrieved')
-                and ('WorkerLostError' in message or isinstance(exc, RuntimeUnavailableError)))
-
-
-def _quiet_lost_worker_tasks() -> None:
-  import logging as std_logging  # pylint: disable=g-import-not-at-top
-
-  logger = std_logging.getLogger('asyncio')
-  if not any(isinstance(f, _LostWorkerTaskFilter) for f in logger.filters):
-    logger.addFilter(_LostWorkerTaskFilter())
+def _not_a_lost_worker_task(record) -> bool:
+  """Filter dropping asyncio's 'Task exception was never retrieved' for a lost worker (TFF's
+  mergeable context never awaits the other sub-rounds' failures; the runtime reports the loss
+  once)."""
+  exc = (record.exc_info or (None, None, None))[1]
+  message = record.getMessage()
+  return not (message.startswith('Task exception was never retrieved')
+              and ('WorkerLostError' in message or isinstance(exc, RuntimeUnavailableError)))
 
 
 class TffRuntime:
@@ -425,7 +395,7 @@ class TffRuntime:
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     self._tff = tff
-    _quiet_lost_worker_tasks()
+    std_logging.getLogger('asyncio').addFilter(_not_a_lost_worker_task)  # Once: same object.
     self._owned: list = []  # `IsolatedWorker`s (or `WorkerProcess`es, not isolated).
     self.isolate_local_worker = isolate_local_worker
     self._channels = []
@@ -551,8 +521,8 @@ class TffRuntime:
     if len(self._stubs) != 1:
       raise ConfigError(f'program_context needs one worker, this runtime has '
                         f'{len(self._stubs)}.')
-    return self._tff.program.NativeFederatedContext(self._tff.framework.AsyncExecutionContext(
-        executor_fn=_executor_factory(self._stubs[0]), **_context_kwargs()))
+    return self._tff.program.NativeFederatedContext(
+        self._tff.framework.AsyncExecutionContext(**_context_kwargs(self._stubs[0])))
 
   @property
   def worker_pids(self) -> list[int]:

@@ -18,12 +18,18 @@ import os
 import signal
 import socket
 import sys
-from typing import TYPE_CHECKING
 
 from absl import flags
 
-if TYPE_CHECKING:  # For the annotations; main() imports it where it is used.
-  from fltff.runtime.local import StopSignal
+from fltff.errors import ConfigError
+from fltff.errors import FltffError
+from fltff.errors import RuntimeUnavailableError
+from fltff.runtime.local import IsolatedWorker
+from fltff.runtime.local import StopSignal
+from fltff.runtime.local import WorkerProcess
+from fltff.runtime.local import release_default_context
+from fltff.runtime.tls import serve_forwarder
+from fltff.runtime.tls import server_credentials
 
 _PORT = flags.DEFINE_integer('port', 8000, 'Port the worker listens on (all interfaces).')
 _MAX_CALLS = flags.DEFINE_integer('max_concurrent_computation_calls', -1,
@@ -41,7 +47,7 @@ _INSECURE = flags.DEFINE_bool(
     'files as this user. Only on a trusted, isolated network.')
 
 
-def _wait(stop: 'StopSignal', alive, what: str, log: str) -> int:
+def _wait(stop: StopSignal, alive, what: str, log: str) -> int:
   while not stop.wait(0.5):
     if not alive():
       print(f'error: {what} exited; see {log}', file=sys.stderr, flush=True)
@@ -49,9 +55,7 @@ def _wait(stop: 'StopSignal', alive, what: str, log: str) -> int:
   return 0
 
 
-def _plaintext(stop: 'StopSignal') -> int:
-  from fltff.runtime.local import WorkerProcess  # pylint: disable=g-import-not-at-top
-
+def _plaintext(stop: StopSignal) -> int:
   worker = WorkerProcess(port=_PORT.value, host=socket.gethostname(),
                          max_concurrent_computation_calls=_MAX_CALLS.value,
                          log_path=_LOG.value)
@@ -64,13 +68,7 @@ def _plaintext(stop: 'StopSignal') -> int:
     worker.stop()
 
 
-def _secure(stop: 'StopSignal') -> int:
-  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from fltff.errors import RuntimeUnavailableError  # pylint: disable=g-import-not-at-top
-  from fltff.runtime.local import IsolatedWorker  # pylint: disable=g-import-not-at-top
-  from fltff.runtime.tls import serve_forwarder  # pylint: disable=g-import-not-at-top
-  from fltff.runtime.tls import server_credentials  # pylint: disable=g-import-not-at-top
-
+def _secure(stop: StopSignal) -> int:
   if not (_TLS_CERT.value and _TLS_KEY.value and _TLS_CLIENT_CA.value):
     raise ConfigError('a fltff worker is reached over mutual TLS: pass --tls_cert, --tls_key and '
                       '--tls_client_ca (README, "Running on several machines"), or '
@@ -96,18 +94,9 @@ def _secure(stop: 'StopSignal') -> int:
 
 def main(argv) -> int:
   del argv
-  from fltff.errors import FltffError  # pylint: disable=g-import-not-at-top
-  from fltff.runtime.local import release_default_context  # pylint: disable=g-import-not-at-top
-
-  from fltff.runtime.local import StopSignal  # pylint: disable=g-import-not-at-top
-
   stop = StopSignal()
-
-  def handler(signum, frame):  # pylint: disable=unused-argument
-    stop.set()
-
-  signal.signal(signal.SIGTERM, handler)
-  signal.signal(signal.SIGINT, handler)
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(signum, lambda *_: stop.set())
   try:
     status = _plaintext(stop) if _INSECURE.value else _secure(stop)
   except FltffError as e:

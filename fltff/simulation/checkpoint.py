@@ -12,6 +12,7 @@ import json
 import os
 import zipfile
 import zlib
+from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
@@ -87,9 +88,10 @@ class Checkpointer:
       return rounds[-1] if rounds else None
     return max([named] + rounds[-1:])
 
-  def restore(self, process_state_template: Any) -> tuple[int, Any, dict, dict]:
+  def restore(self, process_state_template: Any,
+              warn_fn: Callable[[str], None] = warn) -> tuple[int, Any, dict, dict]:
     """`(round, process_state, meta, other_arrays)` of the newest intact checkpoint, skipping
-    damaged ones (and `latest.json`) with one `warn` line. Raises `FileNotFoundError` if
+    damaged ones (and `latest.json`) with one `warn_fn` line. Raises `FileNotFoundError` if
     there is none, `CheckpointError` if none is intact."""
     latest_path = os.path.join(self.directory, 'latest.json')
     latest, problems = None, []
@@ -113,7 +115,7 @@ class Checkpointer:
         problems.append(f'checkpoint round {round_num} is damaged ({_describe(e)})')
         continue
       if problems:
-        warn(f'{"; ".join(problems)}; resuming from round {round_num}.')
+        warn_fn(f'{"; ".join(problems)}; resuming from round {round_num}.')
       return (round_num, self._unflatten(arrays, process_state_template), meta, arrays)
     if not candidates and not problems:
       raise FileNotFoundError(self.directory)
