@@ -5,6 +5,7 @@ sample data are named by paths from the repository root (`gin_configs/base/...`,
 `fltff/data/samples/...`), which resolve against the checkout or the installed package folder.
 """
 
+import contextlib
 import os
 import re
 from typing import Optional
@@ -88,21 +89,15 @@ def include_not_found(target: str, where: str) -> str:
 _PARSING = []
 
 
-class _Tracked:
+@contextlib.contextmanager
+def _tracked(path: str):
   """Opens a gin file for gin's parser and records its folder while gin reads it."""
-
-  def __init__(self, path: str):
-    self._path = path
-    self._file = None
-
-  def __enter__(self):
-    self._file = open(self._path)  # pylint: disable=consider-using-with
-    _PARSING.append(os.path.dirname(os.path.abspath(self._path)))
-    return self._file
-
-  def __exit__(self, *exc):
-    _PARSING.pop()
-    self._file.close()
+  with open(path) as f:
+    _PARSING.append(os.path.dirname(os.path.abspath(path)))
+    try:
+      yield f
+    finally:
+      _PARSING.pop()
 
 
 def _beside_including_file(path: str) -> Optional[str]:
@@ -112,8 +107,8 @@ def _beside_including_file(path: str) -> Optional[str]:
   return candidate if os.path.isfile(candidate) else None
 
 
-def _open_beside_including_file(path: str) -> _Tracked:
-  return _Tracked(_beside_including_file(path))
+def _open_beside_including_file(path: str):
+  return _tracked(_beside_including_file(path))
 
 
 def enable_gin_lookup() -> None:
@@ -129,7 +124,7 @@ def enable_gin_lookup() -> None:
     return
   # gin's reader `open` becomes one recording the opened file's folder, for includes beside it;
   # gin's package-file reader, which logs an error wherever an include is not, is quietened.
-  readers[:] = [(_Tracked if reader is open else reader,
+  readers[:] = [(_tracked if reader is open else reader,
                  _quietly(check) if getattr(check, '__module__', '') == 'gin.resource_reader'
                  else check) for reader, check in readers]
   readers.insert(0, (_open_beside_including_file, _beside_including_file))
