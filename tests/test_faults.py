@@ -153,6 +153,50 @@ def test_badly_typed_numbers_are_one_line(bindings, fragments, tmp_path):
   assert_one_line_error(run_pipeline_here(*args), *fragments)
 
 
+@pytest.mark.parametrize('kwargs,message', [
+    (dict(value=0, integer=True, low=1), 'n must be >= 1, got 0.'),
+    (dict(value=0.0, low=0, open_low=True), 'n must be > 0, got 0.0.'),
+    (dict(value=float('nan'), low=0), 'n must be >= 0, got nan.'),
+    (dict(value=1.5, low=0, high=1), 'n must be in [0, 1], got 1.5.'),
+    (dict(value=0, low=0, high=1, open_low=True), 'n must be in (0, 1], got 0.'),
+    (dict(value=1, low=0, high=1, open_high=True), 'n must be in [0, 1), got 1.'),
+    (dict(value=3, high=2), 'n must be <= 2, got 3.'),
+    (dict(value=-1, integer=True, low=0, hint='0: never'), 'n must be >= 0, got -1; 0: never.'),
+    (dict(value=2.0, integer=True, low=1), 'n must be an integer, got 2.0.'),
+    (dict(value=True, low=0), 'n must be a number, got True.'),
+])
+def test_check_number_refuses_what_is_out_of_range_in_one_sentence(kwargs, message):
+  from fltff.config_checks import check_number
+  with pytest.raises(ConfigError) as raised:
+    check_number('n', **kwargs)
+  assert str(raised.value) == message
+
+
+@pytest.mark.parametrize('kwargs', [
+    dict(value=1, integer=True, low=1), dict(value=1.0, low=0, high=1),
+    dict(value=None, allow_none=True, low=0, open_low=True), dict(value=np.int64(3), low=3),
+    dict(value=np.float32(0.5), low=0, high=1, open_low=True, open_high=True),
+])
+def test_check_number_takes_the_bounds_themselves_and_numpy_scalars(kwargs):
+  from fltff.config_checks import check_number
+  check_number('n', **kwargs)
+
+
+def test_check_choice_names_the_choices():
+  from fltff.config_checks import check_choice
+  check_choice('mode', 'drop', ('partial', 'drop'))
+  with pytest.raises(ConfigError, match=re.escape("mode must be one of 'partial', 'drop', got "
+                                                  "'dropp'.")):
+    check_choice('mode', 'dropp', ('partial', 'drop'))
+
+
+def test_an_out_of_range_setting_is_one_line(tmp_path):
+  args = [SMALL[0], '--gin_bindings=experiment.straggler_fraction = 1.5',
+          f'--output_dir={tmp_path}']
+  assert_one_line_error(run_pipeline_here(*args),
+                        'experiment.straggler_fraction must be in [0, 1], got 1.5')
+
+
 @pytest.mark.parametrize('binding,fragments', [
     ("experiment.method = 'fedprox'", ["got 'fedprox'", 'write experiment.method = @fedprox']),
     ('experiment.method = 3', ['experiment.method must name a configurable with @', 'got 3']),
