@@ -25,11 +25,8 @@ def find_shipped(path: str) -> Optional[str]:
   """`path` as given if it exists, else the shipped file of that relative path, else None."""
   if os.path.exists(path) or os.path.isabs(path):
     return path if os.path.exists(path) else None
-  for root in shipped_roots():
-    candidate = os.path.join(root, path)
-    if os.path.exists(candidate):
-      return candidate
-  return None
+  return next((candidate for candidate in (os.path.join(root, path) for root in shipped_roots())
+               if os.path.exists(candidate)), None)
 
 
 def find_gin_files(paths) -> list[str]:

@@ -215,14 +215,9 @@ def mixed_partition(labels: np.ndarray,
           f'mixed_partition needs {need} examples of class {classes[c]} but only {len(pool)} '
           f'are available (seed {seed}); lower samples_per_client or the number of clients, '
           'or change the seed.')
-  offsets = np.zeros(num_classes, dtype=np.int64)
-  parts = []
-  for row in demand:
-    chunks = []
-    for c, k in enumerate(row):
-      chunks.append(pools[c][offsets[c]:offsets[c] + k])
-      offsets[c] += k
-    parts.append(np.concatenate(chunks))
+  starts = np.cumsum(demand, axis=0) - demand  # Each client's offset into each class's pool.
+  parts = [np.concatenate([pools[c][s:s + k] for c, (s, k) in enumerate(zip(row_starts, row))])
+           for row_starts, row in zip(starts, demand)]
   return _finish(parts)
 
 

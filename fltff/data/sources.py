@@ -202,10 +202,7 @@ def read_idx(path: str) -> np.ndarray:
 
 
 def _idx_file(root: pathlib.Path, stem: str) -> Optional[pathlib.Path]:
-  for candidate in (root / f'{stem}.gz', root / stem):
-    if candidate.is_file():
-      return candidate
-  return None
+  return next((c for c in (root / f'{stem}.gz', root / stem) if c.is_file()), None)
 
 
 @gin.configurable('idx_source')

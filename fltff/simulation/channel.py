@@ -67,6 +67,19 @@ def _check_number(name: str, value: float, positive: bool = False) -> float:
   return value
 
 
+def _per_client(name: str, values: ArrayLike, count: int, positive: bool = False) -> np.ndarray:
+  """A scalar or one value per client as `[count]` floats, finite and >= 0 (> 0 if
+  `positive`), or ConfigError."""
+  array = np.asarray(values, dtype=np.float64)
+  if array.ndim > 1 or (array.ndim == 1 and array.shape[0] != count):
+    raise ConfigError(f'{name} must be a scalar or one value per client ({count}), '
+                      f'got shape {array.shape}.')
+  if np.any(~np.isfinite(array)) or np.any(array <= 0 if positive else array < 0):
+    raise ConfigError(f'{name} must be finite and {"positive" if positive else "non-negative"}'
+                      f', got {values!r}.')
+  return np.broadcast_to(array, (count,))
+
+
 def _as_seconds(name: str, values: ArrayLike) -> np.ndarray:
   """A 1-D float array of non-negative, finite per-client seconds, or ConfigError."""
   array = np.asarray(values, dtype=np.float64)
@@ -182,27 +195,17 @@ class ChannelModel:
                                                         + self._interference_w)
     return bandwidth * np.log2(1.0 + sinr)
 
-  def _bits(self, name: str, num_bytes: ArrayLike, count: int) -> np.ndarray:
-    """Per-client bits from a scalar or per-client byte count, checked."""
-    array = np.asarray(num_bytes, dtype=np.float64)
-    if array.ndim > 1 or (array.ndim == 1 and array.shape[0] != count):
-      raise ConfigError(f'{name} must be a scalar or one value per client ({count}), '
-                        f'got shape {array.shape}.')
-    if np.any(~np.isfinite(array)) or np.any(array < 0):
-      raise ConfigError(f'{name} must be finite and non-negative, got {num_bytes!r}.')
-    return 8.0 * np.broadcast_to(array, (count,))
-
   def upload_seconds(self, clients: ArrayLike, bytes_up: ArrayLike) -> np.ndarray:
     """Seconds 8 * bytes_up_i / r_up_i to upload `bytes_up` (scalar or per client)."""
     rate = self.uplink_rate(clients)
-    return self._bits('bytes_up', bytes_up, len(rate)) / rate
+    return 8.0 * _per_client('bytes_up', bytes_up, len(rate)) / rate
 
   def download_seconds(self, clients: ArrayLike, bytes_down: ArrayLike,
                        num_receivers: Optional[int] = None) -> np.ndarray:
     """Seconds 8 * bytes_down_i / r_down_i to download `bytes_down` (scalar or per client);
     `num_receivers` as in `downlink_rate`."""
     rate = self.downlink_rate(clients, num_receivers)
-    return self._bits('bytes_down', bytes_down, len(rate)) / rate
+    return 8.0 * _per_client('bytes_down', bytes_down, len(rate)) / rate
 
 
 def round_time_breakdown(download_s: ArrayLike, compute_s: ArrayLike, upload_s: ArrayLike,
@@ -262,12 +265,7 @@ def deadline_epochs(download_s: ArrayLike, upload_s: ArrayLike, seconds_per_epoc
   if len(download) != len(upload):
     raise ConfigError(f'download_s and upload_s must have one entry per client each, got '
                       f'lengths {len(download)} and {len(upload)}.')
-  per_epoch = np.asarray(seconds_per_epoch, dtype=np.float64)
-  if per_epoch.ndim > 1 or (per_epoch.ndim == 1 and len(per_epoch) != len(download)):
-    raise ConfigError(f'seconds_per_epoch must be a scalar or one value per client '
-                      f'({len(download)}), got shape {per_epoch.shape}.')
-  if np.any(~np.isfinite(per_epoch)) or np.any(per_epoch <= 0):
-    raise ConfigError('seconds_per_epoch must be positive and finite.')
+  per_epoch = _per_client('seconds_per_epoch', seconds_per_epoch, len(download), positive=True)
   if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
     raise ConfigError(f'epochs must be a positive integer, got {epochs!r}.')
   if deadline_s is None:

@@ -519,14 +519,9 @@ class RoundDriver:
 def split_measurements(metrics, prefix: str = '') -> tuple[dict, dict]:
   """Splits a process's nested metrics into scalars (for CSV) and arrays (for JSONL)."""
   scalars, arrays = {}, {}
-  if isinstance(metrics, dict):
-    for key, value in metrics.items():
+  if isinstance(metrics, (dict, list, tuple)):
+    for key, value in metrics.items() if isinstance(metrics, dict) else enumerate(metrics):
       s, a = split_measurements(value, f'{prefix}{key}/')
-      scalars.update(s)
-      arrays.update(a)
-  elif isinstance(metrics, (list, tuple)):
-    for i, value in enumerate(metrics):
-      s, a = split_measurements(value, f'{prefix}{i}/')
       scalars.update(s)
       arrays.update(a)
   else:
