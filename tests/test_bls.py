@@ -483,7 +483,7 @@ def test_select_omega_runs_in_a_tff_computation():
   def select(b, tau, b_max, tau_max, omega_prev):
     omega, steps, b_max, tau_max = bls.select_omega_tf(b, tau, b_max, tau_max, omega_prev,
                                                        COLUMNS, OUT_DIMS)
-    return omega, steps, b_max, tau_max, bls.upload_mask_tf(omega, 3)
+    return omega, steps, b_max, tau_max, tf.range(3) < omega  # The upload mask (process.py).
 
   f = lambda x: np.asarray(x, np.float32)
   omega, steps, b_max, tau_max, mask = select(f(B_ROUND), f(tau_round('FTF')), f(B_STORED),
@@ -553,25 +553,12 @@ def test_server_skip_mask_constructed():
       bls.server_skip_mask_tf(tf.constant(r, tf.float32), 0.5).numpy(), expected)
 
 
-@pytest.mark.parametrize('omega,length,expected', [
-    (0, 3, [False, False, False]),
-    (1, 3, [True, False, False]),
-    (2, 4, [True, True, False, False]),
-    (4, 4, [True, True, True, True]),
-])
-def test_upload_mask(omega, length, expected):
-  np.testing.assert_array_equal(upload_mask(omega, length), expected)
-  np.testing.assert_array_equal(bls.upload_mask_tf(omega, length).numpy(), expected)
-  np.testing.assert_array_equal(
-      bls.upload_mask_tf(tf.constant(omega), tf.constant(length)).numpy(), expected)
-
-
 def test_layer_bytes_reference():
   rng = np.random.default_rng(0)
   sizes = layer_sizes(random_layers(rng))
   assert sizes == [(5 * 4 + 4) * 4, (3 * 3 * 2 * 4 + 4) * 4, (4 * 3 + 3) * 4]
   assert layer_bytes(sizes, [True, False, True]) == sizes[0] + sizes[2]
-  assert layer_bytes(sizes, bls.upload_mask_tf(2, 3).numpy()) == sizes[0] + sizes[1]
+  assert layer_bytes(sizes, upload_mask(2, 3)) == sizes[0] + sizes[1]
   skipped = bls.server_skip_mask_tf(np.array([0.9, 0.1, 0.1]), 0.5).numpy()
   assert layer_bytes(sizes, ~skipped) == sizes[1] + sizes[2]
 
@@ -583,9 +570,3 @@ def test_masks_bad_args():
     bls.server_skip_mask_tf(np.ones(3), float('nan'))
   with pytest.raises(ConfigError, match=r'\[L\] or \[P, L\]'):
     bls.server_skip_mask_tf(np.ones((2, 2, 2)), 0.5)
-  with pytest.raises(ConfigError, match='omega'):
-    bls.upload_mask_tf(4, 3)
-  with pytest.raises(ConfigError, match='omega'):
-    bls.upload_mask_tf(-1, 3)
-  with pytest.raises(ConfigError, match='num_layers'):
-    bls.upload_mask_tf(0, 0)

@@ -320,13 +320,3 @@ def server_skip_mask_tf(self_relationship: TensorLike, mu: TensorLike) -> tf.Ten
   if r.shape.rank not in (None, 1, 2):
     raise ConfigError(f'BLS self_relationship must be [L] or [P, L], got shape {r.shape}.')
   return r > _as_dtype(mu, r.dtype)
-
-
-def upload_mask_tf(omega: TensorLike, num_layers: TensorLike) -> tf.Tensor:
-  """bool `[L]`, True for the first Ω (uploaded) layers; Ω ∈ [0, L] checked for Python numbers."""
-  if _is_python_number(num_layers) and _is_python_number(omega):
-    if num_layers < 1:
-      raise ConfigError(f'BLS num_layers must be >= 1, got {num_layers}.')
-    if not 0 <= omega <= num_layers:
-      raise ConfigError(f'BLS omega must be in [0, L={num_layers}], got {omega}.')
-  return tf.range(tf.cast(num_layers, tf.int32)) < tf.cast(omega, tf.int32)
