@@ -539,35 +539,27 @@ class TffRuntime:
     raise AssertionError('unreachable')
 
   def _handle_lost(self, error: WorkerLostError, attempt: int) -> None:
-    lost = error.address
     if attempt >= self.max_retries:
       raise RuntimeUnavailableError(
           f'{error} Gave up after {self.max_retries} retries (runtime.max_retries); completed '
           'rounds are checkpointed: restart the worker(s) and rerun with --resume.') from None
-    if self.remote:
-      self.lost.append(lost)
-      self.workers = [w for w in self.workers if w != lost]
+    if not self.remote:
+      self._restart_local_worker()
+      logging.warning('%s Restarted the local worker at %s.', error, self.workers[0])
+      return
+    lost = [error.address]
+    while lost:  # Drop the lost worker(s), reconnect to the others.
+      self._release_connections()
+      self.lost.append(lost.pop())
+      self.workers = [w for w in self.workers if w not in self.lost]
       if not self.workers:
         raise RuntimeUnavailableError(
             f'{error} No TFF worker is left (lost: {", ".join(self.lost)}); completed rounds '
             'are checkpointed: restart the workers and rerun with --resume.') from None
-    else:
-      self._restart_local_worker()
-      logging.warning('%s Restarted the local worker at %s.', error, self.workers[0])
-      return
-    self._release_connections()
-    while True:
       try:
         self._install_context(timeout=min(self.connect_timeout, RECONNECT_TIMEOUT_S))
-        break
       except WorkerLostError as e:
-        self._release_connections()
-        self.lost.append(e.address)
-        self.workers = [w for w in self.workers if w != e.address]
-        if not self.workers:
-          raise RuntimeUnavailableError(
-              f'{error} No TFF worker is left (lost: {", ".join(self.lost)}); completed rounds '
-              'are checkpointed: restart the workers and rerun with --resume.') from None
+        lost.append(e.address)
     logging.warning('%s Repeating the computation on %s.', error, ', '.join(self.workers))
 
   def _restart_local_worker(self) -> None:
