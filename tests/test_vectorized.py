@@ -444,6 +444,13 @@ def test_macs_per_example_count_each_kernel_at_each_output_position():
       tf.keras.layers.Flatten(),
       tf.keras.layers.Dense(5)])  # 12 x 5.
   assert macs_per_example(model) == 4 * 4 * 3 * 3 * 2 * 3 + 12 * 5
+  model = tf.keras.Sequential([
+      tf.keras.Input((6, 6, 2)),
+      # 6 x 6 positions of a 3x3x2x1 depthwise kernel, then 3 x 3 of a 3x3x2x2 one and a
+      # 1x1x4x5 pointwise one (stride 2).
+      tf.keras.layers.DepthwiseConv2D(3, padding='same'),
+      tf.keras.layers.SeparableConv2D(5, 3, strides=2, padding='same', depth_multiplier=2)])
+  assert macs_per_example(model) == 6 * 6 * 3 * 3 * 2 + 3 * 3 * (3 * 3 * 2 * 2 + 4 * 5)
 
 
 def test_each_epoch_reshuffles_and_a_dataset_passed_again_starts_afresh():

@@ -197,16 +197,18 @@ def update_index_groups(groups: Sequence[LayerGroup]) -> list[list[int]]:
 
 def macs_per_example(keras_model) -> float:
   """Multiply-adds of one example's forward pass through `keras_model`'s kernels (Dense and
-  convolutions: the kernel's size times the output's spatial positions)."""
+  convolutions, depthwise and separable included: each kernel's size times the output's spatial
+  positions)."""
   total = 0.0
   for layer in keras_model._flatten_layers(include_self=False):  # pylint: disable=protected-access
-    kernel = getattr(layer, 'kernel', None)
-    if kernel is None:
+    kernels = [k for k in (getattr(layer, name, None) for name in
+                           ('kernel', 'depthwise_kernel', 'pointwise_kernel')) if k is not None]
+    if not kernels:
       continue
     try:
       shape = layer.output_shape
     except AttributeError:  # A layer called more than once, or never in a graph.
-      shape = (None, kernel.shape[-1])
+      shape = (None, 1)
     positions = np.prod(shape[1:-1]) if isinstance(shape, tuple) and len(shape) > 2 else 1
-    total += float(np.prod(kernel.shape)) * float(positions)
+    total += sum(float(np.prod(k.shape)) for k in kernels) * float(positions)
   return total
