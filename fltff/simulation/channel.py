@@ -86,9 +86,7 @@ def _as_seconds(name: str, values: ArrayLike) -> np.ndarray:
   if array.ndim != 1:
     raise ConfigError(f'{name} must be a 1-D array with one entry per client, '
                       f'got shape {array.shape}.')
-  if np.any(~np.isfinite(array)) or np.any(array < 0):
-    raise ConfigError(f'{name} must be finite and non-negative.')
-  return array
+  return _per_client(name, array, len(array))
 
 
 @gin.configurable('channel_model')
