@@ -177,3 +177,24 @@ def test_silent_worker_is_declared_lost_within_the_rpc_deadline(workers, tmp_pat
                                                            stderr),
                                w.address, 'was lost', 'checkpointed', '--resume')
   assert 'DEADLINE_EXCEEDED' in line
+
+
+def test_a_lost_worker_fails_computations_but_not_disposals():
+  """TFF disposes remote values from garbage-collection finalizers, also at exit after a
+  worker is gone: there a `WorkerLostError` would print a traceback, so disposal is a no-op."""
+  import grpc  # pylint: disable=g-import-not-at-top
+  from tensorflow_federated.proto.v0 import executor_pb2  # pylint: disable=g-import-not-at-top
+
+  from fltff.runtime.local import WorkerLostError  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.local import _fail_fast_stub_class  # pylint: disable=g-import-not-at-top
+
+  address = f'127.0.0.1:{portpicker.pick_unused_port()}'  # Nothing listens there.
+  channel = grpc.insecure_channel(address)
+  try:
+    stub = _fail_fast_stub_class()(channel, address, rpc_timeout=5.0)
+    assert stub.dispose(executor_pb2.DisposeRequest()) is None
+    assert stub.dispose_executor(executor_pb2.DisposeExecutorRequest()) is None
+    with pytest.raises(WorkerLostError, match='was lost'):
+      stub.compute(executor_pb2.ComputeRequest())
+  finally:
+    channel.close()
