@@ -111,14 +111,16 @@ def main(argv) -> int:
   output_dir = _OUTPUT_DIR.value or os.path.join(
       'runs', os.path.splitext(os.path.basename((_GIN_FILES.value or ['run'])[0]))[0])
   rt = None
-  created = failed = False
+  created = failed = reported = False
 
   def stop_now(signum: int) -> None:
-    """A second signal: say what is checkpointed, stop our workers, exit at once."""
+    """A second signal: say what is checkpointed (unless the stop was already reported),
+    stop our workers, exit at once."""
     del signum
     try:
-      print(f'stopped: at once by a second signal. {_kept(output_dir)}', file=sys.stderr,
-            flush=True)
+      if not reported:
+        print(f'stopped: at once by a second signal. {_kept(output_dir)}', file=sys.stderr,
+              flush=True)
     finally:
       try:
         if rt is not None:
@@ -135,7 +137,8 @@ def main(argv) -> int:
                              stop_event=stop_event,
                              allow_config_change=_ALLOW_CONFIG_CHANGE.value)
   except StopRequested as e:
-    print(f'stopped: {_short_gin_message(e)}', file=sys.stderr)
+    print(f'stopped: {_short_gin_message(e)}', file=sys.stderr, flush=True)
+    reported = True  # A second signal during the shutdown below then only hastens it.
     return EXIT_STOPPED
   except StopNow:
     print(f'stopped: at once by a second signal. {_kept(output_dir)}', file=sys.stderr)

@@ -308,8 +308,10 @@ def test_two_sigterms_keep_every_completed_round_and_logs_stay_out_of_tmp(tmp_pa
   # Checkpoints every 100 rounds: the second signal itself checkpoints what is completed.
   out, tmpdir = str(tmp_path / 'run'), tmp_path / 'tmp'
   tmpdir.mkdir()
+  # Rounds of several seconds, so that the second signal arrives while the round still runs.
   status, stderr = _start_and_signal(out, str(tmpdir), signals=2, after_rounds=2,
-                                     extra=('--gin_bindings=experiment.checkpoint_every = 100',))
+                                     extra=('--gin_bindings=experiment.checkpoint_every = 100',
+                                            '--gin_bindings=experiment.local_epochs = 40'))
   assert status == 143, stderr[-3000:]
   assert 'Traceback' not in stderr, stderr[-3000:]
   lines = [l for l in stderr.splitlines() if l.strip()]
