@@ -186,10 +186,6 @@ def _pct(x: Optional[float]) -> str:
   return DASH if x is None else f'{100 * x:.2f}'
 
 
-def _signed(x: Optional[float], digits: int = 2) -> str:
-  return DASH if x is None else f'{x:+.{digits}f}'
-
-
 def _fmt(x: Optional[float], digits: int = 4) -> str:
   return DASH if x is None else f'{x:.{digits}f}'
 
