@@ -33,10 +33,9 @@ class Method:
     client_state: Clients carry state between rounds (SCAFFOLD's c_i, MOON's previous model,
       personal models), kept by the round driver's store.
     personalised: Every client is evaluated with its own model; there is no global model.
-    vectorises: Its client work runs vectorised (`experiment.client_work`) on models without
-      non-trainable weights.
-    factors: Vectorised, it can train Dense kernels in factored form (`experiment.factor_dense`):
-      plain SGD(M) steps, or a proximal term with one scale per tensor.
+    factors: Vectorised (as every method's client work can be, `experiment.client_work`), it
+      can train Dense kernels in factored form (`experiment.factor_dense`): plain SGD(M) steps,
+      or a proximal term with one scale per tensor.
     composes_aggregator: The builder takes `model_aggregator=` (any TFF weighted aggregation
       factory; CCN with `+ccn`).
     gin_name: `experiment.method = @<gin_name>`; `name`, but `local_training` for `local`.
@@ -47,7 +46,6 @@ class Method:
   client_ids: bool
   client_state: bool
   personalised: bool
-  vectorises: bool = True
   factors: bool = True
   composes_aggregator: bool = False
   gin_name: str = ''
@@ -64,7 +62,7 @@ class Method:
 def _m(name, module, *, num_clients=False, client_ids=False, client_state=False,
        personalised=False, factors=True, composes_aggregator=False, gin_name=''):
   return Method(name, f'{module}:build_{name}', num_clients, client_ids, client_state,
-                personalised, True, factors, composes_aggregator, gin_name)
+                personalised, factors, composes_aggregator, gin_name)
 
 
 _L, _P = 'fltff.learning', 'fltff.personalization'
