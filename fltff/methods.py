@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from fltff.errors import ConfigError
 
-__all__ = ['METHODS', 'Method', 'VARIANTS', 'Variant', 'build', 'get', 'names', 'of_builder']
+__all__ = ['METHODS', 'Method', 'VARIANTS', 'Variant', 'build', 'get', 'names']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,16 +148,3 @@ def build(name: str, model_spec, num_clients: Optional[int] = None, client_optim
         algorithm, fedlap_mixing.build_fedlap_personalization(
             model_spec, client_optimizer=client_optimizer))
   return algorithm
-
-
-def of_builder(builder: Callable[..., Any]) -> Optional[Method]:
-  """The registry entry of `builder` (gin's configurable or the plain function), or None for a
-  user's own builder."""
-  import inspect  # pylint: disable=g-import-not-at-top
-  target = inspect.unwrap(builder)
-  for method in METHODS.values():
-    module, function = method.builder.split(':')
-    if (getattr(target, '__name__', None) == function
-        and getattr(target, '__module__', '').startswith(module)):
-      return method
-  return None
