@@ -8,6 +8,7 @@ beta) (Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020
 on disk and is the offline default.
 """
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -212,8 +213,7 @@ def idx_source(path: str = '/usr/share/datasets/fashion-mnist',
     num_classes: Every label must lie in `[0, num_classes)`.
   """
   root = _find(path, True, 'IDX data folder', _IDX_HINT)
-  stems = [stem for pair in IDX_FILES.values() for stem in pair]
-  files = {stem: _idx_file(root, stem) for stem in stems}
+  files = {stem: _idx_file(root, stem) for pair in IDX_FILES.values() for stem in pair}
   missing = [stem for stem, f in files.items() if f is None]
   if missing:
     raise DataError(f'{root} lacks {", ".join(s + "[.gz]" for s in missing)}. {_IDX_HINT}')
@@ -382,13 +382,11 @@ def _tff_cache_dir(cache_dir: Optional[str]) -> str:
 
 def _emnist_train_counts(path: str, only_digits: bool) -> dict[str, int]:
   """Training examples per writer, from the database's `client_metadata` table."""
-  connection = sqlite3.connect(pathlib.Path(path).as_uri() + '?mode=ro', uri=True)
-  try:
+  uri = pathlib.Path(path).as_uri() + '?mode=ro'
+  with contextlib.closing(sqlite3.connect(uri, uri=True)) as connection:
     rows = connection.execute(
         'SELECT client_id, num_examples FROM client_metadata WHERE split_name = ?',
         (_EMNIST_TRAIN_SPLIT[only_digits],)).fetchall()
-  finally:
-    connection.close()
   return {str(cid): int(n) for cid, n in rows}
 
 
@@ -400,12 +398,10 @@ def _emnist_pixels_to_uint8(pixels: np.ndarray) -> np.ndarray:
 
 def _writer_arrays(client_data, writer: str) -> tuple[np.ndarray, np.ndarray]:
   """One writer's examples as (uint8 `[n, 28, 28, 1]`, int32 `[n]`); empty if absent."""
-  pixels, labels = [np.zeros((0, 28, 28), np.float32)], [np.zeros(0, np.int32)]
-  if writer in client_data.client_ids:
-    for batch in client_data.create_tf_dataset_for_client(writer).batch(
-        1024).as_numpy_iterator():
-      pixels.append(batch['pixels'])
-      labels.append(batch['label'])
+  batches = list(client_data.create_tf_dataset_for_client(writer).batch(
+      1024).as_numpy_iterator()) if writer in client_data.client_ids else []
+  pixels = [np.zeros((0, 28, 28), np.float32)] + [b['pixels'] for b in batches]
+  labels = [np.zeros(0, np.int32)] + [b['label'] for b in batches]
   return (_emnist_pixels_to_uint8(np.concatenate(pixels)),
           np.concatenate(labels).astype(np.int32).reshape(-1))
 
