@@ -121,8 +121,7 @@ def dirichlet_partition(labels: np.ndarray,
       cuts = (np.cumsum(p)[:-1] * len(idx)).astype(np.int64)
       for client, chunk in enumerate(np.split(idx, cuts)):
         parts[client].append(chunk)
-    sizes = [sum(len(c) for c in part) for part in parts]
-    smallest = min(sizes)
+    smallest = min(sum(map(len, part)) for part in parts)
     if smallest >= min_samples_per_client:
       return _finish([np.concatenate(part) for part in parts])
   raise ConfigError(
