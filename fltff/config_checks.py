@@ -136,6 +136,14 @@ def check_gin_bindings(config: Mapping[tuple[str, str], Mapping[str, Any]]) -> N
         check_number(name, value, integer=kind[0], allow_none=kind[1])
 
 
+def parameters(fn: Any) -> Mapping[str, inspect.Parameter]:
+  """`fn`'s parameters by name; none where Python cannot tell (some builtins and C functions)."""
+  try:
+    return inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return {}
+
+
 def gin_binds(selector: str) -> bool:
   """Whether the current gin configuration binds `selector` ('configurable.parameter')."""
   import gin  # pylint: disable=g-import-not-at-top

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from fltff.errors import ConfigError
 
-__all__ = ['METHODS', 'Method', 'VARIANTS', 'Variant', 'build', 'get', 'names', 'of_builder']
+__all__ = ['METHODS', 'Method', 'VARIANTS', 'Variant', 'build', 'get', 'names']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,10 +33,9 @@ class Method:
     client_state: Clients carry state between rounds (SCAFFOLD's c_i, MOON's previous model,
       personal models), kept by the round driver's store.
     personalised: Every client is evaluated with its own model; there is no global model.
-    vectorises: Its client work runs vectorised (`experiment.client_work`) on models without
-      non-trainable weights.
-    factors: Vectorised, it can train Dense kernels in factored form (`experiment.factor_dense`):
-      plain SGD(M) steps, or a proximal term with one scale per tensor.
+    factors: Vectorised (as every method's client work can be, `experiment.client_work`), it
+      can train Dense kernels in factored form (`experiment.factor_dense`): plain SGD(M) steps,
+      or a proximal term with one scale per tensor.
     composes_aggregator: The builder takes `model_aggregator=` (any TFF weighted aggregation
       factory; CCN with `+ccn`).
     gin_name: `experiment.method = @<gin_name>`; `name`, but `local_training` for `local`.
@@ -47,7 +46,6 @@ class Method:
   client_ids: bool
   client_state: bool
   personalised: bool
-  vectorises: bool = True
   factors: bool = True
   composes_aggregator: bool = False
   gin_name: str = ''
@@ -64,7 +62,7 @@ class Method:
 def _m(name, module, *, num_clients=False, client_ids=False, client_state=False,
        personalised=False, factors=True, composes_aggregator=False, gin_name=''):
   return Method(name, f'{module}:build_{name}', num_clients, client_ids, client_state,
-                personalised, True, factors, composes_aggregator, gin_name)
+                personalised, factors, composes_aggregator, gin_name)
 
 
 _L, _P = 'fltff.learning', 'fltff.personalization'
@@ -150,16 +148,3 @@ def build(name: str, model_spec, num_clients: Optional[int] = None, client_optim
         algorithm, fedlap_mixing.build_fedlap_personalization(
             model_spec, client_optimizer=client_optimizer))
   return algorithm
-
-
-def of_builder(builder: Callable[..., Any]) -> Optional[Method]:
-  """The registry entry of `builder` (gin's configurable or the plain function), or None for a
-  user's own builder."""
-  import inspect  # pylint: disable=g-import-not-at-top
-  target = inspect.unwrap(builder)
-  for method in METHODS.values():
-    module, function = method.builder.split(':')
-    if (getattr(target, '__name__', None) == function
-        and getattr(target, '__module__', '').startswith(module)):
-      return method
-  return None

@@ -256,13 +256,19 @@ def leaves(value) -> list:
   return leaves(tff.structure.flatten(tff.structure.from_container(value, recursive=True)))
 
 
+def client_batches(x, y, batch_size: int, shuffle_seed=None):
+  """One client's batches built afresh, as `ClientDatasets` builds them once per client."""
+  from fltff.data import pipeline  # pylint: disable=g-import-not-at-top
+  return pipeline.batch_examples(pipeline.client_examples(x, y), len(x), batch_size,
+                                 shuffle_seed)
+
+
 def run_rounds(algorithm, data, context, num_clients: int, rounds: int = 3):
   """`rounds` rounds of `algorithm` on `context`: 3 participants, different ones each round,
   1 or 2 local epochs, batch 16, a reshuffling dataset per client; returns `(trace, state)`,
   the trace holding each round's train metrics, new client states and measurements."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  from fltff.data.pipeline import client_batches  # pylint: disable=g-import-not-at-top
   from fltff.learning import protocol  # pylint: disable=g-import-not-at-top
   from fltff.simulation.state_store import ClientStateStore  # pylint: disable=g-import-not-at-top
 

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from fltff.data import pipeline
 from fltff.errors import ConfigError
+from helpers import client_batches
 
 
 def _arrays(k):
@@ -28,7 +29,7 @@ def test_client_datasets_give_the_batches_of_building_each_round_anew():
   for k in (0, 3):
     for seed in (None, 7, 8):
       ours = _as_arrays(datasets.batches(k, seed))
-      fresh = _as_arrays(pipeline.client_batches(*_arrays(k), 5, shuffle_seed=seed))
+      fresh = _as_arrays(client_batches(*_arrays(k), 5, shuffle_seed=seed))
       assert len(ours) == len(fresh) == -(-(23 + k) // 5)
       for a, b in zip(ours, fresh):
         assert a['x'].dtype == np.float32 and a['y'].dtype == np.int32

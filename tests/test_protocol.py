@@ -24,6 +24,7 @@ from fltff.personalization.fedlap_mixing import with_fedlap_personalization
 from fltff.simulation import RoundConfig
 from fltff.simulation import RoundDriver
 from fltff.simulation.state_store import ClientStateStore
+from helpers import client_batches
 from helpers import mnist_sample_split
 from helpers import read_csv
 
@@ -37,8 +38,6 @@ def data():
 
 
 def _round(algorithm, state, store, data, clients):
-  from fltff.data.pipeline import client_batches  # pylint: disable=g-import-not-at-top
-
   return protocol.run_round(
       algorithm, state, clients,
       batches_of=lambda k: client_batches(*data.client_arrays(k), 32, shuffle_seed=k),

@@ -31,6 +31,7 @@ from helpers import EQUALITY_CLIENTS
 from helpers import SMALL
 from helpers import assert_equal_runs
 from helpers import assert_one_line_error
+from helpers import client_batches
 from helpers import equality_methods
 from helpers import equality_sgdm
 from helpers import in_client_order
@@ -509,7 +510,6 @@ def test_the_drivers_datasets_read_from_their_arrays_give_the_same_round():
 def test_a_model_built_in_a_graph_meanwhile_does_not_break_a_new_round_shape(spec, data):
   # TFF builds models in graphs while tracing; Keras then swaps its layer classes to TF1 and
   # the eager model would refuse the retrace that a new round shape needs.
-  from fltff.data.pipeline import client_batches  # pylint: disable=g-import-not-at-top
   from fltff.learning.client_work import client_input  # pylint: disable=g-import-not-at-top
 
   work = vectorized.VectorizedClientWork(spec, SGDM())

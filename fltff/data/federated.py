@@ -2,7 +2,6 @@
 
 import collections
 import dataclasses
-import inspect
 from typing import Any, Callable, Optional
 
 import gin
@@ -12,6 +11,7 @@ from fltff.data import partition as partition_lib
 from fltff.data.sources import ArrayDataset
 from fltff.config_checks import check_number
 from fltff.config_checks import gin_binds
+from fltff.config_checks import parameters
 from fltff.errors import ConfigError
 
 
@@ -111,11 +111,7 @@ class FederatedData:
 def _call_partitioner(partitioner: Callable[..., Any], dataset: ArrayDataset,
                       num_clients: int, seed: int) -> Any:
   kwargs = dict(labels=dataset.y_train, num_clients=num_clients, seed=seed)
-  try:
-    params = inspect.signature(partitioner).parameters
-  except (TypeError, ValueError):
-    params = {}
-  if 'dataset' in params:
+  if 'dataset' in parameters(partitioner):
     kwargs['dataset'] = dataset
   return partitioner(**kwargs)
 
@@ -145,11 +141,7 @@ def _validate_partition(parts: Any, num_clients: int, num_examples: int) -> list
 def _call_source(source: Callable[..., Any], seed: int) -> tuple[Any, Optional[int]]:
   """`(source(), the seed it used)`: a source with a `seed` parameter that gin does not bind
   (as `<source name>.seed`) is given `seed`."""
-  try:
-    takes_seed = 'seed' in inspect.signature(source).parameters
-  except (TypeError, ValueError):
-    takes_seed = False
-  if not takes_seed:
+  if 'seed' not in parameters(source):
     return source(), None
   selector = f'{getattr(source, "__name__", "")}.seed'
   if gin_binds(selector):

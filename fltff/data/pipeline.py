@@ -39,12 +39,6 @@ def batch_examples(examples: tf.data.Dataset, num_examples: int, batch_size: int
   return examples.batch(batch_size)
 
 
-def client_batches(x: np.ndarray, y: np.ndarray, batch_size: int,
-                   shuffle_seed: Optional[int] = None) -> tf.data.Dataset:
-  """One client's batches (`batch_examples`), for one-off use; round loops use `ClientDatasets`."""
-  return batch_examples(client_examples(x, y), len(x), batch_size, shuffle_seed)
-
-
 @dataclasses.dataclass(frozen=True)
 class ArraySource:
   """What a `ClientDatasets` round dataset holds, for readers that skip tf.data.

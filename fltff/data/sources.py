@@ -8,6 +8,7 @@ beta) (Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020
 on disk and is the offline default.
 """
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -57,11 +58,9 @@ def _contiguous(lengths) -> list[np.ndarray]:
 
 
 def _tfds_data_dir(data_dir: Optional[str]) -> str:
-  if data_dir:
-    return os.path.abspath(os.path.expanduser(data_dir))
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   default = os.environ.get('TFDS_DATA_DIR') or tfds.core.constants.DATA_DIR
-  return os.path.abspath(os.path.expanduser(default))
+  return os.path.abspath(os.path.expanduser(data_dir or default))
 
 
 def _images(x: np.ndarray) -> np.ndarray:
@@ -105,13 +104,11 @@ def tfds_source(name: str,
 
   arrays = []
   for ds in splits:
-    xs, ys = [], []
-    for x, y in tfds.as_numpy(ds.batch(_TFDS_BATCH)):
-      xs.append(x)
-      ys.append(y)
-    if not xs:
+    batches = list(tfds.as_numpy(ds.batch(_TFDS_BATCH)))
+    if not batches:
       raise DataError(f'TFDS dataset {name!r} in {_tfds_data_dir(data_dir)} has an empty '
                       'split; re-prepare it with tfds.load(..., download=True).')
+    xs, ys = zip(*batches)
     arrays.append((_images(np.concatenate(xs)).astype(np.uint8),
                    np.concatenate(ys).astype(np.int32).reshape(-1)))
   (x_train, y_train), (x_test, y_test) = arrays
@@ -138,22 +135,17 @@ def _tfds_num_classes(tfds, name: str, data_dir: Optional[str]) -> int:
   return int(label.num_classes)
 
 
-def _candidates(path: str) -> list[pathlib.Path]:
+def _find(path: str, folder: bool, what: str, hint: str) -> pathlib.Path:
+  """The file (`folder`: folder) `path`; a relative path is looked up in the current directory,
+  then in fltff's shipped files; else `DataError` '<what> <path> not found (tried ...); <hint>'."""
   p = pathlib.Path(os.path.expanduser(path))
-  if p.is_absolute():
-    return [p]
-  return [pathlib.Path.cwd() / p] + [pathlib.Path(r) / p for r in resources.shipped_roots()]
-
-
-def _resolve_path(path: str) -> pathlib.Path:
-  candidates = _candidates(path)
-  for c in candidates:
-    if c.is_file():
-      return c
-  tried = ', '.join(str(c.resolve()) for c in candidates)
-  raise DataError(f'npz file {path!r} not found (tried {tried}); check npz_source.path, '
-                  'relative paths are resolved against the current directory and then '
-                  "fltff's shipped files.")
+  candidates = [p] if p.is_absolute() else [pathlib.Path.cwd() / p] + [
+      pathlib.Path(r) / p for r in resources.shipped_roots()]
+  found = next((c for c in candidates if (c.is_dir() if folder else c.is_file())), None)
+  if found is None:
+    tried = ', '.join(str(c.resolve()) for c in candidates)
+    raise DataError(f'{what} {path!r} not found (tried {tried}); {hint}')
+  return found
 
 
 _NPZ_KEYS = ('x_train', 'y_train', 'x_test', 'y_test')
@@ -220,25 +212,19 @@ def idx_source(path: str = '/usr/share/datasets/fashion-mnist',
     name: Defaults to the folder name with '-' as '_' (`fashion_mnist`).
     num_classes: Every label must lie in `[0, num_classes)`.
   """
-  root = next((c for c in _candidates(path) if c.is_dir()),
-              pathlib.Path(os.path.expanduser(path)))
-  if not root.is_dir():
-    raise DataError(f'IDX data folder {path!r} not found. {_IDX_HINT}')
-  stems = [stem for pair in IDX_FILES.values() for stem in pair]
-  files = {stem: _idx_file(root, stem) for stem in stems}
+  root = _find(path, True, 'IDX data folder', _IDX_HINT)
+  files = {stem: _idx_file(root, stem) for pair in IDX_FILES.values() for stem in pair}
   missing = [stem for stem, f in files.items() if f is None]
   if missing:
     raise DataError(f'{root} lacks {", ".join(s + "[.gz]" for s in missing)}. {_IDX_HINT}')
 
   arrays = {}
   for split, (images_stem, labels_stem) in IDX_FILES.items():
-    x, y = read_idx(str(files[images_stem])), read_idx(str(files[labels_stem]))
+    x = read_idx(str(files[images_stem]))
+    y = _labels(read_idx(str(files[labels_stem])), 'the labels', files[labels_stem])
     if x.ndim != 3 or x.dtype != np.uint8:
       raise DataError(f'{files[images_stem]} holds {x.dtype} data of shape {x.shape}; '
                       'images must be uint8 [n, rows, cols].')
-    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-      raise DataError(f'{files[labels_stem]} holds {y.dtype} data of shape {y.shape}; '
-                      'labels must be integers [n].')
     if len(x) != len(y):
       raise DataError(f'{files[images_stem].name} has {len(x)} images but '
                       f'{files[labels_stem].name} has {len(y)} labels; the files do not '
@@ -246,7 +232,7 @@ def idx_source(path: str = '/usr/share/datasets/fashion-mnist',
     if y.size and (y.min() < 0 or y.max() >= num_classes):
       raise DataError(f'{files[labels_stem]} has label {int(y.max())} outside '
                       f'[0, {num_classes}); set idx_source.num_classes.')
-    arrays[split] = (_images(x), y.astype(np.int32))
+    arrays[split] = (_images(x), y)
   (x_train, y_train), (x_test, y_test) = arrays['train'], arrays['test']
   if x_train.shape[1:] != x_test.shape[1:]:
     raise DataError(f'{root}: training images are {x_train.shape[1:]}, test images '
@@ -268,9 +254,7 @@ def _labels(y: np.ndarray, key: str, path: pathlib.Path) -> np.ndarray:
 
 
 def _features(x: np.ndarray) -> np.ndarray:
-  if x.dtype == np.uint8:
-    return _images(x)
-  return _images(x).astype(np.float32) if x.ndim == 3 else x.astype(np.float32)
+  return _images(x) if x.dtype == np.uint8 else _images(x).astype(np.float32)
 
 
 @gin.configurable('npz_source')
@@ -287,7 +271,7 @@ def npz_source(path: str,
     name: Defaults to the file name without extension.
     num_classes: Defaults to `max(label) + 1` over both splits.
   """
-  resolved = _resolve_path(path)
+  resolved = _find(path, False, 'npz file', 'check npz_source.path.')
   try:
     with np.load(resolved, allow_pickle=False) as f:
       missing = [k for k in _NPZ_KEYS if k not in f.files]
@@ -374,11 +358,8 @@ def image_folder_source(path: str,
     classes: Class folder names in label order (default: CINIC-10's, CIFAR-10's order).
     test_split: Folder of the central test images.
   """
-  root = next((c for c in _candidates(path) if c.is_dir()),
-              pathlib.Path(os.path.expanduser(path)))
-  if not root.is_dir():
-    raise DataError(f'image folder {path!r} not found; download CINIC-10 (or any folder with '
-                    '<split>/<class>/*.png) and set image_folder_source.path.')
+  root = _find(path, True, 'image folder', 'download CINIC-10 (or any folder with '
+               '<split>/<class>/*.png) and set image_folder_source.path.')
   classes = tuple(classes)
   x_train, y_train = _read_image_split(root, train_split, classes)
   x_test, y_test = _read_image_split(root, test_split, classes)
@@ -401,13 +382,11 @@ def _tff_cache_dir(cache_dir: Optional[str]) -> str:
 
 def _emnist_train_counts(path: str, only_digits: bool) -> dict[str, int]:
   """Training examples per writer, from the database's `client_metadata` table."""
-  connection = sqlite3.connect(pathlib.Path(path).as_uri() + '?mode=ro', uri=True)
-  try:
+  uri = pathlib.Path(path).as_uri() + '?mode=ro'
+  with contextlib.closing(sqlite3.connect(uri, uri=True)) as connection:
     rows = connection.execute(
         'SELECT client_id, num_examples FROM client_metadata WHERE split_name = ?',
         (_EMNIST_TRAIN_SPLIT[only_digits],)).fetchall()
-  finally:
-    connection.close()
   return {str(cid): int(n) for cid, n in rows}
 
 
@@ -419,12 +398,10 @@ def _emnist_pixels_to_uint8(pixels: np.ndarray) -> np.ndarray:
 
 def _writer_arrays(client_data, writer: str) -> tuple[np.ndarray, np.ndarray]:
   """One writer's examples as (uint8 `[n, 28, 28, 1]`, int32 `[n]`); empty if absent."""
-  pixels, labels = [np.zeros((0, 28, 28), np.float32)], [np.zeros(0, np.int32)]
-  if writer in client_data.client_ids:
-    for batch in client_data.create_tf_dataset_for_client(writer).batch(
-        1024).as_numpy_iterator():
-      pixels.append(batch['pixels'])
-      labels.append(batch['label'])
+  batches = list(client_data.create_tf_dataset_for_client(writer).batch(
+      1024).as_numpy_iterator()) if writer in client_data.client_ids else []
+  pixels = [np.zeros((0, 28, 28), np.float32)] + [b['pixels'] for b in batches]
+  labels = [np.zeros(0, np.int32)] + [b['label'] for b in batches]
   return (_emnist_pixels_to_uint8(np.concatenate(pixels)),
           np.concatenate(labels).astype(np.int32).reshape(-1))
 

@@ -64,6 +64,19 @@ def _bn(name: str) -> tf.keras.layers.BatchNormalization:
       momentum=_BN_MOMENTUM, epsilon=_BN_EPSILON, name=name)
 
 
+def _bn_relu(x, bn_name: str, relu_name: str):
+  """`x` through BatchNorm `bn_name`, then ReLU `relu_name`."""
+  return tf.keras.layers.ReLU(name=relu_name)(_bn(bn_name)(x))
+
+
+def _conv_pools(x, filters: Sequence[int], kernel_size: int, init: _Init, padding: str):
+  """For each of `filters`, a ReLU conv `conv<i>` then a 2x2 max-pool `pool<i>` (i from 1)."""
+  for i, width in enumerate(filters, 1):
+    x = _conv(width, kernel_size, init, f'conv{i}', padding=padding, activation='relu')(x)
+    x = tf.keras.layers.MaxPool2D(2, name=f'pool{i}')(x)
+  return x
+
+
 def _classifier(inputs, x, num_classes: int, init, name: str) -> tf.keras.Model:
   """The model from `inputs` to logits: a linear 'logits' layer on the features `x`."""
   return tf.keras.Model(inputs, _dense(num_classes, init, 'logits')(x), name=name)
@@ -104,10 +117,7 @@ def _mlp2(name, input_shape, num_classes, init):
 def _cnn_cifar_tutorial(name, input_shape, num_classes, init):
   """TensorFlow's CIFAR-10 CNN tutorial model (122,570 parameters on 32x32x3)."""
   inputs, x = _image_input(name, input_shape, min_hw=18)
-  x = _conv(32, 3, init, 'conv1', activation='relu')(x)
-  x = tf.keras.layers.MaxPool2D(2, name='pool1')(x)
-  x = _conv(64, 3, init, 'conv2', activation='relu')(x)
-  x = tf.keras.layers.MaxPool2D(2, name='pool2')(x)
+  x = _conv_pools(x, (32, 64), 3, init, 'valid')
   x = _conv(64, 3, init, 'conv3', activation='relu')(x)
   x = tf.keras.layers.Flatten(name='flatten')(x)
   x = _dense(64, init, LATENT_LAYER, 'relu')(x)
@@ -118,10 +128,7 @@ def _cnn_mnist_582k(name, input_shape, num_classes, init):
   """McMahan et al.'s (2017) MNIST CNN with 'valid' padding, 582,026 parameters on 28x28x1:
   conv5x5·32 → pool2 → conv5x5·64 → pool2 → flatten (4·4·64 = 1024) → dense 512 → classifier."""
   inputs, x = _image_input(name, input_shape, min_hw=16)
-  x = _conv(32, 5, init, 'conv1', activation='relu')(x)
-  x = tf.keras.layers.MaxPool2D(2, name='pool1')(x)
-  x = _conv(64, 5, init, 'conv2', activation='relu')(x)
-  x = tf.keras.layers.MaxPool2D(2, name='pool2')(x)
+  x = _conv_pools(x, (32, 64), 5, init, 'valid')
   x = tf.keras.layers.Flatten(name='flatten')(x)
   x = _dense(512, init, LATENT_LAYER, 'relu')(x)
   return _classifier(inputs, x, num_classes, init, name)
@@ -134,10 +141,7 @@ def _cnn2(name, input_shape, num_classes, init):
   after the two 2x2 max-pools; 1,725,194 parameters for 10 classes.
   """
   inputs, x = _image_input(name, input_shape, min_hw=4)
-  x = _conv(32, 5, init, 'conv1', padding='same', activation='relu')(x)
-  x = tf.keras.layers.MaxPool2D(2, name='pool1')(x)
-  x = _conv(64, 5, init, 'conv2', padding='same', activation='relu')(x)
-  x = tf.keras.layers.MaxPool2D(2, name='pool2')(x)
+  x = _conv_pools(x, (32, 64), 5, init, 'same')
   x = tf.keras.layers.Flatten(name='flatten')(x)
   x = _dense(512, init, 'dense1', 'relu')(x)
   x = _dense(128, init, LATENT_LAYER, 'relu')(x)
@@ -160,21 +164,13 @@ def _cnn2_bn(name, input_shape, num_classes, init):
   moving statistics again: 1,728,138 in all.
   """
   inputs, x = _image_input(name, input_shape, min_hw=4)
-  x = _conv(32, 5, init, 'conv1', padding='same')(x)
-  x = _bn('bn1')(x)
-  x = tf.keras.layers.ReLU(name='relu1')(x)
+  x = _bn_relu(_conv(32, 5, init, 'conv1', padding='same')(x), 'bn1', 'relu1')
   x = tf.keras.layers.MaxPool2D(2, name='pool1')(x)
-  x = _conv(64, 5, init, 'conv2', padding='same')(x)
-  x = _bn('bn2')(x)
-  x = tf.keras.layers.ReLU(name='relu2')(x)
+  x = _bn_relu(_conv(64, 5, init, 'conv2', padding='same')(x), 'bn2', 'relu2')
   x = tf.keras.layers.MaxPool2D(2, name='pool2')(x)
   x = tf.keras.layers.Flatten(name='flatten')(x)
-  x = _dense(512, init, 'dense1')(x)
-  x = _bn('bn3')(x)
-  x = tf.keras.layers.ReLU(name='relu3')(x)
-  x = _dense(128, init, 'dense2')(x)
-  x = _bn('bn4')(x)
-  x = tf.keras.layers.ReLU(name=LATENT_LAYER)(x)
+  x = _bn_relu(_dense(512, init, 'dense1')(x), 'bn3', 'relu3')
+  x = _bn_relu(_dense(128, init, 'dense2')(x), 'bn4', LATENT_LAYER)
   return _classifier(inputs, x, num_classes, init, name)
 
 
@@ -184,8 +180,7 @@ def _basic_block(x: tf.Tensor, filters: int, strides: int, init: _Init,
   shortcut = x
   y = _conv(filters, 3, init, f'{prefix}_conv1', strides=strides, padding='same',
             use_bias=False)(x)
-  y = _bn(f'{prefix}_bn1')(y)
-  y = tf.keras.layers.ReLU(name=f'{prefix}_relu1')(y)
+  y = _bn_relu(y, f'{prefix}_bn1', f'{prefix}_relu1')
   y = _conv(filters, 3, init, f'{prefix}_conv2', padding='same', use_bias=False)(y)
   y = _bn(f'{prefix}_bn2')(y)
   if strides != 1 or x.shape[-1] != filters:
@@ -205,8 +200,7 @@ def _resnet18(name, input_shape, num_classes, init):
   """
   inputs, x = _image_input(name, input_shape, min_hw=1)
   x = _conv(64, 3, init, 'stem_conv', padding='same', use_bias=False)(x)
-  x = _bn('stem_bn')(x)
-  x = tf.keras.layers.ReLU(name='stem_relu')(x)
+  x = _bn_relu(x, 'stem_bn', 'stem_relu')
   for stage, (filters, strides) in enumerate(((64, 1), (128, 2), (256, 2), (512, 2)), 1):
     x = _basic_block(x, filters, strides, init, f'stage{stage}_block1')
     x = _basic_block(x, filters, 1, init, f'stage{stage}_block2')
@@ -234,8 +228,7 @@ def _vgg16(name, input_shape, num_classes, init):
     else:
       conv_i += 1
       x = _conv(v, 3, init, f'conv{conv_i}', padding='same')(x)
-      x = _bn(f'bn{conv_i}')(x)
-      x = tf.keras.layers.ReLU(name=f'relu{conv_i}')(x)
+      x = _bn_relu(x, f'bn{conv_i}', f'relu{conv_i}')
   x = tf.keras.layers.Flatten(name='flatten')(x)
   x = _dense(128, init, LATENT_LAYER, 'relu')(x)
   return _classifier(inputs, x, num_classes, init, name)

@@ -182,11 +182,9 @@ class ChannelModel:
         K = 1 with `share_downlink=False`).
     """
     indices = self._indices(clients)
+    check_number('num_receivers', num_receivers, integer=True, low=1, allow_none=True)
     if num_receivers is None:
       num_receivers = max(len(indices), 1)
-    elif (isinstance(num_receivers, bool) or not isinstance(num_receivers, (int, np.integer))
-          or num_receivers < 1):
-      raise ConfigError(f'num_receivers must be a positive integer, got {num_receivers!r}.')
     shares = num_receivers if self._share_downlink else 1
     bandwidth = self._server_bandwidth_hz / shares
     sinr = self._server_power_w * self._gain[indices] / (self._noise_w_per_hz * bandwidth
@@ -264,8 +262,7 @@ def deadline_epochs(download_s: ArrayLike, upload_s: ArrayLike, seconds_per_epoc
     raise ConfigError(f'download_s and upload_s must have one entry per client each, got '
                       f'lengths {len(download)} and {len(upload)}.')
   per_epoch = _per_client('seconds_per_epoch', seconds_per_epoch, len(download), positive=True)
-  if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
-    raise ConfigError(f'epochs must be a positive integer, got {epochs!r}.')
+  check_number('epochs', epochs, integer=True, low=1)
   if deadline_s is None:
     return np.full(len(download), int(epochs), dtype=np.int64)
   deadline = float(deadline_s)

@@ -22,7 +22,7 @@ from fltff.errors import CheckpointError
 from fltff.errors import ConfigError
 from fltff.errors import warn
 from fltff.simulation.outputs import atomic_write
-from fltff.simulation.outputs import write_json_file
+from fltff.simulation.outputs import atomic_write_json
 
 # What reading a damaged (truncated, overwritten, hand-edited) checkpoint file raises.
 _DAMAGE = (OSError, EOFError, ValueError, KeyError, TypeError, zipfile.BadZipFile, zlib.error)
@@ -34,6 +34,7 @@ class Checkpointer:
   def __init__(self, output_dir: str, keep: int = 3, durable: bool = True):
     """`durable=False` skips the `fsync`s (for `pipelines.bench --checkpoints` to time them)."""
     self.directory = os.path.join(output_dir, 'checkpoints')
+    self._latest = os.path.join(self.directory, 'latest.json')
     self.keep = keep
     self.durable = durable
 
@@ -55,8 +56,7 @@ class Checkpointer:
             np.lib.format.write_array(f, np.asanyarray(array), allow_pickle=False)
 
     atomic_write(stem + '.npz', write_npz, self.durable)
-    payload = dict(meta, round=round_num)
-    atomic_write(stem + '.json', lambda tmp: write_json_file(tmp, payload), self.durable)
+    atomic_write_json(stem + '.json', dict(meta, round=round_num), self.durable)
     self.mark_latest(round_num)
     self._prune()
     return stem
@@ -67,8 +67,7 @@ class Checkpointer:
 
   def mark_latest(self, round_num: int) -> None:
     """Names round `round_num` the newest complete checkpoint (`latest.json`)."""
-    atomic_write(os.path.join(self.directory, 'latest.json'),
-                  lambda tmp: write_json_file(tmp, {'round': round_num}), self.durable)
+    atomic_write_json(self._latest, {'round': round_num}, self.durable)
 
   def rounds(self) -> list[int]:
     """Rounds with a checkpoint file on disk, oldest first (damaged ones included)."""
@@ -82,7 +81,7 @@ class Checkpointer:
     (`restore` resumes the newest intact one)."""
     rounds = self.rounds()
     try:
-      with open(os.path.join(self.directory, 'latest.json')) as f:
+      with open(self._latest) as f:
         named = int(json.load(f)['round'])
     except _DAMAGE:
       return rounds[-1] if rounds else None
@@ -93,14 +92,13 @@ class Checkpointer:
     """`(round, process_state, meta, other_arrays)` of the newest intact checkpoint, skipping
     damaged ones (and `latest.json`) with one `warn_fn` line. Raises `FileNotFoundError` if
     there is none, `CheckpointError` if none is intact."""
-    latest_path = os.path.join(self.directory, 'latest.json')
     latest, problems = None, []
     try:
-      with open(latest_path) as f:
+      with open(self._latest) as f:
         latest = int(json.load(f)['round'])
     except _DAMAGE as e:
-      if os.path.exists(latest_path):
-        problems.append(f'{latest_path} is damaged ({_describe(e)})')
+      if os.path.exists(self._latest):
+        problems.append(f'{self._latest} is damaged ({_describe(e)})')
     # Round files are written atomically: the newest intact one wins over a stale `latest.json`
     # (a crash between the two writes, or a restored copy).
     candidates = list(reversed(self.rounds()))
@@ -126,7 +124,7 @@ class Checkpointer:
 
   def _read(self, round_num: int) -> tuple[dict, dict]:
     """All arrays and the metadata of one checkpoint; raises one of `_DAMAGE` if damaged."""
-    stem = os.path.join(self.directory, f'round_{round_num:05d}')
+    stem = self.path(round_num)
     with np.load(stem + '.npz', allow_pickle=False) as data:
       arrays = {k: data[k] for k in data.files}  # Reads (and CRC-checks) every array.
     with open(stem + '.json') as f:

@@ -270,10 +270,12 @@ class RoundDriver:
     return lambda k: {'trainable': [np.asarray(t[position[k]]) for t in stacked],
                       'non_trainable': non_trainable}
 
-  def local_accuracies(self, weights_of: Callable[[int], Any]) -> dict[int, float]:
-    """Accuracy of each round client on its local test split (if any), with `weights_of(k)`."""
+  def local_accuracies(self, weights_of: Callable[[int], Any],
+                       clients: Optional[Sequence[int]] = None) -> dict[int, float]:
+    """Accuracy of each of `clients` (default: the round's) on its local test split (if any),
+    with `weights_of(k)`."""
     accuracies = {}
-    for k in self._round_clients:
+    for k in self._round_clients if clients is None else clients:
       x, y = self.data.local_test_arrays(k)
       if len(y):
         self.evaluator.set_weights(weights_of(k))
@@ -283,21 +285,13 @@ class RoundDriver:
   def evaluate_personalized(self, state, global_weights) -> dict[str, float]:
     """Mean over all clients of accuracy on their own local test split: personal model and
     global model. A client that has never taken part is evaluated with the global model."""
-    personal, global_local = [], []
-    for k in range(self.num_clients):
-      x, y = self.data.local_test_arrays(k)
-      if len(y) == 0:
-        continue
-      self.evaluator.set_weights(global_weights)
-      global_local.append(self.evaluator.evaluate(x, y)['accuracy'])
-      if k in self.client_states:
-        self.evaluator.set_weights(self.algorithm.personal_weights(state,
-                                                                   self.client_states.get(k)))
-        personal.append(self.evaluator.evaluate(x, y)['accuracy'])
-      else:
-        personal.append(global_local[-1])
-    return {'personalized_accuracy': float(np.mean(personal)),
-            'global_model_local_accuracy': float(np.mean(global_local))}
+    everyone = range(self.num_clients)
+    global_local = self.local_accuracies(lambda k: global_weights, everyone)
+    personal = global_local | self.local_accuracies(
+        lambda k: self.algorithm.personal_weights(state, self.client_states.get(k)),
+        [k for k in everyone if k in self.client_states])
+    return {'personalized_accuracy': float(np.mean(list(personal.values()))),
+            'global_model_local_accuracy': float(np.mean(list(global_local.values())))}
 
   # -- checkpoints -------------------------------------------------------------------------
   def save(self, round_num: int, state) -> None:

@@ -23,6 +23,7 @@ from fltff.data import build_federated_data
 from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
 from fltff.config_checks import gin_binds
+from fltff.config_checks import parameters
 from fltff.errors import ConfigError
 from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
@@ -172,10 +173,7 @@ def build_method(method: Callable[..., Any], model_spec: ModelSpec, num_clients:
   (and a method without a server optimizer refuses it in one line).
   """
   target = inspect.unwrap(method)
-  try:
-    params = inspect.signature(target).parameters
-  except (TypeError, ValueError):
-    params = {}
+  params = parameters(target)
   kwargs = {}
   if 'client_optimizer' in params:
     kwargs['client_optimizer'] = optimizers.client_optimizer()

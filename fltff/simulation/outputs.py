@@ -228,16 +228,16 @@ def atomic_write(path: str, write_fn, durable: bool = True) -> None:
     _fsync(os.path.dirname(path) or '.')
 
 
-def write_json_file(path: str, payload: dict) -> None:
-  with open(path, 'w') as f:
-    json.dump(payload, f, indent=1, sort_keys=True)
-
-
 def _write_text(path: str, text: str, durable: bool = False) -> None:
   def write(tmp):
     with open(tmp, 'w') as f:
       f.write(text)
   atomic_write(path, write, durable)
+
+
+def atomic_write_json(path: str, payload: dict, durable: bool) -> None:
+  """`payload` as indented JSON with sorted keys, written by `atomic_write`."""
+  _write_text(path, json.dumps(payload, indent=1, sort_keys=True), durable)
 
 
 def record_config(output_dir: str, config_text: str) -> None:
@@ -330,6 +330,7 @@ class RunOutputs:
     self.output_dir = output_dir
     os.makedirs(output_dir, exist_ok=True)
     self.csv_path = os.path.join(output_dir, 'metrics.csv')
+    self.measurements_path = os.path.join(output_dir, 'measurements.jsonl')
     self._writer = _EventWriter(os.path.join(output_dir, 'tensorboard'))
 
   def write_rows(self, rows: Sequence[dict]) -> None:
@@ -343,8 +344,7 @@ class RunOutputs:
     with open(tmp, 'w', newline='') as f:
       w = csv.DictWriter(f, fieldnames=fields)
       w.writeheader()
-      for row in rows:
-        w.writerow({k: row.get(k, '') for k in fields})
+      w.writerows({k: row.get(k, '') for k in fields} for row in rows)
     os.replace(tmp, self.csv_path)
 
   def restart_at(self, round_num: int) -> None:
@@ -363,10 +363,9 @@ class RunOutputs:
     under `key/heatmap`."""
     import numpy as np  # pylint: disable=g-import-not-at-top
 
-    path = os.path.join(self.output_dir, 'measurements.jsonl')
     record = {'round': int(round_num)}
     record.update({k: np.asarray(v).tolist() for k, v in arrays.items()})
-    with open(path, 'a') as f:
+    with open(self.measurements_path, 'a') as f:
       f.write(json.dumps(record) + '\n')
     values = []
     for key, value in arrays.items():
@@ -382,15 +381,14 @@ class RunOutputs:
 
   def truncate_measurements(self, last_round: int) -> None:
     """Drops measurement records after `last_round` (on resume)."""
-    path = os.path.join(self.output_dir, 'measurements.jsonl')
-    if not os.path.exists(path):
+    if not os.path.exists(self.measurements_path):
       return
-    with open(path) as f:
-      _write_text(path, ''.join(l for l in f if json.loads(l)['round'] <= last_round))
+    with open(self.measurements_path) as f:
+      _write_text(self.measurements_path,
+                  ''.join(l for l in f if json.loads(l)['round'] <= last_round))
 
   def write_json(self, name: str, payload: dict) -> None:
-    atomic_write(os.path.join(self.output_dir, name),
-                 lambda tmp: write_json_file(tmp, payload), durable=False)
+    atomic_write_json(os.path.join(self.output_dir, name), payload, durable=False)
 
   def plot(self, rows: Sequence[dict], title: str) -> str:
     """accuracy_loss.png: each evaluated protocol's accuracy and the losses per round."""
@@ -432,10 +430,9 @@ class RunOutputs:
     pictures compare. Returns the files written."""
     import numpy as np  # pylint: disable=g-import-not-at-top
 
-    path = os.path.join(self.output_dir, 'measurements.jsonl')
-    if not os.path.exists(path):
+    if not os.path.exists(self.measurements_path):
       return []
-    with open(path) as f:
+    with open(self.measurements_path) as f:
       records = [json.loads(line) for line in f if line.strip()]
     matrices = {}
     for record in records:

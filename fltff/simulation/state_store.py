@@ -26,7 +26,6 @@ import numpy as np
 import tensorflow as tf
 
 from fltff.errors import CheckpointError
-from fltff.config_checks import check_choice
 from fltff.errors import ConfigError
 
 STORE_KINDS = ('memory', 'sqlite')
@@ -283,8 +282,8 @@ def fingerprint_of(entries) -> dict:
 
 
 def build_client_state_store(kind: str, output_dir: str, init_fn: Callable[[int], Any]):
-  """The store `experiment.client_state_store` names ('memory' or 'sqlite')."""
+  """The store `experiment.client_state_store` names ('memory' or 'sqlite'; checked by
+  `RoundConfig.validate`)."""
   if kind == 'memory':
     return ClientStateStore(init_fn)
-  check_choice('experiment.client_state_store', kind, STORE_KINDS)
   return SqliteClientStateStore(output_dir, init_fn)
