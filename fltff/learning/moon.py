@@ -156,19 +156,12 @@ def vectorized_moon_work(model_spec: ModelSpec, optimizer, mu: float, temperatur
 
 def build_moon_client_work(model_spec: ModelSpec, optimizer, mu: float, temperature: float):
   """MOON's client work; client state: the previous local model's trainable weights."""
-
-  def client_fn(initial_weights, server_value, data, previous):
-    keras_model = model_spec.keras_fn()
-    regularizer = ModelContrastiveRegularizer(
-        keras_model, model_spec.keras_fn(), model_spec.keras_fn(), initial_weights,
-        previous_models(server_value, previous), mu, temperature)
-    out = client_work_lib.build_local_training(
-        model_spec.tff_model(keras_model), optimizer, regularizer)(
-            initial_weights, data['batches'], data['info'])
-    result = client_work_lib.client_result(initial_weights, data, out)
-    return (result, out['metrics'], *trained_models(out, previous))
-
-  process, _ = client_state.build_stateful_client_work(model_spec, client_fn)
+  process, _ = client_state.build_stateful_client_work(
+      model_spec, optimizer,
+      lambda keras_model, weights, previous: ModelContrastiveRegularizer(
+          keras_model, model_spec.keras_fn(), model_spec.keras_fn(), weights, previous, mu,
+          temperature),
+      previous_models, trained_models)
   return process
 
 

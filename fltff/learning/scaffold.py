@@ -109,24 +109,13 @@ def new_controls(out: dict, controls: Sequence[tf.Tensor]) -> tuple:
 def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: int,
                                weight_fields: Sequence[str] = ()):
   """SCAFFOLD's client work: c the server state, c_i the client state (`client_state`)."""
-  client_work_lib.check_weight_fields(weight_fields)
   specs = model_spec.trainable_specs()
-
-  def client_fn(initial_weights, server_control, data, control):
-    keras_model = model_spec.keras_fn()
-    local_model = model_spec.tff_model(keras_model)
-    out = client_work_lib.build_local_training(
-        local_model, optimizer, ControlVariateCorrection(correction(server_control, control)),
-        latent_fn=client_work_lib.latent_fn_for(keras_model, weight_fields),
-        step_observers=(GradientMean(),))(initial_weights, data['batches'], data['info'])
-    new_control, delta = new_controls(out, control)
-    result = client_work_lib.client_result(initial_weights, data, out, weight_fields)
-    return result, out['metrics'], new_control, delta
-
   return client_state.build_stateful_client_work(
-      model_spec, client_fn,
+      model_spec, optimizer, lambda keras_model, weights, terms: ControlVariateCorrection(terms),
+      correction, new_controls,
       server_init_fn=lambda: tuple(tf.zeros(s.shape, s.dtype) for s in specs),
-      server_update_fn=functools.partial(server_control_update, num_clients=num_clients))
+      server_update_fn=functools.partial(server_control_update, num_clients=num_clients),
+      weight_fields=weight_fields, step_observers=(GradientMean(),))
 
 
 def vectorized_scaffold_work(model_spec: ModelSpec, optimizer, num_clients: int,
