@@ -22,7 +22,7 @@ from fltff.learning import client_work as client_work_lib
 from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.process import Algorithm
-from fltff.learning.process import build_algorithm
+from fltff.learning.process import build_averaging_method
 
 
 def model_contrastive_loss(z: tf.Tensor, z_glob: tf.Tensor, z_prev: tf.Tensor,
@@ -182,8 +182,8 @@ def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, m
   with tf.Graph().as_default():
     latent_model(model_spec.keras_fn())  # A clear error now, not inside the computation.
   optimizer = client_optimizer or optimizers.default_client_optimizer()
-  algorithm = build_algorithm(
-      'moon', model_spec, optimizer, optimizers.server_sgd(server_optimizer, 1.0, 'moon'),
+  algorithm = build_averaging_method(
+      'moon', model_spec, optimizer, server_optimizer, 1.0, None,
       client_work=build_moon_client_work(model_spec, optimizer, mu, temperature))
   algorithm.num_clients = num_clients
   # The batch term reads the model: kernels are never factored (`factor_dense` unused).

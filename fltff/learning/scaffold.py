@@ -27,8 +27,7 @@ from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.model_spec import type_num_bytes
 from fltff.learning.process import Algorithm
-from fltff.learning.process import build_algorithm
-from fltff.learning.process import ccn_name
+from fltff.learning.process import build_averaging_method
 
 
 class ControlVariateCorrection:
@@ -143,10 +142,9 @@ def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=Non
   optimizer = client_optimizer or optimizers.default_client_optimizer()
   client_work, control_type = build_scaffold_client_work(
       model_spec, optimizer, num_clients, getattr(model_aggregator, 'weight_fields', ()))
-  algorithm = build_algorithm(
-      ccn_name('scaffold', model_aggregator), model_spec, optimizer,
-      optimizers.server_sgd(server_optimizer, server_learning_rate, 'scaffold'),
-      client_work=client_work, model_aggregator=model_aggregator)
+  algorithm = build_averaging_method(
+      'scaffold', model_spec, optimizer, server_optimizer, server_learning_rate,
+      model_aggregator, client_work=client_work)
   control_bytes = type_num_bytes(control_type)
   specs = [np.zeros(t.shape, t.dtype.type) for t in control_type]
   # The server sends c with the model; each client sends Δc_i with its update.
