@@ -91,13 +91,15 @@ def traits_of(regularizer) -> Optional[RegularizerTraits]:
 class LocalRegularizer(Protocol):
   """A term of the client's local objective that depends on the global weights.
 
-  `epoch_start` returns a context fixed for the epoch (FedLap's λ); `penalty` is differentiated
-  with the data loss every step unless `traits` (`RegularizerTraits`) offer a closed form.
+  `epoch_start` returns a context fixed for the epoch (FedLap's λ; by default none, `()`, for
+  a subclass); `penalty` is differentiated with the data loss every step unless `traits`
+  (`RegularizerTraits`) offer a closed form.
   """
   traits: RegularizerTraits
 
   def epoch_start(self, local: Sequence[tf.Tensor], global_: Sequence[tf.Tensor]) -> Any:
-    ...
+    del local, global_
+    return ()
 
   def penalty(self, local: Sequence[tf.Variable], global_: Sequence[tf.Tensor],
               context: Any) -> tf.Tensor:

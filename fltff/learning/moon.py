@@ -97,7 +97,7 @@ class ModelContrastiveRegularizer:
     return self.mu * model_contrastive_loss(z, z_glob, z_prev, self.temperature)
 
 
-class StackedModelContrastive:
+class StackedModelContrastive(client_work_lib.LocalRegularizer):
   """MOON's `μ ℓ_con` for one client of a vectorised round, one functional latent apply on the
   local, global and previous weights. z is the training pass's own latent (`batch['latent']`),
   as in MOON's code: on the BatchNorm-free models that vectorise it equals
@@ -110,10 +110,6 @@ class StackedModelContrastive:
     self._latent_apply = latent_apply
     self.previous = tuple(previous)
     self.mu, self.temperature = float(mu), float(temperature)
-
-  def epoch_start(self, local, global_):
-    del local, global_
-    return ()
 
   def penalty(self, local, global_, context):
     del local, global_, context

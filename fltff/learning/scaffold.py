@@ -30,7 +30,7 @@ from fltff.learning.process import Algorithm
 from fltff.learning.process import build_averaging_method
 
 
-class ControlVariateCorrection:
+class ControlVariateCorrection(client_work_lib.LocalRegularizer):
   """`LocalRegularizer` adding the constant `c − c_i` to every local gradient (eq. (3))."""
 
   # The gradient is the constant correction: an affine gradient with no w-term.
@@ -38,10 +38,6 @@ class ControlVariateCorrection:
 
   def __init__(self, correction: Sequence[tf.Tensor]):
     self.correction = tuple(correction)
-
-  def epoch_start(self, local, global_):
-    del local, global_
-    return ()
 
   def penalty(self, local, global_, context):
     """`<c − c_i, w>`, whose gradient is the correction."""
