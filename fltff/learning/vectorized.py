@@ -500,8 +500,7 @@ class VectorizedClientWork:
     """
     del epochs  # Each client's epochs are in `valid`.
     reg = self._regularization(client_terms)
-    plan = self._factored_plan(factored, reg.probe, reg.global_anchor or reg.client_anchor,
-                               start)
+    plan = self._factored_plan(factored, reg.probe, start)
     # Reads of the updater's `[None, ...]` variables get the traced client count (`with_clients`).
     clients = functools.partial(with_clients, num_clients=num_clients)
     k = tf.shape(valid)[2] if num_clients is None else num_clients
@@ -584,15 +583,11 @@ class VectorizedClientWork:
   def _client_starts(self, global_trainable, start, statistics, k, clients) -> tuple:
     """`(weights, statistics)` each client starts from, `[K, ...]`: the global model's or its
     own `start`, and the BatchNorm statistics (`()` without BatchNorm)."""
+    statistics = () if self._update_statistics is None else tuple(statistics)
     if start is None:
-      weights = tuple(broadcast_clients(g, k) for g in global_trainable)
-    else:
-      weights = tuple(start)
-    if self._update_statistics is None:
-      return weights, ()
-    if start is None:
-      return weights, tuple(broadcast_clients(v, k) for v in statistics)
-    return weights, clients(tuple(statistics))
+      return (tuple(broadcast_clients(g, k) for g in global_trainable),
+              tuple(broadcast_clients(v, k) for v in statistics))
+    return tuple(start), clients(statistics)
 
   @staticmethod
   def _factored_start(plan, reg: _Regularization, weights, k, steps, batch, terms,
@@ -673,22 +668,17 @@ class VectorizedClientWork:
     return frozenset(i for i, (fan_in, fan_out) in self._dense_kernels.items()
                      if rows and factored_dense.worth_factoring(fan_in, fan_out, rows))
 
-  def _factored_plan(self, requested: frozenset, regularizer, anchored: bool, start
+  def _factored_plan(self, requested: frozenset, regularizer, start
                      ) -> Optional[factored_dense.FactoredKernels]:
-    """The round's `FactoredKernels`, or None: factoring needs no regulariser or an anchored one
-    with `per_tensor_scales` (FedProx, KAPC)."""
-    if not requested or not self._regularizer_factors(regularizer, anchored):
+    """The round's `FactoredKernels` (`requested`: none where the regulariser cannot factor,
+    `_train_group`), or None."""
+    if not requested:
       return None
     learning_rate, momentum = self._updater.hyperparameters
     self.factored_traces.add(tuple(sorted(requested)))
     return factored_dense.FactoredKernels(
         tuple(sorted(requested)), learning_rate, momentum,
         with_anchor=regularizer is not None and start is not None)
-
-  @staticmethod
-  def _regularizer_factors(regularizer, anchored: bool) -> bool:
-    return regularizer is None or (
-        anchored and client_work_lib.traits_of(regularizer).per_tensor_scales)
 
   # -- the round ----------------------------------------------------------------------------
   def traced_client_count(self, k: int) -> Optional[int]:
@@ -741,8 +731,10 @@ class VectorizedClientWork:
     factored = self.factored_kernels(data)
     if factored:
       reg = self._regularization(client_terms)
-      if not self._regularizer_factors(reg.probe, reg.global_anchor or reg.client_anchor):
-        # This regulariser cannot factor: reuse the unfactored trace rather than trace again.
+      # Factoring needs no regulariser or an anchored one with `per_tensor_scales` (FedProx,
+      # KAPC); for any other, reuse the unfactored trace rather than trace again.
+      if reg.probe is not None and not ((reg.global_anchor or reg.client_anchor)
+                                        and reg.traits.per_tensor_scales):
         factored = frozenset()
     args = (global_trainable, start, client_terms, statistics, data['examples'], data['labels'],
             data['index'], data['mask'], data['valid'], data['epochs'])
