@@ -277,10 +277,10 @@ class _Regularization(NamedTuple):
 class VectorizedClientWork:
   """`client_work.build_client_work`'s computation for all of a round's participants at once.
 
-  `__call__(global_weights, client_inputs, call)` returns `(results, train_metrics,
-  regularizer_stats)`: `StackedClientResults` (as `client_work.client_result`), the metrics
-  through `tff.learning.metrics.sum_then_finalize` (run by `call`), and the mean regulariser
-  measurements (None without them).
+  `round_results(global_weights, client_inputs, call)` returns `(results, train_metrics,
+  regularizer_stats, out)`: `StackedClientResults` (as `client_work.client_result`), the
+  metrics through `tff.learning.metrics.sum_then_finalize` (run by `call`), the mean
+  regulariser measurements (None without them) and the training's outputs.
   """
 
   def __init__(self, model_spec: ModelSpec, optimizer,
@@ -756,9 +756,6 @@ class VectorizedClientWork:
         for name, values in (('accuracy', [correct, examples]), ('loss', [loss_sum, examples]),
                              ('num_examples', [examples]), ('num_batches', [batches])))
 
-  def __call__(self, global_weights, client_inputs: Sequence[Any], call=None):
-    return self.round_results(global_weights, client_inputs, call)[:3]
-
   def next(self, state, global_weights, client_inputs: Sequence[Any], call=None):
     """The client work's `next`: `(state, results, measurements)`, the state unchanged, the
     measurements `train` and, with a measuring regulariser, `regularizer`."""
@@ -771,8 +768,8 @@ class VectorizedClientWork:
 
   def round_results(self, global_weights, client_inputs: Sequence[Any], call=None,
                     client_terms=None):
-    """`(results, train, regularizer_stats, out)`: `__call__`'s and the training's `out`; with
-    `client_terms` (`[K, ...]`), each client's regulariser is `client_regularizer(its row)`."""
+    """The round's results (class docstring); with `client_terms` (`[K, ...]`), each client's
+    regulariser is `client_regularizer(its row)`."""
     call = call or (lambda fn, *args: fn(*args))
     if global_weights.non_trainable and not self._batch_norm:
       raise ConfigError('vectorised clients need a model without non-trainable weights.')
