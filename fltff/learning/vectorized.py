@@ -135,11 +135,9 @@ def moving_statistics(keras_model: tf.keras.Model) -> Callable:
   """`update(statistics, moments, trains)`: the BatchNorm moving statistics (`[K, ...]`, in
   `non_trainable_weights` order) after a step with batch `moments` (`functional_apply`'s):
   Keras's `v − (v − batch)(1 − momentum)` with the biased variance, for the clients in `trains`."""
-  norms = [layer for layer in keras_model.layers if _is_batch_norm(layer)]
-  slot = {}
-  for layer in norms:
-    slot[id(layer.moving_mean)] = (layer.name, 0, layer.momentum)
-    slot[id(layer.moving_variance)] = (layer.name, 1, layer.momentum)
+  slot = {id(v): (layer.name, which, layer.momentum)
+          for layer in keras_model.layers if _is_batch_norm(layer)
+          for which, v in enumerate((layer.moving_mean, layer.moving_variance))}
   slots = [slot[id(v)] for v in keras_model.non_trainable_weights]
 
   def update(statistics, moments, trains):
@@ -813,8 +811,6 @@ class StackedClientResults(Sequence):
   def __getitem__(self, k):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-    if isinstance(k, slice):
-      return [self[i] for i in range(*k.indices(self._num_clients))]
     if not -self._num_clients <= k < self._num_clients:
       raise IndexError(k)
     pick = lambda a: a[k].numpy() if tf.is_tensor(a) else np.asarray(a)[k]
