@@ -50,7 +50,7 @@ def stack_client_batches(client_inputs: Sequence[Any],
     table_x, table_y, rows, sizes, counts = _read_datasets(
         [_as_tff_reads(data['batches'], read_before) for data in client_inputs], passes)
   # Where each batch goes: client c's epochs one after another, each its steps in order.
-  client = np.repeat(np.arange(len(counts)), [c * p for c, p in zip(counts, passes)])
+  client = _round_choice(counts, passes)
   epoch = np.concatenate([np.repeat(np.arange(p), c) for c, p in zip(counts, passes)] or [[]])
   step = np.concatenate([np.tile(np.arange(c), p) for c, p in zip(counts, passes)] or [[]])
   client, epoch, step = (a.astype(np.int64) for a in (client, epoch, step))
