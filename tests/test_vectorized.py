@@ -66,6 +66,11 @@ VECTORISED = ('fedavg', 'fedlap', 'fedlayerwise', 'fednova+ccn', 'fedbabu', 'sca
 METHODS = {name: equality_methods()[name] for name in VECTORISED}
 
 
+def _round_batches(data) -> tuple:
+  """`(x [E, S, K, B, ...], y [E, S, K, B])` of a `stack_client_batches` result (padding 0)."""
+  return (np.asarray(data['examples'])[data['index']], np.asarray(data['labels'])[data['index']])
+
+
 def _own_client_work(spec):
   """FedAvg composed with a client work of the user's own (TFF's model delta client work):
   fltff cannot know its arithmetic, so it cannot vectorise it."""
@@ -316,8 +321,8 @@ def test_a_convolutional_client_work_with_every_weight_field_equals_tffs(cpp):
   logged = _TensorFlowWarnings()
   tf.get_logger().addHandler(logged)
   try:
-    results, train, _ = vectorized.VectorizedClientWork(spec, SGDM(), weight_fields=fields)(
-        weights, inputs, lambda fn, *args: fn(*args))
+    results, train, _, _ = vectorized.VectorizedClientWork(
+        spec, SGDM(), weight_fields=fields).round_results(weights, inputs)
     # pfor loops over the clients for the filter gradients, by design and without a warning
     # (which it does print for such a map outside the vectorised step).
     assert not any('Fix that' in m for m in logged.messages), logged.messages
@@ -358,7 +363,7 @@ def test_padding_and_masks_follow_each_clients_batches(known_batch_counts):
   inputs = [client_input(batches(7, 0), 0, 2), client_input(batches(2, 100), 1, 1),
             client_input(batches(4, 200), 2, 0)]
   out = round_data.stack_client_batches(inputs)
-  x, _ = round_data.round_batches(out)
+  x, _ = _round_batches(out)
   assert x.shape == (2, 3, 3, 3, 2)  # epochs, steps, clients, batch, example
   np.testing.assert_array_equal(out['epochs'], [2, 1, 0])
   # Client 0: batches of 3, 3, 1 in both epochs; client 1: one batch of 2 in epoch 0 only;
@@ -468,7 +473,7 @@ def test_each_epoch_reshuffles_and_a_dataset_passed_again_starts_afresh():
   for _ in range(2):
     out = round_data.stack_client_batches([client_input(passed, 0, 3)], read_before)
     for e in range(3):
-      y = round_data.round_batches(out)[1]
+      y = _round_batches(out)[1]
       np.testing.assert_array_equal(y[e, :, 0].reshape(-1), expected[e])
 
 
@@ -496,13 +501,13 @@ def test_the_drivers_datasets_read_from_their_arrays_give_the_same_round():
     assert a.keys() == t.keys()
     for name in ('mask', 'valid', 'epochs'):
       np.testing.assert_array_equal(a[name], t[name], err_msg=name)
-    for name, x, y in zip(('x', 'y'), round_data.round_batches(a), round_data.round_batches(t)):
+    for name, x, y in zip(('x', 'y'), _round_batches(a), _round_batches(t)):
       assert x.dtype == y.dtype, name
       np.testing.assert_array_equal(x, y, err_msg=name)
   # From arrays, the table holds each example once (and the padding row), whatever the epochs;
   # read through tf.data, every batch as read.
   assert len(a['labels']) == 23 + 7 + 16 + 1 < len(t['labels'])
-  x, y = round_data.round_batches(a)
+  x, y = _round_batches(a)
   assert x.shape == (2, 5, 3, 5, 4, 4, 1) and np.max(x) > 0.9
   assert not np.array_equal(y[0, :, 0], y[1, :, 0])  # Epochs reshuffle.
 
@@ -521,7 +526,7 @@ def test_a_model_built_in_a_graph_meanwhile_does_not_break_a_new_round_shape(spe
       spec.keras_fn()
     inputs = [client_input(client_batches(*data.client_arrays(k), batch_size), k, 1)
               for k in clients]
-    results, train, _ = work(weights, inputs, direct)
+    results, train, _, _ = work.round_results(weights, inputs, direct)
     assert len(results) == len(clients) and np.isfinite(train['loss'])
 
 
@@ -562,8 +567,8 @@ def test_a_batchnorm_client_work_equals_tffs(mu, cpp):
   tff.framework.set_default_context(cpp)
   work = client_work_lib.build_client_work(spec, SGDM(), regularizer)
   expected = work.next(work.initialize(), [weights] * 3, inputs)
-  results, train, _ = vectorized.VectorizedClientWork(spec, SGDM(), regularizer, batch_norm=True)(
-      weights, inputs, lambda fn, *args: fn(*args))
+  results, train, _, _ = vectorized.VectorizedClientWork(
+      spec, SGDM(), regularizer, batch_norm=True).round_results(weights, inputs)
   # A bias that feeds a BatchNorm has no effect on the outputs (the normalisation subtracts
   # it): its gradient is zero but for rounding, on either side. Those are compared at the scale
   # of the client's whole update, every other tensor at its own; an update `global − trained`

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import numpy as np
@@ -25,19 +26,26 @@ CLIENT_STATES_KEY = 'client_states'
 
 def build_stateful_client_work(
     model_spec: ModelSpec,
-    client_fn: Callable[..., tuple],
+    optimizer,
+    regularizer_fn: Callable[[Any, Any, Any], Any],
+    client_terms: Callable[[Any, tuple], Any],
+    client_final: Callable[[dict, tuple], tuple],
     server_init_fn: Optional[Callable[[], Any]] = None,
-    server_update_fn: Optional[Callable[[Any, Any], Any]] = None):
+    server_update_fn: Optional[Callable[[Any, Any], Any]] = None,
+    weight_fields: Sequence[str] = (),
+    step_observers: Sequence[client_work_lib.StepObserver] = ()):
   """A `ClientWorkProcess` whose clients read and return a state shaped like the weights.
 
+  Each participant trains (`client_work.build_local_training`) with the regulariser
+  `regularizer_fn(keras model, initial weights, client_terms(server_value, client_state))`;
+  `client_terms` and `client_final` as `VectorizedStatefulWork`'s, `client_state` being
+  `data['state']`'s element and `server_value` the broadcast server state (None without one).
+
   Args:
-    client_fn: Per-participant TF code, `(initial_weights, server_value, data, client_state) ->
-      (ClientResult, unfinalized metrics, new client state, server contribution)`;
-      `client_state` is `data['state']`'s element, `server_value` the broadcast server state
-      (None without one); contributions are summed for `server_update_fn` (else return `()`).
     server_init_fn: No-arg TF function giving the server state (SCAFFOLD's c); None: none.
     server_update_fn: `(server_state, summed contributions) -> new server state`; given
       exactly when `server_init_fn` is (else `ValueError`).
+    weight_fields: As in `client_work.build_client_work`.
 
   Returns:
     `(process, TFF type of one client's state)`; the process measures `train` and, under
@@ -48,6 +56,7 @@ def build_stateful_client_work(
 
   if (server_init_fn is None) != (server_update_fn is None):
     raise ValueError('server_init_fn and server_update_fn go together.')
+  client_work_lib.check_weight_fields(weight_fields)
   with tf.Graph().as_default():
     metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
         model_spec.metric_finalizers())
@@ -59,9 +68,16 @@ def build_stateful_client_work(
   def run_client(initial_weights, server_value, data):
     zero = tuple(tf.zeros(s.shape, s.dtype) for s in specs)
     client_state = client_work_lib.read_single(data['state'], zero)
-    result, metrics, new_state, contribution = client_fn(initial_weights, server_value, data,
-                                                         client_state)
-    return (result, metrics, tuple(new_state), client_work_lib.client_index_of(data),
+    keras_model = model_spec.keras_fn()
+    regularizer = regularizer_fn(keras_model, initial_weights,
+                                 client_terms(server_value, client_state))
+    out = client_work_lib.build_local_training(
+        model_spec.tff_model(keras_model), optimizer, regularizer,
+        latent_fn=client_work_lib.latent_fn_for(keras_model, weight_fields),
+        step_observers=step_observers)(initial_weights, data['batches'], data['info'])
+    result = client_work_lib.client_result(initial_weights, data, out, weight_fields)
+    new_state, contribution = client_final(out, client_state)
+    return (result, out['metrics'], tuple(new_state), client_work_lib.client_index_of(data),
             contribution)
 
   gather, _ = build_gather(state_type, tff.TensorType(np.int32))

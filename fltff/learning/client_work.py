@@ -91,13 +91,15 @@ def traits_of(regularizer) -> Optional[RegularizerTraits]:
 class LocalRegularizer(Protocol):
   """A term of the client's local objective that depends on the global weights.
 
-  `epoch_start` returns a context fixed for the epoch (FedLap's λ); `penalty` is differentiated
-  with the data loss every step unless `traits` (`RegularizerTraits`) offer a closed form.
+  `epoch_start` returns a context fixed for the epoch (FedLap's λ; by default none, `()`, for
+  a subclass); `penalty` is differentiated with the data loss every step unless `traits`
+  (`RegularizerTraits`) offer a closed form.
   """
   traits: RegularizerTraits
 
   def epoch_start(self, local: Sequence[tf.Tensor], global_: Sequence[tf.Tensor]) -> Any:
-    ...
+    del local, global_
+    return ()
 
   def penalty(self, local: Sequence[tf.Variable], global_: Sequence[tf.Tensor],
               context: Any) -> tf.Tensor:
@@ -167,8 +169,7 @@ def read_single(dataset: tf.data.Dataset, zero):
 
 
 def _info_zero():
-  return collections.OrderedDict(client_index=tf.constant(0, tf.int32),
-                                 epochs=tf.constant(0, tf.int32))
+  return tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), CLIENT_INFO_SPEC)
 
 
 def client_index_of(data) -> tf.Tensor:
@@ -228,8 +229,6 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
 
   # A closed-form gradient is added directly: the update of differentiating `penalty` (tested).
   traits = traits_of(regularizer) or PENALTY_ONLY
-  analytic_gradient, has_affine, batch_dependent = (traits.analytic, traits.affine,
-                                                    traits.batch_term)
   frozen = frozenset(frozen)
 
   # No autograph: loops are `tf.while_loop`s, every `if` is on a Python value (converting is slow).
@@ -249,16 +248,16 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
       if regularizer is not None:
         context = regularizer.epoch_start(
             tuple(v.read_value() for v in variables), global_trainable)
-      affine = regularizer.affine_gradient(global_trainable, context) if has_affine else None
+      affine = regularizer.affine_gradient(global_trainable, context) if traits.affine else None
 
       def reduce_fn(state, batch):
         examples, steps, optimizer_state, observed = state
         with tf.GradientTape() as tape:
           output = model.forward_pass(batch, training=True)
           loss = output.loss
-          if regularizer is not None and not analytic_gradient:
+          if regularizer is not None and not traits.analytic:
             loss += regularizer.penalty(variables, global_trainable, context)
-          if batch_dependent:
+          if traits.batch_term:
             loss += regularizer.batch_penalty(variables, global_trainable, batch, context)
         gradients = tape.gradient(loss, variables)
         observed = tuple(o.observe(state, gradients)

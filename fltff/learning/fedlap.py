@@ -54,11 +54,8 @@ def fedlap_penalty(local: Sequence[tf.Tensor], global_: Sequence[tf.Tensor],
                    lambdas: Sequence[tf.Tensor], q: float, mu: float) -> tf.Tensor:
   """`1/2 Σ_lj c_lj(q) d_lj` with `c = a(q) λ + b(q) μ`; λ is treated as a constant."""
   a, b = importance_coefficients(q)
-  terms = []
-  for lam, d in zip(lambdas, neuron_distances(local, global_)):
-    coefficient = a * tf.stop_gradient(lam) + b * mu
-    terms.append(tf.reduce_sum(coefficient * d))
-  return 0.5 * tf.add_n(terms)
+  return 0.5 * tf.add_n([tf.reduce_sum((a * tf.stop_gradient(lam) + b * mu) * d)
+                         for lam, d in zip(lambdas, neuron_distances(local, global_))])
 
 
 def coefficient_tensors(local: Sequence[tf.Tensor], lambdas: Sequence[tf.Tensor], q: float,

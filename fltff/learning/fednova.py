@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import gin
 
-from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.process import Algorithm
-from fltff.learning.process import build_algorithm
-from fltff.learning.process import ccn_name
+from fltff.learning.process import build_averaging_method
 from fltff.errors import ConfigError
 
 
@@ -34,8 +32,6 @@ def build_fednova(model_spec: ModelSpec, client_optimizer=None,
     raise ConfigError(f'fednova.model_aggregator must be CCN (@contribution_normalization()) '
                       f'or None: FedNova aggregates by normalised averaging, got '
                       f'{type(model_aggregator).__name__}.')
-  return build_algorithm(
-      ccn_name('fednova', model_aggregator), model_spec,
-      client_optimizer or optimizers.default_client_optimizer(),
-      optimizers.server_sgd(server_optimizer, server_learning_rate, 'fednova'),
-      model_aggregator=aggregator)
+  # The CCN aggregator keeps its temperature: `build_averaging_method` names it fednova+ccn.
+  return build_averaging_method('fednova', model_spec, client_optimizer, server_optimizer,
+                                server_learning_rate, aggregator)

@@ -22,7 +22,7 @@ from fltff.learning import client_work as client_work_lib
 from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.process import Algorithm
-from fltff.learning.process import build_algorithm
+from fltff.learning.process import build_averaging_method
 
 
 def model_contrastive_loss(z: tf.Tensor, z_glob: tf.Tensor, z_prev: tf.Tensor,
@@ -97,7 +97,7 @@ class ModelContrastiveRegularizer:
     return self.mu * model_contrastive_loss(z, z_glob, z_prev, self.temperature)
 
 
-class StackedModelContrastive:
+class StackedModelContrastive(client_work_lib.LocalRegularizer):
   """MOON's `μ ℓ_con` for one client of a vectorised round, one functional latent apply on the
   local, global and previous weights. z is the training pass's own latent (`batch['latent']`),
   as in MOON's code: on the BatchNorm-free models that vectorise it equals
@@ -110,10 +110,6 @@ class StackedModelContrastive:
     self._latent_apply = latent_apply
     self.previous = tuple(previous)
     self.mu, self.temperature = float(mu), float(temperature)
-
-  def epoch_start(self, local, global_):
-    del local, global_
-    return ()
 
   def penalty(self, local, global_, context):
     del local, global_, context
@@ -156,19 +152,12 @@ def vectorized_moon_work(model_spec: ModelSpec, optimizer, mu: float, temperatur
 
 def build_moon_client_work(model_spec: ModelSpec, optimizer, mu: float, temperature: float):
   """MOON's client work; client state: the previous local model's trainable weights."""
-
-  def client_fn(initial_weights, server_value, data, previous):
-    keras_model = model_spec.keras_fn()
-    regularizer = ModelContrastiveRegularizer(
-        keras_model, model_spec.keras_fn(), model_spec.keras_fn(), initial_weights,
-        previous_models(server_value, previous), mu, temperature)
-    out = client_work_lib.build_local_training(
-        model_spec.tff_model(keras_model), optimizer, regularizer)(
-            initial_weights, data['batches'], data['info'])
-    result = client_work_lib.client_result(initial_weights, data, out)
-    return (result, out['metrics'], *trained_models(out, previous))
-
-  process, _ = client_state.build_stateful_client_work(model_spec, client_fn)
+  process, _ = client_state.build_stateful_client_work(
+      model_spec, optimizer,
+      lambda keras_model, weights, previous: ModelContrastiveRegularizer(
+          keras_model, model_spec.keras_fn(), model_spec.keras_fn(), weights, previous, mu,
+          temperature),
+      previous_models, trained_models)
   return process
 
 
@@ -189,8 +178,8 @@ def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, m
   with tf.Graph().as_default():
     latent_model(model_spec.keras_fn())  # A clear error now, not inside the computation.
   optimizer = client_optimizer or optimizers.default_client_optimizer()
-  algorithm = build_algorithm(
-      'moon', model_spec, optimizer, optimizers.server_sgd(server_optimizer, 1.0, 'moon'),
+  algorithm = build_averaging_method(
+      'moon', model_spec, optimizer, server_optimizer, 1.0, None,
       client_work=build_moon_client_work(model_spec, optimizer, mu, temperature))
   algorithm.num_clients = num_clients
   # The batch term reads the model: kernels are never factored (`factor_dense` unused).

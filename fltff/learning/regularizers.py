@@ -7,6 +7,7 @@ from typing import Optional
 
 import tensorflow as tf
 
+from fltff.learning.client_work import LocalRegularizer
 from fltff.learning.client_work import RegularizerTraits
 
 
@@ -20,7 +21,7 @@ def proximal_penalty(local: Sequence[tf.Tensor], global_: Sequence[tf.Tensor],
       [tf.reduce_sum(tf.square(w - g)) for w, g in zip(local, global_)])
 
 
-class ProximalRegularizer:
+class ProximalRegularizer(LocalRegularizer):
   """`LocalRegularizer` `μ/2 Σ_t m_t ||w_t − a_t||²` with no per-epoch context.
 
   FedProx: the anchor `a` is the round's global model, every `m_t = 1`. KAPC (client
@@ -37,10 +38,6 @@ class ProximalRegularizer:
     self.mask = None if tensor_mask is None else tuple(tensor_mask)
     # Per-tensor coefficients, formed once (not at every local step).
     self._coefficients = None if self.mask is None else tuple(self.mu * m for m in self.mask)
-
-  def epoch_start(self, local, global_):
-    del local, global_
-    return ()
 
   def penalty(self, local, global_, context):
     del context

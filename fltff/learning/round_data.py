@@ -32,7 +32,7 @@ def stack_client_batches(client_inputs: Sequence[Any],
   Returns `examples [N + 1, ...]` (float32) and `labels [N + 1]` (int32) tensors, the last row
   zeros (padding), and NumPy `index [E, S, K, B]` (epoch e, step s, client k's batch is
   `examples[index[e, s, k]]`), `mask [E, S, K, B]` (1: real example), `valid [E, S, K]` (client
-  k trains at epoch e, step s) and `epochs [K]`. `round_batches` gives the batches themselves.
+  k trains at epoch e, step s) and `epochs [K]`.
 
   Datasets are read once per epoch, as TFF's client work iterates them (epoch 0 even for a
   client with no epochs, for CCN's latent mean); `ClientDatasets` ones from their arrays
@@ -50,7 +50,7 @@ def stack_client_batches(client_inputs: Sequence[Any],
     table_x, table_y, rows, sizes, counts = _read_datasets(
         [_as_tff_reads(data['batches'], read_before) for data in client_inputs], passes)
   # Where each batch goes: client c's epochs one after another, each its steps in order.
-  client = np.repeat(np.arange(len(counts)), [c * p for c, p in zip(counts, passes)])
+  client = _round_choice(counts, passes)
   epoch = np.concatenate([np.repeat(np.arange(p), c) for c, p in zip(counts, passes)] or [[]])
   step = np.concatenate([np.tile(np.arange(c), p) for c, p in zip(counts, passes)] or [[]])
   client, epoch, step = (a.astype(np.int64) for a in (client, epoch, step))
@@ -75,11 +75,6 @@ def stack_client_batches(client_inputs: Sequence[Any],
   return collections.OrderedDict(
       examples=tf.cast(table_x, tf.float32), labels=tf.cast(table_y, tf.int32), index=index,
       mask=mask, valid=valid, epochs=np.asarray(epochs, np.int32))
-
-
-def round_batches(data: collections.OrderedDict) -> tuple[np.ndarray, np.ndarray]:
-  """`(x [E, S, K, B, ...], y [E, S, K, B])` of a `stack_client_batches` result (padding 0)."""
-  return (np.asarray(data['examples'])[data['index']], np.asarray(data['labels'])[data['index']])
 
 
 def _as_tff_reads(dataset: tf.data.Dataset, read_before: weakref.WeakSet) -> tf.data.Dataset:

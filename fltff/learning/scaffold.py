@@ -27,11 +27,10 @@ from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.model_spec import type_num_bytes
 from fltff.learning.process import Algorithm
-from fltff.learning.process import build_algorithm
-from fltff.learning.process import ccn_name
+from fltff.learning.process import build_averaging_method
 
 
-class ControlVariateCorrection:
+class ControlVariateCorrection(client_work_lib.LocalRegularizer):
   """`LocalRegularizer` adding the constant `c − c_i` to every local gradient (eq. (3))."""
 
   # The gradient is the constant correction: an affine gradient with no w-term.
@@ -39,10 +38,6 @@ class ControlVariateCorrection:
 
   def __init__(self, correction: Sequence[tf.Tensor]):
     self.correction = tuple(correction)
-
-  def epoch_start(self, local, global_):
-    del local, global_
-    return ()
 
   def penalty(self, local, global_, context):
     """`<c − c_i, w>`, whose gradient is the correction."""
@@ -109,24 +104,13 @@ def new_controls(out: dict, controls: Sequence[tf.Tensor]) -> tuple:
 def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: int,
                                weight_fields: Sequence[str] = ()):
   """SCAFFOLD's client work: c the server state, c_i the client state (`client_state`)."""
-  client_work_lib.check_weight_fields(weight_fields)
   specs = model_spec.trainable_specs()
-
-  def client_fn(initial_weights, server_control, data, control):
-    keras_model = model_spec.keras_fn()
-    local_model = model_spec.tff_model(keras_model)
-    out = client_work_lib.build_local_training(
-        local_model, optimizer, ControlVariateCorrection(correction(server_control, control)),
-        latent_fn=client_work_lib.latent_fn_for(keras_model, weight_fields),
-        step_observers=(GradientMean(),))(initial_weights, data['batches'], data['info'])
-    new_control, delta = new_controls(out, control)
-    result = client_work_lib.client_result(initial_weights, data, out, weight_fields)
-    return result, out['metrics'], new_control, delta
-
   return client_state.build_stateful_client_work(
-      model_spec, client_fn,
+      model_spec, optimizer, lambda keras_model, weights, terms: ControlVariateCorrection(terms),
+      correction, new_controls,
       server_init_fn=lambda: tuple(tf.zeros(s.shape, s.dtype) for s in specs),
-      server_update_fn=functools.partial(server_control_update, num_clients=num_clients))
+      server_update_fn=functools.partial(server_control_update, num_clients=num_clients),
+      weight_fields=weight_fields, step_observers=(GradientMean(),))
 
 
 def vectorized_scaffold_work(model_spec: ModelSpec, optimizer, num_clients: int,
@@ -154,10 +138,9 @@ def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=Non
   optimizer = client_optimizer or optimizers.default_client_optimizer()
   client_work, control_type = build_scaffold_client_work(
       model_spec, optimizer, num_clients, getattr(model_aggregator, 'weight_fields', ()))
-  algorithm = build_algorithm(
-      ccn_name('scaffold', model_aggregator), model_spec, optimizer,
-      optimizers.server_sgd(server_optimizer, server_learning_rate, 'scaffold'),
-      client_work=client_work, model_aggregator=model_aggregator)
+  algorithm = build_averaging_method(
+      'scaffold', model_spec, optimizer, server_optimizer, server_learning_rate,
+      model_aggregator, client_work=client_work)
   control_bytes = type_num_bytes(control_type)
   specs = [np.zeros(t.shape, t.dtype.type) for t in control_type]
   # The server sends c with the model; each client sends Δc_i with its update.

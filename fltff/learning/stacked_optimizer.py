@@ -210,23 +210,11 @@ class FusedSGDM:
       return tf.constant(True)
 
   def _affine_update_fn(self, gradients, scales, offsets, anchors, skip) -> tf.Tensor:
-    """Every client's step with the affine terms (`_affine_gradient`; `anchors` or `offsets`)
-    in one XLA-compiled elementwise pass per tensor."""
-    for i, (variable, gradient) in enumerate(zip(self._weights, gradients)):
-      if i in self._frozen or i in skip:
-        continue
-      w = variable.read_value()
-      offset = Anchor(anchors[i]) if anchors else offsets[i]
-      gradient = _affine_gradient(gradient, w, scales[i], offset)
-      lr = tf.cast(self._learning_rate, w.dtype)
-      if self._momentum is None:
-        variable.assign(w - lr * gradient)
-        continue
-      accumulator = self._accumulators[i]
-      a = tf.cast(self._momentum, w.dtype) * accumulator.read_value() + gradient
-      accumulator.assign(a)
-      variable.assign(w - lr * a)
-    return tf.constant(True)
+    """Every client's step with the affine terms (`_affine_gradients_fn`) in one XLA-compiled
+    elementwise pass per tensor."""
+    weights = tuple(v.read_value() for v in self._weights)
+    return self._apply(self._affine_gradients_fn(gradients, weights, scales, offsets, anchors,
+                                                 skip), None, skip)
 
   def _affine_gradients_fn(self, gradients, weights, scales, offsets, anchors, skip) -> list:
     """`add_affine` under XLA, for steps with an idle client. As plain TF ops, Grappler may make

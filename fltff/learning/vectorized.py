@@ -135,11 +135,9 @@ def moving_statistics(keras_model: tf.keras.Model) -> Callable:
   """`update(statistics, moments, trains)`: the BatchNorm moving statistics (`[K, ...]`, in
   `non_trainable_weights` order) after a step with batch `moments` (`functional_apply`'s):
   Keras's `v − (v − batch)(1 − momentum)` with the biased variance, for the clients in `trains`."""
-  norms = [layer for layer in keras_model.layers if _is_batch_norm(layer)]
-  slot = {}
-  for layer in norms:
-    slot[id(layer.moving_mean)] = (layer.name, 0, layer.momentum)
-    slot[id(layer.moving_variance)] = (layer.name, 1, layer.momentum)
+  slot = {id(v): (layer.name, which, layer.momentum)
+          for layer in keras_model.layers if _is_batch_norm(layer)
+          for which, v in enumerate((layer.moving_mean, layer.moving_variance))}
   slots = [slot[id(v)] for v in keras_model.non_trainable_weights]
 
   def update(statistics, moments, trains):
@@ -277,10 +275,10 @@ class _Regularization(NamedTuple):
 class VectorizedClientWork:
   """`client_work.build_client_work`'s computation for all of a round's participants at once.
 
-  `__call__(global_weights, client_inputs, call)` returns `(results, train_metrics,
-  regularizer_stats)`: `StackedClientResults` (as `client_work.client_result`), the metrics
-  through `tff.learning.metrics.sum_then_finalize` (run by `call`), and the mean regulariser
-  measurements (None without them).
+  `round_results(global_weights, client_inputs, call)` returns `(results, train_metrics,
+  regularizer_stats, out)`: `StackedClientResults` (as `client_work.client_result`), the
+  metrics through `tff.learning.metrics.sum_then_finalize` (run by `call`), the mean
+  regulariser measurements (None without them) and the training's outputs.
   """
 
   def __init__(self, model_spec: ModelSpec, optimizer,
@@ -500,8 +498,7 @@ class VectorizedClientWork:
     """
     del epochs  # Each client's epochs are in `valid`.
     reg = self._regularization(client_terms)
-    plan = self._factored_plan(factored, reg.probe, reg.global_anchor or reg.client_anchor,
-                               start)
+    plan = self._factored_plan(factored, reg.probe, start)
     # Reads of the updater's `[None, ...]` variables get the traced client count (`with_clients`).
     clients = functools.partial(with_clients, num_clients=num_clients)
     k = tf.shape(valid)[2] if num_clients is None else num_clients
@@ -584,15 +581,11 @@ class VectorizedClientWork:
   def _client_starts(self, global_trainable, start, statistics, k, clients) -> tuple:
     """`(weights, statistics)` each client starts from, `[K, ...]`: the global model's or its
     own `start`, and the BatchNorm statistics (`()` without BatchNorm)."""
+    statistics = () if self._update_statistics is None else tuple(statistics)
     if start is None:
-      weights = tuple(broadcast_clients(g, k) for g in global_trainable)
-    else:
-      weights = tuple(start)
-    if self._update_statistics is None:
-      return weights, ()
-    if start is None:
-      return weights, tuple(broadcast_clients(v, k) for v in statistics)
-    return weights, clients(tuple(statistics))
+      return (tuple(broadcast_clients(g, k) for g in global_trainable),
+              tuple(broadcast_clients(v, k) for v in statistics))
+    return tuple(start), clients(statistics)
 
   @staticmethod
   def _factored_start(plan, reg: _Regularization, weights, k, steps, batch, terms,
@@ -673,22 +666,17 @@ class VectorizedClientWork:
     return frozenset(i for i, (fan_in, fan_out) in self._dense_kernels.items()
                      if rows and factored_dense.worth_factoring(fan_in, fan_out, rows))
 
-  def _factored_plan(self, requested: frozenset, regularizer, anchored: bool, start
+  def _factored_plan(self, requested: frozenset, regularizer, start
                      ) -> Optional[factored_dense.FactoredKernels]:
-    """The round's `FactoredKernels`, or None: factoring needs no regulariser or an anchored one
-    with `per_tensor_scales` (FedProx, KAPC)."""
-    if not requested or not self._regularizer_factors(regularizer, anchored):
+    """The round's `FactoredKernels` (`requested`: none where the regulariser cannot factor,
+    `_train_group`), or None."""
+    if not requested:
       return None
     learning_rate, momentum = self._updater.hyperparameters
     self.factored_traces.add(tuple(sorted(requested)))
     return factored_dense.FactoredKernels(
         tuple(sorted(requested)), learning_rate, momentum,
         with_anchor=regularizer is not None and start is not None)
-
-  @staticmethod
-  def _regularizer_factors(regularizer, anchored: bool) -> bool:
-    return regularizer is None or (
-        anchored and client_work_lib.traits_of(regularizer).per_tensor_scales)
 
   # -- the round ----------------------------------------------------------------------------
   def traced_client_count(self, k: int) -> Optional[int]:
@@ -741,8 +729,10 @@ class VectorizedClientWork:
     factored = self.factored_kernels(data)
     if factored:
       reg = self._regularization(client_terms)
-      if not self._regularizer_factors(reg.probe, reg.global_anchor or reg.client_anchor):
-        # This regulariser cannot factor: reuse the unfactored trace rather than trace again.
+      # Factoring needs no regulariser or an anchored one with `per_tensor_scales` (FedProx,
+      # KAPC); for any other, reuse the unfactored trace rather than trace again.
+      if reg.probe is not None and not ((reg.global_anchor or reg.client_anchor)
+                                        and reg.traits.per_tensor_scales):
         factored = frozenset()
     args = (global_trainable, start, client_terms, statistics, data['examples'], data['labels'],
             data['index'], data['mask'], data['valid'], data['epochs'])
@@ -764,9 +754,6 @@ class VectorizedClientWork:
         for name, values in (('accuracy', [correct, examples]), ('loss', [loss_sum, examples]),
                              ('num_examples', [examples]), ('num_batches', [batches])))
 
-  def __call__(self, global_weights, client_inputs: Sequence[Any], call=None):
-    return self.round_results(global_weights, client_inputs, call)[:3]
-
   def next(self, state, global_weights, client_inputs: Sequence[Any], call=None):
     """The client work's `next`: `(state, results, measurements)`, the state unchanged, the
     measurements `train` and, with a measuring regulariser, `regularizer`."""
@@ -779,8 +766,8 @@ class VectorizedClientWork:
 
   def round_results(self, global_weights, client_inputs: Sequence[Any], call=None,
                     client_terms=None):
-    """`(results, train, regularizer_stats, out)`: `__call__`'s and the training's `out`; with
-    `client_terms` (`[K, ...]`), each client's regulariser is `client_regularizer(its row)`."""
+    """The round's results (class docstring); with `client_terms` (`[K, ...]`), each client's
+    regulariser is `client_regularizer(its row)`."""
     call = call or (lambda fn, *args: fn(*args))
     if global_weights.non_trainable and not self._batch_norm:
       raise ConfigError('vectorised clients need a model without non-trainable weights.')
@@ -824,8 +811,6 @@ class StackedClientResults(Sequence):
   def __getitem__(self, k):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-    if isinstance(k, slice):
-      return [self[i] for i in range(*k.indices(self._num_clients))]
     if not -self._num_clients <= k < self._num_clients:
       raise IndexError(k)
     pick = lambda a: a[k].numpy() if tf.is_tensor(a) else np.asarray(a)[k]
