@@ -70,6 +70,27 @@ def _die_with_parent() -> None:
     pass
 
 
+def _spawn(args: list[str], env: dict, **kwargs) -> subprocess.Popen:
+  """`Popen(args)` without stdin, killed by the kernel when this program dies: only when started
+  from the main thread, as PDEATHSIG fires when the forking *thread* exits."""
+  main_thread = threading.current_thread() is threading.main_thread()
+  return subprocess.Popen(  # pylint: disable=consider-using-with
+      args, stdin=subprocess.DEVNULL, env=env,
+      preexec_fn=_die_with_parent if main_thread else None, **kwargs)
+
+
+def _end(process: subprocess.Popen, sig: int, timeout: float) -> None:
+  """Sends `sig` to a running `process`, SIGKILL if it has not exited after `timeout` seconds;
+  reaps it."""
+  if process.poll() is None:
+    process.send_signal(sig)
+    try:
+      process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      process.kill()
+      process.wait()
+
+
 class WorkerProcess:
   """One `worker_binary` process started and owned by this program."""
 
@@ -78,7 +99,6 @@ class WorkerProcess:
                host: str = '127.0.0.1',
                max_concurrent_computation_calls: int = -1,
                log_path: Optional[str] = None,
-               die_with_parent: bool = True,
                mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
                binary: Optional[str] = None):
     import portpicker  # pylint: disable=g-import-not-at-top
@@ -90,21 +110,11 @@ class WorkerProcess:
       os.close(fd)
     self.log_path = log_path
     self._log = open(log_path, 'ab')  # pylint: disable=consider-using-with
-    args = [
-        binary or worker_binary_path(),
-        f'--port={self.port}',
-        f'--max_concurrent_computation_calls={max_concurrent_computation_calls}',
-    ]
-    # preexec_fn only from the main thread: PDEATHSIG fires when the forking *thread* exits.
-    use_deathsig = die_with_parent and threading.current_thread() is threading.main_thread()
-    self.process = subprocess.Popen(  # pylint: disable=consider-using-with
-        args,
-        stdin=subprocess.DEVNULL,
-        stdout=self._log,
-        stderr=subprocess.STDOUT,
-        preexec_fn=_die_with_parent if use_deathsig else None,
-        close_fds=True,
-        env=heap.worker_environment(mmap_threshold_kib))  # See fltff.runtime.heap.
+    self.process = _spawn(
+        [binary or worker_binary_path(), f'--port={self.port}',
+         f'--max_concurrent_computation_calls={max_concurrent_computation_calls}'],
+        heap.worker_environment(mmap_threshold_kib),  # See fltff.runtime.heap.
+        stdout=self._log, stderr=subprocess.STDOUT)
     self.pid = self.process.pid
 
   @property
@@ -116,17 +126,8 @@ class WorkerProcess:
 
   def stop(self, timeout: float = 10.0) -> None:
     """Terminates the worker (SIGINT, then SIGKILL), reaps it and removes an empty log."""
-    if self.process.poll() is None:
-      try:
-        os.kill(self.pid, signal.SIGINT)
-        self.process.wait(timeout=timeout)
-      except subprocess.TimeoutExpired:
-        os.kill(self.pid, signal.SIGKILL)
-        self.process.wait()
-      except ProcessLookupError:
-        pass
-    if not self._log.closed:
-      self._log.close()
+    _end(self.process, signal.SIGINT, timeout)
+    self._log.close()
     with contextlib.suppress(OSError):
       if os.path.getsize(self.log_path) == 0:
         os.remove(self.log_path)
@@ -143,8 +144,7 @@ class IsolatedWorker:
 
   def __init__(self, max_concurrent_computation_calls: int = -1,
                log_path: Optional[str] = None,
-               mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
-               start_timeout: float = 60.0):
+               mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB):
     import sys  # pylint: disable=g-import-not-at-top
 
     # A Unix socket's path may not exceed 107 bytes: a deep TMPDIR falls back to /tmp.
@@ -156,29 +156,23 @@ class IsolatedWorker:
     self._own_log = log_path is None
     self.log_path = log_path or os.path.join(self.folder, 'worker_binary.log')
     self._log = open(self.log_path, 'ab')  # pylint: disable=consider-using-with
-    use_deathsig = threading.current_thread() is threading.main_thread()
     env = heap.worker_environment(mmap_threshold_kib)
     env.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
-    self.process = subprocess.Popen(  # pylint: disable=consider-using-with
+    self.process = _spawn(
         ['unshare', '--user', '--map-root-user', '--net', '--', sys.executable, '-m',
          'fltff.runtime.isolated', f'--socket={self.socket_path}',
          f'--worker_binary={worker_binary_path()}',
          f'--max_concurrent_computation_calls={max_concurrent_computation_calls}',
          f'--mmap_threshold_kib={mmap_threshold_kib}', f'--log_file={self.log_path}'],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._log, text=True,
-        preexec_fn=_die_with_parent if use_deathsig else None, close_fds=True, env=env)
+        env, stdout=subprocess.PIPE, stderr=self._log, text=True)
     self.pid = self.process.pid
     self.worker_pid = None
-    ready = threading.Event()
-    first_line = []
-
-    def read_ready():
-      first_line.append(self.process.stdout.readline().strip())
-      ready.set()
-
-    threading.Thread(target=read_ready, daemon=True).start()
-    ready.wait(start_timeout)
-    words = (first_line or [''])[0].split()
+    first_line = []  # The relay's 'ready <worker_binary pid>', awaited for up to a minute.
+    reader = threading.Thread(target=lambda: first_line.append(self.process.stdout.readline()),
+                              daemon=True)
+    reader.start()
+    reader.join(60.0)
+    words = ''.join(first_line).split()
     if len(words) != 2 or words[0] != 'ready':
       self.stop()
       detail = self._last_log_line()
@@ -213,20 +207,12 @@ class IsolatedWorker:
   def stop(self, timeout: float = 15.0) -> None:
     """Stops the relay and so `worker_binary`; removes the socket, and the folder unless it
     holds a non-empty log of ours (`worker_binary`'s own stop removes an empty one)."""
-    if self.process.poll() is None:
-      try:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=timeout)
-      except subprocess.TimeoutExpired:
-        self.process.kill()
-        self.process.wait()
+    _end(self.process, signal.SIGTERM, timeout)
     if self.worker_pid and not wait_for_exit(self.worker_pid, timeout=5.0):
       with contextlib.suppress(ProcessLookupError):
         os.kill(self.worker_pid, signal.SIGKILL)
-    if self.process.stdout is not None:
-      self.process.stdout.close()
-    if not self._log.closed:
-      self._log.close()
+    self.process.stdout.close()
+    self._log.close()
     with contextlib.suppress(OSError):
       os.remove(self.socket_path)
     if (not self._own_log or not os.path.exists(self.log_path)
@@ -259,8 +245,6 @@ def _fail_fast_stub_class():
       # thread holding channel and stub for good: a replaced worker's channel would leak.
       from tensorflow_federated.proto.v0 import executor_pb2_grpc  # pylint: disable=g-import-not-at-top
 
-      self._channel = channel
-      self._channel_status = grpc.ChannelConnectivity.READY  # `_connect_stub` waited for it.
       self._stub = executor_pb2_grpc.ExecutorGroupStub(channel)
       self.address = address
       self._rpc_timeout = rpc_timeout
@@ -610,11 +594,8 @@ class TffRuntime:
     if self._closed:
       return
     self._closed = True
-    try:
-      # A context whose executor is never created starts nothing.
-      self._tff.framework.set_default_context(_sync_context_for_stub(stub=None))
-    except Exception:  # pylint: disable=broad-except
-      pass
+    with contextlib.suppress(Exception):
+      release_default_context()
     self._release_connections()
     for worker in self._owned:
       worker.stop()
@@ -629,7 +610,8 @@ class TffRuntime:
 
 def release_default_context() -> None:
   """Replaces TFF's import-time default context, whose `ServiceManager.__del__` fails at exit
-  ("'NoneType' object has no attribute 'Popen'"): for programs exiting without a `TffRuntime`."""
+  ("'NoneType' object has no attribute 'Popen'"), by one whose executor, never created,
+  starts nothing: for programs exiting without a `TffRuntime`, and its `close()`."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   tff.framework.set_default_context(_sync_context_for_stub(stub=None))
