@@ -31,6 +31,7 @@ def _tff_internals():
   from tensorflow_federated.python.core.impl.compiler import building_blocks
   from tensorflow_federated.python.core.impl.computation import computation_impl
   from tensorflow_federated.python.core.impl.types import computation_types
+  from tensorflow_federated.python.core.impl.types import type_analysis
   from tensorflow_federated.python.core.impl.types import type_conversions
   from tensorflow_federated.python.core.impl.types import type_serialization
   from tensorflow_federated.python.core.impl.utils import tensorflow_utils
@@ -38,8 +39,9 @@ def _tff_internals():
   # pylint: enable=g-import-not-at-top
   return dict(structure=structure, compiler=compiler, bb=building_blocks,
               computation_impl=computation_impl, types=computation_types,
-              type_conversions=type_conversions, type_serialization=type_serialization,
-              tensorflow_utils=tensorflow_utils, serialization_utils=serialization_utils)
+              type_analysis=type_analysis, type_conversions=type_conversions,
+              type_serialization=type_serialization, tensorflow_utils=tensorflow_utils,
+              serialization_utils=serialization_utils)
 
 
 class InProcessError(ConfigError):
@@ -107,24 +109,24 @@ def stacked_tensor(array) -> tf.Tensor:
   return tf.convert_to_tensor(array)
 
 
-def tensor_results():
-  """`InProcessContext.tensor_results()` of the current context if it is one (yields True);
-  else a no-op yielding False (results are NumPy, as TFF returns them)."""
+def _current_context() -> Optional[InProcessContext]:
+  """The current TFF context if it is an `InProcessContext`, else None."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   current = tff.framework.get_context_stack().current
-  if isinstance(current, InProcessContext):
-    return current.tensor_results()
-  return contextlib.nullcontext(False)
+  return current if isinstance(current, InProcessContext) else None
+
+
+def tensor_results():
+  """`InProcessContext.tensor_results()` of the current context if it is one (yields True);
+  else a no-op yielding False (results are NumPy, as TFF returns them)."""
+  current = _current_context()
+  return contextlib.nullcontext(False) if current is None else current.tensor_results()
 
 
 def clients_argument(stacked: StackedClients):
   """`stacked` itself in an `InProcessContext`, its per-participant list in any other context."""
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-
-  if isinstance(tff.framework.get_context_stack().current, InProcessContext):
-    return stacked
-  return stacked.members()
+  return stacked.members() if _current_context() is None else stacked
 
 
 class _Stacked:
@@ -151,15 +153,6 @@ def _members(value, t) -> _Clients:
     return tf.unstack(v, num=value.count)
 
   return _Clients(split(value.value))
-
-
-def _has_sequence(type_spec, t) -> bool:
-  types = t['types']
-  if isinstance(type_spec, types.SequenceType):
-    return True
-  if isinstance(type_spec, types.StructType):
-    return any(_has_sequence(m, t) for _, m in t['structure'].to_elements(type_spec))
-  return False
 
 
 def _flatten(value, type_spec, t) -> list:
@@ -223,7 +216,8 @@ def _ingest(value, type_spec, t, num_clients: Optional[int]):
     member_type = type_spec.member
     if type_spec.placement.uri == 'clients' and not type_spec.all_equal:
       if isinstance(value, StackedClients):
-        if not _has_sequence(member_type, t):
+        if not t['type_analysis'].contains(
+            member_type, lambda s: isinstance(s, types.SequenceType)):
           return _Stacked(_ingest(value.value, member_type, t, None), value.num_clients)
         value = value.members()
       return _Clients(_ingest(v, member_type, t, None) for v in value)
@@ -559,14 +553,6 @@ class _TensorFlowFunction:
       setattr(self, name, False)
       return None
 
-  def flat_call(self, leaves: list) -> list:
-    """Runs the graph on flattened argument leaves; returns the flattened result leaves."""
-    leaves = [x if tf.is_tensor(x) else tf.convert_to_tensor(x) for x in leaves]
-    if self._init is not None:
-      _call_flat(self._init, leaves)  # Eager: it has run before the graph's main part starts.
-    out = _call_flat(self._fresh_run() if self._draws_random else self._run, leaves)
-    return list(out) if isinstance(out, (list, tuple)) else [out]
-
   def flatten_arg(self, arg) -> list:
     if self.type_signature.parameter is None:
       return []
@@ -578,8 +564,11 @@ class _TensorFlowFunction:
   def __call__(self, arg=None):
     leaves = self.flatten_arg(arg)
     with tf.device(self.device) if self.device else contextlib.nullcontext():
-      out = self.flat_call(leaves)
-    return self.unflatten_result(out)
+      leaves = [x if tf.is_tensor(x) else tf.convert_to_tensor(x) for x in leaves]
+      if self._init is not None:
+        _call_flat(self._init, leaves)  # Eager: it has run before the graph's main part starts.
+      out = _call_flat(self._fresh_run() if self._draws_random else self._run, leaves)
+    return self.unflatten_result(_as_list(out))
 
 
 # ---- the interpreter -----------------------------------------------------------------------
@@ -603,17 +592,6 @@ class _Env:
         return env._value  # pylint: disable=protected-access
       env = env._parent  # pylint: disable=protected-access
     raise InProcessError(f'unbound reference {name!r} in the compiled computation.')
-
-
-def _map_structs(fn, t, *values):
-  """`fn` applied leaf by leaf to values of one (possibly nested) Struct shape."""
-  structure = t['structure']
-  if isinstance(values[0], structure.Struct):
-    names = [n for n, _ in structure.to_elements(values[0])]
-    members = zip(*(structure.to_elements(v) for v in values))
-    return structure.Struct([(name, _map_structs(fn, t, *(m for _, m in group)))
-                             for name, group in zip(names, members)])
-  return fn(*values)
 
 
 def _zip_clients(value, t):
@@ -716,10 +694,10 @@ class _Interpreter:
     if uri == 'federated_aggregate':
       return self._aggregate
     if uri == 'federated_sum':
-      return lambda x: self._sum(x)
+      return self._sum
     if uri == 'federated_mean':
-      return lambda x: _map_structs(lambda s: s / tf.cast(len(_members(x, t)), s.dtype), t,
-                                    self._sum(x))
+      return lambda x: t['structure'].map_structure(
+          lambda s: s / tf.cast(len(_members(x, t)), s.dtype), self._sum(x))
     raise InProcessError(
         f'the in-process executor does not implement the intrinsic {uri!r}; use '
         "runtime.executor = 'tff_cpp' for this computation.")
@@ -741,7 +719,7 @@ class _Interpreter:
       raise InProcessError('federated_sum over zero clients.')
     total = values[0]
     for v in values[1:]:
-      total = _map_structs(lambda a, b: a + b, self._t, total, v)
+      total = self._t['structure'].map_structure(lambda a, b: a + b, total, v)
     return total
 
   def _aggregate(self, arg):
