@@ -636,8 +636,7 @@ class _Interpreter:
           [(name, self.evaluate(member, env))
            for name, member in self._t['structure'].to_elements(comp)])
     if isinstance(comp, bb.Selection):
-      source = self.evaluate(comp.source, env)
-      return source[comp.as_index()]
+      return self.evaluate(comp.source, env)[comp.as_index()]
     if isinstance(comp, bb.Lambda):
       return self._closure(comp, env)
     if isinstance(comp, bb.CompiledComputation):

@@ -270,9 +270,8 @@ def _fail_fast_stub_class():
   return FailFastStub
 
 
-def _connect_stub(address: str, timeout: float, rpc_timeout: float = 3600.0,
-                  credentials: Optional[grpc.ChannelCredentials] = None,
-                  server_name: Optional[str] = None):
+def _connect_stub(address: str, timeout: float, rpc_timeout: float,
+                  credentials: Optional[grpc.ChannelCredentials], server_name: Optional[str]):
   """A fail-fast executor stub for `address` once the worker answers; mutual TLS with
   `credentials` (`server_name`: the name to check in the worker's certificate)."""
   if credentials is None:
@@ -293,20 +292,6 @@ def _connect_stub(address: str, timeout: float, rpc_timeout: float = 3600.0,
   return channel, _fail_fast_stub_class()(channel, address, rpc_timeout)
 
 
-def _executor_factory(stub):
-  """TFF's remote-executor stack over `stub` (as TFF's own local C++ context builds it)."""
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-
-  def stack_fn(cardinalities):
-    if cardinalities.get(tff.CLIENTS) is None:
-      cardinalities[tff.CLIENTS] = 0
-    ex = tff.framework.RemoteExecutor(stub)
-    ex.set_cardinalities(cardinalities)
-    return ex
-
-  return tff.framework.ResourceManagingExecutorFactory(executor_stack_fn=stack_fn)
-
-
 _COMPILED = weakref.WeakKeyDictionary()
 
 
@@ -320,37 +305,25 @@ def _compile_once(comp):
   return _COMPILED[comp]
 
 
-def _context_kwargs(stub) -> dict:
-  """The arguments of TFF's execution contexts for a context over `stub`."""
+def _context_for_stub(stub, asynchronous: bool = False):
+  """TFF's own local C++ context construction (its sync or async context), over a stub we
+  control."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation  # pylint: disable=g-import-not-at-top
 
-  return dict(executor_fn=_executor_factory(stub), compiler_fn=_compile_once,
-              transform_args=tensorflow_computation.transform_args,
-              transform_result=tensorflow_computation.transform_result)
+  def stack_fn(cardinalities):
+    if cardinalities.get(tff.CLIENTS) is None:
+      cardinalities[tff.CLIENTS] = 0
+    ex = tff.framework.RemoteExecutor(stub)
+    ex.set_cardinalities(cardinalities)
+    return ex
 
-
-def _sync_context_for_stub(stub):
-  """TFF's own local C++ context construction, over a stub we control."""
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-
-  return tff.framework.SyncExecutionContext(**_context_kwargs(stub))
-
-
-def _mergeable_context_for_stubs(stubs):
-  """TFF's mergeable-computation context: each round's clients split across the workers."""
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-
-  async_contexts = [tff.framework.AsyncExecutionContext(**_context_kwargs(s)) for s in stubs]
-  return tff.backends.native.create_mergeable_comp_execution_context(async_contexts)
-
-
-def _release_compiled_computations() -> None:
-  """Empties TFF 0.87's `CompilerPipeline.compile` cache, one `lru_cache` for all pipelines:
-  else a replaced context's compilations stay until 128 newer entries evict them. The live
-  context recompiles once."""
-  from tensorflow_federated.python.core.impl.execution_contexts import compiler_pipeline  # pylint: disable=g-import-not-at-top
-
-  compiler_pipeline.CompilerPipeline.compile.cache_clear()
+  context = (tff.framework.AsyncExecutionContext if asynchronous
+             else tff.framework.SyncExecutionContext)
+  return context(executor_fn=tff.framework.ResourceManagingExecutorFactory(stack_fn),
+                 compiler_fn=_compile_once,
+                 transform_args=tensorflow_computation.transform_args,
+                 transform_result=tensorflow_computation.transform_result)
 
 
 def _not_a_lost_worker_task(record) -> bool:
@@ -425,9 +398,7 @@ class TffRuntime:
       return
     try:
       if not self.remote:
-        worker = self._start_worker()
-        self._owned.append(worker)
-        self.workers = [worker.address]
+        self._start_worker()
       self._install_context()
     except BaseException:
       self.close()
@@ -465,17 +436,19 @@ class TffRuntime:
       return f"TFF's C++ runtime ({'remote workers' if self.remote else 'local worker_binary'})"
     return 'not chosen yet (auto)'
 
-  def _start_worker(self):
-    """An `IsolatedWorker` (or a `WorkerProcess` on all interfaces if not
-    `isolate_local_worker`) logging to `<log_dir>/tff_worker.log` or a temporary file."""
+  def _start_worker(self) -> None:
+    """Starts the local worker: an `IsolatedWorker` (or a `WorkerProcess` on all interfaces if
+    not `isolate_local_worker`) logging to `<log_dir>/tff_worker.log` or a temporary file."""
     log_path = None if self.log_dir is None else os.path.join(self.log_dir, 'tff_worker.log')
     if self.isolate_local_worker:
-      return IsolatedWorker(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
-    worker = WorkerProcess(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
-    warn(f'runtime.isolate_local_worker = False: the local worker_binary listens on port '
-         f'{worker.port} of every interface, plaintext and unauthenticated; anyone who reaches '
-         'it can run code on this host as you.')
-    return worker
+      worker = IsolatedWorker(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
+    else:
+      worker = WorkerProcess(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
+      warn(f'runtime.isolate_local_worker = False: the local worker_binary listens on port '
+           f'{worker.port} of every interface, plaintext and unauthenticated; anyone who '
+           'reaches it can run code on this host as you.')
+    self._owned = [worker]
+    self.workers = [worker.address]
 
   def _install_context(self, timeout: Optional[float] = None) -> None:
     """Installs TFF's context over the workers; with `timeout`, a silent one raises
@@ -493,9 +466,10 @@ class TffRuntime:
       stubs.append(stub)
     self._stubs = stubs
     if len(stubs) == 1:
-      self.context = _sync_context_for_stub(stubs[0])
-    else:
-      self.context = _mergeable_context_for_stubs(stubs)
+      self.context = _context_for_stub(stubs[0])
+    else:  # TFF's mergeable-computation context: each round's clients split across the workers.
+      self.context = self._tff.backends.native.create_mergeable_comp_execution_context(
+          [_context_for_stub(s, asynchronous=True) for s in stubs])
     self._tff.framework.set_default_context(self.context)
     logging.info('TFF runtime ready: %s worker(s) %s.', 'remote' if self.remote else 'local',
                  ', '.join(self.workers))
@@ -510,7 +484,7 @@ class TffRuntime:
       raise ConfigError(f'program_context needs one worker, this runtime has '
                         f'{len(self._stubs)}.')
     return self._tff.program.NativeFederatedContext(
-        self._tff.framework.AsyncExecutionContext(**_context_kwargs(self._stubs[0])))
+        _context_for_stub(self._stubs[0], asynchronous=True))
 
   @property
   def worker_pids(self) -> list[int]:
@@ -553,9 +527,7 @@ class TffRuntime:
   def _restart_local_worker(self) -> None:
     for worker in self._owned:
       worker.stop()
-    worker = self._start_worker()
-    self._owned = [worker]
-    self.workers = [worker.address]
+    self._start_worker()
     self._release_connections()
     self._install_context()
 
@@ -571,7 +543,12 @@ class TffRuntime:
       with contextlib.suppress(Exception):
         runner._finalizer(runner._event_loop, runner._thread)  # pylint: disable=protected-access
     self._channels, self._stubs, self.context = [], [], None
-    _release_compiled_computations()
+    # TFF 0.87's `CompilerPipeline.compile` cache is one `lru_cache` for all pipelines: else a
+    # replaced context's compilations stay until 128 newer entries evict them. The live context
+    # recompiles once.
+    from tensorflow_federated.python.core.impl.execution_contexts import compiler_pipeline  # pylint: disable=g-import-not-at-top
+
+    compiler_pipeline.CompilerPipeline.compile.cache_clear()
 
   def after_round(self, round_num: int, round_seconds: Optional[float] = None) -> None:
     """After each round: adapts the RPC deadline to `round_seconds`, trims the heap and, with
@@ -614,7 +591,7 @@ def release_default_context() -> None:
   starts nothing: for programs exiting without a `TffRuntime`, and its `close()`."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  tff.framework.set_default_context(_sync_context_for_stub(stub=None))
+  tff.framework.set_default_context(_context_for_stub(stub=None))
 
 
 def check_worker_address(address) -> None:
