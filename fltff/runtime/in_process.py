@@ -419,8 +419,7 @@ class _TensorFlowFunction:
     out = None if stacked is None else self._map_stacked_leaves(stacked)
     if out is None:
       return None
-    per_client = list(zip(*(tf.unstack(o) for o in out)))
-    return [self.unflatten_result(list(leaves)) for leaves in per_client]
+    return [self.unflatten_result(list(leaves)) for leaves in zip(*(tf.unstack(o) for o in out))]
 
   def map_stacked(self, stacked_arg):
     """`self` on each participant's slice of `stacked_arg` (leaves with a leading participant
@@ -461,16 +460,10 @@ class _TensorFlowFunction:
     accumulate), over a list of client values or a `_Stacked` one's participants' slices; None
     when it cannot (see `map_clients`)."""
     parameter = self.type_signature.parameter
-    if self._init is not None or parameter is None or len(parameter) != 2:
+    if self._init is not None or self._draws_random or parameter is None or len(parameter) != 2:
       return None
     stacked = (_flatten(values.value, parameter[1], self._t) if isinstance(values, _Stacked)
                else _stack_leaves([_flatten(v, parameter[1], self._t) for v in values]))
-    return None if stacked is None else self._fold_stacked_leaves(zero, stacked)
-
-  def _fold_stacked_leaves(self, zero, stacked: list):
-    if self._draws_random:
-      return None
-    parameter = self.type_signature.parameter
     acc = [x if tf.is_tensor(x) else tf.convert_to_tensor(x)
            for x in _flatten(zero, parameter[0], self._t)]
     if not stacked or any(a.dtype in _UNSTACKABLE for a in acc):

@@ -175,7 +175,9 @@ class IsolatedWorker:
     words = ''.join(first_line).split()
     if len(words) != 2 or words[0] != 'ready':
       self.stop()
-      detail = self._last_log_line()
+      detail = ''  # The log's last line, if the folder is still there (a non-empty log).
+      with contextlib.suppress(OSError), open(self.log_path, errors='replace') as f:
+        detail = next((l.strip() for l in reversed(f.read().splitlines()) if l.strip()), '')
       raise RuntimeUnavailableError(
           'cannot start worker_binary in a private network namespace (`unshare --user '
           '--map-root-user --net`; unprivileged user namespaces may be disabled on this host'
@@ -184,13 +186,6 @@ class IsolatedWorker:
           'runtime.isolate_local_worker = False (worker_binary then listens on every '
           'interface: only behind a firewall).')
     self.worker_pid = int(words[1])
-
-  def _last_log_line(self) -> str:
-    with contextlib.suppress(OSError):
-      with open(self.log_path, errors='replace') as f:
-        lines = [l.strip() for l in f.read().splitlines() if l.strip()]
-      return lines[-1] if lines else ''
-    return ''
 
   @property
   def address(self) -> str:
