@@ -301,18 +301,13 @@ def _rename_library_functions(graph_def, suffix: str) -> None:
     return
   rename = {n: f'{n}_{suffix}' for n in names}
 
-  def fix_attr(attr):
-    if attr.HasField('func') and attr.func.name in rename:
-      attr.func.name = rename[attr.func.name]
-    if attr.HasField('list'):
-      for f in attr.list.func:
-        if f.name in rename:
-          f.name = rename[f.name]
+  def fix_attr(attr):  # `func` and `list` are one `oneof`: at most one is set.
+    for f in [attr.func] if attr.HasField('func') else attr.list.func:
+      f.name = rename.get(f.name, f.name)
 
   def fix_nodes(nodes):
     for node in nodes:
-      if node.op in rename:
-        node.op = rename[node.op]
+      node.op = rename.get(node.op, node.op)
       for attr in node.attr.values():
         fix_attr(attr)
 

@@ -105,11 +105,10 @@ class WorkerProcess:
 
     self.port = port or portpicker.pick_unused_port()
     self.host = host
-    if log_path is None:
-      fd, log_path = tempfile.mkstemp(prefix=f'fltff_worker_{self.port}_', suffix='.log')
-      os.close(fd)
-    self.log_path = log_path
-    self._log = open(log_path, 'ab')  # pylint: disable=consider-using-with
+    self._log = (  # pylint: disable=consider-using-with
+        open(log_path, 'ab') if log_path is not None else tempfile.NamedTemporaryFile(
+            'ab', prefix=f'fltff_worker_{self.port}_', suffix='.log', delete=False))
+    self.log_path = self._log.name
     self.process = _spawn(
         [binary or worker_binary_path(), f'--port={self.port}',
          f'--max_concurrent_computation_calls={max_concurrent_computation_calls}'],
