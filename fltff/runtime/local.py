@@ -63,11 +63,8 @@ def worker_binary_path() -> str:
 
 def _die_with_parent() -> None:
   """`preexec_fn`: ask the kernel to SIGKILL the child when its parent dies."""
-  try:
-    libc = ctypes.CDLL('libc.so.6', use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-  except OSError:  # Non-glibc systems: atexit/close() still stop the worker.
-    pass
+  with contextlib.suppress(OSError):  # Non-glibc systems: atexit/close() still stop the worker.
+    ctypes.CDLL('libc.so.6', use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _spawn(args: list[str], env: dict, **kwargs) -> subprocess.Popen:
