@@ -44,9 +44,7 @@ def pooled_tensors(environ: Optional[dict] = None) -> None:
 def fix_mmap_threshold(kib: int) -> bool:
   """Fixes glibc's mmap threshold here at `kib` KiB (0: no-op); returns whether it did."""
   libc = _glibc()
-  if kib <= 0 or libc is None:
-    return False
-  if libc.mallopt(_M_MMAP_THRESHOLD, int(kib) * 1024):
+  if kib > 0 and libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, int(kib) * 1024):
     _FIXED['here'] = True
     return True
   return False

@@ -31,6 +31,7 @@ def _tff_internals():
   from tensorflow_federated.python.core.impl.compiler import building_blocks
   from tensorflow_federated.python.core.impl.computation import computation_impl
   from tensorflow_federated.python.core.impl.types import computation_types
+  from tensorflow_federated.python.core.impl.types import type_analysis
   from tensorflow_federated.python.core.impl.types import type_conversions
   from tensorflow_federated.python.core.impl.types import type_serialization
   from tensorflow_federated.python.core.impl.utils import tensorflow_utils
@@ -38,8 +39,9 @@ def _tff_internals():
   # pylint: enable=g-import-not-at-top
   return dict(structure=structure, compiler=compiler, bb=building_blocks,
               computation_impl=computation_impl, types=computation_types,
-              type_conversions=type_conversions, type_serialization=type_serialization,
-              tensorflow_utils=tensorflow_utils, serialization_utils=serialization_utils)
+              type_analysis=type_analysis, type_conversions=type_conversions,
+              type_serialization=type_serialization, tensorflow_utils=tensorflow_utils,
+              serialization_utils=serialization_utils)
 
 
 class InProcessError(ConfigError):
@@ -107,24 +109,24 @@ def stacked_tensor(array) -> tf.Tensor:
   return tf.convert_to_tensor(array)
 
 
-def tensor_results():
-  """`InProcessContext.tensor_results()` of the current context if it is one (yields True);
-  else a no-op yielding False (results are NumPy, as TFF returns them)."""
+def _current_context() -> Optional[InProcessContext]:
+  """The current TFF context if it is an `InProcessContext`, else None."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   current = tff.framework.get_context_stack().current
-  if isinstance(current, InProcessContext):
-    return current.tensor_results()
-  return contextlib.nullcontext(False)
+  return current if isinstance(current, InProcessContext) else None
+
+
+def tensor_results():
+  """`InProcessContext.tensor_results()` of the current context if it is one (yields True);
+  else a no-op yielding False (results are NumPy, as TFF returns them)."""
+  current = _current_context()
+  return contextlib.nullcontext(False) if current is None else current.tensor_results()
 
 
 def clients_argument(stacked: StackedClients):
   """`stacked` itself in an `InProcessContext`, its per-participant list in any other context."""
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-
-  if isinstance(tff.framework.get_context_stack().current, InProcessContext):
-    return stacked
-  return stacked.members()
+  return stacked.members() if _current_context() is None else stacked
 
 
 class _Stacked:
@@ -151,15 +153,6 @@ def _members(value, t) -> _Clients:
     return tf.unstack(v, num=value.count)
 
   return _Clients(split(value.value))
-
-
-def _has_sequence(type_spec, t) -> bool:
-  types = t['types']
-  if isinstance(type_spec, types.SequenceType):
-    return True
-  if isinstance(type_spec, types.StructType):
-    return any(_has_sequence(m, t) for _, m in t['structure'].to_elements(type_spec))
-  return False
 
 
 def _flatten(value, type_spec, t) -> list:
@@ -223,7 +216,8 @@ def _ingest(value, type_spec, t, num_clients: Optional[int]):
     member_type = type_spec.member
     if type_spec.placement.uri == 'clients' and not type_spec.all_equal:
       if isinstance(value, StackedClients):
-        if not _has_sequence(member_type, t):
+        if not t['type_analysis'].contains(
+            member_type, lambda s: isinstance(s, types.SequenceType)):
           return _Stacked(_ingest(value.value, member_type, t, None), value.num_clients)
         value = value.members()
       return _Clients(_ingest(v, member_type, t, None) for v in value)
@@ -307,18 +301,13 @@ def _rename_library_functions(graph_def, suffix: str) -> None:
     return
   rename = {n: f'{n}_{suffix}' for n in names}
 
-  def fix_attr(attr):
-    if attr.HasField('func') and attr.func.name in rename:
-      attr.func.name = rename[attr.func.name]
-    if attr.HasField('list'):
-      for f in attr.list.func:
-        if f.name in rename:
-          f.name = rename[f.name]
+  def fix_attr(attr):  # `func` and `list` are one `oneof`: at most one is set.
+    for f in [attr.func] if attr.HasField('func') else attr.list.func:
+      f.name = rename.get(f.name, f.name)
 
   def fix_nodes(nodes):
     for node in nodes:
-      if node.op in rename:
-        node.op = rename[node.op]
+      node.op = rename.get(node.op, node.op)
       for attr in node.attr.values():
         fix_attr(attr)
 
@@ -425,8 +414,7 @@ class _TensorFlowFunction:
     out = None if stacked is None else self._map_stacked_leaves(stacked)
     if out is None:
       return None
-    per_client = list(zip(*(tf.unstack(o) for o in out)))
-    return [self.unflatten_result(list(leaves)) for leaves in per_client]
+    return [self.unflatten_result(list(leaves)) for leaves in zip(*(tf.unstack(o) for o in out))]
 
   def map_stacked(self, stacked_arg):
     """`self` on each participant's slice of `stacked_arg` (leaves with a leading participant
@@ -467,16 +455,10 @@ class _TensorFlowFunction:
     accumulate), over a list of client values or a `_Stacked` one's participants' slices; None
     when it cannot (see `map_clients`)."""
     parameter = self.type_signature.parameter
-    if self._init is not None or parameter is None or len(parameter) != 2:
+    if self._init is not None or self._draws_random or parameter is None or len(parameter) != 2:
       return None
     stacked = (_flatten(values.value, parameter[1], self._t) if isinstance(values, _Stacked)
                else _stack_leaves([_flatten(v, parameter[1], self._t) for v in values]))
-    return None if stacked is None else self._fold_stacked_leaves(zero, stacked)
-
-  def _fold_stacked_leaves(self, zero, stacked: list):
-    if self._draws_random:
-      return None
-    parameter = self.type_signature.parameter
     acc = [x if tf.is_tensor(x) else tf.convert_to_tensor(x)
            for x in _flatten(zero, parameter[0], self._t)]
     if not stacked or any(a.dtype in _UNSTACKABLE for a in acc):
@@ -559,14 +541,6 @@ class _TensorFlowFunction:
       setattr(self, name, False)
       return None
 
-  def flat_call(self, leaves: list) -> list:
-    """Runs the graph on flattened argument leaves; returns the flattened result leaves."""
-    leaves = [x if tf.is_tensor(x) else tf.convert_to_tensor(x) for x in leaves]
-    if self._init is not None:
-      _call_flat(self._init, leaves)  # Eager: it has run before the graph's main part starts.
-    out = _call_flat(self._fresh_run() if self._draws_random else self._run, leaves)
-    return list(out) if isinstance(out, (list, tuple)) else [out]
-
   def flatten_arg(self, arg) -> list:
     if self.type_signature.parameter is None:
       return []
@@ -578,8 +552,11 @@ class _TensorFlowFunction:
   def __call__(self, arg=None):
     leaves = self.flatten_arg(arg)
     with tf.device(self.device) if self.device else contextlib.nullcontext():
-      out = self.flat_call(leaves)
-    return self.unflatten_result(out)
+      leaves = [x if tf.is_tensor(x) else tf.convert_to_tensor(x) for x in leaves]
+      if self._init is not None:
+        _call_flat(self._init, leaves)  # Eager: it has run before the graph's main part starts.
+      out = _call_flat(self._fresh_run() if self._draws_random else self._run, leaves)
+    return self.unflatten_result(_as_list(out))
 
 
 # ---- the interpreter -----------------------------------------------------------------------
@@ -603,17 +580,6 @@ class _Env:
         return env._value  # pylint: disable=protected-access
       env = env._parent  # pylint: disable=protected-access
     raise InProcessError(f'unbound reference {name!r} in the compiled computation.')
-
-
-def _map_structs(fn, t, *values):
-  """`fn` applied leaf by leaf to values of one (possibly nested) Struct shape."""
-  structure = t['structure']
-  if isinstance(values[0], structure.Struct):
-    names = [n for n, _ in structure.to_elements(values[0])]
-    members = zip(*(structure.to_elements(v) for v in values))
-    return structure.Struct([(name, _map_structs(fn, t, *(m for _, m in group)))
-                             for name, group in zip(names, members)])
-  return fn(*values)
 
 
 def _zip_clients(value, t):
@@ -658,8 +624,7 @@ class _Interpreter:
           [(name, self.evaluate(member, env))
            for name, member in self._t['structure'].to_elements(comp)])
     if isinstance(comp, bb.Selection):
-      source = self.evaluate(comp.source, env)
-      return source[comp.as_index()]
+      return self.evaluate(comp.source, env)[comp.as_index()]
     if isinstance(comp, bb.Lambda):
       return self._closure(comp, env)
     if isinstance(comp, bb.CompiledComputation):
@@ -716,10 +681,10 @@ class _Interpreter:
     if uri == 'federated_aggregate':
       return self._aggregate
     if uri == 'federated_sum':
-      return lambda x: self._sum(x)
+      return self._sum
     if uri == 'federated_mean':
-      return lambda x: _map_structs(lambda s: s / tf.cast(len(_members(x, t)), s.dtype), t,
-                                    self._sum(x))
+      return lambda x: t['structure'].map_structure(
+          lambda s: s / tf.cast(len(_members(x, t)), s.dtype), self._sum(x))
     raise InProcessError(
         f'the in-process executor does not implement the intrinsic {uri!r}; use '
         "runtime.executor = 'tff_cpp' for this computation.")
@@ -741,7 +706,7 @@ class _Interpreter:
       raise InProcessError('federated_sum over zero clients.')
     total = values[0]
     for v in values[1:]:
-      total = _map_structs(lambda a, b: a + b, self._t, total, v)
+      total = self._t['structure'].map_structure(lambda a, b: a + b, total, v)
     return total
 
   def _aggregate(self, arg):

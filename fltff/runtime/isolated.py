@@ -16,13 +16,15 @@ import time
 from absl import app
 from absl import flags
 
+from fltff.runtime import heap
+
 _SOCKET = flags.DEFINE_string('socket', None, 'Unix socket to relay to worker_binary.')
 _MAX_CALLS = flags.DEFINE_integer('max_concurrent_computation_calls', -1,
                                   'Passed to worker_binary; <= 0 means no limit.')
 _LOG = flags.DEFINE_string('log_file', None, "worker_binary's log.")
 _BINARY = flags.DEFINE_string('worker_binary', None,
                               'Path of worker_binary (default: the one in the TFF wheel).')
-_MMAP = flags.DEFINE_integer('mmap_threshold_kib', None,
+_MMAP = flags.DEFINE_integer('mmap_threshold_kib', heap.DEFAULT_MMAP_THRESHOLD_KIB,
                              "worker_binary's glibc mmap threshold (`fltff.runtime.heap`).")
 
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
@@ -46,11 +48,9 @@ def main(argv) -> int:
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   signal.signal(signal.SIGINT, lambda *_: stop.set())
   loopback_up()
-  from fltff.runtime import heap  # pylint: disable=g-import-not-at-top
-
-  mmap = heap.DEFAULT_MMAP_THRESHOLD_KIB if _MMAP.value is None else _MMAP.value
   worker = WorkerProcess(host='127.0.0.1', max_concurrent_computation_calls=_MAX_CALLS.value,
-                         log_path=_LOG.value, mmap_threshold_kib=mmap, binary=_BINARY.value)
+                         log_path=_LOG.value, mmap_threshold_kib=_MMAP.value,
+                         binary=_BINARY.value)
   # The relay answers at once; the first RPC must not reach a worker_binary still starting.
   deadline = time.monotonic() + 60.0
   while True:

@@ -63,11 +63,29 @@ def worker_binary_path() -> str:
 
 def _die_with_parent() -> None:
   """`preexec_fn`: ask the kernel to SIGKILL the child when its parent dies."""
-  try:
-    libc = ctypes.CDLL('libc.so.6', use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-  except OSError:  # Non-glibc systems: atexit/close() still stop the worker.
-    pass
+  with contextlib.suppress(OSError):  # Non-glibc systems: atexit/close() still stop the worker.
+    ctypes.CDLL('libc.so.6', use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _spawn(args: list[str], env: dict, **kwargs) -> subprocess.Popen:
+  """`Popen(args)` without stdin, killed by the kernel when this program dies: only when started
+  from the main thread, as PDEATHSIG fires when the forking *thread* exits."""
+  main_thread = threading.current_thread() is threading.main_thread()
+  return subprocess.Popen(  # pylint: disable=consider-using-with
+      args, stdin=subprocess.DEVNULL, env=env,
+      preexec_fn=_die_with_parent if main_thread else None, **kwargs)
+
+
+def _end(process: subprocess.Popen, sig: int, timeout: float) -> None:
+  """Sends `sig` to a running `process`, SIGKILL if it has not exited after `timeout` seconds;
+  reaps it."""
+  if process.poll() is None:
+    process.send_signal(sig)
+    try:
+      process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      process.kill()
+      process.wait()
 
 
 class WorkerProcess:
@@ -78,33 +96,21 @@ class WorkerProcess:
                host: str = '127.0.0.1',
                max_concurrent_computation_calls: int = -1,
                log_path: Optional[str] = None,
-               die_with_parent: bool = True,
                mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
                binary: Optional[str] = None):
     import portpicker  # pylint: disable=g-import-not-at-top
 
     self.port = port or portpicker.pick_unused_port()
     self.host = host
-    if log_path is None:
-      fd, log_path = tempfile.mkstemp(prefix=f'fltff_worker_{self.port}_', suffix='.log')
-      os.close(fd)
-    self.log_path = log_path
-    self._log = open(log_path, 'ab')  # pylint: disable=consider-using-with
-    args = [
-        binary or worker_binary_path(),
-        f'--port={self.port}',
-        f'--max_concurrent_computation_calls={max_concurrent_computation_calls}',
-    ]
-    # preexec_fn only from the main thread: PDEATHSIG fires when the forking *thread* exits.
-    use_deathsig = die_with_parent and threading.current_thread() is threading.main_thread()
-    self.process = subprocess.Popen(  # pylint: disable=consider-using-with
-        args,
-        stdin=subprocess.DEVNULL,
-        stdout=self._log,
-        stderr=subprocess.STDOUT,
-        preexec_fn=_die_with_parent if use_deathsig else None,
-        close_fds=True,
-        env=heap.worker_environment(mmap_threshold_kib))  # See fltff.runtime.heap.
+    self._log = (  # pylint: disable=consider-using-with
+        open(log_path, 'ab') if log_path is not None else tempfile.NamedTemporaryFile(
+            'ab', prefix=f'fltff_worker_{self.port}_', suffix='.log', delete=False))
+    self.log_path = self._log.name
+    self.process = _spawn(
+        [binary or worker_binary_path(), f'--port={self.port}',
+         f'--max_concurrent_computation_calls={max_concurrent_computation_calls}'],
+        heap.worker_environment(mmap_threshold_kib),  # See fltff.runtime.heap.
+        stdout=self._log, stderr=subprocess.STDOUT)
     self.pid = self.process.pid
 
   @property
@@ -116,17 +122,8 @@ class WorkerProcess:
 
   def stop(self, timeout: float = 10.0) -> None:
     """Terminates the worker (SIGINT, then SIGKILL), reaps it and removes an empty log."""
-    if self.process.poll() is None:
-      try:
-        os.kill(self.pid, signal.SIGINT)
-        self.process.wait(timeout=timeout)
-      except subprocess.TimeoutExpired:
-        os.kill(self.pid, signal.SIGKILL)
-        self.process.wait()
-      except ProcessLookupError:
-        pass
-    if not self._log.closed:
-      self._log.close()
+    _end(self.process, signal.SIGINT, timeout)
+    self._log.close()
     with contextlib.suppress(OSError):
       if os.path.getsize(self.log_path) == 0:
         os.remove(self.log_path)
@@ -143,8 +140,7 @@ class IsolatedWorker:
 
   def __init__(self, max_concurrent_computation_calls: int = -1,
                log_path: Optional[str] = None,
-               mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
-               start_timeout: float = 60.0):
+               mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB):
     import sys  # pylint: disable=g-import-not-at-top
 
     # A Unix socket's path may not exceed 107 bytes: a deep TMPDIR falls back to /tmp.
@@ -156,32 +152,28 @@ class IsolatedWorker:
     self._own_log = log_path is None
     self.log_path = log_path or os.path.join(self.folder, 'worker_binary.log')
     self._log = open(self.log_path, 'ab')  # pylint: disable=consider-using-with
-    use_deathsig = threading.current_thread() is threading.main_thread()
     env = heap.worker_environment(mmap_threshold_kib)
     env.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
-    self.process = subprocess.Popen(  # pylint: disable=consider-using-with
+    self.process = _spawn(
         ['unshare', '--user', '--map-root-user', '--net', '--', sys.executable, '-m',
          'fltff.runtime.isolated', f'--socket={self.socket_path}',
          f'--worker_binary={worker_binary_path()}',
          f'--max_concurrent_computation_calls={max_concurrent_computation_calls}',
          f'--mmap_threshold_kib={mmap_threshold_kib}', f'--log_file={self.log_path}'],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._log, text=True,
-        preexec_fn=_die_with_parent if use_deathsig else None, close_fds=True, env=env)
+        env, stdout=subprocess.PIPE, stderr=self._log, text=True)
     self.pid = self.process.pid
     self.worker_pid = None
-    ready = threading.Event()
-    first_line = []
-
-    def read_ready():
-      first_line.append(self.process.stdout.readline().strip())
-      ready.set()
-
-    threading.Thread(target=read_ready, daemon=True).start()
-    ready.wait(start_timeout)
-    words = (first_line or [''])[0].split()
+    first_line = []  # The relay's 'ready <worker_binary pid>', awaited for up to a minute.
+    reader = threading.Thread(target=lambda: first_line.append(self.process.stdout.readline()),
+                              daemon=True)
+    reader.start()
+    reader.join(60.0)
+    words = ''.join(first_line).split()
     if len(words) != 2 or words[0] != 'ready':
       self.stop()
-      detail = self._last_log_line()
+      detail = ''  # The log's last line, if the folder is still there (a non-empty log).
+      with contextlib.suppress(OSError), open(self.log_path, errors='replace') as f:
+        detail = next((l.strip() for l in reversed(f.read().splitlines()) if l.strip()), '')
       raise RuntimeUnavailableError(
           'cannot start worker_binary in a private network namespace (`unshare --user '
           '--map-root-user --net`; unprivileged user namespaces may be disabled on this host'
@@ -190,13 +182,6 @@ class IsolatedWorker:
           'runtime.isolate_local_worker = False (worker_binary then listens on every '
           'interface: only behind a firewall).')
     self.worker_pid = int(words[1])
-
-  def _last_log_line(self) -> str:
-    with contextlib.suppress(OSError):
-      with open(self.log_path, errors='replace') as f:
-        lines = [l.strip() for l in f.read().splitlines() if l.strip()]
-      return lines[-1] if lines else ''
-    return ''
 
   @property
   def address(self) -> str:
@@ -213,20 +198,12 @@ class IsolatedWorker:
   def stop(self, timeout: float = 15.0) -> None:
     """Stops the relay and so `worker_binary`; removes the socket, and the folder unless it
     holds a non-empty log of ours (`worker_binary`'s own stop removes an empty one)."""
-    if self.process.poll() is None:
-      try:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=timeout)
-      except subprocess.TimeoutExpired:
-        self.process.kill()
-        self.process.wait()
+    _end(self.process, signal.SIGTERM, timeout)
     if self.worker_pid and not wait_for_exit(self.worker_pid, timeout=5.0):
       with contextlib.suppress(ProcessLookupError):
         os.kill(self.worker_pid, signal.SIGKILL)
-    if self.process.stdout is not None:
-      self.process.stdout.close()
-    if not self._log.closed:
-      self._log.close()
+    self.process.stdout.close()
+    self._log.close()
     with contextlib.suppress(OSError):
       os.remove(self.socket_path)
     if (not self._own_log or not os.path.exists(self.log_path)
@@ -259,8 +236,6 @@ def _fail_fast_stub_class():
       # thread holding channel and stub for good: a replaced worker's channel would leak.
       from tensorflow_federated.proto.v0 import executor_pb2_grpc  # pylint: disable=g-import-not-at-top
 
-      self._channel = channel
-      self._channel_status = grpc.ChannelConnectivity.READY  # `_connect_stub` waited for it.
       self._stub = executor_pb2_grpc.ExecutorGroupStub(channel)
       self.address = address
       self._rpc_timeout = rpc_timeout
@@ -286,9 +261,8 @@ def _fail_fast_stub_class():
   return FailFastStub
 
 
-def _connect_stub(address: str, timeout: float, rpc_timeout: float = 3600.0,
-                  credentials: Optional[grpc.ChannelCredentials] = None,
-                  server_name: Optional[str] = None):
+def _connect_stub(address: str, timeout: float, rpc_timeout: float,
+                  credentials: Optional[grpc.ChannelCredentials], server_name: Optional[str]):
   """A fail-fast executor stub for `address` once the worker answers; mutual TLS with
   `credentials` (`server_name`: the name to check in the worker's certificate)."""
   if credentials is None:
@@ -309,20 +283,6 @@ def _connect_stub(address: str, timeout: float, rpc_timeout: float = 3600.0,
   return channel, _fail_fast_stub_class()(channel, address, rpc_timeout)
 
 
-def _executor_factory(stub):
-  """TFF's remote-executor stack over `stub` (as TFF's own local C++ context builds it)."""
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-
-  def stack_fn(cardinalities):
-    if cardinalities.get(tff.CLIENTS) is None:
-      cardinalities[tff.CLIENTS] = 0
-    ex = tff.framework.RemoteExecutor(stub)
-    ex.set_cardinalities(cardinalities)
-    return ex
-
-  return tff.framework.ResourceManagingExecutorFactory(executor_stack_fn=stack_fn)
-
-
 _COMPILED = weakref.WeakKeyDictionary()
 
 
@@ -336,37 +296,25 @@ def _compile_once(comp):
   return _COMPILED[comp]
 
 
-def _context_kwargs(stub) -> dict:
-  """The arguments of TFF's execution contexts for a context over `stub`."""
+def _context_for_stub(stub, asynchronous: bool = False):
+  """TFF's own local C++ context construction (its sync or async context), over a stub we
+  control."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation  # pylint: disable=g-import-not-at-top
 
-  return dict(executor_fn=_executor_factory(stub), compiler_fn=_compile_once,
-              transform_args=tensorflow_computation.transform_args,
-              transform_result=tensorflow_computation.transform_result)
+  def stack_fn(cardinalities):
+    if cardinalities.get(tff.CLIENTS) is None:
+      cardinalities[tff.CLIENTS] = 0
+    ex = tff.framework.RemoteExecutor(stub)
+    ex.set_cardinalities(cardinalities)
+    return ex
 
-
-def _sync_context_for_stub(stub):
-  """TFF's own local C++ context construction, over a stub we control."""
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-
-  return tff.framework.SyncExecutionContext(**_context_kwargs(stub))
-
-
-def _mergeable_context_for_stubs(stubs):
-  """TFF's mergeable-computation context: each round's clients split across the workers."""
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-
-  async_contexts = [tff.framework.AsyncExecutionContext(**_context_kwargs(s)) for s in stubs]
-  return tff.backends.native.create_mergeable_comp_execution_context(async_contexts)
-
-
-def _release_compiled_computations() -> None:
-  """Empties TFF 0.87's `CompilerPipeline.compile` cache, one `lru_cache` for all pipelines:
-  else a replaced context's compilations stay until 128 newer entries evict them. The live
-  context recompiles once."""
-  from tensorflow_federated.python.core.impl.execution_contexts import compiler_pipeline  # pylint: disable=g-import-not-at-top
-
-  compiler_pipeline.CompilerPipeline.compile.cache_clear()
+  context = (tff.framework.AsyncExecutionContext if asynchronous
+             else tff.framework.SyncExecutionContext)
+  return context(executor_fn=tff.framework.ResourceManagingExecutorFactory(stack_fn),
+                 compiler_fn=_compile_once,
+                 transform_args=tensorflow_computation.transform_args,
+                 transform_result=tensorflow_computation.transform_result)
 
 
 def _not_a_lost_worker_task(record) -> bool:
@@ -441,9 +389,7 @@ class TffRuntime:
       return
     try:
       if not self.remote:
-        worker = self._start_worker()
-        self._owned.append(worker)
-        self.workers = [worker.address]
+        self._start_worker()
       self._install_context()
     except BaseException:
       self.close()
@@ -481,17 +427,19 @@ class TffRuntime:
       return f"TFF's C++ runtime ({'remote workers' if self.remote else 'local worker_binary'})"
     return 'not chosen yet (auto)'
 
-  def _start_worker(self):
-    """An `IsolatedWorker` (or a `WorkerProcess` on all interfaces if not
-    `isolate_local_worker`) logging to `<log_dir>/tff_worker.log` or a temporary file."""
+  def _start_worker(self) -> None:
+    """Starts the local worker: an `IsolatedWorker` (or a `WorkerProcess` on all interfaces if
+    not `isolate_local_worker`) logging to `<log_dir>/tff_worker.log` or a temporary file."""
     log_path = None if self.log_dir is None else os.path.join(self.log_dir, 'tff_worker.log')
     if self.isolate_local_worker:
-      return IsolatedWorker(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
-    worker = WorkerProcess(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
-    warn(f'runtime.isolate_local_worker = False: the local worker_binary listens on port '
-         f'{worker.port} of every interface, plaintext and unauthenticated; anyone who reaches '
-         'it can run code on this host as you.')
-    return worker
+      worker = IsolatedWorker(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
+    else:
+      worker = WorkerProcess(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
+      warn(f'runtime.isolate_local_worker = False: the local worker_binary listens on port '
+           f'{worker.port} of every interface, plaintext and unauthenticated; anyone who '
+           'reaches it can run code on this host as you.')
+    self._owned = [worker]
+    self.workers = [worker.address]
 
   def _install_context(self, timeout: Optional[float] = None) -> None:
     """Installs TFF's context over the workers; with `timeout`, a silent one raises
@@ -509,9 +457,10 @@ class TffRuntime:
       stubs.append(stub)
     self._stubs = stubs
     if len(stubs) == 1:
-      self.context = _sync_context_for_stub(stubs[0])
-    else:
-      self.context = _mergeable_context_for_stubs(stubs)
+      self.context = _context_for_stub(stubs[0])
+    else:  # TFF's mergeable-computation context: each round's clients split across the workers.
+      self.context = self._tff.backends.native.create_mergeable_comp_execution_context(
+          [_context_for_stub(s, asynchronous=True) for s in stubs])
     self._tff.framework.set_default_context(self.context)
     logging.info('TFF runtime ready: %s worker(s) %s.', 'remote' if self.remote else 'local',
                  ', '.join(self.workers))
@@ -526,7 +475,7 @@ class TffRuntime:
       raise ConfigError(f'program_context needs one worker, this runtime has '
                         f'{len(self._stubs)}.')
     return self._tff.program.NativeFederatedContext(
-        self._tff.framework.AsyncExecutionContext(**_context_kwargs(self._stubs[0])))
+        _context_for_stub(self._stubs[0], asynchronous=True))
 
   @property
   def worker_pids(self) -> list[int]:
@@ -569,9 +518,7 @@ class TffRuntime:
   def _restart_local_worker(self) -> None:
     for worker in self._owned:
       worker.stop()
-    worker = self._start_worker()
-    self._owned = [worker]
-    self.workers = [worker.address]
+    self._start_worker()
     self._release_connections()
     self._install_context()
 
@@ -587,7 +534,12 @@ class TffRuntime:
       with contextlib.suppress(Exception):
         runner._finalizer(runner._event_loop, runner._thread)  # pylint: disable=protected-access
     self._channels, self._stubs, self.context = [], [], None
-    _release_compiled_computations()
+    # TFF 0.87's `CompilerPipeline.compile` cache is one `lru_cache` for all pipelines: else a
+    # replaced context's compilations stay until 128 newer entries evict them. The live context
+    # recompiles once.
+    from tensorflow_federated.python.core.impl.execution_contexts import compiler_pipeline  # pylint: disable=g-import-not-at-top
+
+    compiler_pipeline.CompilerPipeline.compile.cache_clear()
 
   def after_round(self, round_num: int, round_seconds: Optional[float] = None) -> None:
     """After each round: adapts the RPC deadline to `round_seconds`, trims the heap and, with
@@ -610,11 +562,8 @@ class TffRuntime:
     if self._closed:
       return
     self._closed = True
-    try:
-      # A context whose executor is never created starts nothing.
-      self._tff.framework.set_default_context(_sync_context_for_stub(stub=None))
-    except Exception:  # pylint: disable=broad-except
-      pass
+    with contextlib.suppress(Exception):
+      release_default_context()
     self._release_connections()
     for worker in self._owned:
       worker.stop()
@@ -629,10 +578,11 @@ class TffRuntime:
 
 def release_default_context() -> None:
   """Replaces TFF's import-time default context, whose `ServiceManager.__del__` fails at exit
-  ("'NoneType' object has no attribute 'Popen'"): for programs exiting without a `TffRuntime`."""
+  ("'NoneType' object has no attribute 'Popen'"), by one whose executor, never created,
+  starts nothing: for programs exiting without a `TffRuntime`, and its `close()`."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  tff.framework.set_default_context(_sync_context_for_stub(stub=None))
+  tff.framework.set_default_context(_context_for_stub(stub=None))
 
 
 def check_worker_address(address) -> None:
@@ -822,14 +772,10 @@ def install_signal_handlers(
 
 
 def wait_for_exit(pid: int, timeout: float = 10.0) -> bool:
-  """True once process `pid` no longer exists (test helper)."""
+  """True once process `pid` has exited (gone, or a zombie not yet reaped by its parent) within
+  `timeout` seconds."""
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
-    try:
-      os.kill(pid, 0)
-    except ProcessLookupError:
-      return True
-    # A zombie child of ours still answers kill(0); check its state.
     try:
       with open(f'/proc/{pid}/stat') as f:
         if f.read().split()[2] == 'Z':
