@@ -40,10 +40,8 @@ def layer_dissimilarities(local: Sequence[np.ndarray], global_: Sequence[np.ndar
 
 def mixing_coefficients(dissimilarities: np.ndarray, degree: float, mixing: str) -> np.ndarray:
   """β_l per layer (module docstring)."""
-  if mixing == 'fixed':
-    return np.full(len(dissimilarities), degree)
   mean = float(np.mean(dissimilarities))
-  if mean <= 0.0:
+  if mixing == 'fixed' or mean <= 0.0:
     return np.full(len(dissimilarities), degree)
   return np.clip(degree * dissimilarities / mean, 0.0, 1.0)
 
@@ -103,10 +101,7 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
     self.bytes_down_per_client = algorithm.bytes_down_per_client
     self.bytes_up_per_client = algorithm.bytes_up_per_client
     self._local_work = None  # `vectorize_clients`.
-    initial = algorithm.model_spec.initial_weights()
-    self._initial_local = collections.OrderedDict(
-        trainable=[np.asarray(w) for w in initial.trainable],
-        non_trainable=[np.asarray(w) for w in initial.non_trainable])
+    self._initial_local = algorithm.model_spec.initial_weights()  # NumPy `ModelWeights`.
 
   @property
   def process(self):
@@ -129,14 +124,12 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
   def vectorized(self) -> bool:
     return self._local_work is not None
 
-  @property
-  def has_client_state(self) -> bool:
-    return True
+  has_client_state = True  # Overrides the protocol's property.
 
   def initial_client_state(self, client_index: int) -> collections.OrderedDict:
     """The initial model as the local model (a client that never took part trains from it)."""
     state = collections.OrderedDict(local=collections.OrderedDict(
-        (key, [w.copy() for w in value]) for key, value in self._initial_local.items()))
+        (key, [w.copy() for w in value]) for key, value in self._initial_local._asdict().items()))
     if self.inner.has_client_state:
       state['method'] = self.inner.initial_client_state(client_index)
     return state
