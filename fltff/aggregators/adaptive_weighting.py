@@ -140,9 +140,7 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
     if covered != list(range(len(flat_specs))):
       raise ConfigError(f'Layer groups {layers} do not partition the {len(flat_specs)} '
                         'tensors of the update.')
-    tensor_layer = np.zeros(len(flat_specs), np.int32)
-    for l, group in enumerate(layers):
-      tensor_layer[group] = l
+    tensor_layer = {i: l for l, group in enumerate(layers) for i in group}
     num_layers = len(layers)
     keyed = isinstance(weight_type, tff.StructType)
     if keyed and not self._num_clients:

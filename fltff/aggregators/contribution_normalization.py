@@ -100,8 +100,8 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
   def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:
     fields = [name for name, _ in tff.structure.iter_elements(weight_type)] if isinstance(
         weight_type, tff.StructType) else []
-    needed = ['num_examples'] + (['latent_mean'] if self._temperature else []) + (
-        ['local_steps'] if self._nova else [])
+    # `weight_fields` less the optional `client_index`, and ν.
+    needed = ('num_examples',) + self.weight_fields[1:]
     missing = [f for f in needed if f not in fields]
     if missing:
       raise ConfigError(f'The update weight lacks {missing}: build the client work with these '
@@ -152,12 +152,6 @@ def contribution_normalization_factory(temperature: float = 1.0) -> NormalizedMe
   gin: `<method>.model_aggregator = @contribution_normalization()`. FedNova keeps its normalised
   averaging, with the weights Λν."""
   return NormalizedMeanFactory(temperature)
-
-
-def contribution_normalized_factory(temperature: float = 1.0,
-                                    normalized_averaging: bool = False) -> NormalizedMeanFactory:
-  """CCN over a weighted-mean base scheme (FedNova's normalised averaging if requested)."""
-  return NormalizedMeanFactory(temperature, normalized_averaging)
 
 
 def fednova_factory() -> NormalizedMeanFactory:
