@@ -68,14 +68,12 @@ def _check_layer_structure(weights_layers, server_layers) -> None:
 def _check_dimensions(columns, out_dims, num_classes) -> None:
   """n^l, d^l: L positive integers each; c a positive integer (Python values)."""
   for name, values in (('columns', columns), ('out_dims', out_dims)):
-    values = list(values)
     if not values:
       raise ConfigError('BLS: a model needs at least one layer.')
     if any(int(v) != v or v < 1 for v in values):
       raise ConfigError(f'BLS {name} must be positive integers, got {values}.')
-  if len(list(columns)) != len(list(out_dims)):
-    raise ConfigError(f'BLS columns has {len(list(columns))} entries, out_dims '
-                      f'{len(list(out_dims))}.')
+  if len(columns) != len(out_dims):
+    raise ConfigError(f'BLS columns has {len(columns)} entries, out_dims {len(out_dims)}.')
   if num_classes is not None and (int(num_classes) != num_classes or num_classes < 1):
     raise ConfigError(f'BLS num_classes must be a positive integer, got {num_classes}.')
 

@@ -26,6 +26,8 @@ import numpy as np
 from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
 from fltff.errors import ConfigError
+from fltff.learning import client_work as client_work_lib
+from fltff.learning import optimizers
 from fltff.learning import protocol
 
 
@@ -61,14 +63,12 @@ class FedLapPersonalization:
 
   def __init__(self, model_spec, optimizer, degree: float = 0.5,
                mixing: str = 'dissimilarity'):
-    from fltff.learning.client_work import build_local_update  # pylint: disable=g-import-not-at-top
-
     check_number('personalization.degree', degree, low=0, high=1)
     check_choice('personalization.mixing', mixing, ('fixed', 'dissimilarity'))
     self.degree, self.mixing = float(degree), mixing
     self.layers = model_spec.trainable_layers()[0]
     self.model_spec, self.optimizer = model_spec, optimizer
-    self.local_update = build_local_update(model_spec, optimizer)
+    self.local_update = client_work_lib.build_local_update(model_spec, optimizer)
 
   def personalized_weights(self, local, global_):
     """ModelWeights-like OrderedDict(trainable, non_trainable) of the personalised model."""
@@ -165,8 +165,6 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
   def _vectorized_local_update(self, local_models, inputs) -> list:
     """`(client index, trained ModelWeights)` per participant, as `local_update` returns them."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-    from fltff.learning import client_work as client_work_lib  # pylint: disable=g-import-not-at-top
-
     from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
 
     start = stack_clients([tuple(model['trainable']) for model in local_models])
@@ -209,7 +207,5 @@ def build_fedlap_personalization(model_spec, degree: float = 0.5,
                                  mixing: str = 'dissimilarity',
                                  client_optimizer=None) -> FedLapPersonalization:
   """Gin entry: `experiment.personalization = @fedlap_personalization`."""
-  from fltff.learning import optimizers  # pylint: disable=g-import-not-at-top
-
   return FedLapPersonalization(
       model_spec, client_optimizer or optimizers.default_client_optimizer(), degree, mixing)

@@ -34,6 +34,7 @@ from fltff.learning import optimizers
 from fltff.learning import protocol
 from fltff.learning import regularizers
 from fltff.learning.model_spec import ModelSpec
+from fltff.learning.model_spec import type_num_bytes
 from fltff.personalization import bls
 
 START_FROM = ('own', 'server')
@@ -239,21 +240,18 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   def _vectorized_next(self, state, server_input, client_inputs: Sequence,
                        call: protocol.Call):
     """`process.next` as `prepare_round`, `VectorizedPersonalWork`, `end_round` (same result)."""
-    from fltff.runtime.in_process import StackedClients  # pylint: disable=g-import-not-at-top
-    from fltff.runtime.in_process import clients_argument  # pylint: disable=g-import-not-at-top
-    from fltff.runtime.in_process import stacked_tensor  # pylint: disable=g-import-not-at-top
-    from fltff.runtime.in_process import tensor_results  # pylint: disable=g-import-not-at-top
+    from fltff.runtime import in_process as runtime  # pylint: disable=g-import-not-at-top
 
     prepare_round, end_round = self.split_round
     # The `[P, ...]` copies and s_i stay tensors between computations: no NumPy round trips.
-    with tensor_results() as in_process:
+    with runtime.tensor_results() as in_process:
       if in_process:
-        server_input = tf.nest.map_structure(stacked_tensor, server_input)
+        server_input = tf.nest.map_structure(runtime.stacked_tensor, server_input)
       server_msg = call(prepare_round, state, server_input)
-    value, weight, model_outputs = self._vectorized(server_msg, client_inputs)
-    k = len(client_inputs)
+    outputs = self._vectorized(server_msg, client_inputs)  # (value, weight, model_outputs)
     return call(end_round, state, server_input, server_msg,
-                *(clients_argument(StackedClients(v, k)) for v in (value, weight, model_outputs)))
+                *(runtime.clients_argument(runtime.StackedClients(v, len(client_inputs)))
+                  for v in outputs))
 
   def personal_weights(self, state, client_state):
     del state
@@ -266,8 +264,6 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 
   def summary_extras(self, num_clients: int) -> dict:
     """Server memory: its state (R; pFedLA's hypernetworks) plus one model copy per client."""
-    from fltff.learning.model_spec import type_num_bytes  # pylint: disable=g-import-not-at-top
-
     server_state = type_num_bytes(self.process.initialize.type_signature.result.member)
     return {'server_memory_mb': (server_state + num_clients * self.bytes_up_per_client) / 1e6}
 
@@ -571,13 +567,12 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
                                   for t in group) for group in layers),
       columns=tuple(columns), out_dims=tuple(out_dims), bls_mu=bls_mu,
       min_upload_layers=min_upload_layers)
-  model_from_client = parts.model_from_client
 
   def shape_of(spec, lead=()):
     return (spec.dtype.as_numpy_dtype, tuple(lead) + tuple(spec.shape.as_list()))
 
   personal_fields = []
-  if model_from_client:
+  if parts.model_from_client:
     personal_fields.append(('trainable', tff.types.to_type(tuple(shape_of(s) for s in tspecs))))
   if nspecs:
     personal_fields.append(('non_trainable', tff.types.to_type(tuple(shape_of(s)
@@ -674,7 +669,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec,
                                layer_sizes_bytes=list(parts.layer_sizes_bytes),
                                tensor_layers=layer_of, local_layers=parts.local_layers,
-                               model_from_client=model_from_client, bls=bls_mu is not None,
+                               model_from_client=parts.model_from_client, bls=bls_mu is not None,
                                num_clients=num_clients,
                                split_round=(prepare_round, end_round),
                                vectorized_fn=vectorized_fn)
