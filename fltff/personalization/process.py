@@ -215,10 +215,8 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     result = output.result
     start = time.perf_counter()
     position = {int(k): p for p, k in enumerate(np.asarray(server_input['clients']))}
-    models = server_input['models']
-    client_states = self.next_client_states(
-        result, lambda k: collections.OrderedDict(
-            server_copy=_RowCopies(models, position[k])))
+    client_states = self.next_client_states(result, lambda k: collections.OrderedDict(
+        server_copy=_RowCopies(server_input['models'], position[k])))
     order = [int(k) for k in np.asarray(result['clients'])]
     server_seconds = time.perf_counter() - start
     measurements = dict(output.measurements)
