@@ -84,7 +84,7 @@ def test_factory_round_by_hand():
   weight_type = tff.types.to_type(collections.OrderedDict(
       num_examples=np.float32, client_index=np.int32, latent_mean=(np.float32, (4,)),
       local_steps=np.int32))
-  process = aggregators.contribution_normalized_factory(
+  process = aggregators.NormalizedMeanFactory(
       temperature=0.7, normalized_averaging=True).create(value_type, weight_type)
   updates = [[RNG.normal(size=(2, 3)).astype(np.float32), RNG.normal(size=3).astype(np.float32)]
              for _ in range(3)]

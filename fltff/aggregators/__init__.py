@@ -3,7 +3,7 @@
 - `layerwise_adaptive_factory` (FedLayerWise), `fedadp_factory` (FedAdp): weights from the angle
   between each client's and the global gradient, per layer or model; equations as TF functions.
 - `contribution_normalization_factory` (CCN; gin `contribution_normalization`, a method's
-  `model_aggregator`), `contribution_normalized_factory`, `fednova_factory` (FedNova).
+  `model_aggregator`), `NormalizedMeanFactory` (CCN and/or FedNova's normalised averaging).
 - Each names the update-weight fields it needs (`weight_fields`); the builders'
   `model_aggregator=` takes them or any TFF weighted factory. `gather.build_gather` underlies all.
 """
@@ -22,8 +22,6 @@ from fltff.aggregators.adaptive_weighting import weighted_layer_mean
 from fltff.aggregators.contribution_normalization import NormalizedMeanFactory
 from fltff.aggregators.contribution_normalization import contribution_factors
 from fltff.aggregators.contribution_normalization import contribution_normalization_factory
-from fltff.aggregators.contribution_normalization import contribution_normalized_factory
-from fltff.aggregators.contribution_normalization import fednova_factory
 from fltff.aggregators.contribution_normalization import normalized_weights
 from fltff.aggregators.contribution_normalization import nova_aggregate
 from fltff.aggregators.contribution_normalization import similarity_matrix
@@ -35,9 +33,7 @@ __all__ = [
     'client_gradients',
     'contribution_factors',
     'contribution_normalization_factory',
-    'contribution_normalized_factory',
     'fedadp_factory',
-    'fednova_factory',
     'global_gradient',
     'gompertz',
     'GOMPERTZ_ALPHA',

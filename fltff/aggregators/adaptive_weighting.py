@@ -22,8 +22,10 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from fltff.aggregators.gather import build_gather
+from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.models.layers import row_cosine
+from fltff.models.layers import update_index_groups
 
 GOMPERTZ_ALPHA = 5.0
 
@@ -106,15 +108,12 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
       alpha: Gompertz α (the papers: 5).
       learning_rate: η of eq. (3); angles do not depend on it.
     """
-    from fltff.config_checks import check_number  # pylint: disable=g-import-not-at-top
-
     # Checked now: a factory passed positionally here would fail as a raw gRPC error in round 1.
     check_number('AdaptiveWeightingFactory num_clients', num_clients, integer=True,
                  allow_none=True, low=1)
     check_number('AdaptiveWeightingFactory alpha', alpha)
     check_number('AdaptiveWeightingFactory learning_rate', learning_rate)
     if layers is not None and any(hasattr(g, 'trainable_indices') for g in layers):
-      from fltff.models.layers import update_index_groups  # pylint: disable=g-import-not-at-top
       layers = update_index_groups(layers)  # `fltff.models.layer_groups(model)`'s output.
     if layers is not None and not all(
         isinstance(g, (list, tuple, range)) and all(
@@ -140,9 +139,7 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
     if covered != list(range(len(flat_specs))):
       raise ConfigError(f'Layer groups {layers} do not partition the {len(flat_specs)} '
                         'tensors of the update.')
-    tensor_layer = np.zeros(len(flat_specs), np.int32)
-    for l, group in enumerate(layers):
-      tensor_layer[group] = l
+    tensor_layer = {i: l for l, group in enumerate(layers) for i in group}
     num_layers = len(layers)
     keyed = isinstance(weight_type, tff.StructType)
     if keyed and not self._num_clients:

@@ -31,6 +31,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from fltff.aggregators.gather import build_gather
+from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.models.layers import row_cosine
 
@@ -76,8 +77,6 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
   optional `client_index` labels the per-client measurements (Λ, ω)."""
 
   def __init__(self, temperature: Optional[float] = None, normalized_averaging: bool = False):
-    from fltff.config_checks import check_number  # pylint: disable=g-import-not-at-top
-
     check_number('CCN temperature', temperature, allow_none=True, low=0, open_low=True)
     self._temperature = temperature
     self._nova = normalized_averaging
@@ -93,15 +92,11 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
     return (('client_index',) + (('latent_mean',) if self._temperature else ()) +
             (('local_steps',) if self._nova else ()))
 
-  def with_normalized_averaging(self) -> 'NormalizedMeanFactory':
-    """The same weights with FedNova's normalised averaging (FedNova's builder uses this)."""
-    return NormalizedMeanFactory(self._temperature, normalized_averaging=True)
-
   def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:
     fields = [name for name, _ in tff.structure.iter_elements(weight_type)] if isinstance(
         weight_type, tff.StructType) else []
-    needed = ['num_examples'] + (['latent_mean'] if self._temperature else []) + (
-        ['local_steps'] if self._nova else [])
+    # `weight_fields` less the optional `client_index`, and ν.
+    needed = ('num_examples',) + self.weight_fields[1:]
     missing = [f for f in needed if f not in fields]
     if missing:
       raise ConfigError(f'The update weight lacks {missing}: build the client work with these '
@@ -152,14 +147,3 @@ def contribution_normalization_factory(temperature: float = 1.0) -> NormalizedMe
   gin: `<method>.model_aggregator = @contribution_normalization()`. FedNova keeps its normalised
   averaging, with the weights Λν."""
   return NormalizedMeanFactory(temperature)
-
-
-def contribution_normalized_factory(temperature: float = 1.0,
-                                    normalized_averaging: bool = False) -> NormalizedMeanFactory:
-  """CCN over a weighted-mean base scheme (FedNova's normalised averaging if requested)."""
-  return NormalizedMeanFactory(temperature, normalized_averaging)
-
-
-def fednova_factory() -> NormalizedMeanFactory:
-  """FedNova's normalised averaging, without CCN."""
-  return NormalizedMeanFactory(None, normalized_averaging=True)

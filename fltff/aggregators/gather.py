@@ -38,15 +38,12 @@ def build_gather(value_type, weight_type):
 
   acc_type = zero.type_signature.result
 
-  def append(acc, element):
-    return tf.nest.map_structure(lambda a, x: tf.concat([a, tf.expand_dims(x, 0)], 0), acc,
-                                 element, check_types=False)
-
   @tff.tensorflow.computation(acc_type, (value_type, weight_type))
   def accumulate(acc, client_value):
     update, weight = client_value
-    return append(acc, collections.OrderedDict(update=tuple(tf.nest.flatten(update)),
-                                               weight=weight))
+    element = collections.OrderedDict(update=tuple(tf.nest.flatten(update)), weight=weight)
+    return tf.nest.map_structure(lambda a, x: tf.concat([a, tf.expand_dims(x, 0)], 0), acc,
+                                 element, check_types=False)
 
   @tff.tensorflow.computation(acc_type, acc_type)
   def merge(a, b):

@@ -25,9 +25,9 @@ def build_fednova(model_spec: ModelSpec, client_optimizer=None,
   from fltff.aggregators import contribution_normalization as ccn  # pylint: disable=g-import-not-at-top
 
   if model_aggregator is None:
-    aggregator = ccn.fednova_factory()
+    aggregator = ccn.NormalizedMeanFactory(normalized_averaging=True)
   elif isinstance(model_aggregator, ccn.NormalizedMeanFactory):
-    aggregator = model_aggregator.with_normalized_averaging()
+    aggregator = ccn.NormalizedMeanFactory(model_aggregator.temperature, normalized_averaging=True)
   else:
     raise ConfigError(f'fednova.model_aggregator must be CCN (@contribution_normalization()) '
                       f'or None: FedNova aggregates by normalised averaging, got '

@@ -65,21 +65,25 @@ def _check_layer_structure(weights_layers, server_layers) -> None:
                           f'{sb} in the server model.')
 
 
-def _check_dimensions(columns, out_dims, num_classes, num_layers) -> None:
+def _check_dimensions(columns, out_dims, num_classes) -> None:
   """n^l, d^l: L positive integers each; c a positive integer (Python values)."""
   for name, values in (('columns', columns), ('out_dims', out_dims)):
-    values = list(values)
-    if num_layers is not None and len(values) != num_layers:
-      raise ConfigError(f'BLS {name} has {len(values)} entries for L={num_layers} layers.')
     if not values:
       raise ConfigError('BLS: a model needs at least one layer.')
     if any(int(v) != v or v < 1 for v in values):
       raise ConfigError(f'BLS {name} must be positive integers, got {values}.')
-  if len(list(columns)) != len(list(out_dims)):
-    raise ConfigError(f'BLS columns has {len(list(columns))} entries, out_dims '
-                      f'{len(list(out_dims))}.')
+  if len(columns) != len(out_dims):
+    raise ConfigError(f'BLS columns has {len(columns)} entries, out_dims {len(out_dims)}.')
   if num_classes is not None and (int(num_classes) != num_classes or num_classes < 1):
     raise ConfigError(f'BLS num_classes must be a positive integer, got {num_classes}.')
+
+
+def _check_vectors(vectors: dict, num_layers: int) -> None:
+  """Each of `{name: tensor}` a vector `[L]` where its shape is known."""
+  for name, x in vectors.items():
+    if x.shape.rank is not None and (x.shape.rank != 1 or
+                                     x.shape[0] not in (None, num_layers)):
+      raise ConfigError(f'BLS {name} must be a vector [L={num_layers}], got shape {x.shape}.')
 
 
 def layer_bounds(weights_layers: Sequence[Sequence[TensorLike]],
@@ -176,14 +180,10 @@ def criterion_sides_tf(b_hat: TensorLike, tau_hat: TensorLike, b: TensorLike, ta
     ConfigError: Bad sizes (checked in Python), or vectors of a static length other than L.
   """
   columns, out_dims = list(columns), list(out_dims)
-  _check_dimensions(columns, out_dims, num_classes, None)
+  _check_dimensions(columns, out_dims, num_classes)
   num_layers = len(columns)
-  vectors = [_as_dtype(x, tf.float64) for x in (b_hat, tau_hat, b, tau)]
-  for name, x in zip(('b_hat', 'tau_hat', 'b', 'tau'), vectors):
-    if x.shape.rank is not None and (x.shape.rank != 1 or
-                                     x.shape[0] not in (None, num_layers)):
-      raise ConfigError(f'BLS {name} must be a vector [L={num_layers}], got shape {x.shape}.')
-  b_hat, tau_hat, b, tau = vectors
+  b_hat, tau_hat, b, tau = (_as_dtype(x, tf.float64) for x in (b_hat, tau_hat, b, tau))
+  _check_vectors(dict(b_hat=b_hat, tau_hat=tau_hat, b=b, tau=tau), num_layers)
   c = float(out_dims[-1] if num_classes is None else num_classes)
   half_log_n = tf.constant(0.5 * np.log(np.asarray(columns, np.float64)))
   log_m_hat = _log_m_curve(tau_hat, b_hat, half_log_n)                           # [Ω]
@@ -273,17 +273,14 @@ def select_omega_tf(b: TensorLike, tau: TensorLike, b_max: TensorLike, tau_max: 
     ConfigError: Bad sizes or min_layers (checked where known in Python).
   """
   columns, out_dims = list(columns), list(out_dims)
-  _check_dimensions(columns, out_dims, num_classes, None)
+  _check_dimensions(columns, out_dims, num_classes)
   num_layers = len(columns)
   _check_min_layers(min_layers, num_layers)
   b_max = tf.convert_to_tensor(b_max)
   dtype = b_max.dtype if b_max.dtype.is_floating else tf.float32
   b, tau = _as_dtype(b, dtype), _as_dtype(tau, dtype)
   b_max, tau_max = _as_dtype(b_max, dtype), _as_dtype(tau_max, dtype)
-  for name, x in (('b', b), ('tau', tau), ('b_max', b_max), ('tau_max', tau_max)):
-    if x.shape.rank is not None and (x.shape.rank != 1 or
-                                     x.shape[0] not in (None, num_layers)):
-      raise ConfigError(f'BLS {name} must be a vector [L={num_layers}], got shape {x.shape}.')
+  _check_vectors(dict(b=b, tau=tau, b_max=b_max, tau_max=tau_max), num_layers)
   omega_prev = tf.cast(omega_prev, tf.int32)
   min_layers = tf.cast(min_layers, tf.int32)
   full = omega_prev >= num_layers  # Line 3 (C2: q = 0 is Ω = L in a new client's state).
@@ -298,11 +295,6 @@ def select_omega_tf(b: TensorLike, tau: TensorLike, b_max: TensorLike, tau_max: 
   return omega, steps, tf.where(full, b_a, b_max), tf.where(full, tau_a, tau_max)
 
 
-def _check_mu(mu) -> None:
-  if _is_python_number(mu) and not mu >= 0:
-    raise ConfigError(f'BLS mu must be >= 0, got {mu}.')
-
-
 def server_skip_mask_tf(self_relationship: TensorLike, mu: TensorLike) -> tf.Tensor:
   """Algorithm 3: True where layer l is NOT sent to the client, i.e. r_ii^l > μ.
 
@@ -313,7 +305,8 @@ def server_skip_mask_tf(self_relationship: TensorLike, mu: TensorLike) -> tf.Ten
   Raises:
     ConfigError: μ < 0 (or NaN), or `self_relationship` is not `[L]` or `[P, L]`.
   """
-  _check_mu(mu)
+  if _is_python_number(mu) and not mu >= 0:
+    raise ConfigError(f'BLS mu must be >= 0, got {mu}.')
   r = tf.convert_to_tensor(self_relationship)
   if not r.dtype.is_floating:
     r = tf.cast(r, tf.float32)

@@ -26,6 +26,8 @@ import numpy as np
 from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
 from fltff.errors import ConfigError
+from fltff.learning import client_work as client_work_lib
+from fltff.learning import optimizers
 from fltff.learning import protocol
 
 
@@ -40,10 +42,8 @@ def layer_dissimilarities(local: Sequence[np.ndarray], global_: Sequence[np.ndar
 
 def mixing_coefficients(dissimilarities: np.ndarray, degree: float, mixing: str) -> np.ndarray:
   """β_l per layer (module docstring)."""
-  if mixing == 'fixed':
-    return np.full(len(dissimilarities), degree)
   mean = float(np.mean(dissimilarities))
-  if mean <= 0.0:
+  if mixing == 'fixed' or mean <= 0.0:
     return np.full(len(dissimilarities), degree)
   return np.clip(degree * dissimilarities / mean, 0.0, 1.0)
 
@@ -63,14 +63,12 @@ class FedLapPersonalization:
 
   def __init__(self, model_spec, optimizer, degree: float = 0.5,
                mixing: str = 'dissimilarity'):
-    from fltff.learning.client_work import build_local_update  # pylint: disable=g-import-not-at-top
-
     check_number('personalization.degree', degree, low=0, high=1)
     check_choice('personalization.mixing', mixing, ('fixed', 'dissimilarity'))
     self.degree, self.mixing = float(degree), mixing
     self.layers = model_spec.trainable_layers()[0]
     self.model_spec, self.optimizer = model_spec, optimizer
-    self.local_update = build_local_update(model_spec, optimizer)
+    self.local_update = client_work_lib.build_local_update(model_spec, optimizer)
 
   def personalized_weights(self, local, global_):
     """ModelWeights-like OrderedDict(trainable, non_trainable) of the personalised model."""
@@ -103,10 +101,7 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
     self.bytes_down_per_client = algorithm.bytes_down_per_client
     self.bytes_up_per_client = algorithm.bytes_up_per_client
     self._local_work = None  # `vectorize_clients`.
-    initial = algorithm.model_spec.initial_weights()
-    self._initial_local = collections.OrderedDict(
-        trainable=[np.asarray(w) for w in initial.trainable],
-        non_trainable=[np.asarray(w) for w in initial.non_trainable])
+    self._initial_local = algorithm.model_spec.initial_weights()  # NumPy `ModelWeights`.
 
   @property
   def process(self):
@@ -129,14 +124,12 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
   def vectorized(self) -> bool:
     return self._local_work is not None
 
-  @property
-  def has_client_state(self) -> bool:
-    return True
+  has_client_state = True  # Overrides the protocol's property.
 
   def initial_client_state(self, client_index: int) -> collections.OrderedDict:
     """The initial model as the local model (a client that never took part trains from it)."""
     state = collections.OrderedDict(local=collections.OrderedDict(
-        (key, [w.copy() for w in value]) for key, value in self._initial_local.items()))
+        (key, [w.copy() for w in value]) for key, value in self._initial_local._asdict().items()))
     if self.inner.has_client_state:
       state['method'] = self.inner.initial_client_state(client_index)
     return state
@@ -172,8 +165,6 @@ class FedLapPersonalized(protocol.FederatedAlgorithm):
   def _vectorized_local_update(self, local_models, inputs) -> list:
     """`(client index, trained ModelWeights)` per participant, as `local_update` returns them."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-    from fltff.learning import client_work as client_work_lib  # pylint: disable=g-import-not-at-top
-
     from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
 
     start = stack_clients([tuple(model['trainable']) for model in local_models])
@@ -216,7 +207,5 @@ def build_fedlap_personalization(model_spec, degree: float = 0.5,
                                  mixing: str = 'dissimilarity',
                                  client_optimizer=None) -> FedLapPersonalization:
   """Gin entry: `experiment.personalization = @fedlap_personalization`."""
-  from fltff.learning import optimizers  # pylint: disable=g-import-not-at-top
-
   return FedLapPersonalization(
       model_spec, client_optimizer or optimizers.default_client_optimizer(), degree, mixing)

@@ -36,11 +36,9 @@ COACHING_LOSSES = ('norm', 'squared')
 def layer_grams(models: Sequence[tf.Tensor], layer_of: Sequence[int]) -> tf.Tensor:
   """`G[:, l, :] = Σ_{t∈l} W_t W_tᵀ` (`[P, L, P]`): all the squared-loss R step needs of W."""
   flats = [tf.reshape(w, [tf.shape(w)[0], -1]) for w in models]
-  grams = []
-  for layer in range(max(layer_of) + 1):
-    grams.append(tf.add_n([tf.matmul(f, f, transpose_b=True)
-                           for f, l in zip(flats, layer_of) if l == layer]))
-  return tf.stack(grams, axis=1)
+  return tf.stack([tf.add_n([tf.matmul(f, f, transpose_b=True)
+                             for f, l in zip(flats, layer_of) if l == layer])
+                   for layer in range(max(layer_of) + 1)], axis=1)
 
 
 def relationship_gradient(relation: tf.Tensor, grams: tf.Tensor, lambda_: float,

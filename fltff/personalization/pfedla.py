@@ -93,8 +93,7 @@ def update_hypernetworks(params, clients: tf.Tensor, models: Sequence[tf.Tensor]
     # Ascending ⟨θ̄(φ), Δθ⟩ with Δθ held fixed is descending the client loss along its update.
     objective = -tf.add_n([tf.reduce_sum(a * tf.stop_gradient(d))
                            for a, d in zip(aggregate, deltas)])
-  grads = tape.gradient(objective, flat)
-  grads = [tf.zeros_like(p) if g is None else g for p, g in zip(flat, grads)]
+  grads = tape.gradient(objective, flat, unconnected_gradients=tf.UnconnectedGradients.ZERO)
   return tf.nest.pack_sequence_as(params, [p - learning_rate * g for p, g in zip(flat, grads)])
 
 

@@ -34,6 +34,7 @@ from fltff.learning import optimizers
 from fltff.learning import protocol
 from fltff.learning import regularizers
 from fltff.learning.model_spec import ModelSpec
+from fltff.learning.model_spec import type_num_bytes
 from fltff.personalization import bls
 
 START_FROM = ('own', 'server')
@@ -50,11 +51,8 @@ def normalize_rows(relation: tf.Tensor) -> tf.Tensor:
 def personalized_server_models(relation: tf.Tensor, models: Sequence[tf.Tensor],
                                layer_of: Sequence[int]) -> list[tf.Tensor]:
   """`s_i^l = Σ_j r_ij^l w_j^l` (KAPC, Algorithm 1) per tensor; `relation` `[P, L, P]`."""
-  out = []
-  for w, layer in zip(models, layer_of):
-    flat = tf.reshape(w, [tf.shape(w)[0], -1])
-    out.append(tf.reshape(tf.matmul(relation[:, layer, :], flat), tf.shape(w)))
-  return out
+  return [tf.reshape(tf.matmul(relation[:, layer, :], tf.reshape(w, [tf.shape(w)[0], -1])),
+                     tf.shape(w)) for w, layer in zip(models, layer_of)]
 
 
 def slice_relationship(relation: tf.Tensor, clients: tf.Tensor) -> tf.Tensor:
@@ -105,11 +103,8 @@ def initial_relationship(num_clients: int, num_layers: int, init: str,
 def refreshed_models(trained: Sequence[tf.Tensor], stale: Sequence[tf.Tensor],
                      uploaded: tf.Tensor, layer_of: Sequence[int]) -> list[tf.Tensor]:
   """The server's new copies `[P, ...]`: uploaded layers from `trained`, the rest `stale`."""
-  out = []
-  for t, (new, old) in enumerate(zip(trained, stale)):
-    cond = tf.reshape(uploaded[:, layer_of[t]], [-1] + [1] * (len(new.shape) - 1))
-    out.append(tf.where(cond, new, old))
-  return out
+  return [tf.where(tf.reshape(uploaded[:, layer], [-1] + [1] * (len(new.shape) - 1)), new, old)
+          for new, old, layer in zip(trained, stale, layer_of)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +173,9 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   model_spec: ModelSpec
   layer_sizes_bytes: list
   tensor_layers: list  # The layer of each trainable tensor.
+  # Per layer: kept on the client, never sent (the rule's `local_layer_kinds`). Its server copy
+  # is the client's own, kept by the driver, and not counted in the bytes.
+  local_layers: tuple
   # Whether clients' personal trainable weights are part of their input (see the builder).
   model_from_client: bool = True
   bls: bool = False  # BLS on: client states keep Algorithm 4's running maxima.
@@ -187,18 +185,13 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   # `(prepare_round, end_round)` around the client work; a builder of `VectorizedPersonalWork`.
   split_round: Optional[tuple] = None
   vectorized_fn: Optional[Callable[[Optional[str]], Any]] = None
-  # Per layer: kept on the client, never sent (the rule's `local_layer_kinds`; empty: none). Its
-  # server copy is the client's own, kept by the driver, and not counted in the bytes.
-  local_layers: tuple = ()
   _initial: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
   _vectorized: Any = dataclasses.field(default=None, repr=False, compare=False)
 
   def initialize(self, call: protocol.Call = protocol.direct_call):
     return call(self.process.initialize)
 
-  @property
-  def has_client_state(self) -> bool:
-    return True
+  has_client_state = True  # Overrides the protocol's property.
 
   def initial_client_state(self, client_index: int) -> collections.OrderedDict:
     del client_index
@@ -208,8 +201,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   def bytes_down_per_client(self) -> int:
     """All but the local layers, each way (`bytes_up_per_client` too); BLS may send fewer: the
     round's `bytes_up` and `bytes_down` count what it sends."""
-    local = self.local_layers or (False,) * len(self.layer_sizes_bytes)
-    return int(sum(int(size) for size, keep in zip(self.layer_sizes_bytes, local) if not keep))
+    return sum(size for size, keep in zip(self.layer_sizes_bytes, self.local_layers) if not keep)
 
   bytes_up_per_client = bytes_down_per_client
 
@@ -223,10 +215,8 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     result = output.result
     start = time.perf_counter()
     position = {int(k): p for p, k in enumerate(np.asarray(server_input['clients']))}
-    models = server_input['models']
-    client_states = self.next_client_states(
-        result, lambda k: collections.OrderedDict(
-            server_copy=_RowCopies(models, position[k])))
+    client_states = self.next_client_states(result, lambda k: collections.OrderedDict(
+        server_copy=_RowCopies(server_input['models'], position[k])))
     order = [int(k) for k in np.asarray(result['clients'])]
     server_seconds = time.perf_counter() - start
     measurements = dict(output.measurements)
@@ -248,21 +238,18 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   def _vectorized_next(self, state, server_input, client_inputs: Sequence,
                        call: protocol.Call):
     """`process.next` as `prepare_round`, `VectorizedPersonalWork`, `end_round` (same result)."""
-    from fltff.runtime.in_process import StackedClients  # pylint: disable=g-import-not-at-top
-    from fltff.runtime.in_process import clients_argument  # pylint: disable=g-import-not-at-top
-    from fltff.runtime.in_process import stacked_tensor  # pylint: disable=g-import-not-at-top
-    from fltff.runtime.in_process import tensor_results  # pylint: disable=g-import-not-at-top
+    from fltff.runtime import in_process as runtime  # pylint: disable=g-import-not-at-top
 
     prepare_round, end_round = self.split_round
     # The `[P, ...]` copies and s_i stay tensors between computations: no NumPy round trips.
-    with tensor_results() as in_process:
+    with runtime.tensor_results() as in_process:
       if in_process:
-        server_input = tf.nest.map_structure(stacked_tensor, server_input)
+        server_input = tf.nest.map_structure(runtime.stacked_tensor, server_input)
       server_msg = call(prepare_round, state, server_input)
-    value, weight, model_outputs = self._vectorized(server_msg, client_inputs)
-    k = len(client_inputs)
+    outputs = self._vectorized(server_msg, client_inputs)  # (value, weight, model_outputs)
     return call(end_round, state, server_input, server_msg,
-                *(clients_argument(StackedClients(v, k)) for v in (value, weight, model_outputs)))
+                *(runtime.clients_argument(runtime.StackedClients(v, len(client_inputs)))
+                  for v in outputs))
 
   def personal_weights(self, state, client_state):
     del state
@@ -275,8 +262,6 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 
   def summary_extras(self, num_clients: int) -> dict:
     """Server memory: its state (R; pFedLA's hypernetworks) plus one model copy per client."""
-    from fltff.learning.model_spec import type_num_bytes  # pylint: disable=g-import-not-at-top
-
     server_state = type_num_bytes(self.process.initialize.type_signature.result.member)
     return {'server_memory_mb': (server_state + num_clients * self.bytes_up_per_client) / 1e6}
 
@@ -297,9 +282,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   def _initial_weights(self) -> tuple:
     """(trainable, non-trainable) NumPy weights of the initial model, built once."""
     if self._initial is None:
-      initial = self.model_spec.initial_weights()
-      self._initial = ([np.array(w) for w in initial.trainable],
-                       [np.array(w) for w in initial.non_trainable])
+      self._initial = self.model_spec.initial_weights()  # A `ModelWeights` named tuple.
     return self._initial
 
   def stale_server_layers(self, client_states: dict) -> int:
@@ -399,15 +382,13 @@ class PersonalizedRound:
   layer_sizes_bytes: tuple
   columns: tuple
   out_dims: tuple
-  lambda_: float
-  start_from: str
   bls_mu: Optional[float]
   min_upload_layers: int
 
   @property
   def communicates(self) -> bool:
     """Whether anything is exchanged: clients use s_i (λ > 0) or start from it."""
-    return self.lambda_ > 0 or self.start_from == 'server'
+    return self.rule.lambda_ > 0 or self.rule.start_from == 'server'
 
   @property
   def model_from_client(self) -> bool:
@@ -426,13 +407,11 @@ class PersonalizedRound:
     s = personalized_server_models(rel, list(server_input['models']), self.context.layer_of)
     self_rel = tf.linalg.diag_part(tf.transpose(rel, [1, 0, 2]))       # [L, P]
     self_rel = tf.transpose(self_rel)                                   # [P, L]
-    if self.bls_mu is None:
-      skip = tf.zeros_like(self_rel, tf.bool)
-    else:
-      skip = bls.server_skip_mask_tf(self_rel, self.bls_mu)
+    skip = (tf.zeros_like(self_rel, tf.bool) if self.bls_mu is None
+            else bls.server_skip_mask_tf(self_rel, self.bls_mu))
     message = collections.OrderedDict(
         clients=server_input['clients'], models=tuple(s), skip=skip, self_relation=self_rel)
-    if not self.model_from_client and self.start_from == 'own':
+    if not self.model_from_client and self.rule.start_from == 'own':
       message['own'] = tuple(server_input['models'])
     message.update(extra)
     return message
@@ -453,21 +432,21 @@ class PersonalizedRound:
     sent = [tf.logical_not(row['skip'][l]) for l in self.context.layer_of]
     if self.model_from_client:
       own = list(personal['trainable'])
-    elif self.start_from == 'own':
+    elif self.rule.start_from == 'own':
       own = list(row['own'])
     else:
       own = s  # Every layer is sent (no BLS) and the client starts from s_i.
     start = own
-    if self.start_from == 'server':
+    if self.rule.start_from == 'server':
       start = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
     return start, s, sent, own
 
   def client_regularizer(self, s, sent):
     """λ Σ_l ||w^l − s^l||²: proximal term, μ = 2λ, towards s_i (masked with BLS); None if λ = 0."""
-    if self.lambda_ <= 0:
+    if self.rule.lambda_ <= 0:
       return None
     mask = None if self.bls_mu is None else [tf.cast(c, w.dtype) for c, w in zip(sent, s)]
-    return regularizers.ProximalRegularizer(2.0 * self.lambda_, anchor=s, tensor_mask=mask)
+    return regularizers.ProximalRegularizer(2.0 * self.rule.lambda_, anchor=s, tensor_mask=mask)
 
   def client_result(self, personal, k, s, sent, own, trained, examples_per_epoch):
     """What client k uploads after training: its model and `(index, Ω, BLS search)`."""
@@ -501,17 +480,15 @@ class PersonalizedRound:
               for v in gathered['update']]
     omega = tf.gather(gathered['weight']['omega'], rows)
     uploaded = tf.range(self.context.num_layers)[None, :] < omega[:, None]  # [P, L]
+    sent = tf.logical_not(server_msg['skip'])
     if not self.communicates:
-      uploaded = tf.zeros_like(uploaded)
+      uploaded, sent = tf.zeros_like(uploaded), tf.zeros_like(sent)
     update = tf.nest.pack_sequence_as(value_template, values)
     trained = list(update['trainable'])
     new_state = self.rule.server_update(state, server_input, server_msg, trained,
                                         uploaded, self.context)
     # A local layer's s_i is the client's own layer: neither sent nor uploaded.
     sizes = tf.constant(np.where(self.local_layers, 0, self.layer_sizes_bytes), tf.float64)
-    sent = tf.logical_not(server_msg['skip'])
-    if not self.communicates:
-      sent = tf.zeros_like(sent)
     bytes_down = tf.reduce_sum(tf.cast(sent, tf.float64) * sizes, axis=1)
     bytes_up = tf.reduce_sum(tf.cast(uploaded, tf.float64) * sizes, axis=1)
     personal = collections.OrderedDict(trainable=tuple(trained))
@@ -553,14 +530,13 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   from fltff.aggregators.gather import build_gather  # pylint: disable=g-import-not-at-top
   from fltff.models.layers import layer_groups  # pylint: disable=g-import-not-at-top
 
-  lambda_, start_from = rule.lambda_, rule.start_from
   client_optimizer = client_optimizer or optimizers.default_client_optimizer()
   check_number(f'{name} num_clients', num_clients, integer=True, low=1)
-  check_number(f'{name}.lambda_', lambda_, low=0)
+  check_number(f'{name}.lambda_', rule.lambda_, low=0)
   # The server compares μ with self-relations r_ii <= 1: above 1 it would never skip a layer.
   check_number(f'{name}.bls_mu', bls_mu, allow_none=True, low=0, high=1,
                hint='None disables BLS')
-  check_choice('start_from', start_from, START_FROM)
+  check_choice('start_from', rule.start_from, START_FROM)
   initial_relationship(num_clients, 1, rule.relationship_init)  # Validates the init.
   rule.check(name, bls_mu)
 
@@ -568,10 +544,8 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   num_layers = len(layers)
   check_number(f'{name}.min_upload_layers', min_upload_layers, integer=True, low=1,
                high=num_layers)
-  layer_of = [0] * sum(len(g) for g in layers)
-  for l, group in enumerate(layers):
-    for t in group:
-      layer_of[t] = l
+  layer_by_tensor = {t: l for l, group in enumerate(layers) for t in group}
+  layer_of = [layer_by_tensor[t] for t in range(len(layer_by_tensor))]
   context = RoundContext(layer_of=tuple(layer_of), num_layers=num_layers,
                          num_clients=num_clients)
   with tf.Graph().as_default():
@@ -587,18 +561,16 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   parts = PersonalizedRound(
       rule=rule, context=context, layers=tuple(tuple(g) for g in layers),
       local_layers=tuple(k in rule.local_layer_kinds for k in kinds),
-      layer_sizes_bytes=tuple(int(sum(np.prod(tspecs[t].shape.as_list(), dtype=np.int64) *
-                                      tspecs[t].dtype.size for t in group))
-                              for group in layers),
-      columns=tuple(columns), out_dims=tuple(out_dims), lambda_=lambda_, start_from=start_from,
-      bls_mu=bls_mu, min_upload_layers=min_upload_layers)
-  model_from_client = parts.model_from_client
+      layer_sizes_bytes=tuple(sum(tspecs[t].shape.num_elements() * tspecs[t].dtype.size
+                                  for t in group) for group in layers),
+      columns=tuple(columns), out_dims=tuple(out_dims), bls_mu=bls_mu,
+      min_upload_layers=min_upload_layers)
 
   def shape_of(spec, lead=()):
     return (spec.dtype.as_numpy_dtype, tuple(lead) + tuple(spec.shape.as_list()))
 
   personal_fields = []
-  if model_from_client:
+  if parts.model_from_client:
     personal_fields.append(('trainable', tff.types.to_type(tuple(shape_of(s) for s in tspecs))))
   if nspecs:
     personal_fields.append(('non_trainable', tff.types.to_type(tuple(shape_of(s)
@@ -695,7 +667,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec,
                                layer_sizes_bytes=list(parts.layer_sizes_bytes),
                                tensor_layers=layer_of, local_layers=parts.local_layers,
-                               model_from_client=model_from_client, bls=bls_mu is not None,
+                               model_from_client=parts.model_from_client, bls=bls_mu is not None,
                                num_clients=num_clients,
                                split_round=(prepare_round, end_round),
                                vectorized_fn=vectorized_fn)

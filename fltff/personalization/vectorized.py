@@ -50,7 +50,7 @@ class VectorizedPersonalWork:
                factor_dense: bool = True):
     """`parts`: the round's `process.PersonalizedRound` (its client parts run here)."""
     self._parts = parts
-    self._regularized = parts.lambda_ > 0
+    self._regularized = parts.rule.lambda_ > 0
     self._work = VectorizedClientWork(
         model_spec, optimizer, device=device, factor_dense=factor_dense,
         client_regularizer=(lambda terms: parts.client_regularizer(*terms)) if self._regularized
