@@ -95,7 +95,7 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
   def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:
     fields = [name for name, _ in tff.structure.iter_elements(weight_type)] if isinstance(
         weight_type, tff.StructType) else []
-    # `weight_fields` less the optional `client_index`, and ν.
+    # ν and `weight_fields` but their first, `client_index` (optional: it labels measurements).
     needed = ('num_examples',) + self.weight_fields[1:]
     missing = [f for f in needed if f not in fields]
     if missing:
