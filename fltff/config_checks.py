@@ -23,6 +23,16 @@ _NUMERIC_ANNOTATIONS = {
 }
 
 
+# Seeds are 32-bit unsigned integers, as NumPy's legacy generator and most FL tools take them;
+# every stream fltff derives from one (TF's stateless int64 pairs, NumPy's generators) holds it.
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(name: str, value: Any) -> None:
+  """Raises `ConfigError` unless `value` is an integer seed in [0, MAX_SEED]."""
+  check_number(name, value, integer=True, low=0, high=MAX_SEED)
+
+
 def check_number(name: str, value: Any, integer: bool = False, allow_none: bool = False,
                  low: Optional[float] = None, high: Optional[float] = None,
                  open_low: bool = False, open_high: bool = False, hint: str = '') -> None:

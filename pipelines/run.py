@@ -98,7 +98,7 @@ def configure(gin_files, gin_bindings) -> None:
 def _kept(output_dir: str) -> str:
   """Which rounds the output folder's checkpoints keep, and how to continue."""
   checkpointer = Checkpointer(output_dir)
-  last = checkpointer.latest_round() or 0
+  last = checkpointer.intact_round() or 0
   return (f'{kept_message(checkpointer.directory, last)}'
           f'{": rerun with --resume to continue" if last else ""}.')
 

@@ -229,7 +229,7 @@ def test_divergence_in_round_one_says_nothing_was_kept(tmp_path):
   result = run_pipeline_here(*SMALL, '--gin_bindings=experiment.rounds = 1',
                         '--gin_bindings=client_optimizer.learning_rate = 1e12',
                         f'--output_dir={out}')
-  line = assert_one_line_error(result, 'diverged in round 1', 'nothing was checkpointed')
+  line = assert_one_line_error(result, 'diverged in round 1', 'No completed round is in a checkpoint')
   assert 'Rounds 1-0' not in line and not os.path.exists(os.path.join(out, 'checkpoints'))
 
 

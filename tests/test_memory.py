@@ -307,6 +307,13 @@ def test_a_damaged_sqlite_store_is_one_checkpoint_error(tmp_path):
     db.execute('UPDATE states SET leaves = substr(leaves, 1, 20) WHERE client = 1')
   store = state_store.SqliteClientStateStore(str(tmp_path / 'a'), init)
   np.testing.assert_array_equal(store.get(0)['model'][0], _tree(1)['model'][0])
+  with pytest.raises(CheckpointError, match='for client 1 that is not the one stored for it'):
+    store.get(1)
+  store.close()
+  # A store written before states carried their checksum: the damage shows when unpacking.
+  with sqlite3.connect(tmp_path / 'a' / 'client_states.sqlite') as db:
+    db.execute('UPDATE states SET digest = NULL')
+  store = state_store.SqliteClientStateStore(str(tmp_path / 'a'), init)
   with pytest.raises(CheckpointError, match='damaged state for client 1'):
     store.get(1)
   store.close()

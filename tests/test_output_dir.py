@@ -57,8 +57,7 @@ def test_config_changes_name_what_changes_the_computation():
          .replace('experiment.rounds = 100', 'experiment.rounds = 200')
          .replace("runtime.executor = 'auto'", "runtime.executor = 'tff_cpp'")
          .replace("idx_source.path = '/work/shared/data/fashion-mnist'",
-                  "idx_source.path = '/data/fmnist'")
-         + 'experiment.new_parameter = 3\n')
+                  "idx_source.path = '/data/fmnist'"))
   assert outputs.config_changes(earlier, now) == [('fedprox.mu', '1.0', '0.5')]
   assert outputs.config_changes(earlier, earlier) == []
   # Continuation lines (long lists) are one binding.
@@ -67,15 +66,66 @@ def test_config_changes_name_what_changes_the_computation():
       ('a.b', '[1, 2]', '[1, 3]')]
 
 
-def test_check_config_refuses_or_records(tmp_path):
+@pytest.mark.parametrize('earlier_extra, now_extra, expected', [
+    # A binding on one side only: a configurable used by one run only changes the computation.
+    ('', 'server_optimizer.learning_rate = 5.0\n',
+     [('server_optimizer.learning_rate', outputs.ABSENT, '5.0')]),
+    ('server_optimizer.learning_rate = 5.0\n', '',
+     [('server_optimizer.learning_rate', '5.0', outputs.ABSENT)]),
+    # Where the run executes and where its files lie are not changes of what it computes.
+    ('', "runtime.workers = ['a:1']\n", []),
+    ('', "npz_source.path = '/x.npz'\n", []),
+])
+def test_config_changes_count_a_binding_on_one_side(earlier_extra, now_extra, expected):
+  base = 'experiment.seed = 0\n'
+  assert outputs.config_changes(base + earlier_extra, base + now_extra) == expected
+
+
+def _record(config, data='d' * 64):
+  return {'config': config, 'data': data}
+
+
+def test_check_resume_refuses_or_records(tmp_path):
   with open(CONFIG) as f:
     earlier = f.read()
-  (tmp_path / 'config.gin').write_text(earlier)
   now = earlier.replace('experiment.seed = 0', 'experiment.seed = 1')
-  outputs.check_config(str(tmp_path), now, resumed_from=None)  # Not a resume: nothing to check.
-  with pytest.raises(ConfigError, match=r'experiment.seed: 0 -> 1\): rounds 1-7 were computed'):
-    outputs.check_config(str(tmp_path), now, resumed_from=7)
+  # Not a resume: nothing to check.
+  outputs.check_resume(str(tmp_path), _record(now), _record(earlier), resumed_from=None)
+  with pytest.raises(ConfigError,
+                     match=r'computed with \(experiment.seed: 0 -> 1\)\. Resume with the same'):
+    outputs.check_resume(str(tmp_path), _record(now), _record(earlier), resumed_from=7)
   assert not (tmp_path / 'config_changes.txt').exists()
-  outputs.check_config(str(tmp_path), now, resumed_from=7, allow_changes=True)
+  outputs.check_resume(str(tmp_path), _record(now), _record(earlier), resumed_from=7,
+                       allow_changes=True)
   assert (tmp_path / 'config_changes.txt').read_text() == (
       'resumed after round 7: experiment.seed: 0 -> 1\n')
+
+
+def test_check_resume_refuses_other_data(tmp_path):
+  config = 'experiment.seed = 0\n'
+  with pytest.raises(ConfigError, match=r'rounds 1-4 were computed with \(the data \(content '
+                     r'fingerprint\): aaaaaaaaaaaaaaaa -> bbbbbbbbbbbbbbbb\)'):
+    outputs.check_resume(str(tmp_path), _record(config, 'b' * 64), _record(config, 'a' * 64),
+                         resumed_from=4)
+  outputs.check_resume(str(tmp_path), _record(config), _record(config), resumed_from=4)
+
+
+def test_check_resume_without_any_record_of_the_config_refuses(tmp_path, capsys):
+  config = 'experiment.seed = 0\n'
+  # A checkpoint older than the record, and no config.gin: nothing to verify against.
+  with pytest.raises(ConfigError, match=r'the configuration: not recorded \(config.gin is '
+                     r'missing\) -> this one'):
+    outputs.check_resume(str(tmp_path), _record(config), None, resumed_from=3)
+  assert 'no data fingerprint' in capsys.readouterr().err
+  # With config.gin present, the old checkpoint's run resumes; its data are not verified.
+  (tmp_path / 'config.gin').write_text(config)
+  outputs.check_resume(str(tmp_path), _record(config), None, resumed_from=3)
+  assert capsys.readouterr().err == (
+      'warning: the checkpoint of round 3 records no data fingerprint (written by an earlier '
+      'fltff): the data of the resumed rounds are not verified.\n')
+  # Deliberately: recorded in the run.
+  (tmp_path / 'config.gin').unlink()
+  outputs.check_resume(str(tmp_path), _record(config), None, resumed_from=3, allow_changes=True)
+  assert (tmp_path / 'config_changes.txt').read_text() == (
+      'resumed after round 3: the configuration: not recorded (config.gin is missing) -> '
+      'this one\n')

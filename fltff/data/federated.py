@@ -1,6 +1,7 @@
 """A dataset split into clients, and its conversion to TFF `ClientData`."""
 
 import collections
+import hashlib
 import dataclasses
 from typing import Any, Callable, Optional
 
@@ -9,7 +10,9 @@ import numpy as np
 
 from fltff.data import partition as partition_lib
 from fltff.data.sources import ArrayDataset
+from fltff.data.sources import check_dataset
 from fltff.config_checks import check_number
+from fltff.config_checks import check_seed
 from fltff.config_checks import gin_binds
 from fltff.config_checks import parameters
 from fltff.errors import ConfigError
@@ -72,6 +75,19 @@ class FederatedData:
     if self.local_test_indices is not None:
       out['local_test_sizes'] = [int(len(idx)) for idx in self.local_test_indices]
     return out
+
+  def fingerprint(self) -> str:
+    """sha256 of everything a run reads of the data: the arrays (values, dtypes, shapes), the
+    class count and the clients' training and local test indices. A resume compares it with
+    the one its checkpoint recorded, so other data under the same path are refused."""
+    digest = hashlib.sha256(f'{self.dataset.num_classes};'.encode())
+    parts = [self.dataset.x_train, self.dataset.y_train, self.dataset.x_test, self.dataset.y_test]
+    parts += list(self.train_indices) + list(self.local_test_indices or [])
+    for array in parts:
+      array = np.ascontiguousarray(array)
+      digest.update(f'{array.dtype.str}{array.shape};'.encode())
+      digest.update(memoryview(array).cast('B'))
+    return digest.hexdigest()
 
   def client_data(self):
     """The training split as `tff.simulation.datasets.ClientData` of `OrderedDict(x=, y=)` in the
@@ -207,11 +223,15 @@ def build_federated_data(source: Callable[[], ArrayDataset] = gin.REQUIRED,
   check_number('federated_data.local_test_examples', local_test_examples, integer=True, low=0)
   if seed is None:
     seed = run_seed
-  check_number('federated_data.seed', seed, integer=True, low=0)
+  check_seed('federated_data.seed', seed)
   dataset, source_seed = _call_source(source, seed)
   if not isinstance(dataset, ArrayDataset):
     raise ConfigError(f'federated_data.source must return an ArrayDataset, got '
                       f'{type(dataset).__name__}; use e.g. @npz_source or @tfds_source.')
+  origin = getattr(source, '__name__', 'federated_data.source')
+  if gin_binds(f'{origin}.path'):
+    origin = f"{origin} ({gin.query_parameter(f'{origin}.path')})"
+  check_dataset(dataset, origin)
   dataset = subsample(dataset, data_fraction, seed)
   parts = _validate_partition(_call_partitioner(partitioner, dataset, num_clients, seed),
                               num_clients, len(dataset.y_train))

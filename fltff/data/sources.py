@@ -48,6 +48,31 @@ class ArrayDataset:
   natural_test_partition: Optional[list[np.ndarray]] = None
 
 
+def check_dataset(dataset: ArrayDataset, origin: str) -> None:
+  """Refuses data a run would train on without a word and get wrong (`DataError`, one line
+  naming `origin`, the split and the count): non-finite features, float images outside [0, 1]
+  (uint8 images are scaled to [0, 1] by the input pipeline, float ones are used as they are),
+  labels outside [0, num_classes). Float feature vectors (`[n, d]`) may take any finite value.
+  """
+  for split in ('train', 'test'):
+    x, y = getattr(dataset, f'x_{split}'), getattr(dataset, f'y_{split}')
+    if np.issubdtype(x.dtype, np.floating):
+      bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+      if bad:
+        raise DataError(f'{origin}: x_{split} holds {bad} NaN or infinite values (of {x.size}); '
+                        'fix or drop those examples.')
+      if x.ndim >= 3 and x.size and (x.min() < 0 or x.max() > 1):
+        raise DataError(
+            f'{origin}: x_{split} holds float images with values in [{x.min():g}, {x.max():g}], '
+            'but float images are used as they are and must lie in [0, 1]: store them as uint8 '
+            '(scaled by the input pipeline) or divide by 255.')
+    outside = int(np.count_nonzero((y < 0) | (y >= dataset.num_classes)))
+    if outside:
+      raise DataError(f'{origin}: y_{split} holds {outside} labels outside [0, '
+                      f'{dataset.num_classes}) (the declared classes); fix the labels or the '
+                      'class count.')
+
+
 _TFDS_BATCH = 8192
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from fltff.errors import warn
 from fltff.simulation.outputs import atomic_write
 from fltff.simulation.outputs import atomic_write_json
 
+_ROUND_FILE = re.compile(r'round_(\d{5,})\.npz')
 # What reading a damaged (truncated, overwritten, hand-edited) checkpoint file raises.
 _DAMAGE = (OSError, EOFError, ValueError, KeyError, TypeError, zipfile.BadZipFile, zlib.error)
 
@@ -73,8 +75,9 @@ class Checkpointer:
     """Rounds with a checkpoint file on disk, oldest first (damaged ones included)."""
     if not os.path.isdir(self.directory):
       return []
-    return sorted(int(n[6:11]) for n in os.listdir(self.directory)
-                  if n.startswith('round_') and n.endswith('.npz'))
+    # Other files there (a user's `round_backup.npz`, editor copies) are not checkpoints.
+    return sorted(int(m.group(1)) for m in map(_ROUND_FILE.fullmatch, os.listdir(self.directory))
+                  if m)
 
   def latest_round(self) -> Optional[int]:
     """The newest checkpointed round: the round `latest.json` names, or a newer round file's
@@ -86,6 +89,30 @@ class Checkpointer:
     except _DAMAGE:
       return rounds[-1] if rounds else None
     return max([named] + rounds[-1:])
+
+  def intact_round(self) -> Optional[int]:
+    """The newest round whose checkpoint a resume can read (its metadata parses and its arrays
+    file is a whole zip): what a stopped run truly keeps, e.g. after a full disk cut a write."""
+    for round_num in reversed(self.rounds()):
+      try:
+        with open(self.path(round_num, '.json')) as f:
+          json.load(f)
+        with zipfile.ZipFile(self.path(round_num, '.npz')):
+          return round_num
+      except _DAMAGE:
+        continue
+    return None
+
+  def recorded(self) -> Optional[dict]:
+    """The run record (`{'config': ..., 'data': ...}`) of the newest checkpoint whose metadata
+    reads; None if there is none or it predates the record."""
+    for round_num in reversed(self.rounds()):
+      try:
+        with open(self.path(round_num, '.json')) as f:
+          return json.load(f).get('run')
+      except _DAMAGE:
+        continue
+    return None
 
   def restore(self, process_state_template: Any,
               warn_fn: Callable[[str], None] = warn) -> tuple[int, Any, dict, dict]:
@@ -167,6 +194,6 @@ def _describe(error: BaseException) -> str:
 def kept_message(directory: str, last_round: int) -> str:
   """The sentence saying what a stopped run keeps, true in every case (no round completed too)."""
   if last_round < 1:
-    return 'No round was completed, so nothing was checkpointed'
+    return 'No completed round is in a checkpoint'
   rounds = 'Round 1 is' if last_round == 1 else f'Rounds 1-{last_round} are'
   return f'{rounds} kept in the checkpoint under {directory}'

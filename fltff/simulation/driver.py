@@ -23,6 +23,7 @@ import tensorflow as tf
 from fltff.data.pipeline import ClientDatasets
 from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
+from fltff.config_checks import check_seed
 from fltff.errors import CheckpointError
 from fltff.errors import ConfigError
 from fltff.errors import DivergenceError
@@ -73,7 +74,7 @@ class RoundConfig:
       raise ConfigError(f'experiment.target_accuracies must be a list of accuracies in (0, 1], '
                         f'got {targets!r}.')
     self.target_accuracies = tuple(targets)
-    check_number('experiment.seed', self.seed, integer=True, low=0)
+    check_seed('experiment.seed', self.seed)
     check_number('experiment.client_fraction', self.client_fraction, allow_none=True)
     sampling.straggler_plan(np.arange(1), self.local_epochs, self.straggler_fraction,
                             self.straggler_mode, self.seed, 1)  # Validates both settings.
@@ -96,7 +97,10 @@ class RoundDriver:
 
   def __init__(self, algorithm: protocol.FederatedAlgorithm, data, config: RoundConfig,
                output_dir: str, progress: Callable[[str], None] = print, runtime=None,
-               stop_event=None, channel=None, finetuner=None):
+               stop_event=None, channel=None, finetuner=None, record: Optional[dict] = None):
+    """`record`: what the rounds are computed from (`{'config': operative config text,
+    'data': data fingerprint}`); each checkpoint carries it, `config.gin` is written from it once
+    a resume is verified, and `outputs.check_resume` compares a resume's with it."""
     config.validate()
     if config.round_deadline is not None and channel is None:
       raise ConfigError('experiment.round_deadline needs a channel model: set '
@@ -128,6 +132,7 @@ class RoundDriver:
     self.participants = sampling.num_participants(self.num_clients, config.clients_per_round,
                                                   config.client_fraction)
     # All per-client state (SCAFFOLD's controls, MOON's previous models, personal models...).
+    self.record = record
     self.client_states = build_client_state_store(config.client_state_store, output_dir,
                                                   algorithm.initial_client_state)
     self.datasets = ClientDatasets(data.client_arrays, config.batch_size)
@@ -297,7 +302,7 @@ class RoundDriver:
   def save(self, round_num: int, state) -> None:
     t0 = time.perf_counter()
     stem = self.checkpointer.save(
-        round_num, state, {'rows': self.rows,
+        round_num, state, {'rows': self.rows, 'run': self.record,
                            'client_states': self.client_states.fingerprint(round_num)},
         self.client_states.checkpoint(round_num))
     self.client_states.prune(self.checkpointer.rounds())
@@ -307,23 +312,26 @@ class RoundDriver:
       np.save(os.path.join(self.output_dir, name), array)
 
   def restore(self, template_state):
+    """The newest intact checkpoint's round and state, its client states verified against the
+    checkpoint's fingerprint before any output is rewritten."""
     round_num, state, meta, arrays = self.checkpointer.restore(template_state)
-    self.rows = [r for r in meta['rows'] if r['round'] <= round_num]
-    # Later rounds' rows and measurements go now: a resume that stops before its first round
-    # must leave none that the kept state lacks.
-    self.outputs.write_rows(self.rows)
-    self.outputs.truncate_measurements(round_num)
     self.client_states.restore(round_num, arrays, self.algorithm.initial_client_state)
     expected = meta.get('client_states')  # Absent in checkpoints written before the check.
     if expected is not None:
       found = self.client_states.fingerprint(round_num)
-      if found != expected:
+      if any(found.get(key) != value for key, value in expected.items()):
         raise CheckpointError(
             f'the client states do not match the checkpoint of round {round_num} (it has '
             f'{expected["clients"]} clients with a state, the store has {found["clients"]}'
             f'{"" if found["clients"] != expected["clients"] else ", with other contents"}): '
             f'{self.config.client_state_store} store of {self.output_dir} missing or changed. '
-            'Nothing was resumed; restore the file or start the run again without --resume.')
+            'Nothing was resumed or changed: restore the store from a copy, or start the run '
+            'again in a new --output_dir.')
+    self.rows = [r for r in meta['rows'] if r['round'] <= round_num]
+    # Later rounds' rows and measurements go now: a resume that stops before its first round
+    # must leave none that the kept state lacks.
+    self.outputs.write_rows(self.rows)
+    self.outputs.truncate_measurements(round_num)
     return round_num, state
 
   # -- the loop ----------------------------------------------------------------------------
@@ -346,6 +354,11 @@ class RoundDriver:
         start_round = last + 1
         self.progress(f'Resumed from the checkpoint of round {last}.')
       self.outputs.restart_at(start_round)
+    # Written once the inputs are verified and the state restored: a refused resume leaves the
+    # run's record as it was.
+    if self.record is not None:
+      self.outputs.write_text('config.gin', self.record['config'])
+    self.outputs.write_json('partition.json', self.data.summary())
 
     # The last completed round and its state, and the last checkpointed round: a second
     # signal checkpoints the former (`save_completed`), so no completed round is lost.

@@ -22,6 +22,7 @@ from fltff import resources
 from fltff.data import build_federated_data
 from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
+from fltff.config_checks import check_seed
 from fltff.config_checks import gin_binds
 from fltff.config_checks import parameters
 from fltff.errors import ConfigError
@@ -34,8 +35,7 @@ from fltff.simulation import sampling
 from fltff.simulation.evaluation import Finetuner
 from fltff.simulation.checkpoint import Checkpointer
 from fltff.simulation.outputs import prepare_output_dir
-from fltff.simulation.outputs import check_config
-from fltff.simulation.outputs import record_config
+from fltff.simulation.outputs import check_resume
 
 
 def build_model_spec(data, model: str, seed: int) -> ModelSpec:
@@ -293,7 +293,7 @@ def run_experiment(output_dir: str,
   config.validate()
   if model_seed is None:
     model_seed = seed
-  check_number('experiment.model_seed', model_seed, integer=True)
+  check_seed('experiment.model_seed', model_seed)
   data = build_federated_data(run_seed=seed)
   model_spec = build_model_spec(data, model, model_seed)
   algorithm = build_method(method, model_spec, data.num_clients(), seed)
@@ -310,9 +310,13 @@ def run_experiment(output_dir: str,
   if evaluation is not None and 'finetuned_local' in evaluation and getattr(
       algorithm, 'finetunes', False):
     finetuner = Finetuner(model_spec, optimizers.client_optimizer(), finetune_epochs)
-  # A resume must compute what the checkpointed rounds did: checked before anything is written.
-  resumed_from = Checkpointer(output_dir).latest_round() if resume else None
-  check_config(output_dir, gin.operative_config_str(), resumed_from, allow_config_change)
+  # A resume must compute what the checkpointed rounds did: its configuration and data are
+  # checked against the checkpoint's record before anything is written.
+  record = {'config': gin.operative_config_str(), 'data': data.fingerprint()}
+  checkpointer = Checkpointer(output_dir)
+  resumed_from = checkpointer.latest_round() if resume else None
+  check_resume(output_dir, record, checkpointer.recorded() if resumed_from else None,
+               resumed_from, allow_config_change)
   if resumed_from is not None and resumed_from > rounds:
     raise ConfigError(f'--resume: the checkpoint holds rounds 1-{resumed_from}, more than '
                       f'experiment.rounds = {rounds}; resume with experiment.rounds >= '
@@ -323,7 +327,7 @@ def run_experiment(output_dir: str,
                        stop_event=stop_event,
                        channel=channel(num_clients=data.num_clients(), seed=channel_seed)
                        if channel else None,
-                       finetuner=finetuner)
+                       finetuner=finetuner, record=record)
   driver.run_info['seeds'] = {'run': seed, 'model': model_seed,
                               'data': gin.query_parameter('federated_data.seed')
                               if gin_binds('federated_data.seed') else seed}
@@ -332,8 +336,6 @@ def run_experiment(output_dir: str,
   if channel:
     driver.run_info['seeds']['channel'] = channel_seed
   driver.run_info.update(resources.source_version())
-  driver.outputs.write_json('partition.json', data.summary())
-  record_config(output_dir, gin.operative_config_str())
   logging.info('%s: %d clients, %d per round, %d rounds.', algorithm.name, data.num_clients(),
                driver.participants, rounds)
   return driver.run(resume=resume)

@@ -12,6 +12,7 @@ from typing import Optional
 
 
 from fltff.errors import ConfigError
+from fltff.errors import warn
 
 # Besides checkpoints/, what a run leaves that a new run in the same folder would overwrite.
 RUN_RESULTS = ('metrics.csv', 'summary.json')
@@ -164,42 +165,66 @@ def config_bindings(config_text: str) -> dict[str, str]:
 
 
 # Bindings a resumed run may change without changing what it computes: its length, how often
-# it checkpoints, where it runs, and where its data files are.
+# it checkpoints, where it runs, and where its data files are (their contents are checked by the
+# data fingerprint instead).
 RESUMABLE_CHANGES = ('experiment.rounds', 'experiment.checkpoint_every', 'runtime.')
 _DATA_LOCATIONS = ('.path', '.data_dir', '.cache_dir')
+ABSENT = '(not bound)'
 
 
 def config_changes(earlier: str, now: str) -> list[tuple[str, str, str]]:
   """`(binding, earlier value, value now)` for each binding whose value differs between the
-  operative configs, except `RESUMABLE_CHANGES` and data locations (a binding in only one of
-  them, added to or removed from fltff since, is no change)."""
+  operative configs, except `RESUMABLE_CHANGES` and data locations. A binding in only one of
+  them counts (its missing side reads `ABSENT`): a configurable used on one side only, such as
+  a server optimizer bound for the resume, changes what is computed."""
   a, b = config_bindings(earlier), config_bindings(now)
-  return [(key, a[key], b[key]) for key in sorted(set(a) & set(b))
-          if a[key] != b[key] and not key.startswith(RESUMABLE_CHANGES)
+  return [(key, a.get(key, ABSENT), b.get(key, ABSENT)) for key in sorted(set(a) | set(b))
+          if a.get(key) != b.get(key) and not key.startswith(RESUMABLE_CHANGES)
           and not key.endswith(_DATA_LOCATIONS)]
 
 
-def check_config(output_dir: str, config_text: str, resumed_from: Optional[int],
-                 allow_changes: bool = False) -> None:
-  """On a resume (`resumed_from`: a round), refuses a configuration that differs from the
-  run's `config.gin` (`config_changes`) with one `ConfigError`; with `allow_changes` appends
-  the differences to `config_changes.txt`."""
+def check_resume(output_dir: str, record: dict, recorded: Optional[dict],
+                 resumed_from: Optional[int], allow_changes: bool = False) -> None:
+  """On a resume (`resumed_from`: a round), refuses one whose inputs differ from those the
+  checkpointed rounds were computed with, in one `ConfigError` naming what changed.
+
+  Args:
+    record: This run's `{'config': operative config text, 'data': data fingerprint}`.
+    recorded: The record the checkpoint of `resumed_from` carries; None for a checkpoint
+      written before checkpoints carried one, whose config is then read from `config.gin`
+      (its data cannot be verified: one warning line).
+    allow_changes: Continue anyway, appending the differences to `config_changes.txt`.
+  """
+  if not resumed_from:
+    return
+  recorded = recorded or {}
+  earlier = recorded.get('config')
   path = os.path.join(output_dir, 'config.gin')
-  if resumed_from and os.path.exists(path):
+  if earlier is None and os.path.exists(path):
     with open(path) as f:
-      changes = config_changes(f.read(), config_text)
-    if changes and not allow_changes:
-      listed = '; '.join(f'{k}: {old} -> {new}' for k, old, new in changes[:5])
-      more = f' and {len(changes) - 5} more' if len(changes) > 5 else ''
-      raise ConfigError(
-          f'--resume with a configuration that differs from the run\'s config.gin ({listed}'
-          f'{more}): rounds 1-{resumed_from} were computed with the recorded one. Resume with '
-          'the same gin files and bindings, or pass --allow_config_change to continue with '
-          'these (recorded in config_changes.txt).')
-    if changes:
-      with open(os.path.join(output_dir, 'config_changes.txt'), 'a') as f:
-        for key, old, new in changes:
-          f.write(f'resumed after round {resumed_from}: {key}: {old} -> {new}\n')
+      earlier = f.read()
+  changes = []
+  if recorded.get('data') is None:
+    warn(f'the checkpoint of round {resumed_from} records no data fingerprint (written by an '
+         'earlier fltff): the data of the resumed rounds are not verified.')
+  elif recorded['data'] != record['data']:
+    changes.append(('the data (content fingerprint)', recorded['data'][:16], record['data'][:16]))
+  if earlier is None:
+    changes.append(('the configuration', 'not recorded (config.gin is missing)', 'this one'))
+  else:
+    changes += config_changes(earlier, record['config'])
+  if changes and not allow_changes:
+    listed = '; '.join(f'{k}: {old} -> {new}' for k, old, new in changes[:5])
+    more = f' and {len(changes) - 5} more' if len(changes) > 5 else ''
+    raise ConfigError(
+        f'--resume refused, nothing changed: what this run would compute differs from what '
+        f'rounds 1-{resumed_from} were computed with ({listed}{more}). Resume with the same '
+        'gin files, bindings and data, or pass --allow_config_change to continue with these '
+        '(recorded in config_changes.txt).')
+  if changes:
+    with open(os.path.join(output_dir, 'config_changes.txt'), 'a') as f:
+      for key, old, new in changes:
+        f.write(f'resumed after round {resumed_from}: {key}: {old} -> {new}\n')
 
 
 def _fsync(path: str) -> None:
@@ -238,11 +263,6 @@ def _write_text(path: str, text: str, durable: bool = False) -> None:
 def atomic_write_json(path: str, payload: dict, durable: bool) -> None:
   """`payload` as indented JSON with sorted keys, written by `atomic_write`."""
   _write_text(path, json.dumps(payload, indent=1, sort_keys=True), durable)
-
-
-def record_config(output_dir: str, config_text: str) -> None:
-  """Writes the run's operative configuration to `config.gin` (after `check_config`)."""
-  _write_text(os.path.join(output_dir, 'config.gin'), config_text)
 
 
 def _png(gray) -> bytes:
@@ -331,7 +351,14 @@ class RunOutputs:
     os.makedirs(output_dir, exist_ok=True)
     self.csv_path = os.path.join(output_dir, 'metrics.csv')
     self.measurements_path = os.path.join(output_dir, 'measurements.jsonl')
-    self._writer = _EventWriter(os.path.join(output_dir, 'tensorboard'))
+    self._events: Optional[_EventWriter] = None
+
+  @property
+  def _writer(self) -> _EventWriter:
+    """The TensorBoard writer, made at the first event: a refused resume creates no file."""
+    if self._events is None:
+      self._events = _EventWriter(os.path.join(self.output_dir, 'tensorboard'))
+    return self._events
 
   def write_rows(self, rows: Sequence[dict]) -> None:
     """Rewrites metrics.csv from all rows (cheap; keeps it exact after a resume)."""
@@ -386,6 +413,9 @@ class RunOutputs:
     with open(self.measurements_path) as f:
       _write_text(self.measurements_path,
                   ''.join(l for l in f if json.loads(l)['round'] <= last_round))
+
+  def write_text(self, name: str, text: str) -> None:
+    _write_text(os.path.join(self.output_dir, name), text)
 
   def write_json(self, name: str, payload: dict) -> None:
     atomic_write_json(os.path.join(self.output_dir, name), payload, durable=False)
@@ -474,4 +504,5 @@ class RunOutputs:
     return written
 
   def close(self) -> None:
-    self._writer.close()
+    if self._events is not None:
+      self._events.close()

@@ -16,6 +16,7 @@ client index, which the round driver feeds to a process and saves with checkpoin
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import io
 import os
@@ -87,10 +88,13 @@ class ClientStateStore:
     self._states = {}
 
   def fingerprint(self, round_num: int) -> dict:
-    """`fingerprint_of` the clients with a state and the shapes of each one's arrays."""
+    """`fingerprint_of` the clients with a state and the shapes of each one's arrays, with a
+    digest of their contents (a state moved to another client changes it)."""
     del round_num
-    return fingerprint_of((k, [np.shape(leaf) for leaf in tf.nest.flatten(self._states[k])])
-                          for k in sorted(self._states))
+    ordered = sorted(self._states)
+    return fingerprint_of(
+        ((k, [np.shape(leaf) for leaf in tf.nest.flatten(self._states[k])]) for k in ordered),
+        contents=((k, _leaves_digest(k, self._states[k])) for k in ordered))
 
   def close(self) -> None:
     pass
@@ -116,6 +120,21 @@ class ClientStateStore:
       template = template_fn(index)
       flat = [by_pos[j] for j in range(len(by_pos))]
       self._states[index] = tf.nest.pack_sequence_as(template, flat)
+
+
+def state_digest(client_index: int, blob: bytes) -> str:
+  """sha256 of one client's packed state, bound to the client's index."""
+  return hashlib.sha256(f'{int(client_index)}:'.encode() + blob).hexdigest()
+
+
+def _leaves_digest(client_index: int, state) -> str:
+  """sha256 of one client's arrays (dtype, shape, bytes), bound to the client's index."""
+  digest = hashlib.sha256(f'{int(client_index)}:'.encode())
+  for leaf in tf.nest.flatten(state):
+    leaf = np.ascontiguousarray(leaf)
+    digest.update(f'{leaf.dtype.str}{leaf.shape};'.encode())
+    digest.update(memoryview(leaf).cast('B') if leaf.size else b'')
+  return digest.hexdigest()
 
 
 def _pack(state) -> bytes:
@@ -147,6 +166,7 @@ class SqliteClientStateStore:
     self._cache: collections.OrderedDict[int, Any] = collections.OrderedDict()
     self._cache_size = int(cache_size)
     self._changed: set[int] = set()
+    self._existed = os.path.exists(self.path)
     try:
       self._db = sqlite3.connect(self.path, isolation_level=None)
     except sqlite3.Error as e:
@@ -156,7 +176,10 @@ class SqliteClientStateStore:
     self._sql('execute', 'PRAGMA journal_mode=WAL')
     self._sql('execute', 'PRAGMA synchronous=FULL')
     self._sql('execute', 'CREATE TABLE IF NOT EXISTS states (client INTEGER NOT NULL, round INTEGER '
-                     'NOT NULL, leaves BLOB NOT NULL, PRIMARY KEY (client, round))')
+                     'NOT NULL, leaves BLOB NOT NULL, digest TEXT, PRIMARY KEY (client, round))')
+    columns = [row[1] for row in self._sql('execute', 'PRAGMA table_info(states)')]
+    if 'digest' not in columns:  # A store written before states carried their digest.
+      self._sql('execute', 'ALTER TABLE states ADD COLUMN digest TEXT')
 
   def _sql(self, method: str, *args):
     """`self._db.<method>(*args)`; a damaged or foreign database file is one CheckpointError."""
@@ -166,6 +189,13 @@ class SqliteClientStateStore:
       raise CheckpointError(
           f'the client-state store {self.path} is damaged or not fltff\'s ({e}); restore it '
           'from a copy, or start the run again in a new --output_dir.') from None
+
+  def _changed_state(self, client_index: int) -> CheckpointError:
+    return CheckpointError(
+        f'the client-state store {self.path} holds a state for client {client_index} that is '
+        'not the one stored for it (its checksum differs: changed, or moved from another '
+        'client); the checkpointed rounds are kept: restore the file from a copy, or start the '
+        'run again in a new --output_dir.')
 
   def _remember(self, client_index: int, state) -> None:
     self._cache[client_index] = state
@@ -186,8 +216,8 @@ class SqliteClientStateStore:
     if k in self._cache:
       self._cache.move_to_end(k)
       return self._cache[k]
-    row = self._sql('execute', 'SELECT leaves FROM states WHERE client = ? ORDER BY round DESC '
-                           'LIMIT 1', (k,)).fetchone()
+    row = self._sql('execute', 'SELECT leaves, digest FROM states WHERE client = ? ORDER BY '
+                           'round DESC LIMIT 1', (k,)).fetchone()
     if row is None:
       state = tf.nest.map_structure(np.asarray, self._init_fn(k))
       if self._structure is None:
@@ -197,6 +227,8 @@ class SqliteClientStateStore:
       # initial state (a model-sized copy for the personalised methods).
       if self._structure is None:
         self._structure = self._init_fn(k)
+      if row[1] is not None and state_digest(k, row[0]) != row[1]:
+        raise self._changed_state(k)
       try:
         state = _unpack(row[0], self._structure)
       except Exception as e:  # pylint: disable=broad-except
@@ -214,12 +246,13 @@ class SqliteClientStateStore:
     rows = []
     for k, state in states.items():
       state = tf.nest.map_structure(np.asarray, state)
-      rows.append((int(k), int(round_num), _pack(state)))
+      blob = _pack(state)
+      rows.append((int(k), int(round_num), blob, state_digest(k, blob)))
       self._remember(int(k), state)
       self._changed.add(int(k))
     self._sql('execute', 'BEGIN')
     try:
-      self._sql('executemany', 'INSERT OR REPLACE INTO states VALUES (?, ?, ?)', rows)
+      self._sql('executemany', 'INSERT OR REPLACE INTO states VALUES (?, ?, ?, ?)', rows)
       self._sql('execute', 'COMMIT')
     except BaseException:
       self._sql('execute', 'ROLLBACK')
@@ -248,17 +281,33 @@ class SqliteClientStateStore:
     if _SQLITE_MARKER not in arrays:
       raise ConfigError("This run's checkpoints hold its client states in the checkpoint "
                         "files: resume it with experiment.client_state_store = 'memory'.")
-    if not os.path.exists(self.path):
-      raise CheckpointError(f'{self.path} is missing: the client states of this run are gone.')
+    if not self._existed:
+      # Opening made an empty store: removed, so the refused resume leaves the folder as it was.
+      self._db.close()
+      for suffix in ('', '-wal', '-shm'):
+        with contextlib.suppress(FileNotFoundError):
+          os.remove(self.path + suffix)
+      raise CheckpointError(
+          f'{self.path} is missing: the client states of this run are gone, so it cannot be '
+          'resumed. Restore the file from a copy, or start the run again in a new --output_dir.')
+    cursor = self._sql('execute', 'SELECT client, leaves, digest FROM states WHERE round <= ?',
+                       (int(round_num),))
+    for client, blob, digest in cursor:  # One row at a time: RAM stays bounded.
+      if digest is not None and state_digest(client, blob) != digest:
+        raise self._changed_state(client)
     self._sql('execute', 'DELETE FROM states WHERE round > ?', (int(round_num),))
     self._cache.clear()
     self._changed = {row[0] for row in self._sql('execute', 'SELECT DISTINCT client FROM states')}
 
   def fingerprint(self, round_num: int) -> dict:
-    """`fingerprint_of` each client with a state as of `round_num` and its newest round."""
-    return fingerprint_of(self._sql('execute', 
-        'SELECT client, MAX(round) FROM states WHERE round <= ? GROUP BY client ORDER BY client',
-        (int(round_num),)))
+    """`fingerprint_of` each client with a state as of `round_num` and its newest round, with
+    the stored digests of those states (each verified against its blob when read, `get`)."""
+    rows = self._sql('execute',
+        'SELECT s.client, s.round, s.digest FROM states s JOIN (SELECT client, MAX(round) AS r '
+        'FROM states WHERE round <= ? GROUP BY client) m ON s.client = m.client AND s.round = m.r '
+        'ORDER BY s.client', (int(round_num),)).fetchall()
+    return fingerprint_of(((k, r) for k, r, _ in rows),
+                          contents=((k, d) for k, _, d in rows))
 
   def reset(self) -> None:
     """A new run in this folder: no states."""
@@ -270,15 +319,21 @@ class SqliteClientStateStore:
     self._db.close()
 
 
-def fingerprint_of(entries) -> dict:
-  """`{'clients': count, 'digest': sha256}` of `(client, detail)` entries in client order: a
-  resumed run checks the store against its checkpoint's (`RoundDriver.restore`)."""
+def fingerprint_of(entries, contents=None) -> dict:
+  """`{'clients': count, 'digest': sha256, 'contents': sha256}` of `(client, detail)` entries
+  and `(client, state digest)` `contents` in client order: a resumed run checks the store
+  against its checkpoint's (`RoundDriver.restore`; checkpoints written before 'contents'
+  existed are checked on the other two)."""
   digest = hashlib.sha256()
   count = 0
   for client, detail in entries:
     digest.update(f'{int(client)}:{detail};'.encode())
     count += 1
-  return {'clients': count, 'digest': digest.hexdigest()}
+  out = {'clients': count, 'digest': digest.hexdigest()}
+  if contents is not None:
+    out['contents'] = hashlib.sha256(
+        ''.join(f'{int(k)}:{d};' for k, d in contents).encode()).hexdigest()
+  return out
 
 
 def build_client_state_store(kind: str, output_dir: str, init_fn: Callable[[int], Any]):

@@ -1,0 +1,267 @@
+"""Nothing silent: a resume verifies everything that determines its numbers, and data are
+checked before the first round (docs/faults.md). Each case is one `error:` line that leaves the
+run folder exactly as it was."""
+
+import hashlib
+import os
+import re
+import shutil
+import sqlite3
+
+import numpy as np
+import pytest
+
+from helpers import REPO
+from helpers import assert_one_line_error
+from helpers import read_csv
+from helpers import run_pipeline_here
+
+SAMPLE = os.path.join(REPO, 'fltff', 'data', 'samples', 'mnist_first1003.npz')
+# Vectorised in process (the default executor): quick, and the resume paths are the driver's.
+BASE = ['--gin_file=gin_configs/foundation/mnist1003_shards_fedavg.gin',
+        '--gin_bindings=experiment.clients_per_round = 3',
+        '--gin_bindings=experiment.local_epochs = 1',
+        '--gin_bindings=experiment.checkpoint_every = 1']
+
+
+def _path_binding(path) -> str:
+  return f"--gin_bindings=npz_source.path = '{path}'"
+
+
+def _rounds(n: int) -> str:
+  return f'--gin_bindings=experiment.rounds = {n}'
+
+
+def _snapshot(folder) -> dict:
+  """Every file under `folder` and a digest of its bytes."""
+  out = {}
+  for root, _, files in os.walk(folder):
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, 'rb') as f:
+        out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+  return out
+
+
+def _write_npz(path, **changes):
+  with np.load(SAMPLE) as f:
+    arrays = {k: f[k] for k in f.files}
+  arrays.update(changes)
+  np.savez(path, **arrays)
+  return path
+
+
+@pytest.fixture(scope='module')
+def two_rounds(tmp_path_factory):
+  """A 2-round run on a copy of the sample (its path bound), to be continued to 3 rounds."""
+  root = tmp_path_factory.mktemp('resume_checks')
+  data = _write_npz(root / 'data.npz')
+  out = root / 'run'
+  result = run_pipeline_here(*BASE, _rounds(2), _path_binding(data), f'--output_dir={out}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  return out, data
+
+
+def _copy(run, tmp_path):
+  out = tmp_path / 'run'
+  shutil.copytree(run, out)
+  return out
+
+
+def _refused(out, *args, fragments=()):
+  before = _snapshot(out)
+  line = assert_one_line_error(run_pipeline_here(*BASE, _rounds(3), f'--output_dir={out}',
+                                                 '--resume', *args), *fragments)
+  assert _snapshot(out) == before, 'a refused resume changed the run folder'
+  return line
+
+
+def test_a_binding_given_only_on_resume_is_refused(two_rounds, tmp_path):
+  run, data = two_rounds
+  out = _copy(run, tmp_path)
+  _refused(out, _path_binding(data), '--gin_bindings=server_optimizer.learning_rate = 5.0',
+           fragments=('--resume refused', 'server_optimizer.learning_rate: (not bound) -> 5.0'))
+
+
+@pytest.mark.parametrize('change', ['inverted', 'shuffled_labels'])
+def test_other_data_under_another_path_are_refused(two_rounds, tmp_path, change):
+  run, _ = two_rounds
+  out = _copy(run, tmp_path)
+  with np.load(SAMPLE) as f:
+    x_train, y_train = f['x_train'], f['y_train']
+  changed = (dict(x_train=255 - x_train) if change == 'inverted' else
+             dict(y_train=np.random.default_rng(0).permutation(y_train)))
+  other = _write_npz(tmp_path / f'{change}.npz', **changed)
+  _refused(out, _path_binding(other), fragments=('the data (content fingerprint)',))
+
+
+def test_the_same_data_moved_elsewhere_resume_exactly(two_rounds, tmp_path):
+  run, data = two_rounds
+  out = _copy(run, tmp_path)
+  moved = shutil.copy(data, tmp_path / 'moved.npz')
+  result = run_pipeline_here(*BASE, _rounds(3), _path_binding(moved), f'--output_dir={out}',
+                             '--resume')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'Resumed from the checkpoint of round 2' in result.stdout
+  assert [r['round'] for r in read_csv(out / 'metrics.csv')] == ['1', '2', '3']
+
+
+def test_a_deleted_config_gin_does_not_disable_the_check(two_rounds, tmp_path):
+  run, data = two_rounds
+  out = _copy(run, tmp_path)
+  recorded = (out / 'config.gin').read_text()
+  (out / 'config.gin').unlink()
+  # The checkpoint carries the configuration its rounds were computed with.
+  _refused(out, _path_binding(data), '--gin_bindings=client_optimizer.learning_rate = 0.05',
+           fragments=('client_optimizer.learning_rate: 0.01 -> 0.05',))
+  result = run_pipeline_here(*BASE, _rounds(3), _path_binding(data), f'--output_dir={out}',
+                             '--resume')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert (out / 'config.gin').read_text() == recorded.replace('rounds = 2', 'rounds = 3')
+
+
+@pytest.mark.parametrize('change, fragments', [
+    ('nan', ('mnist_first1003', 'x_test holds', 'NaN or infinite values')),
+    ('unscaled', ('x_train holds float images with values in [0, 255]', 'divide by 255')),
+    ('labels', ('npz_source.num_classes is 10', 'has label 10')),
+])
+def test_unusable_data_are_refused_before_the_first_round(tmp_path, change, fragments):
+  with np.load(SAMPLE) as f:
+    x_train, x_test, y_test = f['x_train'], f['x_test'], f['y_test']
+  if change == 'nan':
+    x = x_test.astype(np.float32) / 255
+    x[: len(x) // 3] = np.nan
+    changes = dict(x_test=x, x_train=x_train.astype(np.float32) / 255)
+  elif change == 'unscaled':
+    changes = dict(x_train=x_train.astype(np.float32), x_test=x_test.astype(np.float32))
+  else:
+    changes = dict(y_test=np.where(np.arange(len(y_test)) == 0, 10, y_test))
+  data = _write_npz(tmp_path / 'mnist_first1003.npz', **changes)
+  out = tmp_path / 'run'
+  line = assert_one_line_error(
+      run_pipeline_here(*BASE, _rounds(1), _path_binding(data),
+                        '--gin_bindings=npz_source.num_classes = 10', f'--output_dir={out}'),
+      *fragments)
+  assert str(data) in line
+  assert not (out / 'checkpoints').exists() and not (out / 'metrics.csv').exists()
+
+
+@pytest.mark.parametrize('split, change, message', [
+    ('train', 'label', 'src: y_train holds 1 labels outside [0, 3) (the declared classes)'),
+    ('test', 'inf', 'src: x_test holds 1 NaN or infinite values (of 8)'),
+    ('test', 'image', 'src: x_test holds float images with values in [0.5, 2]'),
+])
+def test_check_dataset_names_the_split_and_the_count(split, change, message):
+  from fltff.data.sources import ArrayDataset  # pylint: disable=g-import-not-at-top
+  from fltff.data.sources import check_dataset  # pylint: disable=g-import-not-at-top
+  from fltff.errors import DataError  # pylint: disable=g-import-not-at-top
+
+  arrays = dict(x_train=np.full((2, 2, 2, 1), 0.5, np.float32), y_train=np.array([0, 2]),
+                x_test=np.full((2, 2, 2, 1), 0.5, np.float32), y_test=np.array([1, 1]))
+  check_dataset(ArrayDataset('d', num_classes=3, **arrays), 'src')
+  if change == 'label':
+    arrays[f'y_{split}'] = np.array([0, 3])
+  else:
+    x = arrays[f'x_{split}'].copy()
+    x[0, 0, 0, 0] = np.inf if change == 'inf' else 2.0
+    arrays[f'x_{split}'] = x
+  with pytest.raises(DataError, match=re.escape(message)):
+    check_dataset(ArrayDataset('d', num_classes=3, **arrays), 'src')
+  # Feature vectors ([n, d]) may take any finite value.
+  check_dataset(ArrayDataset('d', x_train=np.full((2, 3), -7.0, np.float32),
+                             y_train=np.array([0, 1]), x_test=np.full((1, 3), 9.0, np.float32),
+                             y_test=np.array([2]), num_classes=3), 'src')
+
+
+def test_float_images_in_range_are_used(tmp_path):
+  with np.load(SAMPLE) as f:
+    x_train, x_test = f['x_train'], f['x_test']
+  data = _write_npz(tmp_path / 'scaled.npz', x_train=x_train.astype(np.float32) / 255,
+                    x_test=x_test.astype(np.float32) / 255)
+  result = run_pipeline_here(*BASE, _rounds(1), _path_binding(data),
+                             f'--output_dir={tmp_path / "run"}')
+  assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_stray_file_among_the_checkpoints_is_not_one(two_rounds, tmp_path):
+  run, data = two_rounds
+  out = _copy(run, tmp_path)
+  shutil.copy(out / 'checkpoints' / 'round_00002.npz', out / 'checkpoints' / 'round_backup.npz')
+  result = run_pipeline_here(*BASE, _rounds(3), _path_binding(data), f'--output_dir={out}',
+                             '--resume')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'Resumed from the checkpoint of round 2' in result.stdout
+
+
+# SCAFFOLD keeps a state per client (its control variate); the SQLite store holds them.
+SCAFFOLD = ['--gin_file=gin_configs/ccn/offline_mnist1003_scaffold.gin',
+            '--gin_bindings=experiment.clients_per_round = 3',
+            '--gin_bindings=experiment.local_epochs = 1',
+            '--gin_bindings=experiment.checkpoint_every = 1',
+            "--gin_bindings=experiment.client_state_store = 'sqlite'"]
+
+
+@pytest.fixture(scope='module')
+def sqlite_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp('sqlite') / 'run'
+  result = run_pipeline_here(*SCAFFOLD, _rounds(3), f'--output_dir={out}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  return out
+
+
+def test_swapped_client_states_are_refused(sqlite_run, tmp_path):
+  out = _copy(sqlite_run, tmp_path)
+  with sqlite3.connect(out / 'client_states.sqlite') as db:
+    rows = db.execute('SELECT client, round, leaves FROM states ORDER BY client, round DESC'
+                      ).fetchall()
+    newest = {}
+    for client, round_num, blob in rows:
+      newest.setdefault(client, (round_num, blob))
+    (a, (ra, blob_a)), (b, (rb, blob_b)) = list(newest.items())[:2]
+    db.execute('UPDATE states SET leaves = ? WHERE client = ? AND round = ?', (blob_b, a, ra))
+    db.execute('UPDATE states SET leaves = ? WHERE client = ? AND round = ?', (blob_a, b, rb))
+  result = run_pipeline_here(*SCAFFOLD, _rounds(5), f'--output_dir={out}', '--resume')
+  line = assert_one_line_error(result, 'not the one stored for it')
+  assert 'new --output_dir' in line
+  # The checkpointed rounds are kept.
+  assert [r['round'] for r in read_csv(out / 'metrics.csv')] == ['1', '2', '3']
+
+
+def test_a_missing_sqlite_store_refuses_and_leaves_the_folder_as_it_was(sqlite_run, tmp_path):
+  out = _copy(sqlite_run, tmp_path)
+  (out / 'client_states.sqlite').unlink()
+  for suffix in ('-wal', '-shm'):
+    if (out / f'client_states.sqlite{suffix}').exists():
+      (out / f'client_states.sqlite{suffix}').unlink()
+  before = _snapshot(out)
+  line = assert_one_line_error(
+      run_pipeline_here(*SCAFFOLD, _rounds(5), f'--output_dir={out}', '--resume'),
+      'client_states.sqlite is missing', 'new --output_dir')
+  assert 'without --resume' not in line
+  assert _snapshot(out) == before
+
+
+@pytest.mark.parametrize('binding, fragment', [
+    ('experiment.seed = 9223372036854775808', 'experiment.seed must be in [0, 4294967295]'),
+    ('experiment.model_seed = -1', 'experiment.model_seed must be in [0, 4294967295]'),
+    ('federated_data.seed = 4294967296', 'federated_data.seed must be in [0, 4294967295]'),
+])
+def test_a_seed_out_of_range_is_one_line(tmp_path, binding, fragment):
+  assert_one_line_error(run_pipeline_here(*BASE, _rounds(1), f'--gin_bindings={binding}',
+                                          f'--output_dir={tmp_path / "run"}'), fragment)
+
+
+def test_what_a_stopped_run_keeps_is_its_newest_readable_checkpoint(tmp_path):
+  from fltff.simulation.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+  from fltff.simulation.checkpoint import kept_message  # pylint: disable=g-import-not-at-top
+
+  ckpt = Checkpointer(str(tmp_path))
+  assert ckpt.intact_round() is None
+  assert kept_message(ckpt.directory, 0) == 'No completed round is in a checkpoint'
+  for r in (2, 4):
+    ckpt.save(r, {'w': np.zeros(2, np.float32)}, {'rows': []})
+  # A full disk cut round 6: its arrays were written, its metadata was not.
+  shutil.copy(ckpt.path(4, '.npz'), ckpt.path(6, '.npz'))
+  assert ckpt.latest_round() == 6 and ckpt.intact_round() == 4
+  (tmp_path / 'checkpoints' / 'round_00004.json').write_text('{"rou')
+  assert ckpt.intact_round() == 2
