@@ -776,3 +776,59 @@ def test_kapc_paper_configs_bind_r_settings(alpha, beta, monkeypatch):
         gin.query_parameter('kapc.relationship_seed')
     finally:
       gin.clear_config()
+
+
+def _simplex_projection_by_bisection(v: np.ndarray) -> np.ndarray:
+  """Reference: the θ with Σ max(v − θ, 0) = 1 found by bisection (no sorting)."""
+  low, high = v.min() - 1.0, v.max()
+  for _ in range(200):
+    theta = (low + high) / 2
+    if np.maximum(v - theta, 0).sum() > 1:
+      low = theta
+    else:
+      high = theta
+  return np.maximum(v - (low + high) / 2, 0)
+
+
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_project_rows_to_simplex_is_the_euclidean_projection(seed):
+  from fltff.personalization.process import normalize_rows  # pylint: disable=g-import-not-at-top
+  from fltff.personalization.process import project_rows_to_simplex  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(seed)
+  rows = rng.normal(scale=0.6, size=(4, 3, 5)).astype(np.float64)
+  rows[0, 0] = [0.1, 0.2, 0.3, 0.2, 0.2]  # Already on the simplex: unchanged.
+  projected = project_rows_to_simplex(tf.constant(rows)).numpy()
+  expected = np.apply_along_axis(_simplex_projection_by_bisection, -1, rows)
+  np.testing.assert_allclose(projected, expected, atol=1e-9)
+  np.testing.assert_allclose(projected.sum(-1), 1.0, atol=1e-12)
+  np.testing.assert_allclose(projected[0, 0], rows[0, 0], atol=1e-12)
+  # Clip-and-renormalise is another map: it keeps the positive entries' ratios.
+  renormalised = normalize_rows(tf.constant(rows)).numpy()
+  assert np.abs(renormalised - projected).max() > 1e-3
+  # The projection is nearer the input than any other simplex point tried.
+  others = rng.dirichlet(np.ones(5), size=(200,))
+  for i, j in np.ndindex(4, 3):
+    nearest = np.linalg.norm(rows[i, j] - projected[i, j])
+    assert (np.linalg.norm(others - rows[i, j], axis=1) >= nearest - 1e-12).all()
+
+
+def test_kapc_r_step_with_the_simplex_projection_matches_numpy():
+  from fltff.personalization import kapc  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(3)
+  relation = rng.dirichlet(np.ones(3), size=(3, 2)).astype(np.float32)  # [P, L, P]
+  models = [rng.normal(size=(3, 4, 2)).astype(np.float32), rng.normal(size=(3, 5)).astype(np.float32)]
+  stepped = kapc.update_relationship(tf.constant(relation), [tf.constant(m) for m in models],
+                                     [0, 1], lambda_=1.0, beta=0.5, learning_rate=0.3, steps=1,
+                                     coaching_loss='squared', projection='simplex').numpy()
+  grams = np.stack([np.einsum('id,jd->ij', m.reshape(3, -1), m.reshape(3, -1)) for m in models],
+                   axis=1)
+  gradient = (2 * (np.einsum('ilk,klj->ilj', relation, grams) - grams)
+              + 0.5 * (relation - 1 / 3))
+  expected = np.apply_along_axis(_simplex_projection_by_bisection, -1,
+                                 (relation - 0.3 * gradient).astype(np.float64))
+  np.testing.assert_allclose(stepped, expected, atol=2e-5)
+  with pytest.raises(ConfigError, match="relationship_projection must be one of 'renormalize', "
+                     "'simplex'"):
+    kapc.KapcRule(relationship_projection='euclid').check('kapc', None)

@@ -369,3 +369,28 @@ def test_a_specs_model_facts_come_from_one_built_model(spec):
   assert list(counted.metric_finalizers()) == expected['finalizers']
   assert built == [1]
   assert counted.weights_type() is counted.weights_type() and built == [1]
+
+
+@pytest.mark.parametrize('name, momentum', [('sgd', None), ('sgdm', 0.9)])
+def test_weight_decay_steps_on_the_decayed_gradient_as_numpy(name, momentum):
+  from fltff.learning.optimizers import build_optimizer  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(0)
+  w = [rng.normal(size=(3, 2)).astype(np.float32), rng.normal(size=2).astype(np.float32)]
+  grads = [[rng.normal(size=x.shape).astype(np.float32) for x in w] for _ in range(3)]
+  optimizer = build_optimizer(name, 0.1, momentum or 0.9, weight_decay=1e-2)
+  state = optimizer.initialize([tf.TensorSpec(x.shape, tf.float32) for x in w])
+  weights, expected = [tf.constant(x) for x in w], [x.astype(np.float64) for x in w]
+  accumulators = [np.zeros_like(x) for x in expected]
+  for g in grads:
+    state, weights = optimizer.next(state, weights, [tf.constant(x) for x in g])
+    for i, x in enumerate(expected):
+      step = g[i] + 1e-2 * x  # PyTorch's SGD weight_decay: the decay joins the gradient.
+      if momentum:
+        accumulators[i] = momentum * accumulators[i] + step
+        step = accumulators[i]
+      expected[i] = x - 0.1 * step
+  for got, want in zip(weights, expected):
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5)
+  with pytest.raises(ConfigError, match='client_optimizer.weight_decay must be >= 0'):
+    build_optimizer('sgd', 0.1, weight_decay=-1.0, role='client_optimizer')

@@ -75,8 +75,13 @@ def test_config_changes_name_what_changes_the_computation():
     # Where the run executes and where its files lie are not changes of what it computes.
     ('', "runtime.workers = ['a:1']\n", []),
     ('', "npz_source.path = '/x.npz'\n", []),
+    # A parameter added to fltff since the run began, at its default, changes nothing.
+    ('', 'client_optimizer.weight_decay = 0.0\n', []),
+    ('', 'client_optimizer.weight_decay = 1e-05\n',
+     [('client_optimizer.weight_decay', outputs.ABSENT, '1e-05')]),
 ])
 def test_config_changes_count_a_binding_on_one_side(earlier_extra, now_extra, expected):
+  import fltff.learning.optimizers  # pylint: disable=g-import-not-at-top,unused-import
   base = 'experiment.seed = 0\n'
   assert outputs.config_changes(base + earlier_extra, base + now_extra) == expected
 

@@ -15,16 +15,50 @@ from fltff.errors import ConfigError
 _NAMES = ('sgd', 'sgdm', 'adam')
 
 
-def build_optimizer(name: str, learning_rate: float, momentum: float = 0.9,
-                    beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
-                    role: str = 'optimizer'):
-  """`'sgd'`, `'sgdm'` (momentum) or `'adam'` as a `tff.learning.optimizers.Optimizer`."""
+def with_weight_decay(optimizer, weight_decay: float):
+  """`optimizer` stepping on `gradient + weight_decay · w`: coupled L2 weight decay, as
+  PyTorch's `SGD(weight_decay=...)` applies it (the gradient of `weight_decay/2 ||w||²`).
+
+  A `tff.learning.optimizers.Optimizer` of its own, so TFF's per-client work and the vectorised
+  clients (its generic, non-fused path) both run it.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
+  class WeightDecay(tff.learning.optimizers.Optimizer):
+    """The wrapped optimizer on L2-decayed gradients."""
+
+    def __init__(self):
+      self.inner, self.weight_decay = optimizer, float(weight_decay)
+
+    def initialize(self, specs):
+      return self.inner.initialize(specs)
+
+    def next(self, state, weights, gradients):
+      decayed = tf.nest.map_structure(lambda g, w: g + self.weight_decay * w, gradients,
+                                      weights)
+      return self.inner.next(state, weights, decayed)
+
+  return WeightDecay()
+
+
+def build_optimizer(name: str, learning_rate: float, momentum: float = 0.9,
+                    beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
+                    role: str = 'optimizer', weight_decay: float = 0.0):
+  """`'sgd'`, `'sgdm'` (momentum) or `'adam'` as a `tff.learning.optimizers.Optimizer`; a
+  positive `weight_decay` adds coupled L2 decay (`with_weight_decay`)."""
   for what, value in (('learning_rate', learning_rate), ('momentum', momentum),
                       ('beta_1', beta_1), ('beta_2', beta_2), ('epsilon', epsilon)):
     check_number(f'{role}.{what}', value)
   check_number(f'{role}.learning_rate', learning_rate, low=0, open_low=True)
+  check_number(f'{role}.weight_decay', weight_decay, low=0)
+  optimizer = _build(name, learning_rate, momentum, beta_1, beta_2, epsilon, role)
+  return with_weight_decay(optimizer, weight_decay) if weight_decay else optimizer
+
+
+def _build(name, learning_rate, momentum, beta_1, beta_2, epsilon, role):
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
   if name == 'sgd':
     return tff.learning.optimizers.build_sgdm(learning_rate=learning_rate)
   if name == 'sgdm':
@@ -43,10 +77,12 @@ def default_client_optimizer():
 
 @gin.configurable('client_optimizer')
 def client_optimizer(name: str = 'sgdm', learning_rate: float = 0.01, momentum: float = 0.9,
-                     beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7):
-  """The optimizer used for local steps (`'sgd'`, `'sgdm'` or `'adam'`)."""
+                     beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
+                     weight_decay: float = 0.0):
+  """The optimizer used for local steps (`'sgd'`, `'sgdm'` or `'adam'`), with optional coupled
+  L2 `weight_decay` (0: none)."""
   return build_optimizer(name, learning_rate, momentum, beta_1, beta_2, epsilon,
-                         'client_optimizer')
+                         'client_optimizer', weight_decay)
 
 
 @gin.configurable('server_optimizer')

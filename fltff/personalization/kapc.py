@@ -23,6 +23,7 @@ from fltff.config_checks import check_number
 from fltff.learning.model_spec import ModelSpec
 from fltff.personalization import process as process_lib
 from fltff.personalization.process import normalize_rows
+from fltff.personalization.process import project_rows_to_simplex
 from fltff.personalization.process import refreshed_models
 from fltff.personalization.process import scatter_relationship
 from fltff.personalization.process import slice_relationship
@@ -31,6 +32,9 @@ from fltff.personalization.process import slice_relationship
 RELATIONSHIP_UPDATES = ('before_send', 'after_training')
 # f_s of the R step (Eqs. (6), (11)): the L2 norm (§4.2) or its square (our alternative reading).
 COACHING_LOSSES = ('norm', 'squared')
+# How each R step returns its rows to the simplex (the paper only requires rows on it, Eq. (12)):
+# clip at 0 and renormalise (ours, the default) or the Euclidean projection.
+RELATIONSHIP_PROJECTIONS = {'renormalize': normalize_rows, 'simplex': project_rows_to_simplex}
 
 
 def layer_grams(models: Sequence[tf.Tensor], layer_of: Sequence[int]) -> tf.Tensor:
@@ -79,8 +83,10 @@ def relationship_gradient_norm(relation: tf.Tensor, models: Sequence[tf.Tensor],
 def update_relationship(relation: tf.Tensor, models: Sequence[tf.Tensor],
                         layer_of: Sequence[int], lambda_: float, beta: float,
                         learning_rate: float, steps: int,
-                        coaching_loss: str = 'norm') -> tf.Tensor:
-  """E_r projected gradient steps (Eq. (12), Algorithm 1 lines 4–6), each then `normalize_rows`.
+                        coaching_loss: str = 'norm',
+                        projection: str = 'renormalize') -> tf.Tensor:
+  """E_r gradient steps (Eq. (12), Algorithm 1 lines 4–6), each followed by
+  `RELATIONSHIP_PROJECTIONS[projection]` (clip-and-renormalise or the Euclidean projection).
 
   `'norm'`: `relationship_gradient_norm` (two `[P, P] × [P, d]` products per step); `'squared'`:
   the closed form on inner products computed once, `O(P³ L)` per step instead of `O(P² d)`.
@@ -92,8 +98,9 @@ def update_relationship(relation: tf.Tensor, models: Sequence[tf.Tensor],
     gradient = lambda r: relationship_gradient(r, grams, lambda_, beta)
   else:
     gradient = lambda r: relationship_gradient_norm(r, models, layer_of, lambda_, beta)
+  back_to_simplex = RELATIONSHIP_PROJECTIONS[projection]
   for _ in range(steps):
-    relation = normalize_rows(relation - learning_rate * gradient(relation))
+    relation = back_to_simplex(relation - learning_rate * gradient(relation))
   return relation
 
 
@@ -111,6 +118,7 @@ class KapcRule(process_lib.RelationRule):
   relationship_steps: int = 1
   relationship_update: str = 'before_send'
   coaching_loss: str = 'norm'
+  relationship_projection: str = 'renormalize'
   relationship_init: str = 'random'
   relationship_seed: int = 0
   start_from: str = 'own'
@@ -119,13 +127,15 @@ class KapcRule(process_lib.RelationRule):
     del bls_mu
     check_choice(f'{name}.relationship_update', self.relationship_update, RELATIONSHIP_UPDATES)
     check_choice(f'{name}.coaching_loss', self.coaching_loss, COACHING_LOSSES)
+    check_choice(f'{name}.relationship_projection', self.relationship_projection,
+                 tuple(RELATIONSHIP_PROJECTIONS))
     for label in ('beta', 'relationship_learning_rate', 'relationship_steps'):
       check_number(f'{name}.{label}', getattr(self, label), low=0)
 
   def _step(self, relation, models, context):
     return update_relationship(relation, models, context.layer_of, self.lambda_, self.beta,
                                self.relationship_learning_rate, self.relationship_steps,
-                               self.coaching_loss)
+                               self.coaching_loss, self.relationship_projection)
 
   def relation(self, state, server_input, context):
     rel = normalize_rows(slice_relationship(state['relation'], server_input['clients']))
@@ -156,17 +166,20 @@ def build_kapc(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
                relationship_learning_rate: float = 0.01, relationship_steps: int = 1,
                bls_mu: Optional[float] = None, min_upload_layers: int = 1,
                relationship_update: str = 'before_send', coaching_loss: str = 'norm',
+               relationship_projection: str = 'renormalize',
                relationship_init: str = 'random',
                relationship_seed: int = 0) -> process_lib.PersonalizedAlgorithm:
   """KAPC; with `bls_mu` set, KAPC+BLS (μ = bls_mu).
 
-  `relationship_update`, `coaching_loss`: see `RELATIONSHIP_UPDATES`, `COACHING_LOSSES`;
+  `relationship_update`, `coaching_loss`, `relationship_projection`: see
+  `RELATIONSHIP_UPDATES`, `COACHING_LOSSES`, `RELATIONSHIP_PROJECTIONS`;
   `relationship_init`: 'random' (§4.4, seeded by `relationship_seed`), 'uniform' or 'identity'.
   """
   rule = KapcRule(lambda_=lambda_, beta=beta,
                   relationship_learning_rate=relationship_learning_rate,
                   relationship_steps=relationship_steps, relationship_update=relationship_update,
-                  coaching_loss=coaching_loss, relationship_init=relationship_init,
+                  coaching_loss=coaching_loss, relationship_projection=relationship_projection,
+                  relationship_init=relationship_init,
                   relationship_seed=relationship_seed)
   return process_lib.build_personalized_process(
       model_spec, num_clients, client_optimizer, rule,

@@ -41,11 +41,29 @@ START_FROM = ('own', 'server')
 
 
 def normalize_rows(relation: tf.Tensor) -> tf.Tensor:
-  """Projects rows (last axis) onto the simplex: clip at 0, renormalise; all-zero rows: uniform."""
+  """Maps rows (last axis) onto the simplex by clipping at 0 and renormalising (all-zero rows:
+  uniform). Not the Euclidean projection (`project_rows_to_simplex`): it keeps the ratios of
+  the positive entries instead of shifting them all by one threshold."""
   clipped = tf.maximum(relation, 0.0)
   total = tf.reduce_sum(clipped, axis=-1, keepdims=True)
   uniform = tf.ones_like(clipped) / tf.cast(tf.shape(clipped)[-1], clipped.dtype)
   return tf.where(total > 0, clipped / tf.where(total > 0, total, 1.0), uniform)
+
+
+def project_rows_to_simplex(relation: tf.Tensor) -> tf.Tensor:
+  """The Euclidean projection of each row (last axis) onto the probability simplex:
+  `max(v − θ, 0)` with the one θ that makes the row sum to 1 (sort-based, Duchi et al., ICML
+  2008, Fig. 1)."""
+  v = tf.convert_to_tensor(relation)
+  size = tf.shape(v)[-1]
+  ordered = tf.sort(v, axis=-1, direction='DESCENDING')
+  excess = tf.cumsum(ordered, axis=-1) - 1.0
+  ranks = tf.cast(tf.range(1, size + 1), v.dtype)
+  # The entries kept positive are a prefix of the sorted row: count them.
+  kept = tf.reduce_sum(tf.cast(ordered - excess / ranks > 0, tf.int32), axis=-1, keepdims=True)
+  theta = tf.gather(excess, kept - 1, axis=-1, batch_dims=v.shape.rank - 1) / tf.cast(
+      kept, v.dtype)
+  return tf.maximum(v - theta, 0.0)
 
 
 def personalized_server_models(relation: tf.Tensor, models: Sequence[tf.Tensor],

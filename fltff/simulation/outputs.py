@@ -172,15 +172,36 @@ _DATA_LOCATIONS = ('.path', '.data_dir', '.cache_dir')
 ABSENT = '(not bound)'
 
 
+def _default_text(key: str) -> Optional[str]:
+  """The current code's default of binding `key` ('[scope/]configurable.parameter') as the
+  operative config writes it, or None if it has none."""
+  import inspect  # pylint: disable=g-import-not-at-top
+
+  import gin  # pylint: disable=g-import-not-at-top
+
+  name, _, parameter = key.rpartition('/')[2].rpartition('.')
+  try:
+    default = inspect.signature(gin.get_configurable(name)).parameters[parameter].default
+  except (ValueError, KeyError, TypeError):
+    return None
+  return None if default is inspect.Parameter.empty else repr(default)
+
+
 def config_changes(earlier: str, now: str) -> list[tuple[str, str, str]]:
   """`(binding, earlier value, value now)` for each binding whose value differs between the
   operative configs, except `RESUMABLE_CHANGES` and data locations. A binding in only one of
-  them counts (its missing side reads `ABSENT`): a configurable used on one side only, such as
-  a server optimizer bound for the resume, changes what is computed."""
+  them counts (its missing side reads `ABSENT`), e.g. a server optimizer bound only for the
+  resume, unless its value is the parameter's default (a parameter fltff added since)."""
   a, b = config_bindings(earlier), config_bindings(now)
-  return [(key, a.get(key, ABSENT), b.get(key, ABSENT)) for key in sorted(set(a) | set(b))
-          if a.get(key) != b.get(key) and not key.startswith(RESUMABLE_CHANGES)
-          and not key.endswith(_DATA_LOCATIONS)]
+  changes = []
+  for key in sorted(set(a) | set(b)):
+    if a.get(key) == b.get(key) or key.startswith(RESUMABLE_CHANGES) or key.endswith(
+        _DATA_LOCATIONS):
+      continue
+    if (key not in a or key not in b) and (a.get(key) or b.get(key)) == _default_text(key):
+      continue
+    changes.append((key, a.get(key, ABSENT), b.get(key, ABSENT)))
+  return changes
 
 
 def check_resume(output_dir: str, record: dict, recorded: Optional[dict],
