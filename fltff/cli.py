@@ -5,6 +5,7 @@ Each command is one of the runner's programs (`pipelines/`, installed as `fltff.
 """
 
 import importlib
+import os
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -67,8 +68,20 @@ def run_program(main_fn: Callable[[list[str]], int], argv: Optional[Sequence[str
   app.run(lambda args: sys.exit(main_fn(args)), argv=argv, flags_parser=_parse_flags)
 
 
+def _import_from_working_directory() -> None:
+  """Puts the working directory first on `sys.path`, as `python -m fltff` does, so that a gin
+  file's `import my_models` finds the user's module: the installed `fltff` script starts with
+  its own folder there instead. Nothing with `python -P` (PYTHONSAFEPATH), as for `python -m`."""
+  if sys.flags.safe_path:
+    return
+  cwd = os.getcwd()
+  if not sys.path or os.path.abspath(sys.path[0] or os.curdir) != cwd:
+    sys.path.insert(0, cwd)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
   argv = list(sys.argv if argv is None else argv)
+  _import_from_working_directory()
   if len(argv) < 2 or argv[1] in ('-h', '--help', 'help'):
     print(_usage())
     sys.exit(0 if len(argv) >= 2 else 2)
