@@ -33,6 +33,7 @@ from fltff import resources  # pylint: disable=g-import-not-at-top,wrong-import-
 from fltff import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.runtime import heap  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.config_checks import check_gin_bindings  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff.config_checks import explain_gin_error  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import FltffError  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import StopNow  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -91,6 +92,8 @@ def configure(gin_files, gin_bindings) -> None:
       raise ConfigError(resources.include_not_found(
           target.group(1) if target else '?',
           f'{where.group(1)}, line {where.group(2)}' if where else '--gin_bindings')) from e
+    else:
+      message = explain_gin_error(e) or message
     raise ConfigError(f'Invalid gin configuration: {message}') from e
   check_gin_bindings(gin.config._CONFIG)  # pylint: disable=protected-access
 
