@@ -1,4 +1,4 @@
-"""The `fltff` command: `fltff run|report|reproduce|bench [flags]` (also `python -m fltff ...`).
+"""The `fltff` command: `fltff run|report|reproduce|bench|list [flags]` (also `python -m fltff ...`).
 
 Each command is one of the runner's programs (`pipelines/`, installed as `fltff.pipelines`);
 `fltff <command> --help` lists its flags.
@@ -14,6 +14,7 @@ COMMANDS = {
     'report': 'tables and plots of finished runs (and runs that differ only in seed)',
     'reproduce': "the planned runs of the papers' settings (results/plan.txt of a checkout)",
     'bench': 'round-time and checkpoint benchmarks, as ratios to a baseline in the same run',
+    'list': 'the methods (with their papers), models, data sources and shipped gin configs',
 }
 
 

@@ -6,6 +6,8 @@ r"""Runs one experiment from gin files.
 (also `python -m fltff run`, and `python -m pipelines.run` in a checkout). A relative
 --gin_file is looked up in the working directory, then among the configs fltff ships;
 `include` lines beside the including file, in the working directory, then among those configs.
+`fltff list` shows what a configuration can name: the methods (with their papers), models, data
+sources and the shipped configs.
 
 Bad input (unknown gin names, badly typed numbers, an unwritable or earlier run's output folder,
 impossible partitions, missing data offline, divergence, no intact checkpoint, an unreachable

@@ -162,7 +162,7 @@ def test_the_command_lists_its_commands_and_their_flags():
                                      capture_output=True, text=True, timeout=300)
   usage = run()
   assert usage.returncode == 2 and 'commands:' in usage.stdout
-  for command in ('run', 'report', 'reproduce', 'bench'):
+  for command in ('run', 'report', 'reproduce', 'bench', 'list'):
     assert f'  {command} ' in usage.stdout
   assert_one_line_error(run('nonsense'), "unknown command 'nonsense'")
   # A bad flag is one line too (absl's parser prints a FATAL line and a hint).
@@ -194,3 +194,26 @@ def test_a_missing_gin_file_is_refused_before_tensorflow_is_imported(tmp_path, g
   assert result.stderr.startswith(error), result.stderr
   assert len(result.stderr.strip().splitlines()) == 1, result.stderr
   assert not (tmp_path / 'out').exists()
+
+
+def test_the_installed_command_lists_what_an_experiment_can_name(installed, tmp_path):
+  site, env = installed
+  run = lambda *args: subprocess.run([str(site / 'bin' / 'fltff'), *args], cwd=tmp_path,
+                                     env=env, capture_output=True, text=True, timeout=300)
+  usage = run()
+  assert ('  list       the methods (with their papers), models, data sources and shipped gin '
+          'configs') in usage.stdout.splitlines()
+  listed = run('list')
+  assert (listed.returncode, listed.stderr) == (0, '')
+  lines = listed.stdout.splitlines()
+  assert lines[0] == 'methods (experiment.method = @<name>):'
+  for expected in ("models (experiment.model = '<name>'; your own: fltff.models.register):",
+                   'data sources (federated_data.source = @<name>):',
+                   '  fltff/data/samples/mnist_first1003.npz',
+                   'gin configs (fltff run --gin_file=<path>):'):
+    assert expected in lines
+  # The installed package's own configs.
+  assert '  gin_configs/kapc/' in listed.stdout and str(site) not in listed.stdout
+  helped = run('run', '--help')
+  assert helped.returncode == 0 and '`fltff list` shows what a configuration can name' in (
+      helped.stdout)
