@@ -13,7 +13,7 @@ import difflib
 import inspect
 import numbers
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from fltff.errors import ConfigError
@@ -183,12 +183,6 @@ def gin_parameters(name: str) -> list[str]:
           and p.name not in (configurable.denylist or ())]
 
 
-def _method_names() -> list[str]:
-  from fltff import methods  # pylint: disable=g-import-not-at-top
-
-  return sorted(m.gin_name for m in methods.METHODS.values())
-
-
 def _expected(annotation: Any) -> Optional[str]:
   """What a parameter annotated `annotation` takes, in words; None when the annotation says
   nothing gin can write."""
@@ -258,14 +252,14 @@ def _unreadable_value(error: SyntaxError) -> Optional[str]:
   return text + f'{target} takes {expected}{example}.'
 
 
-def explain_gin_error(error: BaseException) -> Optional[str]:
+def explain_gin_error(error: BaseException, method_names: Sequence[str] = ()) -> Optional[str]:
   """What gin's parse `error` means and what to write instead, in one line, or None for an error
   it does not recognise.
 
   An unknown configurable or reference names the closest registered name (and for a method
-  every method's name); an unknown parameter the closest parameter and all of that
-  configurable's; a value gin cannot read (`experiment.rounds = five`) the binding and what its
-  parameter takes.
+  every name of `method_names`, the registry's gin names); an unknown parameter the closest
+  parameter and all of that configurable's; a value gin cannot read (`experiment.rounds = five`)
+  the binding and what its parameter takes.
   """
   if isinstance(error, SyntaxError):
     return _unreadable_value(error)
@@ -288,8 +282,8 @@ def explain_gin_error(error: BaseException) -> Optional[str]:
   suggestion = did_you_mean(name, _configurables())
   if suggestion:
     suggestion = suggestion.replace('mean ', f'mean {at}')
-  methods = _method_names()
-  is_method = (re.match(r'^[\w./]*\bmethod\s*=', line) is not None or
+  methods = sorted(method_names)
+  is_method = methods and (re.match(r'^[\w./]*\bmethod\s*=', line) is not None or
                difflib.get_close_matches(name, methods, n=1) != [])
   listed = (f' Methods: {", ".join(methods)} (fltff list cites them).' if is_method else
             ' fltff list shows the methods, models, data sources and configs.')

@@ -31,6 +31,7 @@ from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top,
 import gin  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import fltff  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+from fltff import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import resources  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.runtime import heap  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -95,7 +96,8 @@ def configure(gin_files, gin_bindings) -> None:
           target.group(1) if target else '?',
           f'{where.group(1)}, line {where.group(2)}' if where else '--gin_bindings')) from e
     else:
-      message = explain_gin_error(e) or message
+      message = explain_gin_error(
+          e, [m.gin_name for m in methods.METHODS.values()]) or message
     raise ConfigError(f'Invalid gin configuration: {message}') from e
   check_gin_bindings(gin.config._CONFIG)  # pylint: disable=protected-access
 

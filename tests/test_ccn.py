@@ -241,9 +241,9 @@ def test_mnist_outlier_client_gets_largest_lambda():
 
 _FIX = ("Build the process with an fltff builder, whose client work sends what the factory's "
         'weight_fields name: fltff.learning.build_fedavg(model_spec, model_aggregator=<this '
-        'factory>), or build_fedprox, build_sgdm, build_fedlap, build_fednova, build_fedbabu, '
-        'build_scaffold, or build_algorithm(..., model_aggregator=<this factory>) for a method '
-        'of your own.')
+        'factory>) or another that takes model_aggregator (fltff.methods marks them '
+        'composes_aggregator), or build_algorithm(..., model_aggregator=<this factory>) for a '
+        'method of your own.')
 
 
 @pytest.mark.parametrize('factory,message', [

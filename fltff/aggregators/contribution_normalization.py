@@ -95,22 +95,18 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
   def _missing_fields(self, missing: list, weight_type) -> str:
     """What the aggregator needs that the update weight `weight_type` lacks, and how a process
     sends it (e.g. CCN inside TFF's own `build_weighted_fed_avg`, whose weight is n_k)."""
-    from fltff import methods  # pylint: disable=g-import-not-at-top
-
     what = ' and '.join(filter(None, (
         "CCN (contribution_normalization_factory) needs each client's latent_mean, the mean of "
         "its model's 'latent' layer over its local training data" if self._temperature else '',
         "FedNova's normalised averaging needs each client's local_steps" if self._nova else '')))
-    builders = ', '.join(m.builder.split(':')[1] for m in methods.METHODS.values()
-                         if m.composes_aggregator and m.name != 'fedavg')
     fields = ', '.join(('num_examples',) + self.weight_fields[1:])
     return (f'{what}, sent with its update in the update weight, a struct ({fields}); this '
             f'process\'s update weight is {weight_type}, without {", ".join(missing)} (TFF\'s '
             'own client work sends only the example count). Build the process with an fltff '
             'builder, whose client work sends what the factory\'s weight_fields name: '
-            'fltff.learning.build_fedavg(model_spec, model_aggregator=<this factory>), or '
-            f'{builders}, or build_algorithm(..., model_aggregator=<this factory>) for a method '
-            'of your own.')
+            'fltff.learning.build_fedavg(model_spec, model_aggregator=<this factory>) or another '
+            'that takes model_aggregator (fltff.methods marks them composes_aggregator), or '
+            'build_algorithm(..., model_aggregator=<this factory>) for a method of your own.')
 
   def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:
     fields = [name for name, _ in tff.structure.iter_elements(weight_type)] if isinstance(
