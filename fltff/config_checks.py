@@ -158,10 +158,11 @@ def gin_binds(selector: str) -> bool:
     return False
 
 
-def did_you_mean(name: str, choices) -> str:
-  """' did you mean X?' for the choice closest to `name` (difflib), or '' when none is close."""
+def did_you_mean(name: str, choices, prefix: str = '') -> str:
+  """' did you mean <prefix>X?' for the choice X closest to `name` (difflib), or '' when none
+  is close."""
   close = difflib.get_close_matches(name, list(choices), n=1)
-  return f' did you mean {close[0]}?' if close else ''
+  return f' did you mean {prefix}{close[0]}?' if close else ''
 
 
 def _configurables() -> dict:
@@ -278,13 +279,11 @@ def explain_gin_error(error: BaseException, method_names: Sequence[str] = ()) ->
   if not unknown:
     return None
   reference, name = unknown.group(1), unknown.group(2).rsplit('/', 1)[-1].rsplit('.', 1)[-1]
-  at = '@' if reference else ''
-  suggestion = did_you_mean(name, _configurables())
-  if suggestion:
-    suggestion = suggestion.replace('mean ', f'mean {at}')
+  suggestion = did_you_mean(name, _configurables(), '@' if reference else '')
   methods = sorted(method_names)
-  is_method = methods and (re.match(r'^[\w./]*\bmethod\s*=', line) is not None or
-               difflib.get_close_matches(name, methods, n=1) != [])
+  # A method's binding (`experiment.method = @...`), or a name close to a method's.
+  is_method = methods and (re.match(r'^[\w./]*\bmethod\s*=', line) is not None
+                           or difflib.get_close_matches(name, methods, n=1) != [])
   listed = (f' Methods: {", ".join(methods)} (fltff list cites them).' if is_method else
             ' fltff list shows the methods, models, data sources and configs.')
   return f'{binding}: no configurable is named {name};{suggestion}{listed}'.lstrip(': ')
