@@ -1,10 +1,11 @@
-"""The `fltff` command: `fltff run|report|reproduce|bench [flags]` (also `python -m fltff ...`).
+"""The `fltff` command: `fltff run|report|reproduce|bench|list [flags]` (also `python -m fltff ...`).
 
 Each command is one of the runner's programs (`pipelines/`, installed as `fltff.pipelines`);
 `fltff <command> --help` lists its flags.
 """
 
 import importlib
+import os
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -13,6 +14,7 @@ COMMANDS = {
     'report': 'tables and plots of finished runs (and runs that differ only in seed)',
     'reproduce': "the planned runs of the papers' settings (results/plan.txt of a checkout)",
     'bench': 'round-time and checkpoint benchmarks, as ratios to a baseline in the same run',
+    'list': 'the methods (with their papers), models, data sources and shipped gin configs',
 }
 
 
@@ -67,8 +69,20 @@ def run_program(main_fn: Callable[[list[str]], int], argv: Optional[Sequence[str
   app.run(lambda args: sys.exit(main_fn(args)), argv=argv, flags_parser=_parse_flags)
 
 
+def _import_from_working_directory() -> None:
+  """Puts the working directory first on `sys.path`, as `python -m fltff` does, so that a gin
+  file's `import my_models` finds the user's module: the installed `fltff` script starts with
+  its own folder there instead. Nothing with `python -P` (PYTHONSAFEPATH), as for `python -m`."""
+  if sys.flags.safe_path:
+    return
+  cwd = os.getcwd()
+  if not sys.path or os.path.abspath(sys.path[0] or os.curdir) != cwd:
+    sys.path.insert(0, cwd)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
   argv = list(sys.argv if argv is None else argv)
+  _import_from_working_directory()
   if len(argv) < 2 or argv[1] in ('-h', '--help', 'help'):
     print(_usage())
     sys.exit(0 if len(argv) >= 2 else 2)

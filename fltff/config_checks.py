@@ -4,13 +4,16 @@
 (or `Optional` of them), so e.g. `experiment.clients_per_round = 2.5` ends in a `ConfigError`
 naming the binding, not in a TypeError deep inside TensorFlow; and `check_builder` to every one
 annotated `Callable`, so `experiment.method = 'fedavg'` (a string, not `@fedavg`) ends in one.
+`explain_gin_error` says what gin's own parse errors mean and what to write instead.
 """
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import numbers
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from fltff.errors import ConfigError
@@ -163,3 +166,134 @@ def gin_binds(selector: str) -> bool:
     return True
   except ValueError:
     return False
+
+
+def did_you_mean(name: str, choices, prefix: str = '') -> str:
+  """' did you mean <prefix>X?' for the choice X closest to `name` (difflib), or '' when none
+  is close."""
+  close = difflib.get_close_matches(name, list(choices), n=1)
+  return f' did you mean {prefix}{close[0]}?' if close else ''
+
+
+def _configurables() -> dict:
+  """Every registered gin configurable, by its name (`fedavg`, `experiment`, ...)."""
+  import gin  # pylint: disable=g-import-not-at-top
+
+  return {c.name: c for _, c in gin.config._REGISTRY.items()}  # pylint: disable=protected-access
+
+
+def gin_parameters(name: str) -> list[str]:
+  """The parameters gin may bind of configurable `name`, in signature order (none if unknown)."""
+  configurable = _configurables().get(name.rsplit('.', 1)[-1])
+  signature = configurable and _signature(configurable.selector)
+  if not signature:
+    return []
+  return [p.name for p in signature.parameters.values()
+          if p.name != 'self' and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+          and (configurable.allowlist is None or p.name in configurable.allowlist)
+          and p.name not in (configurable.denylist or ())]
+
+
+def _expected(annotation: Any) -> Optional[str]:
+  """What a parameter annotated `annotation` takes, in words; None when the annotation says
+  nothing gin can write."""
+  if annotation is inspect.Parameter.empty:
+    return None
+  numeric = _numeric_kind(annotation)
+  if numeric is not None:
+    return ('an integer' if numeric[0] else 'a number') + (' or None' if numeric[1] else '')
+  if _callable_kind(annotation) is not None:
+    return 'a configurable written with @ (e.g. @fedavg)'
+  text = (annotation if isinstance(annotation, str) else getattr(
+      annotation, '__name__', str(annotation))).replace('typing.', '').replace(' ', '')
+  optional = text.startswith('Optional[') or text.endswith('|None')
+  text = text[len('Optional['):-1] if text.startswith('Optional[') else text.split('|')[0]
+  kinds = {'str': "a string in quotes ('...')", 'bool': 'True or False'}
+  kind = kinds.get(text) or next((v for k, v in (
+      ('Sequence', 'a list or tuple'), ('list', 'a list or tuple'), ('tuple', 'a list or tuple'),
+      ('Mapping', 'a dict'), ('dict', 'a dict')) if text.startswith(k)), None)
+  return kind and kind + (' or None' if optional else '')
+
+
+def _located(message: str) -> tuple[str, str]:
+  """`(where, line)` of a gin error message: '--gin_bindings' or 'file, line n', and the
+  configuration line it quotes ('' where it quotes none)."""
+  lines = [l.strip() for l in message.splitlines()]
+  for i, line in enumerate(lines):
+    in_file = re.match(r'In file "([^"]+)", line (\d+)', line)
+    if in_file or line.startswith('In bindings string'):
+      quoted = lines[i + 1] if i + 1 < len(lines) else ''
+      return (f'{in_file.group(1)}, line {in_file.group(2)}' if in_file else '--gin_bindings',
+              quoted)
+  return '', ''
+
+
+def _unreadable_value(error: SyntaxError) -> Optional[str]:
+  """A value gin cannot read (`experiment.rounds = five`): the binding and what it takes."""
+  token = re.search(r"Failed to parse token '(.*)'", error.msg or '')
+  line = (error.text or '').strip()
+  binding = re.match(r'^([\w./]+\.\w+)\s*=\s*(.+)$', line)
+  malformed = 'malformed node' in (error.msg or '') or token
+  if not (binding or malformed):
+    return None
+  where = f'{error.filename}, line {error.lineno}' if error.filename else '--gin_bindings'
+  value = token.group(1) if token else (binding.group(2) if binding else line)
+  if not binding:  # Inside a value over several lines: say it without ast's repr.
+    return (f'gin cannot read {value} as a value (in {where}): write a number, a string in '
+            "quotes ('...'), True, False, None, a list, a @configurable or a %MACRO.")
+  target = binding.group(1)
+  configurable, param = target.rsplit('/', 1)[-1].rsplit('.', 1)
+  configurable = _configurables().get(configurable.rsplit('.', 1)[-1])
+  signature = _signature(configurable.selector) if configurable else None
+  parameter = signature.parameters.get(param) if signature else None
+  expected = _expected(parameter.annotation) if parameter else None
+  text = f'{target} = {binding.group(2)} (in {where}): gin cannot read {value} as a value; '
+  if expected is None:
+    return text + (f"write a number, a string in quotes ('{value}'), True, False, None, a list, "
+                   f'a configurable (@{value}) or a macro (%{value}).')
+  if expected.startswith('a string'):
+    example = f" (e.g. {target} = '{value}')"
+  elif expected.startswith('a configurable') and value in _configurables():
+    example, expected = f' (write {target} = @{value})', 'a configurable written with @'
+  elif parameter.default is not inspect.Parameter.empty and isinstance(
+      parameter.default, (bool, int, float, str)):
+    example = f' (e.g. {target} = {parameter.default!r}, its default)'
+  else:
+    example = ''
+  return text + f'{target} takes {expected}{example}.'
+
+
+def explain_gin_error(error: BaseException, method_names: Sequence[str] = ()) -> Optional[str]:
+  """What gin's parse `error` means and what to write instead, in one line, or None for an error
+  it does not recognise.
+
+  An unknown configurable or reference names the closest registered name (and for a method
+  every name of `method_names`, the registry's gin names); an unknown parameter the closest
+  parameter and all of that configurable's; a value gin cannot read (`experiment.rounds = five`)
+  the binding and what its parameter takes.
+  """
+  if isinstance(error, SyntaxError):
+    return _unreadable_value(error)
+  message = str(error)
+  where, line = _located(message)
+  binding = f'{line} (in {where})' if '=' in line else f'in {where}' if where else ''
+  unknown_param = re.match(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'",
+                           message)
+  if unknown_param:
+    configurable, param = unknown_param.groups()
+    params = gin_parameters(configurable)
+    return (f'{binding}: {configurable} has no parameter {param};'
+            f'{did_you_mean(param, params)} {configurable}\'s parameters: {", ".join(params)}.'
+            ).lstrip(': ')
+  unknown = re.match(r"No configurable matching (reference )?'@?([\w./]+?)(\(\))?'", message)
+  if not unknown:
+    return None
+  reference, name = unknown.group(1), unknown.group(2).rsplit('/', 1)[-1].rsplit('.', 1)[-1]
+  suggestion = did_you_mean(name, _configurables(), '@' if reference else '')
+  methods = sorted(method_names)
+  # A method's binding (`experiment.method = @...`), or a name close to a method's.
+  is_method = methods and (re.match(r'^[\w./]*\bmethod\s*=', line) is not None
+                           or difflib.get_close_matches(name, methods, n=1) != [])
+  listed = (f' Methods: {", ".join(methods)} (fltff list cites them).' if is_method else
+            ' fltff list shows the methods, models, data sources and configs.')
+  return f'{binding}: no configurable is named {name};{suggestion}{listed}'.lstrip(': ')

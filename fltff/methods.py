@@ -1,8 +1,9 @@
 """The one registry of fltff's methods: name → builder and what the method needs.
 
-Gin (`experiment.method = @<gin name>`), `fltff bench`, the memory bench, the program API
-(`fltff.simulation.program`) and the tests read it. `VARIANTS` names the compositions they
-compare (CCN on a FedAvg-family method, KAPC with BLS, FedAvg with FedLap personalisation).
+Gin (`experiment.method = @<gin name>`), `fltff bench`, `fltff list`, the memory bench, the
+program API (`fltff.simulation.program`) and the tests read it. `VARIANTS` names the
+compositions they compare (CCN on a FedAvg-family method, KAPC with BLS, FedAvg with FedLap
+personalisation). Each entry cites the paper it follows (the table of docs/methods/index.md).
 
     from fltff import methods
     algorithm = methods.build('kapc+bls', model_spec, num_clients=10,
@@ -18,7 +19,8 @@ from typing import Any, Optional
 
 from fltff.errors import ConfigError
 
-__all__ = ['METHODS', 'Method', 'VARIANTS', 'Variant', 'build', 'get', 'names']
+__all__ = ['CCN_CITATION', 'METHODS', 'Method', 'VARIANTS', 'Variant', 'build', 'get',
+           'names']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,8 @@ class Method:
     composes_aggregator: The builder takes `model_aggregator=` (any TFF weighted aggregation
       factory; CCN with `+ccn`).
     gin_name: `experiment.method = @<gin_name>`; `name`, but `local_training` for `local`.
+    citation: The paper the method follows (authors, title, venue, year); '' for local
+      training, which has none.
   """
   name: str
   builder: str
@@ -49,6 +53,7 @@ class Method:
   factors: bool = True
   composes_aggregator: bool = False
   gin_name: str = ''
+  citation: str = ''
 
   def __post_init__(self):
     if not self.gin_name:
@@ -59,31 +64,59 @@ class Method:
     return getattr(importlib.import_module(module), function)
 
 
-def _m(name, module, *, num_clients=False, client_ids=False, client_state=False,
+def _m(name, module, citation, *, num_clients=False, client_ids=False, client_state=False,
        personalised=False, factors=True, composes_aggregator=False, gin_name=''):
   return Method(name, f'{module}:build_{name}', num_clients, client_ids, client_state,
-                personalised, factors, composes_aggregator, gin_name)
+                personalised, factors, composes_aggregator, gin_name, citation)
 
 
 _L, _P = 'fltff.learning', 'fltff.personalization'
 METHODS: Mapping[str, Method] = {m.name: m for m in (
-    _m('fedavg', _L, composes_aggregator=True),
-    _m('fedprox', _L, composes_aggregator=True),
-    _m('sgdm', _L, composes_aggregator=True),
-    _m('fedlap', _L, composes_aggregator=True, factors=False),
-    _m('fedadp', _L, num_clients=True, client_ids=True),
-    _m('fedlayerwise', _L, num_clients=True, client_ids=True),
-    _m('fednova', _L, client_ids=True, composes_aggregator=True),
-    _m('fedbabu', _L, composes_aggregator=True),
-    _m('scaffold', _L, num_clients=True, client_ids=True, client_state=True, factors=False,
+    _m('fedavg', _L, 'H. B. McMahan, E. Moore, D. Ramage, S. Hampson, B. Agüera y Arcas. '
+       'Communication-Efficient Learning of Deep Networks from Decentralized Data. '
+       'AISTATS 2017.', composes_aggregator=True),
+    _m('fedprox', _L, 'T. Li, A. K. Sahu, M. Zaheer, M. Sanjabi, A. Talwalkar, V. Smith. '
+       'Federated Optimization in Heterogeneous Networks. MLSys 2020.',
        composes_aggregator=True),
-    _m('moon', _L, num_clients=True, client_ids=True, client_state=True, factors=False),
-    _m('kapc', _P, num_clients=True, client_ids=True, client_state=True, personalised=True),
-    _m('fedamp', _P, num_clients=True, client_ids=True, client_state=True, personalised=True),
-    _m('pfedla', _P, num_clients=True, client_ids=True, client_state=True, personalised=True),
-    _m('fedbn', _P, num_clients=True, client_ids=True, client_state=True, personalised=True),
-    _m('local', _P, num_clients=True, client_ids=True, client_state=True, personalised=True,
-       gin_name='local_training'),
+    _m('sgdm', _L, 'T.-M. H. Hsu, H. Qi, M. Brown. Measuring the Effects of Non-Identical Data '
+       'Distribution for Federated Visual Classification. arXiv:1909.06335, 2019.',
+       composes_aggregator=True),
+    _m('fedlap', _L, 'E. Charteros, I. Koutsopoulos. Lay Importance on the Layer: Federated '
+       'Learning for Non-IID data with Layer-based Regularization. IEEE INFOCOM Workshops '
+       '2023.', composes_aggregator=True, factors=False),
+    _m('fedadp', _L, 'H. Wu, P. Wang. Fast-Convergent Federated Learning with Adaptive '
+       'Weighting. IEEE Transactions on Cognitive Communications and Networking 7(4), 2021.',
+       num_clients=True, client_ids=True),
+    _m('fedlayerwise', _L, 'V. S. Lanjewar, H.-A. Tran, T. X. Tran. Layer-Wise Adaptive '
+       'Weighting for Faster Convergence in Federated Learning. IEEE IRI 2024.',
+       num_clients=True, client_ids=True),
+    _m('fednova', _L, 'J. Wang, Q. Liu, H. Liang, G. Joshi, H. V. Poor. Tackling the Objective '
+       'Inconsistency Problem in Heterogeneous Federated Optimization. NeurIPS 2020.',
+       client_ids=True, composes_aggregator=True),
+    _m('fedbabu', _L, 'J. Oh, S. Kim, S.-Y. Yun. FedBABU: Toward Enhanced Representation for '
+       'Federated Image Classification. ICLR 2022.', composes_aggregator=True),
+    _m('scaffold', _L, 'S. P. Karimireddy, S. Kale, M. Mohri, S. J. Reddi, S. U. Stich, '
+       'A. T. Suresh. SCAFFOLD: Stochastic Controlled Averaging for Federated Learning. '
+       'ICML 2020.', num_clients=True, client_ids=True, client_state=True, factors=False,
+       composes_aggregator=True),
+    _m('moon', _L, 'Q. Li, B. He, D. Song. Model-Contrastive Federated Learning. CVPR 2021.',
+       num_clients=True, client_ids=True, client_state=True, factors=False),
+    _m('kapc', _P, 'M. Zhi, Y. Bi, L. Cai, W. Xu, H. Wang, T. Xiang, Q. He. Knowledge-Aware '
+       'Parameter Coaching for Communication-Efficient Personalized Federated Learning in '
+       'Mobile Edge Computing. IEEE Transactions on Mobile Computing, 2024 '
+       '(doi:10.1109/TMC.2024.3464512).', num_clients=True, client_ids=True,
+       client_state=True, personalised=True),
+    _m('fedamp', _P, 'Y. Huang, L. Chu, Z. Zhou, L. Wang, J. Liu, J. Pei, Y. Zhang. '
+       'Personalized Cross-Silo Federated Learning on Non-IID Data. AAAI 2021.',
+       num_clients=True, client_ids=True, client_state=True, personalised=True),
+    _m('pfedla', _P, 'X. Ma, J. Zhang, S. Guo, W. Xu. Layer-wised Model Aggregation for '
+       'Personalized Federated Learning. CVPR 2022.', num_clients=True, client_ids=True,
+       client_state=True, personalised=True),
+    _m('fedbn', _P, 'X. Li, M. Jiang, X. Zhang, M. Kamp, Q. Dou. FedBN: Federated Learning on '
+       'Non-IID Features via Local Batch Normalization. ICLR 2021.', num_clients=True,
+       client_ids=True, client_state=True, personalised=True),
+    _m('local', _P, '', num_clients=True, client_ids=True, client_state=True,
+       personalised=True, gin_name='local_training'),
 )}
 
 
@@ -95,21 +128,28 @@ def _ccn() -> dict:
 @dataclasses.dataclass(frozen=True)
 class Variant:
   """A composition the programs and tests compare: method `base` built with `kwargs()` (called
-  per use: aggregation factories are built anew) and the traits in `traits` changed."""
+  per use: aggregation factories are built anew) and the traits in `traits` changed;
+  `citation`: the paper of what it adds to `base` ('' when that is no paper's)."""
   base: str
   kwargs: Callable[[], dict] = dict
   traits: Mapping[str, bool] = dataclasses.field(default_factory=dict)
+  citation: str = ''
 
+
+CCN_CITATION = ('M. K. Kundalwal, A. Saraswat, I. Mishra, D. Mishra. Client Contribution '
+                'Normalization for Enhanced Federated Learning. arXiv:2411.06352, 2024.')
 
 # `<method>+ccn` for each method that composes an aggregator (CCN's Λ needs client indices);
 # `+fedlap_personalization` wraps the built method (`with_fedlap_personalization`).
 VARIANTS: Mapping[str, Variant] = {
-    **{f'{name}+ccn': Variant(name, _ccn, {'client_ids': True})
+    **{f'{name}+ccn': Variant(name, _ccn, {'client_ids': True}, CCN_CITATION)
        for name, m in METHODS.items() if m.composes_aggregator},
     'fedavg_uniform': Variant('fedavg', lambda: {'client_weighting': 'uniform'}),
-    'kapc+bls': Variant('kapc', lambda: {'bls_mu': 0.5}),
+    'kapc+bls': Variant('kapc', lambda: {'bls_mu': 0.5}, citation=METHODS['kapc'].citation),
     # Participants keep their local models between rounds.
-    'fedavg+fedlap_personalization': Variant('fedavg', traits={'client_state': True}),
+    'fedavg+fedlap_personalization': Variant(
+        'fedavg', traits={'client_state': True},
+        citation="The FedLap thesis's personalisation (title and author are not in its text)."),
 }
 
 

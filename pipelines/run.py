@@ -6,6 +6,8 @@ r"""Runs one experiment from gin files.
 (also `python -m fltff run`, and `python -m pipelines.run` in a checkout). A relative
 --gin_file is looked up in the working directory, then among the configs fltff ships;
 `include` lines beside the including file, in the working directory, then among those configs.
+`fltff list` shows what a configuration can name: the methods (with their papers), models, data
+sources and the shipped configs.
 
 Bad input (unknown gin names, badly typed numbers, an unwritable or earlier run's output folder,
 impossible partitions, missing data offline, divergence, no intact checkpoint, an unreachable
@@ -29,10 +31,12 @@ from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top,
 import gin  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import fltff  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+from fltff import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import resources  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.runtime import heap  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.config_checks import check_gin_bindings  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff.config_checks import explain_gin_error  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import FltffError  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import StopNow  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -91,6 +95,9 @@ def configure(gin_files, gin_bindings) -> None:
       raise ConfigError(resources.include_not_found(
           target.group(1) if target else '?',
           f'{where.group(1)}, line {where.group(2)}' if where else '--gin_bindings')) from e
+    else:
+      message = explain_gin_error(
+          e, [m.gin_name for m in methods.METHODS.values()]) or message
     raise ConfigError(f'Invalid gin configuration: {message}') from e
   check_gin_bindings(gin.config._CONFIG)  # pylint: disable=protected-access
 

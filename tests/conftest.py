@@ -97,7 +97,7 @@ def small_run(tmp_path_factory):
 # Fixtures that finish a run or build a package (10–20 s each): the tests that use one go to
 # one test process (`xdist_group`, the Makefile's `--dist loadgroup`), so that it is built once
 # per session rather than once in each process that runs one of those tests.
-SHARED_FIXTURES = ('small_run', 'installed', 'straggler_run',
+SHARED_FIXTURES = ('small_run', 'installed', 'editable', 'straggler_run',
                    'built')
 
 

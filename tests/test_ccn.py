@@ -11,6 +11,7 @@ import tensorflow_federated as tff
 
 from fltff import aggregators
 from fltff import learning
+from fltff.errors import ConfigError
 from fltff.learning import ModelSpec
 from fltff.learning.fedbabu import head_indices
 from fltff.models import build_model
@@ -236,3 +237,32 @@ def test_mnist_outlier_client_gets_largest_lambda():
   order = np.argsort(metrics['client_index'])
   lam = np.asarray(metrics['contribution'])[order]
   assert np.argmax(lam) == 2, lam
+
+
+_FIX = ("Build the process with an fltff builder, whose client work sends what the factory's "
+        'weight_fields name: fltff.learning.build_fedavg(model_spec, model_aggregator=<this '
+        'factory>) or another that takes model_aggregator (fltff.methods marks them '
+        'composes_aggregator), or build_algorithm(..., model_aggregator=<this factory>) for a '
+        'method of your own.')
+
+
+@pytest.mark.parametrize('factory,message', [
+    (aggregators.contribution_normalization_factory(),
+     "CCN (contribution_normalization_factory) needs each client's latent_mean, the mean of its "
+     "model's 'latent' layer over its local training data, sent with its update in the update "
+     "weight, a struct (num_examples, latent_mean); this process's update weight is float32, "
+     "without num_examples, latent_mean (TFF's own client work sends only the example count). "
+     + _FIX),
+    (aggregators.NormalizedMeanFactory(normalized_averaging=True),
+     "FedNova's normalised averaging needs each client's local_steps, sent with its update in "
+     "the update weight, a struct (num_examples, local_steps); this process's update weight is "
+     "float32, without num_examples, local_steps (TFF's own client work sends only the example "
+     "count). " + _FIX),
+])
+def test_in_tffs_own_fedavg_the_aggregator_says_what_it_needs_and_how(factory, message):
+  """TFF's `build_weighted_fed_avg` sends the example count alone as the update weight: the
+  factory says, in one message, what it needs and which builders send it."""
+  with pytest.raises(ConfigError) as raised:
+    tff.learning.algorithms.build_weighted_fed_avg(
+        model_fn=SPEC.tff_model, client_optimizer_fn=_opt(), model_aggregator=factory)
+  assert str(raised.value) == message

@@ -228,6 +228,27 @@ def test_npz_source_relative_paths(monkeypatch, tmp_path):
   assert data.npz_source(rel, name='m').name == 'm'
 
 
+@pytest.mark.parametrize('dtype,stored,seen', [
+    # uint8: images, divided by 255 when batched; any other dtype: float32, as stored.
+    (np.uint8, [0, 51, 255], [0.0, 0.2, 1.0]),
+    (np.float64, [0.0, 51.0, 255.0], [0.0, 51.0, 255.0]),
+    (np.float32, [-1.5, 0.25, 3.0], [-1.5, 0.25, 3.0]),
+    (np.int64, [0, 51, 255], [0.0, 51.0, 255.0]),
+])
+def test_npz_features_are_scaled_only_when_uint8(dtype, stored, seen, tmp_path):
+  """docs/configuration.md: what the `.npz` source and the batches do to the features."""
+  from fltff.data.pipeline import preprocess_batch  # pylint: disable=g-import-not-at-top
+
+  x = np.array([stored] * 2, dtype)  # Two examples of three features.
+  np.savez(tmp_path / 'f.npz', x_train=x, y_train=np.array([0, 1]), x_test=x,
+           y_test=np.array([1, 0]))
+  source = data.npz_source(str(tmp_path / 'f.npz'))
+  assert source.x_train.dtype == (np.uint8 if dtype == np.uint8 else np.float32)
+  batch = preprocess_batch({'x': source.x_train, 'y': source.y_train})
+  assert batch['x'].dtype.name == 'float32'
+  np.testing.assert_allclose(batch['x'].numpy(), [seen] * 2, rtol=1e-6)
+
+
 def test_npz_source_errors_and_label_shapes(tmp_path):
   with pytest.raises(DataError, match='not found'):
     data.npz_source(str(tmp_path / 'missing.npz'))

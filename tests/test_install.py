@@ -1,12 +1,14 @@
-"""fltff installed as a user installs it (a wheel, no checkout on the path) runs from any
-folder: the `fltff` command, the shipped gin configs and sample data, includes beside the
-user's own gin file; scripts that import it exit quietly."""
+"""fltff installed as a user installs it (a wheel, no checkout on the path; or editable, as
+`make setup` does) runs from any folder: the `fltff` command, the shipped gin configs and sample
+data, the user's own modules and includes beside the user's own gin file; scripts that import
+it exit quietly."""
 
 import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 
 import pytest
@@ -21,18 +23,22 @@ def _shipped(folder, suffix):
           if n.endswith(suffix) and '__pycache__' not in d}
 
 
-@pytest.fixture(scope='module')
-def installed(tmp_path_factory):
-  """`(site, env)`: fltff's wheel built from this checkout and installed into `site`, and an
-  environment in which Python finds it there (and not this checkout)."""
-  root = tmp_path_factory.mktemp('install')
-  # A copy of what the distribution is built from, so the build leaves the checkout alone.
-  source = root / 'source'
+def _copy_of_the_source(source):
+  """A copy of what the distribution is built from, so that a build leaves the checkout alone."""
   for folder in ('fltff', 'pipelines', 'gin_configs'):
     shutil.copytree(os.path.join(REPO, folder), source / folder,
                     ignore=shutil.ignore_patterns('__pycache__'))
   for name in ('pyproject.toml', 'README.md'):
     shutil.copy(os.path.join(REPO, name), source / name)
+  return source
+
+
+@pytest.fixture(scope='module')
+def installed(tmp_path_factory):
+  """`(site, env)`: fltff's wheel built from this checkout and installed into `site`, and an
+  environment in which Python finds it there (and not this checkout)."""
+  root = tmp_path_factory.mktemp('install')
+  source = _copy_of_the_source(root / 'source')
   build = subprocess.run(
       [sys.executable, '-m', 'pip', 'wheel', '-q', '--no-deps', '--no-build-isolation',
        '--disable-pip-version-check', '-w', str(root / 'dist'), str(source)],
@@ -54,6 +60,30 @@ def installed(tmp_path_factory):
   return site, env
 
 
+@pytest.fixture(scope='module')
+def editable(tmp_path_factory):
+  """`(script, env)`: the `fltff` script of an editable install (`make setup`'s `pip install
+  -e .`) of a copy of this checkout, into a virtual environment of its own that reads this
+  one's packages (TensorFlow, TFF, gin), and an environment to run it in."""
+  root = tmp_path_factory.mktemp('editable')
+  source = _copy_of_the_source(root / 'source')
+  venv = root / 'venv'
+  subprocess.run([sys.executable, '-m', 'venv', '--without-pip', str(venv)], check=True,
+                 timeout=120)
+  [packages] = venv.glob('lib/python*/site-packages')
+  # A plain path line: this environment's packages, but not its own editable fltff (whose
+  # .pth file Python does not process from there).
+  (packages / 'zz_packages_of_the_tests.pth').write_text(sysconfig.get_paths()['purelib'] + '\n')
+  # pip from those packages; --ignore-installed: it never touches another environment's fltff.
+  install = subprocess.run(
+      [str(venv / 'bin' / 'python'), '-m', 'pip', 'install', '-q', '--no-deps',
+       '--no-build-isolation', '--ignore-installed', '--disable-pip-version-check', '-e',
+       str(source)], capture_output=True, text=True, timeout=300)
+  assert install.returncode == 0, install.stderr[-3000:]
+  env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV')}
+  return venv / 'bin' / 'fltff', dict(env, TF_CPP_MIN_LOG_LEVEL='3')
+
+
 _USER_MODELS = """
 import tensorflow as tf
 from fltff import models
@@ -69,8 +99,23 @@ models.register('small_mlp', small_mlp)
 """
 
 
-def test_the_installed_command_runs_a_users_project_with_its_own_model(installed, tmp_path):
-  site, env = installed
+def _command(how, request):
+  """`(argv, env, python, root)`: the command `how` names (`python -m fltff`, or the `fltff`
+  script of the wheel or of the editable install), its environment, its Python and the folder
+  its fltff is imported from."""
+  if how == 'editable':
+    script, env = request.getfixturevalue('editable')
+    return [str(script)], env, str(script.parent / 'python'), str(script.parents[2] / 'source')
+  site, env = request.getfixturevalue('installed')
+  argv = [str(site / 'bin' / 'fltff')] if how == 'wheel' else [sys.executable, '-m', 'fltff']
+  return argv, env, sys.executable, str(site)
+
+
+# The installed `fltff` script starts Python with its own folder first on sys.path, not the
+# working directory as `python -m` does: the user's module is found all the same.
+@pytest.mark.parametrize('how', ['python -m', 'wheel', 'editable'])
+def test_the_installed_command_runs_a_users_project_with_its_own_model(how, request, tmp_path):
+  command, env, python, fltff_root = _command(how, request)
   project = tmp_path / 'project'
   project.mkdir()
   # The user's project: a module that registers a model, a gin file that imports it and
@@ -80,18 +125,17 @@ def test_the_installed_command_runs_a_users_project_with_its_own_model(installed
       "import my_models\ninclude 'gin_configs/quickstart.gin'\ninclude 'short.gin'\n"
       "experiment.model = 'small_mlp'\n")
   (project / 'short.gin').write_text('experiment.rounds = 2\n')
-  result = subprocess.run(
-      [sys.executable, '-m', 'fltff', 'run', '--gin_file=exp.gin', '--output_dir=out'],
-      cwd=project, env=env, capture_output=True, text=True, timeout=600)
+  result = subprocess.run([*command, 'run', '--gin_file=exp.gin', '--output_dir=out'],
+                          cwd=project, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'Traceback' not in result.stderr, result.stderr[-3000:]
   summary = json.loads((project / 'out' / 'summary.json').read_text())
   assert summary['rounds_completed'] == 2 and summary['dataset'].startswith('synthetic')
   assert summary['model'] == 'small_mlp' and 'vectorised clients' in summary['executor']
   assert summary['fltff_version'] and 'fltff_commit' not in summary  # No checkout here.
-  where = subprocess.run([sys.executable, '-c', 'import fltff; print(fltff.__file__)'],
+  where = subprocess.run([python, '-c', 'import fltff; print(fltff.__file__)'],
                          cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
-  assert where.stdout.strip().startswith(str(site))
+  assert where.stdout.strip().startswith(fltff_root), where.stdout
   assert where.stderr == ''  # Imported and exited without TFF's ServiceManager traceback.
 
 
@@ -118,7 +162,7 @@ def test_the_command_lists_its_commands_and_their_flags():
                                      capture_output=True, text=True, timeout=300)
   usage = run()
   assert usage.returncode == 2 and 'commands:' in usage.stdout
-  for command in ('run', 'report', 'reproduce', 'bench'):
+  for command in ('run', 'report', 'reproduce', 'bench', 'list'):
     assert f'  {command} ' in usage.stdout
   assert_one_line_error(run('nonsense'), "unknown command 'nonsense'")
   # A bad flag is one line too (absl's parser prints a FATAL line and a hint).
@@ -150,3 +194,26 @@ def test_a_missing_gin_file_is_refused_before_tensorflow_is_imported(tmp_path, g
   assert result.stderr.startswith(error), result.stderr
   assert len(result.stderr.strip().splitlines()) == 1, result.stderr
   assert not (tmp_path / 'out').exists()
+
+
+def test_the_installed_command_lists_what_an_experiment_can_name(installed, tmp_path):
+  site, env = installed
+  run = lambda *args: subprocess.run([str(site / 'bin' / 'fltff'), *args], cwd=tmp_path,
+                                     env=env, capture_output=True, text=True, timeout=300)
+  usage = run()
+  assert ('  list       the methods (with their papers), models, data sources and shipped gin '
+          'configs') in usage.stdout.splitlines()
+  listed = run('list')
+  assert (listed.returncode, listed.stderr) == (0, '')
+  lines = listed.stdout.splitlines()
+  assert lines[0] == 'methods (experiment.method = @<name>):'
+  for expected in ("models (experiment.model = '<name>'; your own: fltff.models.register):",
+                   'data sources (federated_data.source = @<name>):',
+                   '  fltff/data/samples/mnist_first1003.npz',
+                   'gin configs (fltff run --gin_file=<path>):'):
+    assert expected in lines
+  # The installed package's own configs.
+  assert '  gin_configs/kapc/' in listed.stdout and str(site) not in listed.stdout
+  helped = run('run', '--help')
+  assert helped.returncode == 0 and '`fltff list` shows what a configuration can name' in (
+      helped.stdout)

@@ -2,6 +2,8 @@
 
 import dataclasses
 import inspect
+import os
+import re
 
 import gin
 import pytest
@@ -11,6 +13,7 @@ from fltff import methods
 from fltff.errors import ConfigError
 from fltff.learning import ModelSpec
 from fltff.simulation import program
+from helpers import REPO
 from helpers import tiny_mlp
 
 DIM, CLASSES, N = 4, 3, 3
@@ -75,3 +78,20 @@ def test_the_registry_refuses_unknown_names_and_composes_variants():
   for name, variant in methods.VARIANTS.items():
     base = methods.METHODS[variant.base]
     assert methods.get(name) == dataclasses.replace(base, name=name, **variant.traits)
+
+
+def test_the_methods_page_cites_each_method_as_the_registry_does():
+  """docs/methods/index.md's table of papers is the registry's, one row per method and per
+  composition that adds a paper ('—' for local training, which follows none)."""
+  with open(os.path.join(REPO, 'docs', 'methods', 'index.md')) as f:
+    rows = [[cell.strip() for cell in line.strip().strip('|').split('|')]
+            for line in f if line.startswith('| ')]
+  table = {gin_name: paper for _, gin_name, paper in rows if gin_name.startswith('`@')}
+  expected = {f'`@{m.gin_name}`': m.citation or '—' for m in methods.METHODS.values()}
+  expected['`@contribution_normalization()`'] = methods.CCN_CITATION
+  expected['`@fedlap_personalization`'] = (
+      methods.VARIANTS['fedavg+fedlap_personalization'].citation)
+  assert table == expected
+  # Authors, title, venue and year, but for the one method without a paper.
+  assert [m.name for m in methods.METHODS.values()
+          if not re.search(r'^[A-Z].*\. .+\. .*(19|20)\d\d', m.citation)] == ['local']

@@ -92,6 +92,22 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
     return (('client_index',) + (('latent_mean',) if self._temperature else ()) +
             (('local_steps',) if self._nova else ()))
 
+  def _missing_fields(self, missing: list, weight_type) -> str:
+    """What the aggregator needs that the update weight `weight_type` lacks, and how a process
+    sends it (e.g. CCN inside TFF's own `build_weighted_fed_avg`, whose weight is n_k)."""
+    what = ' and '.join(filter(None, (
+        "CCN (contribution_normalization_factory) needs each client's latent_mean, the mean of "
+        "its model's 'latent' layer over its local training data" if self._temperature else '',
+        "FedNova's normalised averaging needs each client's local_steps" if self._nova else '')))
+    fields = ', '.join(('num_examples',) + self.weight_fields[1:])
+    return (f'{what}, sent with its update in the update weight, a struct ({fields}); this '
+            f'process\'s update weight is {weight_type}, without {", ".join(missing)} (TFF\'s '
+            'own client work sends only the example count). Build the process with an fltff '
+            'builder, whose client work sends what the factory\'s weight_fields name: '
+            'fltff.learning.build_fedavg(model_spec, model_aggregator=<this factory>) or another '
+            'that takes model_aggregator (fltff.methods marks them composes_aggregator), or '
+            'build_algorithm(..., model_aggregator=<this factory>) for a method of your own.')
+
   def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:
     fields = [name for name, _ in tff.structure.iter_elements(weight_type)] if isinstance(
         weight_type, tff.StructType) else []
@@ -99,8 +115,7 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
     needed = ('num_examples',) + self.weight_fields[1:]
     missing = [f for f in needed if f not in fields]
     if missing:
-      raise ConfigError(f'The update weight lacks {missing}: build the client work with these '
-                        'weight fields (see fltff.learning.build_algorithm).')
+      raise ConfigError(self._missing_fields(missing, weight_type))
     specs = tff.types.type_to_tf_tensor_specs(value_type)
     gather, acc_type = build_gather(value_type, weight_type)
     temperature, nova = self._temperature, self._nova

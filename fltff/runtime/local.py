@@ -620,9 +620,10 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
       until a round completes, then 10 x the slowest round, at least 5 minutes.
     max_retries: How often a round is repeated after losing a worker.
     log_dir: Folder of the local worker's log (`tff_worker.log`); None: a temporary file.
-    tls_ca_file, tls_cert_file, tls_key_file: Mutual TLS to remote workers (the default): the
-      CA of the workers' certificates; this driver's certificate (signed by the workers'
-      client CA) and key; all PEM.
+    tls_ca_file: Mutual TLS to remote workers (the default): the CA of the workers'
+      certificates (PEM).
+    tls_cert_file: This driver's certificate (PEM), signed by the workers' client CA.
+    tls_key_file: This driver's private key (PEM).
     tls_server_name: The name to check in the workers' certificates, if not their host.
     insecure_plaintext: Plaintext to workers started with `--insecure_plaintext`: only on a
       trusted network.
