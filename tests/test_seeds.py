@@ -61,8 +61,8 @@ def test_the_run_seed_changes_everything_and_a_binding_fixes_its_part(tmp_path):
 
 
 @pytest.mark.parametrize('binding, fragment', [
-    ('experiment.seed = -1', 'experiment.seed must be in [0, 4294967295]'),
-    ('federated_data.seed = -3', 'federated_data.seed must be in [0, 4294967295]'),
+    ('experiment.seed = -1', r'experiment.seed must be in \[0, 4294967295\]'),
+    ('federated_data.seed = -3', r'federated_data.seed must be in \[0, 4294967295\]'),
     ("experiment.model_seed = 'a'", 'experiment.model_seed must be an integer'),
 ])
 def test_bad_seeds_get_one_clear_error(tmp_path, binding, fragment):
