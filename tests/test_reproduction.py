@@ -438,33 +438,3 @@ def test_one_seed_has_no_spread_and_none_is_a_dash():
   runs = {'x': 'X0', 'x_s1': 'X1', 'y_s0': 'Y0', 'y_s1': 'Y1', 'y_s2': 'Y2'}
   assert reproduction._seed_pairs(group, runs, 'a', 'b') == (  # pylint: disable=protected-access
       [('s0', 'X0', 'Y0'), ('s1', 'X1', 'Y1')], ['s2'])
-
-
-def test_report_groups_runs_that_differ_only_in_seed(tmp_path):
-  import numpy as np  # pylint: disable=g-import-not-at-top
-
-  curves = {'a_s0': [0.5, 0.7, 0.6], 'a_s1': [0.4, 0.8, 0.75], 'b_s0': [0.1, 0.2, 0.3]}
-  config = ("experiment.rounds = 3\nexperiment.seed = {seed}\nclient_optimizer.learning_rate "
-            "= {lr}\nfederated_data.seed = {seed}\n")
-  paths = []
-  for name, values in curves.items():
-    seed, lr = int(name[-1]), 0.1 if name.startswith('a') else 0.01
-    _write_run(tmp_path, name, {'test_accuracy': values}, {'seeds': {'run': seed}})
-    path = os.path.join(tmp_path, 'runs', name)
-    with open(os.path.join(path, 'config.gin'), 'w') as f:
-      f.write(config.format(seed=seed, lr=lr))
-    paths.append(path)
-  assert report.seed_groups(paths) == [[0, 1], [2]]
-  runs = [report.load_run(p) for p in paths]
-  row = report.seed_table([[0, 1]], runs).splitlines()[2]
-  cells = [c.strip() for c in row.strip('|').split('|')]
-  assert cells[:4] == ['a_s0, a_s1', 'a_s0', '0, 1', 'test_accuracy']
-  best, final = np.array([0.7, 0.8]), np.array([0.6, 0.75])
-  assert cells[4] == f'{best.mean():.4f} ± {best.std(ddof=1):.4f} (n=2)'
-  assert cells[5] == f'{final.mean():.4f} ± {final.std(ddof=1):.4f} (n=2)'
-  out = tmp_path / 'out'
-  result = run_program('pipelines.report', f'--runs={",".join(paths)}', f'--out={out}',
-                       env=dict(os.environ), timeout=300)
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert 'Runs that differ only in seed' in (out / 'report.md').read_text()
-  assert os.path.getsize(out / 'accuracy_seeds.png') > 1000
