@@ -155,7 +155,7 @@ def run_plan(plan: Sequence[PlannedRun], runs_dir: str, extra_bindings: tuple[st
     while pending or running:
       while pending and len(running) < parallel and not signals:
         run, args, state = pending.pop(0)
-        log = open(os.path.join(runs_dir, f'{run.name}.log'), 'a')  # pylint: disable=consider-using-with
+        log = open(os.path.join(runs_dir, f'{run.name}.log'), 'a')  # pylint: disable=R1732
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                    process_group=0)
         running[process.pid] = (run, process, time.monotonic(), log)
@@ -177,6 +177,11 @@ def run_plan(plan: Sequence[PlannedRun], runs_dir: str, extra_bindings: tuple[st
         if rc == 143 and not signals:  # Stopped by a signal of its own: checkpointed.
           signals.append(signal.SIGTERM)
   finally:
+    # Runs left by an exception here are stopped, not orphaned.
+    for _, process, _, log in running.values():
+      process.send_signal(signal.SIGTERM)
+      process.wait()
+      log.close()
     for number, handler in previous.items():
       signal.signal(number, handler)
   return Outcome(failed, bool(signals))
