@@ -1,4 +1,5 @@
-"""The `fltff` command: `fltff run|report|reproduce|bench|list [flags]` (also `python -m fltff ...`).
+"""The `fltff` command: `fltff run|report|sweep|reproduce|bench|list [flags]` (also
+`python -m fltff ...`).
 
 Each command is one of the runner's programs (`pipelines/`, installed as `fltff.pipelines`);
 `fltff <command> --help` lists its flags.
@@ -11,7 +12,8 @@ from typing import Callable, Optional, Sequence
 
 COMMANDS = {
     'run': 'one experiment from gin files: metrics, checkpoints, plots, TensorBoard',
-    'report': 'tables and plots of finished runs (and runs that differ only in seed)',
+    'report': 'tables (Markdown, CSV, LaTeX) and figures comparing finished runs over seeds',
+    'sweep': 'a grid of settings × seeds, one run each (resumable, in parallel), then a report',
     'reproduce': "the planned runs of the papers' settings (results/plan.txt of a checkout)",
     'bench': 'round-time and checkpoint benchmarks, as ratios to a baseline in the same run',
     'list': 'the methods (with their papers), models, data sources and shipped gin configs',

@@ -1,22 +1,29 @@
-r"""Compares finished runs: one accuracy-per-round PNG and a Markdown table.
+r"""Compares finished runs: tables (Markdown, CSV, LaTeX) and accuracy-by-round figures.
 
-  python -m pipelines.report --runs=runs/a,runs/b,runs/c [--out=runs/report] \
-      [--at_round=20] [--targets=0.6,0.7,0.8]
+  fltff report --runs=runs/a,runs/b,runs/c [--out=runs/report] [--at_round=20] \
+      [--targets=0.6,0.7,0.8]
 
-Reads each run's metrics.csv and summary.json (written by `pipelines.run`); the label of a run
-is its directory name. Writes `<out>/report.md` and `<out>/accuracy.png` and prints the table.
-Runs whose config.gin differ only in seeds are also grouped: mean ± std over the seeds in
-report.md and mean curves with seed bands in `<out>/accuracy_seeds.png`.
+(`python -m pipelines.report` in a checkout). Reads each run's metrics.csv, summary.json and
+config.gin (written by `fltff run`); a folder `fltff sweep` wrote stands for its finished runs.
+Runs whose config.gin differ only in seeds (and in what a resume may change: rounds,
+checkpointing, runtime, data paths) form a group, named by its method and the settings that
+tell it from the other groups of that method (`fedprox (mu=0.01)`). Every table is one
+evaluation protocol (`central`, `personal_local`, ...; a run without that protocol's reading
+is marked, never mixed in) at one round: `--at_round`, by default the last round all runs
+evaluated (the report says which). Per protocol, a methods table (mean ± sample std over each
+group's seeds, n) and a runs table. Writes `<out>/report.md`, `<out>/report.tex` (booktabs),
+`<out>/<protocol>-methods.csv` and `<out>/<protocol>-runs.csv`, and `<out>/accuracy.png` and
+`.pdf` (one panel per protocol, one colour per group in all panels, seed bands).
 
   python -m pipelines.report --pairs --runs=runs/ccn/fedavg,runs/ccn/fedavg_ccn,...
 
 With `--pairs` the runs are (original, normalised) pairs and the report adds the CCN paper's
-"Original vs Normalised (gain)" table (best and final test accuracy, gain in points).
+"Original vs Normalised (gain)" table (best and final test accuracy, gain in points) first.
 
   python -m pipelines.report --personalized --runs=runs/kapc/kapc,runs/kapc/local,... \
       [--heatmap_client=0]
 
-With `--personalized` it writes the KAPC paper's tables instead: best mean accuracy of the
+With `--personalized` report.md starts with the KAPC paper's tables: best mean accuracy of the
 round's clients on their local test splits (Tables 1–2), communication — cumulative U-Comm /
 D-Comm MB and MB until the best round (Tables 3, 6) — and the per-round time breakdown from
 the channel model with the server's memory (Table 5); plus, for runs that saved their
@@ -32,16 +39,21 @@ comparison of `results/reproduction.json` with the papers' numbers from
 """
 
 import csv
+import dataclasses
 import json
 import os
 import sys
-from typing import Optional
+import textwrap
+from typing import Optional, Sequence
 
 from absl import flags
 
-_RUNS = flags.DEFINE_list('runs', [], 'Run directories to compare.')
-_OUT = flags.DEFINE_string('out', 'runs/report', 'Where report.md and accuracy.png go.')
-_AT_ROUND = flags.DEFINE_integer('at_round', 20, 'Report the test accuracy at this round.')
+_RUNS = flags.DEFINE_list('runs', [], 'Run directories to compare; a folder `fltff sweep` wrote '
+                          'stands for its finished runs.')
+_OUT = flags.DEFINE_string('out', 'runs/report', 'Where report.md, report.tex, the CSV tables '
+                           'and accuracy.png/.pdf go.')
+_AT_ROUND = flags.DEFINE_integer('at_round', None, 'Compare the runs at this round (default: the '
+                                  'last round all of them evaluated).')
 _TARGETS = flags.DEFINE_list('targets', [], 'Target accuracies (default: each run\'s own).')
 _PERSONALIZED = flags.DEFINE_bool('personalized', False,
                                   'Write the pFL tables (mean local accuracy, comms, time).')
@@ -61,7 +73,8 @@ _PAIRS = flags.DEFINE_bool('pairs', False, 'Runs are (original, normalised) pair
 
 
 def load_run(path: str) -> dict:
-  """Metrics rows (floats) and summary of one run directory."""
+  """Metrics rows (floats), summary and config.gin bindings (None without the file) of one run
+  directory."""
   metrics = os.path.join(path, 'metrics.csv')
   if not os.path.exists(metrics):
     raise FileNotFoundError(f'{path} has no metrics.csv: is it a pipelines.run output dir?')
@@ -71,31 +84,469 @@ def load_run(path: str) -> dict:
   if os.path.exists(os.path.join(path, 'summary.json')):
     with open(os.path.join(path, 'summary.json')) as f:
       summary = json.load(f)
-  return {'label': os.path.basename(os.path.normpath(path)), 'rows': rows, 'summary': summary}
+  config = None
+  if os.path.exists(os.path.join(path, 'config.gin')):
+    from fltff.simulation.outputs import config_bindings  # pylint: disable=g-import-not-at-top
+    with open(os.path.join(path, 'config.gin')) as f:
+      config = config_bindings(f.read())
+  return {'label': os.path.basename(os.path.normpath(path)), 'rows': rows, 'summary': summary,
+          'dir': path, 'config': config}
 
 
 def _fmt(x) -> str:
   return '–' if x is None else f'{x:.4f}'
 
 
-def table(runs: list[dict], at_round: int, targets: list[float]) -> str:
-  """Markdown: accuracy at `at_round`, final, best (round), rounds to each target."""
-  head = ['run', 'method', 'rounds', f'acc@{at_round}', 'final acc', 'best acc (round)']
-  head += [f'rounds to {t:g}' for t in targets]
-  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
-  for run in runs:
-    evals = [r for r in run['rows'] if 'test_accuracy' in r]
-    at = next((r['test_accuracy'] for r in evals if int(r['round']) == at_round), None)
-    best = max(evals, key=lambda r: r['test_accuracy']) if evals else None
-    cells = [run['label'], run['summary'].get('method', '?'),
-             str(int(run['rows'][-1]['round'])) if run['rows'] else '0', _fmt(at),
-             _fmt(evals[-1]['test_accuracy'] if evals else None),
-             f'{_fmt(best["test_accuracy"])} ({int(best["round"])})' if best else '–']
-    for t in targets:
-      hit = next((int(r['round']) for r in evals if r['test_accuracy'] >= t), None)
-      cells.append('–' if hit is None else str(hit))
-    lines.append('| ' + ' | '.join(cells) + ' |')
+# -- comparing runs: one protocol per table, one round for all runs ----------------------------
+
+DASH = '–'
+NOT_EVALUATED = 'not evaluated'
+
+# What each protocol's accuracy is: the tables' captions and the figures' panel titles.
+PROTOCOL_TEXT = {
+    'central': ('the global model on the central test set', 'global model, central test set'),
+    'global_local': ("the global model on each of the round's participants' local test split "
+                     '(their mean)', 'global model, local test splits'),
+    'personal_local': ("each participant's own model on its local test split (their mean)",
+                       'own models, local test splits'),
+    'trained_local': ("each participant's model right after its local training, on its local "
+                      'test split (their mean)', 'trained models, local test splits'),
+    'finetuned_local': ("the global model after the method's fine-tuning, on each participant's "
+                        'local test split (their mean)', 'fine-tuned models, local test splits'),
+    'mean_local (earlier run)': ('the mean local accuracy of runs made before the evaluation '
+                                 'protocols', 'mean local accuracy'),
+}
+
+
+def _protocol(column: str) -> str:
+  from .reproduction import COLUMN_PROTOCOLS  # pylint: disable=g-import-not-at-top
+  return COLUMN_PROTOCOLS.get(column, column)
+
+
+def compared_columns(runs: list[dict]) -> list[str]:
+  """The accuracy columns (one per protocol) any run has: the columns of more runs' headlines
+  first, then in the order of `reproduction.COLUMN_PROTOCOLS`."""
+  from .reproduction import COLUMN_PROTOCOLS  # pylint: disable=g-import-not-at-top
+  order = list(COLUMN_PROTOCOLS)
+  present = [c for c in order if any(c in r for run in runs for r in run['rows'])]
+  heads = [headline_column(run) for run in runs]
+  return sorted(present, key=lambda c: (-heads.count(c), order.index(c)))
+
+
+def evaluated(run: dict, column: str) -> dict[int, float]:
+  """{round: accuracy} of the rounds the run evaluated `column` in."""
+  return {int(r['round']): r[column] for r in run['rows'] if column in r}
+
+
+def _evaluated_rounds(run: dict) -> set[int]:
+  from .reproduction import COLUMN_PROTOCOLS  # pylint: disable=g-import-not-at-top
+  return {int(r['round']) for r in run['rows'] if any(c in r for c in COLUMN_PROTOCOLS)}
+
+
+def comparison_round(runs: list[dict]) -> int:
+  """The last round every run evaluated (if they share none, the last round of the run that
+  stopped first)."""
+  rounds = [_evaluated_rounds(run) for run in runs]
+  common = set.intersection(*rounds) if rounds else set()
+  if common:
+    return max(common)
+  return min((max(r) for r in rounds if r), default=0)
+
+
+def _is_seed(binding: str) -> bool:
+  return binding.endswith('.seed') or binding.endswith('.model_seed')
+
+
+def _setting_key(run: dict):
+  """The bindings that decide what a run computes but its seeds: config.gin without seeds and
+  without what a resume may change (`outputs.is_resumable_change`: rounds, checkpointing,
+  runtime, data paths). None without config.gin."""
+  from fltff.simulation.outputs import is_resumable_change  # pylint: disable=g-import-not-at-top
+  if run.get('config') is None:
+    return None
+  return tuple(sorted((k, v) for k, v in run['config'].items()
+                      if not _is_seed(k) and not is_resumable_change(k)))
+
+
+def _seeds(run: dict) -> tuple:
+  config = run.get('config') or {}
+  return tuple(sorted((k, v) for k, v in config.items() if _is_seed(k)))
+
+
+def seed_groups(runs: list[dict]) -> list[list[int]]:
+  """Indices of runs whose `config.gin` differ only in seeds (`experiment.seed`,
+  `experiment.model_seed`, `federated_data.seed`, any `<source>.seed`) and in what a resume may
+  change (a run continued to more rounds stays in its group), in order of first appearance. A
+  run with the seeds of a run already in its group (the same run twice, or a copy) starts
+  another group; a run without `config.gin` is a group of its own."""
+  groups, of_key = [], {}
+  for i, run in enumerate(runs):
+    key = _setting_key(run)
+    candidates = of_key.setdefault(key, []) if key is not None else []
+    for g in candidates:
+      if _seeds(run) not in {_seeds(runs[j]) for j in groups[g]}:
+        groups[g].append(i)
+        break
+    else:
+      candidates.append(len(groups))
+      groups.append([i])
+  return groups
+
+
+def _method(run: dict) -> str:
+  return str(run['summary'].get('method', '?'))
+
+
+def _value_text(value: str) -> str:
+  return value.strip('\'"')
+
+
+def group_names(runs: list[dict], groups: list[list[int]]) -> list[str]:
+  """A name per group: its method, and where several groups share a method, the settings in
+  which they differ (`fedprox (mu=0.01)`; a binding's last part where that is unambiguous);
+  groups alike in both (the same run twice) add their first run's folder name."""
+  from fltff.simulation.outputs import is_resumable_change  # pylint: disable=g-import-not-at-top
+  methods = [_method(runs[g[0]]) for g in groups]
+  names = []
+  for i, group in enumerate(groups):
+    config = runs[group[0]].get('config')
+    same = [runs[groups[j][0]].get('config') or {} for j, m in enumerate(methods)
+            if m == methods[i]]
+    differing = []
+    if config is not None and len(same) > 1:
+      keys = sorted({k for c in same for k in c if not _is_seed(k) and
+                     not is_resumable_change(k)})
+      differing = [k for k in keys if k in config and len({c.get(k) for c in same}) > 1]
+    short = [k.rsplit('.', 1)[-1] for k in differing]
+    settings = [f'{s if short.count(s) == 1 else k}={_value_text(config[k])}'
+                for k, s in zip(differing, short)]
+    names.append(methods[i] + (f' ({", ".join(settings)})' if settings else ''))
+  return [f'{name} [{runs[group[0]]["label"]}]' if names.count(name) > 1 else name
+          for name, group in zip(names, groups)]
+
+
+# Settings of the partitioners that shape the split (their others are technical).
+_PARTITION_TECHNICAL = ('max_tries', 'min_samples_per_client', 'seed')
+
+
+def setting(runs: list[dict]) -> str:
+  """What every run shares, for the figure's title: data set, model, clients per round and the
+  partition (a part the runs differ in is left out: the group names carry it)."""
+  def common(get):
+    values = {get(run) for run in runs}
+    value = values.pop() if len(values) == 1 else None
+    return None if value in (None, 'None') else value
+
+  config = lambda run: run.get('config') or {}
+  parts = [common(lambda r: r['summary'].get('dataset')),
+           common(lambda r: r['summary'].get('model'))]
+  clients = common(lambda r: config(r).get('federated_data.num_clients'))
+  per_round = common(lambda r: config(r).get('experiment.clients_per_round'))
+  fraction = common(lambda r: config(r).get('experiment.client_fraction'))
+  if clients:
+    parts.append(f'{clients} clients' + (f', {per_round} per round' if per_round else
+                                         f', fraction {fraction} per round' if fraction else ''))
+  partitioner = common(lambda r: config(r).get('federated_data.partitioner'))
+  if partitioner:
+    scope = partitioner.lstrip('@')
+    options = common(lambda r: tuple(sorted(
+        (k.split('.', 1)[1], _value_text(v)) for k, v in config(r).items()
+        if k.startswith(scope + '.') and k.split('.', 1)[1] not in _PARTITION_TECHNICAL)))
+    parts.append(scope.replace('_', ' ') + (
+        f' ({", ".join(f"{k}={v}" for k, v in options)})' if options else ''))
+  return ' · '.join(str(p) for p in parts if p)
+
+
+@dataclasses.dataclass
+class Table:
+  """A table for report.md, a CSV file and LaTeX.
+
+  `columns` are (title, kind): 'text' cells are strings; 'pct' a percentage (float); 'stat' a
+  list of percentages (mean ± sample std, n); 'best' a (percentage, round) pair. A string in a
+  number's column is a mark ('not evaluated', 'no round 20').
+  """
+  name: str
+  number: int
+  caption: str
+  columns: list[tuple[str, str]]
+  rows: list[list]
+
+
+def _stat_text(values: list[float]) -> str:
+  from .reproduction import mean_std  # pylint: disable=g-import-not-at-top
+  mean, std, n = mean_std(values)
+  return f'{mean:.2f} (n={n})' if std is None else f'{mean:.2f} ± {std:.2f} (n={n})'
+
+
+def _cell_text(value, kind: str) -> str:
+  if isinstance(value, str):
+    return value
+  if kind == 'pct':
+    return f'{value:.2f}'
+  if kind == 'stat':
+    return _stat_text(value)
+  if kind == 'best':
+    return f'{value[0]:.2f} ({value[1]})'
+  return str(value)
+
+
+def markdown(table: Table) -> str:
+  """The table with its caption as 'Table n.'."""
+  lines = [f'**Table {table.number}.** {table.caption}', '',
+           '| ' + ' | '.join(t for t, _ in table.columns) + ' |',
+           '|' + '---|' * len(table.columns)]
+  lines += ['| ' + ' | '.join(_cell_text(v, k) for v, (_, k) in zip(row, table.columns)) + ' |'
+            for row in table.rows]
   return '\n'.join(lines)
+
+
+_LATEX_SPECIAL = {'\\': r'\textbackslash{}', '&': r'\&', '%': r'\%', '$': r'\$', '#': r'\#',
+                  '_': r'\_', '{': r'\{', '}': r'\}', '~': r'\textasciitilde{}',
+                  '^': r'\textasciicircum{}', '–': '--', '≤': r'$\le$', '·': r'$\cdot$'}
+
+
+def _latex_text(text: str) -> str:
+  """`text` in LaTeX: special characters escaped, `code` in typewriter type."""
+  parts = [''.join(_LATEX_SPECIAL.get(ch, ch) for ch in part) for part in text.split('`')]
+  return ''.join(f'\\texttt{{{p}}}' if i % 2 else p for i, p in enumerate(parts)).replace(
+      '±', r'$\pm$')
+
+
+def latex(table: Table) -> str:
+  r"""A `table` float (booktabs rules) with the caption and `\label{tab:<name>}`."""
+  align = ''.join('l' if kind == 'text' else 'r' for _, kind in table.columns)
+  row = lambda cells: '    ' + ' & '.join(cells) + r' \\'
+  lines = [r'\begin{table}[t]', r'  \centering',
+           f'  \\caption{{{_latex_text(table.caption)}}}',
+           f'  \\label{{tab:{table.name}}}', f'  \\begin{{tabular}}{{{align}}}', r'    \toprule',
+           row([_latex_text(t) for t, _ in table.columns]), r'    \midrule']
+  lines += [row([_latex_text(_cell_text(v, k)) for v, (_, k) in zip(cells, table.columns)])
+            for cells in table.rows]
+  lines += [r'    \bottomrule', r'  \end{tabular}', r'\end{table}']
+  return '\n'.join(lines)
+
+
+def write_csv(table: Table, path: str) -> None:
+  """The table with its numbers as numbers: a 'stat' column as `<title> mean`, `std`, `n`, a
+  'best' one as `<title>` and `<title> round`; a mark in the first of them."""
+  from .reproduction import mean_std  # pylint: disable=g-import-not-at-top
+  widths = {'stat': 3, 'best': 2}
+  head = []
+  for title, kind in table.columns:
+    head += {'stat': [f'{title} mean', f'{title} std', f'{title} n'],
+             'best': [title, 'its round']}.get(kind, [title])
+  with open(path, 'w', newline='') as f:
+    writer = csv.writer(f)
+    writer.writerow(head)
+    for cells in table.rows:
+      out = []
+      for value, (_, kind) in zip(cells, table.columns):
+        if isinstance(value, str):
+          out += [value] + [''] * (widths.get(kind, 1) - 1)
+        elif kind == 'stat':
+          mean, std, n = mean_std(value)
+          out += [f'{mean:.4f}', '' if std is None else f'{std:.4f}', n]
+        elif kind == 'best':
+          out += [f'{value[0]:.4f}', value[1]]
+        else:
+          out.append(f'{value:.4f}')
+      writer.writerow(out)
+
+
+def _seed_text(run: dict) -> str:
+  seeds = run['summary'].get('seeds', {})
+  return str(seeds.get('run', '?')) if isinstance(seeds, dict) else '?'
+
+
+def _at_and_best(run: dict, column: str, at_round: int):
+  """(accuracy at `at_round`, (best accuracy up to it, its round)) in %, or a mark for both."""
+  points = evaluated(run, column)
+  if not points:
+    return NOT_EVALUATED, NOT_EVALUATED
+  if at_round not in points:
+    return f'no round {at_round}', f'no round {at_round}'
+  best = max((r for r in points if r <= at_round), key=lambda r: (points[r], -r))
+  return 100 * points[at_round], (100 * points[best], best)
+
+
+def comparison_tables(runs: list[dict], groups: list[list[int]], names: list[str],
+                      at_round: int, targets: list[float]) -> list[Table]:
+  """Per protocol (`compared_columns`): the methods table (per group of seeds: accuracy at
+  `at_round` and at the best round up to it, mean ± sample std over the seeds, n) and the runs
+  table (per run: the same, and the first round reaching each target up to `at_round`). A run
+  without the protocol's column, or without round `at_round`, is marked, not averaged in."""
+  tables = []
+  at, best_head = f'at round {at_round} (%)', f'best round ≤ {at_round} (%)'
+  for number, column in enumerate(compared_columns(runs)):
+    protocol = _protocol(column)
+    what = PROTOCOL_TEXT.get(protocol, (column, column))[0]
+    rows = []
+    for name, group in zip(names, groups):
+      cells = [_at_and_best(runs[i], column, at_round) for i in group]
+      ats = [a for a, _ in cells if not isinstance(a, str)]
+      bests = [b[0] for _, b in cells if not isinstance(b, str)]
+      mark = next((a for a, _ in cells if isinstance(a, str) and a != NOT_EVALUATED),
+                  NOT_EVALUATED)
+      rows.append([name, ', '.join(_seed_text(runs[i]) for i in group),
+                   ats or mark, bests or mark])
+    heads = {headline_column(run) == column and
+             run['summary']['headline'].get('statistic') for run in runs}
+    client_best = (' Runs whose headline is the mean of client bests (summary.json) are read '
+                   'here, as all others, by the clients\' mean of each round.'
+                   if 'mean_client_best' in heads else '')
+    intro = (f'`{protocol}` protocol: {what} (metrics.csv `{column}`).')
+    tables.append(Table(
+        f'{protocol}-methods', 2 * number + 1, f'{intro} Accuracy (%) at round '
+        f'{at_round} and at the best round up to round {at_round}: mean ± sample std over the '
+        f'seeds (n runs); "{NOT_EVALUATED}": no run of the group has this protocol\'s '
+        f'reading.{client_best}',
+        [('method', 'text'), ('seeds', 'text'), (at, 'stat'), (best_head, 'stat')], rows))
+    rows = []
+    for run in runs:
+      at_value, best = _at_and_best(run, column, at_round)
+      points = evaluated(run, column)
+      hits = [next((r for r in sorted(points) if r <= at_round and points[r] >= t), None)
+              for t in targets]
+      rows.append([run['label'], _method(run), _seed_text(run),
+                   str(int(run['rows'][-1]['round'])) if run['rows'] else '0', at_value, best]
+                  + [DASH if h is None else str(h) for h in hits])
+    tables.append(Table(
+        f'{protocol}-runs', 2 * number + 2, f'{intro} Per run: accuracy (%) at round '
+        f'{at_round}, at the best round up to it (in brackets: that round)' +
+        (f' and the first round up to {at_round} reaching each target ({DASH}: none)'
+         if targets else '') + '.',
+        [('run', 'text'), ('method', 'text'), ('seed', 'text'), ('rounds', 'text'),
+         (at, 'pct'), (best_head, 'best')] +
+        [(f'rounds to {100 * t:g}%', 'text') for t in targets], rows))
+  return tables
+
+
+def _round_note(runs: list[dict], at_round: int, chosen: bool) -> str:
+  """Which round the tables compare, and why."""
+  if chosen:
+    missing = [run['label'] for run in runs if at_round not in _evaluated_rounds(run)]
+    return (f'Compared at round {at_round} (`--at_round`).' + (
+        f' Runs without an evaluation in round {at_round} are marked "no round {at_round}": '
+        f'{", ".join(missing)}.' if missing else ''))
+  further = [f'{run["label"]} ({int(run["rows"][-1]["round"])})' for run in runs
+             if run['rows'] and run['rows'][-1]['round'] > at_round]
+  return (f'Compared at round {at_round}, the last round all {len(runs)} runs evaluated '
+          '(`--at_round` chooses another).' + (
+              f' Runs that went further (their rounds): {", ".join(further)}; the tables '
+              f'compare round {at_round}.' if further else ''))
+
+
+def _colours(count: int) -> list:
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  cmap = plt.cm.tab10 if count <= 10 else plt.cm.tab20
+  return [cmap(i % cmap.N) for i in range(count)]
+
+
+def comparison_figure(runs: list[dict], groups: list[list[int]], names: list[str],
+                      at_round: int, stem: str) -> list[str]:
+  """`<stem>.png` and `<stem>.pdf`: one panel per protocol, one curve per group (the mean over
+  its seeds at the rounds all of them evaluated, their min–max band), one colour per group in
+  every panel, integer rounds, a dotted line at the compared round, the shared setting as the
+  title and one legend under the panels. Returns the files written."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib.ticker import MaxNLocator  # pylint: disable=g-import-not-at-top
+  from .reproduction import band  # pylint: disable=g-import-not-at-top
+
+  columns = compared_columns(runs)
+  if not columns:
+    return []
+  colours = _colours(len(groups))
+  width = max(6.4, 4.6 * len(columns))
+  fig, axes = plt.subplots(1, len(columns), figsize=(width, 4.2), squeeze=False,
+                           layout='constrained', sharey=True)
+  handles = {}
+  for ax, column in zip(axes[0], columns):
+    for g, (name, group) in enumerate(zip(names, groups)):
+      members = [runs[i] for i in group if evaluated(runs[i], column)]
+      x, mean, lo, hi = band(members, lambda r, c=column: c)
+      if not x:
+        continue
+      line, = ax.plot(x, [100 * v for v in mean], color=colours[g], linewidth=1.4,
+                      marker='o' if len(x) <= 12 else None, markersize=3)
+      if len(members) > 1:
+        ax.fill_between(x, [100 * v for v in lo], [100 * v for v in hi], color=colours[g],
+                        alpha=0.18, linewidth=0)
+      handles.setdefault(g, (line, f'{name}, n={len(members)}'))
+    ax.axvline(at_round, color='0.4', linestyle=':', linewidth=1)
+    protocol = _protocol(column)
+    ax.set_title(f'{protocol}: {PROTOCOL_TEXT.get(protocol, (column, column))[1]}', fontsize=9)
+    ax.set_xlabel('communication round')
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+  axes[0][0].set_ylabel('accuracy (%)')
+  title = setting(runs)
+  if title:
+    fig.suptitle(textwrap.fill(title, width=int(width * 14)), fontsize=10)
+  labels = [handles[g][1] for g in sorted(handles)]
+  if labels:
+    longest = max(len(label) for label in labels)
+    ncol = max(1, min(len(labels), int(width * 72 / (5.2 * longest + 40))))
+    fig.legend([handles[g][0] for g in sorted(handles)], labels, loc='outside lower center',
+               ncol=ncol, fontsize=8, frameon=False)
+  written = []
+  for suffix, dpi in (('png', 130), ('pdf', None)):
+    fig.savefig(f'{stem}.{suffix}', dpi=dpi)
+    written.append(f'{stem}.{suffix}')
+  plt.close(fig)
+  return written
+
+
+def run_dirs(paths: list[str]) -> list[str]:
+  """The run folders `paths` name: a folder with metrics.csv is one run; a folder `fltff sweep`
+  wrote (a plan.txt and no metrics.csv) stands for its runs that have a metrics.csv, in the
+  plan's order."""
+  from .plan import read_plan  # pylint: disable=g-import-not-at-top
+  out = []
+  for path in paths:
+    plan = os.path.join(path, 'plan.txt')
+    if not os.path.exists(os.path.join(path, 'metrics.csv')) and os.path.exists(plan):
+      out += [os.path.join(path, run.name) for run in read_plan(plan)
+              if os.path.exists(os.path.join(path, run.name, 'metrics.csv'))]
+    else:
+      out.append(path)
+  return out
+
+
+def write_report(runs: list[dict], out: str, at_round: Optional[int] = None,
+                 targets: Sequence[float] = (), before: str = '', after: str = '') -> str:
+  """Writes the comparison of `runs` to `out`: report.md (with `before` and `after` around the
+  tables), report.tex, one CSV per table and accuracy.png/.pdf; returns the Markdown.
+  `at_round` None: the last round all runs evaluated."""
+  os.makedirs(out, exist_ok=True)
+  chosen = at_round is not None
+  at_round = at_round if chosen else comparison_round(runs)
+  groups = seed_groups(runs)
+  names = group_names(runs, groups)
+  tables = comparison_tables(runs, groups, names, at_round, list(targets))
+  for t in tables:
+    write_csv(t, os.path.join(out, f'{t.name}.csv'))
+  with open(os.path.join(out, 'report.tex'), 'w') as f:
+    f.write('% fltff report: \\usepackage{booktabs}\n\n' +
+            '\n\n'.join(latex(t) for t in tables) + '\n')
+  figures = comparison_figure(runs, groups, names, at_round, os.path.join(out, 'accuracy'))
+  title = setting(runs)
+  parts = [before, ''] if before else []
+  parts += [f'# Comparison of {len(runs)} runs' + (f': {title}' if title else ''), '']
+  parts += [_round_note(runs, at_round, chosen), '']
+  for t in tables:
+    parts += [markdown(t), '']
+  if figures:
+    parts += [f'![accuracy by round](accuracy.png)', '',
+              f'Figure: accuracy by round per protocol; lines: mean over the seeds (n in the '
+              f'legend), band: their min–max; dotted: round {at_round}. Also accuracy.pdf; '
+              'tables as CSV (one file per table) and LaTeX (report.tex).', '']
+  parts += [after, ''] if after else []
+  md = '\n'.join(parts).rstrip() + '\n'
+  with open(os.path.join(out, 'report.md'), 'w') as f:
+    f.write(md)
+  return md
 
 
 def gain_table(runs: list[dict]) -> str:
@@ -124,17 +575,6 @@ def headline_column(run: dict) -> Optional[str]:
   """The metrics.csv column of the run's headline protocol (summary.json), else None."""
   head = run.get('summary', {}).get('headline')
   return head.get('column') if isinstance(head, dict) else None
-
-
-def _accuracy_key(run: dict) -> str:
-  """The column a run's curve is drawn from: its headline protocol's, else central test
-  accuracy, else its first local column."""
-  head = headline_column(run)
-  if head and any(head in r for r in run['rows']):
-    return head
-  if any('test_accuracy' in r for r in run['rows']):
-    return 'test_accuracy'
-  return local_key(run)
 
 
 def local_key(run: dict) -> str:
@@ -256,107 +696,6 @@ def self_relation_plot(run: dict, path: str) -> bool:
   return True
 
 
-def _is_seed(binding: str) -> bool:
-  return binding.endswith('.seed') or binding.endswith('.model_seed')
-
-
-def seed_groups(paths: list[str]) -> list[list[int]]:
-  """Indices of the runs whose `config.gin` differ only in seeds (`experiment.seed`,
-  `experiment.model_seed`, `federated_data.seed`, any `<source>.seed`), in order of first
-  appearance; a run without `config.gin` is a group of its own."""
-  from fltff.simulation.outputs import config_bindings  # pylint: disable=g-import-not-at-top
-
-  keys, groups = {}, []
-  for i, path in enumerate(paths):
-    try:
-      with open(os.path.join(path, 'config.gin')) as f:
-        bindings = config_bindings(f.read())
-      key = tuple(sorted((k, v) for k, v in bindings.items() if not _is_seed(k)))
-    except OSError:
-      key = ('run', i)
-    if key not in keys:
-      keys[key] = len(groups)
-      groups.append([])
-    groups[keys[key]].append(i)
-  return groups
-
-
-def _seed_label(run: dict) -> str:
-  seeds = run['summary'].get('seeds', {})
-  return str(seeds.get('run', '?')) if isinstance(seeds, dict) else '?'
-
-
-def seed_table(groups: list[list[int]], runs: list[dict]) -> str:
-  """Markdown: per group of runs that differ only in seed, the headline accuracy's best and
-  final value as mean ± sample std over the seeds."""
-  from .reproduction import mean_std  # pylint: disable=g-import-not-at-top
-
-  def pm(values):
-    mean, std, n = mean_std(values)
-    return '–' if mean is None else (f'{mean:.4f}' if std is None else
-                                     f'{mean:.4f} ± {std:.4f}') + f' (n={n})'
-
-  lines = ['| runs | method | seeds | accuracy | best: mean ± std | final: mean ± std |',
-           '|---|---|---|---|---|---|']
-  for group in groups:
-    members = [runs[i] for i in group]
-    key = _accuracy_key(members[0])
-    curves = [[r[key] for r in run['rows'] if key in r] for run in members]
-    lines.append(f'| {", ".join(run["label"] for run in members)} | '
-                 f'{members[0]["summary"].get("method", "?")} | '
-                 f'{", ".join(_seed_label(run) for run in members)} | {key} | '
-                 f'{pm([max(c) for c in curves if c])} | {pm([c[-1] for c in curves if c])} |')
-  return '\n'.join(lines)
-
-
-def _accuracy_figure(runs: list[dict], path: str, draw) -> None:
-  """One accuracy-by-round PNG: `draw(ax)` adds the curves; axes, legend and file are shared."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  draw(ax)
-  ax.set_xlabel('communication round')
-  ax.set_ylabel(_accuracy_axis(runs))
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-
-
-def seed_band_plot(groups: list[list[int]], runs: list[dict], path: str) -> None:
-  """Each group's mean curve over its seeds, with the band from the lowest to the highest."""
-  from .reproduction import band  # pylint: disable=g-import-not-at-top
-
-  def draw(ax):
-    for group in groups:
-      members = [runs[i] for i in group]
-      x, mean, lo, hi = band(members, _accuracy_key)
-      line, = ax.plot(x, mean, label=f'{members[0]["label"]} ({len(members)} seeds)')
-      ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
-
-  _accuracy_figure(runs, path, draw)
-
-
-def _accuracy_axis(runs: list[dict]) -> str:
-  """The y-axis label: the protocol the curves show (runs may differ)."""
-  names = {'test_accuracy': 'central test accuracy (global model)'}
-  keys = sorted({_accuracy_key(run) for run in runs})
-  return ' / '.join(names.get(k, k.replace('_', ' ')) for k in keys)
-
-
-def plot(runs: list[dict], path: str) -> None:
-  def draw(ax):
-    for run in runs:
-      key = _accuracy_key(run)
-      evals = [r for r in run['rows'] if key in r]
-      ax.plot([r['round'] for r in evals], [r[key] for r in evals], label=run['label'])
-
-  _accuracy_figure(runs, path, draw)
-
-
 def main(argv) -> int:
   del argv
   if _REPRODUCTION.value:
@@ -378,8 +717,11 @@ def main(argv) -> int:
     print('error: pass --runs=dir1,dir2,...', file=sys.stderr)
     return 2
   try:
-    runs = [load_run(p) for p in _RUNS.value]
-  except FileNotFoundError as e:
+    paths = run_dirs(_RUNS.value)
+    if not paths:
+      raise FileNotFoundError(f'no finished run in {", ".join(_RUNS.value)}')
+    runs = [load_run(p) for p in paths]
+  except (FileNotFoundError, ValueError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   if _TARGETS.value:
@@ -392,13 +734,13 @@ def main(argv) -> int:
           file=sys.stderr)
     return 2
   os.makedirs(_OUT.value, exist_ok=True)
-  md = table(runs, _AT_ROUND.value, targets)
+  before = ''
   if _PAIRS.value:
-    md = gain_table(runs) + '\n\n' + md
+    before = gain_table(runs)
   if _PERSONALIZED.value:
-    md = personalized_tables(runs)
+    before = personalized_tables(runs)
     figures = []
-    for path, run in zip(_RUNS.value, runs):
+    for path, run in zip(paths, runs):
       name = f'relationship_{run["label"]}_client{_HEATMAP_CLIENT.value}.png'
       last = run['rows'][-1]['round'] if run['rows'] else None
       try:
@@ -414,22 +756,13 @@ def main(argv) -> int:
       if self_relation_plot(run, os.path.join(_OUT.value, name)):
         figures.append(f'![r_ii per layer by round, {run["label"]}]({name})')
     if figures:
-      md += ('\n\nRelationship cube (KAPC paper Fig. 7: one client\'s R after the last round, '
-             'layers × clients; and r_ii per layer by round):\n\n' + '\n\n'.join(figures))
-  # Groups of one run folder named twice are not seeds.
-  groups = [g for g in seed_groups(_RUNS.value)
-            if len({os.path.realpath(_RUNS.value[i]) for i in g}) > 1]
-  if groups:
-    md += ('\n\nRuns that differ only in seed (accuracy: each group\'s headline column; '
-           'mean ± sample std over seeds; curves with their seed band in accuracy_seeds.png):'
-           f'\n\n{seed_table(groups, runs)}\n\n'
-           '![accuracy over seeds](accuracy_seeds.png)')
-    seed_band_plot(groups, runs, os.path.join(_OUT.value, 'accuracy_seeds.png'))
-  with open(os.path.join(_OUT.value, 'report.md'), 'w') as f:
-    f.write(md + '\n')
-  plot(runs, os.path.join(_OUT.value, 'accuracy.png'))
+      before += ('\n\nRelationship cube (KAPC paper Fig. 7: one client\'s R after the last '
+                 'round, layers × clients; and r_ii per layer by round):\n\n' +
+                 '\n\n'.join(figures))
+  md = write_report(runs, _OUT.value, _AT_ROUND.value, targets, before=before)
   print(md)
-  print(f'\nwrote {_OUT.value}/report.md and {_OUT.value}/accuracy.png')
+  print(f'wrote {_OUT.value}/report.md, report.tex, <protocol>-methods.csv, '
+        '<protocol>-runs.csv, accuracy.png and accuracy.pdf')
   return 0
 
 

@@ -25,7 +25,8 @@ from helpers import pipeline_env
 # What the server imports before it forks: everything a program imports before its `main`, and
 # matplotlib, which every run imports at its end for its plots (its backend is chosen there).
 PRELOAD = ['tensorflow', 'tensorflow_federated', 'matplotlib.pyplot', 'fltff', 'fltff.simulation',
-           'pipelines.run', 'pipelines.bench', 'pipelines.report', 'pipelines.reproduce']
+           'pipelines.run', 'pipelines.bench', 'pipelines.report', 'pipelines.reproduce',
+           'pipelines.sweep']
 
 _context = None
 

@@ -162,7 +162,7 @@ def test_the_command_lists_its_commands_and_their_flags():
                                      capture_output=True, text=True, timeout=300)
   usage = run()
   assert usage.returncode == 2 and 'commands:' in usage.stdout
-  for command in ('run', 'report', 'reproduce', 'bench', 'list'):
+  for command in ('run', 'report', 'sweep', 'reproduce', 'bench', 'list'):
     assert f'  {command} ' in usage.stdout
   assert_one_line_error(run('nonsense'), "unknown command 'nonsense'")
   # A bad flag is one line too (absl's parser prints a FATAL line and a hint).

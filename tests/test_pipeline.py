@@ -184,15 +184,14 @@ def test_report_compares_runs(small_run, tmp_path):
                        '--at_round=2', '--targets=0.01,0.99', timeout=120)
   assert result.returncode == 0, result.stderr[-2000:]
   rows = read_csv(os.path.join(out, 'metrics.csv'))
-  acc2 = float(rows[1]['test_accuracy'])
-  final = float(rows[-1]['test_accuracy'])
-  table = open(os.path.join(tmp_path, 'report.md')).read().splitlines()
-  assert len(table) == 4  # header, separator, two runs
-  cells = [c.strip() for c in table[2].strip('|').split('|')]
-  assert cells[1] == 'fedavg' and cells[2] == '3'
-  assert float(cells[3]) == pytest.approx(acc2, abs=1e-4)
-  assert float(cells[4]) == pytest.approx(final, abs=1e-4)
-  assert cells[6] == '1' and cells[7] == '–'
+  acc = [100 * float(r['test_accuracy']) for r in rows]
+  lines = open(os.path.join(tmp_path, 'report.md')).read().splitlines()
+  start = lines.index(next(l for l in lines if l.startswith('**Table 2.** `central`'))) + 4
+  cells = [c.strip() for c in lines[start].strip('|').split('|')]
+  assert cells[1:4] == ['fedavg', '0', '3']
+  assert cells[4] == f'{acc[1]:.2f}'
+  assert cells[5] == f'{max(acc[:2]):.2f} ({acc[:2].index(max(acc[:2])) + 1})'
+  assert cells[6:] == ['1', '–']
   assert os.path.getsize(os.path.join(tmp_path, 'accuracy.png')) > 1000
 
 

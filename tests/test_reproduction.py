@@ -353,15 +353,15 @@ def test_collect_copies_only_finished_runs(results, tmp_path):
 
 
 def test_read_plan_and_commands(tmp_path):
-  from pipelines import reproduce
+  from pipelines import plan as plans
   plan = tmp_path / 'plan.txt'
   plan.write_text('# comment\n\na gin_configs/x.gin\n'
                   'b gin_configs/y.gin experiment.seed = 1; federated_data.seed = 1  # s1\n')
-  runs = reproduce.read_plan(str(plan))
-  assert runs == [reproduce.PlannedRun('a', 'gin_configs/x.gin'),
-                  reproduce.PlannedRun('b', 'gin_configs/y.gin',
+  runs = plans.read_plan(str(plan))
+  assert runs == [plans.PlannedRun('a', 'gin_configs/x.gin'),
+                  plans.PlannedRun('b', 'gin_configs/y.gin',
                                        ('experiment.seed = 1', 'federated_data.seed = 1'))]
-  args, state = reproduce.command(runs[1], str(tmp_path))
+  args, state = plans.command(runs[1], str(tmp_path))
   # No executor pin (the default 'auto' chooses); the plan's bindings come last.
   assert state == 'start' and args[-2:] == ['--gin_bindings=experiment.seed = 1',
                                             '--gin_bindings=federated_data.seed = 1']
@@ -370,22 +370,22 @@ def test_read_plan_and_commands(tmp_path):
   (tmp_path / 'b' / 'config.gin').write_text('experiment.rounds = 2\n')
   (tmp_path / 'b' / 'metrics.csv').write_text('round\n1\n')
   # Stopped before its first checkpoint: pipelines.run refuses the folder without --resume.
-  args, state = reproduce.command(runs[1], str(tmp_path))
+  args, state = plans.command(runs[1], str(tmp_path))
   assert state == 'restart' and args[-1] == '--resume'
   (tmp_path / 'b' / 'checkpoints').mkdir()
-  assert reproduce.command(runs[1], str(tmp_path))[1] == 'resume'
+  assert plans.command(runs[1], str(tmp_path))[1] == 'resume'
   (tmp_path / 'b' / 'metrics.csv').write_text('round\n1\n2\n')
-  assert reproduce.command(runs[1], str(tmp_path)) == ([], 'done')
+  assert plans.command(runs[1], str(tmp_path)) == ([], 'done')
   for bad in ('just_a_name\n', 'a x.gin\na y.gin\n'):
     plan.write_text(bad)
     with pytest.raises(ValueError):
-      reproduce.read_plan(str(plan))
+      plans.read_plan(str(plan))
 
 
 def test_a_plan_with_a_missing_gin_file_is_refused_before_any_run(tmp_path):
   """Checked up front (a typo in the plan's last line must not wait for the runs before it);
   a failed run's error line is echoed beside its exit status."""
-  from pipelines import reproduce
+  from pipelines import plan as plans
   plan = tmp_path / 'plan.txt'
   plan.write_text('fine gin_configs/quickstart.gin\ntypo gin_configs/quikstart.gin\n')
   result = run_program('pipelines.reproduce', f'--plan={plan}', f'--runs_dir={tmp_path / "r"}',
@@ -393,16 +393,16 @@ def test_a_plan_with_a_missing_gin_file_is_refused_before_any_run(tmp_path):
   assert result.returncode == 2 and 'fine: start' not in result.stdout, result.stdout
   assert result.stderr.strip().splitlines()[-1].startswith(
       'error: planned run typo: Gin file gin_configs/quikstart.gin does not exist')
-  reproduce.check_gin_files(reproduce.read_plan(os.path.join(REPO, 'results', 'plan.txt')))
+  plans.check_gin_files(plans.read_plan(os.path.join(REPO, 'results', 'plan.txt')))
   log = tmp_path / 'run.log'
   log.write_text('W1128 noise\nerror: experiment.rounds must be a positive integer, got 0.\n')
-  assert reproduce._error_line(str(log)).endswith('got 0.')  # pylint: disable=protected-access
+  assert plans.error_line(str(log)).endswith('got 0.')
 
 
 def test_shipped_plan_names_every_manifest_run_and_existing_configs():
   """Every manifest run is planned, or an earlier run already in results/runs/."""
-  from pipelines import reproduce
-  plan = reproduce.read_plan(os.path.join(REPO, 'results', 'plan.txt'))
+  from pipelines import plan as plans
+  plan = plans.read_plan(os.path.join(REPO, 'results', 'plan.txt'))
   names = {r.name for r in plan} | set(os.listdir(os.path.join(REPO, 'results', 'runs')))
   assert set(reproduction.manifest_runs(os.path.join(REPO, 'results'))) <= names
   for run in plan:
@@ -438,33 +438,3 @@ def test_one_seed_has_no_spread_and_none_is_a_dash():
   runs = {'x': 'X0', 'x_s1': 'X1', 'y_s0': 'Y0', 'y_s1': 'Y1', 'y_s2': 'Y2'}
   assert reproduction._seed_pairs(group, runs, 'a', 'b') == (  # pylint: disable=protected-access
       [('s0', 'X0', 'Y0'), ('s1', 'X1', 'Y1')], ['s2'])
-
-
-def test_report_groups_runs_that_differ_only_in_seed(tmp_path):
-  import numpy as np  # pylint: disable=g-import-not-at-top
-
-  curves = {'a_s0': [0.5, 0.7, 0.6], 'a_s1': [0.4, 0.8, 0.75], 'b_s0': [0.1, 0.2, 0.3]}
-  config = ("experiment.rounds = 3\nexperiment.seed = {seed}\nclient_optimizer.learning_rate "
-            "= {lr}\nfederated_data.seed = {seed}\n")
-  paths = []
-  for name, values in curves.items():
-    seed, lr = int(name[-1]), 0.1 if name.startswith('a') else 0.01
-    _write_run(tmp_path, name, {'test_accuracy': values}, {'seeds': {'run': seed}})
-    path = os.path.join(tmp_path, 'runs', name)
-    with open(os.path.join(path, 'config.gin'), 'w') as f:
-      f.write(config.format(seed=seed, lr=lr))
-    paths.append(path)
-  assert report.seed_groups(paths) == [[0, 1], [2]]
-  runs = [report.load_run(p) for p in paths]
-  row = report.seed_table([[0, 1]], runs).splitlines()[2]
-  cells = [c.strip() for c in row.strip('|').split('|')]
-  assert cells[:4] == ['a_s0, a_s1', 'a_s0', '0, 1', 'test_accuracy']
-  best, final = np.array([0.7, 0.8]), np.array([0.6, 0.75])
-  assert cells[4] == f'{best.mean():.4f} ± {best.std(ddof=1):.4f} (n=2)'
-  assert cells[5] == f'{final.mean():.4f} ± {final.std(ddof=1):.4f} (n=2)'
-  out = tmp_path / 'out'
-  result = run_program('pipelines.report', f'--runs={",".join(paths)}', f'--out={out}',
-                       env=dict(os.environ), timeout=300)
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert 'Runs that differ only in seed' in (out / 'report.md').read_text()
-  assert os.path.getsize(out / 'accuracy_seeds.png') > 1000

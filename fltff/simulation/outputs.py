@@ -187,6 +187,12 @@ def _default_text(key: str) -> Optional[str]:
   return None if default is inspect.Parameter.empty else repr(default)
 
 
+def is_resumable_change(binding: str) -> bool:
+  """Whether `binding` ('scope.param') may change between a run and its resume without
+  changing what the run computes: `RESUMABLE_CHANGES` and data locations."""
+  return binding.startswith(RESUMABLE_CHANGES) or binding.endswith(_DATA_LOCATIONS)
+
+
 def config_changes(earlier: str, now: str) -> list[tuple[str, str, str]]:
   """`(binding, earlier value, value now)` for each binding whose value differs between the
   operative configs, except `RESUMABLE_CHANGES` and data locations. A binding in only one of
@@ -195,8 +201,7 @@ def config_changes(earlier: str, now: str) -> list[tuple[str, str, str]]:
   a, b = config_bindings(earlier), config_bindings(now)
   changes = []
   for key in sorted(set(a) | set(b)):
-    if a.get(key) == b.get(key) or key.startswith(RESUMABLE_CHANGES) or key.endswith(
-        _DATA_LOCATIONS):
+    if a.get(key) == b.get(key) or is_resumable_change(key):
       continue
     if (key not in a or key not in b) and (a.get(key) or b.get(key)) == _default_text(key):
       continue
