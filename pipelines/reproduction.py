@@ -22,8 +22,13 @@ redo).
 Section kinds (`"kind"` in the manifest): `paper_table` (KAPC Tables 1–2: the paper's value per
 method beside our headline), `claim_gaps` (FedLap: per-seed gaps against the abstract's claims),
 `rounds_to_target` (FedLayerWise Table I), `pairs` (CCN: original vs normalised per temperature,
-with the spread of the contribution factors) and `out_of_reach` (settings whose data are not
-here, with their configs and the paper numbers they would compare with).
+with the spread of the contribution factors), `ablation` (why KAPC trails: each declared point
+beside its paper-settings base, with the verdict rule of its intro, and two figures) and
+`out_of_reach` (settings whose data are not here, with their configs and the paper numbers they
+would compare with).
+
+`write` also regenerates the per-paper summary of `docs/reproduction.md` (between its markers)
+when a `docs/` folder sits beside the results folder, so the page's numbers come from here.
 """
 
 from __future__ import annotations
@@ -145,7 +150,8 @@ def _describe(heads: list[dict]) -> str:
 def readings(run: dict, head: dict) -> dict[str, float]:
   """Every other reading of the run: {'<protocol> <statistic>': value}.
 
-  The headline column under the other statistic, and each other accuracy column under both
+  The headline column under the mean of client bests (its best-round mean has a column of its
+  own in the KAPC tables), and each other accuracy column under both
   (best-round from metrics.csv, mean of client bests from summary.json where recorded).
   """
   out = {}
@@ -153,7 +159,7 @@ def readings(run: dict, head: dict) -> dict[str, float]:
   for column, protocol in COLUMN_PROTOCOLS.items():
     best = _best(run, column)
     client_best = summary.get(f'mean_client_best_{column}')
-    if best and not (column == head['column'] and head['statistic'] == 'best_round_mean'):
+    if best and column != head['column']:  # the headline column's: its own table column
       out[f'{protocol} best-round'] = best[1]
     if client_best is not None and not (column == head['column'] and
                                         head['statistic'] == 'mean_client_best'):
@@ -223,20 +229,74 @@ def _missing_cell(missing: list[str]) -> str:
 
 # -- KAPC Tables 1-2: the paper's value per method beside our headline --------------------------
 
+def last_rounds_mean(run: dict, column: str, k: int) -> Optional[float]:
+  """Mean of `column` over the run's last `k` evaluated rounds (None with fewer than k)."""
+  points = curve(run, column)
+  return sum(a for _, a in points[-k:]) / k if len(points) >= k else None
+
+
+def _paper_row(group: dict, runs: dict, row: str, report: types.ModuleType) -> dict:
+  """One method of a KAPC table: its runs, headlines and every statistic the table shows."""
+  present, missing = _group_runs(group, runs, row)
+  heads = [headline(r, report, local=True) for r in present]
+  got = [(r, h) for r, h in zip(present, heads) if h['value'] is not None]
+  # Earlier runs (no recorded headline) measured another quantity: beside recorded ones they
+  # are listed, not averaged in, and counted as runs to redo.
+  earlier = [r['label'] for r, h in got if not h['recorded']] if any(
+      h['recorded'] for _, h in got) else []
+  counted = [(r, h) for r, h in got if r['label'] not in earlier]
+  best_round = [100 * b[1] for b in (_best(r, h['column']) for r, h in counted) if b]
+  k = group.get('last_rounds')
+  last = [100 * v for v in (last_rounds_mean(r, h['column'], k) for r, h in counted)
+          if v is not None] if k else []
+  return {'present': present, 'missing': missing, 'got': got, 'earlier': earlier,
+          'counted': counted, 'values': [100 * h['value'] for _, h in counted],
+          'best_round': best_round, 'last': last}
+
+
+def ranks(group: dict, runs: dict, report: types.ModuleType) -> dict[str, int]:
+  """{row: rank by the mean best-round mean over its seeds} over the group's ranked rows (all
+  but `unranked`, alternative readings of a row ranked already) that have runs; 1 = highest."""
+  means = {}
+  for row in group['runs']:
+    if row in group.get('unranked', ()):
+      continue
+    values = _paper_row(group, runs, row, report)['best_round']
+    if values:
+      means[row] = sum(values) / len(values)
+  order = sorted(means, key=lambda r: -means[r])
+  return {row: order.index(row) + 1 for row in means}
+
+
 def paper_table(section: dict, runs: dict, paper: dict, report: types.ModuleType) -> str:
-  """One table per group (paper table, dataset, α): paper value, ours, gap, seeds, readings."""
+  """One table per group (paper table, dataset, α): paper value, ours, gap, seeds, readings.
+
+  "ours %" is the run's headline, under the statistic the paper uses for that method (the mean
+  of client bests for local training and FedAvg, §7.1, the best-round mean for the others,
+  §7.2), so it is the number to set beside the paper's; cells under another statistic than the
+  best-round mean are marked. Methods are compared and ranked on one statistic, the best-round
+  mean of each method's headline protocol, in its own column. A group with `last_rounds` k also
+  shows the mean over the last k rounds (with 10 of 100 clients a round, a best-round mean is
+  the best of the rounds' draws of participants).
+  """
   entry = paper[section['paper']]
   out = []
   for group in section['groups']:
     source = group['table']
     cells = entry['values'][source][group['dataset']][group['alpha']]
     flags = {f['cell']: f['note'] for f in entry.get('flags', [])}
+    k = group.get('last_rounds')
+    last_head = f' mean over the last {k} rounds % |' if k else ''
     out += [f'### {group["label"]}', '',
             f'| method | paper % ({source}) | ours % | our headline | gap (points) | '
-            'seeds: mean ± std | per seed | other readings, % (mean over seeds) | runs missing |',
-            '|---|---|---|---|---|---|---|---|---|']
+            'seeds: mean ± std | per seed | ours, best-round mean % (every row) | rank by '
+            f'best-round mean |{last_head} other readings, % (mean over seeds) | runs missing |',
+            '|' + '---|' * (11 + bool(k))]
     notes = []
-    for row, names in group['runs'].items():
+    rank = ranks(group, runs, report)
+    ranked = len(rank)
+    marked = False
+    for row in group['runs']:
       paper_key = group['paper_rows'][row]
       value = cells.get(paper_key)
       flag = flags.get(f'{source}/{group["dataset"]}/{group["alpha"]}/{paper_key}')
@@ -244,36 +304,38 @@ def paper_table(section: dict, runs: dict, paper: dict, report: types.ModuleType
       if flag:
         paper_cell += f' [{len(notes) + 1}]'
         notes.append(f'[{len(notes) + 1}] {flag}')
-      present, missing = _group_runs(group, runs, row)
-      if not present:
-        out.append(f'| {row} | {paper_cell} | ' + ' | '.join([NOT_RUN] * 6) +
-                   f' | {_missing_cell(missing)} |')
+      r = _paper_row(group, runs, row, report)
+      if not r['present']:
+        out.append(f'| {row} | {paper_cell} | ' + ' | '.join([NOT_RUN] * (8 + bool(k))) +
+                   f' | {_missing_cell(r["missing"])} |')
         continue
-      heads = [headline(r, report, local=True) for r in present]
-      got = [(r, h) for r, h in zip(present, heads) if h['value'] is not None]
-      # Earlier runs (no recorded headline) measured another quantity: beside recorded ones
-      # they are listed, not averaged in, and counted as runs to redo.
-      earlier = [r['label'] for r, h in got if not h['recorded']] if any(
-          h['recorded'] for _, h in got) else []
-      counted = [(r, h) for r, h in got if r['label'] not in earlier]
-      values = [100 * h['value'] for _, h in counted]
-      mean = mean_std(values)[0]
-      ours = DASH if mean is None else f'{mean:.2f}'
+      counted, earlier = r['counted'], r['earlier']
+      mean = mean_std(r['values'])[0]
+      client_best = any(h['statistic'] != 'best_round_mean' for _, h in counted)
+      marked |= client_best
+      ours = DASH if mean is None else f'{mean:.2f}' + (' *' if client_best else '')
       gap = DASH if mean is None or value is None else f'{mean - value[0]:+.2f}'
-      spread = _pm(values)
       per_seed = ', '.join(
-          f'{seed_of(r["label"])} {100 * h["value"]:.2f}'
-          + (' (earlier run, not averaged)' if r['label'] in earlier else '') for r, h in got)
+          f'{seed_of(run["label"])} {100 * h["value"]:.2f}'
+          + (' (earlier run, not averaged)' if run['label'] in earlier else '')
+          for run, h in r['got'])
       other = {}
-      for r, h in counted:
-        for k, v in readings(r, h).items():
-          other.setdefault(k, []).append(v)
-      other_cell = '; '.join(f'{k} {100 * sum(v) / len(v):.2f}' for k, v in other.items())
-      redo = missing + [f'{name} (earlier run)' for name in earlier]
+      for run, h in counted:
+        for key, v in readings(run, h).items():
+          other.setdefault(key, []).append(v)
+      other_cell = '; '.join(f'{key} {100 * sum(v) / len(v):.2f}' for key, v in other.items())
+      redo = r['missing'] + [f'{name} (earlier run)' for name in earlier]
+      rank_cell = f'{rank[row]} of {ranked}' if row in rank else DASH
+      last_cell = f' {_pm(r["last"])} |' if k else ''
       out.append(f'| {row} | {paper_cell} | {ours} | {_describe([h for _, h in counted])} | '
-                 f'{gap} | {spread} | {per_seed or DASH} | {other_cell or DASH} | '
-                 f'{_missing_cell(redo)} |')
+                 f'{gap} | {_pm(r["values"])} | {per_seed or DASH} | {_pm(r["best_round"])} | '
+                 f'{rank_cell} |{last_cell} {other_cell or DASH} | {_missing_cell(redo)} |')
     out.append('')
+    if marked:
+      out.append('\\* mean of client bests, the paper\'s statistic for this method (§7.1): the '
+                 'number to set beside the paper\'s, not to rank against the best-round means of '
+                 'the other rows; rank by the best-round mean column, the same statistic for '
+                 'every row.\n')
     out += [n + '\n' for n in notes]
   note = entry.get('plusminus')
   if note:
@@ -718,8 +780,439 @@ def out_of_reach(section: dict, runs: dict, paper: dict, report=None,
   return '\n'.join(out)
 
 
+# -- Why KAPC trails: one factor at a time against the paper-settings base ---------------------
+
+SELF_RELATION = 'kapc/self_relation_mean'
+
+
+def _runs_cell(names: list[str]) -> str:
+  """`stem_s{0,1,2}` for names that differ only in their seed suffix, else the names."""
+  stems = {re.sub(r'_s\d+$', '', n) for n in names}
+  if len(stems) == 1 and all(seed_key(n) for n in names):
+    return f'{stems.pop()}_s{{{",".join(seed_key(n)[1:] for n in names)}}}'
+  return ', '.join(names)
+
+
+def ablation_point(group: dict, runs: dict, column: str) -> dict:
+  """Per seed of one ablation entry: best-round mean, final round, r_ii last and max, Ω and the
+  skipped-layer fraction at the last round ({seed: {...}}), and the names missing."""
+  present, missing = _group_runs(group, runs, next(iter(group['runs'])))
+  per_seed = {}
+  for run in present:
+    best = _best(run, column)
+    rii = [a for _, a in curve(run, SELF_RELATION)]
+    per_seed[seed_of(run['label'])] = {
+        'best': best[1] if best else None, 'final': _final(run, column),
+        'rii_last': rii[-1] if rii else None, 'rii_max': max(rii) if rii else None,
+        'omega': _final(run, 'kapc/omega_mean'),
+        'skipped': _final(run, 'kapc/skipped_layer_fraction')}
+  return {'seeds': per_seed, 'missing': missing, 'names': _as_list(group['runs'][next(iter(
+      group['runs']))])}
+
+
+def ablation_verdict(point: dict, base: dict, seeds: int) -> tuple[str, Optional[float]]:
+  """(verdict, effect in points or None), the rule of the section's intro.
+
+  'pending (k/3)' until the point has `seeds` finished seeds; 'pending base (k/3)' while its base
+  has fewer; else the effect, the mean over the point's seeds of (point − base, same seed) in
+  points: 'tested, no effect' when |effect| ≤ the sample std of the base's best-round means over
+  its seeds, else the signed effect.
+  """
+  done = [s for s, v in point['seeds'].items() if v['best'] is not None]
+  if len(done) < seeds:
+    return f'pending ({len(done)}/{seeds})', None
+  base_best = {s: v['best'] for s, v in base['seeds'].items() if v['best'] is not None}
+  if len(base_best) < seeds or not set(done) <= set(base_best):
+    return f'pending base ({len(base_best)}/{seeds})', None
+  effect = mean_std([100 * (point['seeds'][s]['best'] - base_best[s]) for s in done])[0]
+  threshold = mean_std([100 * v for v in base_best.values()])[1]
+  if abs(effect) <= threshold:
+    return 'tested, no effect', effect
+  return f'{effect:+.2f} points', effect
+
+
+def _ablation_cells(point: dict, base: Optional[dict]) -> list[str]:
+  values = point['seeds'].values()
+  got = lambda k: [v[k] for v in values if v[k] is not None]
+  diff = []
+  if base is not None:
+    for s, v in point['seeds'].items():
+      b = base['seeds'].get(s)
+      if v['best'] is not None and b and b['best'] is not None:
+        diff.append(100 * (v['best'] - b['best']))
+  omega, skipped = got('omega'), got('skipped')
+  bls = (f'{sum(omega) / len(omega):.2f}, {sum(skipped) / len(skipped):.2f}'
+         if omega and skipped else DASH)
+  return [_pm([100 * v for v in got('best')]),
+          DASH if base is None else _pm(diff, signed=True),
+          _pm([100 * v for v in got('final')]),
+          _pm(got('rii_last'), digits=3), _pm(got('rii_max'), digits=3), bls]
+
+
+def ablation_points(section: dict, runs: dict) -> tuple[dict, list[tuple[dict, dict, str]]]:
+  """({base id: its point}, [(group, point, verdict)] for the declared points, in order)."""
+  bases = {g['id']: ablation_point(g, runs, g['column']) for g in section['groups']
+           if g.get('role') == 'base'}
+  columns = {g['id']: g['column'] for g in section['groups'] if g.get('role') == 'base'}
+  out = []
+  for group in section['groups']:
+    if group.get('role') == 'base':
+      continue
+    point = ablation_point(group, runs, columns[group['base']])
+    verdict, effect = ablation_verdict(point, bases[group['base']], section['seeds'])
+    point['effect'] = effect
+    out.append((group, point, verdict))
+  return bases, out
+
+
+def ablation(section: dict, runs: dict, paper: dict, report=None) -> str:
+  """The declared ablation points beside their base: one row per point, finished or not."""
+  seeds = section['seeds']
+  bases, points = ablation_points(section, runs)
+  out = ['| suspect | setting | runs | seeds finished | best-round mean % | − base, same seeds '
+         '(points) | final-round mean % | r_ii, last round | r_ii, max over rounds | Ω mean, '
+         'skipped-layer fraction (last round) | verdict |', '|' + '---|' * 11]
+  for group in section['groups']:
+    if group.get('role') != 'base':
+      continue
+    point = bases[group['id']]
+    std = mean_std([100 * v['best'] for v in point['seeds'].values() if v['best'] is not None])[1]
+    out.append(f'| base | {group["label"]} | {_runs_cell(point["names"])} | '
+               f'{len(point["seeds"])}/{seeds} | ' + ' | '.join(_ablation_cells(point, None)) +
+               ' | ' + ('seed std ' + f'{std:.2f}' if std is not None else 'seed std –') + ' |')
+  for group, point, verdict in points:
+    out.append(f'| {group["suspect"]} | {group["label"]} | {_runs_cell(point["names"])} | '
+               f'{len(point["seeds"])}/{seeds} | ' +
+               ' | '.join(_ablation_cells(point, bases[group['base']])) + f' | {verdict} |')
+  for text in section.get('notes', []):
+    out += ['', text]
+  return '\n'.join(out)
+
+
+def plot_ablation(section: dict, runs: dict, figures_dir: str) -> list[str]:
+  """Two PNGs: r_ii per layer over rounds (one panel per base and point, mean over its seeds),
+  and the best-round mean against each varied factor (points per seed, mean ± std). Points
+  without runs are drawn as 'pending'. Returns the file names written."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  bases, points = ablation_points(section, runs)
+  columns = {g['id']: g['column'] for g in section['groups'] if g.get('role') == 'base'}
+  seeds = section['seeds']
+  written = []
+  # r_ii per layer: every entry with an R (FedProx has none).
+  panels = [(g['label'], g) for g in section['groups']
+            if columns.get(g.get('id', g.get('base'))) == 'personal_local_accuracy']
+  cols = 4
+  rows = -(-len(panels) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+  for i, (label, group) in enumerate(panels):
+    ax = axes[i // cols][i % cols]
+    present = _group_runs(group, runs, next(iter(group['runs'])))[0]
+    title = (('base: ' if group.get('role') == 'base' else '') + label)
+    ax.set_title(f'{title[:48]} (n={len(present)}/{seeds})', fontsize=7)
+    layers = sorted({k for r in present for row in r['rows'] for k in row
+                     if k.startswith('kapc/self_relation_layer_')},
+                    key=lambda k: int(k.rsplit('_', 1)[1]))
+    for key in layers:
+      x, mean, lo, hi = band(present, lambda r, key=key: key)
+      if x:
+        line, = ax.plot(x, mean, linewidth=1.0, label=f'layer {key.rsplit("_", 1)[1]}')
+        if len(present) > 1:
+          ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
+    if not layers:
+      ax.text(0.5, 0.5, f'pending ({len(present)}/{seeds})', ha='center', va='center',
+              transform=ax.transAxes, fontsize=9, color='0.4')
+    else:
+      ax.legend(fontsize=5)
+    ax.grid(alpha=0.3)
+    ax.tick_params(labelsize=6)
+    if i % cols == 0:
+      ax.set_ylabel('r_ii, mean over clients', fontsize=7)
+    if i // cols == rows - 1:
+      ax.set_xlabel('round', fontsize=7)
+  for j in range(len(panels), rows * cols):
+    axes[j // cols][j % cols].axis('off')
+  fig.tight_layout()
+  name = f'{section["id"]}_self_relation.png'
+  fig.savefig(os.path.join(figures_dir, name), dpi=90)
+  plt.close(fig)
+  written.append(name)
+  # Accuracy against each varied factor: the base's tick, then the points' ticks.
+  factors = {}
+  labels = {g['id']: g['label'] for g in section['groups'] if g.get('role') == 'base'}
+  for group, point, _ in points:
+    entries = factors.setdefault(group['factor'], [])
+    if not any(e[0] == group['base_tick'] for e in entries):
+      entries.append((group['base_tick'], bases[group['base']], labels[group['base']]))
+    entries.append((group['tick'], point, group['label']))
+  cols = 4
+  rows = -(-len(factors) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+  for i, (factor, entries) in enumerate(factors.items()):
+    ax = axes[i // cols][i % cols]
+    for x, (tick, point, _) in enumerate(entries):
+      values = [100 * v['best'] for v in point['seeds'].values() if v['best'] is not None]
+      if not values:
+        ax.annotate('pending', (x, 0.5), xycoords=('data', 'axes fraction'), ha='center',
+                    fontsize=7, color='0.4', rotation=90)
+        continue
+      ax.scatter([x + 0.08 * (j - (len(values) - 1) / 2) for j in range(len(values))], values,
+                 s=10, color='C0', alpha=0.6, zorder=3)
+      mean, std, n = mean_std(values)
+      ax.errorbar([x + 0.3], [mean], yerr=[std or 0.0], fmt='s', color='C3', markersize=4,
+                  capsize=3, zorder=4)
+      ax.annotate(f'n={n}/{seeds}', (x, mean), textcoords='offset points', xytext=(8, -10),
+                  fontsize=5, color='0.3')
+    ax.set_xticks(range(len(entries)))
+    ax.set_xticklabels([e[0] for e in entries], fontsize=6, rotation=15, ha='right')
+    ax.set_xlim(-0.6, len(entries) - 0.2)
+    ax.set_title(factor, fontsize=8)
+    ax.grid(alpha=0.3, axis='y')
+    ax.tick_params(axis='y', labelsize=6)
+    if i % cols == 0:
+      ax.set_ylabel('best-round mean %', fontsize=7)
+  for j in range(len(factors), rows * cols):
+    axes[j // cols][j % cols].axis('off')
+  fig.tight_layout()
+  name = f'{section["id"]}_factors.png'
+  fig.savefig(os.path.join(figures_dir, name), dpi=90)
+  plt.close(fig)
+  written.append(name)
+  return written
+
+
 KINDS = {'paper_table': paper_table, 'claim_gaps': claim_gaps,
-         'rounds_to_target': rounds_to_target, 'pairs': pairs, 'out_of_reach': out_of_reach}
+         'rounds_to_target': rounds_to_target, 'pairs': pairs, 'out_of_reach': out_of_reach,
+         'ablation': ablation}
+
+
+# -- the five-minute summary (docs/reproduction.md) ---------------------------------------------
+
+def within(values: list[float], low: float, high: float) -> bool:
+  """Whether ours (mean ± sample std; the mean alone with one value) overlaps [low, high]."""
+  mean, std, _ = mean_std(values)
+  std = std or 0.0
+  return mean is not None and mean - std <= high and mean + std >= low
+
+
+def _interval(claim: dict, override: Optional[list]) -> Optional[tuple[float, float]]:
+  low, high = override if override else (claim.get('low_points'), claim.get('high_points'))
+  if low is None and high is None:
+    return None
+  return (-math.inf if low is None else low, math.inf if high is None else high)
+
+
+def _fedlap_summary(section: dict, runs: dict, paper: dict) -> tuple[list[str], list[str]]:
+  claims = _claims(paper, section.get('paper'))
+  groups = {g['label']: g for g in section['groups']}
+  spec = section.get('summary', {})
+  rows, found = [], {}
+  for label, a, b, claim_id in spec.get('rows', []):
+    claim = claims[claim_id]
+    pairs_, missing = _seed_pairs(groups[label], runs, a, b)
+    values = [v[0] for v in (gap_statistics(ra, rb, section['first_rounds'])[claim['statistic']]
+                             for _, ra, rb in pairs_) if v is not None]
+    found[(label, a, b, claim_id)] = values
+    interval = _interval(claim, spec.get('intervals', {}).get(claim_id))
+    verdict = ('not run' if not values else 'within spread' if interval and within(
+        values, *interval) else 'untested')
+    stat = dict(GAP_STATISTICS)[claim['statistic']].format(k=section['first_rounds'])
+    rows.append(f'| {a} − {b}, {label}: {stat} | {claim.get("short", claim["text"])} | '
+                f'{_pm(values, signed=True)} | {verdict} |')
+  table = ['| claim | paper (points) | ours (points, mean ± std over seeds) | verdict |',
+           '|---|---|---|---|'] + rows
+  # FedProx − FedAvg over the μ grid: the thesis calls FedProx slower.
+  slower = []
+  for label, group in groups.items():
+    for a, b, ids in group['comparisons']:
+      if 'fedprox_slower' in ids and b == 'fedavg':
+        values = [v[0] for v in (gap_statistics(ra, rb, section['first_rounds'])['mean_first']
+                                 for _, ra, rb in _seed_pairs(group, runs, a, b)[0]) if v]
+        if values and mean_std(values)[0] < 0:
+          slower.append(f'{a} ({label}, {_pm(values, signed=True)})')
+  lead = [b for (_, a, b, c), v in found.items() if claims[c]['statistic'] == 'mean_first' and
+          b.startswith('fedprox') and v and _interval(claims[c], None) and
+          within(v, *_interval(claims[c], None))]
+  findings = [
+      'FedProx − FedAvg over rounds 1–20 is negative, the thesis\'s "FedProx converges more '
+      'slowly", only for ' + (', '.join(slower) or 'no FedProx run') + '.',
+      'The claimed 3–5-point lead of FedLap over FedProx in the first 20 rounds is within our '
+      'spread for ' + (', '.join(lead) or 'no μ of the grid') + '.']
+  return table, findings
+
+
+def _kapc_summary(section: dict, why: Optional[dict], runs: dict, paper: dict,
+                  report: types.ModuleType) -> tuple[list[str], list[str]]:
+  entry = paper[section['paper']]
+  bases, points = ablation_points(why, runs) if why else ({}, [])
+  base_rows = {(g['row']['table'], g['row']['alpha'], g['row']['paper_row']): g['id']
+               for g in (why or {}).get('groups', []) if g.get('row')}
+  rows, rank_cells = [], []
+  for group in section['groups']:
+    cells = entry['values'][group['table']][group['dataset']][group['alpha']]
+    rank = ranks(group, runs, report)
+    column = f'{group["table"]}, α = {group["alpha"]}'
+    for row, key in group['paper_rows'].items():
+      if key not in ('kapc', 'kapc_bls') or row in group.get('unranked', ()):
+        continue
+      value = cells[key]
+      values = _paper_row(group, runs, row, report)['values']
+      base = base_rows.get((group['table'], group['alpha'], key))
+      if not values:
+        verdict = 'not run'
+      elif within(values, value[0] - value[1], value[0] + value[1]):
+        verdict = 'within spread'
+      elif base is None:
+        verdict = 'untested'
+      else:
+        mine = [(g, p, v) for g, p, v in points if g['base'] == base]
+        done = [f'{g["label"]}: {v}' for g, p, v in mine if not v.startswith('pending')]
+        verdict = (f'ablation: {len(done)} of {len(mine)} points with 3 seeds' +
+                   (' (' + '; '.join(done) + ')' if done else '') +
+                   (', the others pending' if len(done) < len(mine) else ''))
+      rows.append(f'| {row}, {column} | {value[0]:.2f} ± {value[1]:.2f} | {_pm(values)} | '
+                  f'{verdict} |')
+      if key == 'kapc':
+        rank_cells.append(f'{column}: {rank.get(row, DASH)} of {len(rank)}')
+  rows.append('| KAPC has the best accuracy (§7.2): its rank by best-round mean | first or '
+              f'second in every column | {"; ".join(rank_cells)} | untested |')
+  table = ['| claim | paper % | ours % (mean ± std over seeds) | verdict |',
+           '|---|---|---|---|'] + rows
+  findings = []
+  if why:
+    done = [(g, p, v) for g, p, v in points if not v.startswith('pending')]
+    started = [f'{g["label"]} {_pm([100 * (x["best"] - bases[g["base"]]["seeds"][s]["best"]) for s, x in p["seeds"].items() if s in bases[g["base"]]["seeds"] and x["best"] is not None], signed=True)}'
+               for g, p, v in points if v.startswith('pending') and p['seeds']]
+    findings.append(
+        f'Why KAPC trails (the results\' "Why KAPC trails" table): {len(done)} of {len(points)} '
+        'declared points have their 3 seeds' +
+        (': ' + '; '.join(f'{g["label"]} {v}' for g, _, v in done) if done else '') + '.' +
+        (' Seeds finished so far, point − base in points (not a verdict): ' +
+         '; '.join(started) + '.' if started else ''))
+    bls = bases.get('kapc_bls')
+    if bls and bls['seeds']:
+      omega = [v['omega'] for v in bls['seeds'].values() if v['omega'] is not None]
+      skipped = [v['skipped'] for v in bls['seeds'].values() if v['skipped'] is not None]
+      if omega and skipped:
+        findings.append(
+            f'KAPC+BLS as printed (Algorithm 4, inequality (29)): at the last round a client '
+            f'uploads {sum(omega) / len(omega):.2f} layers on average and the download skips '
+            f'{100 * sum(skipped) / len(skipped):.0f} % of the layers (mean over '
+            f'{len(omega)} seeds); the paper\'s Fig. 8 has most layers uploaded.')
+  return table, findings
+
+
+def _rtt_summary(section: dict, runs: dict, paper: dict) -> tuple[list[str], list[str]]:
+  table_i = paper[section['paper']]['table_I']
+  rows = []
+  for group in section['groups']:
+    if group.get('summary') is False:
+      continue
+    paper_rounds = table_i['rounds'].get(group.get('paper_key'), {})
+    targets = group.get('targets', section['targets'])
+    for m, b in section['comparisons']:
+      if m != 'fedlayerwise':
+        continue
+      p_m, p_b = paper_rounds.get(m), paper_rounds.get(b)
+      paper_cell = f'{100 * (p_b - p_m) / p_b:+.1f} %' if p_m and p_b else DASH
+      pairs_ = _seed_pairs(group, runs, m, b)[0]
+      ours = '; '.join(f'{100 * t:g} %: ' + ', '.join(
+          _reduction(rounds_to(rm, t), rounds_done(rm), rounds_to(rb, t), rounds_done(rb))
+          for _, rm, rb in pairs_) for t in targets) if pairs_ else NOT_RUN
+      rows.append(f'| FedLayerWise needs fewer rounds than {b}, {group["label"]} | {paper_cell} '
+                  f'({table_i["dataset"]}, {100 * table_i["target"]:g} %) | {ours} (n='
+                  f'{len(pairs_)}) | untested |')
+  return ['| claim | paper | ours (FMNIST, fewer rounds in %) | verdict |', '|---|---|---|---|'
+          ] + rows, []
+
+
+def _ccn_summary(section: dict, runs: dict, paper: dict) -> tuple[list[str], list[str]]:
+  original = section.get('original', 'original')
+  tables = paper[section['paper']]['tables']
+  spec = tables[section.get('summary', {}).get('paper_table', 'Table I')]
+  paper_gains = [c['normalized'] - c['original'] for col in spec['columns'].values()
+                 for c in col.values()]
+  low, high = min(paper_gains), max(paper_gains)
+  variants = [v for v in section['groups'][0]['runs'] if v != original]
+  rows, moved = [], []
+  for variant in variants:
+    gains = []
+    for group in section['groups']:
+      for _, rv, rb in _seed_pairs(group, runs, variant, original)[0]:
+        if _best(rv) and _best(rb):
+          gains.append(100 * (_best(rv)[1] - _best(rb)[1]))
+      for run in _group_runs(group, runs, variant)[0]:
+        for record in ccn_measurements(run) or []:
+          shift = weight_shift(record['contribution'], record['weight'])
+          if shift:
+            moved.append(shift['moved'])
+    ours = (f'{min(gains):+.2f} to {max(gains):+.2f} over {len(gains)} runs'
+            if gains else NOT_RUN)
+    verdict = ('not run' if not gains else 'within spread' if min(gains) <= high and
+               max(gains) >= low else 'untested')
+    rows.append(f'| CCN gain over the original (best round), {variant} | {low:+.2f} to '
+                f'{high:+.2f} ({spec["dataset"]}, its six schemes) | {ours} | {verdict} |')
+  findings = []
+  if moved:
+    findings.append(
+        f'CCN moves little aggregation weight: {100 * sum(moved) / len(moved):.1f} % a round on '
+        f'average, at most {100 * max(moved):.1f} % (rounds with Λ and ω recorded); with N '
+        'participants of equal weight it cannot move 1/N or more (derived in the results).')
+  return ['| claim | paper (points) | ours (points) | verdict |', '|---|---|---|---|'] + rows, \
+      findings
+
+
+def summary(results_dir: str, report: types.ModuleType) -> str:
+  """The per-paper summary for docs/reproduction.md, from the same runs and manifest."""
+  with open(os.path.join(results_dir, 'reproduction.json')) as f:
+    manifest = json.load(f)
+  with open(os.path.join(results_dir, 'paper_numbers.json')) as f:
+    paper = json.load(f)
+  runs = {n: _load(report, os.path.join(results_dir, 'runs'), n)
+          for n in manifest_runs(results_dir)}
+  by_kind = {}
+  for section in manifest['sections']:
+    by_kind.setdefault(section['kind'], section)
+  out = ['Generated by `python -m pipelines.report --reproduction=results` from `results/` '
+         '(do not edit between these markers). Verdict: "within spread" when our mean ± std '
+         '(the mean alone for one seed) overlaps the paper\'s value ± its printed spread (or the '
+         'claimed range); otherwise the cause our ablation tested, or "untested".', '']
+  blocks = []
+  if 'claim_gaps' in by_kind:
+    blocks.append(('FedLap', _fedlap_summary(by_kind['claim_gaps'], runs, paper)))
+  if 'rounds_to_target' in by_kind:
+    blocks.append(('FedLayerWise', _rtt_summary(by_kind['rounds_to_target'], runs, paper)))
+  if 'pairs' in by_kind:
+    blocks.append(('CCN', _ccn_summary(by_kind['pairs'], runs, paper)))
+  if 'paper_table' in by_kind:
+    blocks.append(('KAPC', _kapc_summary(by_kind['paper_table'], by_kind.get('ablation'), runs,
+                                         paper, report)))
+  for title, (table, findings) in blocks:
+    out += [f'### {title}', ''] + table + ['']
+    out += [f'- {f}' for f in findings] + ([''] if findings else [])
+  return '\n'.join(out)
+
+
+DOCS_MARKERS = ('<!-- results:start -->', '<!-- results:end -->')
+
+
+def write_docs_summary(results_dir: str, report: types.ModuleType) -> Optional[str]:
+  """Replaces the generated block of `docs/reproduction.md` beside `results_dir` (between
+  DOCS_MARKERS); returns the page's path, or None where there is no such page."""
+  path = os.path.join(os.path.dirname(os.path.abspath(results_dir)), 'docs', 'reproduction.md')
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    text = f.read()
+  start, end = DOCS_MARKERS
+  if start not in text or end not in text:
+    return None
+  head, rest = text.split(start, 1)
+  tail = rest.split(end, 1)[1]
+  with open(path, 'w') as f:
+    f.write(f'{head}{start}\n{summary(results_dir, report)}\n{end}{tail}')
+  return path
 
 
 # -- figures: mean over the seeds present with a min–max band ------------------------------------
@@ -893,6 +1386,14 @@ def write(results_dir: str, report: types.ModuleType, repo_root: Optional[str] =
       parts.append(kind(section, runs, paper, report, repo_root=repo_root) + '\n')
     else:
       parts.append(kind(section, runs, paper, report) + '\n')
+    if section['kind'] == 'ablation':
+      for name in plot_ablation(section, runs, os.path.join(results_dir, 'figures')):
+        parts.append(f'![{name[:-4]}](figures/{name})\n')
+      parts.append('First figure: r_ii per layer, mean over the seeds present (band: their '
+                   'min–max), one panel per base and point. Second: the best-round mean per '
+                   'seed (dots) and mean ± std over seeds (square) against each varied factor; '
+                   '"pending": no seed finished.\n')
+      continue
     png = os.path.join(results_dir, 'figures', f'{section["id"]}.png')
     if section['kind'] != 'out_of_reach' and plot_section(section, runs, png,
                                                                           report):
@@ -902,4 +1403,5 @@ def write(results_dir: str, report: types.ModuleType, repo_root: Optional[str] =
   md = '\n'.join(parts)
   with open(os.path.join(results_dir, 'reproduction.md'), 'w') as f:
     f.write(md)
+  write_docs_summary(results_dir, report)
   return md

@@ -174,3 +174,33 @@ def test_pfedla_pipeline_and_resume(tmp_path):
   assert [r['round'] for r in resumed] == [r['round'] for r in rows]
   for a, b in zip(resumed, rows):
     assert abs(float(a['personal_local_accuracy']) - float(b['personal_local_accuracy'])) < 1e-6
+
+
+def test_hypernetwork_initialisation_follows_the_run_seed():
+  """`build_method` passes the run seed as `relationship_seed` (as KAPC's R): two seeds give
+  different hypernetworks, the same seed the same; a gin binding wins over the run seed."""
+  import gin  # pylint: disable=g-import-not-at-top
+  import fltff  # pylint: disable=g-import-not-at-top
+  from fltff import personalization  # pylint: disable=g-import-not-at-top
+  from fltff.simulation import experiment  # pylint: disable=g-import-not-at-top
+
+  def hypernetwork(seed, bindings=()):
+    gin.clear_config()
+    try:
+      fltff.register_configurables()
+      gin.parse_config(['client_optimizer.name = "sgd"', 'pfedla.embedding_dim = 4',
+                        'pfedla.hidden_dim = 5', *bindings])
+      algorithm = experiment.build_method(personalization.build_pfedla, SPEC, 3, seed)
+      return {k: np.asarray(v) for k, v in algorithm.process.initialize()['hypernetwork'].items()}
+    finally:
+      gin.clear_config()
+
+  first, again, second = hypernetwork(1), hypernetwork(1), hypernetwork(2)
+  for key in ('embedding', 'w1', 'w2', 'head'):
+    np.testing.assert_array_equal(first[key], again[key])
+    assert not np.allclose(first[key], second[key]), key
+  bound = hypernetwork(2, ['pfedla.relationship_seed = 1'])
+  np.testing.assert_array_equal(bound['embedding'], first['embedding'])
+  direct = pfedla_lib.initial_hypernetworks(3, len(SPEC.initial_weights().trainable) // 2, 4, 5,
+                                            seed=2)
+  np.testing.assert_array_equal(second['embedding'], np.asarray(direct['embedding']))

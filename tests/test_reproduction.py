@@ -149,27 +149,58 @@ def _write(results):
 
 def test_paper_table_puts_the_paper_number_beside_ours(results):
   md = _write(results)
-  # KAPC: headline 0.90 and 0.94 -> 92.00, gap 92.00 - 96.71, seed 2 missing and named.
+  # KAPC: headline 0.90 and 0.94 -> 92.00, gap 92.00 - 96.71, seed 2 missing and named; ranked
+  # first of the 4 rows with runs by the best-round mean.
   assert _row(md, '| KAPC |') == [
       'KAPC', '96.71 ± 0.17', '92.00', 'personal_local, best-round mean', '-4.71',
-      '92.00 ± 2.83 (n=2)', 's0 90.00, s1 94.00', '–', 'kapc_s2']
-  # FedAvg: the headline is the mean of client bests of global_local; the other readings beside.
+      '92.00 ± 2.83 (n=2)', 's0 90.00, s1 94.00', '92.00 ± 2.83 (n=2)', '1 of 4', '–', 'kapc_s2']
+  # FedAvg: the headline is the mean of client bests of global_local (marked: not the statistic
+  # methods are ranked by); its best-round mean (60.00) ranks it; the other readings beside.
   assert _row(md, '| FedAvg |') == [
-      'FedAvg', '57.85 ± 0.42', '62.00', 'global_local, mean of client bests', '+4.15',
-      '62.00 (n=1, no std)', 's0 62.00',
-      'central best-round 65.00; global_local best-round 60.00; trained_local best-round 80.00; '
-      'trained_local client-best 83.00', 'none']
-  assert _row(md, '| local |') == ['local', '88.33 ± 0.09'] + ['not run'] * 6 + ['local_s0']
+      'FedAvg', '57.85 ± 0.42', '62.00 *', 'global_local, mean of client bests', '+4.15',
+      '62.00 (n=1, no std)', 's0 62.00', '60.00 (n=1, no std)', '4 of 4',
+      'central best-round 65.00; trained_local best-round 80.00; trained_local client-best 83.00',
+      'none']
+  assert '\\* mean of client bests, the paper\'s statistic for this method' in md
+  assert _row(md, '| local |') == ['local', '88.33 ± 0.09'] + ['not run'] * 8 + ['local_s0']
   # An earlier run (no headline): best round of its one local column, said so; flagged paper cell.
   old = _row(md, '| old |')
   assert old[1:6] == ['96.61 ± 0.35 [1]', '75.00', 'mean_local (earlier run), best-round mean',
                       '-21.61', '75.00 (n=1, no std)']
+  assert old[7:9] == ['75.00 (n=1, no std)', '3 of 4']
   assert '[1] MOON FLAG' in md and 'PLUSMINUS NOTE' in md
   # A recorded headline and an earlier run: the earlier one is listed, not averaged, and redone.
   assert _row(md, '| mixed |') == [
       'mixed', '96.61 ± 0.35 [2]', '90.00', 'trained_local, best-round mean', '-6.61',
-      '90.00 (n=1, no std)', 's0 90.00, s1 70.00 (earlier run, not averaged)', '–',
-      'mix_s1 (earlier run)']
+      '90.00 (n=1, no std)', 's0 90.00, s1 70.00 (earlier run, not averaged)',
+      '90.00 (n=1, no std)', '2 of 4', '–', 'mix_s1 (earlier run)']
+
+
+def test_table_2_adds_the_mean_over_the_last_rounds_and_unranked_rows(tmp_path):
+  """With `last_rounds` k a group shows the mean over each run's last k rounds beside the
+  best-round mean (the best of the rounds' draws of participants); `unranked` rows get no rank."""
+  root = str(tmp_path / 'results')
+  _write_run(root, 'k_s0', {'personal_local_accuracy': [0.5, 0.9, 0.6, 0.7]},
+             _head('personal_local', 'personal_local_accuracy', 'best_round_mean', 0.9))
+  _write_run(root, 'k_s1', {'personal_local_accuracy': [0.8, 0.7, 0.8, 0.6]},
+             _head('personal_local', 'personal_local_accuracy', 'best_round_mean', 0.8))
+  _write_run(root, 'short_s0', {'personal_local_accuracy': [0.95]},
+             _head('personal_local', 'personal_local_accuracy', 'best_round_mean', 0.95))
+  section = {'id': 'kapc', 'kind': 'paper_table', 'paper': 'kp', 'title': 'KAPC', 'groups': [
+      {'label': 'T2', 'table': 'Table 2', 'dataset': 'FMNIST', 'alpha': '0.1', 'last_rounds': 2,
+       'unranked': ['short'], 'runs': {'KAPC': ['k_s0', 'k_s1'], 'short': ['short_s0']},
+       'paper_rows': {'KAPC': 'kapc', 'short': 'kapc'}}]}
+  paper = {'kp': {'paper': 'K', 'values': {'Table 2': {'FMNIST': {'0.1': {'kapc': [94.57, 0.25]}}}}}}
+  with open(os.path.join(root, 'reproduction.json'), 'w') as f:
+    json.dump({'sections': [section]}, f)
+  with open(os.path.join(root, 'paper_numbers.json'), 'w') as f:
+    json.dump(paper, f)
+  md = _write(root)
+  assert 'rank by best-round mean | mean over the last 2 rounds % |' in md
+  # Last two rounds: s0 (0.6 + 0.7) / 2 = 65, s1 (0.8 + 0.6) / 2 = 70.
+  assert _row(md, '| KAPC |')[7:10] == ['85.00 ± 7.07 (n=2)', '1 of 1', '67.50 ± 3.54 (n=2)']
+  # One round run: no mean over the last 2; not ranked although its best-round mean is higher.
+  assert _row(md, '| short |')[7:10] == ['95.00 (n=1, no std)', '–', '–']
 
 
 def test_claim_gaps_per_seed_and_over_seeds(results):
@@ -438,3 +469,141 @@ def test_one_seed_has_no_spread_and_none_is_a_dash():
   runs = {'x': 'X0', 'x_s1': 'X1', 'y_s0': 'Y0', 'y_s1': 'Y1', 'y_s2': 'Y2'}
   assert reproduction._seed_pairs(group, runs, 'a', 'b') == (  # pylint: disable=protected-access
       [('s0', 'X0', 'Y0'), ('s1', 'X1', 'Y1')], ['s2'])
+
+
+# -- Why KAPC trails: the ablation table, its verdict rule and its figures ----------------------
+
+def _kapc_run(root, name, best, column='personal_local_accuracy', rii=(0.1, 0.2), omega=5.0):
+  """Three rounds reaching `best` in round 2, r_ii (mean, two layers) rising to rii[1]."""
+  columns = {column: [best - 0.05, best, best - 0.01]}
+  if column == 'personal_local_accuracy':
+    columns.update({'kapc/self_relation_mean': [rii[0], rii[1], rii[1] - 0.01],
+                    'kapc/self_relation_layer_0': [rii[0], rii[0], rii[0]],
+                    'kapc/self_relation_layer_1': [rii[0], rii[1], rii[1]],
+                    'kapc/omega_mean': [omega] * 3, 'kapc/skipped_layer_fraction': [0.0, 0.0, 0.2]})
+  _write_run(root, name, columns, _head('personal_local', column, 'best_round_mean', best))
+
+
+def _base(gid, stem, column='personal_local_accuracy', row=None):
+  group = {'id': gid, 'role': 'base', 'label': f'base {gid}', 'column': column,
+           'runs': {'base': [f'{stem}_s{k}' for k in range(3)]}}
+  if row:
+    group['row'] = row
+  return group
+
+
+def _point(label, base, stem, factor='f'):
+  return {'suspect': f'suspect {label}', 'label': label, 'base': base, 'factor': factor,
+          'base_tick': f'{base} (base)', 'tick': label,
+          'runs': {'variant': [f'{stem}_s{k}' for k in range(3)]}}
+
+
+@pytest.fixture
+def ablation_results(tmp_path):
+  root = str(tmp_path / 'results')
+  for k, best in enumerate((0.90, 0.92, 0.94)):  # base seed std 2.00 points
+    _kapc_run(root, f'kb_s{k}', best)
+    _kapc_run(root, f'a_s{k}', best + 0.01)  # +1.00: within the base's std
+    _kapc_run(root, f'b_s{k}', best + 0.05, rii=(0.1, 0.4))  # +5.00
+    _kapc_run(root, f'fp_s{k}', 0.93 + 0.01 * k, column='trained_local_accuracy')  # std 1.00
+    _kapc_run(root, f'e_s{k}', 0.90, column='trained_local_accuracy')  # -4.00
+    _kapc_run(root, f'f_s{k}', 0.80)  # its base has one seed
+  _kapc_run(root, 'c_s0', 0.80, omega=1.0)  # one seed of three
+  _kapc_run(root, 'g_s0', 0.85)
+  groups = [_base('kapc', 'kb', row={'table': 'Table 1', 'alpha': '0.1', 'paper_row': 'kapc'}),
+            _base('fedprox', 'fp', 'trained_local_accuracy'), _base('a03', 'g'),
+            _point('A', 'kapc', 'a', 'lam'), _point('B', 'kapc', 'b', 'lam'),
+            _point('C', 'kapc', 'c'), _point('D', 'kapc', 'd'),
+            _point('E', 'fedprox', 'e', 'opt'), _point('F', 'a03', 'f', 'a03')]
+  manifest = {'sections': [
+      {'id': 'kapc', 'kind': 'paper_table', 'paper': 'kp', 'title': 'KAPC', 'groups': [
+          {'label': 'T1', 'table': 'Table 1', 'dataset': 'FMNIST', 'alpha': '0.1',
+           'runs': {'KAPC': ['kb_s0', 'kb_s1', 'kb_s2']}, 'paper_rows': {'KAPC': 'kapc'}}]},
+      {'id': 'why', 'kind': 'ablation', 'title': 'Why', 'seeds': 3, 'groups': groups}]}
+  paper = {'kp': {'paper': 'K', 'values': {'Table 1': {'FMNIST': {'0.1': {'kapc': [96.71, 0.17]}}}}}}
+  with open(os.path.join(root, 'reproduction.json'), 'w') as f:
+    json.dump(manifest, f)
+  with open(os.path.join(root, 'paper_numbers.json'), 'w') as f:
+    json.dump(paper, f)
+  return root
+
+
+def test_ablation_rows_cells_and_verdicts(ablation_results):
+  md = _write(ablation_results)
+  assert _row(md, '| base | base kapc |') == [
+      'base', 'base kapc', 'kb_s{0,1,2}', '3/3', '92.00 ± 2.00 (n=3)', '–', '91.00 ± 2.00 (n=3)',
+      '0.190 ± 0.000 (n=3)', '0.200 ± 0.000 (n=3)', '5.00, 0.20', 'seed std 2.00']
+  assert _row(md, '| suspect A |') == [
+      'suspect A', 'A', 'a_s{0,1,2}', '3/3', '93.00 ± 2.00 (n=3)', '+1.00 ± 0.00 (n=3)',
+      '92.00 ± 2.00 (n=3)', '0.190 ± 0.000 (n=3)', '0.200 ± 0.000 (n=3)', '5.00, 0.20',
+      'tested, no effect']
+  assert _row(md, '| suspect B |')[5] == '+5.00 ± 0.00 (n=3)'
+  assert _row(md, '| suspect B |')[7:9] == ['0.390 ± 0.000 (n=3)', '0.400 ± 0.000 (n=3)']
+  assert _row(md, '| suspect B |')[-1] == '+5.00 points'
+  # One seed of three: its numbers, paired with base seed 0, and "pending (1/3)".
+  assert _row(md, '| suspect C |') == [
+      'suspect C', 'C', 'c_s{0,1,2}', '1/3', '80.00 (n=1, no std)', '-10.00 (n=1, no std)',
+      '79.00 (n=1, no std)', '0.190 (n=1, no std)', '0.200 (n=1, no std)', '1.00, 0.20',
+      'pending (1/3)']
+  # Not run at all: listed all the same.
+  assert _row(md, '| suspect D |') == ['suspect D', 'D', 'd_s{0,1,2}', '0/3'] + ['–'] * 6 + [
+      'pending (0/3)']
+  # FedProx reads its own protocol (trained_local) and has no R.
+  assert _row(md, '| suspect E |')[4:] == ['90.00 ± 0.00 (n=3)', '-4.00 ± 1.00 (n=3)',
+                                          '89.00 ± 0.00 (n=3)', '–', '–', '–', '-4.00 points']
+  # A base with one seed: its points wait for it.
+  assert _row(md, '| suspect F |')[-1] == 'pending base (1/3)'
+  for name in ('why_self_relation.png', 'why_factors.png'):
+    assert os.path.getsize(os.path.join(ablation_results, 'figures', name)) > 1000
+    assert f'](figures/{name})' in md
+  assert not os.path.exists(os.path.join(ablation_results, 'figures', 'why.png'))
+
+
+def test_ablation_verdict_rule_is_the_base_seed_std():
+  base = {'seeds': {f's{k}': {'best': b} for k, b in enumerate((0.90, 0.92, 0.94))}}  # std 2.00
+
+  def point(shift, seeds=3):
+    return {'seeds': {f's{k}': {'best': b + shift}
+                      for k, b in enumerate((0.90, 0.92, 0.94)) if k < seeds}}
+
+  assert reproduction.ablation_verdict(point(0.0199), base, 3)[0] == 'tested, no effect'
+  assert reproduction.ablation_verdict(point(-0.0199), base, 3)[0] == 'tested, no effect'
+  verdict, effect = reproduction.ablation_verdict(point(0.0201), base, 3)
+  assert verdict == '+2.01 points' and effect == pytest.approx(2.01)
+  assert reproduction.ablation_verdict(point(-0.03), base, 3)[0] == '-3.00 points'
+  assert reproduction.ablation_verdict(point(0.05, seeds=2), base, 3) == ('pending (2/3)', None)
+
+
+def test_ablation_figures_render_with_no_run_finished(ablation_results):
+  """Every point pending (no run folder at all): both figures still render."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  shutil.rmtree(os.path.join(ablation_results, 'runs'))
+  os.makedirs(os.path.join(ablation_results, 'runs'))
+  md = _write(ablation_results)
+  assert _row(md, '| suspect A |')[-1] == 'pending (0/3)'
+  assert _row(md, '| base | base kapc |')[3:5] == ['0/3', '–']
+  for name in ('why_self_relation.png', 'why_factors.png'):
+    assert os.path.getsize(os.path.join(ablation_results, 'figures', name)) > 1000
+
+
+def test_docs_summary_block_is_generated_from_the_results(ablation_results, tmp_path):
+  """docs/reproduction.md beside results/ gets the per-paper summary between its markers; the
+  text around them is kept. The KAPC row's verdict names the ablation points tested."""
+  docs = tmp_path / 'docs'
+  docs.mkdir()
+  (docs / 'reproduction.md').write_text('intro\n<!-- results:start -->\nstale\n'
+                                        '<!-- results:end -->\noutro\n')
+  _write(ablation_results)
+  text = (docs / 'reproduction.md').read_text()
+  assert text.startswith('intro\n<!-- results:start -->\n') and text.endswith(
+      '<!-- results:end -->\noutro\n')
+  assert 'stale' not in text
+  assert _row(text, '| KAPC, Table 1, α = 0.1 |') == [
+      'KAPC, Table 1, α = 0.1', '96.71 ± 0.17', '92.00 ± 2.00 (n=3)',
+      'ablation: 2 of 4 points with 3 seeds (A: tested, no effect; B: +5.00 points), the '
+      'others pending']
+  assert _row(text, '| KAPC has the best accuracy')[2] == 'Table 1, α = 0.1: 1 of 1'
+  assert ('Seeds finished so far, point − base in points (not a verdict): C -10.00 (n=1, no '
+          'std); F -5.00 (n=1, no std).') in text
+  # A results folder without a docs page beside it writes none.
+  assert reproduction.write_docs_summary(str(tmp_path / 'elsewhere' / 'results'), report) is None

@@ -154,10 +154,12 @@ def _rows(params, clients):
 @gin.configurable('pfedla')
 def build_pfedla(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
                  embedding_dim: int = 100, hidden_dim: int = 100, learning_rate: float = 5e-3,
-                 seed: Optional[int] = 0) -> process_lib.PersonalizedAlgorithm:
-  """pFedLA (module docstring); `seed` (None: 0) seeds the hypernetworks' initialisation."""
+                 relationship_seed: Optional[int] = 0) -> process_lib.PersonalizedAlgorithm:
+  """pFedLA (module docstring); `relationship_seed` (None: 0) seeds the hypernetworks'
+  initialisation. Named as KAPC's seed of R, so an experiment passes its run seed unless gin
+  binds `pfedla.relationship_seed` (`fltff.simulation.experiment.build_method`)."""
   return process_lib.build_personalized_process(
       model_spec, num_clients, client_optimizer,
       HypernetworkRelation(embedding_dim=embedding_dim, hidden_dim=hidden_dim,
-                           learning_rate=learning_rate, seed=seed or 0),
+                           learning_rate=learning_rate, seed=relationship_seed or 0),
       name='pfedla')
