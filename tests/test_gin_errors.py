@@ -11,7 +11,7 @@ METHODS = ('fedadp, fedamp, fedavg, fedbabu, fedbn, fedlap, fedlayerwise, fednov
            'kapc, local_training, moon, pfedla, scaffold, sgdm')
 KAPC = ('model_spec, num_clients, client_optimizer, lambda_, beta, relationship_learning_rate, '
         'relationship_steps, bls_mu, min_upload_layers, relationship_update, coaching_loss, '
-        'relationship_init, relationship_seed')
+        'relationship_projection, relationship_init, relationship_seed')
 
 
 @pytest.mark.parametrize('binding,message', [

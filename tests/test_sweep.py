@@ -55,8 +55,9 @@ def test_a_sweep_folder_keeps_its_runs_settings():
 
 
 @pytest.mark.parametrize('args,fragment', [
-    (['--grid=fedprox.muu=[0.1, 1.0]'], "sweep point fedprox.muu=0.1,seed=0: Invalid gin "
-     "configuration: Configurable 'fedprox' doesn't have a parameter named 'muu'"),
+    (['--grid=fedprox.muu=[0.1, 1.0]'], 'sweep point fedprox.muu=0.1,seed=0: Invalid gin '
+     'configuration: fedprox.muu = 0.1 (in --gin_bindings): fedprox has no parameter muu; did '
+     'you mean mu?'),
     (['--grid=experiment.local_epochs=[1, 2.5]'],
      'sweep point experiment.local_epochs=2.5,seed=0: experiment.local_epochs must be an integer'),
     (['--grid=fedprox.mu=[0.1, 1.0'], 'unbalanced brackets'),
