@@ -271,16 +271,69 @@ def _connect_stub(address: str, timeout: float, rpc_timeout: float,
     options = list(_GRPC_OPTIONS) + ([('grpc.ssl_target_name_override', server_name)]
                                      if server_name else [])
     channel = grpc.secure_channel(address, credentials, options)
+  deadline = time.monotonic() + timeout
+  ready = grpc.channel_ready_future(channel)
+  detail = ''
   try:
-    grpc.channel_ready_future(channel).result(timeout=timeout)
-  except grpc.FutureTimeoutError as e:
+    while True:
+      try:
+        ready.result(timeout=max(min(1.0, deadline - time.monotonic()), 0.0))
+        break
+      except grpc.FutureTimeoutError:
+        pass
+      detail = _connection_error(channel)
+      refusal = _refusal(detail, tls=credentials is not None)
+      if refusal:
+        raise RuntimeUnavailableError(f'TFF worker at {address} {refusal}')
+      if time.monotonic() >= deadline:
+        raise RuntimeUnavailableError(
+            f'TFF worker at {address} did not answer within {timeout:.0f} s'
+            f'{f" ({detail})" if detail else ""}; is `python -m fltff.runtime.worker '
+            '--port=...` running there and the port open?')
+  except RuntimeUnavailableError:
+    ready.cancel()
     channel.close()
-    raise RuntimeUnavailableError(
-        f'TFF worker at {address} did not answer within {timeout:.0f} s; is '
-        f'`python -m fltff.runtime.worker --port=...` running there and the port open'
-        f'{" (and are the TLS certificates the pair the worker expects?)" if credentials else ""}'
-        f'?') from e
+    raise
   return channel, _fail_fast_stub_class()(channel, address, rpc_timeout)
+
+
+def _connection_error(channel: grpc.Channel) -> str:
+  """gRPC's last error connecting `channel` ('' if none): the detail of an RPC that does not
+  wait for the connection (any method: a worker answers UNIMPLEMENTED once connected)."""
+  try:
+    channel.unary_unary('/fltff.Probe/Connect')(b'', timeout=1.0, wait_for_ready=False)
+  except grpc.RpcError as e:
+    if isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.UNAVAILABLE:
+      detail = e.details() or ''
+      return detail.split('last error: ', 1)[-1]
+  return ''
+
+
+def _refusal(detail: str, tls: bool) -> Optional[str]:
+  """What a connection error of gRPC's says about TLS, as the end of a sentence on the worker;
+  None unless it is a TLS failure, which no wait mends."""
+  text = detail.lower()
+  if 'certificate_verify_failed' in text:
+    return ("failed the TLS handshake: its certificate is not signed by runtime.tls_ca_file's "
+            f'CA, or has expired ({detail}).')
+  if 'peer name' in text:
+    return ('failed the TLS handshake: its certificate does not name the host dialled; set '
+            f'runtime.tls_server_name to a name it holds ({detail}).')
+  if 'wrong_version_number' in text:
+    return ('does not speak TLS: it was started with --insecure_plaintext (then set '
+            'runtime.insecure_plaintext = True, on a trusted network only) or is no fltff '
+            f'worker ({detail}).')
+  if 'socket closed' in text:
+    if tls:
+      return ("closed the connection at the TLS handshake: it refused this driver's "
+              "certificate (runtime.tls_cert_file is not signed by the worker's "
+              '--tls_client_ca).')
+    return ('closed the plaintext connection at once: it expects mutual TLS (a fltff worker '
+            'started without --insecure_plaintext); set runtime.tls_ca_file, '
+            'runtime.tls_cert_file and runtime.tls_key_file.')
+  if 'handshake' in text or 'ssl' in text:
+    return f'failed the TLS handshake ({detail}).'
+  return None
 
 
 _COMPILED = weakref.WeakKeyDictionary()
