@@ -239,19 +239,25 @@ def _fail_fast_stub_class():
       self._stub = executor_pb2_grpc.ExecutorGroupStub(channel)
       self.address = address
       self._rpc_timeout = rpc_timeout
+      self.lost = None  # The status code that lost the worker: later calls fail at once.
 
     def _call(self, method: str, request):
-      try:
-        return getattr(self._stub, method)(request, timeout=self._rpc_timeout)
-      except grpc.RpcError as e:
-        code = e.code() if isinstance(e, grpc.Call) else None
-        if code in _LOST_CODES:
-          if method.startswith('Dispose'):
-            # Nothing to free on a lost worker; TFF disposes from garbage-collection
-            # finalizers, where an error would print a traceback at exit.
-            return None
-          raise WorkerLostError(self.address, code.name) from None
-        raise
+      # Once one call found the worker lost, the others fail at once: TFF's tasks still pending
+      # (the round's other values) and its disposals would each wait a deadline of their own,
+      # so a hung worker was lost after several deadlines instead of one.
+      if self.lost is None:
+        try:
+          return getattr(self._stub, method)(request, timeout=self._rpc_timeout)
+        except grpc.RpcError as e:
+          code = e.code() if isinstance(e, grpc.Call) else None
+          if code not in _LOST_CODES:
+            raise
+          self.lost = code.name
+      if method.startswith('Dispose'):
+        # Nothing to free on a lost worker; TFF disposes from garbage-collection finalizers,
+        # where an error would print a traceback at exit.
+        return None
+      raise WorkerLostError(self.address, self.lost) from None
 
   # TFF's stub methods, each the RPC of its name in CamelCase through `_call`.
   for name in ('get_executor', 'create_value', 'create_struct', 'create_call', 'create_selection',
