@@ -18,6 +18,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import _thread
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -808,26 +809,89 @@ def install_signal_handlers(
   Returns the `StopSignal` the first sets. A second runs its `before_exit` callables, then
   `on_second(signum)` (which may end the process with `os._exit`: an exception raised inside
   TFF's asyncio/gRPC machinery or a GC callback can be swallowed), else raises `StopNow`.
+
+  Python runs a handler only when the main thread runs Python: while TensorFlow computes a
+  round there (the in-process executor), two signals would merge into one late call. So every
+  signal is counted as it arrives, on a thread of its own (`_SignalThread`); the second is
+  acted on by the main thread if it answers within `SECOND_SIGNAL_GRACE_S`, else by that thread
+  (with `on_second`; without one, `StopNow` waits for the main thread).
   """
   stop = StopSignal()
+  received = []  # Signals counted so far.
+  acting = threading.Lock()  # Taken once, by whichever thread acts on the second signal.
+
+  def second(signum: int, main_thread: bool) -> None:
+    if not acting.acquire(blocking=False):
+      return
+    for save in list(stop.before_exit):
+      try:
+        save()
+      except Exception as e:  # pylint: disable=broad-except
+        warn(f'could not checkpoint the last completed round: {type(e).__name__}: {e}')
+    if on_second is not None:
+      on_second(signum)
+    if main_thread:
+      raise StopNow(128 + signum)
+    acting.release()  # `StopNow` is the main thread's to raise, when it runs Python again.
+    _thread.interrupt_main(signum)
+
+  def counted(signum: int) -> None:  # On the signal thread, once per signal.
+    received.append(signum)
+    if len(received) == 1:
+      stop.set()
+      warn(f'signal {signum}: stopping after the current round (send it again to stop at '
+           'once).')
+    elif len(received) == 2:
+      _thread.interrupt_main(signum)  # Runs `handler` if the main thread runs Python.
+      deadline = time.monotonic() + SECOND_SIGNAL_GRACE_S
+      while time.monotonic() < deadline and not acting.locked():
+        time.sleep(0.01)
+      if not acting.locked():
+        second(signum, main_thread=False)
 
   def handler(signum, frame):  # pylint: disable=unused-argument
-    if stop.is_set():
-      for save in list(stop.before_exit):
-        try:
-          save()
-        except Exception as e:  # pylint: disable=broad-except
-          warn(f'could not checkpoint the last completed round: {type(e).__name__}: {e}')
-      if on_second is not None:
-        on_second(signum)
-      raise StopNow(128 + signum)
-    stop.set()
-    warn(f'signal {signum}: stopping after the current round (send it again to stop at once).')
+    if len(received) >= 2:
+      second(signum, main_thread=True)
 
   if threading.current_thread() is threading.main_thread():
+    _SignalThread.start(counted, handler)
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
   return stop
+
+
+# How long a second signal waits for the main thread to act on it, before its own thread does.
+SECOND_SIGNAL_GRACE_S = 1.0
+
+
+class _SignalThread:
+  """One daemon thread reading the signals' wakeup fd (`signal.set_wakeup_fd`), to which the
+  C-level handler writes every signal's number as it arrives, whatever the main thread does;
+  it passes each to the latest `install_signal_handlers`' `counted` while that one's handler
+  is installed."""
+
+  _write_fd: Optional[int] = None
+  _pid: Optional[int] = None  # A forked child has the fd but not the thread.
+  _target: tuple = (None, None)
+
+  @classmethod
+  def start(cls, counted: Callable[[int], None], handler) -> None:
+    cls._target = (counted, handler)
+    if cls._pid != os.getpid():
+      cls._pid = os.getpid()
+      read_fd, cls._write_fd = os.pipe()
+      os.set_blocking(cls._write_fd, False)
+      threading.Thread(target=cls._run, args=(read_fd,), name='fltff-signals',
+                       daemon=True).start()
+    signal.set_wakeup_fd(cls._write_fd, warn_on_full_buffer=False)
+
+  @classmethod
+  def _run(cls, read_fd: int) -> None:
+    while True:
+      for signum in os.read(read_fd, 64):
+        counted, handler = cls._target
+        if counted is not None and signal.getsignal(signum) is handler:
+          counted(signum)
 
 
 def wait_for_exit(pid: int, timeout: float = 10.0) -> bool:
