@@ -73,7 +73,7 @@ def configure(gin_files, gin_bindings) -> None:
   fltff.register_configurables()
   if not gin_files:
     raise ConfigError('Pass --gin_file=gin_configs/<experiment>.gin (see README).')
-  found = resources.find_gin_files(gin_files)
+  found = resources.find_gin_files(gin_files, gin_bindings)
   resources.enable_gin_lookup()
   try:
     gin.parse_config_files_and_bindings(found, gin_bindings, finalize_config=False,
