@@ -201,9 +201,12 @@ def test_a_hung_worker_is_lost_after_one_deadline_of_the_documented_rule(tff_run
   port = server.add_insecure_port('127.0.0.1:0')
   server.start()
   monkeypatch.setattr(local, 'RPC_TIMEOUT_FLOOR_S', 2.0)
-  runtime = TffRuntime(workers=[f'127.0.0.1:{port}'], connect_timeout=10.0)
+  channel = grpc.insecure_channel(f'127.0.0.1:{port}')
+  stub_class = local._fail_fast_stub_class()  # pylint: disable=protected-access
+  stub = stub_class(channel, f'127.0.0.1:{port}', local.FIRST_RPC_TIMEOUT_S)
+  runtime = TffRuntime(executor='auto')  # Its deadline rule, over this stub (no context).
+  runtime._stubs = [stub]  # pylint: disable=protected-access
   try:
-    [stub] = runtime._stubs  # pylint: disable=protected-access
     runtime.after_round(1, 0.15)
     assert runtime.rpc_timeout == stub._rpc_timeout == 2.0  # pylint: disable=protected-access
     seconds = []
@@ -221,6 +224,7 @@ def test_a_hung_worker_is_lost_after_one_deadline_of_the_documented_rule(tff_run
   finally:
     release.set()
     runtime.close()
+    channel.close()
     server.stop(grace=None)
     tff.framework.set_default_context(tff_runtime.context)
 

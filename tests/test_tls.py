@@ -187,7 +187,8 @@ def test_a_second_forwarder_on_a_port_in_use_is_refused():
   port = portpicker.pick_unused_port()
   first, _ = serve_forwarder(f'[::]:{port}', '127.0.0.1:9')
   try:
-    with pytest.raises(ConfigError, match=f'Cannot listen on \\[::\\]:{port}: port {port} is in use'):
+    with pytest.raises(ConfigError,
+                       match=f'Cannot listen on \\[::\\]:{port}: port {port} is in use'):
       serve_forwarder(f'[::]:{port}', '127.0.0.1:9')
   finally:
     first.stop(grace=None)

@@ -89,14 +89,16 @@ def check_can_listen(listen: str) -> None:
   if not port.isdigit() or int(port) == 0:
     return  # Any free port.
   try:
-    infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM,
-                               flags=socket.AI_PASSIVE)
+    infos = [(family, address) for family, _, _, _, address in socket.getaddrinfo(
+        host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)]
   except socket.gaierror as e:
     raise ConfigError(f'Cannot listen on {listen}: {e.strerror}.') from None
+  if host in ('', '::'):  # gRPC falls back to IPv4 on a host without IPv6.
+    infos.append((socket.AF_INET, ('0.0.0.0', int(port))))
   error = None
-  for family, kind, proto, _, address in infos:
+  for family, address in infos:
     try:
-      with socket.socket(family, kind, proto) as s:
+      with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(address)
         return
