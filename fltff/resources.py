@@ -8,6 +8,7 @@ sample data are named by paths from the repository root (`gin_configs/base/...`,
 import contextlib
 import os
 import re
+import stat
 from typing import Optional
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -29,9 +30,10 @@ def find_shipped(path: str) -> Optional[str]:
                if os.path.exists(candidate)), None)
 
 
-def find_gin_files(paths) -> list[str]:
+def find_gin_files(paths, bindings=()) -> list[str]:
   """The gin files as `find_shipped` finds them, after checking that they and their includes
-  (looked up as gin will) exist; `ConfigError` naming the first that does not."""
+  (looked up as gin will), and the files that `bindings` include, exist, are gin files and
+  include no cycle; `ConfigError` naming the first that fails."""
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
   found = [find_shipped(path) for path in paths]
@@ -41,25 +43,56 @@ def find_gin_files(paths) -> list[str]:
                         f'fltff ships, {os.path.join(shipped_roots()[0], "gin_configs")}).')
   seen = set()
   for where in found:
-    _check_includes(where, seen)
+    _check_includes(where, seen, ())
+  for binding in bindings:
+    for line in binding.splitlines():
+      match = _INCLUDE.match(line.strip())
+      included = find_shipped(match.group(2)) if match else None
+      if included is not None:  # Else gin says it is not found, naming the binding.
+        _check_includes(included, seen, ('--gin_bindings',))
   return found
 
 
 _INCLUDE = re.compile(r"""^include\s+(['"])(.+?)\1""")
+# A gin file is a few KiB of text; more is not a configuration (e.g. --gin_file=/dev/zero).
+MAX_GIN_FILE_BYTES = 1 << 20
 
 
-def _check_includes(path: str, seen: set) -> None:
+def _read_gin_file(path: str) -> list[str]:
+  """The lines of the gin file `path`; `ConfigError` unless it is a readable regular text file
+  of at most `MAX_GIN_FILE_BYTES` (a device or FIFO is refused before it is opened)."""
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
-  if path in seen:
-    return
-  seen.add(path)
   try:
-    with open(path) as f:
-      lines = f.read().splitlines()
+    if not stat.S_ISREG(os.stat(path).st_mode):
+      raise ConfigError(f'the gin file {path} is not a regular file (a folder, device or '
+                        'pipe); pass a gin configuration file.')
+    with open(path, 'rb') as f:
+      data = f.read(MAX_GIN_FILE_BYTES + 1)
+    if len(data) > MAX_GIN_FILE_BYTES:
+      raise ConfigError(f'the gin file {path} is over {MAX_GIN_FILE_BYTES >> 20} MiB, more '
+                        'than a gin configuration is; pass a gin configuration file.')
+    return data.decode().splitlines()
   except (OSError, UnicodeDecodeError) as e:
     reason = os.strerror(e.errno) if getattr(e, 'errno', None) else 'not a text file'
     raise ConfigError(f'cannot read the gin file {path}: {reason}.') from None
+
+
+def _check_includes(path: str, seen: set, chain: tuple) -> None:
+  """Checks `path` and, recursively, the files it includes; `chain`: the files including it,
+  outermost first (an include of one of them is a cycle, which gin would follow forever)."""
+  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+  real = os.path.realpath(path)
+  cycle = [p for p in chain if os.path.realpath(p) == real]
+  if cycle:
+    files = list(chain[chain.index(cycle[0]):]) + [path]
+    raise ConfigError(f'Invalid gin configuration: an include cycle: {" includes ".join(files)}'
+                      '; remove one of these includes.')
+  if real in seen:
+    return
+  seen.add(real)
+  lines = _read_gin_file(path)
   for number, line in enumerate(lines, 1):
     match = _INCLUDE.match(line.strip())
     if not match:
@@ -71,7 +104,7 @@ def _check_includes(path: str, seen: set) -> None:
                 else find_shipped(target))
     if included is None:
       raise ConfigError(include_not_found(target, f'{path}, line {number}'))
-    _check_includes(included, seen)
+    _check_includes(included, seen, chain + (path,))
 
 
 def include_not_found(target: str, where: str) -> str:

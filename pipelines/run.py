@@ -77,7 +77,7 @@ def configure(gin_files, gin_bindings) -> None:
   fltff.register_configurables()
   if not gin_files:
     raise ConfigError('Pass --gin_file=gin_configs/<experiment>.gin (see README).')
-  found = resources.find_gin_files(gin_files)
+  found = resources.find_gin_files(gin_files, gin_bindings)
   resources.enable_gin_lookup()
   try:
     gin.parse_config_files_and_bindings(found, gin_bindings, finalize_config=False,
@@ -113,6 +113,10 @@ def _kept(output_dir: str) -> str:
 def main(argv) -> int:
   del argv
   heap.pooled_tensors()  # Before the first TensorFlow op (fltff.runtime.heap).
+  # gRPC's C core logs a failed TLS handshake or connection on stderr (`E1129 ...` lines) before
+  # the runtime's own `error:` line says what failed (from the same gRPC status); read before
+  # gRPC's first channel. GRPC_VERBOSITY=ERROR shows them again.
+  os.environ.setdefault('GRPC_VERBOSITY', 'NONE')
   # Progress lines are ours (stdout); library INFO chatter (TFF, Keras) is not.
   absl_logging.set_verbosity(absl_logging.WARNING)
   output_dir = _OUTPUT_DIR.value or os.path.join(

@@ -52,7 +52,7 @@ def _server():
 def _program_main(module, args, cwd, env, stdout, stderr):
   """The child: the program's environment, folder and output files, then its `main` under
   absl as `python -m module args` runs it, and the interpreter's exit hooks."""
-  from absl import app  # pylint: disable=g-import-not-at-top
+  from fltff.cli import run_program as run  # pylint: disable=g-import-not-at-top
 
   os.environ.clear()
   os.environ.update(env)
@@ -66,7 +66,7 @@ def _program_main(module, args, cwd, env, stdout, stderr):
   program = importlib.import_module(module)
   code = 0
   try:
-    app.run(lambda argv: sys.exit(program.main(argv)), argv=[module, *args])
+    run(program.main, [module, *args])  # As its `__main__` runs it: a bad flag is one line.
   except SystemExit as e:
     code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
   finally:

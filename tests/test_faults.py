@@ -326,6 +326,43 @@ def test_two_sigterms_keep_every_completed_round_and_logs_stay_out_of_tmp(tmp_pa
   assert not [n for n in os.listdir(tmpdir) if n.startswith('fltff_worker')]
 
 
+@pytest.mark.parametrize('client_work,epochs', [('auto', 1000), ('per_client', 60)])
+def test_a_second_signal_during_a_long_in_process_round_stops_at_once(client_work, epochs,
+                                                                      tmp_path):
+  """Two signals while TensorFlow computes a round in this process (vectorised clients, or the
+  in-process executor client by client): Python runs a handler only between TensorFlow's
+  calls, so the two merged into one, after the round (an 18-s KAPC round stopped 16.7 s
+  later, as if signalled once). They are counted as they arrive."""
+  out = str(tmp_path / 'run')
+  proc = Program('pipelines.run', *SMALL, '--gin_bindings=experiment.rounds = 50',
+                 f'--gin_bindings=experiment.local_epochs = {epochs}',  # Rounds of ~10 s.
+                 '--gin_bindings=experiment.checkpoint_every = 100',
+                 "--gin_bindings=runtime.executor = 'in_process'",
+                 f"--gin_bindings=experiment.client_work = '{client_work}'",
+                 f'--output_dir={out}', env=pipeline_env())
+  metrics = os.path.join(out, 'metrics.csv')
+  deadline = time.monotonic() + 300
+  while proc.poll() is None and time.monotonic() < deadline and not (
+      os.path.exists(metrics) and read_csv(metrics)):
+    time.sleep(0.05)
+  time.sleep(1.0)  # Into round 2's computation.
+  assert proc.poll() is None and len(read_csv(metrics)) == 1, 'round 2 ended too soon'
+  proc.send_signal(signal.SIGTERM)
+  time.sleep(0.05)  # Delivered one by one (the kernel merges a signal still pending), but
+  proc.send_signal(signal.SIGTERM)  # one to Python's handler, which TensorFlow's call delays.
+  start = time.monotonic()
+  _, stderr = proc.communicate(timeout=300)
+  seconds = time.monotonic() - start
+  assert proc.returncode == 143, stderr[-3000:]
+  lines = [l for l in stderr.splitlines() if l.strip()]
+  assert len(lines) == 2 and lines[0].startswith('warning: signal 15'), stderr[-3000:]
+  assert lines[1].startswith('stopped: at once by a second signal. Round 1 is kept in the '
+                             'checkpoint'), lines[1]
+  assert seconds < 6, seconds
+  saved = json.load(open(os.path.join(out, 'checkpoints', 'latest.json')))['round']
+  assert saved == len(read_csv(metrics)) == 1  # The second signal checkpointed round 1.
+
+
 def test_one_sigterm_stops_after_the_round_in_one_line_keeping_every_round(tmp_path):
   out, tmpdir = str(tmp_path / 'run'), tmp_path / 'tmp'
   tmpdir.mkdir()

@@ -24,6 +24,18 @@ def test_a_folder_of_other_files_is_never_written_into(tmp_path):
   assert (tmp_path / 'config.gin').read_text() == 'my own config\n'
 
 
+def test_an_output_dir_too_long_to_create_leaves_nothing_behind(tmp_path):
+  # makedirs creates folders until the path runs out (File name too long): those go again.
+  out = os.path.join(str(tmp_path), 'runs', *['d' * 200] * 25)
+  with pytest.raises(ConfigError, match=r'Cannot write to --output_dir .*File name too long'):
+    outputs.prepare_output_dir(out, resume=False)
+  assert os.listdir(tmp_path) == []
+  (tmp_path / 'kept').mkdir()  # A folder that was there before stays.
+  with pytest.raises(ConfigError, match='File name too long'):
+    outputs.prepare_output_dir(os.path.join(str(tmp_path), 'kept', *['d' * 200] * 25), False)
+  assert os.listdir(tmp_path) == ['kept'] and os.listdir(tmp_path / 'kept') == []
+
+
 def test_a_run_folder_is_marked_and_taken_again_by_the_same_process(tmp_path):
   out = str(tmp_path / 'run')
   outputs.prepare_output_dir(out, resume=False)

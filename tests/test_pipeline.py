@@ -120,6 +120,39 @@ def test_bad_configuration_is_one_clear_error(bindings, fragments, tmp_path):
   assert_one_line_error(run_pipeline_here(*args), *fragments)
 
 
+def test_an_include_cycle_is_one_line_naming_its_files(tmp_path):
+  # Gin follows it until Python's recursion limit ("maximum recursion depth exceeded").
+  a, b = str(tmp_path / 'a.gin'), str(tmp_path / 'b.gin')
+  with open(a, 'w') as f:
+    f.write(f"include '{SMALL[0].split('=', 1)[1]}'\ninclude 'b.gin'\n")
+  with open(b, 'w') as f:
+    f.write("include 'a.gin'\n")
+  for args in ([f'--gin_file={a}'], [SMALL[0], f"--gin_bindings=include '{b}'"]):
+    result = run_pipeline_here(*args, f'--output_dir={tmp_path}/out')
+    assert_one_line_error(result, 'an include cycle', f'{a} includes {b} includes {a}'
+                          if args[0].endswith('a.gin') else f'{b} includes {a} includes {b}')
+  assert not os.path.exists(tmp_path / 'out')
+
+
+@pytest.mark.parametrize('what', ['a device', 'a folder', 'over 1 MiB'])
+def test_a_gin_file_that_cannot_be_a_configuration_is_refused_unread(what, tmp_path):
+  # --gin_file=/dev/zero was read without limit (8.9 GB in 26 s); /dev/null stands in for it.
+  path = {'a device': '/dev/null', 'a folder': str(tmp_path)}.get(what, str(tmp_path / 'big.gin'))
+  if what == 'over 1 MiB':
+    with open(path, 'w') as f:
+      f.write('# a comment\n' * 100_000)
+  from fltff import resources  # pylint: disable=g-import-not-at-top
+  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+  message = 'is over 1 MiB' if what == 'over 1 MiB' else 'is not a regular file'
+  with pytest.raises(ConfigError, match=f'the gin file {path} {message}'):
+    resources.find_gin_files([path])
+  with open(tmp_path / 'includer.gin', 'w') as f:
+    f.write(f"include '{path}'\n")
+  with pytest.raises(ConfigError, match=message):  # Included, too.
+    resources.find_gin_files([str(tmp_path / 'includer.gin')])
+
+
 def test_tfds_not_prepared_offline_says_how_to_prepare(tmp_path):
   empty = tmp_path / 'tfds'
   empty.mkdir()

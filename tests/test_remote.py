@@ -155,11 +155,12 @@ def test_unreachable_worker_at_start_is_one_error(tmp_path):
 
 def test_silent_worker_is_declared_lost_within_the_rpc_deadline(workers, tmp_path):
   """A worker that stops answering (SIGSTOP: no connection reset, like a host that vanished)
-  ends the run after about `runtime.rpc_timeout` with one line saying what is kept."""
+  ends the run after about `runtime.rpc_timeout`, once (not once per RPC TFF had pending on
+  it), with one line saying what is kept."""
   [w] = workers(1)
   out = str(tmp_path)
   proc = Program('pipelines.run', *FEDAVG, *_binding([w]),
-                 '--gin_bindings=runtime.rpc_timeout = 5.0',
+                 '--gin_bindings=runtime.rpc_timeout = 10.0',
                  '--gin_bindings=experiment.rounds = 50', f'--output_dir={out}')
   _wait_for_round(out, proc, 1)
   frozen = [w.proc.pid] + [int(p) for p in subprocess.run(
@@ -172,7 +173,8 @@ def test_silent_worker_is_declared_lost_within_the_rpc_deadline(workers, tmp_pat
   finally:
     for pid in frozen:
       os.kill(pid, signal.SIGCONT)
-  assert time.monotonic() - start < 30  # 5 s deadline, plus the round that was running.
+  # One 10 s deadline, plus the round that was running and the run's end (it took three).
+  assert time.monotonic() - start < 20
   line = assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, '',
                                                            stderr),
                                w.address, 'was lost', 'checkpointed', '--resume')

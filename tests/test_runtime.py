@@ -170,6 +170,65 @@ def test_the_default_rpc_deadline_follows_the_rounds(tff_runtime):
     tff.framework.set_default_context(tff_runtime.context)
 
 
+def test_a_hung_worker_is_lost_after_one_deadline_of_the_documented_rule(tff_runtime,
+                                                                         monkeypatch):
+  """10 x the slowest round, at least `RPC_TIMEOUT_FLOOR_S` (2 s here, not 5 minutes), once:
+  the call that waits that long loses the worker, and the calls TFF still has pending on it
+  (the round's other values, its disposals) fail at once instead of waiting a deadline each
+  (a hung worker of 0.15-s rounds was lost after 601.6 s, two deadlines)."""
+  import threading  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  from concurrent import futures  # pylint: disable=g-import-not-at-top
+
+  import grpc  # pylint: disable=g-import-not-at-top
+  from tensorflow_federated.proto.v0 import executor_pb2  # pylint: disable=g-import-not-at-top
+
+  from fltff.runtime import local  # pylint: disable=g-import-not-at-top
+
+  release = threading.Event()
+
+  def hang(request, context):
+    del request, context
+    release.wait(30)  # A stopped worker: connected, never answering.
+    return b''
+
+  class Hung(grpc.GenericRpcHandler):
+
+    def service(self, handler_call_details):
+      return grpc.unary_unary_rpc_method_handler(hang)
+
+  server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[Hung()])
+  port = server.add_insecure_port('127.0.0.1:0')
+  server.start()
+  monkeypatch.setattr(local, 'RPC_TIMEOUT_FLOOR_S', 2.0)
+  channel = grpc.insecure_channel(f'127.0.0.1:{port}')
+  stub_class = local._fail_fast_stub_class()  # pylint: disable=protected-access
+  stub = stub_class(channel, f'127.0.0.1:{port}', local.FIRST_RPC_TIMEOUT_S)
+  runtime = TffRuntime(executor='auto')  # Its deadline rule, over this stub (no context).
+  runtime._stubs = [stub]  # pylint: disable=protected-access
+  try:
+    runtime.after_round(1, 0.15)
+    assert runtime.rpc_timeout == stub._rpc_timeout == 2.0  # pylint: disable=protected-access
+    seconds = []
+    for call in (lambda: stub.create_value(executor_pb2.CreateValueRequest()),
+                 lambda: stub.create_value(executor_pb2.CreateValueRequest()),
+                 lambda: stub.compute(executor_pb2.ComputeRequest())):
+      start = time.monotonic()
+      with pytest.raises(local.WorkerLostError, match='DEADLINE_EXCEEDED'):
+        call()
+      seconds.append(time.monotonic() - start)
+    start = time.monotonic()
+    assert stub.dispose_executor(executor_pb2.DisposeExecutorRequest()) is None
+    seconds.append(time.monotonic() - start)
+    assert 1.9 < seconds[0] < 10 and max(seconds[1:]) < 0.5, seconds
+  finally:
+    release.set()
+    runtime.close()
+    channel.close()
+    server.stop(grace=None)
+    tff.framework.set_default_context(tff_runtime.context)
+
+
 # A signal handler that stops the main thread's wait, as the workers' SIGTERM handlers do; a
 # timer signal every 2 ms makes the handler land inside the wait's own code many times.
 _STOP_IN_A_HANDLER = '''

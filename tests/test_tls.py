@@ -11,6 +11,7 @@ itself is gRPC's).
 import datetime
 import ipaddress
 import os
+import socket
 import time
 
 import grpc
@@ -73,6 +74,8 @@ def pki(tmp_path_factory):
                            ('rogue', 'rogue-ca', False)):
     key = _key()
     _write(folder, name, _cert(name, key, ca, made[ca][1], server=server), key)
+  with open(os.path.join(folder, 'garbage.pem'), 'w') as f:
+    f.write('-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n')
   return lambda name: os.path.join(folder, name)
 
 
@@ -184,23 +187,21 @@ def test_a_second_forwarder_on_a_port_in_use_is_refused():
   port = portpicker.pick_unused_port()
   first, _ = serve_forwarder(f'[::]:{port}', '127.0.0.1:9')
   try:
-    with pytest.raises(ConfigError, match=f'Cannot listen on \\[::\\]:{port} \\(port in use'):
+    with pytest.raises(ConfigError,
+                       match=f'Cannot listen on \\[::\\]:{port}: port {port} is in use'):
       serve_forwarder(f'[::]:{port}', '127.0.0.1:9')
   finally:
     first.stop(grace=None)
 
 
 def test_a_key_that_is_not_the_certificates_is_one_clear_refusal(pki):
-  import portpicker  # pylint: disable=g-import-not-at-top
-
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from fltff.runtime.tls import serve_forwarder  # pylint: disable=g-import-not-at-top
   from fltff.runtime.tls import server_credentials  # pylint: disable=g-import-not-at-top
 
-  credentials = server_credentials(pki('worker.pem'), pki('driver.key'), pki('drivers-ca.pem'))
-  port = portpicker.pick_unused_port()
-  with pytest.raises(ConfigError, match='--tls_cert and --tls_key are not one pair'):
-    serve_forwarder(f'[::]:{port}', '127.0.0.1:9', credentials)
+  # Checked with Python's ssl before gRPC sees the files (gRPC would log its own lines).
+  with pytest.raises(ConfigError, match='--tls_key .*driver.key is not the private key of '
+                                        '--tls_cert .*worker.pem'):
+    server_credentials(pki('worker.pem'), pki('driver.key'), pki('drivers-ca.pem'))
 
 
 def test_a_driver_that_goes_away_mid_call_leaves_no_traceback_in_the_relay(caplog):
@@ -248,3 +249,85 @@ def test_a_driver_that_goes_away_mid_call_leaves_no_traceback_in_the_relay(caplo
   noise = [r for r in caplog.records if 'iterating requests' in r.getMessage()
            or (r.exc_info and r.levelname in ('ERROR', 'CRITICAL'))]
   assert not noise, [r.getMessage() for r in noise]
+
+
+def _alone(result, *fragments) -> str:
+  """The one `error:` line (`assert_one_line_error`), with nothing before or after it on stderr
+  (no `E1129 ...` line of gRPC's C core)."""
+  line = assert_one_line_error(result, *fragments)
+  assert result.stderr.strip() == line, result.stderr[-3000:]
+  return line
+
+
+@pytest.mark.parametrize('cert,key,client_ca,message', [
+    ('worker.pem', 'driver.key', 'drivers-ca.pem', 'is not the private key of --tls_cert'),
+    ('garbage.pem', 'worker.key', 'drivers-ca.pem', 'garbage.pem is not a PEM certificate'),
+    ('worker.pem', 'garbage.pem', 'drivers-ca.pem', 'garbage.pem is not an unencrypted PEM '
+                                                    'private key'),
+    ('worker.pem', 'worker.key', 'garbage.pem', 'garbage.pem is not a PEM CA certificate'),
+])
+def test_a_worker_with_bad_tls_files_says_which_in_one_line_alone(cert, key, client_ca, message,
+                                                                  pki):
+  result = run_program('fltff.runtime.worker', '--port=0', f'--tls_cert={pki(cert)}',
+                       f'--tls_key={pki(key)}', f'--tls_client_ca={pki(client_ca)}',
+                       timeout=120)
+  line = _alone(result, message)
+  assert 'port in use' not in line
+
+
+@pytest.mark.parametrize('mode', ['mutual TLS', 'plaintext'])
+def test_a_worker_on_a_port_in_use_is_one_line_alone(mode, pki):
+  with socket.create_server(('', 0)) as taken:  # Listens on every interface, as a worker would.
+    port = taken.getsockname()[1]
+    tls = (['--insecure_plaintext'] if mode == 'plaintext' else
+           [f'--tls_cert={pki("worker.pem")}', f'--tls_key={pki("worker.key")}',
+            f'--tls_client_ca={pki("drivers-ca.pem")}'])
+    result = run_program('fltff.runtime.worker', f'--port={port}', *tls, timeout=120)
+  _alone(result, f'port {port} is in use')
+
+
+@pytest.mark.parametrize('port', ['99999', '65536', '-1'])
+def test_a_worker_port_out_of_range_is_one_line(port):
+  # A port over 65535 used to be wrapped (99999 listened on 34463) without a word.
+  result = run_program('fltff.runtime.worker', f'--port={port}', '--insecure_plaintext',
+                       timeout=60)
+  _alone(result, f'--port={port}', 'from 1 to 65535 (0: any free port)')
+
+
+def _connect(pki, address, tmp_path, *bindings):
+  """A run against `address` (connect_timeout 120 s): its result and seconds taken."""
+  start = time.monotonic()
+  result = run_pipeline(*FEDAVG, f"--gin_bindings=runtime.workers = ['{address}']",
+                        '--gin_bindings=runtime.connect_timeout = 120', *bindings,
+                        f'--output_dir={tmp_path}')
+  return result, time.monotonic() - start
+
+
+@pytest.mark.parametrize('client,message', [
+    ('untrusted CA', "its certificate is not signed by runtime.tls_ca_file's CA"),
+    ('rogue certificate', "it refused this driver's certificate"),
+    ('plaintext', 'it expects mutual TLS'),
+])
+def test_a_driver_the_worker_refuses_is_told_why_at_once(client, message, pki, worker,
+                                                         tmp_path):
+  """Not after `runtime.connect_timeout` as a worker that "did not answer": gRPC's status
+  names the failed handshake at the first attempt."""
+  files = {'untrusted CA': ('rogue-ca.pem', 'driver.pem', 'driver.key'),
+           'rogue certificate': ('workers-ca.pem', 'rogue.pem', 'rogue.key')}.get(client)
+  bindings = (['--gin_bindings=runtime.insecure_plaintext = True'] if files is None else
+              [f"--gin_bindings=runtime.tls_{name}_file = '{pki(path)}'"
+               for name, path in zip(('ca', 'cert', 'key'), files)])
+  result, seconds = _connect(pki, worker.address, tmp_path, *bindings)
+  _alone(result, f'TFF worker at {worker.address}', message)
+  assert seconds < 60, seconds
+
+
+def test_a_tls_driver_on_a_plaintext_worker_is_told_so_at_once(pki, tmp_path):
+  plaintext = Worker()
+  try:
+    result, seconds = _connect(pki, plaintext.address, tmp_path,
+                               *_tls_bindings(pki, plaintext)[1:])
+  finally:
+    plaintext.stop()
+  _alone(result, 'does not speak TLS', '--insecure_plaintext')
+  assert seconds < 60, seconds

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import _thread
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -239,19 +240,25 @@ def _fail_fast_stub_class():
       self._stub = executor_pb2_grpc.ExecutorGroupStub(channel)
       self.address = address
       self._rpc_timeout = rpc_timeout
+      self.lost = None  # The status code that lost the worker: later calls fail at once.
 
     def _call(self, method: str, request):
-      try:
-        return getattr(self._stub, method)(request, timeout=self._rpc_timeout)
-      except grpc.RpcError as e:
-        code = e.code() if isinstance(e, grpc.Call) else None
-        if code in _LOST_CODES:
-          if method.startswith('Dispose'):
-            # Nothing to free on a lost worker; TFF disposes from garbage-collection
-            # finalizers, where an error would print a traceback at exit.
-            return None
-          raise WorkerLostError(self.address, code.name) from None
-        raise
+      # Once one call found the worker lost, the others fail at once: TFF's tasks still pending
+      # (the round's other values) and its disposals would each wait a deadline of their own,
+      # so a hung worker was lost after several deadlines instead of one.
+      if self.lost is None:
+        try:
+          return getattr(self._stub, method)(request, timeout=self._rpc_timeout)
+        except grpc.RpcError as e:
+          code = e.code() if isinstance(e, grpc.Call) else None
+          if code not in _LOST_CODES:
+            raise
+          self.lost = code.name
+      if method.startswith('Dispose'):
+        # Nothing to free on a lost worker; TFF disposes from garbage-collection finalizers,
+        # where an error would print a traceback at exit.
+        return None
+      raise WorkerLostError(self.address, self.lost) from None
 
   # TFF's stub methods, each the RPC of its name in CamelCase through `_call`.
   for name in ('get_executor', 'create_value', 'create_struct', 'create_call', 'create_selection',
@@ -271,16 +278,69 @@ def _connect_stub(address: str, timeout: float, rpc_timeout: float,
     options = list(_GRPC_OPTIONS) + ([('grpc.ssl_target_name_override', server_name)]
                                      if server_name else [])
     channel = grpc.secure_channel(address, credentials, options)
+  deadline = time.monotonic() + timeout
+  ready = grpc.channel_ready_future(channel)
+  detail = ''
   try:
-    grpc.channel_ready_future(channel).result(timeout=timeout)
-  except grpc.FutureTimeoutError as e:
+    while True:
+      try:
+        ready.result(timeout=max(min(1.0, deadline - time.monotonic()), 0.0))
+        break
+      except grpc.FutureTimeoutError:
+        pass
+      detail = _connection_error(channel)
+      refusal = _refusal(detail, tls=credentials is not None)
+      if refusal:
+        raise RuntimeUnavailableError(f'TFF worker at {address} {refusal}')
+      if time.monotonic() >= deadline:
+        raise RuntimeUnavailableError(
+            f'TFF worker at {address} did not answer within {timeout:.0f} s'
+            f'{f" ({detail})" if detail else ""}; is `python -m fltff.runtime.worker '
+            '--port=...` running there and the port open?')
+  except RuntimeUnavailableError:
+    ready.cancel()
     channel.close()
-    raise RuntimeUnavailableError(
-        f'TFF worker at {address} did not answer within {timeout:.0f} s; is '
-        f'`python -m fltff.runtime.worker --port=...` running there and the port open'
-        f'{" (and are the TLS certificates the pair the worker expects?)" if credentials else ""}'
-        f'?') from e
+    raise
   return channel, _fail_fast_stub_class()(channel, address, rpc_timeout)
+
+
+def _connection_error(channel: grpc.Channel) -> str:
+  """gRPC's last error connecting `channel` ('' if none): the detail of an RPC that does not
+  wait for the connection (any method: a worker answers UNIMPLEMENTED once connected)."""
+  try:
+    channel.unary_unary('/fltff.Probe/Connect')(b'', timeout=1.0, wait_for_ready=False)
+  except grpc.RpcError as e:
+    if isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.UNAVAILABLE:
+      detail = e.details() or ''
+      return detail.split('last error: ', 1)[-1]
+  return ''
+
+
+def _refusal(detail: str, tls: bool) -> Optional[str]:
+  """What a connection error of gRPC's says about TLS, as the end of a sentence on the worker;
+  None unless it is a TLS failure, which no wait mends."""
+  text = detail.lower()
+  if 'certificate_verify_failed' in text:
+    return ("failed the TLS handshake: its certificate is not signed by runtime.tls_ca_file's "
+            f'CA, or has expired ({detail}).')
+  if 'peer name' in text:
+    return ('failed the TLS handshake: its certificate does not name the host dialled; set '
+            f'runtime.tls_server_name to a name it holds ({detail}).')
+  if 'wrong_version_number' in text:
+    return ('does not speak TLS: it was started with --insecure_plaintext (then set '
+            'runtime.insecure_plaintext = True, on a trusted network only) or is no fltff '
+            f'worker ({detail}).')
+  if 'socket closed' in text:
+    if tls:
+      return ("closed the connection at the TLS handshake: it refused this driver's "
+              "certificate (runtime.tls_cert_file is not signed by the worker's "
+              '--tls_client_ca).')
+    return ('closed the plaintext connection at once: it expects mutual TLS (a fltff worker '
+            'started without --insecure_plaintext); set runtime.tls_ca_file, '
+            'runtime.tls_cert_file and runtime.tls_key_file.')
+  if 'handshake' in text or 'ssl' in text:
+    return f'failed the TLS handshake ({detail}).'
+  return None
 
 
 _COMPILED = weakref.WeakKeyDictionary()
@@ -750,26 +810,89 @@ def install_signal_handlers(
   Returns the `StopSignal` the first sets. A second runs its `before_exit` callables, then
   `on_second(signum)` (which may end the process with `os._exit`: an exception raised inside
   TFF's asyncio/gRPC machinery or a GC callback can be swallowed), else raises `StopNow`.
+
+  Python runs a handler only when the main thread runs Python: while TensorFlow computes a
+  round there (the in-process executor), two signals would merge into one late call. So every
+  signal is counted as it arrives, on a thread of its own (`_SignalThread`); the second is
+  acted on by the main thread if it answers within `SECOND_SIGNAL_GRACE_S`, else by that thread
+  (with `on_second`; without one, `StopNow` waits for the main thread).
   """
   stop = StopSignal()
+  received = []  # Signals counted so far.
+  acting = threading.Lock()  # Taken once, by whichever thread acts on the second signal.
+
+  def second(signum: int, main_thread: bool) -> None:
+    if not acting.acquire(blocking=False):
+      return
+    for save in list(stop.before_exit):
+      try:
+        save()
+      except Exception as e:  # pylint: disable=broad-except
+        warn(f'could not checkpoint the last completed round: {type(e).__name__}: {e}')
+    if on_second is not None:
+      on_second(signum)
+    if main_thread:
+      raise StopNow(128 + signum)
+    acting.release()  # `StopNow` is the main thread's to raise, when it runs Python again.
+    _thread.interrupt_main(signum)
+
+  def counted(signum: int) -> None:  # On the signal thread, once per signal.
+    received.append(signum)
+    if len(received) == 1:
+      stop.set()
+      warn(f'signal {signum}: stopping after the current round (send it again to stop at '
+           'once).')
+    elif len(received) == 2:
+      _thread.interrupt_main(signum)  # Runs `handler` if the main thread runs Python.
+      deadline = time.monotonic() + SECOND_SIGNAL_GRACE_S
+      while time.monotonic() < deadline and not acting.locked():
+        time.sleep(0.01)
+      if not acting.locked():
+        second(signum, main_thread=False)
 
   def handler(signum, frame):  # pylint: disable=unused-argument
-    if stop.is_set():
-      for save in list(stop.before_exit):
-        try:
-          save()
-        except Exception as e:  # pylint: disable=broad-except
-          warn(f'could not checkpoint the last completed round: {type(e).__name__}: {e}')
-      if on_second is not None:
-        on_second(signum)
-      raise StopNow(128 + signum)
-    stop.set()
-    warn(f'signal {signum}: stopping after the current round (send it again to stop at once).')
+    if len(received) >= 2:
+      second(signum, main_thread=True)
 
   if threading.current_thread() is threading.main_thread():
+    _SignalThread.start(counted, handler)
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
   return stop
+
+
+# How long a second signal waits for the main thread to act on it, before its own thread does.
+SECOND_SIGNAL_GRACE_S = 1.0
+
+
+class _SignalThread:
+  """One daemon thread reading the signals' wakeup fd (`signal.set_wakeup_fd`), to which the
+  C-level handler writes every signal's number as it arrives, whatever the main thread does;
+  it passes each to the latest `install_signal_handlers`' `counted` while that one's handler
+  is installed."""
+
+  _write_fd: Optional[int] = None
+  _pid: Optional[int] = None  # A forked child has the fd but not the thread.
+  _target: tuple = (None, None)
+
+  @classmethod
+  def start(cls, counted: Callable[[int], None], handler) -> None:
+    cls._target = (counted, handler)
+    if cls._pid != os.getpid():
+      cls._pid = os.getpid()
+      read_fd, cls._write_fd = os.pipe()
+      os.set_blocking(cls._write_fd, False)
+      threading.Thread(target=cls._run, args=(read_fd,), name='fltff-signals',
+                       daemon=True).start()
+    signal.set_wakeup_fd(cls._write_fd, warn_on_full_buffer=False)
+
+  @classmethod
+  def _run(cls, read_fd: int) -> None:
+    while True:
+      for signum in os.read(read_fd, 64):
+        counted, handler = cls._target
+        if counted is not None and signal.getsignal(signum) is handler:
+          counted(signum)
 
 
 def wait_for_exit(pid: int, timeout: float = 10.0) -> bool:

@@ -14,6 +14,9 @@ byte; clients without a certificate signed by the worker's client CA fail the TL
 
 from __future__ import annotations
 
+import errno
+import socket
+import ssl
 from typing import Optional
 
 import grpc
@@ -29,9 +32,36 @@ def _read(path: str, what: str) -> bytes:
     raise ConfigError(f'Cannot read the {what} {path}: {e.strerror}.') from None
 
 
+def check_tls_files(cert: tuple[str, str], key: tuple[str, str], ca: tuple[str, str]) -> None:
+  """Raises `ConfigError` naming the setting (each a `(setting, path)`) unless `cert` holds a
+  PEM certificate, `key` its unencrypted PEM private key and `ca` a PEM CA certificate: checked
+  with Python's `ssl` before gRPC sees them (gRPC logs its own lines and says only that it
+  cannot listen or connect)."""
+  for (name, path), what in ((cert, 'certificate'), (key, 'private key'),
+                             (ca, 'CA certificate')):
+    _read(path, f'{what} ({name})')
+  context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+  for (name, path), what in ((cert, 'a PEM certificate'), (ca, 'a PEM CA certificate')):
+    try:
+      context.load_verify_locations(cafile=path)
+    except ssl.SSLError:
+      raise ConfigError(f'{name} {path} is not {what}.') from None
+  try:
+    # A password callback: an encrypted key fails here instead of prompting on the terminal.
+    context.load_cert_chain(cert[1], key[1], password=lambda: b'')
+  except ssl.SSLError as e:
+    if e.reason == 'KEY_VALUES_MISMATCH':
+      raise ConfigError(f'{key[0]} {key[1]} is not the private key of {cert[0]} {cert[1]}: '
+                        'pass the key the certificate was issued for.') from None
+    raise ConfigError(f'{key[0]} {key[1]} is not an unencrypted PEM private key.') from None
+
+
 def server_credentials(cert_file: str, key_file: str,
                        client_ca_file: str) -> grpc.ServerCredentials:
-  """mTLS server credentials, requiring client certificates signed by `client_ca_file`."""
+  """mTLS server credentials, requiring client certificates signed by `client_ca_file`; the
+  files are the worker's `--tls_cert`, `--tls_key`, `--tls_client_ca` (`check_tls_files`)."""
+  check_tls_files(('--tls_cert', cert_file), ('--tls_key', key_file),
+                  ('--tls_client_ca', client_ca_file))
   return grpc.ssl_server_credentials(
       [(_read(key_file, 'TLS key'), _read(cert_file, 'TLS certificate'))],
       root_certificates=_read(client_ca_file, 'client CA certificate'),
@@ -40,11 +70,50 @@ def server_credentials(cert_file: str, key_file: str,
 
 def channel_credentials(ca_file: str, cert_file: str,
                         key_file: str) -> grpc.ChannelCredentials:
-  """mTLS client credentials: trust `ca_file` for the worker; present our certificate."""
+  """mTLS client credentials: trust `ca_file` for the worker; present our certificate (the
+  driver's `runtime.tls_*` files, `check_tls_files`)."""
+  check_tls_files(('runtime.tls_cert_file', cert_file), ('runtime.tls_key_file', key_file),
+                  ('runtime.tls_ca_file', ca_file))
   return grpc.ssl_channel_credentials(
       root_certificates=_read(ca_file, 'CA certificate'),
       private_key=_read(key_file, 'TLS key'),
       certificate_chain=_read(cert_file, 'TLS certificate'))
+
+
+def check_can_listen(listen: str) -> None:
+  """Raises `ConfigError` unless this process can listen on `listen` (`host:port`, `[::]:port`)
+  now: bound and closed at once, as gRPC binds (SO_REUSEADDR, not SO_REUSEPORT), so a port in
+  use is named as such before gRPC (or `worker_binary`) logs its own failure."""
+  host, _, port = listen.rpartition(':')
+  host = host.strip('[]')
+  if not port.isdigit() or int(port) == 0:
+    return  # Any free port.
+  try:
+    infos = [(family, address) for family, _, _, _, address in socket.getaddrinfo(
+        host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)]
+  except socket.gaierror as e:
+    raise ConfigError(f'Cannot listen on {listen}: {e.strerror}.') from None
+  if host in ('', '::'):  # gRPC falls back to IPv4 on a host without IPv6.
+    infos.append((socket.AF_INET, ('0.0.0.0', int(port))))
+  error = None
+  for family, address in infos:
+    try:
+      with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(address)
+        return
+    except OSError as e:
+      if e.errno in (errno.EADDRINUSE, errno.EACCES):
+        error = e
+        break
+      error = error or e  # E.g. no IPv6 on this host: the next address may do.
+  if error.errno == errno.EADDRINUSE:
+    reason = f'port {port} is in use (another program listens there); choose another --port'
+  elif error.errno == errno.EACCES:
+    reason = f'port {port} needs privileges this user lacks; choose a port above 1023'
+  else:
+    reason = error.strerror or str(error)
+  raise ConfigError(f'Cannot listen on {listen}: {reason}.')
 
 
 class _Relay(grpc.GenericRpcHandler):
@@ -100,6 +169,8 @@ def serve_forwarder(listen: str, upstream: str,
   server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                        handlers=[_Relay(channel)],
                        options=_MESSAGE_OPTIONS + [('grpc.so_reuseport', 0)])
+  if not listen.startswith('unix:'):
+    check_can_listen(listen)
   try:
     if credentials is None:
       port = server.add_insecure_port(listen)
@@ -108,7 +179,8 @@ def serve_forwarder(listen: str, upstream: str,
   except RuntimeError:  # gRPC's "Failed to bind to address".
     port = 0
   if not listen.startswith('unix:') and port == 0:
-    pair = '' if credentials is None else ', or --tls_cert and --tls_key are not one pair'
-    raise ConfigError(f'Cannot listen on {listen} (port in use or not allowed{pair}).')
+    # Checked just above: another program took the port since, or gRPC refused the address.
+    raise ConfigError(f'Cannot listen on {listen} (gRPC could not bind it; is the port still '
+                      'free?).')
   server.start()
   return server, port

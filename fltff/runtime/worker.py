@@ -28,10 +28,14 @@ from fltff.runtime.local import IsolatedWorker
 from fltff.runtime.local import StopSignal
 from fltff.runtime.local import WorkerProcess
 from fltff.runtime.local import release_default_context
+from fltff.runtime.tls import check_can_listen
 from fltff.runtime.tls import serve_forwarder
 from fltff.runtime.tls import server_credentials
 
-_PORT = flags.DEFINE_integer('port', 8000, 'Port the worker listens on (all interfaces).')
+_PORT = flags.DEFINE_integer('port', 8000, 'Port the worker listens on (all interfaces), 1 to '
+                             '65535; 0: any free port (printed).')
+flags.register_validator('port', lambda port: 0 <= port <= 65535,
+                         message='a port is a number from 1 to 65535 (0: any free port)')
 _MAX_CALLS = flags.DEFINE_integer('max_concurrent_computation_calls', -1,
                                   'Passed to worker_binary; <= 0 means no limit.')
 _LOG = flags.DEFINE_string('log_file', None, 'Worker log (default: a temp file, printed).')
@@ -56,6 +60,7 @@ def _wait(stop: StopSignal, alive, what: str, log: str) -> int:
 
 
 def _plaintext(stop: StopSignal) -> int:
+  check_can_listen(f'[::]:{_PORT.value}')  # Named before worker_binary starts and fails.
   worker = WorkerProcess(port=_PORT.value, host=socket.gethostname(),
                          max_concurrent_computation_calls=_MAX_CALLS.value,
                          log_path=_LOG.value)
@@ -74,6 +79,7 @@ def _secure(stop: StopSignal) -> int:
                       '--tls_client_ca (README, "Running on several machines"), or '
                       '--insecure_plaintext on a trusted network (see --help).')
   credentials = server_credentials(_TLS_CERT.value, _TLS_KEY.value, _TLS_CLIENT_CA.value)
+  check_can_listen(f'[::]:{_PORT.value}')  # Before the isolated worker starts (seconds).
   try:
     inner = IsolatedWorker(max_concurrent_computation_calls=_MAX_CALLS.value,
                            log_path=_LOG.value)

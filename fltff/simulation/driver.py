@@ -13,6 +13,7 @@ import math
 import numbers
 import os
 import resource
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -365,6 +366,10 @@ class RoundDriver:
     self._last_saved = start_round - 1
     self._last_good = (start_round - 1, state)
     self._consistent = True
+    # Held by `save_completed`, which a second signal may run on another thread while this
+    # one computes: a round's recording waits for that save instead of changing the store
+    # under it (re-entrant: the signal handler may run in this thread inside `_recording`).
+    self._save_lock = threading.RLock()
     before_exit = getattr(self.stop_event, 'before_exit', None)
     if before_exit is not None:
       before_exit.append(self.save_completed)
@@ -381,7 +386,7 @@ class RoundDriver:
         state = new_state
         # From here until round r is recorded, the client store holds round r's states and
         # the last completed round is r - 1: no checkpoint can pair them.
-        self._consistent = False
+        self._recording()
         self.client_states.set_many(client_states, r)
         arrays = self._round_arrays
         if r % cfg.eval_every == 0 or r == cfg.rounds:
@@ -403,7 +408,7 @@ class RoundDriver:
         self.outputs.log_scalars(row)
         self.outputs.write_rows(self.rows)
         if r % cfg.checkpoint_every == 0 or r == cfg.rounds:
-          self._consistent = False
+          self._recording()
           self.save(r, state)
           self._last_saved = r
           self._consistent = True
@@ -434,17 +439,24 @@ class RoundDriver:
       self.client_states.close()
     return self.summary()
 
+  def _recording(self) -> None:
+    """Marks the client store and the last completed round as not to be paired (a round being
+    recorded or checkpointed); first waits for a `save_completed` in progress."""
+    with self._save_lock:
+      self._consistent = False
+
   def save_completed(self) -> None:
     """Checkpoints the last completed round unless it is already (a second signal's
-    `StopSignal.before_exit`); a no-op while a round is being recorded."""
-    if not self._consistent or self._last_good[0] <= self._last_saved:
-      return
-    self._consistent = False
-    try:
-      self.save(*self._last_good)
-      self._last_saved = self._last_good[0]
-    finally:
-      self._consistent = True
+    `StopSignal.before_exit`, on any thread); a no-op while a round is being recorded."""
+    with self._save_lock:
+      if not self._consistent or self._last_good[0] <= self._last_saved:
+        return
+      self._consistent = False
+      try:
+        self.save(*self._last_good)
+        self._last_saved = self._last_good[0]
+      finally:
+        self._consistent = True
 
   @property
   def headline_column(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import json
 import math
 import os
@@ -97,6 +98,20 @@ def prepare_output_dir(output_dir: str, resume: bool) -> bool:
       f.write('ok')
     os.remove(probe)
   except OSError as e:
+    # Nothing is left behind: the folders this call made (e.g. those `makedirs` made before a
+    # path too long to create) go, deepest first, up to `top`; one not empty stays.
+    folder = os.path.abspath(output_dir)
+    while created:
+      try:
+        os.rmdir(folder)
+      except (FileNotFoundError, NotADirectoryError):
+        pass  # Never made: the path ran out deeper.
+      except OSError as cause:
+        if cause.errno != errno.ENAMETOOLONG:
+          break  # Not empty, or not ours to remove.
+      if folder == top or len(folder) <= len(top):
+        break
+      folder = os.path.dirname(folder)
     raise ConfigError(f'Cannot write to --output_dir {output_dir} ({e.strerror or e}); choose '
                       'a writable folder.') from None
   _lock(output_dir)
