@@ -16,9 +16,13 @@ PYTEST_ARGS ?=
 # Tests are handed out one at a time, the long ones first; the tests of one expensive shared
 # fixture (a finished run, an installed wheel) go to one process (tests/conftest.py).
 PYTEST_WORKERS ?= 3
+GPU_STAMP := $(VENV)/.fltff-gpu-installed
+# Flags of `python -m pipelines.gpu_check`, e.g. GPU_CHECK_ARGS='--bench_rounds=2'.
+GPU_CHECK_ARGS ?=
 
-.PHONY: setup quickstart test bench clean-venv
+.PHONY: setup setup-gpu quickstart test bench gpu-check clean-venv
 setup: $(EDITABLE)
+setup-gpu: $(GPU_STAMP)
 
 # TFF 0.87.0 pins jax/jaxlib 0.4.14, for which no Python 3.11 wheel exists. We install the
 # rest of the pinned set (with jax/jaxlib 0.4.13) and then TFF itself with --no-deps.
@@ -41,6 +45,13 @@ $(EDITABLE): $(STAMP) pyproject.toml
 	$(VPY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $(EDITABLE)
 
+# The GPU build: the tensorflow 2.14.1 wheel above already is one; this adds the CUDA 11.8 and
+# cuDNN 8.7 libraries it was built against, as pip wheels (requirements-gpu.txt: the pins of
+# TF's own `and-cuda` extra but TensorRT, about 2 GB). The constraints keep the pinned stack.
+$(GPU_STAMP): $(EDITABLE) requirements-gpu.txt
+	$(VPY) -m pip install -q --disable-pip-version-check -r requirements-gpu.txt -c requirements.txt
+	@touch $(GPU_STAMP)
+
 quickstart: setup
 	$(VENV)/bin/fltff run --gin_file=gin_configs/quickstart.gin --output_dir=$(OUTPUT_DIR)
 
@@ -49,6 +60,11 @@ test: setup
 
 bench: setup
 	$(VPY) -m pipelines.bench
+
+# On a GPU machine: the device TensorFlow sees, the tests marked gpu, and vectorised FedAvg
+# rounds on the GPU against this machine's CPU (pipelines/gpu_check.py).
+gpu-check: setup-gpu
+	$(VPY) -m pipelines.gpu_check $(GPU_CHECK_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

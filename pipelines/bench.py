@@ -11,6 +11,10 @@ r"""Round-time benchmarks, always as ratios against a baseline measured in the s
       FedAvg rounds of TFF's built-in `build_weighted_fed_avg`, of fltff on TFF's C++ runtime, on
       the in-process executor (`runtime.executor`) and with vectorised clients
       (`experiment.client_work`), as ratios to the built-in.
+  python -m pipelines.bench --executors --executor_baseline=fltff_vectorized_cpu
+      --executor_variants=fltff_vectorized_gpu --executor_methods=
+      vectorised FedAvg rounds on the GPU as ratios to the same rounds on this machine's CPU
+      (what `python -m pipelines.gpu_check` runs).
   python -m pipelines.bench --runtimes [--clients_list=10,50,100 --examples=100]
       a FedAvg round on 1 and 2 remote TFF workers (started here, on loopback) vs the local
       runtime, for each number of clients per round.
@@ -29,12 +33,14 @@ rounds and their ratio are printed. Data are random MNIST-shaped uint8 images (s
 does not depend on pixel values, and no download is needed.
 """
 
+import contextlib
 import functools
 import itertools
 import os
 import statistics
 import sys
 import time
+from typing import Sequence
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
@@ -82,11 +88,21 @@ _EXECUTOR_SHAPES = flags.DEFINE_list('executor_shapes', ['mlp2:10x600', 'mlp2:10
 _EXECUTOR_VARIANTS = flags.DEFINE_list(
     'executor_variants', ['fltff_tff_cpp', 'fltff_in_process', 'fltff_vectorized',
                           'one_model_floor'],
-    "For --executors: the fltff variants to time beside TFF's built-in (e.g. one at a time, "
+    "For --executors: the fltff variants to time beside the baseline (e.g. one at a time, "
     'for the peak RSS of that variant alone), fltff_vectorized_one_group: vectorised with every '
-    'client padded to the longest (no groups of unequal clients), and one_model_floor: one model '
+    'client padded to the longest (no groups of unequal clients), fltff_vectorized_cpu and '
+    "fltff_vectorized_gpu: vectorised on '/CPU:0' or '/GPU:0' (fltff_vectorized: TensorFlow's "
+    'choice, the GPU where it sees one), and one_model_floor: one model '
     "trained on every client's batch at once, no per-client weights (the arithmetic's floor, "
     'not FL).')
+_EXECUTOR_BASELINE = flags.DEFINE_string(
+    'executor_baseline', 'tff_builtin',
+    "For --executors: the column every ratio is to, timed first: tff_builtin (TFF's "
+    "build_weighted_fed_avg on TFF's C++ runtime) or one of the variants (TFF's built-in and the "
+    'PyTorch reference columns are then not timed).')
+_EXECUTOR_BUDGET = flags.DEFINE_float(
+    'executor_budget_s', 0.0, 'For --executors: start no further shape once this many seconds '
+    'have passed since the first one started (0: no limit); the table holds the shapes timed.')
 _EXECUTOR_METHODS = flags.DEFINE_list(
     'executor_methods', ['fedlap', 'fedlayerwise', 'kapc'],
     "For --executors: methods (as --compare names them) also timed with vectorised clients "
@@ -321,12 +337,14 @@ def _parse_shape(text: str):
 
 def compare_executors() -> int:
   """Median FedAvg round of TFF's built-in process (C++ runtime), fltff on the C++ runtime,
-  fltff on the in-process executor and fltff with vectorised clients (in-process), alternating,
-  per shape; ratios against TFF's built-in."""
+  fltff on the in-process executor and fltff with vectorised clients (in-process, on the CPU,
+  the GPU or TensorFlow's choice), alternating, per shape; ratios against `--executor_baseline`
+  (TFF's built-in unless told otherwise)."""
   import resource  # pylint: disable=g-import-not-at-top
 
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from fltff.runtime.in_process import InProcessContext  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.local import check_executor  # pylint: disable=g-import-not-at-top
 
   try:
     shapes = [_parse_shape(t) for t in _EXECUTOR_SHAPES.value]
@@ -334,10 +352,15 @@ def compare_executors() -> int:
     print(f'error: {e}', file=sys.stderr)
     return 2
   known = ('fltff_tff_cpp', 'fltff_in_process', 'fltff_vectorized', 'fltff_vectorized_one_group',
-           'one_model_floor')
+           'fltff_vectorized_cpu', 'fltff_vectorized_gpu', 'one_model_floor')
   unknown = [v for v in _EXECUTOR_VARIANTS.value if v not in known]
   if unknown or not _EXECUTOR_VARIANTS.value:
     print(f'error: --executor_variants {unknown or "(empty)"}: choose from {list(known)}',
+          file=sys.stderr)
+    return 2
+  baseline = _EXECUTOR_BASELINE.value
+  if baseline not in ('tff_builtin', *known):
+    print(f'error: --executor_baseline {baseline!r}: tff_builtin or one of {list(known)}',
           file=sys.stderr)
     return 2
   methods = [m for m in _EXECUTOR_METHODS.value if m != 'fedavg']
@@ -346,44 +369,62 @@ def compare_executors() -> int:
     print(f'error: --executor_methods {unknown}: choose from '
           f'{sorted(method_builders(None, 1))}', file=sys.stderr)
     return 2
-  # TFF's built-in is always measured: every ratio is against it. The PyTorch reference
-  # rounds (`pipelines.torch_reference`) join where torch imports; fltff never needs it.
-  torch_styles = torch_reference.STYLES if _torch_importable() else ()
-  names = ('tff_builtin', *[v for v in known if v in _EXECUTOR_VARIANTS.value], *torch_styles,
+  # Where each in-process column runs (`runtime.device`); the others: TensorFlow's choice.
+  variants = [baseline, *_EXECUTOR_VARIANTS.value]
+  devices = {}
+  for v, device in (('fltff_vectorized_cpu', 'cpu'), ('fltff_vectorized_gpu', 'gpu')):
+    if v in variants:
+      try:
+        devices[v] = check_executor('in_process', device)
+      except ConfigError as e:  # No GPU that TensorFlow sees.
+        print(f'error: {v}: {e}', file=sys.stderr)
+        return 2
+  # The baseline is always measured: every ratio is against it. The PyTorch reference rounds
+  # (`pipelines.torch_reference`) join TFF's built-in where torch imports; fltff never needs it.
+  torch_styles = (torch_reference.STYLES if baseline == 'tff_builtin' and _torch_importable()
+                  else ())
+  names = (baseline, *[v for v in known if v in variants and v != baseline], *torch_styles,
            *(f'vectorized:{m}' for m in methods))
   results = []
+  start = time.perf_counter()
   with runtime.local_runtime() as rt:
     cpp_context = rt.context
-    in_process = InProcessContext()
-    contexts = {'tff_builtin': cpp_context, 'fltff_tff_cpp': cpp_context,
-                'fltff_in_process': in_process, 'fltff_vectorized': in_process,
-                'fltff_vectorized_one_group': in_process,
-                'one_model_floor': in_process,
-                **{s: in_process for s in torch_styles},
-                **{f'vectorized:{m}': in_process for m in methods}}
+    in_process = {device: InProcessContext(device=device)
+                  for device in {devices.get(n) for n in names}}
+    contexts = {n: cpp_context if n in ('tff_builtin', 'fltff_tff_cpp')
+                else in_process[devices.get(n)] for n in names}
     for model, clients, examples in shapes:
+      label = f'{model} {clients}x' + '-'.join(str(n) for n in np.atleast_1d(examples))
+      if _EXECUTOR_BUDGET.value and time.perf_counter() - start > _EXECUTOR_BUDGET.value:
+        print(f'{label}: not timed (--executor_budget_s={_EXECUTOR_BUDGET.value:.0f} spent)',
+              flush=True)
+        continue
       shape = input_shape(model)
       keras_fn = functools.partial(build_model, model, input_shape=shape, num_classes=10, seed=0)
       spec = learning.ModelSpec(keras_fn, shape, 10, name=model)
       data = _client_data(clients, examples, shape=shape)
-      label = f'{model} {clients}x' + '-'.join(str(n) for n in np.atleast_1d(examples))
       opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
-      builtin = tff.learning.algorithms.build_weighted_fed_avg(
-          spec.tff_model, client_optimizer_fn=tff.learning.optimizers.build_sgdm(_LR, _MOMENTUM),
-          server_optimizer_fn=tff.learning.optimizers.build_sgdm(1.0))
-      tff.framework.set_default_context(cpp_context)
-      builtin_state = {'state': builtin.initialize()}
+      rounds = {}
+      if 'tff_builtin' in names:
+        builtin = tff.learning.algorithms.build_weighted_fed_avg(
+            spec.tff_model,
+            client_optimizer_fn=tff.learning.optimizers.build_sgdm(_LR, _MOMENTUM),
+            server_optimizer_fn=tff.learning.optimizers.build_sgdm(1.0))
+        tff.framework.set_default_context(cpp_context)
+        builtin_state = {'state': builtin.initialize()}
 
-      def builtin_round(datasets, holder=builtin_state, process=builtin):
-        # TFF's built-in trains one pass over each dataset: --epochs passes are a repeat (a
-        # reshuffling dataset reshuffles on each, as fltff's epochs do).
-        if _EPOCHS.value > 1:
-          datasets = [d.repeat(_EPOCHS.value) for d in datasets]
-        holder['state'] = process.next(holder['state'], datasets).state
+        def builtin_round(datasets, holder=builtin_state, process=builtin):
+          # TFF's built-in trains one pass over each dataset: --epochs passes are a repeat (a
+          # reshuffling dataset reshuffles on each, as fltff's epochs do).
+          if _EPOCHS.value > 1:
+            datasets = [d.repeat(_EPOCHS.value) for d in datasets]
+          holder['state'] = process.next(holder['state'], datasets).state
 
-      rounds = {'tff_builtin': builtin_round}
+        rounds['tff_builtin'] = builtin_round
       builders = method_builders(spec, clients)
-      for name in names[1:]:
+      for name in names:
+        if name == 'tff_builtin':
+          continue
         if name == 'one_model_floor':
           rounds[name] = OneModelFloor(keras_fn, data).round
           continue
@@ -397,12 +438,15 @@ def compare_executors() -> int:
         algorithm = builders[method](opt)
         if name.startswith('fltff_vectorized') or method != 'fedavg':
           try:
-            algorithm.vectorize_clients()  # experiment.client_work = 'vectorised'
+            # experiment.client_work = 'vectorised', on the column's device.
+            algorithm.vectorize_clients(devices.get(name))
           except ConfigError as e:
             print(f'{name} on {model}: not timed ({e})', flush=True)
             continue
-          # Every client padded to the longest: the baseline of the grouping of unequal clients.
-          algorithm.vectorized_work().group_clients = name != 'fltff_vectorized_one_group'
+          if name == 'fltff_vectorized_one_group':
+            # Every client padded to the longest: the baseline of the grouping of unequal
+            # clients (which the others do on a CPU, as `'auto'` does).
+            algorithm.vectorized_work().group_clients = False
         rounds[name] = _round_fn(algorithm, [len(y) for _, y in data])
       measured = [n for n in names if n in rounds]
       times = {n: [] for n in measured}
@@ -410,8 +454,12 @@ def compare_executors() -> int:
         datasets = _round_datasets(data, r)
         for n in (measured if r % 2 == 0 else measured[::-1]):
           tff.framework.set_default_context(contexts[n])
+          # A CPU column's eager ops between its computations (stacking the round's batches)
+          # too, which TensorFlow would otherwise place on a GPU.
+          cpu = devices.get(n) == '/CPU:0'
           t0 = time.perf_counter()
-          rounds[n](datasets)
+          with tf.device('/CPU:0') if cpu else contextlib.nullcontext():
+            rounds[n](datasets)
           times[n].append(time.perf_counter() - t0)
         print(f'{label} round {r + 1}: '
               + ', '.join(f'{n} {times[n][-1]:.3f} s' for n in measured), flush=True)
@@ -422,25 +470,38 @@ def compare_executors() -> int:
   peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
   fedavg_names = [n for n in names if not n.startswith('vectorized:')]
   print(f'\nFedAvg round, batch {_BATCH.value}, {_EPOCHS.value} epoch(s), SGD {_LR} momentum '
-        f'{_MOMENTUM}; median of rounds 2-{_ROUNDS.value}, ratio to TFF\'s built-in:')
-  print(f'  {"shape":18s}' + ''.join(f'{n:>24s}' for n in fedavg_names))
-  for label, med in results:
-    print(f'  {label:18s}' + ''.join(
-        f'{med[n]:>11.3f} s ({med[n] / med["tff_builtin"]:6.3f}x)' if n in med else f'{"-":>24s}'
-        for n in fedavg_names))
+        f'{_MOMENTUM}; median of rounds 2-{_ROUNDS.value}, ratio to {_column(baseline)}:')
+  print('\n'.join(executor_table(results, fedavg_names, baseline)))
   if methods:
-    print('\nOther methods with vectorised clients (in-process), same runs: ratio to TFF\'s '
-          'built-in FedAvg [and to fltff_vectorized FedAvg]:')
+    print(f'\nOther methods with vectorised clients (in-process), same runs: ratio to '
+          f'{_column(baseline)} FedAvg [and to fltff_vectorized FedAvg]:')
     print(f'  {"shape":18s}' + ''.join(f'{m:>32s}' for m in methods))
     for label, med in results:
       ours = med.get('fltff_vectorized')
       print(f'  {label:18s}' + ''.join(
-          (f'{med["vectorized:" + m]:>11.3f} s ({med["vectorized:" + m] / med["tff_builtin"]:6.3f}x'
+          (f'{med["vectorized:" + m]:>11.3f} s ({med["vectorized:" + m] / med[baseline]:6.3f}x'
            + (f' [{med["vectorized:" + m] / ours:5.2f}x])' if ours else ')' + ' ' * 9))
           if 'vectorized:' + m in med else f'{"-":>32s}' for m in methods))
   print(f'  peak RSS of this process (driver + in-process executor): {peak_mib:.0f} MiB; '
         f'worker_binary at the end: {worker_mib:.0f} MiB')
   return 0
+
+
+def executor_table(results: Sequence[tuple[str, dict]], names: Sequence[str],
+                   baseline: str) -> list[str]:
+  """The executors table: a header of `names`, then per `(shape, {name: median seconds})` of
+  `results` each column's seconds and its ratio to the `baseline` column's ('-': not timed)."""
+  lines = [f'  {"shape":18s}' + ''.join(f'{n:>24s}' for n in names)]
+  for label, med in results:
+    lines.append(f'  {label:18s}' + ''.join(
+        f'{med[n]:>11.3f} s ({med[n] / med[baseline]:6.3f}x)' if n in med else f'{"-":>24s}'
+        for n in names))
+  return lines
+
+
+def _column(name: str) -> str:
+  """How the executors table names its baseline column."""
+  return "TFF's built-in" if name == 'tff_builtin' else name
 
 
 def compare_runtimes(spec) -> int:

@@ -4,6 +4,7 @@ import os
 import re
 
 import pytest
+import tensorflow as tf
 
 from helpers import run_program_here
 from launcher import run_program
@@ -53,9 +54,13 @@ def test_bench_executors_prints_ratios_to_tffs_builtin():
 
 def test_bench_executors_refuses_an_unknown_variant_or_method_in_one_line():
   # In this process: the flags are checked before any work.
-  result = run_program_here('pipelines.bench', '--executors', '--executor_variants=fltff_gpu')
+  result = run_program_here('pipelines.bench', '--executors', '--executor_variants=fltff_tpu')
   assert result.returncode == 2
-  assert "error: --executor_variants ['fltff_gpu']" in result.stderr, result.stderr[-2000:]
+  assert "error: --executor_variants ['fltff_tpu']" in result.stderr, result.stderr[-2000:]
+  result = run_program_here('pipelines.bench', '--executors', '--executor_baseline=fltff_tpu')
+  assert result.returncode == 2
+  assert "error: --executor_baseline 'fltff_tpu': tff_builtin or one of" in result.stderr, (
+      result.stderr[-2000:])
   result = run_program_here('pipelines.bench', '--executors', '--executor_methods=fedsgd')
   assert result.returncode == 2
   assert "error: --executor_methods ['fedsgd']: choose from" in result.stderr, (
@@ -68,6 +73,19 @@ def test_bench_executors_refuses_an_unknown_variant_or_method_in_one_line():
   assert ("error: --executor_shapes entry 'mlp2:3x30-0' is not model:CLIENTSxEXAMPLES or "
           'model:CLIENTSxFEWEST-MOST') in result.stderr, result.stderr[-2000:]
   assert 'Traceback' not in result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(tf.config.list_physical_devices('GPU')),
+                    reason='TensorFlow sees a GPU here')
+def test_bench_gpu_variant_is_refused_in_one_line_without_a_gpu():
+  for flag in ('--executor_variants=fltff_vectorized_gpu',
+               '--executor_baseline=fltff_vectorized_gpu'):
+    result = run_program_here('pipelines.bench', '--executors', flag)
+    assert result.returncode == 2
+    assert ("error: fltff_vectorized_gpu: runtime.device = 'gpu' but TensorFlow sees no GPU"
+            in result.stderr), result.stderr[-2000:]
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
 
 
 def test_short_soak_driver_memory_does_not_grow_per_round():

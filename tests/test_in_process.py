@@ -107,16 +107,42 @@ def test_pipeline_refuses_an_unknown_executor_in_one_line(tmp_path):
 
 
 GPUS = tf.config.list_physical_devices('GPU')
+needs_gpu = pytest.mark.skipif(not GPUS, reason='TensorFlow sees no GPU on this machine')
 
 
-@pytest.mark.skipif(not GPUS, reason='TensorFlow sees no GPU on this machine')
-def test_gpu_in_process_equals_cpu(data, spec):
+@pytest.fixture
+def float32_matmuls():
+  """On an Ampere or newer GPU TensorFlow multiplies float32 matrices (and convolves) in
+  TensorFloat-32, 10 mantissa bits, by default: the equality tests compare float32 arithmetic."""
+  enabled = tf.config.experimental.tensor_float_32_execution_enabled()
+  tf.config.experimental.enable_tensor_float_32_execution(False)
+  yield
+  tf.config.experimental.enable_tensor_float_32_execution(enabled)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_in_process_equals_cpu(data, spec, float32_matmuls):
   cpu = run_rounds(METHODS['fedavg'](spec), data, InProcessContext(device='/CPU:0'), NUM_CLIENTS)
   gpu = run_rounds(METHODS['fedavg'](spec), data, InProcessContext(device='/GPU:0'), NUM_CLIENTS)
   for x, y in zip(leaves(cpu), leaves(gpu)):
     np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_vectorised_clients_equal_cpu(data, spec, float32_matmuls):
+  # What the GPU check times (pipelines.gpu_check): vectorised clients on each device.
+  runs = []
+  for device in ('/CPU:0', '/GPU:0'):
+    algorithm = METHODS['fedavg'](spec)
+    algorithm.vectorize_clients(device)
+    runs.append(run_rounds(algorithm, data, InProcessContext(device=device), NUM_CLIENTS))
+  for x, y in zip(*(leaves(run) for run in runs)):
+    np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
 def test_gpu_is_refused_without_one():
   if GPUS:
     assert check_executor('in_process', 'gpu') == '/GPU:0'

@@ -419,6 +419,7 @@ def test_client_groups_stay_one_unless_the_saving_pays_for_a_trace():
   assert len(round_data.client_groups(_mask_of([(1, 5)]), 0.0)) == 1
 
 
+@pytest.mark.gpu
 def test_clients_are_grouped_on_a_cpu_only(spec):
   # The cost model is a CPU's; a GPU round keeps every client in one group.
   assert vectorized.VectorizedClientWork(spec, SGDM(), device='/CPU:0').group_clients

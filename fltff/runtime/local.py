@@ -763,8 +763,10 @@ def check_executor(executor: str, device: str, workers: Sequence[str] = (),
   if device == 'gpu':
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     if not tf.config.list_physical_devices('GPU'):
-      raise ConfigError("runtime.device = 'gpu' but TensorFlow sees no GPU (install "
-                        "tensorflow[and-cuda]==2.14.1 on a CUDA 11.8 machine, or use 'auto').")
+      raise ConfigError("runtime.device = 'gpu' but TensorFlow sees no GPU (TensorFlow 2.14 "
+                        'needs an NVIDIA driver and the CUDA 11.8 / cuDNN 8.7 libraries: '
+                        '`make setup-gpu` in a checkout installs them, `python -m '
+                        "pipelines.gpu_check` says what is missing; or use 'auto').")
     return '/GPU:0'
   return '/CPU:0' if device == 'cpu' else None
 
