@@ -168,7 +168,9 @@ class SqliteClientStateStore:
     self._changed: set[int] = set()
     self._existed = os.path.exists(self.path)
     try:
-      self._db = sqlite3.connect(self.path, isolation_level=None)
+      # Not only the driver's thread: a second signal's stop may save the last completed round
+      # from the signal thread (the driver's lock keeps the two from overlapping).
+      self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
     except sqlite3.Error as e:
       raise CheckpointError(f'cannot open the client-state store {self.path} ({e}).') from None
     # WAL: a round's transaction is durable once committed, and a kill mid-transaction leaves
