@@ -817,3 +817,23 @@ def test_a_vectorised_algorithms_client_inputs_carry_their_info_without_a_datase
   assert not isinstance(fast['info'], tf.data.Dataset)
   assert (client_work_lib.client_info_of_input(plain)
           == client_work_lib.client_info_of_input(fast) == {'client_index': 7, 'epochs': 3})
+
+
+@pytest.mark.parametrize('method', ['fedprox', 'kapc'])
+def test_weight_decay_trains_vectorised_as_on_the_cpp_runtime(method, data, spec, cpp):
+  """`client_optimizer.weight_decay` wraps TFF's SGD(M): TFF's client work and the vectorised
+  one (its generic, not fused, optimizer path) compute the same rounds."""
+  from fltff.learning.optimizers import build_optimizer  # pylint: disable=g-import-not-at-top
+
+  def build():
+    optimizer = build_optimizer('sgdm', 0.05, 0.5, weight_decay=1e-2)
+    return methods.build(method, spec, NUM_CLIENTS, optimizer)
+
+  expected = run_rounds(build(), data, cpp, NUM_CLIENTS)
+  actual = run_rounds(_vectorized(build()), data, InProcessContext(), NUM_CLIENTS)
+  tff.framework.set_default_context(cpp)
+  assert_equal_runs(expected, actual, f'{method} with weight decay')
+  without = run_rounds(methods.build(method, spec, NUM_CLIENTS, equality_sgdm()), data, cpp,
+                       NUM_CLIENTS)
+  with pytest.raises(AssertionError):  # The decay changes the numbers.
+    assert_equal_runs(without, expected, 'no decay')
