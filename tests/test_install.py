@@ -178,7 +178,8 @@ def test_the_command_lists_its_commands_and_their_flags():
     # A shipped config found from another folder, including one that is, and a missing file.
     ('bad.gin', 'error: Invalid gin configuration: an included file is not found: mine.gin '
                 '(in bad.gin, line 3)'),
-    ('.', 'error: cannot read the gin file .: Is a directory.')])
+    ('.', 'error: the gin file . is not a regular file (a folder, device or pipe); pass a gin '
+          'configuration file.')])
 def test_a_missing_gin_file_is_refused_before_tensorflow_is_imported(tmp_path, gin_file, error):
   # The command checks its --gin_file paths and their includes first: the error comes at once,
   # not after the seconds TensorFlow and TFF take to import. The checkout is on sys.path, so
