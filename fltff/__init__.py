@@ -36,13 +36,7 @@ def register_configurables() -> None:
   for name in __all__:
     package = importlib.import_module(f'fltff.{name}')
     for info in pkgutil.walk_packages(getattr(package, '__path__', []), f'fltff.{name}.'):
-      if info.name not in _PROGRAMS:
-        importlib.import_module(info.name)
-
-
-# Modules that are programs (they define command-line flags), not libraries: importing them
-# would add their flags to every fltff program.
-_PROGRAMS = ('fltff.runtime.worker', 'fltff.runtime.isolated')
+      importlib.import_module(info.name)
 
 
 def _release_tff_context_at_exit() -> None:

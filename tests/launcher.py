@@ -50,8 +50,8 @@ def _server():
 
 
 def _program_main(module, args, cwd, env, stdout, stderr):
-  """The child: the program's environment, folder and output files, then its `main` under
-  absl as `python -m module args` runs it, and the interpreter's exit hooks."""
+  """The child: the program's environment, folder and output files, then its flags and its
+  `main` under absl as `python -m module args` runs them, and the interpreter's exit hooks."""
   from fltff.cli import run_program as run  # pylint: disable=g-import-not-at-top
 
   os.environ.clear()
@@ -64,6 +64,8 @@ def _program_main(module, args, cwd, env, stdout, stderr):
     os.dup2(target, fd)
     os.close(target)
   program = importlib.import_module(module)
+  if hasattr(program, 'define_flags'):  # Its flags are defined when it runs, not at import.
+    program.define_flags()
   code = 0
   try:
     run(program.main, [module, *args])  # As its `__main__` runs it: a bad flag is one line.

@@ -4,6 +4,7 @@
 import ast
 import collections
 import importlib
+import json
 import os
 import pkgutil
 import subprocess
@@ -114,10 +115,47 @@ def test_every_package_has_a_resolvable_all(package):
 def test_no_module_is_shadowed_by_a_package_attribute(package):
   module = importlib.import_module(package)
   for info in pkgutil.iter_modules(module.__path__):
-    if f'{package}.{info.name}' in fltff._PROGRAMS:  # pylint: disable=protected-access
-      continue  # Programs define command-line flags; importing two would clash.
     sub = importlib.import_module(f'{package}.{info.name}')
     assert getattr(module, info.name, sub) is sub, f'{package}.{info.name} is shadowed'
+
+
+_IMPORT_ALL = '''
+import importlib, json, sys
+from absl import flags
+defined = {}
+for name in sys.argv[1:]:
+  before = set(flags.FLAGS)
+  importlib.import_module(name)
+  if set(flags.FLAGS) - before:
+    defined[name] = sorted(set(flags.FLAGS) - before)
+print(json.dumps({'defined': defined, 'by_module': {
+    module: sorted(f.name for f in fs)
+    for module, fs in flags.FLAGS.flags_by_module_dict().items()}}))
+'''
+
+
+def test_importing_every_module_in_one_process_defines_no_flag():
+  """Flags belong to entry points: importing any fltff module, the programs
+  `fltff.runtime.worker` and `fltff.runtime.isolated` (flags of the same names) among them,
+  defines no absl flag; each program defines its own when it runs (`define_flags`). The
+  runner's programs (`pipelines/`), which define theirs at import, import beside them and
+  each other (tests/launcher.py's fork server preloads several)."""
+  library = sorted(_modules().keys() - {'fltff.__main__'})
+  runner = ['pipelines'] + sorted(f'pipelines.{f[:-3]}' for f in os.listdir(
+      os.path.join(REPO, 'pipelines')) if f.endswith('.py') and f != '__init__.py')
+  assert {'fltff.runtime.worker', 'fltff.runtime.isolated'} <= set(library)
+  # `python -m fltff`'s module last: importing it must not run the command either.
+  names = library + runner + ['fltff.__main__']
+  run = subprocess.run([sys.executable, '-c', _IMPORT_ALL, *names], cwd=REPO,
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+  assert run.returncode == 0, run.stderr[-3000:]
+  found = json.loads(run.stdout.strip().splitlines()[-1])
+  # An fltff module may import a third-party one that defines flags (absl.logging's), never
+  # define one itself.
+  own = {module: names for module, names in found['by_module'].items()
+         if module == 'fltff' or module.startswith('fltff.')}
+  assert not own, f'defined at import: {own} (new flags after each import: {found["defined"]})'
 
 
 def test_method_builders_are_named_build_and_keep_short_gin_names():

@@ -12,20 +12,37 @@ import socket
 import struct
 import sys
 import time
+from typing import Optional
 
 from absl import app
 from absl import flags
 
 from fltff.runtime import heap
 
-_SOCKET = flags.DEFINE_string('socket', None, 'Unix socket to relay to worker_binary.')
-_MAX_CALLS = flags.DEFINE_integer('max_concurrent_computation_calls', -1,
-                                  'Passed to worker_binary; <= 0 means no limit.')
-_LOG = flags.DEFINE_string('log_file', None, "worker_binary's log.")
-_BINARY = flags.DEFINE_string('worker_binary', None,
-                              'Path of worker_binary (default: the one in the TFF wheel).')
-_MMAP = flags.DEFINE_integer('mmap_threshold_kib', heap.DEFAULT_MMAP_THRESHOLD_KIB,
-                             "worker_binary's glibc mmap threshold (`fltff.runtime.heap`).")
+# The flags, defined by `define_flags` when this module runs as the program, never by importing
+# it: `fltff.runtime.worker` has flags of the same names.
+_SOCKET: Optional[flags.FlagHolder[Optional[str]]] = None
+_MAX_CALLS: Optional[flags.FlagHolder[int]] = None
+_LOG: Optional[flags.FlagHolder[Optional[str]]] = None
+_BINARY: Optional[flags.FlagHolder[Optional[str]]] = None
+_MMAP: Optional[flags.FlagHolder[int]] = None
+
+
+def define_flags() -> None:
+  """Defines this program's command-line flags (once per process), before its command line is
+  parsed: by the `__main__` block, or by whatever else runs `main` as the program."""
+  global _SOCKET, _MAX_CALLS, _LOG, _BINARY, _MMAP
+  if _SOCKET is not None:
+    return
+  _SOCKET = flags.DEFINE_string('socket', None, 'Unix socket to relay to worker_binary.')
+  _MAX_CALLS = flags.DEFINE_integer('max_concurrent_computation_calls', -1,
+                                    'Passed to worker_binary; <= 0 means no limit.')
+  _LOG = flags.DEFINE_string('log_file', None, "worker_binary's log.")
+  _BINARY = flags.DEFINE_string('worker_binary', None,
+                                'Path of worker_binary (default: the one in the TFF wheel).')
+  _MMAP = flags.DEFINE_integer('mmap_threshold_kib', heap.DEFAULT_MMAP_THRESHOLD_KIB,
+                               "worker_binary's glibc mmap threshold (`fltff.runtime.heap`).")
+
 
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 
@@ -84,4 +101,5 @@ def main(argv) -> int:
 
 if __name__ == '__main__':
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+  define_flags()
   app.run(lambda argv: sys.exit(main(argv)))

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+from typing import Optional
 
 from absl import flags
 
@@ -32,23 +33,40 @@ from fltff.runtime.tls import check_can_listen
 from fltff.runtime.tls import serve_forwarder
 from fltff.runtime.tls import server_credentials
 
-_PORT = flags.DEFINE_integer('port', 8000, 'Port the worker listens on (all interfaces), 1 to '
-                             '65535; 0: any free port (printed).')
-flags.register_validator('port', lambda port: 0 <= port <= 65535,
-                         message='a port is a number from 1 to 65535 (0: any free port)')
-_MAX_CALLS = flags.DEFINE_integer('max_concurrent_computation_calls', -1,
-                                  'Passed to worker_binary; <= 0 means no limit.')
-_LOG = flags.DEFINE_string('log_file', None, 'Worker log (default: a temp file, printed).')
-_TLS_CERT = flags.DEFINE_string('tls_cert', None, "This worker's TLS certificate (PEM).")
-_TLS_KEY = flags.DEFINE_string('tls_key', None, "This worker's TLS private key (PEM).")
-_TLS_CLIENT_CA = flags.DEFINE_string(
-    'tls_client_ca', None, 'CA certificate (PEM) that signed the drivers\' client '
-    'certificates; a client without one is refused.')
-_INSECURE = flags.DEFINE_bool(
-    'insecure_plaintext', False,
-    'Run worker_binary directly, plaintext gRPC on ALL interfaces, no authentication: anyone '
-    'who can reach the port can run any TensorFlow graph on this host, i.e. read and write its '
-    'files as this user. Only on a trusted, isolated network.')
+# The flags, defined by `define_flags` when this module runs as the program, never by importing
+# it: `fltff.runtime.isolated` has flags of the same names.
+_PORT: Optional[flags.FlagHolder[int]] = None
+_MAX_CALLS: Optional[flags.FlagHolder[int]] = None
+_LOG: Optional[flags.FlagHolder[Optional[str]]] = None
+_TLS_CERT: Optional[flags.FlagHolder[Optional[str]]] = None
+_TLS_KEY: Optional[flags.FlagHolder[Optional[str]]] = None
+_TLS_CLIENT_CA: Optional[flags.FlagHolder[Optional[str]]] = None
+_INSECURE: Optional[flags.FlagHolder[bool]] = None
+
+
+def define_flags() -> None:
+  """Defines the worker's command-line flags (once per process), before its command line is
+  parsed: by the `__main__` block, or by whatever else runs `main` as the program."""
+  global _PORT, _MAX_CALLS, _LOG, _TLS_CERT, _TLS_KEY, _TLS_CLIENT_CA, _INSECURE
+  if _PORT is not None:
+    return
+  _PORT = flags.DEFINE_integer('port', 8000, 'Port the worker listens on (all interfaces), 1 to '
+                               '65535; 0: any free port (printed).')
+  flags.register_validator('port', lambda port: 0 <= port <= 65535,
+                           message='a port is a number from 1 to 65535 (0: any free port)')
+  _MAX_CALLS = flags.DEFINE_integer('max_concurrent_computation_calls', -1,
+                                    'Passed to worker_binary; <= 0 means no limit.')
+  _LOG = flags.DEFINE_string('log_file', None, 'Worker log (default: a temp file, printed).')
+  _TLS_CERT = flags.DEFINE_string('tls_cert', None, "This worker's TLS certificate (PEM).")
+  _TLS_KEY = flags.DEFINE_string('tls_key', None, "This worker's TLS private key (PEM).")
+  _TLS_CLIENT_CA = flags.DEFINE_string(
+      'tls_client_ca', None, 'CA certificate (PEM) that signed the drivers\' client '
+      'certificates; a client without one is refused.')
+  _INSECURE = flags.DEFINE_bool(
+      'insecure_plaintext', False,
+      'Run worker_binary directly, plaintext gRPC on ALL interfaces, no authentication: anyone '
+      'who can reach the port can run any TensorFlow graph on this host, i.e. read and write its '
+      'files as this user. Only on a trusted, isolated network.')
 
 
 def _wait(stop: StopSignal, alive, what: str, log: str) -> int:
@@ -116,5 +134,6 @@ def main(argv) -> int:
 
 if __name__ == '__main__':
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+  define_flags()
   from fltff.cli import run_program  # pylint: disable=g-import-not-at-top
   run_program(main)
