@@ -931,13 +931,8 @@ def plot_ablation(section: dict, runs: dict, figures_dir: str) -> list[str]:
       ax.set_ylabel('r_ii, mean over clients', fontsize=7)
     if i // cols == rows - 1:
       ax.set_xlabel('round', fontsize=7)
-  for j in range(len(panels), rows * cols):
-    axes[j // cols][j % cols].axis('off')
-  fig.tight_layout()
-  name = f'{section["id"]}_self_relation.png'
-  fig.savefig(os.path.join(figures_dir, name), dpi=90)
-  plt.close(fig)
-  written.append(name)
+  written.append(_save_panels(fig, axes, len(panels), figures_dir,
+                              f'{section["id"]}_self_relation.png'))
   # Accuracy against each varied factor: the base's tick, then the points' ticks.
   factors = {}
   labels = {g['id']: g['label'] for g in section['groups'] if g.get('role') == 'base'}
@@ -972,14 +967,22 @@ def plot_ablation(section: dict, runs: dict, figures_dir: str) -> list[str]:
     ax.tick_params(axis='y', labelsize=6)
     if i % cols == 0:
       ax.set_ylabel('best-round mean %', fontsize=7)
-  for j in range(len(factors), rows * cols):
+  written.append(_save_panels(fig, axes, len(factors), figures_dir,
+                              f'{section["id"]}_factors.png'))
+  return written
+
+
+def _save_panels(fig, axes, used: int, figures_dir: str, name: str) -> str:
+  """Hides the grid's unused panels, saves the figure as `name` and closes it."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  cols = len(axes[0])
+  for j in range(used, len(axes) * cols):
     axes[j // cols][j % cols].axis('off')
   fig.tight_layout()
-  name = f'{section["id"]}_factors.png'
   fig.savefig(os.path.join(figures_dir, name), dpi=90)
   plt.close(fig)
-  written.append(name)
-  return written
+  return name
 
 
 KINDS = {'paper_table': paper_table, 'claim_gaps': claim_gaps,
