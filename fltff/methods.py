@@ -115,6 +115,9 @@ METHODS: Mapping[str, Method] = {m.name: m for m in (
     _m('fedbn', _P, 'X. Li, M. Jiang, X. Zhang, M. Kamp, Q. Dou. FedBN: Federated Learning on '
        'Non-IID Features via Local Batch Normalization. ICLR 2021.', num_clients=True,
        client_ids=True, client_state=True, personalised=True),
+    _m('ditto', _P, 'T. Li, S. Hu, A. Beirami, V. Smith. Ditto: Fair and Robust Federated '
+       'Learning Through Personalization. ICML 2021.', client_ids=True, client_state=True,
+       composes_aggregator=True),
     _m('local', _P, '', num_clients=True, client_ids=True, client_state=True,
        personalised=True, gin_name='local_training'),
 )}

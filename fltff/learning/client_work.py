@@ -233,13 +233,15 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
 
   # No autograph: loops are `tf.while_loop`s, every `if` is on a Python value (converting is slow).
   @tf.function(autograph=False)
-  def train(initial_weights, batches, info):
+  def train(initial_weights, batches, info, anchor_weights=None):
     info = read_single(info, _info_zero())
     epochs = info['epochs']
     model_weights = tff.learning.models.ModelWeights.from_model(model)
     tf.nest.map_structure(lambda v, t: v.assign(t), model_weights, initial_weights)
     variables = tuple(tf.nest.flatten(model_weights.trainable))
-    global_trainable = tuple(tf.nest.flatten(initial_weights.trainable))
+    # The regulariser's `global_`: the start, or a model of its own (Ditto's w^t).
+    global_trainable = tuple(tf.nest.flatten(
+        (initial_weights if anchor_weights is None else anchor_weights).trainable))
     optimizer_state = optimizer.initialize(
         tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables))
 
@@ -472,20 +474,23 @@ def build_client_work(model_spec: ModelSpec,
   return tff.learning.templates.ClientWorkProcess(init_fn, next_fn)
 
 
-def build_local_update(model_spec: ModelSpec, optimizer):
+def build_local_update(model_spec: ModelSpec, optimizer,
+                       regularizer: Optional[LocalRegularizer] = None):
   """Federated computation training each participant's *own* model on its data.
 
-  `(weights@CLIENTS, client_input@CLIENTS) -> (client_index, trained ModelWeights)@CLIENTS`, no
-  regulariser or aggregation (personalised methods' local models, own BatchNorm statistics);
-  the index because TFF's mergeable context returns results in finish order."""
+  `(weights@CLIENTS, global weights@SERVER, client_input@CLIENTS) -> (client_index, trained
+  ModelWeights)@CLIENTS`: no aggregation; `regularizer`'s `global_` is the broadcast global
+  model (Ditto's proximal term; None: plain local training, the global model unused). The index
+  because TFF's mergeable context returns results in finish order."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   weights_type, data_type = client_types(model_spec)
 
-  @tff.tensorflow.computation(weights_type, data_type)
-  def local_update(weights, data):
+  @tff.tensorflow.computation(weights_type, weights_type, data_type)
+  def local_update(weights, global_weights, data):
     local_model = model_spec.tff_model()
-    out = build_local_training(local_model, optimizer)(weights, data['batches'], data['info'])
+    out = build_local_training(local_model, optimizer, regularizer)(
+        weights, data['batches'], data['info'], global_weights)
     client_index = client_index_of(data)
     new_weights = tff.learning.models.ModelWeights(
         trainable=tf.nest.pack_sequence_as(weights.trainable, list(out['trained'])),
@@ -494,8 +499,10 @@ def build_local_update(model_spec: ModelSpec, optimizer):
     return client_index, new_weights
 
   @tff.federated_computation(tff.FederatedType(weights_type, tff.CLIENTS),
+                             tff.FederatedType(weights_type, tff.SERVER),
                              tff.FederatedType(data_type, tff.CLIENTS))
-  def run(weights, client_data):
-    return tff.federated_map(local_update, (weights, client_data))
+  def run(weights, global_weights, client_data):
+    return tff.federated_map(local_update, (weights, tff.federated_broadcast(global_weights),
+                                            client_data))
 
   return run

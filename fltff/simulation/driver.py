@@ -120,7 +120,8 @@ class RoundDriver:
     has_local = data.local_test_indices is not None
     self.protocols = evaluation_lib.check_protocols(
         config.evaluation or evaluation_lib.default_protocols(algorithm.personalized, has_local),
-        algorithm.personalized, has_local, algorithm.reports_trained_weights)
+        algorithm.personalized, has_local, algorithm.reports_trained_weights,
+        algorithm.personal_models)
     if 'finetuned_local' in self.protocols and finetuner is None:
       raise ConfigError(f'experiment.evaluation: finetuned_local needs a fine-tuning '
                         f'procedure, and {algorithm.name} has none (FedBABU has).')

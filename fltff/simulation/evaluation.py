@@ -80,8 +80,9 @@ def default_protocols(personalized: bool, has_local_splits: bool) -> tuple[str, 
 
 
 def check_protocols(protocols, personalized: bool, has_local_splits: bool,
-                    can_report_trained: bool) -> tuple[str, ...]:
-  """`protocols` as a tuple, or `ConfigError` naming what cannot be evaluated and why."""
+                    can_report_trained: bool, personal_models: bool = False) -> tuple[str, ...]:
+  """`protocols` as a tuple, or `ConfigError` naming what cannot be evaluated and why
+  (`personal_models`: a global method whose clients keep personal models, e.g. Ditto)."""
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
   if isinstance(protocols, str) or not protocols:
@@ -99,9 +100,10 @@ def check_protocols(protocols, personalized: bool, has_local_splits: bool,
     if wrong:
       raise ConfigError(f'experiment.evaluation: a personalised method has no global model, so '
                         f'only personal_local applies (got {", ".join(wrong)}).')
-  elif 'personal_local' in protocols:
-    raise ConfigError("experiment.evaluation: personal_local needs a personalised method; for a "
-                      "global method's clients after local training use trained_local.")
+  elif 'personal_local' in protocols and not personal_models:
+    raise ConfigError("experiment.evaluation: personal_local needs personal models (a "
+                      "personalised method, Ditto); for a global method's clients after local "
+                      "training use trained_local.")
   if not has_local_splits and any(p in LOCAL_PROTOCOLS for p in protocols):
     raise ConfigError('experiment.evaluation: the local protocols need local test splits: set '
                       'federated_data.local_test_examples > 0.')

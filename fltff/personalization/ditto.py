@@ -1,0 +1,54 @@
+"""Ditto (T. Li, S. Hu, A. Beirami, V. Smith, ICML 2021): a global model and a personal one per
+client, the personal one pulled towards the global.
+
+Each round (Ditto's Algorithm 1), every participant k receives the global model w^t and
+
+1. trains a copy of it as FedAvg's clients do and sends the update; the server aggregates the
+   updates into w^{t+1} (`build_fedavg`: FedAvg's example weighting by default);
+2. trains its personal model v_k on the same batches, from its own v_k, on
+   `F_k(v_k) + λ/2 ||v_k − w^t||²` (Ditto's objective h_k, eq. (2)): each step adds
+   `λ (v_k − w^t)` to the data gradient (`ProximalRegularizer` with μ = λ, anchored at w^t).
+
+Clients are evaluated with v_k (`personal_local`); the global model stays (`central`,
+`global_local`). v_k starts as the initial global model w^0. Where the paper leaves a choice we
+take ours: the personal model trains for the same local epochs and batches as the global copy
+(the paper's s local iterations), and the personal models use the client optimizer.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import gin
+import numpy as np
+
+from fltff.config_checks import check_number
+from fltff.learning import optimizers
+from fltff.learning.fedavg import build_fedavg
+from fltff.learning.model_spec import ModelSpec
+from fltff.learning.regularizers import ProximalRegularizer
+from fltff.personalization.personal_models import PersonalTraining
+from fltff.personalization.personal_models import WithPersonalModels
+
+
+def own_model(local, global_weights) -> collections.OrderedDict:
+  """The model a Ditto client is evaluated with: its personal model v_k as it is."""
+  del global_weights
+  return collections.OrderedDict(trainable=[np.asarray(w) for w in local['trainable']],
+                                 non_trainable=[np.asarray(w) for w in local['non_trainable']])
+
+
+@gin.configurable('ditto')
+def build_ditto(model_spec: ModelSpec, client_optimizer=None, lambda_: float = 1.0,
+                server_learning_rate: float = 1.0, server_optimizer=None, model_aggregator=None,
+                client_weighting: str = 'num_examples') -> WithPersonalModels:
+  """Ditto with personal-term weight `lambda_` (λ ≥ 0; λ = 0: local training beside FedAvg).
+
+  The global model is `build_fedavg(model_spec, client_optimizer, server_learning_rate,
+  server_optimizer, model_aggregator, client_weighting)` as it is."""
+  check_number('ditto.lambda_', lambda_, low=0)
+  client_optimizer = client_optimizer or optimizers.default_client_optimizer()
+  global_method = build_fedavg(model_spec, client_optimizer, server_learning_rate,
+                               server_optimizer, model_aggregator, client_weighting)
+  return WithPersonalModels(global_method, PersonalTraining(
+      model_spec, client_optimizer, own_model, ProximalRegularizer(lambda_)), name='ditto')

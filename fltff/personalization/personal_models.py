@@ -1,0 +1,171 @@
+"""A global method plus a persistent personal model per client, trained when it takes part.
+
+Shared by FedLap personalisation (`fedlap_mixing`) and Ditto (`ditto`): each round runs the
+global method, then every participant trains its own model (kept in the driver's client state
+store across rounds it skips) on the same batches, starting from that model, with an optional
+`LocalRegularizer` anchored at the round's received global model w^t (Ditto's proximal term;
+none for FedLap). A `PersonalTraining` declares that training and how a client's personal model
+is read (FedLap mixes it with the global model; Ditto uses it as it is). Client states are
+`OrderedDict(local=<personal model>[, method=<the global method's client state>])`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Optional
+
+import numpy as np
+
+from fltff.errors import ConfigError
+from fltff.learning import client_work as client_work_lib
+from fltff.learning import protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class PersonalTraining:
+  """How participants train their personal models and how a personal model is evaluated.
+
+  Attributes:
+    model_spec: The model.
+    optimizer: The personal models' client optimizer (a `tff.learning.optimizers.Optimizer`).
+    personalized_weights: `(personal ModelWeights-like OrderedDict, global ModelWeights) ->
+      OrderedDict(trainable, non_trainable)`, the model a client is evaluated with.
+    regularizer: A term towards the round's global model w^t (`LocalRegularizer`; its
+      `global_` is w^t), or None for plain local training.
+  """
+  model_spec: Any
+  optimizer: Any
+  personalized_weights: Callable[[Any, Any], collections.OrderedDict]
+  regularizer: Optional[client_work_lib.LocalRegularizer] = None
+
+
+
+class _PersonalModelInput(collections.namedtuple('_PersonalModelInput', ['method', 'local'])):
+  """A participant's input: the global method's input and its personal model."""
+
+
+class WithPersonalModels(protocol.FederatedAlgorithm):
+  """A global method plus each client's persistent personal model (module docstring)."""
+
+  personal_models = True
+
+  def __init__(self, algorithm: protocol.FederatedAlgorithm, personal: PersonalTraining,
+               name: Optional[str] = None):
+    if algorithm.personalized:
+      raise ConfigError(f'{algorithm.name} is personalised already; remove '
+                        'experiment.personalization.')
+    self.inner = algorithm
+    self.personalization = personal
+    self.name = name or algorithm.name
+    self.model_spec = algorithm.model_spec
+    self.num_clients = algorithm.num_clients
+    self.bytes_down_per_client = algorithm.bytes_down_per_client
+    self.bytes_up_per_client = algorithm.bytes_up_per_client
+    self._local_work = None  # `vectorize_clients`.
+    self._local_update = None  # Built on the first round that runs on TFF's runtime.
+    self._initial_local = algorithm.model_spec.initial_weights()  # NumPy `ModelWeights`.
+
+  @property
+  def process(self):
+    """The inner method's process (built on first use; vectorised rounds never need it)."""
+    return self.inner.process
+
+  def initialize(self, call: protocol.Call = protocol.direct_call):
+    return self.inner.initialize(call)
+
+  def vectorize_clients(self, device=None, factor_dense: bool = True) -> None:
+    """Vectorises the method's clients (else `ConfigError`) and the personal models' training."""
+    from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
+
+    personal = self.personalization
+    self.inner.vectorize_clients(device, factor_dense)
+    self._local_work = VectorizedClientWork(personal.model_spec, personal.optimizer,
+                                            personal.regularizer, device=device,
+                                            factor_dense=factor_dense, batch_norm=True)
+
+  @property
+  def vectorized(self) -> bool:
+    return self._local_work is not None
+
+  has_client_state = True  # Overrides the protocol's property.
+
+  def initial_client_state(self, client_index: int) -> collections.OrderedDict:
+    """The initial model as the personal model (a client that never took part trains from it)."""
+    state = collections.OrderedDict(local=collections.OrderedDict(
+        (key, [w.copy() for w in value]) for key, value in self._initial_local._asdict().items()))
+    if self.inner.has_client_state:
+      state['method'] = self.inner.initial_client_state(client_index)
+    return state
+
+  def client_input(self, batches, client_index: int, epochs: int, client_state=None):
+    return _PersonalModelInput(
+        self.inner.client_input(batches, client_index, epochs, client_state.get('method')),
+        client_state['local'])
+
+  def server_input(self, clients, client_states, num_examples):
+    return self.inner.server_input(clients, [s.get('method') for s in client_states],
+                                   num_examples)
+
+  def next(self, state, server_input, client_inputs, call=protocol.direct_call):
+    """The method's round, then each participant's personal model trained on the same data
+    (towards the global model the round started from, w^t, with a regulariser)."""
+    inputs = [c.method for c in client_inputs]
+    received = self.inner.global_model_weights(state)
+    out = self.inner.next(state, server_input, inputs, call)
+    locals_ = [c.local for c in client_inputs]
+    if self._local_work is None:
+      if self._local_update is None:
+        self._local_update = client_work_lib.build_local_update(
+            self.personalization.model_spec, self.personalization.optimizer,
+            self.personalization.regularizer)
+      updated = call(self._local_update, locals_, received, inputs)
+    else:
+      updated = self._vectorized_local_update(locals_, received, inputs)
+    client_states = {}
+    for index, weights in updated:
+      k = int(index)
+      client_states[k] = collections.OrderedDict(local=collections.OrderedDict(
+          trainable=[np.asarray(w) for w in weights.trainable],
+          non_trainable=[np.asarray(w) for w in weights.non_trainable]))
+      if self.inner.has_client_state:
+        client_states[k]['method'] = out.client_states[k]
+    out.client_states = client_states
+    return out
+
+  def _vectorized_local_update(self, local_models, received, inputs) -> list:
+    """`(client index, trained ModelWeights)` per participant, as `local_update` returns them."""
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+    from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
+
+    start = stack_clients([tuple(model['trainable']) for model in local_models])
+    statistics = None
+    if len(local_models[0]['non_trainable']):  # A BatchNorm model's, each local model's own.
+      statistics = stack_clients([tuple(model['non_trainable']) for model in local_models])
+    anchor = None
+    if self.personalization.regularizer is not None:
+      anchor = tuple(np.asarray(w) for w in received.trainable)
+    # The method's clients read these datasets this round: read them afresh, as TFF would.
+    out, _ = self._local_work.train(inputs, anchor, start=start, statistics=statistics,
+                                    read_before_elsewhere=True)
+    trained = [t.numpy() for t in out['trained']]
+    moved = [t.numpy() for t in out.get('non_trainable', ())]
+    return [(client_work_lib.client_index_of_input(data),
+             tff.learning.models.ModelWeights(
+                 trainable=[t[k] for t in trained],
+                 non_trainable=[t[k] for t in moved] if moved else list(model['non_trainable'])))
+            for k, (data, model) in enumerate(zip(inputs, local_models))]
+
+  def global_model_weights(self, state):
+    return self.inner.global_model_weights(state)
+
+  def personal_weights(self, state, client_state):
+    return self.personalization.personalized_weights(client_state['local'],
+                                                     self.inner.global_model_weights(state))
+
+  def round_files(self, state) -> dict:
+    return self.inner.round_files(state)
+
+  def summary_extras(self, num_clients: int) -> dict:
+    return self.inner.summary_extras(num_clients)
