@@ -6,6 +6,7 @@ takes the same batches from its own v_k with the step `v − η (∇F_k(v) + λ 
 """
 
 import collections
+import os
 
 import numpy as np
 import pytest
@@ -18,9 +19,13 @@ from fltff.learning import protocol
 from fltff.learning.model_spec import ModelSpec
 from fltff.personalization import build_ditto
 from fltff.runtime.in_process import InProcessContext
+from fltff.simulation import RoundConfig
+from fltff.simulation import RoundDriver
 from fltff.simulation.evaluation import check_protocols
 from fltff.simulation.state_store import ClientStateStore
+from helpers import mnist_sample_split
 from helpers import random_client_arrays
+from helpers import read_csv
 
 DIM, CLASSES, BATCH, LR = 5, 3, 4, 0.3
 SIZES = (8, 6)  # Examples per client: 2 and 2 batches (the second client's last one short).
@@ -128,3 +133,29 @@ def test_ditto_global_model_is_fedavgs_and_the_registry_builds_it(cpp):
     check_protocols(['personal_local'], False, True, True)
   with pytest.raises(ConfigError, match='ditto.lambda_'):
     build_ditto(SPEC, lambda_=-1.0)
+
+
+@pytest.mark.parametrize('vectorised', [False, True])
+def test_ditto_runs_in_the_driver_with_personal_and_global_protocols(vectorised, tmp_path, cpp):
+  # The driver's evaluator is built before the first round: nothing Ditto traces in a round may
+  # invalidate it (a Keras model traced in a graph does), on either client work.
+  from fltff.simulation import build_model_spec  # pylint: disable=g-import-not-at-top
+
+  data = mnist_sample_split(4, seed=5, local_test_examples=20)
+  spec = build_model_spec(data, 'mlp2', seed=0)
+  algorithm = build_ditto(spec, client_optimizer=tff.learning.optimizers.build_sgdm(0.05),
+                          lambda_=0.1)
+  if vectorised:
+    algorithm.vectorize_clients()
+  tff.framework.set_default_context(InProcessContext() if vectorised else cpp)
+  try:
+    config = RoundConfig(rounds=2, clients_per_round=2, batch_size=32, seed=1,
+                         evaluation=('personal_local', 'global_local', 'central'))
+    RoundDriver(algorithm, data, config, str(tmp_path), progress=lambda _: None).run()
+  finally:
+    tff.framework.set_default_context(cpp)
+  rows = read_csv(os.path.join(tmp_path, 'metrics.csv'))
+  assert len(rows) == 2
+  for column in ('personal_local_accuracy', 'global_local_accuracy', 'test_accuracy',
+                 'personalized_accuracy'):
+    assert 0.0 < float(rows[-1][column]) <= 1.0, column

@@ -64,7 +64,10 @@ class WithPersonalModels(protocol.FederatedAlgorithm):
     self.bytes_down_per_client = algorithm.bytes_down_per_client
     self.bytes_up_per_client = algorithm.bytes_up_per_client
     self._local_work = None  # `vectorize_clients`.
-    self._local_update = None  # Built on the first round that runs on TFF's runtime.
+    # Built here, not in a round: tracing Keras models in a graph invalidates the eager models
+    # built before it (the driver's evaluator).
+    self._local_update = client_work_lib.build_local_update(
+        personal.model_spec, personal.optimizer, personal.regularizer)
     self._initial_local = algorithm.model_spec.initial_weights()  # NumPy `ModelWeights`.
 
   @property
@@ -116,10 +119,6 @@ class WithPersonalModels(protocol.FederatedAlgorithm):
     out = self.inner.next(state, server_input, inputs, call)
     locals_ = [c.local for c in client_inputs]
     if self._local_work is None:
-      if self._local_update is None:
-        self._local_update = client_work_lib.build_local_update(
-            self.personalization.model_spec, self.personalization.optimizer,
-            self.personalization.regularizer)
       updated = call(self._local_update, locals_, received, inputs)
     else:
       updated = self._vectorized_local_update(locals_, received, inputs)
