@@ -8,7 +8,7 @@ Subpackages (imported lazily, so `import fltff.data.partition` stays free of Ten
   methods      the one registry of methods: name → builder and what each needs
   personalization  per-client models (FedLap personalisation)
   simulation   round driver: sampling, evaluation, metrics, checkpoints, per-client state
-  runtime      TFF execution contexts (local C++ worker_binary, remote worker) with clean shutdown
+  runtime      where TFF computations run: one class per executor (in process, local or remote worker)
   errors       the exceptions the pipeline reports as one readable line
 """
 
@@ -45,7 +45,7 @@ def _release_tff_context_at_exit() -> None:
   if 'tensorflow_federated' not in sys.modules:
     return
   try:
-    from fltff.runtime.local import release_default_context  # pylint: disable=g-import-not-at-top
+    from fltff.runtime.channels import release_default_context  # pylint: disable=g-import-not-at-top
     release_default_context()
   except Exception:  # pylint: disable=broad-except
     pass  # Exiting anyway; never turn an exit into an error.

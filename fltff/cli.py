@@ -8,6 +8,7 @@ Each command is one of the runner's programs (`pipelines/`, installed as `fltff.
 import importlib
 import os
 import sys
+import time
 from typing import Callable, Optional, Sequence
 
 COMMANDS = {
@@ -69,6 +70,31 @@ def run_program(main_fn: Callable[[list[str]], int], argv: Optional[Sequence[str
   from absl import app  # pylint: disable=g-import-not-at-top
 
   app.run(lambda args: sys.exit(main_fn(args)), argv=argv, flags_parser=_parse_flags)
+
+
+class StopSignal:
+  """A program's stop request, set by a signal handler; `before_exit`: what `fltff run` runs
+  before it exits at a second signal.
+
+  A plain flag: `threading.Event.set` in a signal handler takes the lock the interrupted
+  `Event.wait` may hold, which hangs the process."""
+
+  def __init__(self):
+    self._set = False
+    self.before_exit: list[Callable[[], None]] = []
+
+  def set(self) -> None:
+    self._set = True
+
+  def is_set(self) -> bool:
+    return self._set
+
+  def wait(self, timeout: float) -> bool:
+    """`is_set()` after at most `timeout` seconds (sooner once set)."""
+    deadline = time.monotonic() + timeout
+    while not self._set and time.monotonic() < deadline:
+      time.sleep(min(0.05, max(deadline - time.monotonic(), 0.0)))
+    return self._set
 
 
 def _import_from_working_directory() -> None:

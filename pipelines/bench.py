@@ -272,7 +272,7 @@ def compare_methods(spec, data) -> int:
   if unknown:
     print(f'error: unknown method(s) {unknown}; choose from {sorted(builders)}', file=sys.stderr)
     return 2
-  with runtime.local_runtime(executor='in_process' if _VECTORIZE.value else 'tff_cpp'):
+  with runtime.InProcessRuntime() if _VECTORIZE.value else runtime.LocalWorkerRuntime():
     opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
     algorithms = {m: builders[m](opt) for m in names}
     if _VECTORIZE.value:
@@ -344,7 +344,7 @@ def compare_executors() -> int:
 
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from fltff.runtime.in_process import InProcessContext  # pylint: disable=g-import-not-at-top
-  from fltff.runtime.local import check_executor  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.runtimes import check_executor  # pylint: disable=g-import-not-at-top
 
   try:
     shapes = [_parse_shape(t) for t in _EXECUTOR_SHAPES.value]
@@ -387,7 +387,7 @@ def compare_executors() -> int:
            *(f'vectorized:{m}' for m in methods))
   results = []
   start = time.perf_counter()
-  with runtime.local_runtime() as rt:
+  with runtime.LocalWorkerRuntime() as rt:
     cpp_context = rt.context
     in_process = {device: InProcessContext(device=device)
                   for device in {devices.get(n) for n in names}}
@@ -507,14 +507,14 @@ def _column(name: str) -> str:
 def compare_runtimes(spec) -> int:
   """Median FedAvg round on the local runtime and on 1 and 2 loopback workers, alternating."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-  from fltff.runtime.local import WorkerProcess  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.processes import WorkerProcess  # pylint: disable=g-import-not-at-top
 
   servers = [WorkerProcess(), WorkerProcess(), WorkerProcess()]
   runtimes = {}
   try:
-    runtimes['local'] = runtime.TffRuntime()
-    runtimes['1 worker'] = runtime.TffRuntime(workers=[servers[0].address])
-    runtimes['2 workers'] = runtime.TffRuntime(workers=[s.address for s in servers[1:]])
+    runtimes['local'] = runtime.LocalWorkerRuntime()
+    runtimes['1 worker'] = runtime.RemoteWorkersRuntime(workers=[servers[0].address])
+    runtimes['2 workers'] = runtime.RemoteWorkersRuntime(workers=[s.address for s in servers[1:]])
     opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
     algorithm = learning.build_fedavg(spec, client_optimizer=opt)
     summary = []
@@ -609,7 +609,7 @@ def main(argv) -> int:
   if _COMPARE.value:
     return compare_methods(spec, data)
   sizes = [len(y) for _, y in data]
-  with runtime.local_runtime():
+  with runtime.LocalWorkerRuntime():
     client_opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
     algorithm = learning.build_fedavg(spec, client_optimizer=client_opt)
     fltff_round = _round_fn(algorithm)

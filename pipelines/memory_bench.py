@@ -105,9 +105,9 @@ def _probe_tff_fedavg(rounds: int, recycle_every: int, rt, sample) -> None:
 
 def probe(method: str, rounds: int, recycle_every: int, mmap_threshold_kib: int) -> dict:
   """Runs `method` for `rounds` rounds here; returns the per-round samples (MiB)."""
-  from fltff.runtime import TffRuntime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import LocalWorkerRuntime  # pylint: disable=g-import-not-at-top
 
-  rt = TffRuntime(recycle_every=recycle_every, mmap_threshold_kib=mmap_threshold_kib)
+  rt = LocalWorkerRuntime(recycle_every=recycle_every, mmap_threshold_kib=mmap_threshold_kib)
   driver, worker, driver_anon, worker_anon = [], [], [], []
 
   def sample():

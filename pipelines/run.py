@@ -15,10 +15,15 @@ worker) ends with one `error: ...` line and exit status 2; completed rounds stay
 checkpoint. SIGTERM/SIGINT ends with one `stopped: ...` line and exit status 143.
 """
 
+import _thread
 import os
 import re
+import signal
 import sys
+import threading
+import time
 import tokenize
+from typing import Callable, Optional
 
 # Silences TensorFlow's C++ start-up chatter (CUDA plugin registration on CPU machines).
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
@@ -33,6 +38,7 @@ import gin  # pylint: disable=g-import-not-at-top,wrong-import-position
 import fltff  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
 from fltff import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import resources  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff.cli import StopSignal  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.runtime import heap  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.config_checks import check_gin_bindings  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -41,6 +47,7 @@ from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top,wron
 from fltff.errors import FltffError  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import StopNow  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import StopRequested  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff.errors import warn  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.simulation import Checkpointer  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.simulation import run_experiment  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.simulation.checkpoint import kept_message  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -110,6 +117,98 @@ def _kept(output_dir: str) -> str:
           f'{": rerun with --resume to continue" if last else ""}.')
 
 
+def install_signal_handlers(
+    on_second: Optional[Callable[[int], None]] = None) -> StopSignal:
+  """SIGTERM/SIGINT: the first asks for a stop after the current round, a second stops now.
+
+  Returns the `StopSignal` the first sets. A second runs its `before_exit` callables, then
+  `on_second(signum)` (which may end the process with `os._exit`: an exception raised inside
+  TFF's asyncio/gRPC machinery or a GC callback can be swallowed), else raises `StopNow`.
+
+  Python runs a handler only when the main thread runs Python: while TensorFlow computes a
+  round there (the in-process executor), two signals would merge into one late call. So every
+  signal is counted as it arrives, on a thread of its own (`_SignalThread`); the second is
+  acted on by the main thread if it answers within `SECOND_SIGNAL_GRACE_S`, else by that thread
+  (with `on_second`; without one, `StopNow` waits for the main thread).
+  """
+  stop = StopSignal()
+  received = []  # Signals counted so far.
+  acting = threading.Lock()  # Taken once, by whichever thread acts on the second signal.
+
+  def second(signum: int, main_thread: bool) -> None:
+    if not acting.acquire(blocking=False):
+      return
+    for save in list(stop.before_exit):
+      try:
+        save()
+      except Exception as e:  # pylint: disable=broad-except
+        warn(f'could not checkpoint the last completed round: {type(e).__name__}: {e}')
+    if on_second is not None:
+      on_second(signum)
+    if main_thread:
+      raise StopNow(128 + signum)
+    acting.release()  # `StopNow` is the main thread's to raise, when it runs Python again.
+    _thread.interrupt_main(signum)
+
+  def counted(signum: int) -> None:  # On the signal thread, once per signal.
+    received.append(signum)
+    if len(received) == 1:
+      stop.set()
+      warn(f'signal {signum}: stopping after the current round (send it again to stop at '
+           'once).')
+    elif len(received) == 2:
+      _thread.interrupt_main(signum)  # Runs `handler` if the main thread runs Python.
+      deadline = time.monotonic() + SECOND_SIGNAL_GRACE_S
+      while time.monotonic() < deadline and not acting.locked():
+        time.sleep(0.01)
+      if not acting.locked():
+        second(signum, main_thread=False)
+
+  def handler(signum, frame):  # pylint: disable=unused-argument
+    if len(received) >= 2:
+      second(signum, main_thread=True)
+
+  if threading.current_thread() is threading.main_thread():
+    _SignalThread.start(counted, handler)
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+  return stop
+
+
+# How long a second signal waits for the main thread to act on it, before its own thread does.
+SECOND_SIGNAL_GRACE_S = 1.0
+
+
+class _SignalThread:
+  """One daemon thread reading the signals' wakeup fd (`signal.set_wakeup_fd`), to which the
+  C-level handler writes every signal's number as it arrives, whatever the main thread does;
+  it passes each to the latest `install_signal_handlers`' `counted` while that one's handler
+  is installed."""
+
+  _write_fd: Optional[int] = None
+  _pid: Optional[int] = None  # A forked child has the fd but not the thread.
+  _target: tuple = (None, None)
+
+  @classmethod
+  def start(cls, counted: Callable[[int], None], handler) -> None:
+    cls._target = (counted, handler)
+    if cls._pid != os.getpid():
+      cls._pid = os.getpid()
+      read_fd, cls._write_fd = os.pipe()
+      os.set_blocking(cls._write_fd, False)
+      threading.Thread(target=cls._run, args=(read_fd,), name='fltff-signals',
+                       daemon=True).start()
+    signal.set_wakeup_fd(cls._write_fd, warn_on_full_buffer=False)
+
+  @classmethod
+  def _run(cls, read_fd: int) -> None:
+    while True:
+      for signum in os.read(read_fd, 64):
+        counted, handler = cls._target
+        if counted is not None and signal.getsignal(signum) is handler:
+          counted(signum)
+
+
 def main(argv) -> int:
   del argv
   heap.pooled_tensors()  # Before the first TensorFlow op (fltff.runtime.heap).
@@ -139,7 +238,7 @@ def main(argv) -> int:
       finally:
         os._exit(EXIT_STOPPED)  # pylint: disable=protected-access
 
-  stop_event = runtime.install_signal_handlers(on_second=stop_now)
+  stop_event = install_signal_handlers(on_second=stop_now)
   try:
     configure(_GIN_FILES.value, _GIN_BINDINGS.value)
     created = prepare_output_dir(output_dir, _RESUME.value)  # Before the data and the worker.

@@ -16,10 +16,10 @@ heap.pooled_tensors()
 @pytest.fixture(scope='session', autouse=True)
 def tff_runtime():
   """Every TFF computation in the suite runs on a worker_binary this session owns."""
-  from fltff.runtime import TffRuntime  # pylint: disable=g-import-not-at-top
-  from fltff.runtime.local import wait_for_exit  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import LocalWorkerRuntime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.processes import wait_for_exit  # pylint: disable=g-import-not-at-top
 
-  runtime = TffRuntime()
+  runtime = LocalWorkerRuntime()
   pids = runtime.worker_pids
   yield runtime
   runtime.close()
@@ -30,7 +30,7 @@ def tff_runtime():
 @pytest.fixture(autouse=True)
 def session_context(tff_runtime):
   """Re-installs the session runtime's context before each test: tests that start and close
-  their own `TffRuntime` (test_runtime, test_remote) leave TFF without a default context."""
+  their own runtime (test_runtime, test_remote) leave TFF without a default context."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   tff.framework.set_default_context(tff_runtime.context)

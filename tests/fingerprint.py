@@ -26,7 +26,7 @@ def record(out_dir: str, names=None) -> None:
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   import helpers  # pylint: disable=g-import-not-at-top
-  from fltff.runtime import TffRuntime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import LocalWorkerRuntime  # pylint: disable=g-import-not-at-top
   from fltff.runtime.in_process import InProcessContext  # pylint: disable=g-import-not-at-top
   from fltff.simulation import build_model_spec  # pylint: disable=g-import-not-at-top
 
@@ -34,7 +34,7 @@ def record(out_dir: str, names=None) -> None:
   data = helpers.mnist_sample_split(helpers.EQUALITY_CLIENTS, seed=3, local_test_examples=10)
   spec = build_model_spec(data, 'mlp2', seed=0)
   methods = helpers.equality_methods()
-  runtime = TffRuntime()
+  runtime = LocalWorkerRuntime()
   try:
     for name in names or sorted(methods):
       for executor in ('cpp', 'vectorised'):

@@ -9,9 +9,9 @@ def main(argv) -> int:
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  from fltff.runtime import TffRuntime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import LocalWorkerRuntime  # pylint: disable=g-import-not-at-top
 
-  runtime = TffRuntime()
+  runtime = LocalWorkerRuntime()
 
   @tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
   def total(x):

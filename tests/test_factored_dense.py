@@ -131,17 +131,17 @@ def test_which_kernels_a_round_factors(spec):
 
 def test_experiment_factor_dense_false_reaches_the_vectorised_work(spec, data, cpp):
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from fltff.runtime.local import TffRuntime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import InProcessRuntime  # pylint: disable=g-import-not-at-top
   from fltff.simulation.experiment import choose_client_work  # pylint: disable=g-import-not-at-top
 
   short = {'index': np.zeros([1, 6, 100, 10])}
   for factor, expected in ((True, frozenset({0})), (False, frozenset())):
     for method in ('fedavg', 'kapc'):
-      rt = TffRuntime(executor='in_process')
+      rt = InProcessRuntime()
       try:
         algorithm = equality_methods()[method](spec)
         choose_client_work(algorithm, 'vectorised', factor, rt)
-        rt.bind(algorithm)
+        rt.place(algorithm)
         assert _trained_works(algorithm).factored_kernels(short) == expected, (method, factor)
       finally:
         rt.close()

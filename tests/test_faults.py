@@ -396,11 +396,12 @@ def test_one_sigterm_stops_after_the_round_in_one_line_keeping_every_round(tmp_p
 ])
 def test_worker_address_without_a_valid_port_is_one_line(address, message):
   from fltff.errors import ConfigError
-  from fltff.runtime import local
+  from fltff.runtime import channels
+  from fltff.runtime import make_runtime
   with pytest.raises(ConfigError, match=re.escape(message)):
-    local.make_runtime(workers=[address])
+    make_runtime(workers=[address])
   for good in ('hostA:8000', '127.0.0.1:1', '[::1]:8000'):
-    local.check_worker_address(good)
+    channels.check_worker_address(good)
 
 
 def test_factories_type_check_their_arguments():

@@ -20,7 +20,7 @@ from fltff import aggregators
 from fltff import runtime
 from fltff.errors import ConfigError
 from fltff.runtime.in_process import InProcessContext
-from fltff.runtime.local import check_executor
+from fltff.runtime.runtimes import check_executor
 from helpers import EQUALITY_CLIENTS
 from helpers import SMALL
 from helpers import assert_one_line_error
@@ -68,7 +68,7 @@ def test_pipeline_in_process_equals_cpp_and_resumes_without_a_worker(small_run, 
 
 def test_in_process_starts_no_worker():
   before = set(os.listdir('/proc'))
-  with runtime.local_runtime(executor='in_process') as rt:
+  with runtime.InProcessRuntime() as rt:
     assert rt.worker_pids == [] and isinstance(rt.context, InProcessContext)
     started = [p for p in set(os.listdir('/proc')) - before if p.isdigit()]
     for pid in started:

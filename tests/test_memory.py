@@ -79,7 +79,7 @@ def test_recycling_leaves_no_thread_channel_or_compiled_computation_behind():
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from tensorflow_federated.python.core.impl.execution_contexts import compiler_pipeline  # pylint: disable=g-import-not-at-top
 
-  from fltff.runtime import TffRuntime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import LocalWorkerRuntime  # pylint: disable=g-import-not-at-top
 
   @tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
   def mean(x):
@@ -89,7 +89,7 @@ def test_recycling_leaves_no_thread_channel_or_compiled_computation_behind():
     gc.collect()
     return sum(isinstance(o, grpc.Channel) for o in gc.get_objects())
 
-  rt = TffRuntime(recycle_every=1)
+  rt = LocalWorkerRuntime(recycle_every=1)
   try:
     assert mean([1.0, 2.0, 6.0]) == 3.0
     threads, channels = threading.active_count(), live_channels()
@@ -142,8 +142,8 @@ def test_recycling_the_local_worker_changes_no_number_and_leaves_no_worker(tmp_p
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   from fltff import learning  # pylint: disable=g-import-not-at-top
-  from fltff.runtime import TffRuntime  # pylint: disable=g-import-not-at-top
-  from fltff.runtime.local import wait_for_exit  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import LocalWorkerRuntime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.processes import wait_for_exit  # pylint: disable=g-import-not-at-top
   from fltff.simulation import RoundConfig  # pylint: disable=g-import-not-at-top
   from fltff.simulation import RoundDriver  # pylint: disable=g-import-not-at-top
   from fltff.simulation import build_model_spec  # pylint: disable=g-import-not-at-top
@@ -156,7 +156,7 @@ def test_recycling_the_local_worker_changes_no_number_and_leaves_no_worker(tmp_p
   config = RoundConfig(rounds=5, clients_per_round=3, batch_size=32, checkpoint_every=5)
   pids_seen = []
 
-  class Recorder(TffRuntime):
+  class Recorder(LocalWorkerRuntime):
 
     def after_round(self, round_num, round_seconds=None):
       pids_seen.append(tuple(self.worker_pids))
@@ -210,15 +210,15 @@ def test_programs_and_the_local_worker_pool_tensor_memory_unless_told_otherwise(
 
 
 def test_the_local_worker_and_a_driver_without_vectorised_clients_get_the_fixed_mmap_threshold():
-  from fltff.runtime import TffRuntime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import LocalWorkerRuntime  # pylint: disable=g-import-not-at-top
   from fltff.runtime import heap  # pylint: disable=g-import-not-at-top
-  from fltff.runtime.local import make_runtime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import make_runtime  # pylint: disable=g-import-not-at-top
 
   def worker_env(rt):
     with open(f'/proc/{rt.worker_pids[-1]}/environ', 'rb') as f:
       return dict(item.split(b'=', 1) for item in f.read().split(b'\0') if b'=' in item)
 
-  with TffRuntime() as rt:
+  with LocalWorkerRuntime() as rt:
     assert worker_env(rt)[b'MALLOC_MMAP_THRESHOLD_'] == b'131072'
     assert worker_env(rt)[b'TF_CPU_ALLOCATOR_USE_BFC'] == b'true'
     assert heap.threshold_fixed()
@@ -228,7 +228,7 @@ def test_the_local_worker_and_a_driver_without_vectorised_clients_get_the_fixed_
   # setting is per process and for good, so a fresh one shows it.
   program = (
       'from fltff import learning\nfrom fltff.runtime import heap\n'
-      'from fltff.runtime.local import make_runtime\n'
+      'from fltff.runtime import make_runtime\n'
       'from fltff.simulation import build_model_spec\nfrom helpers import mnist_sample_split\n'
       "spec = build_model_spec(mnist_sample_split(3, seed=1), 'mlp2', seed=0)\n"
       'for vectorised in (True, False):\n'
@@ -236,15 +236,15 @@ def test_the_local_worker_and_a_driver_without_vectorised_clients_get_the_fixed_
       '    algorithm = learning.build_fedavg(spec)\n'
       '    if vectorised:\n'
       '      algorithm.vectorize_clients()\n'
-      '    rt.bind(algorithm)\n'
-      "    print(vectorised, heap.threshold_fixed(), rt.executor)\n")
+      '    print(vectorised, heap.threshold_fixed(), type(rt.place(algorithm)).__name__)\n')
   tests_dir = os.path.dirname(os.path.abspath(__file__))
   result = subprocess.run([sys.executable, '-c', program], capture_output=True, text=True,
                           timeout=300, cwd=os.path.dirname(tests_dir),
                           env=dict(os.environ, PYTHONPATH=tests_dir, TF_CPP_MIN_LOG_LEVEL='3'))
-  assert result.stdout.splitlines() == ['True False in_process', 'False True tff_cpp'], (
+  assert result.stdout.splitlines() == ['True False InProcessRuntime',
+                                        'False True LocalWorkerRuntime'], (
       result.stdout, result.stderr[-2000:])
-  with TffRuntime(mmap_threshold_kib=0) as rt:
+  with LocalWorkerRuntime(mmap_threshold_kib=0) as rt:
     assert b'MALLOC_MMAP_THRESHOLD_' not in worker_env(rt) or 'MALLOC_MMAP_THRESHOLD_' in os.environ
   assert heap.fix_mmap_threshold(128)  # glibc here: mallopt accepted the setting.
   assert not heap.fix_mmap_threshold(0)

@@ -207,7 +207,7 @@ class _Stopped(Exception):
 def test_a_second_signal_checkpoints_the_last_completed_round(data, spec, tmp_path):
   """`StopSignal.before_exit` (what a second SIGTERM runs before the process ends) checkpoints
   the rounds completed since the last checkpoint."""
-  from fltff.runtime import StopSignal  # pylint: disable=g-import-not-at-top
+  from fltff.cli import StopSignal  # pylint: disable=g-import-not-at-top
   from fltff.simulation.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
 
   stop = StopSignal()

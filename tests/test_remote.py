@@ -187,13 +187,13 @@ def test_a_lost_worker_fails_computations_but_not_disposals():
   import grpc  # pylint: disable=g-import-not-at-top
   from tensorflow_federated.proto.v0 import executor_pb2  # pylint: disable=g-import-not-at-top
 
-  from fltff.runtime.local import WorkerLostError  # pylint: disable=g-import-not-at-top
-  from fltff.runtime.local import _fail_fast_stub_class  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import WorkerLostError  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.channels import fail_fast_stub_class  # pylint: disable=g-import-not-at-top
 
   address = f'127.0.0.1:{portpicker.pick_unused_port()}'  # Nothing listens there.
   channel = grpc.insecure_channel(address)
   try:
-    stub = _fail_fast_stub_class()(channel, address, rpc_timeout=5.0)
+    stub = fail_fast_stub_class()(channel, address, rpc_timeout=5.0)
     assert stub.dispose(executor_pb2.DisposeRequest()) is None
     assert stub.dispose_executor(executor_pb2.DisposeExecutorRequest()) is None
     with pytest.raises(WorkerLostError, match='was lost'):

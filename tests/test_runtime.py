@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import tensorflow_federated as tff
 
-from fltff.runtime import TffRuntime
-from fltff.runtime.local import wait_for_exit
+from fltff.runtime import LocalWorkerRuntime
+from fltff.runtime import RemoteWorkersRuntime
+from fltff.runtime.processes import wait_for_exit
 from helpers import REPO
 from launcher import Program
 from launcher import wait_until
@@ -19,7 +20,7 @@ def _alive(pid):
 
 
 def test_runtime_runs_computation_and_close_stops_worker(tff_runtime):
-  runtime = TffRuntime()
+  runtime = LocalWorkerRuntime()
   try:
     pids = runtime.worker_pids  # The isolated worker's relay and its worker_binary.
     assert len(pids) == 2 and all(_alive(pid) for pid in pids)
@@ -66,7 +67,7 @@ def _socket_inodes(pid: int) -> set:
 def test_the_local_worker_is_reachable_only_through_its_owners_unix_socket(tff_runtime):
   # worker_binary listens on every interface of its network namespace: a private one, whose
   # only interface is its own loopback. The driver's way in is a 0600 socket in a 0700 folder.
-  runtime = TffRuntime()
+  runtime = LocalWorkerRuntime()
   try:
     relay, worker = runtime.worker_pids
     assert runtime.workers[0].startswith('unix:')
@@ -105,7 +106,7 @@ def test_the_local_worker_is_reachable_only_through_its_owners_unix_socket(tff_r
 
 
 def test_a_worker_not_isolated_says_its_port_is_open(tff_runtime, capsys):
-  runtime = TffRuntime(isolate_local_worker=False)
+  runtime = LocalWorkerRuntime(isolated=False)
   try:
     [pid] = runtime.worker_pids
     assert os.readlink(f'/proc/{pid}/ns/net') == os.readlink('/proc/self/ns/net')
@@ -143,25 +144,25 @@ def test_unreachable_remote_worker_is_a_clear_error():
 
   port = portpicker.pick_unused_port()
   with pytest.raises(RuntimeUnavailableError, match=f'127.0.0.1:{port}'):
-    TffRuntime(workers=[f'127.0.0.1:{port}'], connect_timeout=1.0)
+    RemoteWorkersRuntime(workers=[f'127.0.0.1:{port}'], connect_timeout=1.0)
 
 
 def test_the_default_rpc_deadline_follows_the_rounds(tff_runtime):
-  from fltff.runtime import local  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import runtimes  # pylint: disable=g-import-not-at-top
 
-  runtime = TffRuntime()
+  runtime = LocalWorkerRuntime()
   try:
     [stub] = runtime._stubs  # pylint: disable=protected-access
-    assert runtime.rpc_timeout == stub._rpc_timeout == local.FIRST_RPC_TIMEOUT_S  # pylint: disable=protected-access
+    assert runtime.rpc_timeout == stub._rpc_timeout == runtimes.FIRST_RPC_TIMEOUT_S  # pylint: disable=protected-access
     runtime.after_round(1, 12.0)
-    assert stub._rpc_timeout == local.RPC_TIMEOUT_FLOOR_S  # 10 x 12 s is under the floor.  # pylint: disable=protected-access
+    assert stub._rpc_timeout == runtimes.RPC_TIMEOUT_FLOOR_S  # 10 x 12 s is under the floor.  # pylint: disable=protected-access
     runtime.after_round(2, 95.0)
     runtime.after_round(3, 40.0)  # The slowest round counts.
     assert stub._rpc_timeout == 950.0  # pylint: disable=protected-access
   finally:
     runtime.close()
     tff.framework.set_default_context(tff_runtime.context)
-  fixed = TffRuntime(rpc_timeout=7.0)
+  fixed = LocalWorkerRuntime(rpc_timeout=7.0)
   try:
     fixed.after_round(1, 100.0)
     assert fixed._stubs[0]._rpc_timeout == 7.0  # pylint: disable=protected-access
@@ -183,7 +184,8 @@ def test_a_hung_worker_is_lost_after_one_deadline_of_the_documented_rule(tff_run
   import grpc  # pylint: disable=g-import-not-at-top
   from tensorflow_federated.proto.v0 import executor_pb2  # pylint: disable=g-import-not-at-top
 
-  from fltff.runtime import local  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import channels  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import runtimes  # pylint: disable=g-import-not-at-top
 
   release = threading.Event()
 
@@ -200,12 +202,9 @@ def test_a_hung_worker_is_lost_after_one_deadline_of_the_documented_rule(tff_run
   server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[Hung()])
   port = server.add_insecure_port('127.0.0.1:0')
   server.start()
-  monkeypatch.setattr(local, 'RPC_TIMEOUT_FLOOR_S', 2.0)
-  channel = grpc.insecure_channel(f'127.0.0.1:{port}')
-  stub_class = local._fail_fast_stub_class()  # pylint: disable=protected-access
-  stub = stub_class(channel, f'127.0.0.1:{port}', local.FIRST_RPC_TIMEOUT_S)
-  runtime = TffRuntime(executor='auto')  # Its deadline rule, over this stub (no context).
-  runtime._stubs = [stub]  # pylint: disable=protected-access
+  monkeypatch.setattr(runtimes, 'RPC_TIMEOUT_FLOOR_S', 2.0)
+  runtime = runtimes.RemoteWorkersRuntime([f'127.0.0.1:{port}'])  # A plaintext "worker".
+  [stub] = runtime._stubs  # pylint: disable=protected-access
   try:
     runtime.after_round(1, 0.15)
     assert runtime.rpc_timeout == stub._rpc_timeout == 2.0  # pylint: disable=protected-access
@@ -214,7 +213,7 @@ def test_a_hung_worker_is_lost_after_one_deadline_of_the_documented_rule(tff_run
                  lambda: stub.create_value(executor_pb2.CreateValueRequest()),
                  lambda: stub.compute(executor_pb2.ComputeRequest())):
       start = time.monotonic()
-      with pytest.raises(local.WorkerLostError, match='DEADLINE_EXCEEDED'):
+      with pytest.raises(channels.WorkerLostError, match='DEADLINE_EXCEEDED'):
         call()
       seconds.append(time.monotonic() - start)
     start = time.monotonic()
@@ -224,7 +223,6 @@ def test_a_hung_worker_is_lost_after_one_deadline_of_the_documented_rule(tff_run
   finally:
     release.set()
     runtime.close()
-    channel.close()
     server.stop(grace=None)
     tff.framework.set_default_context(tff_runtime.context)
 
@@ -234,7 +232,7 @@ def test_a_hung_worker_is_lost_after_one_deadline_of_the_documented_rule(tff_run
 _STOP_IN_A_HANDLER = '''
 import signal, sys, time
 sys.setrecursionlimit(200)
-from fltff.runtime.local import StopSignal
+from fltff.cli import StopSignal
 stop = StopSignal()
 signal.signal(signal.SIGALRM, lambda *_: stop.set())
 signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)

@@ -150,11 +150,11 @@ def _trained_work(algorithm):
 
 @pytest.fixture(scope='module')
 def two_workers():
-  from fltff.runtime import TffRuntime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import RemoteWorkersRuntime  # pylint: disable=g-import-not-at-top
   from test_remote import Worker  # pylint: disable=g-import-not-at-top
 
   ws = [Worker(), Worker()]
-  runtime = TffRuntime(workers=[w.address for w in ws])
+  runtime = RemoteWorkersRuntime(workers=[w.address for w in ws])
   yield runtime.context
   runtime.close()
   for w in ws:
@@ -698,44 +698,54 @@ def test_pipeline_vectorised_equals_cpp_and_resumes(small_run, tmp_path):
 def test_auto_client_work_vectorises_what_it_can_and_the_runtime_places_it(data, spec, cpp):
   # The experiment decides what the clients compute ('auto': vectorised where it can); the
   # runtime ('auto') only places it: in this process when vectorised, else on TFF's C++ runtime.
-  from fltff.runtime.local import make_runtime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import AutoRuntime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import InProcessRuntime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import LocalWorkerRuntime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import make_runtime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.processes import wait_for_exit  # pylint: disable=g-import-not-at-top
   from fltff.simulation.experiment import choose_client_work  # pylint: disable=g-import-not-at-top
 
-  def chosen(algorithm, rt):
+  def placed(algorithm, rt):
     choose_client_work(algorithm, 'auto', True, rt)
-    rt.bind(algorithm)
-    return algorithm
+    return rt.place(algorithm)
 
   try:
     with make_runtime() as rt:  # runtime.executor = 'auto'
+      assert isinstance(rt, AutoRuntime)
       assert rt.context is None and not rt.worker_pids  # Nothing started before the method.
-      algorithm = chosen(METHODS['kapc+bls'](spec), rt)
-      assert (rt.executor, rt.vectorised, algorithm.client_work_reason) == ('in_process', True,
-                                                                             None)
-      assert isinstance(rt.context, InProcessContext) and not rt.worker_pids
+      algorithm = METHODS['kapc+bls'](spec)
+      on = placed(algorithm, rt)
+      assert isinstance(on, InProcessRuntime) and algorithm.client_work_reason is None
+      assert on.description == 'the in-process executor, vectorised clients'
+      assert isinstance(on.context, InProcessContext) and not on.worker_pids
     with make_runtime() as rt:
-      algorithm = chosen(UNSUPPORTED['own_client_work'](spec), rt)
-      assert rt.executor == 'tff_cpp' and len(rt.worker_pids) == 2
+      algorithm = UNSUPPORTED['own_client_work'](spec)
+      on = placed(algorithm, rt)
+      assert isinstance(on, LocalWorkerRuntime) and len(on.worker_pids) == 2
       assert 'cannot vectorise its clients' in algorithm.client_work_reason
+      pids = on.worker_pids
+    assert all(wait_for_exit(pid) for pid in pids)  # Closing 'auto' stops what it placed.
     bn_spec = build_model_spec(data, 'cnn2_bn', seed=0)
     with make_runtime() as rt:  # FedBN's clients train their own BatchNorm statistics.
-      algorithm = chosen(METHODS['fedbn'](bn_spec), rt)
-      assert (rt.executor, rt.vectorised, algorithm.client_work_reason) == ('in_process', True,
-                                                                             None)
+      algorithm = METHODS['fedbn'](bn_spec)
+      assert placed(algorithm, rt).description == 'the in-process executor, vectorised clients'
+      assert algorithm.client_work_reason is None
     with make_runtime() as rt:  # MOON reads other models' representations of its batches.
-      algorithm = chosen(METHODS['moon'](bn_spec), rt)
-      assert rt.executor == 'tff_cpp' and 'non-trainable weights' in algorithm.client_work_reason
+      algorithm = METHODS['moon'](bn_spec)
+      assert isinstance(placed(algorithm, rt), LocalWorkerRuntime)
+      assert 'non-trainable weights' in algorithm.client_work_reason
     # Recycling the worker is the C++ runtime's: chosen before any method, and then 'auto'
     # client work stays client by client.
     with make_runtime(recycle_every=2) as rt:
-      assert rt.executor == 'tff_cpp' and len(rt.worker_pids) == 2
-      algorithm = chosen(METHODS['fedavg'](spec), rt)
+      assert isinstance(rt, LocalWorkerRuntime) and len(rt.worker_pids) == 2
+      algorithm = METHODS['fedavg'](spec)
+      assert placed(algorithm, rt) is rt
       assert not algorithm.vectorized and algorithm.client_work_reason is None
       # Vectorised client work on TFF's C++ runtime is refused where it is placed.
       vectorised = METHODS['fedavg'](spec)
       vectorised.vectorize_clients()
       with pytest.raises(ConfigError, match="clients are vectorised"):
-        rt.bind(vectorised)
+        rt.place(vectorised)
   finally:
     tff.framework.set_default_context(cpp)
 
@@ -767,7 +777,7 @@ def test_auto_trains_a_convolutional_model_client_by_client_on_a_cpu_when_paddin
   # A vectorised round runs every client for the longest one's steps; cnn2's convolutions gain
   # too little over the C++ runtime on a CPU to pay for much padding (conv_padding_limit).
   # runtime.device = 'auto' counts as a CPU here (no GPU on the test machines).
-  from fltff.runtime.local import make_runtime  # pylint: disable=g-import-not-at-top
+  from fltff.runtime import make_runtime  # pylint: disable=g-import-not-at-top
   from fltff.simulation.experiment import choose_client_work  # pylint: disable=g-import-not-at-top
   from fltff.simulation.experiment import conv_padding_limit  # pylint: disable=g-import-not-at-top
 

@@ -17,7 +17,7 @@ import pytest
 import tensorflow_federated as tff
 
 from fltff import methods
-from fltff.runtime import TffRuntime
+from fltff.runtime import RemoteWorkersRuntime
 from fltff.simulation import RoundConfig
 from fltff.simulation import RoundDriver
 from fltff.simulation import build_model_spec
@@ -43,7 +43,7 @@ def data():
 @pytest.fixture(scope='module')
 def two_workers():
   ws = [Worker(), Worker()]
-  runtime = TffRuntime(workers=[w.address for w in ws])
+  runtime = RemoteWorkersRuntime(workers=[w.address for w in ws])
   yield runtime
   runtime.close()
   for w in ws:

@@ -1,22 +1,25 @@
-"""Execution contexts: TFF's local C++ runtime or a remote TFF worker, with clean shutdown."""
+"""Where TFF computations execute: one `Runtime` class per executor (`runtimes.py`), the worker
+processes they own (`processes.py`) and their gRPC channels (`channels.py`)."""
 
-from fltff.runtime.local import TffRuntime
-from fltff.runtime.local import WorkerLostError
-from fltff.runtime.local import WorkerProcess
-from fltff.runtime.local import install_signal_handlers
-from fltff.runtime.local import local_runtime
-from fltff.runtime.local import make_runtime
-from fltff.runtime.local import release_default_context
-from fltff.runtime.local import StopSignal
-from fltff.runtime.local import worker_binary_path
+from fltff.runtime.channels import WorkerLostError
+from fltff.runtime.channels import release_default_context
+from fltff.runtime.processes import WorkerProcess
+from fltff.runtime.processes import worker_binary_path
+from fltff.runtime.runtimes import AutoRuntime
+from fltff.runtime.runtimes import InProcessRuntime
+from fltff.runtime.runtimes import LocalWorkerRuntime
+from fltff.runtime.runtimes import make_runtime
+from fltff.runtime.runtimes import RemoteWorkersRuntime
+from fltff.runtime.runtimes import Runtime
 
 __all__ = [
-    'install_signal_handlers',
-    'local_runtime',
+    'AutoRuntime',
+    'InProcessRuntime',
+    'LocalWorkerRuntime',
     'make_runtime',
     'release_default_context',
-    'StopSignal',
-    'TffRuntime',
+    'RemoteWorkersRuntime',
+    'Runtime',
     'worker_binary_path',
     'WorkerLostError',
     'WorkerProcess',

@@ -1,4 +1,4 @@
-r"""The inside of an isolated `worker_binary`, run by `fltff.runtime.local.IsolatedWorker`.
+r"""The inside of an isolated `worker_binary`, run by `fltff.runtime.processes.IsolatedWorker`.
 
 In the private network namespace it brings up the loopback, starts `worker_binary` there
 (reachable from this namespace only) and relays a Unix socket to it: the only way in, which
@@ -57,8 +57,8 @@ def loopback_up() -> None:
 
 def main(argv) -> int:
   del argv
-  from fltff.runtime.local import StopSignal  # pylint: disable=g-import-not-at-top
-  from fltff.runtime.local import WorkerProcess  # pylint: disable=g-import-not-at-top
+  from fltff.cli import StopSignal  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.processes import WorkerProcess  # pylint: disable=g-import-not-at-top
   from fltff.runtime.tls import serve_forwarder  # pylint: disable=g-import-not-at-top
 
   stop = StopSignal()

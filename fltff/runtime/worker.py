@@ -22,13 +22,13 @@ from typing import Optional
 
 from absl import flags
 
+from fltff.cli import StopSignal
 from fltff.errors import ConfigError
 from fltff.errors import FltffError
 from fltff.errors import RuntimeUnavailableError
-from fltff.runtime.local import IsolatedWorker
-from fltff.runtime.local import StopSignal
-from fltff.runtime.local import WorkerProcess
-from fltff.runtime.local import release_default_context
+from fltff.runtime.channels import release_default_context
+from fltff.runtime.processes import IsolatedWorker
+from fltff.runtime.processes import WorkerProcess
 from fltff.runtime.tls import check_can_listen
 from fltff.runtime.tls import serve_forwarder
 from fltff.runtime.tls import server_credentials

@@ -110,11 +110,9 @@ class RoundDriver:
       raise ConfigError(f'{algorithm.name} evaluates personal models on local test splits: '
                         'set federated_data.local_test_examples > 0.')
     self.channel = channel
-    # A `TffRuntime` fails over; the repeated round is exact, as its inputs are deterministic.
-    self.call = runtime.call if runtime is not None else protocol.direct_call
-    self.runtime = runtime
-    if runtime is not None:
-      runtime.bind(algorithm)  # Places the rounds ('auto': by the client work chosen).
+    # The runtime that runs the rounds ('auto': by the client work chosen); it fails over.
+    self.runtime = runtime.place(algorithm) if runtime is not None else None
+    self.call = self.runtime.call if self.runtime is not None else protocol.direct_call
     self.algorithm = algorithm
     self.data = data
     has_local = data.local_test_indices is not None
@@ -339,7 +337,7 @@ class RoundDriver:
   # -- the loop ----------------------------------------------------------------------------
   def run(self, resume: bool = False) -> dict:
     cfg = self.config
-    if self.runtime is not None and getattr(self.runtime, 'description', None):
+    if self.runtime is not None:
       reason = getattr(self.algorithm, 'client_work_reason', None)
       self.progress(f'{self.algorithm.name} runs on {self.runtime.description}'
                     + (f" (experiment.client_work = 'auto': {reason})" if reason else '.'))
@@ -513,7 +511,7 @@ class RoundDriver:
       extra['checkpoint_megabytes'] = self._checkpoint_costs[-1][1] / 1e6
     extra['driver_peak_rss_mib'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     if self.runtime is not None:
-      extra['executor'] = getattr(self.runtime, 'description', None)
+      extra['executor'] = self.runtime.description
     if self.rows:
       extra['round_seconds_median'] = float(np.median([r['round_seconds'] for r in self.rows]))
     return extra | {

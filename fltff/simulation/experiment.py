@@ -123,7 +123,7 @@ def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool 
   `conv_padding_limit(participants)` (`expected_padding`, grouped as the vectorised work groups
   them), and
   otherwise records why not as `algorithm.client_work_reason` (the run's first line says it).
-  The runtime then only places the rounds (`TffRuntime.bind`).
+  The runtime then only places the rounds (`Runtime.place`).
   """
   check_choice('experiment.client_work', client_work, CLIENT_WORKS)
   if not isinstance(factor_dense, bool):
@@ -140,7 +140,7 @@ def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool 
                         'C++ runtime, remote workers and runtime.recycle_every run them client '
                         'by client).')
     return
-  elif (client_work == 'auto' and runtime.executor == 'auto' and steps is not None
+  elif (client_work == 'auto' and runtime.per_client_on_cpp and steps is not None
         and participants and _on_cpu(runtime) and _has_convolutions(algorithm.model_spec)):
     from fltff.learning.round_data import step_overhead  # pylint: disable=g-import-not-at-top
     from fltff.models.layers import macs_per_example  # pylint: disable=g-import-not-at-top
@@ -228,8 +228,8 @@ def run_experiment(output_dir: str,
     output_dir: Where config.gin, metrics.csv, summary.json, TensorBoard events, the plot,
       partition.json and checkpoints go.
     resume: Continue from the latest checkpoint in `output_dir`.
-    runtime: The `fltff.runtime.TffRuntime` (enables failover); None: the current context.
-    stop_event: Optional `fltff.runtime.StopSignal` (or `threading.Event`); once set, the run stops after the current round
+    runtime: The `fltff.runtime.Runtime` (enables failover); None: the current context.
+    stop_event: Optional `fltff.cli.StopSignal` (or `threading.Event`); once set, the run stops after the current round
       with its checkpoint saved (`StopRequested`).
     method: A method builder taking a `ModelSpec` (gin: `@fedavg`, `@fedprox`, `@sgdm`).
     model: Model zoo name (see `fltff.models.MODEL_NAMES`).

@@ -1,0 +1,469 @@
+"""Where a run's TFF computations execute: one `Runtime` class per executor, the one the
+`runtime.*` settings name built by `make_runtime`."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging as std_logging
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+from absl import logging
+import gin
+import grpc
+
+from fltff.config_checks import check_choice
+from fltff.config_checks import check_number
+from fltff.errors import ConfigError
+from fltff.errors import RuntimeUnavailableError
+from fltff.errors import warn
+from fltff.runtime import channels
+from fltff.runtime import heap
+from fltff.runtime import tls
+from fltff.runtime.processes import IsolatedWorker
+from fltff.runtime.processes import WorkerProcess
+
+# After a lost worker, how long each remaining one has to answer before it counts as lost too.
+RECONNECT_TIMEOUT_S = 5.0
+# Adaptive RPC deadline (`rpc_timeout=None`): FIRST_RPC_TIMEOUT_S until a round completes (the
+# first also compiles), then RPC_TIMEOUT_FACTOR x the slowest round, at least the floor.
+FIRST_RPC_TIMEOUT_S = 3600.0
+RPC_TIMEOUT_FACTOR = 10.0
+RPC_TIMEOUT_FLOOR_S = 300.0
+
+
+class Runtime:
+  """A TFF execution context (`context`, TFF's default) and what it owns; `close()` (also a
+  context manager, and at exit) stops it.
+
+  `place(algorithm)` returns the runtime that runs `algorithm`'s rounds, `ConfigError` where
+  its client work cannot run there; then `call(fn, ...)` runs each computation (repeated where
+  a worker was lost), `after_round` follows each round and `description` says where they run.
+  """
+
+  description = ''  # The executor in words, e.g. for the run's summary.
+  runs_in_process = False  # Whether vectorised client work can run here (in this process).
+  per_client_on_cpp = True  # Whether TFF's client-by-client work runs on its C++ runtime.
+
+  def __init__(self, device: Optional[str] = None,
+               mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB):
+    self.device = device  # The TensorFlow device of in-process computations (None: any).
+    self.mmap_threshold_kib = int(mmap_threshold_kib)
+    self.context = None
+    self._closed = False
+    atexit.register(self.close)
+
+  @property
+  def worker_pids(self) -> list[int]:  # The processes of the workers this runtime owns.
+    return []
+
+  def place(self, algorithm) -> 'Runtime':
+    """This runtime, for `algorithm`'s client work; fixes glibc's mmap threshold (`heap`) for
+    client work that is not vectorised (vectorised rounds run faster on the adaptive one)."""
+    if algorithm.vectorized and not self.runs_in_process:
+      raise ConfigError(f"{algorithm.name}'s clients are vectorised: they train in this "
+                        f"process, which needs runtime.executor = 'auto' or 'in_process'.")
+    if not algorithm.vectorized:
+      heap.fix_mmap_threshold(self.mmap_threshold_kib)
+    return self
+
+  def call(self, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`: a computation in this runtime's context."""
+    return fn(*args, **kwargs)
+
+  def after_round(self, round_num: int, round_seconds: Optional[float] = None) -> None:
+    """After each round: trims the heap where its threshold is fixed (`heap`)."""
+    if heap.threshold_fixed():
+      heap.trim()
+
+  def program_context(self):
+    raise ConfigError("program_context needs TFF's C++ runtime (runtime.executor = 'tff_cpp').")
+
+  def close(self) -> None:
+    """Replaces TFF's default context and stops what this runtime owns (idempotent)."""
+    if self._closed:
+      return
+    self._closed = True
+    with contextlib.suppress(Exception):
+      channels.release_default_context()
+    self._stop()
+
+  def _stop(self) -> None:
+    pass
+
+  def __enter__(self) -> 'Runtime':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+class InProcessRuntime(Runtime):
+  """The in-process executor (`fltff.runtime.in_process.InProcessContext`) on `device`."""
+
+  description = 'the in-process executor'
+  runs_in_process = True
+  per_client_on_cpp = False
+
+  def __init__(self, device: Optional[str] = None,
+               mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB):
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+    from fltff.runtime.in_process import InProcessContext  # pylint: disable=g-import-not-at-top
+
+    super().__init__(device, mmap_threshold_kib)
+    self.context = InProcessContext(device=device)
+    tff.framework.set_default_context(self.context)
+    logging.info('TFF runtime ready: in-process executor, device %s.', device or 'auto')
+
+  def place(self, algorithm) -> Runtime:
+    if algorithm.vectorized:
+      self.description = 'the in-process executor, vectorised clients'
+    return super().place(algorithm)
+
+
+class WorkerRuntime(Runtime):
+  """TFF's C++ runtime on `worker_binary` workers (`workers`, reached by gRPC). One worker:
+  TFF's remote executor on it; several: TFF's mergeable context, each round split into one
+  sub-round per worker and the partial aggregates merged (hence fltff's single-pass
+  aggregators). `call` repeats a computation whose worker was lost after `_recover`, up to
+  `max_retries` times; the repeat is exact, as a round's inputs are deterministic. Mutual TLS
+  with `credentials` (None: plaintext; `server_name`: the name to check in the certificates)."""
+
+  def __init__(self, workers: Sequence[str] = (), connect_timeout: float = 60.0,
+               rpc_timeout: Optional[float] = None, max_retries: int = 2,
+               mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
+               credentials: Optional[grpc.ChannelCredentials] = None,
+               server_name: Optional[str] = None):
+    super().__init__(None, mmap_threshold_kib)
+    std_logging.getLogger('asyncio').addFilter(channels.not_a_lost_worker_task)  # Same object.
+    heap.fix_mmap_threshold(self.mmap_threshold_kib)
+    self.workers = list(workers)
+    self.connect_timeout = connect_timeout
+    self.adaptive_rpc_timeout = rpc_timeout is None
+    self.rpc_timeout = FIRST_RPC_TIMEOUT_S if rpc_timeout is None else float(rpc_timeout)
+    self._slowest_round = 0.0
+    self.max_retries = max_retries
+    self._credentials, self._server_name = credentials, server_name
+    self._channels, self._stubs = [], []
+    try:
+      self._start_worker()
+      self._connect()
+    except BaseException:
+      self.close()
+      raise
+
+  def _start_worker(self) -> None:
+    """Starts the worker this runtime owns, if any, and sets `workers`."""
+
+  def _connect(self, timeout: Optional[float] = None) -> None:
+    """Installs TFF's context over the workers; with `timeout`, a silent one raises
+    `channels.WorkerLostError`."""
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+    stubs = []
+    for address in self.workers:
+      try:
+        channel, stub = channels.connect_stub(address, timeout or self.connect_timeout,
+                                              self.rpc_timeout, self._credentials,
+                                              self._server_name)
+      except RuntimeUnavailableError:
+        if timeout is None:
+          raise
+        raise channels.WorkerLostError(address, f'no answer within {timeout:.0f} s') from None
+      self._channels.append(channel)
+      stubs.append(stub)
+    self._stubs = stubs
+    if len(stubs) == 1:
+      self.context = channels.context_for_stub(stubs[0])
+    else:  # TFF's mergeable-computation context: each round's clients split across the workers.
+      self.context = tff.backends.native.create_mergeable_comp_execution_context(
+          [channels.context_for_stub(s, asynchronous=True) for s in stubs])
+    tff.framework.set_default_context(self.context)
+    logging.info('TFF runtime ready: worker(s) %s.', ', '.join(self.workers))
+
+  def program_context(self):
+    """A `NativeFederatedContext` for TFF's program API, to install for the program (then
+    reinstall `self.context`); one worker only, as TFF's mergeable context is synchronous."""
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+    if len(self._stubs) != 1:
+      raise ConfigError(f'program_context needs one worker, this runtime has '
+                        f'{len(self._stubs)}.')
+    return tff.program.NativeFederatedContext(
+        channels.context_for_stub(self._stubs[0], asynchronous=True))
+
+  def call(self, fn, *args, **kwargs):
+    for attempt in range(self.max_retries + 1):
+      try:
+        return fn(*args, **kwargs)
+      except channels.WorkerLostError as e:
+        if attempt >= self.max_retries:
+          raise RuntimeUnavailableError(
+              f'{e} Gave up after {self.max_retries} retries (runtime.max_retries); completed '
+              'rounds are checkpointed: restart the worker(s) and rerun with --resume.') from None
+        self._recover(e)
+    raise AssertionError('unreachable')
+
+  def _recover(self, error: channels.WorkerLostError) -> None:
+    """Makes the context whole again after `error`, or raises `RuntimeUnavailableError`."""
+    raise NotImplementedError
+
+  def after_round(self, round_num: int, round_seconds: Optional[float] = None) -> None:
+    """Also adapts the RPC deadline to `round_seconds` (`rpc_timeout=None`)."""
+    if self.adaptive_rpc_timeout and round_seconds:
+      self._slowest_round = max(self._slowest_round, float(round_seconds))
+      self.rpc_timeout = max(RPC_TIMEOUT_FLOOR_S, RPC_TIMEOUT_FACTOR * self._slowest_round)
+      for stub in self._stubs:
+        stub._rpc_timeout = self.rpc_timeout  # pylint: disable=protected-access
+    super().after_round(round_num, round_seconds)
+
+  def _release_connections(self) -> None:
+    """Closes the channels to the current workers and frees what TFF compiled for them."""
+    for channel in self._channels:
+      with contextlib.suppress(Exception):
+        channel.close()
+    # The context's event-loop thread references its runner, whose `__del__` (which stops
+    # the loop) therefore never runs: do its work here.
+    runner = getattr(self.context, '_async_runner', None)
+    if runner is not None:
+      with contextlib.suppress(Exception):
+        runner._finalizer(runner._event_loop, runner._thread)  # pylint: disable=protected-access
+    self._channels, self._stubs, self.context = [], [], None
+    # TFF 0.87's `CompilerPipeline.compile` cache is one `lru_cache` for all pipelines: else a
+    # replaced context's compilations stay until 128 newer entries evict them. The live context
+    # recompiles once.
+    from tensorflow_federated.python.core.impl.execution_contexts import compiler_pipeline  # pylint: disable=g-import-not-at-top
+
+    compiler_pipeline.CompilerPipeline.compile.cache_clear()
+
+  _stop = _release_connections
+
+
+class LocalWorkerRuntime(WorkerRuntime):
+  """TFF's C++ runtime on a `worker_binary` on this host, started and owned here: an
+  `IsolatedWorker` (not `isolated`: a `WorkerProcess` listening on every interface) logging to
+  `<log_dir>/tff_worker.log` or a temporary file. A lost worker is restarted; with
+  `recycle_every` = K > 0 it is replaced every K rounds (its memory, which TFF's C++ runtime
+  grows each round, starts over; all state is in the driver, so results are unchanged)."""
+
+  description = "TFF's C++ runtime (local worker_binary)"
+
+  def __init__(self, log_dir: Optional[str] = None, isolated: bool = True,
+               recycle_every: int = 0, **kwargs):
+    self.log_dir = log_dir
+    self.isolated = isolated
+    self.recycle_every = int(recycle_every)
+    self._worker = None
+    super().__init__(**kwargs)
+
+  @property
+  def worker_pids(self) -> list[int]:
+    """An isolated worker's relay and worker_binary, or the worker_binary."""
+    return self._worker.pids if self._worker is not None else []
+
+  def _start_worker(self) -> None:
+    log_path = None if self.log_dir is None else os.path.join(self.log_dir, 'tff_worker.log')
+    if self.isolated:
+      self._worker = IsolatedWorker(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
+    else:
+      self._worker = WorkerProcess(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
+      warn(f'runtime.isolate_local_worker = False: the local worker_binary listens on port '
+           f'{self._worker.port} of every interface, plaintext and unauthenticated; anyone who '
+           'reaches it can run code on this host as you.')
+    self.workers = [self._worker.address]
+
+  def _recover(self, error: Optional[channels.WorkerLostError] = None) -> None:
+    """Replaces the worker: after `error`, or to recycle it."""
+    self._worker.stop()
+    self._start_worker()
+    self._release_connections()
+    self._connect()
+    if error is not None:
+      logging.warning('%s Restarted the local worker at %s.', error, self.workers[0])
+
+  def after_round(self, round_num: int, round_seconds: Optional[float] = None) -> None:
+    super().after_round(round_num, round_seconds)
+    if self.recycle_every > 0 and round_num % self.recycle_every == 0:
+      self._recover()
+
+  def _stop(self) -> None:
+    super()._stop()
+    if self._worker is not None:
+      self._worker.stop()
+      self._worker = None
+
+
+class RemoteWorkersRuntime(WorkerRuntime):
+  """TFF's C++ runtime on running workers (`python -m fltff.runtime.worker`) at `workers`
+  (`host:port`). A lost worker is dropped and the computation repeated on the others; their
+  processes are not this program's to stop."""
+
+  description = "TFF's C++ runtime (remote workers)"
+
+  def __init__(self, workers: Sequence[str], **kwargs):
+    self.lost: list[str] = []
+    super().__init__(workers, **kwargs)
+
+  def _recover(self, error: channels.WorkerLostError) -> None:
+    lost = [error.address]
+    while lost:  # Drop the lost worker(s), reconnect to the others.
+      self._release_connections()
+      self.lost.append(lost.pop())
+      self.workers = [w for w in self.workers if w not in self.lost]
+      if not self.workers:
+        raise RuntimeUnavailableError(
+            f'{error} No TFF worker is left (lost: {", ".join(self.lost)}); completed rounds '
+            'are checkpointed: restart the workers and rerun with --resume.') from None
+      try:
+        self._connect(timeout=min(self.connect_timeout, RECONNECT_TIMEOUT_S))
+      except channels.WorkerLostError as e:
+        lost.append(e.address)
+    logging.warning('%s Repeating the computation on %s.', error, ', '.join(self.workers))
+
+
+class AutoRuntime(Runtime):
+  """`runtime.executor = 'auto'`: `place` starts the in-process executor for vectorised client
+  work (or any, on a GPU `device`), else a `LocalWorkerRuntime` (`local`: its settings)."""
+
+  runs_in_process = True
+
+  def __init__(self, device: Optional[str] = None,
+               mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB, **local):
+    super().__init__(device, mmap_threshold_kib)
+    self.per_client_on_cpp = device != '/GPU:0'
+    self._local = local
+    self.placed: Optional[Runtime] = None
+
+  def place(self, algorithm) -> Runtime:
+    if self.placed is not None:
+      self.placed.close()
+    if algorithm.vectorized or not self.per_client_on_cpp:
+      self.placed = InProcessRuntime(self.device, self.mmap_threshold_kib)
+    else:
+      self.placed = LocalWorkerRuntime(mmap_threshold_kib=self.mmap_threshold_kib, **self._local)
+    self.placed = self.placed.place(algorithm)
+    logging.info("runtime.executor = 'auto': %s for %s.", self.placed.description,
+                 algorithm.name)
+    return self.placed
+
+  def _stop(self) -> None:
+    if self.placed is not None:
+      self.placed.close()
+
+
+@gin.configurable('runtime', denylist=['log_dir'])
+def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
+                 rpc_timeout: Optional[float] = None, max_retries: int = 2,
+                 log_dir: Optional[str] = None,
+                 tls_ca_file: Optional[str] = None, tls_cert_file: Optional[str] = None,
+                 tls_key_file: Optional[str] = None, tls_server_name: Optional[str] = None,
+                 insecure_plaintext: bool = False, recycle_every: int = 0,
+                 executor: str = 'auto', device: str = 'auto',
+                 mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
+                 isolate_local_worker: bool = True) -> Runtime:
+  """The experiment's runtime, of the class its settings name; `ConfigError` for an invalid
+  setting.
+
+  Args:
+    workers: `host:port` of running TFF workers (`python -m fltff.runtime.worker`):
+      `RemoteWorkersRuntime`; empty: this host.
+    connect_timeout: Seconds to wait for each worker to answer at start.
+    rpc_timeout: Seconds after which a worker silent in an RPC counts as lost. None: an hour
+      until a round completes, then 10 x the slowest round, at least 5 minutes.
+    max_retries: How often a round is repeated after losing a worker.
+    log_dir: Folder of the local worker's log (`tff_worker.log`); None: a temporary file.
+    tls_ca_file: Mutual TLS to remote workers (the default): the CA of the workers'
+      certificates (PEM).
+    tls_cert_file: This driver's certificate (PEM), signed by the workers' client CA.
+    tls_key_file: This driver's private key (PEM).
+    tls_server_name: The name to check in the workers' certificates, if not their host.
+    insecure_plaintext: Plaintext to workers started with `--insecure_plaintext`: only on a
+      trusted network.
+    recycle_every: Replace the local worker_binary every this many rounds (0: never), bounding
+      its memory; results unchanged.
+    executor: 'auto' (`AutoRuntime`): the in-process executor for vectorised client work
+      without `workers` or `recycle_every`, else 'tff_cpp' (TFF's C++ runtime: local,
+      `LocalWorkerRuntime`, or remote). 'in_process' (`InProcessRuntime`): the same
+      computations in this process (`fltff.runtime.in_process`; equal results, slower
+      client by client on CPUs).
+    device: 'auto' (TensorFlow's choice), 'cpu' or 'gpu' (in process only: TFF's C++ runtime
+      never uses a GPU, TFF issues 3709, 4600).
+    mmap_threshold_kib: glibc serves blocks of this many KiB or more with mmap in the local
+      worker and in the driver (with 'auto' or 'in_process': from `place`, and only for clients
+      that are not vectorised), which then trims its heap after each round
+      (`fltff.runtime.heap`; results unchanged). 0: glibc's default.
+    isolate_local_worker: Run the local `worker_binary` in a private network namespace,
+      behind a Unix socket only this user can open (`IsolatedWorker`; needs unprivileged user
+      namespaces). False: it listens in plaintext on every interface, where anyone reaching
+      the port can run code on this host; only behind a firewall.
+  """
+  if not isinstance(isolate_local_worker, bool):
+    raise ConfigError(f'runtime.isolate_local_worker must be True or False, got '
+                      f'{isolate_local_worker!r}.')
+  check_number('runtime.rpc_timeout', rpc_timeout, allow_none=True, low=0, open_low=True,
+               hint='seconds; None: adaptive')
+  check_number('runtime.recycle_every', recycle_every, integer=True, low=0, hint='0: never')
+  check_number('runtime.mmap_threshold_kib', mmap_threshold_kib, integer=True, low=0,
+               hint="0: glibc's default")
+  if executor == 'auto' and (workers or recycle_every):
+    executor = 'tff_cpp'  # Only TFF's C++ runtime has workers to reach or to recycle.
+  tf_device = check_executor(executor, device, workers, recycle_every)
+  if isinstance(workers, str):
+    workers = [workers]
+  for address in workers:
+    channels.check_worker_address(address)
+  credentials = None
+  tls_files = (tls_ca_file, tls_cert_file, tls_key_file)
+  if workers and not insecure_plaintext:
+    if not all(tls_files):
+      raise ConfigError('Remote workers are reached over mutual TLS: set runtime.tls_ca_file, '
+                        'runtime.tls_cert_file and runtime.tls_key_file (README, "Running on '
+                        'several machines"), or runtime.insecure_plaintext = True for workers '
+                        'started with --insecure_plaintext on a trusted network.')
+    credentials = tls.channel_credentials(*tls_files)
+  elif workers and any(tls_files):
+    raise ConfigError('runtime.insecure_plaintext = True and TLS files are both set: choose one.')
+  failover = dict(connect_timeout=connect_timeout, rpc_timeout=rpc_timeout,
+                  max_retries=max_retries, mmap_threshold_kib=mmap_threshold_kib)
+  if workers:
+    return RemoteWorkersRuntime(workers, credentials=credentials, server_name=tls_server_name,
+                                **failover)
+  if executor == 'in_process':
+    return InProcessRuntime(tf_device, mmap_threshold_kib)
+  local = dict(log_dir=log_dir, isolated=isolate_local_worker, recycle_every=recycle_every)
+  if executor == 'tff_cpp':
+    return LocalWorkerRuntime(**local, **failover)
+  return AutoRuntime(tf_device, **local, **failover)
+
+
+EXECUTORS = ('auto', 'tff_cpp', 'in_process')
+DEVICES = ('auto', 'cpu', 'gpu')
+
+
+def check_executor(executor: str, device: str, workers: Sequence[str] = (),
+                   recycle_every: int = 0) -> Optional[str]:
+  """Validates `runtime.executor`/`runtime.device`; returns the TensorFlow device (or None)."""
+  check_choice('runtime.executor', executor, EXECUTORS)
+  check_choice('runtime.device', device, DEVICES)
+  if executor == 'tff_cpp':
+    if device == 'gpu':
+      raise ConfigError("runtime.device = 'gpu' needs runtime.executor = 'in_process': TFF's "
+                        'C++ runtime never uses a GPU (TFF issues 3709, 4600).')
+    return None
+  if workers:
+    raise ConfigError("runtime.executor = 'in_process' runs everything in this process: remove "
+                      "runtime.workers, or use runtime.executor = 'tff_cpp' for remote workers.")
+  if recycle_every:
+    raise ConfigError("runtime.recycle_every recycles TFF's local worker_binary; the in-process "
+                      'executor has none (set it to 0).')
+  if device == 'gpu':
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    if not tf.config.list_physical_devices('GPU'):
+      raise ConfigError("runtime.device = 'gpu' but TensorFlow sees no GPU (TensorFlow 2.14 "
+                        'needs an NVIDIA driver and the CUDA 11.8 / cuDNN 8.7 libraries: '
+                        '`make setup-gpu` in a checkout installs them, `python -m '
+                        "pipelines.gpu_check` says what is missing; or use 'auto').")
+    return '/GPU:0'
+  return '/CPU:0' if device == 'cpu' else None
