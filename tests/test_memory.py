@@ -236,7 +236,8 @@ def test_the_local_worker_and_a_driver_without_vectorised_clients_get_the_fixed_
       '    algorithm = learning.build_fedavg(spec)\n'
       '    if vectorised:\n'
       '      algorithm.vectorize_clients()\n'
-      '    print(vectorised, heap.threshold_fixed(), type(rt.place(algorithm)).__name__)\n')
+      '    placed = type(rt.place(algorithm)).__name__\n'
+      '    print(vectorised, heap.threshold_fixed(), placed)\n')
   tests_dir = os.path.dirname(os.path.abspath(__file__))
   result = subprocess.run([sys.executable, '-c', program], capture_output=True, text=True,
                           timeout=300, cwd=os.path.dirname(tests_dir),
