@@ -7,7 +7,7 @@ personalisation). Each entry cites the paper it follows (the table of docs/metho
 
     from fltff import methods
     algorithm = methods.build('kapc+bls', model_spec, num_clients=10,
-                              client_optimizer=tff.learning.optimizers.build_sgdm(0.01))
+                              client_optimizer=optimizers.sgdm(0.01))
 """
 
 from __future__ import annotations

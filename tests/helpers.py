@@ -225,9 +225,9 @@ EQUALITY_CLIENTS = 4
 
 def equality_sgdm():
   """The client optimizer of the executor-equality suites."""
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from fltff.learning import optimizers  # pylint: disable=g-import-not-at-top
 
-  return tff.learning.optimizers.build_sgdm(learning_rate=0.05, momentum=0.5)
+  return optimizers.sgdm(learning_rate=0.05, momentum=0.5)
 
 
 def equality_methods() -> dict:

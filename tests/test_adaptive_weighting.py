@@ -10,6 +10,7 @@ from fltff import aggregators
 from fltff import learning
 from fltff.errors import ConfigError
 from fltff.learning import ModelSpec
+from fltff.learning import optimizers
 from helpers import random_client_datasets
 from helpers import tiny_mlp
 
@@ -181,7 +182,7 @@ def _max_diff(a, b):
 def test_alpha_zero_is_fedavg():
   """With α = 0, f ≡ 0 and ψ = n_k / n: FedLayerWise and FedAdp reduce to FedAvg."""
   spec = ModelSpec(_mlp, (DIM,), CLASSES)
-  opt = tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
+  opt = optimizers.sgdm(learning_rate=0.1, momentum=0.9)
   avg, _ = _run(learning.build_fedavg(spec, client_optimizer=opt))
   flw, metrics = _run(learning.build_fedlayerwise(spec, num_clients=3, alpha=0.0, client_optimizer=opt))
   adp, _ = _run(learning.build_fedadp(spec, num_clients=3, alpha=0.0, client_optimizer=opt))
@@ -199,15 +200,15 @@ def test_layer_groups_follow_the_model():
 def test_factory_in_plain_tff_fed_avg():
   """Importable into TFF's own process (float weights: no cross-round smoothing)."""
   spec = ModelSpec(_mlp, (DIM,), CLASSES)
-  opt = tff.learning.optimizers.build_sgdm(learning_rate=0.1)
+  opt = optimizers.sgdm(learning_rate=0.1)
   process = tff.learning.algorithms.build_weighted_fed_avg(
       model_fn=spec.tff_model, client_optimizer_fn=opt,
-      server_optimizer_fn=tff.learning.optimizers.build_sgdm(learning_rate=1.0),
+      server_optimizer_fn=optimizers.sgdm(learning_rate=1.0),
       model_aggregator=aggregators.layerwise_adaptive_factory(None, alpha=0.0))
   state = process.set_model_weights(process.initialize(), spec.initial_weights())
   reference = tff.learning.algorithms.build_weighted_fed_avg(
       model_fn=spec.tff_model, client_optimizer_fn=opt,
-      server_optimizer_fn=tff.learning.optimizers.build_sgdm(learning_rate=1.0))
+      server_optimizer_fn=optimizers.sgdm(learning_rate=1.0))
   ref_state = reference.set_model_weights(reference.initialize(), spec.initial_weights())
   output = process.next(state, _data())
   ref_output = reference.next(ref_state, _data())
@@ -227,7 +228,7 @@ def test_layer_groups_as_they_come_from_the_model_are_accepted_in_plain_tff():
   factory = aggregators.layerwise_adaptive_factory(groups, alpha=0.0)
   process = tff.learning.algorithms.build_weighted_fed_avg(
       model_fn=spec.tff_model,
-      client_optimizer_fn=tff.learning.optimizers.build_sgdm(learning_rate=0.1),
+      client_optimizer_fn=optimizers.sgdm(learning_rate=0.1),
       model_aggregator=factory)
   state = process.set_model_weights(process.initialize(), spec.initial_weights())
   output = process.next(state, _data())
@@ -240,7 +241,7 @@ def test_per_client_smoothing_in_a_process_without_client_indices_is_one_clear_e
   with pytest.raises(ConfigError, match='needs the client\'s index in its update weight'):
     tff.learning.algorithms.build_weighted_fed_avg(
         model_fn=spec.tff_model,
-        client_optimizer_fn=tff.learning.optimizers.build_sgdm(learning_rate=0.1),
+        client_optimizer_fn=optimizers.sgdm(learning_rate=0.1),
         model_aggregator=aggregators.layerwise_adaptive_factory(None, num_clients=3))
 
 

@@ -15,6 +15,7 @@ from fltff.errors import ConfigError
 from fltff.learning import ModelSpec
 from fltff.learning.fedbabu import head_indices
 from fltff.models import build_model
+from fltff.learning import optimizers
 from helpers import REPO
 from helpers import random_client_datasets
 from helpers import start_process
@@ -133,7 +134,7 @@ def _diff(a, b):
 
 
 def _opt():
-  return tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
+  return optimizers.sgdm(learning_rate=0.1, momentum=0.9)
 
 
 def test_fednova_with_equal_steps_is_fedavg_and_differs_otherwise():

@@ -14,6 +14,7 @@ from fltff.runtime.in_process import InProcessContext
 from fltff.simulation import RoundConfig
 from fltff.simulation import RoundDriver
 from fltff.simulation import evaluation
+from fltff.learning import optimizers
 from helpers import mnist_sample_split
 
 NUM_CLIENTS = 4
@@ -128,7 +129,7 @@ def test_finetuned_local_is_fedavg_local_training_of_the_whole_model(data, spec,
   assert dict(row['_clients']['finetuned_local']) == pytest.approx(expected)
 
   frozen = evaluation.Finetuner(
-      spec, tff.learning.optimizers.build_sgdm(learning_rate=0.0), epochs=1)
+      spec, optimizers.sgdm(learning_rate=0.0), epochs=1)
   driver = drive(fedbabu, data, tmp_path / 'zero', ['finetuned_local', 'global_local'],
                  finetuner=frozen)
   state = driver.algorithm.initialize()

@@ -19,6 +19,7 @@ from fltff.learning import client_work as client_work_lib
 from fltff.learning import factored_dense
 from fltff.learning import vectorized
 from fltff.learning.regularizers import ProximalRegularizer
+from fltff.learning import optimizers
 from helpers import EQUALITY_CLIENTS
 from helpers import equality_methods
 from helpers import mnist_sample_split
@@ -59,7 +60,7 @@ def test_factored_training_equals_the_per_step_update(spec, case, momentum):
   """Clients of 7, 23 and 12 examples in batches of 5 (partial batches, idle steps), 2, 1 and
   3 epochs: the factored training gives the per-step update's kernels and metrics."""
   rng = np.random.default_rng(7)
-  optimizer = tff.learning.optimizers.build_sgdm(learning_rate=0.05, momentum=momentum)
+  optimizer = optimizers.sgdm(learning_rate=0.05, momentum=momentum)
   inputs = _client_inputs(rng, (7, 23, 12), (2, 1, 3), 5)
   model = spec.keras_fn()
   global_trainable = tuple(w.numpy() for w in model.trainable_weights)
@@ -109,7 +110,7 @@ def test_worth_factoring_compares_the_history_with_the_kernel():
 
 
 def test_which_kernels_a_round_factors(spec):
-  optimizer = tff.learning.optimizers.build_sgdm(learning_rate=0.05, momentum=0.9)
+  optimizer = optimizers.sgdm(learning_rate=0.05, momentum=0.9)
   work = vectorized.VectorizedClientWork(spec, optimizer)
   assert work._dense_kernels == {0: (784, 200), 2: (200, 10)}  # pylint: disable=protected-access
   short = {'index': np.zeros([1, 6, 100, 10])}

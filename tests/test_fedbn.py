@@ -12,6 +12,7 @@ import tensorflow_federated as tff
 from fltff import models
 from fltff.learning import ModelSpec
 from fltff.personalization import fedbn as fedbn_lib
+from fltff.learning import optimizers
 from helpers import read_csv
 from helpers import run_pipeline
 from helpers import tagged_worker_pids
@@ -67,7 +68,7 @@ def test_fedbn_keeps_batchnorm_local_averages_the_rest_by_examples_and_sends_no_
   communication without them): 4 bytes per parameter of the other layers, by hand."""
   norm = _norm_tensors()
   assert sum(norm) == 8  # gamma and beta of bn1..bn4
-  algorithm = fedbn_lib.build_fedbn(SPEC, 3, client_optimizer=tff.learning.optimizers.build_sgdm(
+  algorithm = fedbn_lib.build_fedbn(SPEC, 3, client_optimizer=optimizers.sgdm(
       learning_rate=0.1))
   conv1, conv2 = 5 * 5 * 1 * 32 + 32, 5 * 5 * 32 * 64 + 64
   dense1, dense2, logits = 2 * 2 * 64 * 512 + 512, 512 * 128 + 128, 128 * CLASSES + CLASSES

@@ -13,6 +13,7 @@ from helpers import random_client_datasets
 from helpers import tiny_mlp
 
 from fltff.learning import fedlap as fedlap_lib
+from fltff.learning import optimizers
 
 RNG = np.random.default_rng(1)
 DIM, CLASSES = 6, 3
@@ -153,14 +154,14 @@ SPEC = ModelSpec(_mlp, (DIM,), CLASSES)
 
 
 def _opt():
-  return tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
+  return optimizers.sgdm(learning_rate=0.1, momentum=0.9)
 
 
 def test_q0_equals_tff_fedavg():
   ours, _ = _run(learning.build_fedlap(SPEC, q=0.0, mu=0.5, client_optimizer=_opt()), epochs=2)
   ref = tff.learning.algorithms.build_weighted_fed_avg(
       model_fn=SPEC.tff_model, client_optimizer_fn=_opt(),
-      server_optimizer_fn=tff.learning.optimizers.build_sgdm(learning_rate=1.0))
+      server_optimizer_fn=optimizers.sgdm(learning_rate=1.0))
   state = ref.set_model_weights(ref.initialize(), SPEC.initial_weights())
   for _ in range(2):
     state = ref.next(state, [ds.repeat(2) for ds in _datasets()]).state

@@ -27,6 +27,7 @@ from fltff.personalization import kapc as kapc_lib
 from fltff.personalization import local as local_lib
 from fltff.personalization import process as process_lib
 from fltff.personalization.process import personalized_server_models
+from fltff.learning import optimizers
 RNG = np.random.default_rng(5)
 DIM, CLASSES, LR = 5, 3, 0.1
 SPEC = ModelSpec(lambda: tiny_mlp(DIM, CLASSES, 23), (DIM,), CLASSES)
@@ -365,7 +366,7 @@ class Sim:
 
 
 def _sgd(learning_rate=LR):
-  return tff.learning.optimizers.build_sgdm(learning_rate=learning_rate)
+  return optimizers.sgdm(learning_rate=learning_rate)
 
 
 def _random_models(clients, scale=0.3, seed=0):

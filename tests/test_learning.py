@@ -10,6 +10,7 @@ import tensorflow_federated as tff
 from fltff import learning
 from fltff.errors import ConfigError
 from fltff.learning import ModelSpec
+from fltff.learning import optimizers
 from helpers import start_process
 from helpers import tiny_mlp
 
@@ -65,14 +66,14 @@ def _run_ours(algorithm, data, epochs, rounds=2, return_metrics=False):
 def test_fedavg_equals_tff_weighted_fed_avg(epochs):
   spec = ModelSpec(_mlp_keras, (DIM,), CLASSES)
   data = _client_arrays()
-  client_opt = tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
+  client_opt = optimizers.sgdm(learning_rate=0.1, momentum=0.9)
   ours, metrics = _run_ours(learning.build_fedavg(spec, client_optimizer=client_opt), data, epochs,
                            return_metrics=True)
 
   tff_process = tff.learning.algorithms.build_weighted_fed_avg(
       model_fn=spec.tff_model,
       client_optimizer_fn=client_opt,
-      server_optimizer_fn=tff.learning.optimizers.build_sgdm(learning_rate=1.0))
+      server_optimizer_fn=optimizers.sgdm(learning_rate=1.0))
   state = tff_process.initialize()
   state = tff_process.set_model_weights(state, spec.initial_weights())
   for _ in range(2):
@@ -120,7 +121,7 @@ def test_fedprox_equals_numpy_simulation(mu):
   data = _client_arrays(seed=1)
   lr, epochs = 0.2, 2
   algorithm = learning.build_fedprox(
-      spec, mu=mu, client_optimizer=tff.learning.optimizers.build_sgdm(learning_rate=lr))
+      spec, mu=mu, client_optimizer=optimizers.sgdm(learning_rate=lr))
   ours = _run_ours(algorithm, data, epochs)
   w0, b0 = spec.initial_weights().trainable
   ref_w, ref_b = _numpy_fedprox(data, w0.astype(np.float64), b0.astype(np.float64), mu, lr,
@@ -131,7 +132,7 @@ def test_fedprox_equals_numpy_simulation(mu):
 def test_fedprox_mu_zero_equals_fedavg():
   spec = ModelSpec(_mlp_keras, (DIM,), CLASSES)
   data = _client_arrays(seed=2)
-  opt = tff.learning.optimizers.build_sgdm(learning_rate=0.05, momentum=0.9)
+  opt = optimizers.sgdm(learning_rate=0.05, momentum=0.9)
   prox = _run_ours(learning.build_fedprox(spec, mu=0.0, client_optimizer=opt), data, 2)
   avg = _run_ours(learning.build_fedavg(spec, client_optimizer=opt), data, 2)
   assert _max_abs_diff(prox, avg) <= 1e-6
@@ -141,7 +142,7 @@ def test_fedprox_pulls_towards_global_model():
   """Large μ keeps clients near the global model (TFF 0.87's sign error pushes them away)."""
   spec = ModelSpec(_mlp_keras, (DIM,), CLASSES)
   data = _client_arrays(seed=3)
-  opt = tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
+  opt = optimizers.sgdm(learning_rate=0.1, momentum=0.9)
   start = spec.initial_weights().trainable
   moved_avg = _max_abs_diff(_run_ours(learning.build_fedavg(spec, client_optimizer=opt), data, 2), start)
   moved_prox = _max_abs_diff(
@@ -183,7 +184,7 @@ def test_sgdm_server_momentum_matches_numpy():
   spec = ModelSpec(_logistic_keras, (DIM,), CLASSES)
   data = _client_arrays(seed=4)
   lr, beta, eta = 0.1, 0.5, 1.0
-  opt = tff.learning.optimizers.build_sgdm(learning_rate=lr)
+  opt = optimizers.sgdm(learning_rate=lr)
   ours = _run_ours(learning.build_sgdm(spec, server_learning_rate=eta, server_momentum=beta,
                                  client_optimizer=opt), data, 1, rounds=3)
   # Reference: NumPy FedAvg deltas (FedProx with mu=0) combined with server momentum.
@@ -209,7 +210,7 @@ def test_uniform_fedavg_equals_tff_unweighted_fed_avg_and_numpy_mean():
   clients' trained models, and differs from the n_k-weighted mean."""
   spec = ModelSpec(_mlp_keras, (DIM,), CLASSES)
   data = _client_arrays(seed=5)
-  client_opt = tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
+  client_opt = optimizers.sgdm(learning_rate=0.1, momentum=0.9)
   algorithm = learning.build_fedavg(spec, client_optimizer=client_opt, client_weighting='uniform')
   process, state = start_process(algorithm)
   inputs = [learning.client_input(_batches(x, y), i, 2) for i, (x, y) in enumerate(data)]
@@ -218,7 +219,7 @@ def test_uniform_fedavg_equals_tff_unweighted_fed_avg_and_numpy_mean():
   tff_process = tff.learning.algorithms.build_unweighted_fed_avg(
       model_fn=spec.tff_model,
       client_optimizer_fn=client_opt,
-      server_optimizer_fn=tff.learning.optimizers.build_sgdm(learning_rate=1.0))
+      server_optimizer_fn=optimizers.sgdm(learning_rate=1.0))
   tff_state = tff_process.set_model_weights(tff_process.initialize(), spec.initial_weights())
   tff_state = tff_process.next(tff_state, [_batches(x, y).repeat(2) for x, y in data]).state
   assert _max_abs_diff(ours, tff_process.get_model_weights(tff_state).trainable) <= 1e-5
@@ -235,7 +236,7 @@ def test_uniform_fedavg_equals_tff_unweighted_fed_avg_and_numpy_mean():
 def test_uniform_equals_num_examples_for_equal_client_sizes():
   spec = ModelSpec(_mlp_keras, (DIM,), CLASSES)
   data = _client_arrays(seed=6, sizes=(15, 15, 15))
-  opt = tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
+  opt = optimizers.sgdm(learning_rate=0.1, momentum=0.9)
   uniform = _run_ours(learning.build_fedavg(spec, client_optimizer=opt, client_weighting='uniform'),
                       data, 1, rounds=1)
   weighted = _run_ours(learning.build_fedavg(spec, client_optimizer=opt), data, 1, rounds=1)
@@ -248,7 +249,7 @@ def test_uniform_fedprox_equals_numpy_unweighted_mean():
   data = _client_arrays(seed=7)
   lr, epochs, mu = 0.2, 2, 0.5
   algorithm = learning.build_fedprox(spec, mu=mu, client_weighting='uniform',
-                               client_optimizer=tff.learning.optimizers.build_sgdm(learning_rate=lr))
+                               client_optimizer=optimizers.sgdm(learning_rate=lr))
   ours = _run_ours(algorithm, data, epochs, rounds=1)
   w0, b0 = [a.astype(np.float64) for a in spec.initial_weights().trainable]
   uniform = _numpy_fedprox(data, w0, b0, mu, lr, epochs, rounds=1, uniform=True)
@@ -339,7 +340,7 @@ def test_client_result_type_is_the_traced_client_works(spec, weight_fields):
   client work: it must be the type the client work returns."""
   from fltff.learning import client_work  # pylint: disable=g-import-not-at-top
 
-  work = client_work.build_client_work(spec, tff.learning.optimizers.build_sgdm(0.1),
+  work = client_work.build_client_work(spec, optimizers.sgdm(0.1),
                                        weight_fields=weight_fields)
   assert client_work.client_result_type(spec, weight_fields) == (
       work.next.type_signature.result.result.member)

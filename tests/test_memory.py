@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from fltff.data import pipeline
 from fltff.errors import ConfigError
+from fltff.learning import optimizers
 from helpers import client_batches
 
 
@@ -152,7 +153,7 @@ def test_recycling_the_local_worker_changes_no_number_and_leaves_no_worker(tmp_p
 
   data = mnist_sample_split(5, seed=1)
   algorithm = learning.build_scaffold(build_model_spec(data, 'mlp2', seed=0), num_clients=5,
-                                      client_optimizer=tff.learning.optimizers.build_sgdm(0.05))
+                                      client_optimizer=optimizers.sgdm(0.05))
   config = RoundConfig(rounds=5, clients_per_round=3, batch_size=32, checkpoint_every=5)
   pids_seen = []
 

@@ -13,6 +13,7 @@ from fltff import methods
 from fltff.errors import ConfigError
 from fltff.learning import ModelSpec
 from fltff.simulation import program
+from fltff.learning import optimizers
 from helpers import REPO
 from helpers import tiny_mlp
 
@@ -21,7 +22,7 @@ SPEC = ModelSpec(lambda: tiny_mlp(DIM, CLASSES, 13), (DIM,), CLASSES)
 
 
 def _sgdm():
-  return tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
+  return optimizers.sgdm(learning_rate=0.1, momentum=0.9)
 
 
 # Every method, and the variants whose traits differ from their method's (CCN: client ids;

@@ -16,6 +16,7 @@ from fltff.learning import ModelSpec
 from fltff.learning import client_state
 from fltff.learning.moon import ModelContrastiveRegularizer
 from fltff.learning.moon import model_contrastive_loss
+from fltff.learning import optimizers
 from helpers import random_client_arrays
 from helpers import random_client_datasets
 from helpers import read_csv
@@ -37,7 +38,7 @@ def _datasets(sizes, seed=4):
 
 
 def _sgd():
-  return tff.learning.optimizers.build_sgdm(learning_rate=LR)
+  return optimizers.sgdm(learning_rate=LR)
 
 
 def _states(output):
@@ -328,7 +329,7 @@ def test_latent_pass_leaves_batchnorm_statistics_to_the_forward_pass():
     if with_moon:
       reg = ModelContrastiveRegularizer(keras_model, spec.keras_fn(), spec.keras_fn(), initial,
                                         previous, 0.0, TAU)
-    outs.append(learning.build_local_training(spec.tff_model(keras_model), _sgd(), reg)(
+    outs.append(learning.build_local_training(keras_model, _sgd(), reg)(
         initial, _datasets((12,))[0], info))
   plain, moon = outs
   assert len(plain['non_trainable']) == 2

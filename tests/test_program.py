@@ -10,6 +10,7 @@ import tensorflow_federated as tff
 from fltff import learning
 from fltff.learning import ModelSpec
 from fltff.simulation import program
+from fltff.learning import optimizers
 from helpers import random_client_arrays
 from helpers import tiny_mlp
 
@@ -41,7 +42,7 @@ def _train(runtime, algorithm, source, state_dir, rounds):
 
 def _algorithm():
   return learning.build_fedprox(SPEC, mu=0.1,
-                                client_optimizer=tff.learning.optimizers.build_sgdm(0.1))
+                                client_optimizer=optimizers.sgdm(0.1))
 
 
 def test_train_model_equals_our_own_loop_and_resumes_exactly(tmp_path, tff_runtime):

@@ -24,6 +24,7 @@ from fltff.personalization.fedlap_mixing import with_fedlap_personalization
 from fltff.simulation import RoundConfig
 from fltff.simulation import RoundDriver
 from fltff.simulation.state_store import ClientStateStore
+from fltff.learning import optimizers
 from helpers import client_batches
 from helpers import mnist_sample_split
 from helpers import read_csv

@@ -11,6 +11,7 @@ from fltff import learning
 from fltff.learning import ModelSpec
 from fltff.learning import client_state
 from fltff.learning.scaffold import server_control_update
+from fltff.learning import optimizers
 from helpers import start_process
 from helpers import tiny_mlp
 
@@ -26,7 +27,7 @@ def _datasets(sizes, seed=4):
 
 
 def _sgd():
-  return tff.learning.optimizers.build_sgdm(learning_rate=LR)
+  return optimizers.sgdm(learning_rate=LR)
 
 
 def _controls(gathered):

@@ -9,8 +9,8 @@ import tensorflow_federated as tff
 from fltff.learning import client_work
 from fltff.learning.stacked_optimizer import FusedSGDM
 from fltff.learning.stacked_optimizer import MappedOptimizer
-from fltff.learning.stacked_optimizer import sgdm_hyperparameters
 from fltff.learning.stacked_optimizer import stacked_optimizer
+from fltff.learning import optimizers
 
 K = 5
 SHAPES = [(4, 3), (3,)]
@@ -79,7 +79,7 @@ def _reference(optimizer, start, gradients, frozen=frozenset(), affine=None):
 @pytest.mark.parametrize('with_affine', [False, True])
 def test_fused_sgdm_equals_tff_sgdm_client_by_client(momentum, frozen, unknown_client_count,
                                                      with_affine):
-  optimizer = tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=momentum)
+  optimizer = optimizers.sgdm(learning_rate=0.1, momentum=momentum)
   updater = stacked_optimizer(optimizer, frozen)
   assert isinstance(updater, FusedSGDM)
   start, gradients = _steps()
@@ -93,7 +93,7 @@ def test_fused_sgdm_equals_tff_sgdm_client_by_client(momentum, frozen, unknown_c
 
 
 def test_the_fused_update_lets_go_of_its_buffers_and_runs_again():
-  optimizer = tff.learning.optimizers.build_sgdm(learning_rate=0.1, momentum=0.9)
+  optimizer = optimizers.sgdm(learning_rate=0.1, momentum=0.9)
   updater = stacked_optimizer(optimizer)
   start, gradients = _steps()
   first = _run(updater, start, gradients)
@@ -116,12 +116,13 @@ def test_other_optimizers_are_mapped_and_equal_tff(with_affine):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
-def test_sgdm_hyperparameters_recognise_only_tffs_sgdm():
-  assert sgdm_hyperparameters(tff.learning.optimizers.build_sgdm(0.01, 0.9)) == (
-      pytest.approx(0.01), pytest.approx(0.9))
-  assert sgdm_hyperparameters(tff.learning.optimizers.build_sgdm(0.5)) == (0.5, None)
-  assert sgdm_hyperparameters(tff.learning.optimizers.build_adam(0.01)) is None
-  assert sgdm_hyperparameters(tff.learning.optimizers.build_adagrad(0.01)) is None
+def test_only_an_optimizer_declaring_sgdm_is_fused():
+  assert optimizers.sgdm(0.01, 0.9).hyperparameters == (np.float32(0.01), np.float32(0.9))
+  assert optimizers.sgdm(0.5).hyperparameters == (0.5, None)
+  for undeclared in (tff.learning.optimizers.build_sgdm(0.01, 0.9),
+                     tff.learning.optimizers.build_adam(0.01),
+                     optimizers.build_optimizer('sgdm', 0.01, weight_decay=1e-5)):
+    assert isinstance(stacked_optimizer(undeclared), MappedOptimizer)
 
 
 def test_a_loop_of_steps_with_per_client_offsets_runs_repeatedly():

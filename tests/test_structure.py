@@ -209,7 +209,7 @@ def test_wiring_passes_the_gin_optimizers_and_a_bound_server_optimizer_counts(cl
   fltff.register_configurables()
   gin.parse_config(['client_optimizer.name = "sgd"', 'client_optimizer.learning_rate = 0.1'])
   plain = _one_round(experiment.build_method(learning.build_fedavg, SPEC, 2))
-  sgd = tff.learning.optimizers.build_sgdm(learning_rate=0.1)
+  sgd = optimizers.sgdm(learning_rate=0.1)
   for a, b in zip(plain, _one_round(learning.build_fedavg(SPEC, client_optimizer=sgd))):
     np.testing.assert_allclose(a, b, atol=1e-6)
   gin.parse_config(['server_optimizer.learning_rate = 0.5'])
@@ -229,7 +229,7 @@ def test_bound_server_optimizer_is_refused_by_a_method_without_one(clean_gin):
 def test_server_optimizer_and_learning_rate_together_are_refused():
   with pytest.raises(ConfigError, match='pass server_optimizer or server_learning_rate'):
     learning.build_fedavg(SPEC, server_learning_rate=0.5,
-                          server_optimizer=tff.learning.optimizers.build_sgdm(0.5))
+                          server_optimizer=optimizers.sgdm(0.5))
 
 
 # Installing fltff and running it from another folder: tests/test_install.py.
@@ -242,6 +242,7 @@ def test_a_new_method_module_is_registered_without_touching_any_other_file(tmp_p
 import dataclasses
 import gin
 from fltff.personalization import process
+from fltff.learning import optimizers
 
 @dataclasses.dataclass(frozen=True)
 class EveryoneEqual(process.RelationRule):

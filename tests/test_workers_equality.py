@@ -21,6 +21,7 @@ from fltff.runtime import RemoteWorkersRuntime
 from fltff.simulation import RoundConfig
 from fltff.simulation import RoundDriver
 from fltff.simulation import build_model_spec
+from fltff.learning import optimizers
 from helpers import mnist_sample_split
 from helpers import read_csv
 from test_remote import Worker

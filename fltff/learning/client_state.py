@@ -72,7 +72,7 @@ def build_stateful_client_work(
     regularizer = regularizer_fn(keras_model, initial_weights,
                                  client_terms(server_value, client_state))
     out = client_work_lib.build_local_training(
-        model_spec.tff_model(keras_model), optimizer, regularizer,
+        keras_model, optimizer, regularizer,
         latent_fn=client_work_lib.latent_fn_for(keras_model, weight_fields),
         step_observers=step_observers)(initial_weights, data['batches'], data['info'])
     result = client_work_lib.client_result(initial_weights, data, out, weight_fields)

@@ -212,67 +212,119 @@ def step_gradients(gradients, values, regularizer: Optional[LocalRegularizer],
   return list(gradients)
 
 
-def build_local_training(model, optimizer, regularizer: Optional[LocalRegularizer] = None,
+def client_step(forward: Callable, local, batch, regularizer: Optional[LocalRegularizer],
+                global_trainable, context, affine=None, frozen: frozenset = frozenset(),
+                probes: Optional[dict[int, tf.Tensor]] = None, isolate: bool = False) -> tuple:
+  """One client's local step up to the optimizer, the one both executors run (vectorised
+  clients in a `tf.vectorized_map`): the gradient of `batch_loss + regulariser` w.r.t. `local`.
+
+  `forward(local, x, mask) -> (latent or None, logits)` applies the model with `local` (the
+  Keras variables, or tensors); `batch`: `x`, `y` and `mask` (`[B]`, 1 for a real example).
+  The penalty is differentiated unless analytic, the batch term always; then `step_gradients`
+  adds `affine` (None: an updater adds it, `stacked_optimizer`) or the analytic gradient and
+  zeroes `frozen`. `probes`: `{index: tensor}` differentiated in place of `local[index]`, whose
+  gradient is a scalar zero (`factored_dense`). `isolate`: the data loss in a function of its
+  own (as TFF's `forward_pass`), so that Grappler adds the affine terms to its gradient as it
+  did there: the per-client numbers stay bit for bit.
+
+  Returns `(gradients, differentiated, sums, probe gradients, values of local)`:
+  `differentiated` as step observers see them, `sums` `batch_loss`'s.
+  """
+  from fltff.learning.model_spec import batch_loss  # pylint: disable=g-import-not-at-top
+
+  traits = traits_of(regularizer) or PENALTY_ONLY
+  probes = probes or {}
+
+  def data_loss(x, y, mask):
+    latent, logits = forward(local, x, mask)
+    return latent, *batch_loss(logits, y, mask)
+
+  with tf.GradientTape() as tape:
+    tape.watch(local)
+    for i in sorted(probes):
+      tape.watch(probes[i])
+    latent, loss, sums = (tf.function(data_loss, autograph=False) if isolate else data_loss)(
+        batch['x'], batch['y'], batch['mask'])
+    if regularizer is not None and not traits.analytic:
+      loss += regularizer.penalty(local, global_trainable, context)
+    if traits.batch_term:  # MOON's contrastive term, over the batch's real examples.
+      batch = collections.OrderedDict(x=batch['x'], y=batch['y'], mask=batch['mask'])
+      if traits.reads_latent:
+        batch['latent'] = latent
+      loss += regularizer.batch_penalty(local, global_trainable, batch, context)
+  sources = [w for i, w in enumerate(local) if i not in probes]
+  found = iter(tape.gradient(loss, sources + [probes[i] for i in sorted(probes)]))
+  differentiated = tuple(tf.zeros([], w.dtype) if i in probes else next(found)
+                         for i, w in enumerate(local))
+  values = tuple(tf.convert_to_tensor(w) for w in local)
+  gradients = step_gradients(differentiated, values,
+                             None if traits.affine else regularizer, global_trainable, context,
+                             affine, frozen)
+  return tuple(gradients), differentiated, sums, list(found), values
+
+
+def build_local_training(keras_model: tf.keras.Model, optimizer,
+                         regularizer: Optional[LocalRegularizer] = None,
                          frozen: Sequence[int] = (), latent_fn=None,
                          step_observers: Sequence[StepObserver] = ()):
-  """Returns a `tf.function` running the local epochs on `model` (a `VariableModel`).
+  """Returns a `tf.function` running the local epochs of `client_step` on `keras_model`.
 
   It maps `(initial_weights, batches, info)` to an OrderedDict: `trained` and `non_trainable`
   (e.g. BatchNorm statistics) weights after training, `examples_per_epoch`, `steps` (optimizer
-  steps), unfinalized `metrics`, each step observer's result under its `name` and, with
-  `latent_fn` (a Keras model from inputs to the latent layer, sharing the weights),
-  `latent_mean` over the client's data with the trained weights. All is read inside: outside,
-  in a graph-mode `tff.tensorflow.computation`, reads would not follow the training loop.
-  `frozen`: indices of trainable tensors kept fixed (FedBABU's head).
+  steps), unfinalized `metrics` (`model_spec.unfinalized_metrics`), each step observer's result
+  under its `name` and, with `latent_fn` (a Keras model from inputs to the latent layer, sharing
+  the weights), `latent_mean` over the client's data with the trained weights. All is read
+  inside: outside, in a graph-mode `tff.tensorflow.computation`, reads would not follow the
+  training loop. `frozen`: indices of trainable tensors kept fixed (FedBABU's head).
   """
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  from fltff.learning.model_spec import unfinalized_metrics  # pylint: disable=g-import-not-at-top
 
+  if keras_model.losses:
+    raise ConfigError(f'client training does not support layer losses ({keras_model.name}).')
   # A closed-form gradient is added directly: the update of differentiating `penalty` (tested).
   traits = traits_of(regularizer) or PENALTY_ONLY
   frozen = frozenset(frozen)
+  forward = lambda local, x, mask: (None, keras_model(x, training=True))
 
   # No autograph: loops are `tf.while_loop`s, every `if` is on a Python value (converting is slow).
   @tf.function(autograph=False)
   def train(initial_weights, batches, info, anchor_weights=None):
     info = read_single(info, _info_zero())
     epochs = info['epochs']
-    model_weights = tff.learning.models.ModelWeights.from_model(model)
-    tf.nest.map_structure(lambda v, t: v.assign(t), model_weights, initial_weights)
-    variables = tuple(tf.nest.flatten(model_weights.trainable))
+    variables = tuple(keras_model.trainable_weights)
+    statistics = tuple(keras_model.non_trainable_weights)
+    for v, t in zip(variables + statistics, tf.nest.flatten(initial_weights.trainable) +
+                    tf.nest.flatten(initial_weights.non_trainable)):
+      v.assign(t)
     # The regulariser's `global_`: the start, or a model of its own (Ditto's w^t).
     global_trainable = tuple(tf.nest.flatten(
         (initial_weights if anchor_weights is None else anchor_weights).trainable))
     optimizer_state = optimizer.initialize(
         tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables))
 
-    def run_epoch(examples, steps, optimizer_state, observed):
+    def run_epoch(sums, optimizer_state, observed):
       context = ()
       if regularizer is not None:
         context = regularizer.epoch_start(
             tuple(v.read_value() for v in variables), global_trainable)
       affine = regularizer.affine_gradient(global_trainable, context) if traits.affine else None
 
-      def reduce_fn(state, batch):
-        examples, steps, optimizer_state, observed = state
-        with tf.GradientTape() as tape:
-          output = model.forward_pass(batch, training=True)
-          loss = output.loss
-          if regularizer is not None and not traits.analytic:
-            loss += regularizer.penalty(variables, global_trainable, context)
-          if traits.batch_term:
-            loss += regularizer.batch_penalty(variables, global_trainable, batch, context)
-        gradients = tape.gradient(loss, variables)
-        observed = tuple(o.observe(state, gradients)
+      def step(state, batch):
+        sums, optimizer_state, observed = state
+        batch = collections.OrderedDict(batch, mask=tf.ones(tf.shape(batch['y']), tf.float32))
+        gradients, differentiated, step_sums, _, values = client_step(
+            forward, variables, batch, regularizer, global_trainable, context, affine, frozen,
+            isolate=True)
+        observed = tuple(o.observe(state, differentiated)
                          for o, state in zip(step_observers, observed))
-        values = tuple(v.read_value() for v in variables)
-        gradients = step_gradients(gradients, values, regularizer, global_trainable, context,
-                                   affine, frozen)
-        optimizer_state, updated = optimizer.next(optimizer_state, values, tuple(gradients))
+        optimizer_state, updated = optimizer.next(optimizer_state, values, gradients)
         for i, (v, u) in enumerate(zip(variables, updated)):
           if i not in frozen:
             v.assign(u)
-        return (examples + tf.cast(output.num_examples, tf.int64), steps + 1, optimizer_state,
-                observed)
+        loss_sum, examples, correct = step_sums
+        sums = (sums[0] + loss_sum, sums[1] + tf.cast(examples, tf.int64), sums[2] + correct,
+                sums[3] + 1)
+        return sums, optimizer_state, observed
 
       # Batches read into TensorArrays, then trained on in a `tf.while_loop` (faster than TFF's
       # steps inside `Dataset.reduce`); read per epoch, so a reshuffling dataset reshuffles.
@@ -288,24 +340,25 @@ def build_local_training(model, optimizer, regularizer: Optional[LocalRegularize
 
       def body(i, state):
         batch = tf.nest.map_structure(lambda a: a.read(i), arrays)
-        return i + 1, reduce_fn(state, batch)
+        return i + 1, step(state, batch)
 
       _, state = tf.while_loop(lambda i, _: i < count, body,
-                               (tf.constant(0), (examples, steps, optimizer_state, observed)))
+                               (tf.constant(0), (sums, optimizer_state, observed)))
       return state
 
-    examples = tf.constant(0, tf.int64)
-    steps = tf.constant(0, tf.int32)
+    # Per client: Σ batch-loss·n, examples, correct predictions, batches.
+    sums = (tf.constant(0.0), tf.constant(0, tf.int64), tf.constant(0.0), tf.constant(0, tf.int64))
     observed = tuple(o.initial(variables) for o in step_observers)
-    _, examples, steps, optimizer_state, observed = tf.while_loop(
+    _, sums, optimizer_state, observed = tf.while_loop(
         lambda e, *_: e < epochs, lambda e, *state: (e + 1, *run_epoch(*state)),
-        (tf.constant(0), examples, steps, optimizer_state, observed))
+        (tf.constant(0), sums, optimizer_state, observed))
+    steps = tf.cast(sums[3], tf.int32)
     result = collections.OrderedDict(
         trained=tuple(v.read_value() for v in variables),
-        non_trainable=tuple(v.read_value() for v in tf.nest.flatten(model_weights.non_trainable)),
-        examples_per_epoch=examples_per_epoch(examples, epochs),
+        non_trainable=tuple(v.read_value() for v in statistics),
+        examples_per_epoch=examples_per_epoch(sums[1], epochs),
         steps=steps,
-        metrics=model.report_local_unfinalized_metrics())
+        metrics=unfinalized_metrics(sums))
     for observer, state in zip(step_observers, observed):
       result[observer.name] = observer.result(state, steps)
     if latent_fn is not None:
@@ -446,9 +499,8 @@ def build_client_work(model_spec: ModelSpec,
   @tff.tensorflow.computation(weights_type, data_type)
   def client_update(initial_weights, data):
     keras_model = model_spec.keras_fn()
-    local_model = model_spec.tff_model(keras_model)
     latent_fn = latent_fn_for(keras_model, weight_fields)
-    out = build_local_training(local_model, optimizer, regularizer, frozen, latent_fn)(
+    out = build_local_training(keras_model, optimizer, regularizer, frozen, latent_fn)(
         initial_weights, data['batches'], data['info'])
     result = client_result(initial_weights, data, out, weight_fields, client_weighting)
     regularizer_stats = ()
@@ -488,8 +540,7 @@ def build_local_update(model_spec: ModelSpec, optimizer,
 
   @tff.tensorflow.computation(weights_type, weights_type, data_type)
   def local_update(weights, global_weights, data):
-    local_model = model_spec.tff_model()
-    out = build_local_training(local_model, optimizer, regularizer)(
+    out = build_local_training(model_spec.keras_fn(), optimizer, regularizer)(
         weights, data['batches'], data['info'], global_weights)
     client_index = client_index_of(data)
     new_weights = tff.learning.models.ModelWeights(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -35,16 +36,14 @@ class ModelSpec:
         y=tf.TensorSpec([None], tf.int32),
     )
 
-  def loss(self) -> tf.keras.losses.Loss:
-    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
   def tff_model(self, keras_model=None):
-    """A `tff.learning.models.VariableModel` wrapping `keras_model` (default: a fresh one)."""
+    """A `tff.learning.models.VariableModel` wrapping `keras_model` (default: a fresh one), for
+    TFF's types and metric finalizers; training and evaluation use `batch_loss`."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     return tff.learning.models.from_keras_model(
         keras_model if keras_model is not None else self.keras_fn(),
-        loss=self.loss(),
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         input_spec=self.input_spec,
         metrics=[tf.keras.metrics.SparseCategoricalAccuracy(name='accuracy')],
     )
@@ -107,6 +106,32 @@ class ModelSpec:
         trainable=[np.asarray(w) for w in model.trainable_weights],
         non_trainable=[np.asarray(w) for w in model.non_trainable_weights],
     )
+
+
+def batch_loss(logits: tf.Tensor, labels: tf.Tensor, mask: Optional[tf.Tensor] = None
+               ) -> tuple[tf.Tensor, tuple[tf.Tensor, tf.Tensor, tf.Tensor]]:
+  """The loss of every client step and evaluation: `(mean, (loss sum, examples, correct))` of the
+  sparse softmax cross-entropy of `logits` over the examples where `mask` (`[B]`) is 1 (all
+  without one), float32; the mean is Keras's `SparseCategoricalCrossentropy`'s bit for bit."""
+  if mask is None:
+    mask = tf.ones(tf.shape(labels), tf.float32)
+  per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=tf.cast(labels, tf.int64), logits=logits)
+  n = tf.reduce_sum(mask)
+  mean = tf.reduce_sum(per_example * mask) / tf.maximum(n, 1.0)
+  correct = tf.reduce_sum(mask * tf.cast(
+      tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), tf.cast(labels, tf.int32)),
+      tf.float32))
+  return mean, (mean * n, n, correct)
+
+
+def unfinalized_metrics(sums) -> collections.OrderedDict:
+  """`ModelSpec.tff_model`'s unfinalized metrics from the summed `(loss sum, examples (int64),
+  correct, batches (int64))` of `batch_loss` (one client's scalars or `[K]` vectors)."""
+  loss_sum, examples, correct, batches = sums
+  count = tf.cast(examples, tf.float32)
+  return collections.OrderedDict(accuracy=[correct, count], loss=[loss_sum, count],
+                                 num_examples=[examples], num_batches=[batches])
 
 
 def type_num_bytes(tff_type) -> int:

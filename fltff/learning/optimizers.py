@@ -7,6 +7,8 @@ them the gin-configured `client_optimizer()` and, if any `server_optimizer.*` is
 
 from __future__ import annotations
 
+from typing import Optional
+
 import gin
 
 from fltff.config_checks import check_number
@@ -15,55 +17,63 @@ from fltff.errors import ConfigError
 _NAMES = ('sgd', 'sgdm', 'adam')
 
 
-def with_weight_decay(optimizer, weight_decay: float):
-  """`optimizer` stepping on `gradient + weight_decay · w`: coupled L2 weight decay, as
-  PyTorch's `SGD(weight_decay=...)` applies it (the gradient of `weight_decay/2 ||w||²`).
-
-  A `tff.learning.optimizers.Optimizer` of its own, so TFF's per-client work and the vectorised
-  clients (its generic, non-fused path) both run it.
-  """
+def declared(inner, hyperparameters=None, weight_decay: float = 0.0):
+  """`inner` (a `tff.learning.optimizers.Optimizer`) stepping on `gradient + weight_decay · w`
+  (coupled L2 decay, the gradient of `weight_decay/2 ||w||²`, as PyTorch's `SGD(weight_decay=)`)
+  and declaring `hyperparameters`: SGD(M)'s float32 `(η, μ or None)` (`sgdm`), which vectorised
+  clients apply fused (`stacked_optimizer.FusedSGDM`); None: mapped over the clients."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  class WeightDecay(tff.learning.optimizers.Optimizer):
-    """The wrapped optimizer on L2-decayed gradients."""
-
-    def __init__(self):
-      self.inner, self.weight_decay = optimizer, float(weight_decay)
+  class Declared(tff.learning.optimizers.Optimizer):
 
     def initialize(self, specs):
-      return self.inner.initialize(specs)
+      return inner.initialize(specs)
 
     def next(self, state, weights, gradients):
-      decayed = tf.nest.map_structure(lambda g, w: g + self.weight_decay * w, gradients,
-                                      weights)
-      return self.inner.next(state, weights, decayed)
+      if weight_decay:
+        gradients = tf.nest.map_structure(lambda g, w: g + float(weight_decay) * w, gradients,
+                                          weights)
+      return inner.next(state, weights, gradients)
 
-  return WeightDecay()
+  optimizer = Declared()
+  optimizer.hyperparameters = None if weight_decay else hyperparameters
+  return optimizer
+
+
+def sgdm(learning_rate: float, momentum: Optional[float] = None):
+  """TFF's `build_sgdm` (a ← μ·a + g, w ← w − η·a; without momentum w ← w − η·g), `declared`."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  return declared(tff.learning.optimizers.build_sgdm(learning_rate=learning_rate,
+                                                     momentum=momentum),
+                  (float(np.float32(learning_rate)),
+                   None if momentum is None else float(np.float32(momentum))))
 
 
 def build_optimizer(name: str, learning_rate: float, momentum: float = 0.9,
                     beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
                     role: str = 'optimizer', weight_decay: float = 0.0):
   """`'sgd'`, `'sgdm'` (momentum) or `'adam'` as a `tff.learning.optimizers.Optimizer`; a
-  positive `weight_decay` adds coupled L2 decay (`with_weight_decay`)."""
+  positive `weight_decay` adds coupled L2 decay (`declared`)."""
   for what, value in (('learning_rate', learning_rate), ('momentum', momentum),
                       ('beta_1', beta_1), ('beta_2', beta_2), ('epsilon', epsilon)):
     check_number(f'{role}.{what}', value)
   check_number(f'{role}.learning_rate', learning_rate, low=0, open_low=True)
   check_number(f'{role}.weight_decay', weight_decay, low=0)
   optimizer = _build(name, learning_rate, momentum, beta_1, beta_2, epsilon, role)
-  return with_weight_decay(optimizer, weight_decay) if weight_decay else optimizer
+  return declared(optimizer, weight_decay=weight_decay) if weight_decay else optimizer
 
 
 def _build(name, learning_rate, momentum, beta_1, beta_2, epsilon, role):
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   if name == 'sgd':
-    return tff.learning.optimizers.build_sgdm(learning_rate=learning_rate)
+    return sgdm(learning_rate)
   if name == 'sgdm':
     check_number(f'{role}.momentum', momentum, low=0, high=1, open_high=True)
-    return tff.learning.optimizers.build_sgdm(learning_rate=learning_rate, momentum=momentum)
+    return sgdm(learning_rate, momentum)
   if name == 'adam':
     return tff.learning.optimizers.build_adam(
         learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)

@@ -2,11 +2,11 @@
 
 `learning.vectorized` stacks the participants' weights as `[K, ...]` and computes all clients'
 gradients in one `tf.vectorized_map` per step; an updater then applies the client optimizer.
-`MappedOptimizer` maps any TFF optimizer's `next` over the clients. `FusedSGDM` applies TFF's
-`build_sgdm` (a ← μ·a + g, w ← w − η·a; without momentum w ← w − η·g) in place with
-TensorFlow's fused kernels on variables holding the stacked weights and accumulators: one pass
-per tensor, not ops that each write a model-sized `[K, ...]` tensor. A client without a batch
-at a step keeps its weights and optimizer state.
+`MappedOptimizer` maps any TFF optimizer's `next` over the clients. `FusedSGDM` applies SGD(M)
+as `optimizers.sgdm` declares it (a ← μ·a + g, w ← w − η·a; without momentum w ← w − η·g) in
+place with TensorFlow's fused kernels on the stacked weights and accumulators: one pass per
+tensor, not ops that each write a model-sized `[K, ...]` tensor. A client without a batch at a
+step keeps its weights and optimizer state.
 
 An affine regulariser's terms (`client_work.step_gradients`: `g + s ⊙ w + o`; FedProx, FedLap,
 KAPC) go to `step`, not into the clients' map, so `FusedSGDM` can fuse them into the update; an
@@ -114,20 +114,6 @@ class MappedOptimizer:
 
   def finish(self, carry) -> tuple:
     return carry[0]
-
-
-def sgdm_hyperparameters(optimizer) -> Optional[tuple[float, Optional[float]]]:
-  """`(learning_rate, momentum or None)` for TFF's `build_sgdm`, else None (checked by module
-  and state keys: `_SGD` is private, and a look-alike must not get `FusedSGDM`)."""
-  if type(optimizer).__module__ != 'tensorflow_federated.python.learning.optimizers.sgdm':
-    return None
-  state = optimizer.initialize((tf.TensorSpec([], tf.float32),))
-  keys = set(state)
-  if keys == {'learning_rate'}:
-    return float(state['learning_rate']), None
-  if keys == {'learning_rate', 'momentum', 'accumulator'}:
-    return float(state['learning_rate']), float(state['momentum'])
-  return None
 
 
 class FusedSGDM:
@@ -258,8 +244,9 @@ class FusedSGDM:
 
 
 def stacked_optimizer(optimizer, frozen: frozenset = frozenset()):
-  """The updater for `optimizer`: `FusedSGDM` for TFF's SGD(M), else `MappedOptimizer`."""
-  sgdm = sgdm_hyperparameters(optimizer)
+  """The updater for `optimizer`: `FusedSGDM` for one declaring SGD(M)'s `hyperparameters`
+  (`optimizers.sgdm`), else `MappedOptimizer`."""
+  sgdm = getattr(optimizer, 'hyperparameters', None)
   if sgdm is None:
     return MappedOptimizer(optimizer, frozen)
   return FusedSGDM(*sgdm, frozen=frozen)

@@ -2,11 +2,11 @@
 
 The participants' weights get a leading client axis and every local step is one
 `tf.vectorized_map` over the clients (a batched matmul/convolution, not K small ones) of
-`client_work.build_local_training`'s step (optimizer: `stacked_optimizer`), so a round equals
-TFF's to float rounding (tests/test_vectorized.py). Unequal clients are padded to `[epochs,
-steps, clients, batch, ...]`: padded examples are masked out of the loss and a client with no
-batch at a step keeps its weights and optimizer state; where sizes differ so much that it pays,
-groups of similar clients train one after another (`round_data.client_groups`). Exact
+`client_work.client_step`, the per-client work's step too (optimizer: `stacked_optimizer`), so a
+round equals TFF's to float rounding (tests/test_vectorized.py). Unequal clients are padded to
+`[epochs, steps, clients, batch, ...]`: padded examples are masked out of the loss and a client
+with no batch at a step keeps its weights and optimizer state; where sizes differ so much that
+it pays, groups of similar clients train one after another (`round_data.client_groups`). Exact
 shortcuts: with every client starting from the global model under the shared regulariser, the
 first epoch's context is computed once; an epoch whose anchored term `s ⊙ (w − global)` has
 every scale zero (FedLap's first epoch: λ = 0 at local = global) takes the plain update.
@@ -38,6 +38,7 @@ from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import factored_dense
 from fltff.learning.model_spec import ModelSpec
+from fltff.learning.model_spec import unfinalized_metrics
 from fltff.learning.round_data import client_groups
 from fltff.learning.round_data import group_data
 from fltff.learning.round_data import stack_client_batches
@@ -301,14 +302,7 @@ class VectorizedClientWork:
     if regularizer is not None and client_work_lib.traits_of(regularizer).batch_term:
       raise ConfigError(f'vectorised clients do not support a shared regulariser with a batch '
                         f'term ({type(regularizer).__name__}).')
-    unfinalized = model_spec.unfinalized_metric_specs()
-    known = {'accuracy', 'loss', 'num_examples', 'num_batches'}
-    if set(unfinalized) != known:
-      raise ConfigError(f'vectorised clients compute the metrics {sorted(known)}; the model '
-                        f'reports {sorted(unfinalized)}.')
-    self._metric_dtypes = {name: [v.dtype.as_numpy_dtype for v in values]
-                           for name, values in unfinalized.items()}
-    metrics_type = tff.types.tensorflow_to_type(unfinalized)
+    metrics_type = tff.types.tensorflow_to_type(model_spec.unfinalized_metric_specs())
     with tf.Graph().as_default():
       metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
           model_spec.metric_finalizers(), metrics_type)
@@ -435,55 +429,34 @@ class VectorizedClientWork:
 
     def client_step(args):
       local, bx, by, bmask, trains, context, client, rows, anchors = args
-      regularizer = reg.of_client(client)
       products, inputs, probes, moments = {}, {}, {}, {}
-      with tf.GradientTape() as tape:
-        tape.watch(local)
-        for n, i in enumerate(plan.indices if plan else ()):
-          # `x w_t` of a factored kernel; the gradient w.r.t. a zero added to the
-          # pre-activations is δ (the kernel's gradient is never formed).
-          probes[i] = tf.zeros([tf.shape(bx)[0], local[i].shape[-1]], local[i].dtype)
-          tape.watch(probes[i])
+      for n, i in enumerate(plan.indices if plan else ()):
+        # `x w_t` of a factored kernel; the gradient w.r.t. a zero added to the
+        # pre-activations is δ (the kernel's gradient is never formed).
+        probes[i] = tf.zeros([tf.shape(bx)[0], local[i].shape[-1]], local[i].dtype)
 
-          def product(x, n=n, i=i, base=base_of(i, local), anchor=anchor_of(n, i, anchors)):
-            inputs[i] = x
-            return plan.product(x, base, rows[n], anchor, probes[i])
+        def product(x, n=n, i=i, base=base_of(i, local), anchor=anchor_of(n, i, anchors)):
+          inputs[i] = x
+          return plan.product(x, base, rows[n], anchor, probes[i])
 
-          products[i] = product
+        products[i] = product
+
+      def forward(local, x, mask):
         if traits.reads_latent:
-          latent, logits = self._latent_and_output(local, bx, training=True)
-        else:
-          logits = self._apply(local, bx, training=True, kernel_products=products, mask=bmask,
-                               moments=moments)
-        n = tf.reduce_sum(bmask)
-        per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels=tf.cast(by, tf.int64), logits=logits)
-        data_loss = tf.reduce_sum(per_example * bmask) / tf.maximum(n, 1.0)
-        loss = data_loss
-        if regularizer is not None and not traits.analytic:
-          loss += regularizer.penalty(local, global_trainable, context)
-        if traits.batch_term:  # MOON's contrastive term, over the batch's real examples.
-          batch = collections.OrderedDict(x=bx, y=by, mask=bmask)
-          if traits.reads_latent:
-            batch['latent'] = latent
-          loss += regularizer.batch_penalty(local, global_trainable, batch, context)
-      sources = [w for i, w in enumerate(local) if i not in probes]
-      found = iter(tape.gradient(loss, sources + [probes[i] for i in sorted(probes)]))
-      # A factored kernel's place holds a scalar zero (the updater skips it).
-      gradients = [tf.zeros([], w.dtype) if i in probes else next(found)
-                   for i, w in enumerate(local)]
-      deltas = list(found)
-      differentiated = tuple(gradients) if self._step_observers else ()
-      gradients = client_work_lib.step_gradients(
-          gradients, local, None if traits.affine else regularizer,
-          global_trainable, context, None, self._frozen)
-      correct = tf.reduce_sum(bmask * tf.cast(
-          tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), by), tf.float32))
+          return self._latent_and_output(local, x, training=True)
+        return None, self._apply(local, x, training=True, kernel_products=products, mask=mask,
+                                 moments=moments)
+
+      # Affine terms are left to the updater.
+      gradients, differentiated, (loss_sum, n, correct), deltas, _ = client_work_lib.client_step(
+          forward, local, collections.OrderedDict(x=bx, y=by, mask=bmask), reg.of_client(client),
+          global_trainable, context, None, self._frozen, probes)
       count = tf.cast(trains, tf.float32)
-      step_sums = (data_loss * n * count, tf.cast(n * count, tf.int64), correct * count,
+      step_sums = (loss_sum * count, tf.cast(n * count, tf.int64), correct * count,
                    tf.cast(trains, tf.int64))
       factors = tuple((inputs[i], d) for i, d in zip(sorted(probes), deltas))
-      return tuple(gradients), step_sums, factors, differentiated, moments
+      return (gradients, step_sums, factors, differentiated if self._step_observers else (),
+              moments)
 
     return client_step
 
@@ -747,12 +720,8 @@ class VectorizedClientWork:
       return self._train(*args, num_clients=k, factored=factored)
 
   def model_outputs(self, sums) -> collections.OrderedDict:
-    """The participants' unfinalized metrics (`[K]`, the model's dtypes) from the sums."""
-    loss_sum, examples, correct, batches = (np.asarray(t) for t in sums)
-    return collections.OrderedDict(
-        (name, [np.asarray(v).astype(d) for v, d in zip(values, self._metric_dtypes[name])])
-        for name, values in (('accuracy', [correct, examples]), ('loss', [loss_sum, examples]),
-                             ('num_examples', [examples]), ('num_batches', [batches])))
+    """The participants' unfinalized metrics (`[K]`, NumPy) from the sums."""
+    return tf.nest.map_structure(np.asarray, unfinalized_metrics(sums))
 
   def next(self, state, global_weights, client_inputs: Sequence[Any], call=None):
     """The client work's `next`: `(state, results, measurements)`, the state unchanged, the

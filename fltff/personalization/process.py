@@ -624,7 +624,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     start, s, sent, own = parts.client_start(parts.client_row(server_msg, k), personal)
     initial = tff.learning.models.ModelWeights(
         trainable=list(start), non_trainable=list(personal.get('non_trainable', ())))
-    out = client_work_lib.build_local_training(model_spec.tff_model(), client_optimizer,
+    out = client_work_lib.build_local_training(model_spec.keras_fn(), client_optimizer,
                                                parts.client_regularizer(s, sent))(
         initial, data['batches'], data['info'])
     value, weight = parts.client_result(personal, k, s, sent, own, list(out['trained']),

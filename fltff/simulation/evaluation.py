@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from fltff.data.pipeline import preprocess_batch
+from fltff.learning.model_spec import batch_loss
 
 
 class Evaluator:
@@ -13,16 +14,12 @@ class Evaluator:
 
   def __init__(self, model_spec, batch_size: int = 1000):
     self.model = model_spec.keras_fn()
-    self.loss_fn = model_spec.loss()
     self.batch_size = batch_size
 
     @tf.function
     def batch_stats(x, y):
-      logits = self.model(x, training=False)
-      loss = self.loss_fn(y, logits) * tf.cast(tf.shape(y)[0], tf.float32)
-      correct = tf.reduce_sum(
-          tf.cast(tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), y), tf.float32))
-      return loss, correct
+      loss_sum, _, correct = batch_loss(self.model(x, training=False), y)[1]
+      return loss_sum, correct
 
     self._batch_stats = batch_stats
 
