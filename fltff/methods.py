@@ -5,9 +5,9 @@ program API (`fltff.simulation.program`) and the tests read it. `VARIANTS` names
 compositions they compare (CCN on a FedAvg-family method, KAPC with BLS, FedAvg with FedLap
 personalisation). Each entry cites the paper it follows (the table of docs/methods/index.md).
 
-    from fltff import methods
+    from fltff import learning, methods
     algorithm = methods.build('kapc+bls', model_spec, num_clients=10,
-                              client_optimizer=optimizers.sgdm(0.01))
+                              client_optimizer=learning.optimizers.sgdm(0.01))
 """
 
 from __future__ import annotations
