@@ -15,6 +15,7 @@ import tensorflow_federated as tff
 
 from fltff import methods
 from fltff.errors import ConfigError
+from fltff.learning import optimizers
 from fltff.learning import protocol
 from fltff.learning.model_spec import ModelSpec
 from fltff.personalization import build_ditto
@@ -95,7 +96,7 @@ def _run(algorithm, clients, rounds):
 @pytest.mark.parametrize('lam', [0.0, 0.5])
 def test_ditto_equals_its_numpy_reference(vectorised, lam, cpp):
   clients = random_client_arrays(SIZES, seed=11, shape=DIM, classes=CLASSES)
-  algorithm = build_ditto(SPEC, client_optimizer=tff.learning.optimizers.build_sgdm(LR),
+  algorithm = build_ditto(SPEC, client_optimizer=optimizers.sgdm(LR),
                           lambda_=lam)
   if vectorised:
     algorithm.vectorize_clients()
@@ -117,7 +118,7 @@ def test_ditto_equals_its_numpy_reference(vectorised, lam, cpp):
 
 def test_ditto_global_model_is_fedavgs_and_the_registry_builds_it(cpp):
   clients = random_client_arrays(SIZES, seed=12, shape=DIM, classes=CLASSES)
-  sgd = lambda: tff.learning.optimizers.build_sgdm(LR)
+  sgd = lambda: optimizers.sgdm(LR)
   ditto = methods.build('ditto', SPEC, client_optimizer=sgd(), lambda_=2.0)
   fedavg = methods.build('fedavg', SPEC, client_optimizer=sgd())
   assert ditto.name == 'ditto' and ditto.personal_models and not ditto.personalized

@@ -27,6 +27,8 @@ import tensorflow as tf
 from fltff.config_checks import check_choice
 from fltff.errors import ConfigError
 from fltff.learning.model_spec import ModelSpec
+from fltff.learning.model_spec import batch_loss
+from fltff.learning.model_spec import unfinalized_metrics
 
 CLIENT_INFO_SPEC = collections.OrderedDict(
     client_index=tf.TensorSpec([], tf.int32),
@@ -215,23 +217,18 @@ def step_gradients(gradients, values, regularizer: Optional[LocalRegularizer],
 def client_step(forward: Callable, local, batch, regularizer: Optional[LocalRegularizer],
                 global_trainable, context, affine=None, frozen: frozenset = frozenset(),
                 probes: Optional[dict[int, tf.Tensor]] = None, isolate: bool = False) -> tuple:
-  """One client's local step up to the optimizer, the one both executors run (vectorised
-  clients in a `tf.vectorized_map`): the gradient of `batch_loss + regulariser` w.r.t. `local`.
+  """One client's local step up to the optimizer, on both executors (vectorised clients in a
+  `tf.vectorized_map`): `(gradients, differentiated (as step observers see them), batch_loss's
+  sums, probe gradients, values of local)` of `batch_loss + regulariser` w.r.t. `local`.
 
-  `forward(local, x, mask) -> (latent or None, logits)` applies the model with `local` (the
-  Keras variables, or tensors); `batch`: `x`, `y` and `mask` (`[B]`, 1 for a real example).
-  The penalty is differentiated unless analytic, the batch term always; then `step_gradients`
-  adds `affine` (None: an updater adds it, `stacked_optimizer`) or the analytic gradient and
-  zeroes `frozen`. `probes`: `{index: tensor}` differentiated in place of `local[index]`, whose
-  gradient is a scalar zero (`factored_dense`). `isolate`: the data loss in a function of its
-  own (as TFF's `forward_pass`), so that Grappler adds the affine terms to its gradient as it
-  did there: the per-client numbers stay bit for bit.
-
-  Returns `(gradients, differentiated, sums, probe gradients, values of local)`:
-  `differentiated` as step observers see them, `sums` `batch_loss`'s.
+  `forward(local, x, mask) -> (latent or None, logits)` applies the model with `local` (Keras
+  variables or tensors); `batch`: `x`, `y`, `mask` (`[B]`, 1 for a real example). The penalty
+  is differentiated unless analytic, the batch term always; `step_gradients` adds `affine`
+  (None: the updater adds it) or the analytic gradient and zeroes `frozen`. `probes`: `{index:
+  tensor}` differentiated in place of `local[index]` (`factored_dense`). `isolate`: the data
+  loss in a function of its own (as TFF's `forward_pass`), so Grappler adds the affine terms
+  to its gradient as before: the per-client numbers bit for bit.
   """
-  from fltff.learning.model_spec import batch_loss  # pylint: disable=g-import-not-at-top
-
   traits = traits_of(regularizer) or PENALTY_ONLY
   probes = probes or {}
 
@@ -277,8 +274,6 @@ def build_local_training(keras_model: tf.keras.Model, optimizer,
   inside: outside, in a graph-mode `tff.tensorflow.computation`, reads would not follow the
   training loop. `frozen`: indices of trainable tensors kept fixed (FedBABU's head).
   """
-  from fltff.learning.model_spec import unfinalized_metrics  # pylint: disable=g-import-not-at-top
-
   if keras_model.losses:
     raise ConfigError(f'client training does not support layer losses ({keras_model.name}).')
   # A closed-form gradient is added directly: the update of differentiating `penalty` (tested).

@@ -129,8 +129,8 @@ def unfinalized_metrics(sums) -> collections.OrderedDict:
   """`ModelSpec.tff_model`'s unfinalized metrics from the summed `(loss sum, examples (int64),
   correct, batches (int64))` of `batch_loss` (one client's scalars or `[K]` vectors)."""
   loss_sum, examples, correct, batches = sums
-  count = tf.cast(examples, tf.float32)
-  return collections.OrderedDict(accuracy=[correct, count], loss=[loss_sum, count],
+  n = tf.cast(examples, tf.float32)
+  return collections.OrderedDict(accuracy=[correct, n], loss=[loss_sum, n],
                                  num_examples=[examples], num_batches=[batches])
 
 
