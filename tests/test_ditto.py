@@ -144,7 +144,7 @@ def test_ditto_runs_in_the_driver_with_personal_and_global_protocols(vectorised,
 
   data = mnist_sample_split(4, seed=5, local_test_examples=20)
   spec = build_model_spec(data, 'mlp2', seed=0)
-  algorithm = build_ditto(spec, client_optimizer=tff.learning.optimizers.build_sgdm(0.05),
+  algorithm = build_ditto(spec, client_optimizer=optimizers.sgdm(0.05),
                           lambda_=0.1)
   if vectorised:
     algorithm.vectorize_clients()
