@@ -293,8 +293,7 @@ def _regularizers():
       'fedlap_epoch': fedlap.FedLapRegularizer(refresh='epoch'),
       'fedlap_step': fedlap.FedLapRegularizer(refresh='step'),
       'scaffold': scaffold.ControlVariateCorrection(anchor),
-      'moon': moon.ModelContrastiveRegularizer,
-      'moon_vectorised': moon.StackedModelContrastive(lambda *a, **k: None, anchor, 1.0, 0.5),
+      'moon': moon.ModelContrastiveRegularizer(lambda *a, **k: None, anchor, 1.0, 0.5),
   }
 
 

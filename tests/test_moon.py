@@ -14,9 +14,10 @@ import tensorflow_federated as tff
 from fltff import learning
 from fltff.learning import ModelSpec
 from fltff.learning import client_state
-from fltff.learning.moon import ModelContrastiveRegularizer
+from fltff.learning.moon import keras_regularizer
 from fltff.learning.moon import model_contrastive_loss
 from fltff.learning import optimizers
+from fltff.models import latent_model
 from helpers import random_client_arrays
 from helpers import random_client_datasets
 from helpers import read_csv
@@ -134,15 +135,20 @@ def _latent_numpy(params, x):
 
 def _regularizer_on_three_models(seeds, mu):
   """`(local model, global ModelWeights, previous trainable weights, regulariser)`: three
-  tiny_mlps with these seeds; the regulariser's fixed models loaded (epoch start)."""
+  tiny_mlps with these seeds, the regulariser the per-client one of the local model."""
   local, glob, prev = (tiny_mlp(DIM, CLASSES, s) for s in seeds)
   glob_weights = tff.learning.models.ModelWeights(
       trainable=[w.numpy() for w in glob.trainable_weights], non_trainable=[])
   prev_trainable = [w.numpy() for w in prev.trainable_weights]
-  reg = ModelContrastiveRegularizer(local, tiny_mlp(DIM, CLASSES, 30), tiny_mlp(DIM, CLASSES, 31),
-                                    glob_weights, prev_trainable, mu, TAU)
-  reg.epoch_start((), ())
+  reg = keras_regularizer(local, glob_weights, prev_trainable, mu, TAU)
   return local, glob_weights, prev_trainable, reg
+
+
+def _batch(local, x, mask=None):
+  """A batch as the training loops give it: the training pass's latent, the real examples."""
+  mask = np.ones(len(x), np.float32) if mask is None else np.asarray(mask, np.float32)
+  return collections.OrderedDict(x=tf.constant(x), latent=latent_model(local)(x, training=True),
+                                 mask=tf.constant(mask))
 
 
 def test_regularizer_gradient_matches_finite_differences():
@@ -152,10 +158,9 @@ def test_regularizer_gradient_matches_finite_differences():
   rng = np.random.default_rng(11)
   local, glob_weights, prev_trainable, reg = _regularizer_on_three_models((17, 18, 19), mu)
   x = rng.normal(size=(6, DIM)).astype(np.float32)
-  batch = collections.OrderedDict(x=tf.constant(x), y=tf.zeros([6], tf.int32))
   variables = local.trainable_weights
   with tf.GradientTape() as tape:
-    penalty = reg.batch_penalty(variables, glob_weights.trainable, batch, ())
+    penalty = reg.batch_penalty(variables, glob_weights.trainable, _batch(local, x), ())
   grads = tape.gradient(penalty, variables)
 
   x64 = x.astype(np.float64)
@@ -182,38 +187,24 @@ def test_regularizer_gradient_matches_finite_differences():
     assert g is None or not np.any(g.numpy())
 
 
-def test_stacked_term_on_a_padded_batch_equals_the_regularizer_on_its_real_examples():
-  """Vectorised MOON's term (`StackedModelContrastive`, functional latent apply, masked
-  mean) on a batch padded from 4 to 6 examples: the value and the gradient of
-  `ModelContrastiveRegularizer` on the 4 real ones."""
-  from fltff.learning.moon import StackedModelContrastive  # pylint: disable=g-import-not-at-top
-  from fltff.learning.vectorized import functional_apply  # pylint: disable=g-import-not-at-top
-  from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
-
+def test_term_on_a_padded_batch_equals_the_term_on_its_real_examples():
+  """MOON's term on a batch padded from 4 to 6 examples (as vectorised clients pad it, masked
+  mean): the value and the gradient of the term on the 4 real ones."""
   mu = 2.0
   rng = np.random.default_rng(5)
-  local, glob_weights, prev_trainable, reg = _regularizer_on_three_models((21, 22, 23), mu)
+  local, glob_weights, _, reg = _regularizer_on_three_models((21, 22, 23), mu)
   x = rng.normal(size=(4, DIM)).astype(np.float32)
-  variables = local.trainable_weights
-  with tf.GradientTape() as tape:
-    expected = reg.batch_penalty(variables, glob_weights.trainable,
-                                 collections.OrderedDict(x=tf.constant(x)), ())
-  expected_grads = tape.gradient(expected, variables)
-
-  stacked = StackedModelContrastive(functional_apply(latent_model(local), local),
-                                    [tf.constant(w) for w in prev_trainable], mu, TAU)
   padded = np.concatenate([x, rng.normal(size=(2, DIM)).astype(np.float32)])
-  weights = [tf.constant(v.numpy()) for v in variables]
-  with tf.GradientTape() as tape:
-    tape.watch(weights)
-    actual = stacked.batch_penalty(
-        weights, [tf.constant(w) for w in glob_weights.trainable],
-        collections.OrderedDict(x=tf.constant(padded), mask=tf.constant([1., 1, 1, 1, 0, 0])),
-        ())
-  grads = tape.gradient(actual, weights)
-  np.testing.assert_allclose(actual.numpy(), expected.numpy(), rtol=1e-6)
-  assert actual.numpy() > 0
-  for a, b in zip(grads, expected_grads):
+  variables = local.trainable_weights
+  values, grads = [], []
+  for batch_x, mask in ((x, None), (padded, [1., 1, 1, 1, 0, 0])):
+    with tf.GradientTape() as tape:
+      values.append(reg.batch_penalty(variables, glob_weights.trainable,
+                                      _batch(local, batch_x, mask), ()))
+    grads.append(tape.gradient(values[-1], variables))
+  np.testing.assert_allclose(values[1].numpy(), values[0].numpy(), rtol=1e-6)
+  assert values[0].numpy() > 0
+  for a, b in zip(*grads):
     if b is None:
       assert a is None or not np.any(a.numpy())
     else:
@@ -314,8 +305,8 @@ def _bn_mlp():
 
 
 def test_latent_pass_leaves_batchnorm_statistics_to_the_forward_pass():
-  """The regulariser's second (latent) pass in training mode does not update BatchNorm's moving
-  statistics again: with μ = 0, local training ends with exactly the statistics of plain local
+  """MOON's term reads the training pass's latent and the inference-mode latents of the fixed
+  models: with μ = 0, local training ends with exactly the statistics of plain local
   training."""
   spec = ModelSpec(_bn_mlp, (DIM,), CLASSES)
   initial = spec.initial_weights()
@@ -327,8 +318,7 @@ def test_latent_pass_leaves_batchnorm_statistics_to_the_forward_pass():
     keras_model = spec.keras_fn()
     reg = None
     if with_moon:
-      reg = ModelContrastiveRegularizer(keras_model, spec.keras_fn(), spec.keras_fn(), initial,
-                                        previous, 0.0, TAU)
+      reg = keras_regularizer(keras_model, initial, previous, 0.0, TAU)
     outs.append(learning.build_local_training(keras_model, _sgd(), reg)(
         initial, _datasets((12,))[0], info))
   plain, moon = outs

@@ -59,7 +59,7 @@ class RegularizerTraits:
       the data loss in one tape, so it may depend on the variables through the model, not only
       through `local`; `penalty`/`gradient` still apply on top.
     reads_latent: `batch_penalty` reads the training pass's latent representation
-      (`batch['latent']`, vectorised clients only; needs `batch_term`).
+      (`batch['latent']`; needs `batch_term`).
     measures: `measurements(trained, global_) -> nested dict of scalars`, averaged over the
       participants and reported as `client_work/regularizer/...` (FedLap's λ, d).
   """
@@ -280,6 +280,10 @@ def build_local_training(keras_model: tf.keras.Model, optimizer,
   traits = traits_of(regularizer) or PENALTY_ONLY
   frozen = frozenset(frozen)
   forward = lambda local, x, mask: (None, keras_model(x, training=True))
+  if traits.reads_latent:
+    from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
+    latent_and_output = latent_model(keras_model, with_output=True)
+    forward = lambda local, x, mask: tuple(latent_and_output(x, training=True))
 
   # No autograph: loops are `tf.while_loop`s, every `if` is on a Python value (converting is slow).
   @tf.function(autograph=False)

@@ -10,6 +10,7 @@ docs/methods/personalised.md.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Callable, Optional
 
@@ -46,62 +47,11 @@ def _flat(z: tf.Tensor) -> tf.Tensor:
   return tf.reshape(z, [tf.shape(z)[0], -1])
 
 
-class ModelContrastiveRegularizer:
-  """`LocalRegularizer` adding `μ ℓ_con` on each minibatch (`batch_penalty`).
-
-  `global_model` and `previous_model` get `global_weights` and `previous_trainable` (+ the global
-  non-trainable weights) at every epoch start, ordered before the epoch's steps."""
-
-  traits = client_work_lib.RegularizerTraits(batch_term=True)
-
-  def __init__(self, local_model: tf.keras.Model, global_model: tf.keras.Model,
-               previous_model: tf.keras.Model, global_weights,
-               previous_trainable: Sequence[tf.Tensor], mu: float, temperature: float):
-    from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
-
-    self.mu = float(mu)
-    self.temperature = float(temperature)
-    self._latent = latent_model(local_model)
-    self._global_latent = latent_model(global_model)
-    self._previous_latent = latent_model(previous_model)
-    global_trainable = tuple(tf.nest.flatten(global_weights.trainable))
-    global_non_trainable = tuple(tf.nest.flatten(global_weights.non_trainable))
-    self._loads = list(zip(global_model.trainable_weights + global_model.non_trainable_weights +
-                           previous_model.trainable_weights +
-                           previous_model.non_trainable_weights,
-                           global_trainable + global_non_trainable + tuple(previous_trainable) +
-                           global_non_trainable))
-    self._statistics = list(local_model.non_trainable_weights)
-
-  def epoch_start(self, local, global_):
-    del local, global_
-    for variable, value in self._loads:
-      variable.assign(value)
-    return ()
-
-  def penalty(self, local, global_, context):
-    del local, global_, context
-    return tf.constant(0.0)
-
-  def batch_penalty(self, local, global_, batch, context):
-    """`μ ℓ_con(z, z_glob, z_prev)` on `batch['x']`, differentiable through the local model."""
-    del local, global_, context
-    x = batch['x']
-    # The data loss's pass already updated BatchNorm statistics; this training-mode pass must not.
-    saved = [v.read_value() for v in self._statistics]
-    z = _flat(self._latent(x, training=True))
-    for v, s in zip(self._statistics, saved):
-      v.assign(s)
-    z_glob = tf.stop_gradient(_flat(self._global_latent(x, training=False)))
-    z_prev = tf.stop_gradient(_flat(self._previous_latent(x, training=False)))
-    return self.mu * model_contrastive_loss(z, z_glob, z_prev, self.temperature)
-
-
-class StackedModelContrastive(client_work_lib.LocalRegularizer):
-  """MOON's `μ ℓ_con` for one client of a vectorised round, one functional latent apply on the
-  local, global and previous weights. z is the training pass's own latent (`batch['latent']`),
-  as in MOON's code: on the BatchNorm-free models that vectorise it equals
-  `ModelContrastiveRegularizer`'s second pass (dropout aside), one forward/backward pass less."""
+class ModelContrastiveRegularizer(client_work_lib.LocalRegularizer):
+  """`LocalRegularizer` adding `μ ℓ_con` on each minibatch (`batch_penalty`), for one client on
+  either executor. z is the training pass's own latent (`batch['latent']`), as in MOON's code;
+  z_glob and z_prev are `latent_apply(weights, x)` (inference mode) with the global and the
+  `previous` trainable weights."""
 
   traits = client_work_lib.RegularizerTraits(batch_term=True, reads_latent=True)
 
@@ -116,14 +66,12 @@ class StackedModelContrastive(client_work_lib.LocalRegularizer):
     return tf.constant(0.0)
 
   def batch_penalty(self, local, global_, batch, context):
-    del context
+    del local, context
     x = batch['x']
-    z = _flat(batch['latent'] if 'latent' in batch else
-              self._latent_apply(local, x, training=True))
-    z_glob = tf.stop_gradient(_flat(self._latent_apply(global_, x, training=False)))
-    z_prev = tf.stop_gradient(_flat(self._latent_apply(self.previous, x, training=False)))
-    return self.mu * model_contrastive_loss(z, z_glob, z_prev, self.temperature,
-                                            batch['mask'])
+    z_glob = tf.stop_gradient(_flat(self._latent_apply(global_, x)))
+    z_prev = tf.stop_gradient(_flat(self._latent_apply(self.previous, x)))
+    return self.mu * model_contrastive_loss(_flat(batch['latent']), z_glob, z_prev,
+                                            self.temperature, batch['mask'])
 
 
 def previous_models(server_value, previous: tuple) -> tuple:
@@ -145,18 +93,30 @@ def vectorized_moon_work(model_spec: ModelSpec, optimizer, mu: float, temperatur
 
   work = VectorizedClientWork(
       model_spec, optimizer, device=device, latent=True,
-      client_regularizer=lambda previous: StackedModelContrastive(
-          work.latent_apply, previous, mu, temperature))
+      client_regularizer=lambda previous: ModelContrastiveRegularizer(
+          functools.partial(work.latent_apply, training=False), previous, mu, temperature))
   return client_state.VectorizedStatefulWork(work, previous_models, trained_models)
+
+
+def keras_regularizer(keras_model: tf.keras.Model, weights, previous: Sequence[tf.Tensor],
+                      mu: float, temperature: float) -> ModelContrastiveRegularizer:
+  """The regulariser of one client training `keras_model` from `weights` (`ModelWeights`):
+  z_glob and z_prev with the global model's BatchNorm statistics."""
+  from fltff.learning.vectorized import functional_apply  # pylint: disable=g-import-not-at-top
+  from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
+
+  apply = functional_apply(latent_model(keras_model), keras_model, batch_norm=True)
+  statistics = tuple(tf.nest.flatten(weights.non_trainable))
+  return ModelContrastiveRegularizer(
+      lambda trainable, x: apply(trainable, x, training=False, statistics=statistics),
+      previous, mu, temperature)
 
 
 def build_moon_client_work(model_spec: ModelSpec, optimizer, mu: float, temperature: float):
   """MOON's client work; client state: the previous local model's trainable weights."""
   process, _ = client_state.build_stateful_client_work(
       model_spec, optimizer,
-      lambda keras_model, weights, previous: ModelContrastiveRegularizer(
-          keras_model, model_spec.keras_fn(), model_spec.keras_fn(), weights, previous, mu,
-          temperature),
+      functools.partial(keras_regularizer, mu=mu, temperature=temperature),
       previous_models, trained_models)
   return process
 

@@ -70,28 +70,33 @@ def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.ker
   weights_model = keras_model if weights_model is None else weights_model
   slots = weight_slots(keras_model, weights_model, batch_norm)
   norms = [layer for layer in keras_model.layers if _is_batch_norm(layer)] if batch_norm else []
+  statistic_slots = _slots_of(weights_model.non_trainable_weights, weights_model, keras_model)
 
   def apply(trainable: Sequence[tf.Tensor], x: tf.Tensor, training: bool = True,
             kernel_products: Optional[dict[int, Callable]] = None,
-            mask: Optional[tf.Tensor] = None, moments: Optional[dict] = None) -> tf.Tensor:
+            mask: Optional[tf.Tensor] = None, moments: Optional[dict] = None,
+            statistics: Sequence[tf.Tensor] = ()) -> tf.Tensor:
     """`kernel_products`: `{trainable index: product}` computed for a plain `Dense` kernel's
-    `x @ kernel`. `mask` (`[batch]`, 1 for a real example): what BatchNorm's moments count."""
-    if norms and not training:
-      raise ConfigError('vectorised clients train BatchNorm models; inference with the moving '
-                        'statistics runs on the Keras model.')
-    saved = [getattr(layer, name) for layer, name in slots]
+    `x @ kernel`. `mask` (`[batch]`, 1 for a real example): what BatchNorm's moments count.
+    `statistics`: in inference, the BatchNorm moving statistics (`non_trainable_weights`)."""
+    if norms and not training and not statistics:
+      raise ConfigError('vectorised clients train BatchNorm models; inference needs the moving '
+                        'statistics.')
+    swaps = list(zip(slots, trainable)) + (list(zip(statistic_slots, statistics))
+                                           if not training else [])
+    saved = [getattr(layer, name) for (layer, name), _ in swaps]
     products = kernel_products or {}
-    swapped = [slots[i][0] for i in products] + norms
+    swapped = [slots[i][0] for i in products] + (norms if training else [])
     try:
-      for (layer, name), value in zip(slots, trainable):
+      for (layer, name), value in swaps:
         object.__setattr__(layer, name, value)  # No Keras tracking: restored below.
       for i, product in products.items():
         object.__setattr__(slots[i][0], 'call', factored_dense.dense_call(slots[i][0], product))
-      for layer in norms:
+      for layer in swapped[len(products):]:
         object.__setattr__(layer, 'call', masked_batch_norm_call(layer, mask, moments))
       return keras_model(x, training=training)
     finally:
-      for (layer, name), value in zip(slots, saved):
+      for ((layer, name), _), value in zip(swaps, saved):
         object.__setattr__(layer, name, value)
       for layer in swapped:
         object.__delattr__(layer, 'call')  # The class's `call` again.
@@ -170,8 +175,12 @@ def weight_slots(keras_model: tf.keras.Model, weights_model: tf.keras.Model,
                       f'without renorm, virtual batches or adjustment ({keras_model.name}).')
   if weights_model.losses:
     raise ConfigError(f'vectorised clients do not support layer losses ({keras_model.name}).')
+  return _slots_of(weights_model.trainable_weights, weights_model, keras_model)
+
+
+def _slots_of(variables, weights_model, keras_model) -> list[tuple[Any, str]]:
   slots = []
-  for variable in weights_model.trainable_weights:
+  for variable in variables:
     slot = next(((layer, name) for layer in weights_model.layers
                  for name, value in vars(layer).items() if value is variable), None)
     if slot is None:
@@ -335,8 +344,7 @@ class VectorizedClientWork:
     if latent:
       # Latent layer and logits from one forward pass (MOON's representation, no second pass).
       self._latent_and_output = functional_apply(
-          tf.keras.Model(self._keras_model.inputs,
-                         [latent_keras.output, self._keras_model.output]), self._keras_model)
+          latent_model(self._keras_model, with_output=True), self._keras_model)
     self._updater = stacked_optimizer(optimizer, frozenset(frozen))
     # Dense kernels short rounds train factored (`factored_dense`); none with step observers,
     # which see every tensor's gradient.

@@ -331,10 +331,13 @@ def _latent_layer(model: tf.keras.Model) -> tf.keras.layers.Layer:
     ) from None
 
 
-def latent_model(model: tf.keras.Model) -> tf.keras.Model:
+def latent_model(model: tf.keras.Model, with_output: bool = False) -> tf.keras.Model:
   """Maps `model`'s input to its latent (last hidden) layer's output, sharing its weights: the
-  representation CCN averages per client and MOON contrasts; `ConfigError` if there is none."""
-  return tf.keras.Model(model.inputs, _latent_layer(model).output, name=f'{model.name}_latent')
+  representation CCN averages per client and MOON contrasts; `ConfigError` if there is none.
+  `with_output`: to `[latent, model's output]`, both from one pass."""
+  latent = _latent_layer(model).output
+  return tf.keras.Model(model.inputs, [latent, model.output] if with_output else latent,
+                        name=f'{model.name}_latent')
 
 
 def latent_dim(model: tf.keras.Model) -> int:
