@@ -324,6 +324,8 @@ class VectorizedClientWork:
     # Built after the graph-mode model above: Keras invalidates eager models made before one.
     self._keras_fn = model_spec.keras_fn
     self._keras_model = model_spec.keras_fn()
+    self._layer_bases = [(cls, cls.__bases__) for cls in
+                         {type(layer) for layer in (self._keras_model, *self._keras_model.layers)}]
     self._batch_norm = batch_norm and any(
         _is_batch_norm(layer) for layer in self._keras_model.layers)
     if self._batch_norm and (latent or 'latent_mean' in weight_fields):
@@ -379,12 +381,10 @@ class VectorizedClientWork:
   def _restore_tf2_layer_classes(self) -> None:
     """Makes the eager Keras model callable again after a model was built in a graph.
 
-    Building one in a graph (TFF's tracing) swaps the layer classes to TF1's; earlier eager models
-    then refuse calls ("invalid state", e.g. when `_train` retraces) until one is built eagerly."""
-    from keras.src.engine import base_layer_v1  # pylint: disable=g-import-not-at-top
-
-    if any(isinstance(layer, base_layer_v1.Layer)
-           for layer in (self._keras_model, *self._keras_model.layers)):
+    Keras builds a model in a graph (TFF's tracing, by any computation) by swapping its layer
+    classes' bases to TF1's, so earlier eager models refuse calls ("invalid state", e.g. when
+    `_train` retraces) until a model is built eagerly, which swaps them back."""
+    if any(cls.__bases__ != bases for cls, bases in self._layer_bases):
       self._keras_fn()
 
   # -- the TensorFlow part -----------------------------------------------------------------
