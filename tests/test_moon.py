@@ -2,6 +2,7 @@
 mergeable form and an end-to-end pipeline run."""
 
 import collections
+import functools
 import json
 import math
 import os
@@ -14,9 +15,10 @@ import tensorflow_federated as tff
 from fltff import learning
 from fltff.learning import ModelSpec
 from fltff.learning import client_state
-from fltff.learning.moon import keras_regularizer
+from fltff.learning.moon import ModelContrastiveRegularizer
 from fltff.learning.moon import model_contrastive_loss
 from fltff.learning import optimizers
+from fltff.learning.vectorized import functional_apply
 from fltff.models import latent_model
 from helpers import random_client_arrays
 from helpers import random_client_datasets
@@ -140,7 +142,9 @@ def _regularizer_on_three_models(seeds, mu):
   glob_weights = tff.learning.models.ModelWeights(
       trainable=[w.numpy() for w in glob.trainable_weights], non_trainable=[])
   prev_trainable = [w.numpy() for w in prev.trainable_weights]
-  reg = keras_regularizer(local, glob_weights, prev_trainable, mu, TAU)
+  reg = ModelContrastiveRegularizer(
+      functools.partial(functional_apply(latent_model(local), local), training=False),
+      prev_trainable, mu, TAU)
   return local, glob_weights, prev_trainable, reg
 
 
@@ -318,7 +322,11 @@ def test_latent_pass_leaves_batchnorm_statistics_to_the_forward_pass():
     keras_model = spec.keras_fn()
     reg = None
     if with_moon:
-      reg = keras_regularizer(keras_model, initial, previous, 0.0, TAU)
+      # As `client_state.build_stateful_client_work` builds it: the global statistics.
+      apply = functional_apply(latent_model(keras_model), keras_model, batch_norm=True)
+      reg = ModelContrastiveRegularizer(
+          lambda w, x: apply(w, x, training=False, statistics=initial.non_trainable),
+          previous, 0.0, TAU)
     outs.append(learning.build_local_training(keras_model, _sgd(), reg)(
         initial, _datasets((12,))[0], info))
   plain, moon = outs

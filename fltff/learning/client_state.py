@@ -3,13 +3,15 @@
 SCAFFOLD's c_i and MOON's previous model are kept in the round driver's store; a state comes in
 with the client data (a one-element dataset under `state`) and the new states go out, keyed by
 client index, through one gathering aggregate (`fltff.aggregators.gather`) under
-`CLIENT_STATES_KEY`. `build_stateful_client_work` (client by client) and
-`VectorizedStatefulWork` (all participants together) share the method's functions.
+`CLIENT_STATES_KEY`. A method declares its work once (`StatefulClientWork`), and
+`build_stateful_client_work` (client by client) and `VectorizedStatefulWork` (all participants
+together) run it.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -24,38 +26,50 @@ from fltff.learning.model_spec import ModelSpec
 CLIENT_STATES_KEY = 'client_states'
 
 
-def build_stateful_client_work(
-    model_spec: ModelSpec,
-    optimizer,
-    regularizer_fn: Callable[[Any, Any, Any], Any],
-    client_terms: Callable[[Any, tuple], Any],
-    client_final: Callable[[dict, tuple], tuple],
-    server_init_fn: Optional[Callable[[], Any]] = None,
-    server_update_fn: Optional[Callable[[Any, Any], Any]] = None,
-    weight_fields: Sequence[str] = (),
-    step_observers: Sequence[client_work_lib.StepObserver] = ()):
-  """A `ClientWorkProcess` whose clients read and return a state shaped like the weights.
+@dataclasses.dataclass(frozen=True)
+class StatefulClientWork:
+  """A method whose clients keep a state, declared once for both executors
+  (`build_stateful_client_work` client by client, `VectorizedStatefulWork` all at once).
 
-  Each participant trains (`client_work.build_local_training`) with the regulariser
-  `regularizer_fn(keras model, initial weights, client_terms(server_value, client_state))`;
-  `client_terms` and `client_final` as `VectorizedStatefulWork`'s, `client_state` being
-  `data['state']`'s element and `server_value` the broadcast server state (None without one).
+  Attributes:
+    regularizer: `(client terms, latent_apply) -> LocalRegularizer` of one client;
+      `latent_apply(trainable, x)` is the latent layer in inference mode with other weights
+      (the global model's BatchNorm statistics), None unless `latent`.
+    client_terms: `(server value, client state) -> client terms`; the server value is the
+      broadcast server state (None without one); one client's, or along a client axis.
+    client_final: `(training outputs, client state) -> (new client state, server contribution)`.
+    server_init: No-arg TF function giving the server state (SCAFFOLD's c); None: none.
+    server_update: `(server state, summed contributions) -> new server state`; given exactly
+      when `server_init` is (else `ValueError`).
+    step_observers: As in `client_work.build_local_training`.
+    latent: The regulariser reads latent representations (MOON).
+  """
+  regularizer: Callable[[Any, Optional[Callable]], Any]
+  client_terms: Callable[[Any, tuple], Any]
+  client_final: Callable[[dict, tuple], tuple]
+  server_init: Optional[Callable[[], Any]] = None
+  server_update: Optional[Callable[[Any, Any], Any]] = None
+  step_observers: Sequence[client_work_lib.StepObserver] = ()
+  latent: bool = False
 
-  Args:
-    server_init_fn: No-arg TF function giving the server state (SCAFFOLD's c); None: none.
-    server_update_fn: `(server_state, summed contributions) -> new server state`; given
-      exactly when `server_init_fn` is (else `ValueError`).
-    weight_fields: As in `client_work.build_client_work`.
+  def __post_init__(self):
+    if (self.server_init is None) != (self.server_update is None):
+      raise ValueError('server_init and server_update go together.')
+
+
+def build_stateful_client_work(model_spec: ModelSpec, optimizer, work: StatefulClientWork,
+                               weight_fields: Sequence[str] = ()):
+  """A `ClientWorkProcess` whose clients read and return a state shaped like the weights; each
+  participant trains (`client_work.build_local_training`) with `work`'s regulariser.
 
   Returns:
     `(process, TFF type of one client's state)`; the process measures `train` and, under
     `CLIENT_STATES_KEY`, `OrderedDict(update=[K, ...] new states, weight=client_index[K])`.
+    `weight_fields`: as in `client_work.build_client_work`.
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from fltff.aggregators.gather import build_gather  # pylint: disable=g-import-not-at-top
 
-  if (server_init_fn is None) != (server_update_fn is None):
-    raise ValueError('server_init_fn and server_update_fn go together.')
   client_work_lib.check_weight_fields(weight_fields)
   with tf.Graph().as_default():
     metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
@@ -69,20 +83,26 @@ def build_stateful_client_work(
     zero = tuple(tf.zeros(s.shape, s.dtype) for s in specs)
     client_state = client_work_lib.read_single(data['state'], zero)
     keras_model = model_spec.keras_fn()
-    regularizer = regularizer_fn(keras_model, initial_weights,
-                                 client_terms(server_value, client_state))
+    latent_apply = None
+    if work.latent:
+      from fltff.learning.vectorized import functional_apply  # pylint: disable=g-import-not-at-top
+      from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
+      apply = functional_apply(latent_model(keras_model), keras_model, batch_norm=True)
+      statistics = tuple(tf.nest.flatten(initial_weights.non_trainable))
+      latent_apply = lambda w, x: apply(w, x, training=False, statistics=statistics)
+    regularizer = work.regularizer(work.client_terms(server_value, client_state), latent_apply)
     out = client_work_lib.build_local_training(
         keras_model, optimizer, regularizer,
         latent_fn=client_work_lib.latent_fn_for(keras_model, weight_fields),
-        step_observers=step_observers)(initial_weights, data['batches'], data['info'])
+        step_observers=work.step_observers)(initial_weights, data['batches'], data['info'])
     result = client_work_lib.client_result(initial_weights, data, out, weight_fields)
-    new_state, contribution = client_final(out, client_state)
+    new_state, contribution = work.client_final(out, client_state)
     return (result, out['metrics'], tuple(new_state), client_work_lib.client_index_of(data),
             contribution)
 
   gather, _ = build_gather(state_type, tff.TensorType(np.int32))
 
-  if server_init_fn is None:
+  if work.server_init is None:
 
     @tff.tensorflow.computation(weights_type, data_type)
     def client_update(initial_weights, data):
@@ -94,7 +114,7 @@ def build_stateful_client_work(
 
     @tff.tensorflow.computation
     def initial_server_state():
-      return server_init_fn()
+      return work.server_init()
 
     server_type = initial_server_state.type_signature.result
 
@@ -108,13 +128,13 @@ def build_stateful_client_work(
 
     @tff.tensorflow.computation(server_type, client_update.type_signature.result[4])
     def update_server_state(server_state, contribution_sum):
-      return server_update_fn(server_state, contribution_sum)
+      return work.server_update(server_state, contribution_sum)
 
   @tff.federated_computation(init_fn.type_signature.result,
                              tff.FederatedType(weights_type, tff.CLIENTS),
                              tff.FederatedType(data_type, tff.CLIENTS))
   def next_fn(state, weights, client_data):
-    if server_init_fn is None:
+    if work.server_init is None:
       result, model_outputs, new_states, indices = tff.federated_map(
           client_update, (weights, client_data))
       new_server_state = state
@@ -133,31 +153,34 @@ def build_stateful_client_work(
 
 
 class VectorizedStatefulWork:
-  """A stateful method's client work for a round's participants together.
+  """`build_stateful_client_work` for a round's participants together: `next` returns the same
+  state and measurements. A BatchNorm model trains its statistics unless `work.latent`."""
 
-  `work` trains each participant with the regulariser from its row of `client_terms(server
-  state, client states)`; `client_final(out, client states)` gives `(new states, server
-  contributions)`, `server_update` the server state from their sum. `next` returns the same
-  state and measurements as the `build_stateful_client_work` process."""
+  def __init__(self, model_spec: ModelSpec, optimizer, work: StatefulClientWork,
+               weight_fields: Sequence[str] = (), device: Optional[str] = None):
+    from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
 
-  def __init__(self, work, client_terms: Callable[[Any, tuple], tuple],
-               client_final: Callable[[dict, tuple], tuple],
-               server_update: Optional[Callable[[Any, tuple], Any]] = None):
-    self._work = work  # `FederatedAlgorithm.vectorized_work` unwraps it.
-    self._client_terms, self._client_final = client_terms, client_final
-    self._server_update = server_update
+    latent_apply = None
+    if work.latent:
+      latent_apply = lambda w, x: self._work.latent_apply(w, x, training=False)
+    self._work = VectorizedClientWork(  # `FederatedAlgorithm.vectorized_work` unwraps it.
+        model_spec, optimizer, weight_fields=weight_fields, device=device,
+        client_regularizer=lambda terms: work.regularizer(terms, latent_apply),
+        step_observers=work.step_observers, latent=work.latent, batch_norm=not work.latent)
+    self._declared = work
 
   def next(self, state, global_weights, client_inputs, call=None):
     from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
 
+    work = self._declared
     states = stack_clients([tuple(data['state']) for data in client_inputs])
     server_value = tf.nest.map_structure(tf.convert_to_tensor, state)
     results, train, _, out = self._work.round_results(
-        global_weights, client_inputs, call, client_terms=self._client_terms(server_value, states))
-    new_states, contributions = self._client_final(out, states)
-    if self._server_update is not None:
+        global_weights, client_inputs, call, client_terms=work.client_terms(server_value, states))
+    new_states, contributions = work.client_final(out, states)
+    if work.server_update is not None:
       summed = tuple(tf.reduce_sum(c, axis=0) for c in contributions)
-      state = type(state)(np.asarray(v) for v in self._server_update(server_value, summed))
+      state = type(state)(np.asarray(v) for v in work.server_update(server_value, summed))
     indices = np.asarray([client_work_lib.client_index_of_input(data) for data in client_inputs],
                          np.int32)
     measurements = collections.OrderedDict(train=train)

@@ -10,7 +10,6 @@ docs/methods/personalised.md.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Callable, Optional
 
@@ -86,39 +85,12 @@ def trained_models(out: dict, previous: tuple) -> tuple:
   return tuple(out['trained']), ()
 
 
-def vectorized_moon_work(model_spec: ModelSpec, optimizer, mu: float, temperature: float,
-                         device: Optional[str] = None):
-  """`build_moon_client_work`'s twin for a round's participants together."""
-  from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
-
-  work = VectorizedClientWork(
-      model_spec, optimizer, device=device, latent=True,
-      client_regularizer=lambda previous: ModelContrastiveRegularizer(
-          functools.partial(work.latent_apply, training=False), previous, mu, temperature))
-  return client_state.VectorizedStatefulWork(work, previous_models, trained_models)
-
-
-def keras_regularizer(keras_model: tf.keras.Model, weights, previous: Sequence[tf.Tensor],
-                      mu: float, temperature: float) -> ModelContrastiveRegularizer:
-  """The regulariser of one client training `keras_model` from `weights` (`ModelWeights`):
-  z_glob and z_prev with the global model's BatchNorm statistics."""
-  from fltff.learning.vectorized import functional_apply  # pylint: disable=g-import-not-at-top
-  from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
-
-  apply = functional_apply(latent_model(keras_model), keras_model, batch_norm=True)
-  statistics = tuple(tf.nest.flatten(weights.non_trainable))
-  return ModelContrastiveRegularizer(
-      lambda trainable, x: apply(trainable, x, training=False, statistics=statistics),
-      previous, mu, temperature)
-
-
-def build_moon_client_work(model_spec: ModelSpec, optimizer, mu: float, temperature: float):
+def moon_client_work(mu: float, temperature: float) -> client_state.StatefulClientWork:
   """MOON's client work; client state: the previous local model's trainable weights."""
-  process, _ = client_state.build_stateful_client_work(
-      model_spec, optimizer,
-      functools.partial(keras_regularizer, mu=mu, temperature=temperature),
-      previous_models, trained_models)
-  return process
+  return client_state.StatefulClientWork(
+      lambda previous, latent_apply: ModelContrastiveRegularizer(latent_apply, previous, mu,
+                                                                 temperature),
+      previous_models, trained_models, latent=True)
 
 
 @gin.configurable('moon')
@@ -138,12 +110,13 @@ def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, m
   with tf.Graph().as_default():
     latent_model(model_spec.keras_fn())  # A clear error now, not inside the computation.
   optimizer = client_optimizer or optimizers.default_client_optimizer()
+  work = moon_client_work(mu, temperature)
   algorithm = build_averaging_method(
       'moon', model_spec, optimizer, server_optimizer, 1.0, None,
-      client_work=build_moon_client_work(model_spec, optimizer, mu, temperature))
+      client_work=client_state.build_stateful_client_work(model_spec, optimizer, work)[0])
   algorithm.num_clients = num_clients
   # The batch term reads the model: kernels are never factored (`factor_dense` unused).
-  algorithm.vectorized_fn = lambda device, factor_dense=True: vectorized_moon_work(
-      model_spec, optimizer, mu, temperature, device)
+  algorithm.vectorized_fn = lambda device, factor_dense=True: client_state.VectorizedStatefulWork(
+      model_spec, optimizer, work, device=device)
   initial = [w.copy() for w in model_spec.initial_weights().trainable]
   return client_state.with_client_states(algorithm, lambda: [w.copy() for w in initial])

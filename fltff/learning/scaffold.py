@@ -101,29 +101,15 @@ def new_controls(out: dict, controls: Sequence[tf.Tensor]) -> tuple:
   return new, tuple(n - o for n, o in zip(new, controls))
 
 
-def build_scaffold_client_work(model_spec: ModelSpec, optimizer, num_clients: int,
-                               weight_fields: Sequence[str] = ()):
+def scaffold_client_work(model_spec: ModelSpec,
+                         num_clients: int) -> client_state.StatefulClientWork:
   """SCAFFOLD's client work: c the server state, c_i the client state (`client_state`)."""
   specs = model_spec.trainable_specs()
-  return client_state.build_stateful_client_work(
-      model_spec, optimizer, lambda keras_model, weights, terms: ControlVariateCorrection(terms),
-      correction, new_controls,
-      server_init_fn=lambda: tuple(tf.zeros(s.shape, s.dtype) for s in specs),
-      server_update_fn=functools.partial(server_control_update, num_clients=num_clients),
-      weight_fields=weight_fields, step_observers=(GradientMean(),))
-
-
-def vectorized_scaffold_work(model_spec: ModelSpec, optimizer, num_clients: int,
-                             weight_fields: Sequence[str] = (), device=None):
-  """`build_scaffold_client_work`'s twin for a round's participants together."""
-  from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
-
-  work = VectorizedClientWork(model_spec, optimizer, weight_fields=weight_fields, device=device,
-                              client_regularizer=ControlVariateCorrection,
-                              step_observers=(GradientMean(),), batch_norm=True)
-  return client_state.VectorizedStatefulWork(
-      work, correction, new_controls,
-      functools.partial(server_control_update, num_clients=num_clients))
+  return client_state.StatefulClientWork(
+      lambda terms, latent_apply: ControlVariateCorrection(terms), correction, new_controls,
+      server_init=lambda: tuple(tf.zeros(s.shape, s.dtype) for s in specs),
+      server_update=functools.partial(server_control_update, num_clients=num_clients),
+      step_observers=(GradientMean(),))
 
 
 @gin.configurable('scaffold')
@@ -136,8 +122,10 @@ def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=Non
 
   check_number('scaffold num_clients', num_clients, integer=True, low=1)
   optimizer = client_optimizer or optimizers.default_client_optimizer()
-  client_work, control_type = build_scaffold_client_work(
-      model_spec, optimizer, num_clients, getattr(model_aggregator, 'weight_fields', ()))
+  work = scaffold_client_work(model_spec, num_clients)
+  weight_fields = getattr(model_aggregator, 'weight_fields', ())
+  client_work, control_type = client_state.build_stateful_client_work(
+      model_spec, optimizer, work, weight_fields)
   algorithm = build_averaging_method(
       'scaffold', model_spec, optimizer, server_optimizer, server_learning_rate,
       model_aggregator, client_work=client_work)
@@ -148,7 +136,7 @@ def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=Non
   algorithm.bytes_up_per_client += control_bytes
   algorithm.num_clients = num_clients
   # SCAFFOLD sums its gradients: kernels are never factored (`factor_dense` unused).
-  algorithm.vectorized_fn = lambda device, factor_dense=True: vectorized_scaffold_work(
-      model_spec, optimizer, num_clients, getattr(model_aggregator, 'weight_fields', ()), device)
+  algorithm.vectorized_fn = lambda device, factor_dense=True: client_state.VectorizedStatefulWork(
+      model_spec, optimizer, work, weight_fields, device)
   return client_state.with_client_states(algorithm,
                                          lambda: [np.zeros_like(z) for z in specs])

@@ -16,8 +16,8 @@ variables are all trainable or, for client work that reads no representation (al
 MOON and CCN), whose only other variables are BatchNorm statistics, trained per client
 (`functional_apply(batch_norm=True)`, `moving_statistics`). Client work: the default of
 `process.build_algorithm` (FedAvg, FedProx, FedLap, SGDM, FedAdp, FedLayerWise, FedNova,
-FedBABU, CCN); SCAFFOLD (`scaffold.vectorized_scaffold_work`); MOON (`moon.vectorized_moon_work`:
-a per-client regulariser whose batch term is masked to the real examples); and, through
+FedBABU, CCN); SCAFFOLD and MOON (`client_state.VectorizedStatefulWork`; MOON's batch term
+masked to the real examples); and, through
 `fltff.personalization.vectorized` (per-client starts and regularisers), the personalised
 process (KAPC ± BLS, FedAMP, Local, pFedLA).
 """
