@@ -22,6 +22,7 @@ from fltff import methods
 from fltff import personalization
 from fltff.errors import ConfigError
 from fltff.learning import ModelSpec
+from fltff.learning import optimizers
 from fltff.simulation import experiment
 from helpers import REPO
 from helpers import tiny_mlp
