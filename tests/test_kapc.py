@@ -551,7 +551,8 @@ def test_default_order_skips_layers_by_the_stepped_self_relationship():
     scalars, arrays = driver_lib.split_measurements(out.measurements)
     assert {f'kapc/self_relation_layer_{l}' for l in range(2)} <= set(scalars)
     assert arrays['kapc/self_relation'].shape == (3, 2)
-    np.testing.assert_allclose(out.measurements['kapc']['skipped_layer_fraction'],
+    assert 'omega_mean' not in kapc_stats  # BLS's measurements are its own group.
+    np.testing.assert_allclose(out.measurements['bls']['skipped_layer_fraction'],
                                (self_rel > mu).mean())
     np.testing.assert_allclose(down[order], ((self_rel <= mu) * sizes).sum(1))
   np.testing.assert_allclose(down['after_training'], sizes.sum())
@@ -615,15 +616,16 @@ def test_bls_algorithm4_in_rounds_matches_select_omega_tf():
         branches.append('B')
         np.testing.assert_array_equal(sim.states[k]['b_max'], before[k]['b_max'])
         np.testing.assert_array_equal(sim.states[k]['tau_max'], before[k]['tau_max'])
-    assert float(out.measurements['kapc']['search_steps_mean']) == pytest.approx(np.mean(steps))
+    assert float(out.measurements['bls']['search_steps_mean']) == pytest.approx(np.mean(steps))
+    np.testing.assert_array_equal(out.measurements['bls']['omega'], out.result['omega'])
     if r == 0:
       np.testing.assert_array_equal(out.result['omega'], 1)
-      assert float(out.measurements['kapc']['search_steps_mean']) == 0.0
+      assert float(out.measurements['bls']['search_steps_mean']) == 0.0
   assert branches[:4] == ['A'] * 4 and 'B' in branches
 
 
 def test_bls_stale_server_layers_measurement():
-  """`kapc/stale_server_layers`: the participants' layers whose server copy still equals the
+  """`bls/stale_server_layers`: the participants' layers whose server copy still equals the
   initial model after the round. Round 1 (first selections) uploads Ω = L − 1 = 1 layer, so
   each participant's second layer is stale: 3 of 3 · 2 layers."""
   algorithm = kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=0.5)
@@ -636,17 +638,17 @@ def test_bls_stale_server_layers_measurement():
                for st in states.values() for l in range(2))
 
   out = sim.driver_round([0, 2, 3], _datasets([8] * 3, seed=0))
-  assert out.measurements['kapc']['stale_server_layers'] == 3 == count(out.client_states)
-  assert out.measurements['kapc']['stale_server_layer_fraction'] == pytest.approx(0.5)
-  assert 'omega_mean' in out.measurements['kapc']  # The process's own measurements stay.
+  assert out.measurements['bls']['stale_server_layers'] == 3 == count(out.client_states)
+  assert out.measurements['bls']['stale_server_layer_fraction'] == pytest.approx(0.5)
+  assert 'omega_mean' in out.measurements['bls']  # The process's own measurements stay.
   for r, clients in enumerate(([1, 2], [0, 1, 2, 3])):
     out = sim.driver_round(clients, _datasets([8] * len(clients), seed=r + 1))
     want = count(out.client_states)
-    assert out.measurements['kapc']['stale_server_layers'] == want
-    assert out.measurements['kapc']['stale_server_layer_fraction'] == pytest.approx(
+    assert out.measurements['bls']['stale_server_layers'] == want
+    assert out.measurements['bls']['stale_server_layer_fraction'] == pytest.approx(
         want / (2 * len(clients)))
     # A layer is stale only if it was not uploaded this round.
-    omega = dict(zip(out.clients, out.arrays['omega']))
+    omega = dict(zip(out.clients, out.measurements['bls']['omega']))
     assert want <= sum(2 - int(omega[k]) for k in clients)
   # Bit for bit: one changed element makes the layer fresh; every tensor of it counts.
   states = {0: collections.OrderedDict(server_copy=[w.copy() for w in initial])}
@@ -654,10 +656,11 @@ def test_bls_stale_server_layers_measurement():
   states[0]['server_copy'][3] = states[0]['server_copy'][3].copy()
   states[0]['server_copy'][3][-1] += 1e-7  # The bias of layer 2, last element.
   assert algorithm.stale_server_layers(states) == 1
-  # Without BLS nothing is measured (every participant uploads every layer).
+  # Without BLS nothing is measured (every participant uploads every layer): no `bls` group.
   plain = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd()), 4)
   out = plain.driver_round([0, 1], _datasets([8] * 2, seed=0))
-  assert 'stale_server_layers' not in out.measurements['kapc']
+  assert set(out.measurements) == {'kapc'} and 'omega' not in out.arrays
+  assert not {'omega_mean', 'stale_server_layers'} & set(out.measurements['kapc'])
 
 
 def test_fedbn_without_norm_layers_equals_fedavg():
@@ -832,4 +835,4 @@ def test_kapc_r_step_with_the_simplex_projection_matches_numpy():
   np.testing.assert_allclose(stepped, expected, atol=2e-5)
   with pytest.raises(ConfigError, match="relationship_projection must be one of 'renormalize', "
                      "'simplex'"):
-    kapc.KapcRule(relationship_projection='euclid').check('kapc', None)
+    kapc.KapcRule(relationship_projection='euclid').check('kapc')

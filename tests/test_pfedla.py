@@ -19,6 +19,7 @@ from test_kapc import _sgd
 
 from fltff.personalization import pfedla as pfedla_lib
 from fltff.personalization import process as process_lib
+from fltff.personalization.bls import BidirectionalSelection
 LAYER_OF = [0, 0, 1, 1]
 
 
@@ -137,11 +138,12 @@ def test_hypernetworks_learn_only_for_participants():
   np.testing.assert_allclose(out.result['bytes_up'], [full, full])
 
 
-@pytest.mark.parametrize('start_from,bls_mu', [('own', None), ('server', 0.5)])
-def test_hypernetwork_rule_rejects_other_starts(start_from, bls_mu):
-  rule = pfedla_lib.HypernetworkRelation(start_from=start_from)
+@pytest.mark.parametrize('start_from,selection', [('own', process_lib.ALL_LAYERS),
+                                                    ('server', BidirectionalSelection(0.5))])
+def test_hypernetwork_rule_rejects_other_starts(start_from, selection):
+  rule = pfedla_lib.HypernetworkRelation(start_from=start_from, layer_selection=selection)
   with pytest.raises(ConfigError, match="hypernetwork rule needs start_from='server'"):
-    process_lib.build_personalized_process(SPEC, 3, _sgd(), rule, bls_mu=bls_mu)
+    process_lib.build_personalized_process(SPEC, 3, _sgd(), rule)
 
 
 def test_pfedla_compiles_to_mergeable_form():

@@ -247,12 +247,13 @@ from fltff.learning import optimizers
 
 @dataclasses.dataclass(frozen=True)
 class EveryoneEqual(process.RelationRule):
+  name = 'everyone_equal'
   lambda_: float = 0.1
 
 @gin.configurable('everyone_equal_test_rule')
 def build_everyone_equal(model_spec, num_clients, client_optimizer=None):
   return process.build_personalized_process(model_spec, num_clients, client_optimizer,
-                                            EveryoneEqual(), name='everyone_equal')
+                                            EveryoneEqual())
 '''
   package = tmp_path / 'fltff' / 'personalization'
   package.mkdir(parents=True)

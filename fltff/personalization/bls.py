@@ -9,20 +9,26 @@ s_i^l = Σ_j r_ij^l w_j^l, sent by the server, regularises client i's local trai
   only its first Ω_i layers. Parts: Eqs. (30)–(31) `layer_bounds`, inequality (29)
   `criterion_sides_tf`/`criterion_tf` with sizes from `layer_dimensions`, lines 15–24 `search_tf`.
 
-All TensorFlow, usable in TFF computations; NumPy oracles in tests/test_bls.py. The line-by-line
+`BidirectionalSelection` is both, the layer selection KAPC+BLS declares for the personalised
+round (`process.LayerSelection`). All TensorFlow, usable in TFF computations; NumPy oracles in
+tests/test_bls.py. The line-by-line
 reading of Algorithm 4 and (29), what is reconstructed from garbled text (R1–R4) and our choices
 where the paper is silent (C1–C7): the BLS section of docs/methods/personalised.md.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 from collections.abc import Sequence
 from typing import Union
 
 import numpy as np
 import tensorflow as tf
 
+from fltff.config_checks import check_number
 from fltff.errors import ConfigError
+from fltff.personalization import process
 
 TensorLike = Union[tf.Tensor, np.ndarray, float, int]
 
@@ -313,3 +319,44 @@ def server_skip_mask_tf(self_relationship: TensorLike, mu: TensorLike) -> tf.Ten
   if r.shape.rank not in (None, 1, 2):
     raise ConfigError(f'BLS self_relationship must be [L] or [P, L], got shape {r.shape}.')
   return r > _as_dtype(mu, r.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class BidirectionalSelection(process.LayerSelection):
+  """BLS in the personalised round: layers with r_ii^l > μ not sent, the first Ω_i uploaded.
+
+  Clients keep Algorithm 4's stored bounds B^l, τ^l (`b_max`, `tau_max`, 0 at first: C1); a
+  skipped layer's τ is against the own start model (C4). Measurements (group `bls`): Ω's mean,
+  the search's mean steps, the fraction of layers skipped and each participant's Ω (`omega`).
+  """
+  mu: float = 0.5
+  min_layers: int = 1  # Ω's lower limit, in [1, L] (C3).
+  name = 'bls'
+  partial = True
+
+  def check(self, name: str, num_layers: int) -> None:
+    # The server compares μ with self-relations r_ii <= 1: above 1 it would never skip a layer.
+    check_number(f'{name}.bls_mu', self.mu, low=0, high=1, hint='None disables BLS')
+    check_number(f'{name}.min_upload_layers', self.min_layers, integer=True, low=1,
+                 high=num_layers)
+
+  def initial_client_state(self, num_layers: int) -> collections.OrderedDict:
+    return collections.OrderedDict(b_max=np.zeros([num_layers], np.float32),
+                                   tau_max=np.zeros([num_layers], np.float32))
+
+  def skip(self, self_relation):
+    return server_skip_mask_tf(self_relation, self.mu)
+
+  def upload(self, personal, trained, reference):
+    columns, out_dims = layer_dimensions([[w.shape.as_list() for w in layer] for layer in trained])
+    b, tau = layer_bounds(trained, reference)
+    omega, steps, b_max, tau_max = select_omega_tf(
+        b, tau, personal['b_max'], personal['tau_max'], personal['omega'], columns, out_dims,
+        min_layers=self.min_layers)
+    return omega, collections.OrderedDict(search_steps=steps, b_max=b_max, tau_max=tau_max)
+
+  def measurements(self, omega, skip, uploads):
+    return collections.OrderedDict(
+        omega_mean=tf.reduce_mean(tf.cast(omega, tf.float32)),
+        search_steps_mean=tf.reduce_mean(tf.cast(uploads['search_steps'], tf.float32)),
+        skipped_layer_fraction=tf.reduce_mean(tf.cast(skip, tf.float32)), omega=omega)

@@ -45,12 +45,12 @@ def attentive_relationship(models: Sequence[tf.Tensor], num_layers: int, sigma: 
 @dataclasses.dataclass(frozen=True)
 class AttentiveRelation(process_lib.RelationRule):
   """FedAMP's weights, recomputed each round; the state's R is empty (`[0, L, 0]`), not N-sized."""
+  name = 'fedamp'
   lambda_: float = 0.5
   sigma: float = 1.0
   alpha: float = 0.1
 
-  def check(self, name, bls_mu) -> None:
-    del bls_mu
+  def check(self, name) -> None:
     check_number(f'{name}.sigma', self.sigma, low=0, open_low=True)
 
   def initial_state(self, context):
@@ -69,4 +69,4 @@ def build_fedamp(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
   """FedAMP with proximal weight λ, attention scale σ and α_k."""
   return process_lib.build_personalized_process(
       model_spec, num_clients, client_optimizer,
-      AttentiveRelation(lambda_=lambda_, sigma=sigma, alpha=alpha), name='fedamp')
+      AttentiveRelation(lambda_=lambda_, sigma=sigma, alpha=alpha))

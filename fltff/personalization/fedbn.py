@@ -24,6 +24,7 @@ from fltff.personalization import process as process_lib
 @dataclasses.dataclass(frozen=True)
 class SampleWeightedRelation(process_lib.RelationRule):
   """r_ij = n_j / Σ_P n for every layer (rows of `local_layer_kinds` become the identity)."""
+  name = 'fedbn'
   start_from: str = 'server'
   local_layer_kinds: tuple = ('norm',)
 
@@ -38,6 +39,5 @@ class SampleWeightedRelation(process_lib.RelationRule):
 def build_fedbn(model_spec: ModelSpec, num_clients: int,
                 client_optimizer=None) -> process_lib.PersonalizedAlgorithm:
   """FedBN: FedAvg's aggregate with normalisation layers local."""
-  return process_lib.build_personalized_process(
-      model_spec, num_clients, client_optimizer,
-      SampleWeightedRelation(), name='fedbn')
+  return process_lib.build_personalized_process(model_spec, num_clients, client_optimizer,
+                                                SampleWeightedRelation())

@@ -21,6 +21,7 @@ import tensorflow as tf
 from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
 from fltff.learning.model_spec import ModelSpec
+from fltff.personalization import bls
 from fltff.personalization import process as process_lib
 from fltff.personalization.process import normalize_rows
 from fltff.personalization.process import project_rows_to_simplex
@@ -110,8 +111,10 @@ class KapcRule(process_lib.RelationRule):
 
   Defaults: random initial R (§4.4), f_s the L2 norm (§4.2), λ = 1, β = 0.005 (the point the two
   sweeps of the §7.3.1 ablation at α = 0.1 share; gin_configs/kapc/kapc_dir0.1_common.gin).
-  `start_from='server'` is not KAPC: it lets tests read s_i back from the clients.
+  `start_from='server'` is not KAPC: it lets tests read s_i back from the clients. BLS is its
+  `layer_selection` (`bls.BidirectionalSelection`).
   """
+  name = 'kapc'
   lambda_: float = 1.0
   beta: float = 0.005
   relationship_learning_rate: float = 0.01
@@ -123,8 +126,7 @@ class KapcRule(process_lib.RelationRule):
   relationship_seed: int = 0
   start_from: str = 'own'
 
-  def check(self, name: str, bls_mu: Optional[float]) -> None:
-    del bls_mu
+  def check(self, name: str) -> None:
     check_choice(f'{name}.relationship_update', self.relationship_update, RELATIONSHIP_UPDATES)
     check_choice(f'{name}.coaching_loss', self.coaching_loss, COACHING_LOSSES)
     check_choice(f'{name}.relationship_projection', self.relationship_projection,
@@ -179,9 +181,7 @@ def build_kapc(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
                   relationship_learning_rate=relationship_learning_rate,
                   relationship_steps=relationship_steps, relationship_update=relationship_update,
                   coaching_loss=coaching_loss, relationship_projection=relationship_projection,
-                  relationship_init=relationship_init,
-                  relationship_seed=relationship_seed)
-  return process_lib.build_personalized_process(
-      model_spec, num_clients, client_optimizer, rule,
-      bls_mu=bls_mu, min_upload_layers=min_upload_layers,
-      name='kapc+bls' if bls_mu is not None else 'kapc')
+                  relationship_init=relationship_init, relationship_seed=relationship_seed,
+                  layer_selection=process_lib.ALL_LAYERS if bls_mu is None else
+                  bls.BidirectionalSelection(bls_mu, min_upload_layers))
+  return process_lib.build_personalized_process(model_spec, num_clients, client_optimizer, rule)

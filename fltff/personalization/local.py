@@ -18,6 +18,7 @@ from fltff.personalization import process as process_lib
 @dataclasses.dataclass(frozen=True)
 class FixedRelation(process_lib.RelationRule):
   """R never changes: `relationship_init` ('identity' or 'uniform') for every round."""
+  name = 'local'
   lambda_: float = 0.0
   relationship_init: str = 'identity'
 
@@ -26,6 +27,5 @@ class FixedRelation(process_lib.RelationRule):
 def build_local(model_spec: ModelSpec, num_clients: int,
                 client_optimizer=None) -> process_lib.PersonalizedAlgorithm:
   """Local: every client trains only its own model (no communication)."""
-  return process_lib.build_personalized_process(
-      model_spec, num_clients, client_optimizer,
-      FixedRelation(), name='local')
+  return process_lib.build_personalized_process(model_spec, num_clients, client_optimizer,
+                                                FixedRelation())

@@ -100,17 +100,19 @@ def update_hypernetworks(params, clients: tf.Tensor, models: Sequence[tf.Tensor]
 @dataclasses.dataclass(frozen=True)
 class HypernetworkRelation(process_lib.RelationRule):
   """pFedLA's rule: α from the participants' hypernetworks, stepped along their updates."""
+  name = 'pfedla'
   embedding_dim: int = 100
   hidden_dim: int = 100
   learning_rate: float = 5e-3
   seed: int = 0
   start_from: str = 'server'
 
-  def check(self, name: str, bls_mu: Optional[float]) -> None:
+  def check(self, name: str) -> None:
     # The step uses Δθ_i = θ_i − s_i: valid only when the client started from all of s_i.
-    if self.start_from != 'server' or bls_mu is not None:
-      raise ConfigError(f"{name}: pFedLA's hypernetwork rule needs start_from='server' and no "
-                        f'BLS (got start_from={self.start_from!r}, bls_mu={bls_mu}).')
+    if self.start_from != 'server' or self.layer_selection.partial:
+      raise ConfigError(f"{name}: pFedLA's hypernetwork rule needs start_from='server' and every "
+                        f'layer exchanged (got start_from={self.start_from!r}, layer selection '
+                        f'{self.layer_selection.name}).')
     if self.lambda_ != 0:
       raise ConfigError(f'{name}: pFedLA has no proximal term (lambda_ must be 0, got '
                         f'{self.lambda_}).')
@@ -161,5 +163,4 @@ def build_pfedla(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
   return process_lib.build_personalized_process(
       model_spec, num_clients, client_optimizer,
       HypernetworkRelation(embedding_dim=embedding_dim, hidden_dim=hidden_dim,
-                           learning_rate=learning_rate, seed=relationship_seed or 0),
-      name='pfedla')
+                           learning_rate=learning_rate, seed=relationship_seed or 0))

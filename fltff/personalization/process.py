@@ -4,14 +4,16 @@ One single-pass TFF round (docs/architecture.md) for methods keeping one model p
 participant i gets `s_i^l = Σ_{j∈P} r_ij^l w_j^l` from a layer-wise slice R[P, :, P]:
 
 1. `prepare` (server): the rule's slice from the server state and the server's copies of the
-   participants' latest models; s_i and, with BLS, the skip mask `r_ii^l > μ` (KAPC Algorithm 3);
+   participants' latest models; s_i and the layers not sent (the rule's `LayerSelection`);
 2. `client_update`: start from the own model (`start_from='own'`) or s_i (`'server'`), train E
-   epochs on `f_i(w) + λ Σ_l ||w^l − s_i^l||²` (no term for skipped layers), upload the first Ω_i
-   layers (BLS, Algorithm 4, `bls.py`; all without BLS);
+   epochs on `f_i(w) + λ Σ_l ||w^l − s_i^l||²` (no term for layers not sent), upload the first
+   Ω_i layers (Ω_i from the `LayerSelection`: L by default);
 3. one gathering aggregate; 4. `finish` (server): the rule's server update.
 
-A method is a `RelationRule` (its own module: initial state, slice, server update); this module
-knows none. Non-trainable weights (BatchNorm statistics) stay in the personal model.
+A method is a `RelationRule` (its own module: initial state, slice, server update) that may
+declare a `LayerSelection` (KAPC's BLS: `bls.BidirectionalSelection`); this module knows none.
+Measurements go under the rule's `name` and the selection's. Non-trainable weights (BatchNorm
+statistics) stay in the personal model.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from fltff.learning import protocol
 from fltff.learning import regularizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.model_spec import type_num_bytes
-from fltff.personalization import bls
 
 START_FROM = ('own', 'server')
 
@@ -125,6 +126,44 @@ def refreshed_models(trained: Sequence[tf.Tensor], stale: Sequence[tf.Tensor],
           for new, old, layer in zip(trained, stale, layer_of)]
 
 
+class LayerSelection:
+  """Which layers a round sends and uploads: a part a rule declares (`RelationRule`).
+
+  This default (`ALL_LAYERS`) exchanges every layer and measures nothing; a selection that may
+  leave layers out (`partial`: KAPC's BLS, `bls.BidirectionalSelection`) masks the client term
+  of the layers not sent, and clients keep their own models. `skip`, `upload` and
+  `measurements` run inside the round's TFF computations, for all participants or one client.
+  """
+  name: Optional[str] = None  # Its measurements' group and the method name's suffix ('+name').
+  partial: bool = False
+
+  def check(self, name: str, num_layers: int) -> None:
+    """Raises `ConfigError` for settings it cannot run with (`name`: the method's)."""
+
+  def initial_client_state(self, num_layers: int) -> collections.OrderedDict:
+    """What each client keeps for it besides Ω (NumPy values: their dtypes and shapes are types)."""
+    del num_layers
+    return collections.OrderedDict()
+
+  def skip(self, self_relation: tf.Tensor) -> tf.Tensor:
+    """`bool[P, L]`: the layers not sent to each participant, from r_ii^l `[P, L]`."""
+    return tf.zeros_like(self_relation, tf.bool)
+
+  def upload(self, personal, trained: list, reference: list) -> tuple:
+    """`(Ω, extra uploads)` of one client: `trained` and `reference` (s_i where sent, else the
+    own start model) by layer, each a list of tensors; `personal`: the client's state."""
+    del personal, reference
+    return tf.constant(len(trained), tf.int32), collections.OrderedDict()
+
+  def measurements(self, omega, skip, uploads) -> collections.OrderedDict:
+    """The round's measurements from Ω `[P]`, `skip` `[P, L]` and the extra uploads `[P, ...]`."""
+    del omega, skip, uploads
+    return collections.OrderedDict()
+
+
+ALL_LAYERS = LayerSelection()
+
+
 @dataclasses.dataclass(frozen=True)
 class RoundContext:
   """What a rule may need about the model: the layer of each trainable tensor, L and N."""
@@ -133,21 +172,26 @@ class RoundContext:
   num_clients: int
 
 
+@dataclasses.dataclass(frozen=True)
 class RelationRule:
   """How a personalised method obtains R and updates its server state (one module each).
 
-  Attributes (set by subclasses): `lambda_` (λ of the client term towards s_i; 0: none),
+  Fields (defaults set by subclasses): `lambda_` (λ of the client term towards s_i; 0: none),
   `start_from` (`START_FROM`), `local_layer_kinds` (layer kinds whose rows are the identity:
   FedBN's normalisation layers), `relationship_init` (`RELATIONSHIP_INITS`), `relationship_seed`
-  (for 'random'). The methods run inside `build_personalized_process`'s TFF computations.
+  (for 'random'), `layer_selection` (`LayerSelection`). `name` (a class attribute) names the
+  method and its measurements. The methods run inside `build_personalized_process`'s TFF
+  computations.
   """
+  name = 'personalized'
   lambda_: float = 0.0
   start_from: str = 'own'
   local_layer_kinds: tuple = ()
   relationship_init: str = 'uniform'
   relationship_seed: int = 0
+  layer_selection: LayerSelection = ALL_LAYERS
 
-  def check(self, name: str, bls_mu: Optional[float]) -> None:
+  def check(self, name: str) -> None:
     """Raises `ConfigError` for settings the rule cannot run with."""
 
   def initial_state(self, context: RoundContext) -> collections.OrderedDict:
@@ -157,7 +201,7 @@ class RelationRule:
         self.relationship_seed)))
 
   def relation(self, state, server_input, context: RoundContext):
-    """Returns (the `[P, L, P]` slice for s_i and the skip mask, extra broadcast entries)."""
+    """Returns (the `[P, L, P]` slice for s_i and the layer selection, extra broadcast entries)."""
     return normalize_rows(slice_relationship(state['relation'], server_input['clients'])), {}
 
   def server_update(self, state, server_input, server_msg, trained, uploaded,
@@ -174,17 +218,18 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 
   `process.next(state, server_input, client_data)`: `server_input = OrderedDict(clients=int32[P],
   models=tuple of [P, ...] server copies, num_examples=float32[P])`. Result, in `clients` order:
-  `personal` (new models), `omega`, `uploaded` (`bool[P, L]`), with BLS `b_max`, `tau_max`
-  (`[P, L]`), and bytes sent down/up per client; not the server's new copies (they would double
-  what crosses the runtime boundary): `next_client_states` rebuilds them.
+  `personal` (new models), `omega`, `uploaded` (`bool[P, L]`), the layer selection's client
+  state (`[P, ...]`), and bytes sent down/up per client; not the server's new copies (they would
+  double what crosses the runtime boundary): `next_client_states` rebuilds them.
 
   Client state (`new_client_state`, `next_client_states`): `OrderedDict(model=OrderedDict(
   trainable, non_trainable), server_copy=<the server's copy of its trainable weights, stale layers
-  included>, omega=<last Ω>)`, with BLS `b_max`, `tau_max` (float32 `[L]`, Algorithm 4's B^l, τ^l).
+  included>, omega=<last Ω>)` and the selection's `initial_client_state` entries (BLS: `b_max`,
+  `tau_max`).
 
-  With BLS, `next` (not `process.next`) adds `kapc` measurements `stale_server_layers`
-  (participants' layers whose server copy still equals the initial weights bit for bit, i.e.
-  never uploaded) and `stale_server_layer_fraction` (over P·L).
+  With a partial layer selection, `next` (not `process.next`) adds to the selection's
+  measurements `stale_server_layers` (participants' layers whose server copy still equals the
+  initial weights bit for bit, i.e. never uploaded) and `stale_server_layer_fraction` (over P·L).
   """
   name: str
   process: object
@@ -196,7 +241,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   local_layers: tuple
   # Whether clients' personal trainable weights are part of their input (see the builder).
   model_from_client: bool = True
-  bls: bool = False  # BLS on: client states keep Algorithm 4's running maxima.
+  layer_selection: LayerSelection = ALL_LAYERS
   num_clients: Optional[int] = None  # N: sizes R and the client state; indices must be < N.
   personalized: bool = True
   personal_models: bool = True
@@ -217,8 +262,8 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 
   @property
   def bytes_down_per_client(self) -> int:
-    """All but the local layers, each way (`bytes_up_per_client` too); BLS may send fewer: the
-    round's `bytes_up` and `bytes_down` count what it sends."""
+    """All but the local layers, each way (`bytes_up_per_client` too); a layer selection may send
+    fewer: the round's `bytes_up` and `bytes_down` count what it sends."""
     return sum(size for size, keep in zip(self.layer_sizes_bytes, self.local_layers) if not keep)
 
   bytes_up_per_client = bytes_down_per_client
@@ -239,10 +284,11 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     server_seconds = time.perf_counter() - start
     measurements = dict(output.measurements)
     train = measurements.pop('train')
-    if self.bls:  # Server copies still at the initial weights (class docstring).
+    selection = self.layer_selection
+    if selection.partial:  # Server copies still at the initial weights (class docstring).
       stale = self.stale_server_layers(client_states)
-      measurements['kapc'] = collections.OrderedDict(
-          measurements['kapc'], stale_server_layers=stale,
+      measurements[selection.name] = collections.OrderedDict(
+          measurements[selection.name], stale_server_layers=stale,
           stale_server_layer_fraction=stale / max(
               1, len(client_states) * len(self.layer_sizes_bytes)))
     return protocol.RoundOutput(
@@ -250,7 +296,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
         measurements=measurements, clients=order,
         bytes_down=np.asarray(result['bytes_down'], np.float64),
         bytes_up=np.asarray(result['bytes_up'], np.float64),
-        arrays={'omega': np.asarray(result['omega']), 'clients': np.asarray(order)},
+        arrays={'clients': np.asarray(order)},
         server_seconds=server_seconds)
 
   def _vectorized_next(self, state, server_input, client_inputs: Sequence,
@@ -284,18 +330,14 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     return {'server_memory_mb': (server_state + num_clients * self.bytes_up_per_client) / 1e6}
 
   def new_client_state(self) -> collections.OrderedDict:
-    """A new client: the initial model, Ω = L (`bls.py`, C2), with BLS stored B = τ = 0."""
+    """A new client: the initial model, Ω = L and the layer selection's initial client state."""
     trainable, non_trainable = self._initial_weights()
     num_layers = len(self.layer_sizes_bytes)
-    state = collections.OrderedDict(
+    return collections.OrderedDict(
         model=collections.OrderedDict(trainable=[w.copy() for w in trainable],
                                       non_trainable=[w.copy() for w in non_trainable]),
         server_copy=[w.copy() for w in trainable],
-        omega=np.int32(num_layers))
-    if self.bls:
-      state['b_max'] = np.zeros([num_layers], np.float32)
-      state['tau_max'] = np.zeros([num_layers], np.float32)
-    return state
+        omega=np.int32(num_layers), **self.layer_selection.initial_client_state(num_layers))
 
   def _initial_weights(self) -> tuple:
     """(trainable, non-trainable) NumPy weights of the initial model, built once."""
@@ -321,16 +363,15 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     return count
 
   def client_input(self, batches, client_index: int, epochs: int, client_state):
-    """`client_work.client_input` with the personal model, last Ω and BLS maxima as `state`."""
+    """`client_work.client_input` with the personal model, last Ω and the selection's state."""
     personal = collections.OrderedDict()
     if self.model_from_client:
       personal['trainable'] = tuple(client_state['model']['trainable'])
     if len(client_state['model']['non_trainable']):
       personal['non_trainable'] = tuple(client_state['model']['non_trainable'])
     personal['omega'] = np.int32(client_state['omega'])
-    if self.bls:
-      personal['b_max'] = np.asarray(client_state['b_max'], np.float32)
-      personal['tau_max'] = np.asarray(client_state['tau_max'], np.float32)
+    for key, initial in self._selection_state().items():
+      personal[key] = np.asarray(client_state[key], initial.dtype)
     # Vectorised client work reads the info in Python: no dataset for it.
     return client_work_lib.client_input(batches, client_index, epochs, client_state=personal,
                                         state_in_dataset=False,
@@ -362,14 +403,16 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
           model=collections.OrderedDict(
               trainable=trainable,
               non_trainable=[np.asarray(w[p]) for w in personal.get('non_trainable', ())]),
-          # A stale copy is read only for a layer not uploaded (none without BLS).
+          # A stale copy is read only for a layer not uploaded (none by default).
           server_copy=[w if uploaded[p, l] else stale[t]
                        for t, (w, l) in enumerate(zip(trainable, self.tensor_layers))],
-          omega=np.int32(omega[p]))
-      if self.bls:
-        out[k]['b_max'] = np.asarray(result['b_max'][p], np.float32)
-        out[k]['tau_max'] = np.asarray(result['tau_max'][p], np.float32)
+          omega=np.int32(omega[p]),
+          **{key: np.asarray(result[key][p], initial.dtype)
+             for key, initial in self._selection_state().items()})
     return out
+
+  def _selection_state(self) -> collections.OrderedDict:
+    return self.layer_selection.initial_client_state(len(self.layer_sizes_bytes))
 
 
 class _RowCopies:
@@ -389,8 +432,6 @@ class PersonalizedRound:
   Attributes:
     layers: Each layer's trainable tensor indices (`ModelSpec.trainable_layers`).
     local_layers: Per layer, whether it stays local (the rule's `local_layer_kinds`).
-    columns, out_dims: BLS's n^l and d^l (`bls.layer_dimensions`).
-    bls_mu, min_upload_layers: BLS's μ (None: BLS off) and Ω's lower limit.
   """
 
   rule: RelationRule
@@ -398,10 +439,10 @@ class PersonalizedRound:
   layers: tuple
   local_layers: tuple
   layer_sizes_bytes: tuple
-  columns: tuple
-  out_dims: tuple
-  bls_mu: Optional[float]
-  min_upload_layers: int
+
+  @property
+  def selection(self) -> LayerSelection:
+    return self.rule.layer_selection
 
   @property
   def communicates(self) -> bool:
@@ -412,11 +453,13 @@ class PersonalizedRound:
   def model_from_client(self) -> bool:
     """Whether own trainable weights come from the client state, not `server_input`'s copy.
 
-    Needed where the copy may differ (BLS; no communication); else using it ships a model less."""
-    return self.bls_mu is not None or not self.communicates
+    Needed where the copy may differ (a partial layer selection; no communication); else using it
+    ships a model less."""
+    return self.selection.partial or not self.communicates
 
   def prepare(self, state, server_input):
-    """The broadcast: per participant s_i, skip row (BLS: `r_ii^l > μ`), r_ii; the rule's extras."""
+    """The broadcast: per participant s_i, skip row (`LayerSelection.skip`), r_ii; the rule's
+    extras."""
     rel, extra = self.rule.relation(state, server_input, self.context)
     local_layers = np.asarray(self.local_layers, bool)
     if local_layers.any():
@@ -425,10 +468,8 @@ class PersonalizedRound:
     s = personalized_server_models(rel, list(server_input['models']), self.context.layer_of)
     self_rel = tf.linalg.diag_part(tf.transpose(rel, [1, 0, 2]))       # [L, P]
     self_rel = tf.transpose(self_rel)                                   # [P, L]
-    skip = (tf.zeros_like(self_rel, tf.bool) if self.bls_mu is None
-            else bls.server_skip_mask_tf(self_rel, self.bls_mu))
-    message = collections.OrderedDict(
-        clients=server_input['clients'], models=tuple(s), skip=skip, self_relation=self_rel)
+    message = collections.OrderedDict(clients=server_input['clients'], models=tuple(s),
+                                      skip=self.selection.skip(self_rel), self_relation=self_rel)
     if not self.model_from_client and self.rule.start_from == 'own':
       message['own'] = tuple(server_input['models'])
     message.update(extra)
@@ -453,36 +494,26 @@ class PersonalizedRound:
     elif self.rule.start_from == 'own':
       own = list(row['own'])
     else:
-      own = s  # Every layer is sent (no BLS) and the client starts from s_i.
+      own = s  # Every layer is sent (no partial selection) and the client starts from s_i.
     start = own
     if self.rule.start_from == 'server':
       start = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
     return start, s, sent, own
 
   def client_regularizer(self, s, sent):
-    """λ Σ_l ||w^l − s^l||²: proximal term, μ = 2λ, towards s_i (masked with BLS); None if λ = 0."""
+    """λ Σ_l ||w^l − s^l||²: proximal term, μ = 2λ, towards s_i (the layers sent); None if λ = 0."""
     if self.rule.lambda_ <= 0:
       return None
-    mask = None if self.bls_mu is None else [tf.cast(c, w.dtype) for c, w in zip(sent, s)]
+    mask = [tf.cast(c, w.dtype) for c, w in zip(sent, s)] if self.selection.partial else None
     return regularizers.ProximalRegularizer(2.0 * self.rule.lambda_, anchor=s, tensor_mask=mask)
 
   def client_result(self, personal, k, s, sent, own, trained, examples_per_epoch):
-    """What client k uploads after training: its model and `(index, Ω, BLS search)`."""
+    """What client k uploads after training: its model and `(index, Ω, n_i, the selection's)`."""
     n_i = tf.cast(tf.maximum(examples_per_epoch, 1), tf.float32)
-    if self.bls_mu is None:
-      omega, steps = tf.constant(self.context.num_layers, tf.int32), tf.constant(0, tf.int32)
-    else:
-      # Skipped layers: τ against the own start model (bls.py, C4); Algorithm 4 on Eqs. (30)–(31).
-      reference = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
-      b, tau = bls.layer_bounds([[trained[t] for t in g] for g in self.layers],
-                                [[reference[t] for t in g] for g in self.layers])
-      omega, steps, b_max, tau_max = bls.select_omega_tf(
-          b, tau, personal['b_max'], personal['tau_max'], personal['omega'], self.columns,
-          self.out_dims, min_layers=self.min_upload_layers)
-    weight = collections.OrderedDict(client_index=k, omega=omega, search_steps=steps,
-                                     num_examples=n_i)
-    if self.bls_mu is not None:
-      weight['b_max'], weight['tau_max'] = b_max, tau_max
+    reference = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
+    omega, extra = self.selection.upload(personal, [[trained[t] for t in g] for g in self.layers],
+                                         [[reference[t] for t in g] for g in self.layers])
+    weight = collections.OrderedDict(client_index=k, omega=omega, num_examples=n_i, **extra)
     return collections.OrderedDict(trainable=tuple(trained)), weight
 
   def finish(self, state, server_input, server_msg, gathered, value_template):
@@ -496,7 +527,9 @@ class PersonalizedRound:
     in_order = tf.reduce_all(tf.equal(rows, tf.range(tf.size(rows))))
     values = [tf.cond(in_order, lambda v=v: tf.identity(v), lambda v=v: tf.gather(v, rows))
               for v in gathered['update']]
-    omega = tf.gather(gathered['weight']['omega'], rows)
+    weight = collections.OrderedDict((key, tf.gather(value, rows))
+                                     for key, value in gathered['weight'].items())
+    omega = weight.pop('omega')
     uploaded = tf.range(self.context.num_layers)[None, :] < omega[:, None]  # [P, L]
     sent = tf.logical_not(server_msg['skip'])
     if not self.communicates:
@@ -514,54 +547,49 @@ class PersonalizedRound:
       personal['non_trainable'] = tuple(update['non_trainable'])
     result = collections.OrderedDict(
         clients=clients, personal=personal, omega=omega, uploaded=uploaded)
-    if self.bls_mu is not None:
-      result['b_max'] = tf.gather(gathered['weight']['b_max'], rows)
-      result['tau_max'] = tf.gather(gathered['weight']['tau_max'], rows)
+    for key in self.selection.initial_client_state(self.context.num_layers):
+      result[key] = weight[key]
     result['bytes_down'], result['bytes_up'] = bytes_down, bytes_up
     stats = collections.OrderedDict(
-        omega_mean=tf.reduce_mean(tf.cast(omega, tf.float32)),
-        search_steps_mean=tf.reduce_mean(tf.cast(
-            tf.gather(gathered['weight']['search_steps'], rows), tf.float32)),
-        skipped_layer_fraction=tf.reduce_mean(tf.cast(server_msg['skip'], tf.float32)),
         self_relation_mean=tf.reduce_mean(server_msg['self_relation']),
         self_relation_max=tf.reduce_max(server_msg['self_relation']))
     # r_ii^l: per-layer means (CSV columns), all `[P, L]` in `clients` order (measurements.jsonl).
     for l in range(self.context.num_layers):
       stats[f'self_relation_layer_{l}'] = tf.reduce_mean(server_msg['self_relation'][:, l])
     stats['self_relation'] = server_msg['self_relation']
-    return new_state, result, stats
+    measurements = collections.OrderedDict([(self.rule.name, stats)])
+    if self.selection.name:
+      measurements[self.selection.name] = self.selection.measurements(omega, server_msg['skip'],
+                                                                      weight)
+    return new_state, result, measurements
 
 
 def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_optimizer,
-                               rule: RelationRule, bls_mu: Optional[float] = None,
-                               min_upload_layers: int = 1,
-                               name: str = 'personalized') -> PersonalizedAlgorithm:
+                               rule: RelationRule) -> PersonalizedAlgorithm:
   """Builds a personalised method from its `rule`: `PersonalizedRound` as TFF computations.
+
+  The method is named `rule.name`, with `+<name>` of a named layer selection (e.g. 'kapc+bls').
 
   Args:
     num_clients: N.
     client_optimizer: Local training's optimizer (None: `optimizers.default_client_optimizer`).
-    bls_mu: BLS server threshold μ (None: BLS off, every layer sent and uploaded).
-    min_upload_layers: Ω's lower limit, in [1, L] (BLS, Algorithm 4; `bls.py`, C3).
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from fltff.aggregators.gather import build_gather  # pylint: disable=g-import-not-at-top
   from fltff.models.layers import layer_groups  # pylint: disable=g-import-not-at-top
 
   client_optimizer = client_optimizer or optimizers.default_client_optimizer()
+  selection = rule.layer_selection
+  name = rule.name + (f'+{selection.name}' if selection.name else '')
   check_number(f'{name} num_clients', num_clients, integer=True, low=1)
   check_number(f'{name}.lambda_', rule.lambda_, low=0)
-  # The server compares μ with self-relations r_ii <= 1: above 1 it would never skip a layer.
-  check_number(f'{name}.bls_mu', bls_mu, allow_none=True, low=0, high=1,
-               hint='None disables BLS')
   check_choice('start_from', rule.start_from, START_FROM)
   initial_relationship(num_clients, 1, rule.relationship_init)  # Validates the init.
-  rule.check(name, bls_mu)
+  rule.check(name)
 
   layers, _ = model_spec.trainable_layers()
   num_layers = len(layers)
-  check_number(f'{name}.min_upload_layers', min_upload_layers, integer=True, low=1,
-               high=num_layers)
+  selection.check(name, num_layers)
   layer_by_tensor = {t: l for l, group in enumerate(layers) for t in group}
   layer_of = [layer_by_tensor[t] for t in range(len(layer_by_tensor))]
   context = RoundContext(layer_of=tuple(layer_of), num_layers=num_layers,
@@ -573,16 +601,11 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     nspecs = [tf.TensorSpec(v.shape, v.dtype) for v in keras_model.non_trainable_weights]
     metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
         model_spec.metric_finalizers())
-  # n^l and d^l of BLS's inequality (29) (`bls.layer_dimensions`).
-  columns, out_dims = bls.layer_dimensions([[tspecs[t].shape.as_list() for t in group]
-                                            for group in layers])
   parts = PersonalizedRound(
       rule=rule, context=context, layers=tuple(tuple(g) for g in layers),
       local_layers=tuple(k in rule.local_layer_kinds for k in kinds),
       layer_sizes_bytes=tuple(sum(tspecs[t].shape.num_elements() * tspecs[t].dtype.size
-                                  for t in group) for group in layers),
-      columns=tuple(columns), out_dims=tuple(out_dims), bls_mu=bls_mu,
-      min_upload_layers=min_upload_layers)
+                                  for t in group) for group in layers))
 
   def shape_of(spec, lead=()):
     return (spec.dtype.as_numpy_dtype, tuple(lead) + tuple(spec.shape.as_list()))
@@ -594,9 +617,8 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     personal_fields.append(('non_trainable', tff.types.to_type(tuple(shape_of(s)
                                                                       for s in nspecs))))
   personal_fields.append(('omega', tff.TensorType(np.int32)))
-  if bls_mu is not None:  # Algorithm 4's stored bounds B, τ (bls.py, C1).
-    personal_fields.append(('b_max', tff.TensorType(np.float32, [num_layers])))
-    personal_fields.append(('tau_max', tff.TensorType(np.float32, [num_layers])))
+  personal_fields += [(key, tff.TensorType(value.dtype, value.shape))
+                      for key, value in selection.initial_client_state(num_layers).items()]
   personal_type = tff.StructWithPythonType(personal_fields, collections.OrderedDict)
   _, data_type = client_work_lib.client_types(model_spec, state_type=personal_type,
                                               state_in_dataset=False)
@@ -652,7 +674,8 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     new_state, result, stats = tff.federated_map(
         finish, (state, server_input, server_msg, gathered))
     measurements = tff.federated_zip(collections.OrderedDict(
-        train=metrics_aggregation_fn(model_outputs), kapc=stats))
+        train=metrics_aggregation_fn(model_outputs),
+        **{group: stats[group] for group in (rule.name, selection.name) if group}))
     return tff.templates.MeasuredProcessOutput(new_state, result, measurements)
 
   server_types = (tff.FederatedType(state_type, tff.SERVER),
@@ -685,7 +708,8 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec,
                                layer_sizes_bytes=list(parts.layer_sizes_bytes),
                                tensor_layers=layer_of, local_layers=parts.local_layers,
-                               model_from_client=parts.model_from_client, bls=bls_mu is not None,
+                               model_from_client=parts.model_from_client,
+                               layer_selection=selection,
                                num_clients=num_clients,
                                split_round=(prepare_round, end_round),
                                vectorized_fn=vectorized_fn)

@@ -1,7 +1,7 @@
 """Client-vectorised rounds for the personalised methods (KAPC, FedAMP, Local, pFedLA).
 
 `build_personalized_process`'s client work (start model, E epochs on
-`f_i(w) + λ Σ_l ||w^l − s_i^l||²`, BLS's choice of Ω) for all participants in one TensorFlow step:
+`f_i(w) + λ Σ_l ||w^l − s_i^l||²`, the layer selection's Ω) for all participants in one TensorFlow step:
 the training is `learning.vectorized.VectorizedClientWork` with per-client start weights and
 proximal terms; the parts around it are `process.PersonalizedRound`'s `client_start` and
 `client_result` under `tf.vectorized_map`. The server's parts stay TFF computations
