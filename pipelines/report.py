@@ -42,6 +42,7 @@ import csv
 import dataclasses
 import json
 import os
+import re
 import sys
 import textwrap
 from typing import Optional, Sequence
@@ -673,18 +674,19 @@ def relationship_heatmap(run_dir: str, client: int, path: str, vmax: float = 1.0
 def self_relation_plot(run: dict, path: str) -> bool:
   """r_ii^l by round, one line per layer: the mean over the round's participants of the
   self-relationship of the slice their s_i came from (metrics.csv's
-  `kapc/self_relation_layer_<l>` columns). False when the run logged none."""
-  prefix = 'kapc/self_relation_layer_'
-  layers = sorted({int(k[len(prefix):]) for r in run['rows'] for k in r if k.startswith(prefix)})
-  if not layers:
+  `<rule>/self_relation_layer_<l>` columns, e.g. `fedamp/`; `kapc/` for every personalised rule
+  in older runs). False when the run logged none."""
+  columns = {int(m.group(1)): k for r in run['rows'] for k in r
+             for m in [re.fullmatch(r'[^/]+/self_relation_layer_(\d+)', k)] if m}
+  if not columns:
     return False
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(7, 4))
-  for l in layers:
-    rows = [r for r in run['rows'] if f'{prefix}{l}' in r]
-    ax.plot([r['round'] for r in rows], [r[f'{prefix}{l}'] for r in rows], label=f'layer {l}')
+  for l, column in sorted(columns.items()):
+    rows = [r for r in run['rows'] if column in r]
+    ax.plot([r['round'] for r in rows], [r[column] for r in rows], label=f'layer {l}')
   ax.set_xlabel('communication round')
   ax.set_ylabel('mean $r_{ii}^{l}$ over the round\'s clients')
   ax.set_title(f'self-relationship by layer: {run["label"]}', fontsize=9)

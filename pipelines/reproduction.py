@@ -793,6 +793,13 @@ def _runs_cell(names: list[str]) -> str:
   return ', '.join(names)
 
 
+def _final_of(run: dict, bls_column: str) -> Optional[float]:
+  """BLS's column at the last round: `bls/<column>`, or `kapc/<column>` in runs logged before
+  BLS's measurements had a group of their own."""
+  return next((v for v in (_final(run, f'{group}/{bls_column}') for group in ('bls', 'kapc'))
+               if v is not None), None)
+
+
 def ablation_point(group: dict, runs: dict, column: str) -> dict:
   """Per seed of one ablation entry: best-round mean, final round, r_ii last and max, Ω and the
   skipped-layer fraction at the last round ({seed: {...}}), and the names missing."""
@@ -804,8 +811,7 @@ def ablation_point(group: dict, runs: dict, column: str) -> dict:
     per_seed[seed_of(run['label'])] = {
         'best': best[1] if best else None, 'final': _final(run, column),
         'rii_last': rii[-1] if rii else None, 'rii_max': max(rii) if rii else None,
-        'omega': _final(run, 'kapc/omega_mean'),
-        'skipped': _final(run, 'kapc/skipped_layer_fraction')}
+        'omega': _final_of(run, 'omega_mean'), 'skipped': _final_of(run, 'skipped_layer_fraction')}
   return {'seeds': per_seed, 'missing': missing, 'names': _as_list(group['runs'][next(iter(
       group['runs']))])}
 

@@ -609,3 +609,30 @@ def test_docs_summary_block_is_generated_from_the_results(ablation_results, tmp_
           'std); F -5.00 (n=1, no std).') in text
   # A results folder without a docs page beside it writes none.
   assert reproduction.write_docs_summary(str(tmp_path / 'elsewhere' / 'results'), report) is None
+
+
+def test_bls_and_self_relation_columns_are_read_under_old_and_new_names(tmp_path):
+  """Runs logged before each rule's measurements had its own group (every personalised rule
+  under `kapc/`, BLS's too; a real metrics.csv of results/runs) read as runs that log BLS under
+  `bls/` and a rule's self-relations under its name (`fedamp/`)."""
+  old = report.load_run(os.path.join(REPO, 'results', 'runs', 'kapc_why_bls_upload_all_s0'))
+  last = old['rows'][-1]
+  assert 'bls/omega_mean' not in last and last['kapc/omega_mean'] == 5.0
+  assert reproduction._final_of(old, 'omega_mean') == 5.0
+  assert reproduction._final_of(old, 'skipped_layer_fraction') == last[
+      'kapc/skipped_layer_fraction']
+  _write_run(tmp_path, 'new_bls', {'bls/omega_mean': [3.0, 2.0],
+                                   'bls/skipped_layer_fraction': [0.0, 0.25],
+                                   'fedamp/self_relation_layer_0': [0.5, 0.4],
+                                   'fedamp/self_relation_layer_1': [0.6, 0.7]})
+  new = report.load_run(str(tmp_path / 'runs' / 'new_bls'))
+  assert (reproduction._final_of(new, 'omega_mean'),
+          reproduction._final_of(new, 'skipped_layer_fraction')) == (2.0, 0.25)
+  assert reproduction._final_of(new, 'search_steps_mean') is None
+  old_fedamp = report.load_run(os.path.join(REPO, 'results', 'runs',
+                                            'kapc_fmnist_n10_dir0.1_fedamp_s0'))
+  for run in (old_fedamp, new):
+    path = str(tmp_path / f'{run["label"]}.png')
+    assert report.self_relation_plot(run, path) and os.path.getsize(path) > 1000
+  assert not report.self_relation_plot({'label': 'x', 'rows': [{'round': 1.0}]},
+                                       str(tmp_path / 'none.png'))
