@@ -131,14 +131,6 @@ def test_layer_bounds_match_direct_norms(seed):
   np.testing.assert_array_equal(tau_same.numpy(), np.zeros(len(SHAPES)))
 
 
-@pytest.mark.parametrize('server_shapes', [SHAPES[:2], [SHAPES[0], [(3, 3, 2, 4)], SHAPES[2]],
-                                           [SHAPES[0], SHAPES[1], [(3, 4), (3,)]]])
-def test_layer_bounds_structure_mismatch_is_config_error(server_shapes):
-  rng = np.random.default_rng(0)
-  with pytest.raises(ConfigError):
-    bls.layer_bounds(random_layers(rng), random_layers(rng, server_shapes))
-
-
 @pytest.mark.parametrize('shapes,columns,out_dims', [
     ([[(784, 200), (200,)], [(200, 10), (10,)]], [784, 200], [200, 10]),      # mlp2
     ([[(5, 5, 1, 32), (32,)], [(16,), (16,)]], [25, 16], [32, 16]),           # conv, norm
@@ -448,32 +440,6 @@ def test_select_omega_tf_matches_numpy_over_rounds(length, columns, out_dims, mi
     tf_state = (got[2], got[3], int(got[0]))
 
 
-@pytest.mark.parametrize('kwargs,match', [
-    (dict(columns=[4, 9]), 'entries'),
-    (dict(out_dims=[8, 0, 2]), 'positive'),
-    (dict(columns=[4, 9.5, 16]), 'positive'),
-    (dict(num_classes=0), 'num_classes'),
-    (dict(min_layers=4), 'min_layers'),
-    (dict(min_layers=0), 'min_layers'),
-    (dict(b=np.ones(4)), 'vector'),
-])
-def test_select_omega_bad_args(kwargs, match):
-  args = dict(b=B_ROUND, tau=B_ROUND, b_max=B_STORED, tau_max=TAU_STORED, omega_prev=2,
-              columns=COLUMNS, out_dims=OUT_DIMS, num_classes=None, min_layers=1)
-  args.update(kwargs)
-  with pytest.raises(ConfigError, match=match):
-    bls.select_omega_tf(**args)
-
-
-@pytest.mark.parametrize('satisfied,min_layers,match', [
-    (np.array([], bool), 1, 'non-empty'), (np.ones((2, 2), bool), 1, 'vector'),
-    (np.ones(3), 1, 'bool'), (np.ones(3, bool), 4, 'min_layers'),
-])
-def test_search_bad_args(satisfied, min_layers, match):
-  with pytest.raises(ConfigError, match=match):
-    bls.search_tf(satisfied, 1, min_layers)
-
-
 def test_select_omega_runs_in_a_tff_computation():
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -563,10 +529,13 @@ def test_layer_bytes_reference():
   assert layer_bytes(sizes, ~skipped) == sizes[1] + sizes[2]
 
 
-def test_masks_bad_args():
-  with pytest.raises(ConfigError, match='mu'):
-    bls.server_skip_mask_tf(np.ones(3), -0.1)
-  with pytest.raises(ConfigError, match='mu'):
-    bls.server_skip_mask_tf(np.ones(3), float('nan'))
-  with pytest.raises(ConfigError, match=r'\[L\] or \[P, L\]'):
-    bls.server_skip_mask_tf(np.ones((2, 2, 2)), 0.5)
+@pytest.mark.parametrize('mu,min_layers,match', [
+    (-0.1, 1, r'bls_mu must be in \[0, 1\]'), (float('nan'), 1, 'bls_mu'), (1.5, 1, 'bls_mu'),
+    (0.5, 0, r'min_upload_layers must be in \[1, 3\]'), (0.5, 4, 'min_upload_layers'),
+    (0.5, 1.5, 'min_upload_layers must be an integer'),
+])
+def test_selection_checks_its_settings_once(mu, min_layers, match):
+  """μ and min_layers are checked where the method is built (the functions trust them)."""
+  with pytest.raises(ConfigError, match=match):
+    bls.BidirectionalSelection(mu, min_layers).check('kapc+bls', 3)
+  bls.BidirectionalSelection(0.5, 3).check('kapc+bls', 3)

@@ -10,8 +10,9 @@ s_i^l = Σ_j r_ij^l w_j^l, sent by the server, regularises client i's local trai
   `criterion_sides_tf`/`criterion_tf` with sizes from `layer_dimensions`, lines 15–24 `search_tf`.
 
 `BidirectionalSelection` is both, the layer selection KAPC+BLS declares for the personalised
-round (`process.LayerSelection`). All TensorFlow, usable in TFF computations; NumPy oracles in
-tests/test_bls.py. The line-by-line
+round (`process.LayerSelection`), whose `check` validates μ and min_layers once, when the method
+is built. All TensorFlow, usable in TFF computations; NumPy oracles in tests/test_bls.py. The
+line-by-line
 reading of Algorithm 4 and (29), what is reconstructed from garbled text (R1–R4) and our choices
 where the paper is silent (C1–C7): the BLS section of docs/methods/personalised.md.
 """
@@ -33,63 +34,11 @@ from fltff.personalization import process
 TensorLike = Union[tf.Tensor, np.ndarray, float, int]
 
 
-def _is_python_number(x) -> bool:
-  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
-
-
 def _as_dtype(x: TensorLike, dtype: tf.DType) -> tf.Tensor:
   """`x` as a tensor of `dtype`; Python numbers converted directly (no float32 round trip)."""
   if isinstance(x, (tf.Tensor, tf.Variable)):
     return tf.cast(x, dtype)
   return tf.cast(tf.convert_to_tensor(np.asarray(x, dtype.as_numpy_dtype)), dtype)
-
-
-def _check_min_layers(min_layers, num_layers) -> None:
-  if _is_python_number(min_layers):
-    if int(min_layers) != min_layers:
-      raise ConfigError(f'BLS min_layers must be an integer, got {min_layers}.')
-    if num_layers is not None and not 1 <= min_layers <= num_layers:
-      raise ConfigError(f'BLS min_layers must be in [1, L={num_layers}], got {min_layers}.')
-    if num_layers is None and min_layers < 1:
-      raise ConfigError(f'BLS min_layers must be >= 1, got {min_layers}.')
-
-
-def _check_layer_structure(weights_layers, server_layers) -> None:
-  if len(weights_layers) != len(server_layers):
-    raise ConfigError(f'BLS: the client model has {len(weights_layers)} layers, the server '
-                      f'model {len(server_layers)}.')
-  if not weights_layers:
-    raise ConfigError('BLS: a model needs at least one layer.')
-  for l, (w, s) in enumerate(zip(weights_layers, server_layers)):
-    if len(w) != len(s):
-      raise ConfigError(f'BLS: layer {l} has {len(w)} tensors in the client model and '
-                        f'{len(s)} in the server model.')
-    for a, b in zip(w, s):
-      sa, sb = tuple(a.shape), tuple(b.shape)
-      if None not in sa and None not in sb and sa != sb:
-        raise ConfigError(f'BLS: layer {l} has a tensor of shape {sa} in the client model and '
-                          f'{sb} in the server model.')
-
-
-def _check_dimensions(columns, out_dims, num_classes) -> None:
-  """n^l, d^l: L positive integers each; c a positive integer (Python values)."""
-  for name, values in (('columns', columns), ('out_dims', out_dims)):
-    if not values:
-      raise ConfigError('BLS: a model needs at least one layer.')
-    if any(int(v) != v or v < 1 for v in values):
-      raise ConfigError(f'BLS {name} must be positive integers, got {values}.')
-  if len(columns) != len(out_dims):
-    raise ConfigError(f'BLS columns has {len(columns)} entries, out_dims {len(out_dims)}.')
-  if num_classes is not None and (int(num_classes) != num_classes or num_classes < 1):
-    raise ConfigError(f'BLS num_classes must be a positive integer, got {num_classes}.')
-
-
-def _check_vectors(vectors: dict, num_layers: int) -> None:
-  """Each of `{name: tensor}` a vector `[L]` where its shape is known."""
-  for name, x in vectors.items():
-    if x.shape.rank is not None and (x.shape.rank != 1 or
-                                     x.shape[0] not in (None, num_layers)):
-      raise ConfigError(f'BLS {name} must be a vector [L={num_layers}], got shape {x.shape}.')
 
 
 def layer_bounds(weights_layers: Sequence[Sequence[TensorLike]],
@@ -100,11 +49,7 @@ def layer_bounds(weights_layers: Sequence[Sequence[TensorLike]],
     weights_layers: By layer, the client's tensors after local training.
     server_layers: Same shapes: the regulariser received; for a layer the server skipped, the
       client's own layer at the round's start (C4).
-
-  Raises:
-    ConfigError: The two models differ in layers or shapes.
   """
-  _check_layer_structure(weights_layers, server_layers)
   b, tau = [], []
   for w_layer, s_layer in zip(weights_layers, server_layers):
     w_layer = [tf.convert_to_tensor(w) for w in w_layer]
@@ -181,15 +126,10 @@ def criterion_sides_tf(b_hat: TensorLike, tau_hat: TensorLike, b: TensorLike, ta
     b, tau: B^l, τ^l `[L]`: the stored full-layer bounds (M; B also on the right, line 13).
     columns, out_dims: n^l, d^l: L positive integers each (`layer_dimensions`).
     num_classes: c (default d^L; C5).
-
-  Raises:
-    ConfigError: Bad sizes (checked in Python), or vectors of a static length other than L.
   """
   columns, out_dims = list(columns), list(out_dims)
-  _check_dimensions(columns, out_dims, num_classes)
   num_layers = len(columns)
   b_hat, tau_hat, b, tau = (_as_dtype(x, tf.float64) for x in (b_hat, tau_hat, b, tau))
-  _check_vectors(dict(b_hat=b_hat, tau_hat=tau_hat, b=b, tau=tau), num_layers)
   c = float(out_dims[-1] if num_classes is None else num_classes)
   half_log_n = tf.constant(0.5 * np.log(np.asarray(columns, np.float64)))
   log_m_hat = _log_m_curve(tau_hat, b_hat, half_log_n)                           # [Ω]
@@ -224,20 +164,9 @@ def search_tf(satisfied: TensorLike, omega_prev: TensorLike,
 
   Args:
     satisfied: bool `[L]`, entry Ω − 1 whether (29) holds at Ω (`criterion_tf`).
-    min_layers: Smallest Ω, in [1, L].
-
-  Raises:
-    ConfigError: `satisfied` is not a non-empty bool vector, or min_layers is outside [1, L]
-      (checked where known in Python).
+    min_layers: Smallest Ω, in [1, L] (`BidirectionalSelection.check`).
   """
   satisfied = tf.convert_to_tensor(satisfied)
-  if satisfied.dtype != tf.bool:
-    raise ConfigError(f'BLS satisfied must be a bool vector [L], got {satisfied.dtype}.')
-  if satisfied.shape.rank not in (None, 1) or (satisfied.shape.rank == 1 and
-                                               satisfied.shape[0] == 0):
-    raise ConfigError(f'BLS satisfied must be a non-empty vector [L], got shape '
-                      f'{satisfied.shape}.')
-  _check_min_layers(min_layers, satisfied.shape[0] if satisfied.shape.rank == 1 else None)
   num_layers = tf.shape(satisfied, out_type=tf.int32)[0]
   min_layers = tf.cast(min_layers, tf.int32)
   start = tf.clip_by_value(tf.cast(omega_prev, tf.int32), min_layers, num_layers)
@@ -269,24 +198,18 @@ def select_omega_tf(b: TensorLike, tau: TensorLike, b_max: TensorLike, tau_max: 
     b_max, tau_max: The stored B^l, τ^l `[L]` (0 before the client's first selection).
     omega_prev: Ω^{k−1} (L for a client that never took part).
     columns, out_dims, num_classes: As in `criterion_sides_tf`.
-    min_layers: Smallest Ω, in [1, L].
+    min_layers: Smallest Ω, in [1, L] (`BidirectionalSelection.check`).
 
   Returns:
     `(omega, steps, b_max, tau_max)`: int32 Ω^k and its moves (0 in branch A), and the stored
     bounds for the next selection, in `b_max`'s dtype (float32 unless a float tensor).
-
-  Raises:
-    ConfigError: Bad sizes or min_layers (checked where known in Python).
   """
   columns, out_dims = list(columns), list(out_dims)
-  _check_dimensions(columns, out_dims, num_classes)
   num_layers = len(columns)
-  _check_min_layers(min_layers, num_layers)
   b_max = tf.convert_to_tensor(b_max)
   dtype = b_max.dtype if b_max.dtype.is_floating else tf.float32
   b, tau = _as_dtype(b, dtype), _as_dtype(tau, dtype)
   b_max, tau_max = _as_dtype(b_max, dtype), _as_dtype(tau_max, dtype)
-  _check_vectors(dict(b=b, tau=tau, b_max=b_max, tau_max=tau_max), num_layers)
   omega_prev = tf.cast(omega_prev, tf.int32)
   min_layers = tf.cast(min_layers, tf.int32)
   full = omega_prev >= num_layers  # Line 3 (C2: q = 0 is Ω = L in a new client's state).
@@ -306,29 +229,21 @@ def server_skip_mask_tf(self_relationship: TensorLike, mu: TensorLike) -> tf.Ten
 
   Args:
     self_relationship: r_ii^l, `[L]` for one client or `[P, L]` for P clients.
-    mu: Threshold μ ≥ 0. With rows of R normalised (r_ii ≤ 1), μ ≥ 1 skips nothing.
-
-  Raises:
-    ConfigError: μ < 0 (or NaN), or `self_relationship` is not `[L]` or `[P, L]`.
+    mu: Threshold μ ≥ 0 (`BidirectionalSelection.check`). With rows of R normalised (r_ii ≤ 1),
+      μ ≥ 1 skips nothing.
   """
-  if _is_python_number(mu) and not mu >= 0:
-    raise ConfigError(f'BLS mu must be >= 0, got {mu}.')
   r = tf.convert_to_tensor(self_relationship)
   if not r.dtype.is_floating:
     r = tf.cast(r, tf.float32)
-  if r.shape.rank not in (None, 1, 2):
-    raise ConfigError(f'BLS self_relationship must be [L] or [P, L], got shape {r.shape}.')
   return r > _as_dtype(mu, r.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class BidirectionalSelection(process.LayerSelection):
-  """BLS in the personalised round: layers with r_ii^l > μ not sent, the first Ω_i uploaded.
-
-  Clients keep Algorithm 4's stored bounds B^l, τ^l (`b_max`, `tau_max`, 0 at first: C1); a
-  skipped layer's τ is against the own start model (C4). Measurements (group `bls`): Ω's mean,
-  the search's mean steps, the fraction of layers skipped and each participant's Ω (`omega`).
-  """
+  """BLS in the personalised round: layers with r_ii^l > μ not sent, the first Ω_i uploaded;
+  clients keep Algorithm 4's stored B^l, τ^l (`b_max`, `tau_max`, 0 at first: C1); a skipped
+  layer's τ is against the own start model (C4). Measured: Ω (mean, per client), search steps,
+  skipped fraction."""
   mu: float = 0.5
   min_layers: int = 1  # Ω's lower limit, in [1, L] (C3).
   name = 'bls'

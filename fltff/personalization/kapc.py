@@ -123,8 +123,6 @@ class KapcRule(process_lib.RelationRule):
   coaching_loss: str = 'norm'
   relationship_projection: str = 'renormalize'
   relationship_init: str = 'random'
-  relationship_seed: int = 0
-  start_from: str = 'own'
 
   def check(self, name: str) -> None:
     check_choice(f'{name}.relationship_update', self.relationship_update, RELATIONSHIP_UPDATES)

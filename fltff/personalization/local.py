@@ -19,7 +19,6 @@ from fltff.personalization import process as process_lib
 class FixedRelation(process_lib.RelationRule):
   """R never changes: `relationship_init` ('identity' or 'uniform') for every round."""
   name = 'local'
-  lambda_: float = 0.0
   relationship_init: str = 'identity'
 
 

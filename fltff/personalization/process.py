@@ -30,7 +30,6 @@ import tensorflow as tf
 
 from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
-from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import optimizers
 from fltff.learning import protocol
@@ -127,12 +126,10 @@ def refreshed_models(trained: Sequence[tf.Tensor], stale: Sequence[tf.Tensor],
 
 
 class LayerSelection:
-  """Which layers a round sends and uploads: a part a rule declares (`RelationRule`).
-
-  This default (`ALL_LAYERS`) exchanges every layer and measures nothing; a selection that may
-  leave layers out (`partial`: KAPC's BLS, `bls.BidirectionalSelection`) masks the client term
-  of the layers not sent, and clients keep their own models. `skip`, `upload` and
-  `measurements` run inside the round's TFF computations, for all participants or one client.
+  """Which layers a round sends and uploads, a part a rule declares (`RelationRule`): this
+  default (`ALL_LAYERS`) all, measuring nothing. With one that may leave layers out (`partial`:
+  KAPC's BLS, `bls.BidirectionalSelection`) clients keep their own models and the client term
+  covers the layers sent. `skip`, `upload`, `measurements` run in the round's TFF computations.
   """
   name: Optional[str] = None  # Its measurements' group and the method name's suffix ('+name').
   partial: bool = False
@@ -142,7 +139,6 @@ class LayerSelection:
 
   def initial_client_state(self, num_layers: int) -> collections.OrderedDict:
     """What each client keeps for it besides Ω (NumPy values: their dtypes and shapes are types)."""
-    del num_layers
     return collections.OrderedDict()
 
   def skip(self, self_relation: tf.Tensor) -> tf.Tensor:
@@ -152,12 +148,10 @@ class LayerSelection:
   def upload(self, personal, trained: list, reference: list) -> tuple:
     """`(Ω, extra uploads)` of one client: `trained` and `reference` (s_i where sent, else the
     own start model) by layer, each a list of tensors; `personal`: the client's state."""
-    del personal, reference
     return tf.constant(len(trained), tf.int32), collections.OrderedDict()
 
   def measurements(self, omega, skip, uploads) -> collections.OrderedDict:
     """The round's measurements from Ω `[P]`, `skip` `[P, L]` and the extra uploads `[P, ...]`."""
-    del omega, skip, uploads
     return collections.OrderedDict()
 
 
@@ -201,7 +195,7 @@ class RelationRule:
         self.relationship_seed)))
 
   def relation(self, state, server_input, context: RoundContext):
-    """Returns (the `[P, L, P]` slice for s_i and the layer selection, extra broadcast entries)."""
+    """Returns (the `[P, L, P]` slice for s_i and r_ii, extra broadcast entries)."""
     return normalize_rows(slice_relationship(state['relation'], server_input['clients'])), {}
 
   def server_update(self, state, server_input, server_msg, trained, uploaded,
@@ -474,11 +468,6 @@ class PersonalizedRound:
       message['own'] = tuple(server_input['models'])
     message.update(extra)
     return message
-
-  @staticmethod
-  def message_rows(server_msg) -> collections.OrderedDict:
-    """Every participant's entries of the broadcast, `[P, ...]` (`message_rows`)."""
-    return message_rows(server_msg)
 
   def client_row(self, server_msg, k):
     """Client k's broadcast entries: s_i per tensor, skip row and, when sent, `own` weights."""
