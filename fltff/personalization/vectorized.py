@@ -24,7 +24,6 @@ from fltff.learning.model_spec import ModelSpec
 from fltff.learning.vectorized import VectorizedClientWork
 from fltff.learning.vectorized import stack_clients
 from fltff.learning.vectorized import with_clients
-from fltff.personalization.process import message_rows
 
 
 def participant_rows(rows, listed: Sequence[int], order: Sequence[int]) -> collections.OrderedDict:
@@ -78,7 +77,7 @@ class VectorizedPersonalWork:
     infos = [client_work_lib.client_info_of_input(data) for data in client_inputs]
     order = [int(info['client_index']) for info in infos]
     clients = tf.constant(order, tf.int32)
-    rows = participant_rows(message_rows(server_msg),
+    rows = participant_rows(self._parts.message_rows(server_msg),
                             np.asarray(server_msg['clients']), order)
     k = self._work.traced_client_count(len(client_inputs))
     start, s, sent, own = (tuple(part) for part in self._starts(rows, personal, num_clients=k))
