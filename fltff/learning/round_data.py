@@ -26,7 +26,8 @@ def _read_options() -> tf.data.Options:
 
 
 def stack_client_batches(client_inputs: Sequence[Any],
-                         read_before: Optional[weakref.WeakSet] = None) -> collections.OrderedDict:
+                         read_before: Optional[weakref.WeakSet] = None,
+                         raw: bool = False) -> collections.OrderedDict:
   """The participants' batches for every local epoch, as rows of one example table.
 
   Returns `examples [N + 1, ...]` (float32) and `labels [N + 1]` (int32) tensors, the last row
@@ -37,7 +38,9 @@ def stack_client_batches(client_inputs: Sequence[Any],
   Datasets are read once per epoch, as TFF's client work iterates them (epoch 0 even for a
   client with no epochs, for CCN's latent mean); `ClientDatasets` ones from their arrays
   (`ArraySource`: each example stored and preprocessed once). A dataset already in `read_before`
-  is rebuilt first (`fresh_dataset`), restarting its shuffle as TFF's runtime does.
+  is rebuilt first (`fresh_dataset`), restarting its shuffle as TFF's runtime does. `raw`: the
+  table as NumPy arrays as read (uint8 images from an `ArraySource`), `preprocess_batch` still
+  to apply (where they are sent elsewhere to train, `fltff.learning.groups`).
   """
   read_before = weakref.WeakSet() if read_before is None else read_before
   epochs = [client_work_lib.client_info_of_input(data)['epochs'] for data in client_inputs]
@@ -67,6 +70,9 @@ def stack_client_batches(client_inputs: Sequence[Any],
   valid[epoch, step, client] = epoch < np.asarray(epochs, np.int64)[client]
   table_x = np.concatenate([table_x, np.zeros((1, *table_x.shape[1:]), table_x.dtype)])
   table_y = np.concatenate([table_y, np.zeros(1, table_y.dtype)])
+  if raw:
+    return collections.OrderedDict(examples=table_x, labels=table_y, index=index, mask=mask,
+                                   valid=valid, epochs=np.asarray(epochs, np.int32))
   if from_arrays:
     # The pipeline's elementwise preprocessing on the whole table (the padding row stays 0).
     processed = preprocess_batch(collections.OrderedDict(x=table_x, y=table_y))

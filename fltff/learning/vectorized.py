@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import functools
 import weakref
 from collections.abc import Sequence
@@ -347,6 +348,7 @@ class VectorizedClientWork:
       # Latent layer and logits from one forward pass (MOON's representation, no second pass).
       self._latent_and_output = functional_apply(
           latent_model(self._keras_model, with_output=True), self._keras_model)
+    self._optimizer = optimizer
     self._updater = stacked_optimizer(optimizer, frozenset(frozen))
     # Dense kernels short rounds train factored (`factored_dense`); none with step observers,
     # which see every tensor's gradient.
@@ -363,6 +365,8 @@ class VectorizedClientWork:
     # `client_groups`'s cost model is fitted on a CPU; on a GPU a step's fixed cost is far larger
     # against a client's work, so GPU rounds keep one group unless told otherwise.
     self.group_clients = group_clients and on_cpu(device)
+    # Trains the rounds elsewhere when set (`fltff.learning.groups.WorkerGroups`: on TFF workers).
+    self.on_workers = None
     self._train = tf.function(self._train_fn, reduce_retracing=True, autograph=False)
     self._static_client_counts: set[int] = set()
     self._traced_for: set[tuple[Optional[int], frozenset]] = set()
@@ -679,7 +683,8 @@ class VectorizedClientWork:
     it afresh for every computation."""
     self._restore_tf2_layer_classes()
     data = stack_client_batches(
-        client_inputs, _EveryDataset() if read_before_elsewhere else self._read_before)
+        client_inputs, _EveryDataset() if read_before_elsewhere else self._read_before,
+        raw=self.on_workers is not None)
     self._updater.prepare([tf.TensorSpec(w.shape, w.dtype)
                            for w in self._keras_model.trainable_weights], self._device)
     if self._update_statistics is None:
@@ -688,6 +693,8 @@ class VectorizedClientWork:
       raise ValueError('a BatchNorm model trains from moving statistics: pass statistics=.')
     else:
       statistics = tuple(statistics)
+    if self.on_workers is not None:
+      return self.on_workers.train(data, global_trainable, start, client_terms, statistics), data
     overhead = step_overhead(self._macs_per_example, np.shape(data['index'])[3])
     groups = (client_groups(data['mask'], overhead) if self.group_clients
               else [np.arange(len(client_inputs))])
@@ -703,10 +710,9 @@ class VectorizedClientWork:
     out = tf.nest.map_structure(lambda *group: tf.gather(tf.concat(group, 0), position), *parts)
     return out, data
 
-  def _train_group(self, data, global_trainable, start, client_terms, statistics
-                   ) -> collections.OrderedDict:
-    """`_train_fn` on `data`'s participants, traced once per client count and factoring."""
-    k = self.traced_client_count(len(data['epochs']))
+  def round_factoring(self, data, client_terms) -> frozenset:
+    """The Dense kernels `data`'s round trains factored (`factored_kernels`), given its
+    regulariser."""
     factored = self.factored_kernels(data)
     if factored:
       reg = self._regularization(client_terms)
@@ -715,6 +721,25 @@ class VectorizedClientWork:
       if reg.probe is not None and not ((reg.global_anchor or reg.client_anchor)
                                         and reg.traits.per_tensor_scales):
         factored = frozenset()
+    return factored
+
+  def train_in_graph(self, args, num_clients: Optional[int], factored: frozenset
+                     ) -> collections.OrderedDict:
+    """`_train_fn(*args)` traced into the graph being built (a TFF computation's,
+    `fltff.learning.groups`) with an updater of its own, whose variables that graph holds."""
+    work = copy.copy(self)
+    work._updater = stacked_optimizer(self._optimizer, self._frozen)
+    work._updater.prepare([tf.TensorSpec(w.shape, w.dtype)
+                           for w in self._keras_model.trainable_weights])
+    with _quiet_looped_gradients():
+      return tf.function(work._train_fn, autograph=False)(  # pylint: disable=protected-access
+          *args, num_clients=num_clients, factored=factored)
+
+  def _train_group(self, data, global_trainable, start, client_terms, statistics
+                   ) -> collections.OrderedDict:
+    """`_train_fn` on `data`'s participants, traced once per client count and factoring."""
+    k = self.traced_client_count(len(data['epochs']))
+    factored = self.round_factoring(data, client_terms)
     args = (global_trainable, start, client_terms, statistics, data['examples'], data['labels'],
             data['index'], data['mask'], data['valid'], data['epochs'])
     with (tf.device(self._device) if self._device else contextlib.nullcontext(),

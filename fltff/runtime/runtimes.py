@@ -44,7 +44,7 @@ class Runtime:
   """
 
   description = ''  # The executor in words, e.g. for the run's summary.
-  runs_in_process = False  # Whether vectorised client work can run here (in this process).
+  auto_vectorises = True  # Whether `experiment.client_work = 'auto'` vectorises here.
   per_client_on_cpp = True  # Whether TFF's client-by-client work runs on its C++ runtime.
 
   def __init__(self, device: Optional[str] = None,
@@ -62,9 +62,6 @@ class Runtime:
   def place(self, algorithm) -> 'Runtime':
     """This runtime, for `algorithm`'s client work; fixes glibc's mmap threshold (`heap`) for
     client work that is not vectorised (vectorised rounds run faster on the adaptive one)."""
-    if algorithm.vectorized and not self.runs_in_process:
-      raise ConfigError(f"{algorithm.name}'s clients are vectorised: they train in this "
-                        f"process, which needs runtime.executor = 'auto' or 'in_process'.")
     if not algorithm.vectorized:
       heap.fix_mmap_threshold(self.mmap_threshold_kib)
     return self
@@ -104,7 +101,6 @@ class InProcessRuntime(Runtime):
   """The in-process executor (`fltff.runtime.in_process.InProcessContext`) on `device`."""
 
   description = 'the in-process executor'
-  runs_in_process = True
   per_client_on_cpp = False
 
   def __init__(self, device: Optional[str] = None,
@@ -129,7 +125,11 @@ class WorkerRuntime(Runtime):
   sub-round per worker and the partial aggregates merged (hence fltff's single-pass
   aggregators). `call` repeats a computation whose worker was lost after `_recover`, up to
   `max_retries` times; the repeat is exact, as a round's inputs are deterministic. Mutual TLS
-  with `credentials` (None: plaintext; `server_name`: the name to check in the certificates)."""
+  with `credentials` (None: plaintext; `server_name`: the name to check in the certificates).
+
+  Vectorised client work (`place`) trains as one group of clients per worker
+  (`fltff.learning.groups`); the rest of its rounds, the method's aggregator on the stacked
+  results, runs in this process (`driver_context`, then the default context)."""
 
   def __init__(self, workers: Sequence[str] = (), connect_timeout: float = 60.0,
                rpc_timeout: Optional[float] = None, max_retries: int = 2,
@@ -147,6 +147,8 @@ class WorkerRuntime(Runtime):
     self.max_retries = max_retries
     self._credentials, self._server_name = credentials, server_name
     self._channels, self._stubs = [], []
+    self.driver_context = None
+    self._groups = []  # The `WorkerGroups` of the placed vectorised client work.
     try:
       self._start_worker()
       self._connect()
@@ -180,8 +182,37 @@ class WorkerRuntime(Runtime):
     else:  # TFF's mergeable-computation context: each round's clients split across the workers.
       self.context = tff.backends.native.create_mergeable_comp_execution_context(
           [channels.context_for_stub(s, asynchronous=True) for s in stubs])
-    tff.framework.set_default_context(self.context)
+    tff.framework.set_default_context(self.driver_context or self.context)
     logging.info('TFF runtime ready: worker(s) %s.', ', '.join(self.workers))
+
+  def place(self, algorithm) -> Runtime:
+    """This runtime; vectorised client work trains as groups on the workers
+    (`fltff.learning.groups.WorkerGroups`), the rest of its rounds in this process."""
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+    from fltff.learning.groups import WorkerGroups  # pylint: disable=g-import-not-at-top
+    from fltff.runtime.in_process import InProcessContext  # pylint: disable=g-import-not-at-top
+
+    self._groups = []
+    self.driver_context = None
+    if algorithm.vectorized:
+      work = algorithm.vectorized_work()
+      work.on_workers = WorkerGroups(work, self)
+      self._groups = [work.on_workers]
+      self.driver_context = InProcessContext()
+    tff.framework.set_default_context(self.driver_context or self.context)
+    return super().place(algorithm)
+
+  @property
+  def description(self) -> str:
+    """The executor and, for vectorised client work, how many clients each call trains."""
+    if not self._groups:
+      return self.executor_name
+    workers = f'{len(self.workers)} worker{"s" if len(self.workers) > 1 else ""}'
+    sizes = self._groups[0].last_sizes  # Of the last round.
+    if not sizes:
+      return f'{self.executor_name}, vectorised clients: one call per worker ({workers})'
+    per_call = f'{min(sizes)}' if min(sizes) == max(sizes) else f'{min(sizes)}-{max(sizes)}'
+    return f'{self.executor_name}, vectorised clients: {per_call} clients per call on {workers}'
 
   def program_context(self):
     """A `NativeFederatedContext` for TFF's program API, to install for the program (then
@@ -248,7 +279,8 @@ class LocalWorkerRuntime(WorkerRuntime):
   `recycle_every` = K > 0 it is replaced every K rounds (its memory, which TFF's C++ runtime
   grows each round, starts over; all state is in the driver, so results are unchanged)."""
 
-  description = "TFF's C++ runtime (local worker_binary)"
+  executor_name = "TFF's C++ runtime (local worker_binary)"
+  auto_vectorises = False  # Pinned by `runtime.executor = 'tff_cpp'` or `recycle_every`.
 
   def __init__(self, log_dir: Optional[str] = None, isolated: bool = True,
                recycle_every: int = 0, **kwargs):
@@ -300,7 +332,7 @@ class RemoteWorkersRuntime(WorkerRuntime):
   (`host:port`). A lost worker is dropped and the computation repeated on the others; their
   processes are not this program's to stop."""
 
-  description = "TFF's C++ runtime (remote workers)"
+  executor_name = "TFF's C++ runtime (remote workers)"
 
   def __init__(self, workers: Sequence[str], **kwargs):
     self.lost: list[str] = []
@@ -326,8 +358,6 @@ class RemoteWorkersRuntime(WorkerRuntime):
 class AutoRuntime(Runtime):
   """`runtime.executor = 'auto'`: `place` starts the in-process executor for vectorised client
   work (or any, on a GPU `device`), else a `LocalWorkerRuntime` (`local`: its settings)."""
-
-  runs_in_process = True
 
   def __init__(self, device: Optional[str] = None,
                mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB, **local):

@@ -116,9 +116,9 @@ def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool 
   """The experiment's choice of what its clients compute with (`experiment.client_work`).
 
   'vectorised' switches `algorithm` to its vectorised client work (`vectorize_clients`;
-  `ConfigError` where the method or model has none, or where `runtime` cannot run it in this
-  process); 'per_client' keeps TFF's client work; 'auto' vectorises where the method, the model
-  and the runtime allow it, except a convolutional model on a CPU whose rounds would pad the
+  `ConfigError` where the method or model has none); 'per_client' keeps TFF's client work;
+  'auto' vectorises where the method, the model and the runtime (`auto_vectorises`) allow it,
+  except a convolutional model on a CPU whose rounds would pad the
   clients' local `steps` (one entry per client, of `batch_size` examples) beyond
   `conv_padding_limit(participants)` (`expected_padding`, grouped as the vectorised work groups
   them), and
@@ -133,12 +133,7 @@ def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool 
   if runtime is None:
     if client_work == 'auto':
       return  # No runtime to place the rounds: the current context runs TFF's client work.
-  elif not runtime.runs_in_process:
-    if client_work == 'vectorised':
-      raise ConfigError("experiment.client_work = 'vectorised' trains the clients in this "
-                        "process: it needs runtime.executor = 'auto' or 'in_process' (TFF's "
-                        'C++ runtime, remote workers and runtime.recycle_every run them client '
-                        'by client).')
+  elif client_work == 'auto' and not runtime.auto_vectorises:
     return
   elif (client_work == 'auto' and runtime.per_client_on_cpp and steps is not None
         and participants and _on_cpu(runtime) and _has_convolutions(algorithm.model_spec)):
