@@ -15,9 +15,10 @@ r"""Round-time benchmarks, always as ratios against a baseline measured in the s
       --executor_variants=fltff_vectorized_gpu --executor_methods=
       vectorised FedAvg rounds on the GPU as ratios to the same rounds on this machine's CPU
       (what `python -m pipelines.gpu_check` runs).
-  python -m pipelines.bench --runtimes [--clients_list=10,50,100 --examples=100]
-      a FedAvg round on 1 and 2 remote TFF workers (started here, on loopback) vs the local
-      runtime, for each number of clients per round.
+  python -m pipelines.bench --runtimes [--runtime_shapes=mlp2:100x60,cnn2:20x300]
+      a FedAvg round on the local runtime and on 1 and 2 remote TFF workers (started here, on
+      loopback, each pinned to a core of its own), client by client and vectorised in groups
+      (one per worker, `fltff.learning.groups`), with the tensor bytes to and from each worker.
   python -m pipelines.bench --checkpoints [--model=mlp2 --clients=10 --checkpoint_dir=DIR]
       the cost of durable checkpoints: saving the global model and one model per client (a
       personalised method's state) with `fsync` of file and folder vs without, in DIR (default:
@@ -75,8 +76,8 @@ _VECTORIZE = flags.DEFINE_bool('vectorize_clients', False, 'For --compare: every
                                '(FedAvg too) with vectorised clients on the in-process executor '
                                "(experiment.client_work = 'vectorised').")
 _RUNTIMES = flags.DEFINE_bool('runtimes', False, 'Compare local vs 1 and 2 remote workers.')
-_CLIENTS_LIST = flags.DEFINE_list('clients_list', ['10', '50', '100'],
-                                  'Clients per round for --runtimes.')
+_RUNTIME_SHAPES = flags.DEFINE_list('runtime_shapes', ['mlp2:100x60', 'cnn2:20x300'],
+                                    'model:CLIENTSxEXAMPLES for --runtimes.')
 _EXECUTORS = flags.DEFINE_bool('executors', False, "FedAvg rounds of TFF's built-in process, "
                                 'fltff on the C++ runtime and fltff on the in-process executor, '
                                 'for each --executor_shapes entry.')
@@ -504,49 +505,81 @@ def _column(name: str) -> str:
   return "TFF's built-in" if name == 'tff_builtin' else name
 
 
-def compare_runtimes(spec) -> int:
-  """Median FedAvg round on the local runtime and on 1 and 2 loopback workers, alternating."""
+def _pin(pids: Sequence[int], core: int) -> None:
+  """Every thread of `pids` on CPU `core` only (`taskset -a -p -c core pid`)."""
+  for pid in pids:
+    for task in os.listdir(f'/proc/{pid}/task'):
+      os.sched_setaffinity(int(task), {core})
+
+
+def compare_runtimes() -> int:
+  """Median FedAvg round per `--runtime_shapes` entry on the local runtime and on 1 and 2
+  loopback workers, client by client and vectorised in groups, alternating; each worker pinned
+  to a core of its own (the cores taken in turn)."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from fltff.runtime.processes import WorkerProcess  # pylint: disable=g-import-not-at-top
 
-  servers = [WorkerProcess(), WorkerProcess(), WorkerProcess()]
+  cores = sorted(os.sched_getaffinity(0))
+  servers = [WorkerProcess() for _ in range(3)]
+  for server, core in zip(servers, (0, 0, 1)):
+    _pin([server.pid], cores[core % len(cores)])
+  variants = {'local': (None, False), '1 worker': ([0], False), '2 workers': ([1, 2], False),
+              'vectorised 1 worker': ([0], True), 'vectorised 2 workers': ([1, 2], True)}
   runtimes = {}
+  summary = []
   try:
     runtimes['local'] = runtime.LocalWorkerRuntime()
-    runtimes['1 worker'] = runtime.RemoteWorkersRuntime(workers=[servers[0].address])
-    runtimes['2 workers'] = runtime.RemoteWorkersRuntime(workers=[s.address for s in servers[1:]])
+    _pin(runtimes['local'].worker_pids, cores[0])
+    for name, (used, _) in variants.items():
+      if used is not None:
+        runtimes[name] = runtime.RemoteWorkersRuntime(
+            workers=[servers[i].address for i in used])
     opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
-    algorithm = learning.build_fedavg(spec, client_optimizer=opt)
-    summary = []
-    for num_clients in [int(c) for c in _CLIENTS_LIST.value]:
-      data = _client_data(num_clients, _EXAMPLES.value)
-      rounds, times = {}, {name: [] for name in runtimes}
+    for shape in _RUNTIME_SHAPES.value:
+      model, num_clients, examples = _parse_shape(shape)
+      keras_fn = functools.partial(build_model, model, input_shape=(28, 28, 1), num_classes=10,
+                                   seed=0)
+      spec = learning.ModelSpec(keras_fn, (28, 28, 1), 10, name=model)
+      data = _client_data(num_clients, examples)
+      rounds, times, groups = {}, {name: [] for name in runtimes}, {}
       for name, rt in runtimes.items():
-        tff.framework.set_default_context(rt.context)
-        rounds[name] = _round_fn(algorithm)
+        algorithm = learning.build_fedavg(spec, client_optimizer=opt)
+        if variants[name][1]:
+          algorithm.vectorize_clients()
+        rt.place(algorithm)
+        groups[name] = getattr(algorithm.vectorized_work(), 'on_workers', None)
+        rounds[name] = _round_fn(algorithm, [examples] * num_clients)
+      contexts = {name: rt.driver_context or rt.context for name, rt in runtimes.items()}
       for r in range(_ROUNDS.value):
         datasets = _round_datasets(data, r)
         order = list(runtimes) if r % 2 == 0 else list(runtimes)[::-1]
         for name in order:
-          tff.framework.set_default_context(runtimes[name].context)
+          tff.framework.set_default_context(contexts[name])
           t0 = time.perf_counter()
           rounds[name](datasets)
           times[name].append(time.perf_counter() - t0)
       med = {name: statistics.median(v[1:]) for name, v in times.items()}
-      print(f'{num_clients} clients: ' + ', '.join(
+      print(f'{shape}: ' + ', '.join(
           f'{n} {med[n]:.3f} s (first round {times[n][0]:.1f} s)' for n in runtimes), flush=True)
-      summary.append((num_clients, med))
+      summary.append((shape, med, {n: g.last_bytes for n, g in groups.items() if g}))
   finally:
     for rt in runtimes.values():
       rt.close()
     for s in servers:
       s.stop()
-  print(f'\nFedAvg round on loopback workers vs the local runtime ({_EXAMPLES.value} examples '
-        f'per client, {spec.name}, batch {_BATCH.value}); median of rounds 2-{_ROUNDS.value}:')
-  for num_clients, med in summary:
-    print(f'  {num_clients:4d} clients: local {med["local"]:.3f} s | 1 worker '
-          f'{med["1 worker"] / med["local"]:.3f}x | 2 workers '
-          f'{med["2 workers"] / med["local"]:.3f}x')
+  print(f'\nFedAvg round on loopback workers ({_BATCH.value} examples a batch, each worker on '
+        f'one of cores {cores}); median of rounds 2-{_ROUNDS.value}:')
+  for shape, med, sent in summary:
+    per_client = med['1 worker']
+    print(f'  {shape}: local {med["local"]:.3f} s | client by client: 1 worker '
+          f'{per_client:.3f} s, 2 workers {med["2 workers"]:.3f} s | vectorised: 1 worker '
+          f'{med["vectorised 1 worker"]:.3f} s, 2 workers {med["vectorised 2 workers"]:.3f} s')
+    print(f'    vectorised on 1 worker: {per_client / med["vectorised 1 worker"]:.2f}x the '
+          f'clients per second of client by client; on 2 workers '
+          f'{med["vectorised 1 worker"] / med["vectorised 2 workers"]:.2f}x of 1 worker')
+    for name, per_worker in sent.items():
+      print(f'    {name}: MB to / from each worker per round: ' + ', '.join(
+          f'{down / 1e6:.2f} / {up / 1e6:.2f}' for down, up in per_worker))
   return 0
 
 
@@ -602,9 +635,9 @@ def main(argv) -> int:
   keras_fn = lambda: build_model(_MODEL.value, input_shape=(28, 28, 1), num_classes=10, seed=0)
   spec = learning.ModelSpec(keras_fn, (28, 28, 1), 10, name=_MODEL.value)
   if _RUNTIMES.value or _CHECKPOINTS.value:  # Either or both, in one process.
-    return max((compare(spec) for compare, asked in ((compare_runtimes, _RUNTIMES.value),
-                                                     (compare_checkpoints, _CHECKPOINTS.value))
-                if asked), default=0)
+    return max((compare() for compare, asked in ((compare_runtimes, _RUNTIMES.value),
+                                                 (lambda: compare_checkpoints(spec),
+                                                  _CHECKPOINTS.value)) if asked), default=0)
   data = _client_data(_CLIENTS.value, _EXAMPLES.value)
   if _COMPARE.value:
     return compare_methods(spec, data)

@@ -21,8 +21,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      r'vectorised clients(.|\n)*'
      r'kapc\+bls\s+\d+\.\d+ s\s+ratio vs fedavg \d+\.\d+'),
     # Both in one process, as the flags allow.
-    (['--runtimes', '--clients_list=4', '--checkpoints', '--clients=4'],
-     r'4 clients: local \d+\.\d+ s \| 1 worker \d+\.\d+x \| 2 workers \d+\.\d+x(.|\n)*'
+    (['--runtimes', '--runtime_shapes=mlp2:4x20', '--checkpoints', '--clients=4'],
+     r'mlp2:4x20: local \d+\.\d+ s \| client by client: 1 worker \d+\.\d+ s, 2 workers '
+     r'\d+\.\d+ s \| vectorised: 1 worker \d+\.\d+ s, 2 workers \d+\.\d+ s\n'
+     r'.*vectorised on 1 worker: \d+\.\d+x .* on 2 workers \d+\.\d+x of 1 worker\n'
+     r'.*vectorised 1 worker: MB to / from each worker per round: \d+\.\d+ / \d+\.\d+\n'
+     r'.*vectorised 2 workers: MB to / from each worker per round: (\d+\.\d+ / \d+\.\d+, ){1}'
+     r'\d+\.\d+ / \d+\.\d+(.|\n)*'
      r'with fsync:\s+\d+\.\d+ s\n\s+without fsync:\s+\d+\.\d+ s'
      r'\n\s+ratio with/without fsync: \d+\.\d+'),
 ])

@@ -104,8 +104,8 @@ def _wait_for_round(run_dir, proc, round_num):
   raise AssertionError(f'round {round_num} never checkpointed')
 
 
-# End to end through pipelines.run on 2 workers: the rounds before and after one is lost equal
-# the local runtime's (the driver's rounds of FedAvg and KAPC+BLS on 2 workers, in-process:
+# End to end through pipelines.run on 2 workers: the rounds (vectorised groups) before and after
+# one is lost equal the local runtime's (the driver's rounds of FedAvg and KAPC+BLS on 2 workers, in-process:
 # test_workers_equality.py; one method per shape of what is merged: test_vectorized.py).
 def test_lost_worker_round_repeats_on_the_other(workers, small_run, tmp_path):
   ws = workers(2)
@@ -117,6 +117,8 @@ def test_lost_worker_round_repeats_on_the_other(workers, small_run, tmp_path):
   assert proc.returncode == 0, stderr[-3000:]
   assert f'TFF worker {ws[1].address} was lost' in stderr
   assert 'round    3/3' in stdout
+  # 'auto' client work on remote workers: vectorised, one group of clients per worker.
+  assert 'vectorised clients: one call per worker (2 workers)' in stdout
   _assert_same_metrics(out, _local(small_run))
 
 

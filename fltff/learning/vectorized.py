@@ -225,7 +225,7 @@ def stack_clients(values: Sequence[Any]) -> Any:
   return tf.nest.map_structure(lambda *rows: stacked_tensor(aligned_stack(rows)), *values)
 
 
-def _round_specs(args: Sequence[Any], num_clients: Optional[int]) -> list:
+def round_specs(args: Sequence[Any], num_clients: Optional[int]) -> list:
   """`_train_fn`'s arguments as `tf.TensorSpec`s for every round of `num_clients` participants
   (None: any): the global weights as they are, elsewhere only client axes known."""
   (global_trainable, start, client_terms, statistics, examples, labels, index, mask, valid,
@@ -747,7 +747,7 @@ class VectorizedClientWork:
       if (k, factored) not in self._traced_for:
         # One trace per client count, with example count, epochs, steps and batch size unknown
         # (traced on exact shapes, `reduce_retracing` would retrace as they change).
-        self._train.get_concrete_function(*_round_specs(args, k), num_clients=k,
+        self._train.get_concrete_function(*round_specs(args, k), num_clients=k,
                                           factored=factored)
         self._traced_for.add((k, factored))
       return self._train(*args, num_clients=k, factored=factored)
