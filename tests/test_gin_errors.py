@@ -7,7 +7,7 @@ import pytest
 from helpers import SMALL
 from helpers import run_pipeline_here
 
-METHODS = ('fedadp, fedamp, fedavg, fedbabu, fedbn, fedlap, fedlayerwise, fednova, fedprox, '
+METHODS = ('ditto, fedadp, fedamp, fedavg, fedbabu, fedbn, fedlap, fedlayerwise, fednova, fedprox, '
            'kapc, local_training, moon, pfedla, scaffold, sgdm')
 KAPC = ('model_spec, num_clients, client_optimizer, lambda_, beta, relationship_learning_rate, '
         'relationship_steps, bls_mu, min_upload_layers, relationship_update, coaching_loss, '
