@@ -40,6 +40,8 @@ class Method:
       or a proximal term with one scale per tensor.
     composes_aggregator: The builder takes `model_aggregator=` (any TFF weighted aggregation
       factory; CCN with `+ccn`).
+    relationship_seed: The builder's `relationship_seed` (KAPC's R, pFedLA's hypernetworks)
+      follows the run's seed unless gin binds it (`simulation.experiment.build_method`).
     gin_name: `experiment.method = @<gin_name>`; `name`, but `local_training` for `local`.
     citation: The paper the method follows (authors, title, venue, year); '' for local
       training, which has none.
@@ -52,6 +54,7 @@ class Method:
   personalised: bool
   factors: bool = True
   composes_aggregator: bool = False
+  relationship_seed: bool = False
   gin_name: str = ''
   citation: str = ''
 
@@ -65,9 +68,10 @@ class Method:
 
 
 def _m(name, module, citation, *, num_clients=False, client_ids=False, client_state=False,
-       personalised=False, factors=True, composes_aggregator=False, gin_name=''):
+       personalised=False, factors=True, composes_aggregator=False, relationship_seed=False,
+       gin_name=''):
   return Method(name, f'{module}:build_{name}', num_clients, client_ids, client_state,
-                personalised, factors, composes_aggregator, gin_name, citation)
+                personalised, factors, composes_aggregator, relationship_seed, gin_name, citation)
 
 
 _L, _P = 'fltff.learning', 'fltff.personalization'
@@ -105,13 +109,13 @@ METHODS: Mapping[str, Method] = {m.name: m for m in (
        'Parameter Coaching for Communication-Efficient Personalized Federated Learning in '
        'Mobile Edge Computing. IEEE Transactions on Mobile Computing, 2024 '
        '(doi:10.1109/TMC.2024.3464512).', num_clients=True, client_ids=True,
-       client_state=True, personalised=True),
+       client_state=True, personalised=True, relationship_seed=True),
     _m('fedamp', _P, 'Y. Huang, L. Chu, Z. Zhou, L. Wang, J. Liu, J. Pei, Y. Zhang. '
        'Personalized Cross-Silo Federated Learning on Non-IID Data. AAAI 2021.',
        num_clients=True, client_ids=True, client_state=True, personalised=True),
     _m('pfedla', _P, 'X. Ma, J. Zhang, S. Guo, W. Xu. Layer-wised Model Aggregation for '
        'Personalized Federated Learning. CVPR 2022.', num_clients=True, client_ids=True,
-       client_state=True, personalised=True),
+       client_state=True, personalised=True, relationship_seed=True),
     _m('fedbn', _P, 'X. Li, M. Jiang, X. Zhang, M. Kamp, Q. Dou. FedBN: Federated Learning on '
        'Non-IID Features via Local Batch Normalization. ICLR 2021.', num_clients=True,
        client_ids=True, client_state=True, personalised=True),
@@ -171,6 +175,15 @@ def get(name: str) -> Method:
   if variant is None:
     return METHODS[base]
   return dataclasses.replace(METHODS[base], name=name, **variant.traits)
+
+
+def of_builder(builder: Callable[..., Any]) -> Method:
+  """The entry of `builder` (gin's `@<gin name>`); `ConfigError` for a builder of no entry."""
+  for method in METHODS.values():
+    if method.build_fn() is builder:
+      return method
+  raise ConfigError(f'{getattr(builder, "__name__", builder)} is not a method of fltff.methods; '
+                    f'experiment.method takes @{", @".join(m.gin_name for m in METHODS.values())}.')
 
 
 def build(name: str, model_spec, num_clients: Optional[int] = None, client_optimizer=None,

@@ -278,8 +278,7 @@ def compare_methods(spec, data) -> int:
     algorithms = {m: builders[m](opt) for m in names}
     if _VECTORIZE.value:
       try:
-        for algorithm in algorithms.values():
-          algorithm.vectorize_clients()
+        algorithms = {m: a.with_vectorized_clients() for m, a in algorithms.items()}
       except ConfigError as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
@@ -440,7 +439,7 @@ def compare_executors() -> int:
         if name.startswith('fltff_vectorized') or method != 'fedavg':
           try:
             # experiment.client_work = 'vectorised', on the column's device.
-            algorithm.vectorize_clients(devices.get(name))
+            algorithm = algorithm.with_vectorized_clients(devices.get(name))
           except ConfigError as e:
             print(f'{name} on {model}: not timed ({e})', flush=True)
             continue
@@ -543,9 +542,9 @@ def compare_runtimes() -> int:
       data = _client_data(num_clients, examples)
       rounds, times, groups = {}, {name: [] for name in runtimes}, {}
       for name, rt in runtimes.items():
-        algorithm = learning.build_fedavg(spec, client_optimizer=opt)
+        algorithm = method_registry.build('fedavg', spec, client_optimizer=opt)
         if variants[name][1]:
-          algorithm.vectorize_clients()
+          algorithm = algorithm.with_vectorized_clients()
         rt.place(algorithm)
         groups[name] = getattr(algorithm.vectorized_work(), 'on_workers', None)
         rounds[name] = _round_fn(algorithm, [examples] * num_clients)
@@ -644,7 +643,7 @@ def main(argv) -> int:
   sizes = [len(y) for _, y in data]
   with runtime.LocalWorkerRuntime():
     client_opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
-    algorithm = learning.build_fedavg(spec, client_optimizer=client_opt)
+    algorithm = method_registry.build('fedavg', spec, client_optimizer=client_opt)
     fltff_round = _round_fn(algorithm)
     plain = PlainTfFedAvg(keras_fn)
     plain_weights = [np.asarray(w) for w in spec.initial_weights().trainable]

@@ -42,7 +42,7 @@ def record(out_dir: str, names=None) -> None:
         if executor == 'cpp':
           context = runtime.context
         else:
-          algorithm.vectorize_clients()
+          algorithm = algorithm.with_vectorized_clients()
           context = InProcessContext()
         trace, state = helpers.run_rounds(algorithm, data, context, helpers.EQUALITY_CLIENTS)
         tff.framework.set_default_context(runtime.context)

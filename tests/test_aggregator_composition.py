@@ -34,11 +34,12 @@ def test_zeroing_and_clipping_around_the_mean_act_only_when_they_should():
   assert moved <= 2e-3 + 1e-6
 
 
-def test_clipping_around_ccn_keeps_ccn_weight_fields():
+def test_clipping_around_ccn_keeps_ccns_client_statistics():
   ccn = aggregators.contribution_normalization_factory(0.05)
   reference, _ = _fedavg(model_aggregator=ccn)
-  wrapped = aggregators.with_weight_fields_of(tff.aggregators.clipping_factory(1e6, ccn), ccn)
-  assert wrapped.weight_fields == ('client_index', 'latent_mean')
+  wrapped = aggregators.with_client_statistics_of(tff.aggregators.clipping_factory(1e6, ccn),
+                                                  ccn)
+  assert [s.name for s in wrapped.client_statistics] == ['client_index', 'latent_mean']
   clipped, metrics = _fedavg(model_aggregator=wrapped)
   assert _diff(clipped, reference) <= 1e-6
   assert 'contribution' in str(metrics['aggregator'])

@@ -183,8 +183,9 @@ def test_ccn_round_with_one_participant_is_the_base_scheme():
 def test_uniform_client_weighting_composes_with_ccn():
   """`client_weighting='uniform'` sets ν = num_examples = 1 in the weight struct that also
   carries CCN's fields, so CCN's ω = Λ/ΣΛ whatever the client sizes."""
-  work = learning.build_client_work(SPEC, _opt(), weight_fields=('client_index', 'latent_mean'),
-                                    client_weighting='uniform')
+  work = learning.build_client_work(
+      SPEC, _opt(), client_statistics=aggregators.contribution_normalization_factory().client_statistics,
+      client_weighting='uniform')
   weights = SPEC.initial_weights()
   inputs = [learning.client_input(ds, i, 1) for i, ds in enumerate(_datasets((10, 20, 30)))]
   results = work.next(work.initialize(), [weights] * 3, inputs).result
@@ -240,8 +241,8 @@ def test_mnist_outlier_client_gets_largest_lambda():
   assert np.argmax(lam) == 2, lam
 
 
-_FIX = ("Build the process with an fltff builder, whose client work sends what the factory's "
-        'weight_fields name: fltff.learning.build_fedavg(model_spec, model_aggregator=<this '
+_FIX = ("Build the process with an fltff builder, whose client work sends the factory's "
+        'client_statistics: fltff.learning.build_fedavg(model_spec, model_aggregator=<this '
         'factory>) or another that takes model_aggregator (fltff.methods marks them '
         'composes_aggregator), or build_algorithm(..., model_aggregator=<this factory>) for a '
         'method of your own.')

@@ -99,7 +99,7 @@ def test_ditto_equals_its_numpy_reference(vectorised, lam, cpp):
   algorithm = build_ditto(SPEC, client_optimizer=optimizers.sgdm(LR),
                           lambda_=lam)
   if vectorised:
-    algorithm.vectorize_clients()
+    algorithm = algorithm.with_vectorized_clients()
   tff.framework.set_default_context(InProcessContext() if vectorised else cpp)
   try:
     state, store = _run(algorithm, clients, rounds=2)
@@ -147,7 +147,7 @@ def test_ditto_runs_in_the_driver_with_personal_and_global_protocols(vectorised,
   algorithm = build_ditto(spec, client_optimizer=optimizers.sgdm(0.05),
                           lambda_=0.1)
   if vectorised:
-    algorithm.vectorize_clients()
+    algorithm = algorithm.with_vectorized_clients()
   tff.framework.set_default_context(InProcessContext() if vectorised else cpp)
   try:
     config = RoundConfig(rounds=2, clients_per_round=2, batch_size=32, seed=1,

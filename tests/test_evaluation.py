@@ -44,7 +44,7 @@ def numpy_accuracy(weights, x, y) -> float:
 
 def drive(algorithm, data, tmp_path, evaluation_protocols, rounds=2, finetuner=None,
           headline='best_round_mean', clients_per_round=NUM_CLIENTS):
-  algorithm.vectorize_clients()
+  algorithm = algorithm.with_vectorized_clients()
   config = RoundConfig(rounds=rounds, clients_per_round=clients_per_round, local_epochs=1,
                        batch_size=16, checkpoint_every=10, evaluation=evaluation_protocols,
                        headline_statistic=headline)
@@ -59,6 +59,7 @@ def test_every_global_protocol_matches_numpy_on_the_models_it_names(data, spec, 
   global model on the central test set."""
   algorithm = learning.build_fedavg(spec, client_optimizer=SGD())
   driver = drive(algorithm, data, tmp_path, ['trained_local', 'global_local', 'central'])
+  algorithm = driver.algorithm  # Its clients vectorised (`drive`).
   state = algorithm.initialize()
   state, row, _ = driver.run_round(state, 1)
   row.update(driver.evaluate(state, 1))
@@ -92,6 +93,7 @@ def test_one_participant_at_server_rate_one_trains_the_global_model(data, spec, 
   algorithm = learning.build_fedavg(spec, client_optimizer=SGD())
   driver = drive(algorithm, data, tmp_path, ['trained_local', 'global_local'],
                  clients_per_round=1)
+  algorithm = driver.algorithm  # Its clients vectorised (`drive`).
   state = algorithm.initialize()
   for r in (1, 2):
     state, row, _ = driver.run_round(state, r)
@@ -107,6 +109,7 @@ def test_finetuned_local_is_fedavg_local_training_of_the_whole_model(data, spec,
   tuner = evaluation.Finetuner(spec, SGD(), epochs=1)
   driver = drive(fedbabu, data, tmp_path / 'babu', ['finetuned_local', 'global_local'],
                  finetuner=tuner)
+  fedbabu = driver.algorithm
   state = fedbabu.initialize()
   state, row, _ = driver.run_round(state, 1)
   row.update(driver.evaluate(state, 1))
@@ -115,8 +118,7 @@ def test_finetuned_local_is_fedavg_local_training_of_the_whole_model(data, spec,
   tuned = [np.asarray(t) for t in tuner(global_weights, [(k, driver.client_batches(1, k))
                                                          for k in clients])]
   # The reference: FedAvg's vectorised round from FedBABU's global model on the same batches.
-  fedavg = learning.build_fedavg(spec, client_optimizer=SGD())
-  fedavg.vectorize_clients()
+  fedavg = learning.build_fedavg(spec, client_optimizer=SGD()).with_vectorized_clients()
   ref_state = fedavg.process.set_model_weights(fedavg.initialize(), global_weights)
   from fltff.learning import protocol  # pylint: disable=g-import-not-at-top
   protocol.run_round(fedavg, ref_state, clients, batches_of=lambda k: driver.client_batches(1, k),
@@ -142,6 +144,7 @@ def test_personal_local_tests_each_clients_own_model(data, spec, tmp_path):
   algorithm = personalization.build_local(spec, NUM_CLIENTS, client_optimizer=SGD())
   driver = drive(algorithm, data, tmp_path, None)
   assert driver.protocols == ('personal_local',)
+  algorithm = driver.algorithm  # Its clients vectorised (`drive`).
   state = algorithm.initialize()
   state, row, client_states = driver.run_round(state, 1)
   driver.client_states.set_many(client_states, 1)

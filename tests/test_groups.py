@@ -44,9 +44,7 @@ def two_workers():
 
 
 def _vectorised(method, spec):
-  algorithm = equality_methods()[method](spec)
-  algorithm.vectorize_clients()
-  return algorithm
+  return equality_methods()[method](spec).with_vectorized_clients()
 
 
 def _on(runtime, algorithm, data):

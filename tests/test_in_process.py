@@ -135,8 +135,7 @@ def test_gpu_vectorised_clients_equal_cpu(data, spec, float32_matmuls):
   # What the GPU check times (pipelines.gpu_check): vectorised clients on each device.
   runs = []
   for device in ('/CPU:0', '/GPU:0'):
-    algorithm = METHODS['fedavg'](spec)
-    algorithm.vectorize_clients(device)
+    algorithm = METHODS['fedavg'](spec).with_vectorized_clients(device)
     runs.append(run_rounds(algorithm, data, InProcessContext(device=device), NUM_CLIENTS))
   for x, y in zip(*(leaves(run) for run in runs)):
     np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)

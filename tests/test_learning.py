@@ -332,17 +332,22 @@ def test_regularizer_traits_refuse_what_cannot_be_and_default_to_the_penalty():
   assert client_work.traits_of(None) is None
 
 
-@pytest.mark.parametrize('weight_fields', [(), ('client_index',), ('latent_mean',),
-                                           ('local_steps', 'client_index', 'latent_mean')])
-def test_client_result_type_is_the_traced_client_works(spec, weight_fields):
+@pytest.mark.parametrize('names', [(), ('client_index',), ('latent_mean',),
+                                   ('local_steps', 'client_index', 'latent_mean')])
+def test_client_result_type_is_the_traced_client_works(spec, names):
   """`build_algorithm` creates the aggregator from `client_result_type` without tracing the
-  client work: it must be the type the client work returns."""
+  client work: it must be the type the client work returns, statistics in the declared order."""
+  from fltff.aggregators import contribution_normalization as ccn  # pylint: disable=g-import-not-at-top
   from fltff.learning import client_work  # pylint: disable=g-import-not-at-top
 
-  work = client_work.build_client_work(spec, optimizers.sgdm(0.1),
-                                       weight_fields=weight_fields)
-  assert client_work.client_result_type(spec, weight_fields) == (
-      work.next.type_signature.result.result.member)
+  known = {s.name: s for s in (client_work.CLIENT_INDEX, ccn.LATENT_MEAN, ccn.LOCAL_STEPS)}
+  statistics = [known[name] for name in names]
+  work = client_work.build_client_work(spec, optimizers.sgdm(0.1), client_statistics=statistics)
+  result_type = client_work.client_result_type(spec, statistics)
+  assert result_type == work.next.type_signature.result.result.member
+  if names:
+    assert [name for name, _ in tff.structure.iter_elements(result_type.update_weight)] == [
+        'num_examples', *names]
 
 
 def test_a_specs_model_facts_come_from_one_built_model(spec):

@@ -236,7 +236,7 @@ def test_the_local_worker_and_a_driver_without_vectorised_clients_get_the_fixed_
       '  with make_runtime() as rt:\n'
       '    algorithm = learning.build_fedavg(spec)\n'
       '    if vectorised:\n'
-      '      algorithm.vectorize_clients()\n'
+      '      algorithm = algorithm.with_vectorized_clients()\n'
       '    placed = type(rt.place(algorithm)).__name__\n'
       '    print(vectorised, heap.threshold_fixed(), placed)\n')
   tests_dir = os.path.dirname(os.path.abspath(__file__))

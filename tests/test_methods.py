@@ -35,13 +35,18 @@ def test_each_entry_builds_with_the_traits_it_declares(name):
   params = inspect.signature(inspect.unwrap(builder)).parameters
   assert ('num_clients' in params) == info.num_clients
   assert ('model_aggregator' in params) == info.composes_aggregator
-  # gin knows the method's builder by its gin name (`experiment.method = @<gin name>`).
+  assert ('relationship_seed' in params) == info.relationship_seed
+  # gin knows the method's builder by its gin name (`experiment.method = @<gin name>`), and
+  # the registry knows gin's builder (`experiment.build_method`).
   assert inspect.unwrap(gin.get_configurable(info.gin_name)) is inspect.unwrap(builder)
+  assert methods.of_builder(builder) == methods.METHODS[methods.VARIANTS[name].base
+                                                        if name in methods.VARIANTS else name]
   algorithm = methods.build(name, SPEC, N, _sgdm())
   assert algorithm.personalized == info.personalised
   assert algorithm.has_client_state == info.client_state
-  algorithm.vectorize_clients()  # Every method vectorises on models without BatchNorm.
-  assert algorithm.vectorized
+  assert algorithm.num_clients == (N if info.num_clients else None)
+  # Every method vectorises on models without BatchNorm.
+  assert algorithm.with_vectorized_clients().vectorized and not algorithm.vectorized
 
 
 @pytest.mark.parametrize('name', ['fedavg+fedlap_personalization', 'kapc', 'fedprox'])
@@ -65,6 +70,48 @@ def test_the_program_api_takes_exactly_the_methods_without_client_identity(name)
       program.as_dataset_process(algorithm, epochs=1)
   else:
     program.as_dataset_process(algorithm, epochs=1)
+
+
+@pytest.mark.parametrize('name', ['fedavg', 'fedadp', 'fedbabu', 'scaffold', 'moon'])
+def test_a_built_global_method_is_complete_and_cannot_be_changed(name):
+  algorithm = methods.build(name, SPEC, N, _sgdm())
+  for field, value in (('num_clients', 7), ('bytes_down_per_client', 1), ('finetunes', True),
+                       ('vectorized_fn', None), ('client_state_init', None)):
+    with pytest.raises(dataclasses.FrozenInstanceError):
+      setattr(algorithm, field, value)
+  # The builder's description: FedBABU fine-tunes; SCAFFOLD sends its controls each way with
+  # the model and the update (as many bytes again as the trainable weights).
+  assert algorithm.finetunes == (name == 'fedbabu')
+  plain = methods.build('fedavg', SPEC, N, _sgdm())
+  trainable = sum(w.nbytes for w in SPEC.initial_weights().trainable)
+  extra = trainable if name == 'scaffold' else 0
+  assert algorithm.bytes_down_per_client == plain.bytes_down_per_client + extra
+  assert algorithm.bytes_up_per_client == plain.bytes_up_per_client + extra + (
+      4 if name == 'fedadp' else 0)  # FedAdp's weight also carries the int32 client index.
+  vectorised = algorithm.with_vectorized_clients()
+  assert vectorised is not algorithm and vectorised.vectorized and not algorithm.vectorized
+  assert dataclasses.replace(vectorised, _vectorized=None) == algorithm
+
+
+def test_the_experiment_builds_gins_method_through_the_registry_with_the_run_seed():
+  # KAPC's random R follows the run seed unless gin binds kapc.relationship_seed.
+  from fltff.simulation import experiment  # pylint: disable=g-import-not-at-top
+
+  def relation(seed, bindings=()):
+    gin.clear_config()
+    try:
+      gin.parse_config(['client_optimizer.name = "sgd"', *bindings])
+      algorithm = experiment.build_method(gin.get_configurable('kapc'), SPEC, N, seed)
+      return algorithm.process.initialize()['relation']
+    finally:
+      gin.clear_config()
+
+  direct = methods.build('kapc', SPEC, N, _sgdm(), relationship_seed=2).process.initialize()
+  assert (relation(2) == direct['relation']).all()
+  assert not (relation(1) == relation(2)).all()
+  assert (relation(2, ['kapc.relationship_seed = 1']) == relation(1)).all()
+  with pytest.raises(ConfigError, match='not a method of fltff.methods'):
+    experiment.build_method(lambda model_spec, **kwargs: None, SPEC, N)
 
 
 def test_the_registry_refuses_unknown_names_and_composes_variants():

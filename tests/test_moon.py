@@ -275,7 +275,7 @@ def test_moon_compiles_to_mergeable_form_and_sends_what_fedavg_sends():
   avg = learning.build_fedavg(SPEC)
   assert algorithm.bytes_down_per_client == avg.bytes_down_per_client
   assert algorithm.bytes_up_per_client == avg.bytes_up_per_client
-  assert algorithm.client_states_key == 'client_states'
+  assert algorithm.has_client_state and algorithm.num_clients == 4
 
 
 def test_moon_offline_twin_pipeline(tmp_path):

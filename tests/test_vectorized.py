@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from fltff import aggregators
 from fltff import learning
 from fltff import methods
 from fltff import personalization
@@ -87,8 +88,7 @@ UNSUPPORTED = {'own_client_work': _own_client_work}
 
 
 def _vectorized(algorithm):
-  algorithm.vectorize_clients()
-  return algorithm
+  return algorithm.with_vectorized_clients()
 
 
 # Per method one trace of TFF's process is the reference, run on the C++ runtime; the same traced
@@ -292,7 +292,7 @@ class _TensorFlowWarnings(logging.Handler):
     self.messages.append(record.getMessage())
 
 
-def test_a_convolutional_client_work_with_every_weight_field_equals_tffs(cpp):
+def test_a_convolutional_client_work_with_every_client_statistic_equals_tffs(cpp):
   # cnn_cifar_tutorial: convolutions and max-pooling under tf.vectorized_map, with CCN's latent
   # mean, FedNova's step count and the client index in the weight; clients of 40, 20 and 33
   # examples (partial last batches), with 1, 2 and 0 local epochs. Continuous random inputs:
@@ -305,7 +305,8 @@ def test_a_convolutional_client_work_with_every_weight_field_equals_tffs(cpp):
 
   spec = ModelSpec(functools.partial(build_model, 'cnn_cifar_tutorial', input_shape=(28, 28, 1),
                                      num_classes=10, seed=0), (28, 28, 1), 10)
-  fields = ('client_index', 'latent_mean', 'local_steps')
+  fields = aggregators.NormalizedMeanFactory(1.0, normalized_averaging=True).client_statistics
+  assert [s.name for s in fields] == ['client_index', 'latent_mean', 'local_steps']
   rng = np.random.default_rng(0)
   inputs = []
   for k, (n, epochs) in enumerate([(40, 1), (20, 2), (33, 0)]):
@@ -316,13 +317,13 @@ def test_a_convolutional_client_work_with_every_weight_field_equals_tffs(cpp):
     inputs.append(client_work_lib.client_input(batches, k, epochs))
   weights = spec.initial_weights()
   tff.framework.set_default_context(cpp)
-  work = client_work_lib.build_client_work(spec, SGDM(), weight_fields=fields)
+  work = client_work_lib.build_client_work(spec, SGDM(), client_statistics=fields)
   expected = work.next(work.initialize(), [weights] * 3, inputs)
   logged = _TensorFlowWarnings()
   tf.get_logger().addHandler(logged)
   try:
     results, train, _, _ = vectorized.VectorizedClientWork(
-        spec, SGDM(), weight_fields=fields).round_results(weights, inputs)
+        spec, SGDM(), client_statistics=fields).round_results(weights, inputs)
     # pfor loops over the clients for the filter gradients, by design and without a warning
     # (which it does print for such a map outside the vectorised step).
     assert not any('Fix that' in m for m in logged.messages), logged.messages
@@ -349,6 +350,85 @@ def test_a_convolutional_client_work_with_every_weight_field_equals_tffs(cpp):
   assert not any(np.any(u) for u in tf.nest.flatten(results[2].update))  # No epochs.
   for name, value in expected.measurements['train'].items():
     np.testing.assert_allclose(train[name], value, rtol=1e-5)
+
+
+def _squared_norm_of_client(keras_model, data, out):
+  del keras_model, data
+  return tf.add_n([tf.reduce_sum(tf.square(t)) for t in out['trained']])
+
+
+def _squared_norms_of_clients(client_inputs, out):
+  del client_inputs
+  return sum(np.sum(np.square(t), axis=tuple(range(1, t.ndim)))
+             for t in (np.asarray(w) for w in out['trained']))
+
+
+class _ReportingMean(tff.aggregators.WeightedAggregationFactory):
+  """FedAvg's mean, reporting a statistic no fltff aggregator declares: each participant's
+  squared norm of its trained weights."""
+
+  client_statistics = (learning.client_work.CLIENT_INDEX, learning.client_work.ClientStatistic(
+      'squared_norm', lambda spec: tff.TensorType(np.float32), _squared_norm_of_client,
+      _squared_norms_of_clients))
+
+  def create(self, value_type, weight_type):
+    from fltff.aggregators.gather import build_gather  # pylint: disable=g-import-not-at-top
+
+    gather, acc_type = build_gather(value_type, weight_type)
+    specs = tff.types.type_to_tf_tensor_specs(value_type)
+
+    @tff.tensorflow.computation(acc_type)
+    def server_update(gathered):
+      weight = gathered['weight']
+      omega = weight['num_examples'] / tf.reduce_sum(weight['num_examples'])
+      mean = [tf.tensordot(omega, u, axes=1) for u in gathered['update']]
+      return tf.nest.pack_sequence_as(specs, mean), collections.OrderedDict(
+          client_index=weight['client_index'], squared_norm=weight['squared_norm'])
+
+    @tff.federated_computation
+    def init_fn():
+      return tff.federated_value((), tff.SERVER)
+
+    @tff.federated_computation(init_fn.type_signature.result,
+                               tff.FederatedType(value_type, tff.CLIENTS),
+                               tff.FederatedType(weight_type, tff.CLIENTS))
+    def next_fn(state, value, weight):
+      mean, measurements = tff.federated_map(server_update, gather(value, weight))
+      return tff.templates.MeasuredProcessOutput(state, mean, measurements)
+
+    return tff.templates.AggregationProcess(init_fn, next_fn)
+
+
+def test_an_aggregators_own_statistic_reaches_it_from_both_client_works(data, spec, cpp):
+  # A statistic declared by the aggregator alone (`ClientStatistic`): neither client work names
+  # it. Client 0 trains no epoch, so its value is the initial model's squared norm.
+  from fltff.learning import protocol  # pylint: disable=g-import-not-at-top
+
+  algorithm = learning.build_fedavg(spec, client_optimizer=SGDM(),
+                                    model_aggregator=_ReportingMean())
+
+  def squared_norms(algorithm, context):
+    tff.framework.set_default_context(context)
+    out, _ = protocol.run_round(
+        algorithm, algorithm.initialize(), [0, 1, 2],
+        batches_of=lambda k: client_batches(*data.client_arrays(k), 16, shuffle_seed=k),
+        epochs_of=lambda k: k, num_examples_of=lambda k: len(data.train_indices[k]),
+        client_state_of=lambda k: None)
+    measured = out.measurements['aggregator']
+    return np.asarray(measured['squared_norm'])[np.argsort(measured['client_index'])]
+
+  try:
+    per_client = squared_norms(algorithm, cpp)
+    vectorised = algorithm.with_vectorized_clients()
+    stacked = squared_norms(vectorised, InProcessContext())
+  finally:
+    tff.framework.set_default_context(cpp)
+  initial = sum(np.sum(np.square(w)) for w in spec.initial_weights().trainable)
+  np.testing.assert_allclose(per_client[0], initial, rtol=1e-6)
+  assert per_client[1] != per_client[0] and per_client[2] != per_client[1]
+  np.testing.assert_allclose(stacked, per_client, rtol=1e-5)
+  np.testing.assert_allclose(stacked, _squared_norms_of_clients(None, {
+      'trained': vectorised.trained_weights()}), rtol=1e-6)
 
 
 @pytest.mark.parametrize('known_batch_counts', [True, False])
@@ -534,7 +614,7 @@ def test_a_model_built_in_a_graph_meanwhile_does_not_break_a_new_round_shape(spe
 @pytest.mark.parametrize('method', sorted(UNSUPPORTED))
 def test_methods_with_their_own_client_work_refuse_in_one_error(method, spec):
   with pytest.raises(ConfigError, match='cannot vectorise its clients'):
-    UNSUPPORTED[method](spec).vectorize_clients()
+    UNSUPPORTED[method](spec).with_vectorized_clients()
 
 
 # FedProx's client work: FedAvg's step with a regulariser beside it (FedAvg's own, without one,
@@ -650,7 +730,7 @@ def test_clients_train_their_own_batchnorm_statistics_as_the_cpp_runtime(method,
 def test_batchnorm_where_trained_statistics_are_read_is_refused(method, message, data):
   spec = build_model_spec(data, 'cnn2_bn', seed=0)
   with pytest.raises(ConfigError, match=message):
-    equality_methods()[method](spec).vectorize_clients()
+    equality_methods()[method](spec).with_vectorized_clients()
 
 
 def test_a_vectorised_batchnorm_model_offers_no_trained_local_models(data):
@@ -702,44 +782,38 @@ def test_auto_client_work_vectorises_what_it_can_and_the_runtime_places_it(data,
   from fltff.simulation.experiment import choose_client_work  # pylint: disable=g-import-not-at-top
 
   def placed(algorithm, rt):
-    choose_client_work(algorithm, 'auto', True, rt)
-    return rt.place(algorithm)
+    algorithm, reason = choose_client_work(algorithm, 'auto', True, rt)
+    return algorithm, reason, rt.place(algorithm)
 
   try:
     with make_runtime() as rt:  # runtime.executor = 'auto'
       assert isinstance(rt, AutoRuntime)
       assert rt.context is None and not rt.worker_pids  # Nothing started before the method.
-      algorithm = METHODS['kapc+bls'](spec)
-      on = placed(algorithm, rt)
-      assert isinstance(on, InProcessRuntime) and algorithm.client_work_reason is None
+      _, reason, on = placed(METHODS['kapc+bls'](spec), rt)
+      assert isinstance(on, InProcessRuntime) and reason is None
       assert on.description == 'the in-process executor, vectorised clients'
       assert isinstance(on.context, InProcessContext) and not on.worker_pids
     with make_runtime() as rt:
-      algorithm = UNSUPPORTED['own_client_work'](spec)
-      on = placed(algorithm, rt)
+      _, reason, on = placed(UNSUPPORTED['own_client_work'](spec), rt)
       assert isinstance(on, LocalWorkerRuntime) and len(on.worker_pids) == 2
-      assert 'cannot vectorise its clients' in algorithm.client_work_reason
+      assert 'cannot vectorise its clients' in reason
       pids = on.worker_pids
     assert all(wait_for_exit(pid) for pid in pids)  # Closing 'auto' stops what it placed.
     bn_spec = build_model_spec(data, 'cnn2_bn', seed=0)
     with make_runtime() as rt:  # FedBN's clients train their own BatchNorm statistics.
-      algorithm = METHODS['fedbn'](bn_spec)
-      assert placed(algorithm, rt).description == 'the in-process executor, vectorised clients'
-      assert algorithm.client_work_reason is None
+      _, reason, on = placed(METHODS['fedbn'](bn_spec), rt)
+      assert on.description == 'the in-process executor, vectorised clients' and reason is None
     with make_runtime() as rt:  # MOON reads other models' representations of its batches.
-      algorithm = METHODS['moon'](bn_spec)
-      assert isinstance(placed(algorithm, rt), LocalWorkerRuntime)
-      assert 'non-trainable weights' in algorithm.client_work_reason
+      _, reason, on = placed(METHODS['moon'](bn_spec), rt)
+      assert isinstance(on, LocalWorkerRuntime) and 'non-trainable weights' in reason
     # Recycling the worker is the C++ runtime's: chosen before any method, and then 'auto'
     # client work stays client by client.
     with make_runtime(recycle_every=2) as rt:
       assert isinstance(rt, LocalWorkerRuntime) and len(rt.worker_pids) == 2
-      algorithm = METHODS['fedavg'](spec)
-      assert placed(algorithm, rt) is rt
-      assert not algorithm.vectorized and algorithm.client_work_reason is None
+      algorithm, reason, on = placed(METHODS['fedavg'](spec), rt)
+      assert on is rt and not algorithm.vectorized and reason is None
       # Vectorised client work there trains as groups on the worker (`tests/test_groups.py`).
-      vectorised = METHODS['fedavg'](spec)
-      vectorised.vectorize_clients()
+      vectorised = METHODS['fedavg'](spec).with_vectorized_clients()
       assert rt.place(vectorised) is rt and rt.description.endswith(
           'vectorised clients: one call per worker (1 worker)')
   finally:
@@ -788,11 +862,11 @@ def test_auto_trains_a_convolutional_model_client_by_client_on_a_cpu_when_paddin
            (cnn, [2, 3, 300, 301], 'auto', 'cpu', True)]
   for model_spec, steps, client_work, device, vectorised in cases:
     with make_runtime(device=device) as rt:
-      algorithm = learning.build_fedavg(model_spec)
-      choose_client_work(algorithm, client_work, True, rt, steps, 4, batch_size=32)
+      algorithm, reason = choose_client_work(learning.build_fedavg(model_spec), client_work, True,
+                                             rt, steps, 4, batch_size=32)
       assert algorithm.vectorized == vectorised, (model_spec.name, steps, client_work)
       if not vectorised:
-        assert 'pad them to 2.00x their steps' in algorithm.client_work_reason
+        assert 'pad them to 2.00x their steps' in reason
       assert rt.context is None  # Nothing started: the runtime places the rounds at bind.
 
 
@@ -818,8 +892,7 @@ def test_a_vectorised_algorithms_client_inputs_carry_their_info_without_a_datase
   algorithm = METHODS['fedavg'](spec)
   plain = algorithm.client_input(batches, 7, 3)
   assert isinstance(plain['info'], tf.data.Dataset)
-  algorithm.vectorize_clients()
-  fast = algorithm.client_input(batches, 7, 3)
+  fast = algorithm.with_vectorized_clients().client_input(batches, 7, 3)
   assert not isinstance(fast['info'], tf.data.Dataset)
   assert (client_work_lib.client_info_of_input(plain)
           == client_work_lib.client_info_of_input(fast) == {'client_index': 7, 'epochs': 3})

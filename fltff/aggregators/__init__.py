@@ -4,7 +4,8 @@
   between each client's and the global gradient, per layer or model; equations as TF functions.
 - `contribution_normalization_factory` (CCN; gin `contribution_normalization`, a method's
   `model_aggregator`), `NormalizedMeanFactory` (CCN and/or FedNova's normalised averaging).
-- Each names the update-weight fields it needs (`weight_fields`); the builders'
+- Each declares the per-client statistics it needs sent with the updates
+  (`client_statistics`: `fltff.learning.client_work.ClientStatistic`s); the builders'
   `model_aggregator=` takes them or any TFF weighted factory. `gather.build_gather` underlies all.
 """
 
@@ -25,7 +26,7 @@ from fltff.aggregators.contribution_normalization import contribution_normalizat
 from fltff.aggregators.contribution_normalization import normalized_weights
 from fltff.aggregators.contribution_normalization import nova_aggregate
 from fltff.aggregators.contribution_normalization import similarity_matrix
-from fltff.aggregators.composition import with_weight_fields_of
+from fltff.aggregators.composition import with_client_statistics_of
 
 __all__ = [
     'adaptive_weights',
@@ -45,5 +46,5 @@ __all__ = [
     'similarity_matrix',
     'smoothed_angles',
     'weighted_layer_mean',
-    'with_weight_fields_of',
+    'with_client_statistics_of',
 ]

@@ -24,6 +24,7 @@ import tensorflow_federated as tff
 from fltff.aggregators.gather import build_gather
 from fltff.config_checks import check_number
 from fltff.errors import ConfigError
+from fltff.learning.client_work import CLIENT_INDEX
 from fltff.models.layers import row_cosine
 from fltff.models.layers import update_index_groups
 
@@ -88,7 +89,7 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
   Usable wherever TFF takes a `model_aggregator` (e.g. `build_weighted_fed_avg`). With TFF's plain
   float32 weight no client identity arrives: angles are unsmoothed (θ̃ = θ) and `num_clients` must
   be unset. With `OrderedDict(num_examples=float32, client_index=int32)` (fltff's client work,
-  `weight_fields=('client_index',)`) `num_clients` is required, and every client's smoothed angles
+  `client_statistics`) `num_clients` is required, and every client's smoothed angles
   and participation counts live in the state (saved in fltff's checkpoints). A mismatch raises
   `ConfigError` in `create`.
 
@@ -127,9 +128,9 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
     self._learning_rate = float(learning_rate)
 
   @property
-  def weight_fields(self) -> tuple[str, ...]:
-    """Update-weight fields the client work must send: `client_index` if `num_clients` is set."""
-    return ('client_index',) if self._num_clients is not None else ()
+  def client_statistics(self) -> tuple:
+    """What the client work sends with each update: the client index if `num_clients` is set."""
+    return (CLIENT_INDEX,) if self._num_clients is not None else ()
 
   def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:
     specs = tff.types.type_to_tf_tensor_specs(value_type)

@@ -3,8 +3,8 @@
 fltff's factories gather all participants' values in one aggregate (single-pass), so they take
 no inner TFF factory (secure sum or DP noise would have to run per client inside them). TFF
 wrappers acting on each client's value first (`clipping_factory`, `zeroing_factory`) go *around*
-them; `with_weight_fields_of` keeps the inner factory's `weight_fields` visible on the wrapper,
-so the learning builders still send them. TFF's unweighted factories (e.g.
+them; `with_client_statistics_of` keeps the inner factory's `client_statistics` visible on the
+wrapper, so the learning builders still send them. TFF's unweighted factories (e.g.
 `DifferentiallyPrivateFactory`) go to the builders directly (`build_algorithm` makes them
 weighted, ignoring ν, as TFF's `build_weighted_fed_avg` does).
 """
@@ -14,20 +14,20 @@ from __future__ import annotations
 import tensorflow_federated as tff
 
 
-class _WithWeightFields(tff.aggregators.WeightedAggregationFactory):
-  """`outer` (a TFF wrapper around `inner`) with `inner`'s `weight_fields`."""
+class _WithClientStatistics(tff.aggregators.WeightedAggregationFactory):
+  """`outer` (a TFF wrapper around `inner`) with `inner`'s `client_statistics`."""
 
-  def __init__(self, outer: tff.aggregators.WeightedAggregationFactory, weight_fields):
+  def __init__(self, outer: tff.aggregators.WeightedAggregationFactory, client_statistics):
     self._outer = outer
-    self.weight_fields = tuple(weight_fields)
+    self.client_statistics = tuple(client_statistics)
 
   def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:
     return self._outer.create(value_type, weight_type)
 
 
-def with_weight_fields_of(outer: tff.aggregators.WeightedAggregationFactory,
-                          inner) -> tff.aggregators.WeightedAggregationFactory:
-  """`outer` (a TFF wrapper around the fltff factory `inner`) exposing `inner`'s `weight_fields`.
-
-  E.g. `with_weight_fields_of(tff.aggregators.clipping_factory(1.0, ccn), ccn)`."""
-  return _WithWeightFields(outer, getattr(inner, 'weight_fields', ()))
+def with_client_statistics_of(outer: tff.aggregators.WeightedAggregationFactory,
+                              inner) -> tff.aggregators.WeightedAggregationFactory:
+  """`outer` (a TFF wrapper around the fltff factory `inner`) exposing `inner`'s
+  `client_statistics`. E.g. `with_client_statistics_of(tff.aggregators.clipping_factory(1.0,
+  ccn), ccn)`."""
+  return _WithClientStatistics(outer, getattr(inner, 'client_statistics', ()))

@@ -27,12 +27,16 @@ import collections
 from typing import Optional
 
 import gin
+import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
 from fltff.aggregators.gather import build_gather
 from fltff.config_checks import check_number
 from fltff.errors import ConfigError
+from fltff.learning.client_work import CLIENT_INDEX
+from fltff.learning.client_work import ClientStatistic
+from fltff.models import latent_model
 from fltff.models.layers import row_cosine
 
 
@@ -69,6 +73,52 @@ def nova_aggregate(updates: list, weights: tf.Tensor, steps: tf.Tensor) -> list:
   return [tau_eff * tf.tensordot(weights / steps, u, axes=1) for u in updates]
 
 
+def _latent_mean_of_client(keras_model, data, out):
+  """The mean latent representation over one pass of the client's batches, read after training."""
+  latent = latent_model(keras_model)
+  dim = int(latent.output_shape[-1])
+
+  def add_latents(state, batch):
+    total, count = state
+    z = tf.reshape(latent(batch['x'], training=False), [-1, dim])
+    return total + tf.reduce_sum(z, axis=0), count + tf.cast(tf.shape(z)[0], tf.float32)
+
+  with tf.control_dependencies(tf.nest.flatten(out['trained'])):
+    total, count = data['batches'].reduce((tf.zeros([dim]), tf.constant(0.0)), add_latents)
+  return total / tf.maximum(count, 1.0)
+
+
+def _latent_means_in_trace(work, weights, first_epoch):
+  """Each vectorised client's mean latent representation under its trained weights over its
+  first epoch's batches."""
+  examples, index, mask, k = first_epoch
+  latent_apply, latent_dim = work.latent_apply, work.latent_dim
+
+  def latent_sums(args):
+    local, bx, bmask = args
+    z = latent_apply(local, bx, training=False)
+    return tf.reduce_sum(z * bmask[:, tf.newaxis], axis=0), tf.reduce_sum(bmask)
+
+  def step(s, total, count):
+    step_total, step_count = tf.vectorized_map(
+        latent_sums, (weights, tf.gather(examples, index[0, s]), mask[0, s]))
+    return s + 1, total + step_total, count + step_count
+
+  _, total, count = tf.while_loop(
+      lambda s, *_: s < tf.shape(index)[1], step,
+      (tf.constant(0), tf.zeros([k, latent_dim]), tf.zeros([k])))
+  return total / tf.maximum(count, 1.0)[:, tf.newaxis]
+
+
+# CCN's z_k: the client's mean latent (last hidden) layer after training, float32 [D].
+LATENT_MEAN = ClientStatistic(
+    'latent_mean', np.float32, _latent_mean_of_client, in_trace=_latent_means_in_trace,
+    reads_latent=True, shape=lambda spec: latent_model(spec.keras_fn()).output_shape[-1:])
+# FedNova's τ_k: the client's optimizer steps, int32.
+LOCAL_STEPS = ClientStatistic('local_steps', np.int32, lambda keras_model, data, out: out['steps'],
+                              lambda client_inputs, out: np.asarray(out['steps'], np.int32))
+
+
 class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
   """Weighted mean of the clients' updates with CCN weights and/or FedNova normalisation.
 
@@ -87,10 +137,10 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
     return self._temperature
 
   @property
-  def weight_fields(self) -> tuple[str, ...]:
-    """Update-weight fields the client work must send (read by `fltff.learning.build_algorithm`)."""
-    return (('client_index',) + (('latent_mean',) if self._temperature else ()) +
-            (('local_steps',) if self._nova else ()))
+  def client_statistics(self) -> tuple[ClientStatistic, ...]:
+    """What the client work sends with each update (`client_work.ClientStatistic`)."""
+    return ((CLIENT_INDEX,) + ((LATENT_MEAN,) if self._temperature else ()) +
+            ((LOCAL_STEPS,) if self._nova else ()))
 
   def _missing_fields(self, missing: list, weight_type) -> str:
     """What the aggregator needs that the update weight `weight_type` lacks, and how a process
@@ -99,11 +149,11 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
         "CCN (contribution_normalization_factory) needs each client's latent_mean, the mean of "
         "its model's 'latent' layer over its local training data" if self._temperature else '',
         "FedNova's normalised averaging needs each client's local_steps" if self._nova else '')))
-    fields = ', '.join(('num_examples',) + self.weight_fields[1:])
+    fields = ', '.join(['num_examples'] + [s.name for s in self.client_statistics[1:]])
     return (f'{what}, sent with its update in the update weight, a struct ({fields}); this '
             f'process\'s update weight is {weight_type}, without {", ".join(missing)} (TFF\'s '
             'own client work sends only the example count). Build the process with an fltff '
-            'builder, whose client work sends what the factory\'s weight_fields name: '
+            'builder, whose client work sends the factory\'s client_statistics: '
             'fltff.learning.build_fedavg(model_spec, model_aggregator=<this factory>) or another '
             'that takes model_aggregator (fltff.methods marks them composes_aggregator), or '
             'build_algorithm(..., model_aggregator=<this factory>) for a method of your own.')
@@ -111,8 +161,8 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
   def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:
     fields = [name for name, _ in tff.structure.iter_elements(weight_type)] if isinstance(
         weight_type, tff.StructType) else []
-    # ν and `weight_fields` but their first, `client_index` (optional: it labels measurements).
-    needed = ('num_examples',) + self.weight_fields[1:]
+    # ν and the statistics but the first, `client_index` (optional: it labels measurements).
+    needed = ['num_examples'] + [s.name for s in self.client_statistics[1:]]
     missing = [f for f in needed if f not in fields]
     if missing:
       raise ConfigError(self._missing_fields(missing, weight_type))

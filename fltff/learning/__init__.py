@@ -14,6 +14,7 @@ per-client communication sizes. Shared arguments:
 """
 
 from fltff.learning.client_work import CLIENT_INFO_SPEC
+from fltff.learning.client_work import ClientStatistic
 from fltff.learning.client_work import LocalRegularizer
 from fltff.learning.client_work import RegularizerTraits
 from fltff.learning.client_work import StepObserver
@@ -61,6 +62,7 @@ __all__ = [
     'build_scaffold',
     'build_sgdm',
     'CLIENT_INFO_SPEC',
+    'ClientStatistic',
     'client_input',
     'client_optimizer',
     'fedlap_penalty',

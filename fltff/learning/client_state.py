@@ -58,19 +58,18 @@ class StatefulClientWork:
 
 
 def build_stateful_client_work(model_spec: ModelSpec, optimizer, work: StatefulClientWork,
-                               weight_fields: Sequence[str] = ()):
+                               client_statistics: Sequence[client_work_lib.ClientStatistic] = ()):
   """A `ClientWorkProcess` whose clients read and return a state shaped like the weights; each
   participant trains (`client_work.build_local_training`) with `work`'s regulariser.
 
   Returns:
     `(process, TFF type of one client's state)`; the process measures `train` and, under
     `CLIENT_STATES_KEY`, `OrderedDict(update=[K, ...] new states, weight=client_index[K])`.
-    `weight_fields`: as in `client_work.build_client_work`.
+    `client_statistics`: as in `client_work.build_client_work`.
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from fltff.aggregators.gather import build_gather  # pylint: disable=g-import-not-at-top
 
-  client_work_lib.check_weight_fields(weight_fields)
   with tf.Graph().as_default():
     metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
         model_spec.metric_finalizers())
@@ -93,9 +92,9 @@ def build_stateful_client_work(model_spec: ModelSpec, optimizer, work: StatefulC
     regularizer = work.regularizer(work.client_terms(server_value, client_state), latent_apply)
     out = client_work_lib.build_local_training(
         keras_model, optimizer, regularizer,
-        latent_fn=client_work_lib.latent_fn_for(keras_model, weight_fields),
         step_observers=work.step_observers)(initial_weights, data['batches'], data['info'])
-    result = client_work_lib.client_result(initial_weights, data, out, weight_fields)
+    result = client_work_lib.client_result(initial_weights, data, out, client_statistics,
+                                           keras_model=keras_model)
     new_state, contribution = work.client_final(out, client_state)
     return (result, out['metrics'], tuple(new_state), client_work_lib.client_index_of(data),
             contribution)
@@ -157,14 +156,15 @@ class VectorizedStatefulWork:
   state and measurements. A BatchNorm model trains its statistics unless `work.latent`."""
 
   def __init__(self, model_spec: ModelSpec, optimizer, work: StatefulClientWork,
-               weight_fields: Sequence[str] = (), device: Optional[str] = None):
+               client_statistics: Sequence[client_work_lib.ClientStatistic] = (),
+               device: Optional[str] = None):
     from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
 
     latent_apply = None
     if work.latent:
       latent_apply = lambda w, x: self._work.latent_apply(w, x, training=False)
     self._work = VectorizedClientWork(  # `FederatedAlgorithm.vectorized_work` unwraps it.
-        model_spec, optimizer, weight_fields=weight_fields, device=device,
+        model_spec, optimizer, client_statistics=client_statistics, device=device,
         client_regularizer=lambda terms: work.regularizer(terms, latent_apply),
         step_observers=work.step_observers, latent=work.latent, batch_norm=not work.latent)
     self._declared = work
@@ -181,8 +181,7 @@ class VectorizedStatefulWork:
     if work.server_update is not None:
       summed = tuple(tf.reduce_sum(c, axis=0) for c in contributions)
       state = type(state)(np.asarray(v) for v in work.server_update(server_value, summed))
-    indices = np.asarray([client_work_lib.client_index_of_input(data) for data in client_inputs],
-                         np.int32)
+    indices = client_work_lib.CLIENT_INDEX.of_clients(client_inputs, out)
     measurements = collections.OrderedDict(train=train)
     measurements[CLIENT_STATES_KEY] = collections.OrderedDict(
         update=tuple(np.asarray(s) for s in new_states), weight=indices)
@@ -193,10 +192,3 @@ def unpack_client_states(gathered) -> dict[int, list[np.ndarray]]:
   """`{client index: new state (list of arrays)}` from the gathered `CLIENT_STATES_KEY` value."""
   return {int(k): [np.asarray(a[row]) for a in gathered['update']]
           for row, k in enumerate(np.asarray(gathered['weight']))}
-
-
-def with_client_states(algorithm, client_state_init: Callable[[], list]):
-  """Marks `algorithm` as keeping client state, starting from `client_state_init()`."""
-  algorithm.client_state_init = client_state_init
-  algorithm.client_states_key = CLIENT_STATES_KEY
-  return algorithm

@@ -262,17 +262,16 @@ def client_step(forward: Callable, local, batch, regularizer: Optional[LocalRegu
 
 def build_local_training(keras_model: tf.keras.Model, optimizer,
                          regularizer: Optional[LocalRegularizer] = None,
-                         frozen: Sequence[int] = (), latent_fn=None,
+                         frozen: Sequence[int] = (),
                          step_observers: Sequence[StepObserver] = ()):
   """Returns a `tf.function` running the local epochs of `client_step` on `keras_model`.
 
   It maps `(initial_weights, batches, info)` to an OrderedDict: `trained` and `non_trainable`
   (e.g. BatchNorm statistics) weights after training, `examples_per_epoch`, `steps` (optimizer
-  steps), unfinalized `metrics` (`model_spec.unfinalized_metrics`), each step observer's result
-  under its `name` and, with `latent_fn` (a Keras model from inputs to the latent layer, sharing
-  the weights), `latent_mean` over the client's data with the trained weights. All is read
-  inside: outside, in a graph-mode `tff.tensorflow.computation`, reads would not follow the
-  training loop. `frozen`: indices of trainable tensors kept fixed (FedBABU's head).
+  steps), unfinalized `metrics` (`model_spec.unfinalized_metrics`) and each step observer's
+  result under its `name`. All is read inside: outside, in a graph-mode
+  `tff.tensorflow.computation`, reads would not follow the training loop. `frozen`: indices of
+  trainable tensors kept fixed (FedBABU's head).
   """
   if keras_model.losses:
     raise ConfigError(f'client training does not support layer losses ({keras_model.name}).')
@@ -360,28 +359,38 @@ def build_local_training(keras_model: tf.keras.Model, optimizer,
         metrics=unfinalized_metrics(sums))
     for observer, state in zip(step_observers, observed):
       result[observer.name] = observer.result(state, steps)
-    if latent_fn is not None:
-      dim = latent_fn.output_shape[-1]
-
-      def add_latents(state, batch):
-        total, count = state
-        z = tf.reshape(latent_fn(batch['x'], training=False), [-1, dim])
-        return total + tf.reduce_sum(z, axis=0), count + tf.cast(tf.shape(z)[0], tf.float32)
-
-      total, count = batches.reduce((tf.zeros([dim]), tf.constant(0.0)), add_latents)
-      result['latent_mean'] = total / tf.maximum(count, 1.0)
     return result
 
   return train
 
 
-WEIGHT_FIELDS = ('client_index', 'latent_mean', 'local_steps')
+@dataclasses.dataclass(frozen=True)
+class ClientStatistic:
+  """A per-client value an aggregation factory needs (listed in its `client_statistics`), sent
+  in the update weight `OrderedDict(num_examples=ν, <name>=<value>, ...)` in declared order.
+
+  `name`, `dtype`, `shape(model_spec)`: its field in the weight. `of_client(keras_model, client
+  data, build_local_training's outputs)`: its tensor in TFF's client computation (a read of the
+  model must depend on `outputs['trained']`: the graph orders nothing itself). `of_clients(client
+  inputs, VectorizedClientWork.train's outputs)`: `[K, ...]` for vectorised clients; None:
+  `outputs[name]`, from `in_trace(work, trained [K, ...], (examples, index, mask, K) of the first
+  epoch)` in the training's trace (`reads_latent`: it reads `work.latent_apply`).
+  """
+  name: str
+  dtype: type
+  of_client: Callable[[Any, Any, Any], Any]
+  of_clients: Optional[Callable[[Sequence, Any], Any]] = None
+  shape: Callable[[ModelSpec], tuple] = lambda model_spec: ()
+  in_trace: Optional[Callable[..., Any]] = None
+  reads_latent: bool = False
 
 
-def check_weight_fields(weight_fields: Sequence[str]) -> None:
-  unknown = [f for f in weight_fields if f not in WEIGHT_FIELDS]
-  if unknown:
-    raise ValueError(f'Unknown weight fields {unknown}; known: {WEIGHT_FIELDS}.')
+# The participant's client index: keys a stateful aggregator's per-client state (FedAdp,
+# FedLayerWise) and labels per-client measurements (CCN).
+CLIENT_INDEX = ClientStatistic(
+    'client_index', np.int32, lambda keras_model, data, out: client_index_of(data),
+    lambda client_inputs, out: np.asarray([client_index_of_input(c) for c in client_inputs],
+                                          np.int32))
 
 
 CLIENT_WEIGHTINGS = ('num_examples', 'uniform')
@@ -392,10 +401,10 @@ def check_client_weighting(client_weighting: str) -> None:
   check_choice('client_weighting', client_weighting, CLIENT_WEIGHTINGS)
 
 
-def client_result(initial_weights, data, out, weight_fields: Sequence[str] = (),
-                  client_weighting: str = 'num_examples'):
-  """The `ClientResult` of local training `out`: update `initial − trained`, weight ν = n_k
-  (`client_weighting='num_examples'`) or 1 (`'uniform'`), with `weight_fields`."""
+def client_result(initial_weights, data, out, statistics: Sequence[ClientStatistic] = (),
+                  client_weighting: str = 'num_examples', keras_model=None):
+  """The `ClientResult` of local training `out` (of `keras_model`): update `initial − trained`,
+  weight ν = n_k (`client_weighting='num_examples'`) or 1 (`'uniform'`), with `statistics`."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   check_client_weighting(client_weighting)
@@ -406,45 +415,31 @@ def client_result(initial_weights, data, out, weight_fields: Sequence[str] = (),
     weight = tf.constant(1.0, tf.float32)
   else:
     weight = tf.cast(out['examples_per_epoch'], tf.float32)
-  weight = with_weight_fields(weight, weight_fields, {
-      'client_index': lambda: client_index_of(data), 'latent_mean': lambda: out['latent_mean'],
-      'local_steps': lambda: out['steps']})
+  weight = with_statistics(weight, statistics, lambda s: s.of_client(keras_model, data, out))
   return tff.learning.templates.ClientResult(update=update, update_weight=weight)
 
 
-def with_weight_fields(weight, weight_fields: Sequence[str], fields: dict[str, Callable]):
-  """`weight` alone without `weight_fields`, else an `OrderedDict` of `num_examples=weight` and
-  each field (in `WEIGHT_FIELDS` order) from its no-argument function in `fields`."""
-  if not weight_fields:
+def with_statistics(weight, statistics: Sequence[ClientStatistic],
+                    value_of: Callable[[ClientStatistic], Any]):
+  """`weight` alone without `statistics`, else `OrderedDict(num_examples=weight, <name>=
+  value_of(statistic) for each statistic)`."""
+  if not statistics:
     return weight
-  return collections.OrderedDict(num_examples=weight, **{
-      name: fields[name]() for name in WEIGHT_FIELDS if name in weight_fields})
+  return collections.OrderedDict(num_examples=weight, **{s.name: value_of(s) for s in statistics})
 
 
-def client_result_type(model_spec: ModelSpec, weight_fields: Sequence[str] = ()):
+def client_result_type(model_spec: ModelSpec, statistics: Sequence[ClientStatistic] = ()):
   """The TFF type of one participant's `client_result`, without tracing the client work
   (`process.build_algorithm` makes the aggregator from it before any round runs)."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  check_weight_fields(weight_fields)
-  latent_dim = lambda: int(latent_fn_for(model_spec.keras_fn(), weight_fields).output_shape[-1])
-  weight = with_weight_fields(tff.TensorType(np.float32), weight_fields, {
-      'client_index': lambda: tff.TensorType(np.int32),
-      'latent_mean': lambda: tff.TensorType(np.float32, [latent_dim()]),
-      'local_steps': lambda: tff.TensorType(np.int32)})
-  if weight_fields:
+  weight = with_statistics(tff.TensorType(np.float32), statistics,
+                           lambda s: tff.TensorType(s.dtype, s.shape(model_spec)))
+  if statistics:
     weight = tff.StructWithPythonType(list(weight.items()), collections.OrderedDict)
   return tff.StructWithPythonType(
       [('update', model_spec.weights_type().trainable), ('update_weight', weight)],
       tff.learning.templates.ClientResult)
-
-
-def latent_fn_for(keras_model, weight_fields: Sequence[str]):
-  """CCN's latent-layer model when the weight carries `latent_mean`, else None."""
-  if 'latent_mean' not in weight_fields:
-    return None
-  from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
-  return latent_model(keras_model)
 
 
 def build_stateless_initialize():
@@ -462,7 +457,7 @@ def build_client_work(model_spec: ModelSpec,
                       optimizer,
                       regularizer: Optional[LocalRegularizer] = None,
                       metrics_aggregator=None,
-                      weight_fields: Sequence[str] = (),
+                      client_statistics: Sequence[ClientStatistic] = (),
                       frozen: Sequence[int] = (),
                       client_weighting: str = 'num_examples'):
   """A `tff.learning.templates.ClientWorkProcess` doing local training from the global model.
@@ -474,14 +469,12 @@ def build_client_work(model_spec: ModelSpec,
 
   Args:
     metrics_aggregator: As in TFF; default `tff.learning.metrics.sum_then_finalize`.
-    weight_fields: Extra fields sent with the update (`WEIGHT_FIELDS`). Empty: the weight is
-      the float32 example count TFF's `MeanFactory` expects; else `OrderedDict(num_examples=
-      float32, <fields>)`: `client_index` (int32; keys stateful aggregators' per-client state,
-      FedAdp/FedLayerWise), `latent_mean` (float32 [D], the client's mean latent representation
-      after training, for CCN), `local_steps` (int32 optimizer steps, for FedNova).
+    client_statistics: The aggregator's `ClientStatistic`s, sent with the update. None: the
+      weight is the float32 example count TFF's `MeanFactory` expects; else
+      `OrderedDict(num_examples=float32, <statistics>)` (`with_statistics`).
     frozen: Indices of trainable tensors kept fixed (FedBABU's head).
-    client_weighting: 'num_examples' (ν = n_k) or 'uniform' (ν = 1; with `weight_fields`, the
-      `num_examples` field is 1).
+    client_weighting: 'num_examples' (ν = n_k) or 'uniform' (ν = 1; with `client_statistics`,
+      the `num_examples` field is 1).
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -493,15 +486,14 @@ def build_client_work(model_spec: ModelSpec,
   weights_type, data_type = client_types(model_spec)
 
   reports_measurements = regularizer is not None and traits_of(regularizer).measures
-  check_weight_fields(weight_fields)
 
   @tff.tensorflow.computation(weights_type, data_type)
   def client_update(initial_weights, data):
     keras_model = model_spec.keras_fn()
-    latent_fn = latent_fn_for(keras_model, weight_fields)
-    out = build_local_training(keras_model, optimizer, regularizer, frozen, latent_fn)(
+    out = build_local_training(keras_model, optimizer, regularizer, frozen)(
         initial_weights, data['batches'], data['info'])
-    result = client_result(initial_weights, data, out, weight_fields, client_weighting)
+    result = client_result(initial_weights, data, out, client_statistics, client_weighting,
+                           keras_model)
     regularizer_stats = ()
     if reports_measurements:
       regularizer_stats = regularizer.measurements(

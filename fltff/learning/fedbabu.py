@@ -24,8 +24,6 @@ def build_fedbabu(model_spec: ModelSpec, client_optimizer=None,
                   model_aggregator=None) -> Algorithm:
   """FedBABU: FedAvg on the body, head frozen. Evaluation first fine-tunes the whole global
   model on each client's data (`fltff.simulation.evaluation.Finetuner`, 'finetuned_local')."""
-  algorithm = build_averaging_method(
+  return build_averaging_method(
       'fedbabu', model_spec, client_optimizer, server_optimizer, server_learning_rate,
-      model_aggregator, frozen=head_indices(model_spec))
-  algorithm.finetunes = True
-  return algorithm
+      model_aggregator, frozen=head_indices(model_spec), finetunes=True)

@@ -19,13 +19,11 @@ from fltff.learning.process import build_averaging_method
 def build_fedlayerwise(model_spec: ModelSpec, num_clients: int, alpha: float = 5.0,
                        client_optimizer=None, server_optimizer=None) -> Algorithm:
   """FedLayerWise with Gompertz α (paper: 5); `num_clients` sizes the per-client angle state."""
-  algorithm = build_averaging_method(
+  return build_averaging_method(
       'fedlayerwise', model_spec, client_optimizer, server_optimizer, 1.0,
       adaptive_weighting.layerwise_adaptive_factory(
           model_spec.trainable_layers()[0], num_clients=num_clients, alpha=alpha),
-      weight_fields=('client_index',))
-  algorithm.num_clients = num_clients
-  return algorithm
+      num_clients=num_clients)
 
 
 @gin.configurable('fedadp')
@@ -33,9 +31,7 @@ def build_fedadp(model_spec: ModelSpec, num_clients: int, alpha: float = 5.0,
                  client_optimizer=None, server_optimizer=None) -> Algorithm:
   """FedAdp (Wu & Wang, 2021): one adaptive weight per client from the whole-model angle."""
   num_tensors = sum(len(g) for g in model_spec.trainable_layers()[0])
-  algorithm = build_averaging_method(
+  return build_averaging_method(
       'fedadp', model_spec, client_optimizer, server_optimizer, 1.0,
       adaptive_weighting.fedadp_factory(num_tensors, num_clients=num_clients, alpha=alpha),
-      weight_fields=('client_index',))
-  algorithm.num_clients = num_clients
-  return algorithm
+      num_clients=num_clients)

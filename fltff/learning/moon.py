@@ -111,12 +111,11 @@ def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, m
     latent_model(model_spec.keras_fn())  # A clear error now, not inside the computation.
   optimizer = client_optimizer or optimizers.default_client_optimizer()
   work = moon_client_work(mu, temperature)
-  algorithm = build_averaging_method(
-      'moon', model_spec, optimizer, server_optimizer, 1.0, None,
-      client_work=client_state.build_stateful_client_work(model_spec, optimizer, work)[0])
-  algorithm.num_clients = num_clients
-  # The batch term reads the model: kernels are never factored (`factor_dense` unused).
-  algorithm.vectorized_fn = lambda device, factor_dense=True: client_state.VectorizedStatefulWork(
-      model_spec, optimizer, work, device=device)
   initial = [w.copy() for w in model_spec.initial_weights().trainable]
-  return client_state.with_client_states(algorithm, lambda: [w.copy() for w in initial])
+  return build_averaging_method(
+      'moon', model_spec, optimizer, server_optimizer, 1.0, None,
+      client_work=client_state.build_stateful_client_work(model_spec, optimizer, work)[0],
+      # The batch term reads the model: kernels are never factored (`factor_dense` unused).
+      vectorized_fn=lambda device, factor_dense=True: client_state.VectorizedStatefulWork(
+          model_spec, optimizer, work, device=device),
+      num_clients=num_clients, client_state_init=lambda: [w.copy() for w in initial])

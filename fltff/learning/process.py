@@ -23,9 +23,10 @@ from fltff.learning.model_spec import ModelSpec
 from fltff.learning.model_spec import type_num_bytes
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Algorithm(protocol.FederatedAlgorithm):
-  """A built global method (`protocol.FederatedAlgorithm` over a TFF LearningProcess).
+  """A built global method (`protocol.FederatedAlgorithm` over a TFF LearningProcess), complete
+  and immutable (`with_vectorized_clients` returns a new one).
 
   Attributes:
     build_process: Builds `process` (client data: `client_work.client_input(...)`) on first
@@ -40,13 +41,13 @@ class Algorithm(protocol.FederatedAlgorithm):
   bytes_down_per_client: int
   bytes_up_per_client: int
   client_state_init: Optional[Callable[[], list]] = None  # A new client's state (SCAFFOLD's c_i).
-  client_states_key: Optional[str] = None  # The new states' `client_work` measurement.
   num_clients: Optional[int] = None  # N that client-indexed state is sized for; indices < N.
-  # Default client work only: the composed pieces (distributor, client work `initialize`,
-  # aggregator, finalizer) that vectorised rounds run, and the `VectorizedClientWork` builder.
+  # The composed pieces (distributor, client work `initialize`, aggregator, finalizer) that
+  # vectorised rounds run, and `(device, factor_dense) ->` their client work.
   components: Optional[tuple] = None
-  vectorized_fn: Optional[Callable[[Optional[str]], Any]] = None
-  _vectorized: Any = dataclasses.field(default=None, repr=False)
+  vectorized_fn: Optional[Callable[..., Any]] = None
+  finetunes: bool = False  # Evaluation fine-tunes the global model first (FedBABU).
+  _vectorized: Any = dataclasses.field(default=None, repr=False, compare=False)
 
   @functools.cached_property
   def process(self):
@@ -84,7 +85,7 @@ class Algorithm(protocol.FederatedAlgorithm):
   def next(self, state, server_input, client_inputs: Sequence,
            call: protocol.Call = protocol.direct_call) -> protocol.RoundOutput:
     """`process.next` after checking the client indices; new client states from measurements."""
-    from fltff.learning.client_state import unpack_client_states  # pylint: disable=g-import-not-at-top
+    from fltff.learning import client_state  # pylint: disable=g-import-not-at-top
 
     if server_input is not None:
       raise ValueError(f'{self.name} takes no server input.')
@@ -98,8 +99,9 @@ class Algorithm(protocol.FederatedAlgorithm):
     client_work = dict(others.pop('client_work'))
     train = client_work.pop('train')
     client_states = {}
-    if self.client_states_key is not None:
-      client_states = unpack_client_states(client_work.pop(self.client_states_key))
+    if self.has_client_state:
+      client_states = client_state.unpack_client_states(
+          client_work.pop(client_state.CLIENT_STATES_KEY))
     return protocol.RoundOutput(
         state=output.state, client_states=client_states, train=train,
         measurements=dict(others, client_work=client_work), clients=clients,
@@ -146,23 +148,28 @@ def build_algorithm(name: str,
                     server_optimizer,
                     regularizer: Optional[client_work_lib.LocalRegularizer] = None,
                     model_aggregator=None,
-                    weight_fields: Optional[Sequence[str]] = None,
                     frozen: Sequence[int] = (),
                     client_work=None,
-                    client_weighting: str = 'num_examples') -> Algorithm:
+                    client_weighting: str = 'num_examples',
+                    vectorized_fn: Optional[Callable[..., Any]] = None,
+                    extra_bytes_per_client: int = 0,
+                    **description) -> Algorithm:
   """Builds a FedAvg-family method as a composed `tff.learning` LearningProcess.
 
   Args:
     client_optimizer: `tff.learning.optimizers.Optimizer` for local steps.
     server_optimizer: `tff.learning.optimizers.Optimizer` applying the aggregated delta.
     model_aggregator: Any `tff.aggregators.WeightedAggregationFactory` (default `MeanFactory()`,
-      FedAvg's weighted mean); an unweighted one is wrapped and ignores ν.
-    weight_fields: Extra update-weight fields (`client_work.WEIGHT_FIELDS`); None: the
-      aggregator's `weight_fields` (none for TFF's factories: the weight stays n_k).
+      FedAvg's weighted mean); an unweighted one is wrapped and ignores ν. The client work
+      sends the statistics it declares (`client_statistics`) with each update.
     frozen: Trainable tensors kept fixed during local training (FedBABU's head).
     client_work: A `ClientWorkProcess` replacing the default local training (SCAFFOLD's).
     client_weighting: Each update's base weight ν: 'num_examples' (n_k) or 'uniform' (1, only
       with the default client work, else `ConfigError`).
+    vectorized_fn: `client_work`'s vectorised twin, `(device, factor_dense) -> work` (the
+      default client work has its own); None with `client_work`: it cannot be vectorised.
+    extra_bytes_per_client: Bytes sent each way besides model and update (SCAFFOLD's controls).
+    **description: `Algorithm`'s `num_clients`, `client_state_init`, `finetunes`.
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
@@ -174,15 +181,14 @@ def build_algorithm(name: str,
   if isinstance(model_aggregator, tff.aggregators.UnweightedAggregationFactory):
     # E.g. TFF's DP factories; ν ignored, as in TFF's build_weighted_fed_avg.
     model_aggregator = tff.aggregators.as_weighted_aggregator(model_aggregator)
-  if weight_fields is None:
-    weight_fields = tuple(getattr(model_aggregator, 'weight_fields', ()))
+  statistics = tuple(getattr(model_aggregator, 'client_statistics', ()))
   weights_type = model_spec.weights_type()
 
   distributor = tff.learning.templates.build_broadcast_process(weights_type)
   default_client_work = client_work is None
   if default_client_work:
     # TFF's client work is traced only when a round runs it.
-    result_type = client_work_lib.client_result_type(model_spec, weight_fields)
+    result_type = client_work_lib.client_result_type(model_spec, statistics)
     client_work_initialize = client_work_lib.build_stateless_initialize()
   else:
     result_type = client_work.next.type_signature.result.result.member
@@ -201,15 +207,15 @@ def build_algorithm(name: str,
     work = client_work
     if default_client_work:
       work = client_work_lib.build_client_work(
-          model_spec, client_optimizer, regularizer, weight_fields=weight_fields, frozen=frozen,
+          model_spec, client_optimizer, regularizer, client_statistics=statistics, frozen=frozen,
           client_weighting=client_weighting)
     return tff.learning.templates.compose_learning_process(
         initial_model_weights_fn, distributor, work, aggregator, finalizer)
 
-  def vectorized_fn(device, factor_dense=True):
+  def default_vectorized_fn(device, factor_dense=True):
     from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
     return VectorizedClientWork(model_spec, client_optimizer, regularizer,
-                                weight_fields=weight_fields, frozen=frozen,
+                                client_statistics=statistics, frozen=frozen,
                                 client_weighting=client_weighting, device=device,
                                 factor_dense=factor_dense, batch_norm=True)
   return Algorithm(
@@ -217,11 +223,10 @@ def build_algorithm(name: str,
       build_process=build_process,
       model_spec=model_spec,
       components=(distributor, client_work_initialize, aggregator, finalizer),
-      # fltff cannot vectorise a user's own client work.
-      vectorized_fn=vectorized_fn if default_client_work else None,
-      bytes_down_per_client=type_num_bytes(weights_type),
-      bytes_up_per_client=type_num_bytes(result_type),
-  )
+      vectorized_fn=default_vectorized_fn if default_client_work else vectorized_fn,
+      bytes_down_per_client=type_num_bytes(weights_type) + extra_bytes_per_client,
+      bytes_up_per_client=type_num_bytes(result_type) + extra_bytes_per_client,
+      **description)
 
 
 def build_averaging_method(name: str, model_spec: ModelSpec, client_optimizer, server_optimizer,

@@ -43,7 +43,8 @@ class RoundOutput:
 
 
 class FederatedAlgorithm:
-  """The protocol every built method implements (`process`: its TFF template)."""
+  """The protocol every built method implements (`process`: its TFF template); built complete,
+  it never changes (`with_vectorized_clients` returns a new one)."""
   name: str
   model_spec: Any
   bytes_down_per_client: int  # The most a participant receives per round (channel sizes).
@@ -51,11 +52,9 @@ class FederatedAlgorithm:
   num_clients: Optional[int] = None  # N the state is sized for; None: any.
   personalized: bool = False  # Clients are evaluated with their own models; no global model.
   personal_models: bool = False  # Clients keep personal models (`personal_weights`).
-  # `device -> vectorised client work` where possible, and the work `vectorize_clients` made.
-  vectorized_fn: Optional[Callable[[Optional[str]], Any]] = None
+  # `(device, factor_dense) -> vectorised client work` where possible; the work it made.
+  vectorized_fn: Optional[Callable[..., Any]] = None
   _vectorized: Any = None
-  # Why `experiment.client_work = 'auto'` left the clients unvectorised.
-  client_work_reason: Optional[str] = None
 
   def initialize(self, call: Call = direct_call):
     """The server state at round 0."""
@@ -95,15 +94,14 @@ class FederatedAlgorithm:
     """One round: the new server state and the participants' new client states."""
     raise NotImplementedError
 
-  def vectorize_clients(self, device: Optional[str] = None, factor_dense: bool = True) -> None:
-    """From now on, runs all participants' client work as one vectorised TensorFlow step.
+  def with_vectorized_clients(self, device: Optional[str] = None, factor_dense: bool = True):
+    """This method running all participants' client work as one vectorised TensorFlow step.
 
     `vectorized_fn(device, factor_dense)` builds it (`fltff.learning.vectorized`);
     `factor_dense=False` trains no Dense kernel in factored form. Raises `ConfigError` for a
     method without `vectorized_fn`."""
     if self.vectorized_fn is not None:
-      self._vectorized = self.vectorized_fn(device, factor_dense)
-      return
+      return dataclasses.replace(self, _vectorized=self.vectorized_fn(device, factor_dense))
     raise ConfigError(f'{self.name} cannot vectorise its clients: its client work is not '
                       f"one of fltff's (experiment.client_work = 'vectorised' supports every fltff method "
                       f'built by its builders, which know their client work).')

@@ -123,20 +123,16 @@ def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=Non
   check_number('scaffold num_clients', num_clients, integer=True, low=1)
   optimizer = client_optimizer or optimizers.default_client_optimizer()
   work = scaffold_client_work(model_spec, num_clients)
-  weight_fields = getattr(model_aggregator, 'weight_fields', ())
+  statistics = getattr(model_aggregator, 'client_statistics', ())
   client_work, control_type = client_state.build_stateful_client_work(
-      model_spec, optimizer, work, weight_fields)
-  algorithm = build_averaging_method(
-      'scaffold', model_spec, optimizer, server_optimizer, server_learning_rate,
-      model_aggregator, client_work=client_work)
-  control_bytes = type_num_bytes(control_type)
+      model_spec, optimizer, work, statistics)
   specs = [np.zeros(t.shape, t.dtype.type) for t in control_type]
-  # The server sends c with the model; each client sends Δc_i with its update.
-  algorithm.bytes_down_per_client += control_bytes
-  algorithm.bytes_up_per_client += control_bytes
-  algorithm.num_clients = num_clients
-  # SCAFFOLD sums its gradients: kernels are never factored (`factor_dense` unused).
-  algorithm.vectorized_fn = lambda device, factor_dense=True: client_state.VectorizedStatefulWork(
-      model_spec, optimizer, work, weight_fields, device)
-  return client_state.with_client_states(algorithm,
-                                         lambda: [np.zeros_like(z) for z in specs])
+  return build_averaging_method(
+      'scaffold', model_spec, optimizer, server_optimizer, server_learning_rate,
+      model_aggregator, client_work=client_work,
+      # SCAFFOLD sums its gradients: kernels are never factored (`factor_dense` unused).
+      vectorized_fn=lambda device, factor_dense=True: client_state.VectorizedStatefulWork(
+          model_spec, optimizer, work, statistics, device),
+      # The server sends c with the model; each client sends Δc_i with its update.
+      extra_bytes_per_client=type_num_bytes(control_type), num_clients=num_clients,
+      client_state_init=lambda: [np.zeros_like(z) for z in specs])

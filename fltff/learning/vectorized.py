@@ -294,7 +294,8 @@ class VectorizedClientWork:
 
   def __init__(self, model_spec: ModelSpec, optimizer,
                regularizer: Optional[client_work_lib.LocalRegularizer] = None,
-               weight_fields: Sequence[str] = (), frozen: Sequence[int] = (),
+               client_statistics: Sequence[client_work_lib.ClientStatistic] = (),
+               frozen: Sequence[int] = (),
                client_weighting: str = 'num_examples', device: Optional[str] = None,
                client_regularizer: Optional[Callable[[Any], Any]] = None,
                step_observers: Sequence[client_work_lib.StepObserver] = (), latent: bool = False,
@@ -305,7 +306,6 @@ class VectorizedClientWork:
     (`round_data.client_groups`) rather than all padded to the longest."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-    client_work_lib.check_weight_fields(weight_fields)
     client_work_lib.check_client_weighting(client_weighting)
     if regularizer is not None and client_regularizer is not None:
       raise ValueError('give a shared regularizer or a client_regularizer, not both.')
@@ -329,21 +329,22 @@ class VectorizedClientWork:
                          {type(layer) for layer in (self._keras_model, *self._keras_model.layers)}]
     self._batch_norm = batch_norm and any(
         _is_batch_norm(layer) for layer in self._keras_model.layers)
-    if self._batch_norm and (latent or 'latent_mean' in weight_fields):
+    reads_latent = latent or any(s.reads_latent for s in client_statistics)
+    if self._batch_norm and reads_latent:
       raise ConfigError('vectorised clients do not compute latent representations of a model '
                         'with BatchNorm.')
     self._apply = functional_apply(self._keras_model, batch_norm=batch_norm)
     self._update_statistics = (moving_statistics(self._keras_model) if self._batch_norm
                                else None)
     self._macs_per_example = macs_per_example(self._keras_model)
-    self._latent = None
+    self._latent, self.latent_dim = None, None  # `latent_apply` and its width.
     self._latent_and_output = None
-    if latent or 'latent_mean' in weight_fields:
+    if reads_latent:
       # Built here, eagerly, like the model (not while `_train` is traced).
       from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
       latent_keras = latent_model(self._keras_model)
-      self._latent = (functional_apply(latent_keras, self._keras_model),
-                      int(latent_keras.output_shape[-1]))
+      self._latent = functional_apply(latent_keras, self._keras_model)
+      self.latent_dim = int(latent_keras.output_shape[-1])
     if latent:
       # Latent layer and logits from one forward pass (MOON's representation, no second pass).
       self._latent_and_output = functional_apply(
@@ -357,7 +358,7 @@ class VectorizedClientWork:
                            and not step_observers else {})
     self._regularizer = regularizer
     self._client_regularizer = client_regularizer
-    self._weight_fields = tuple(weight_fields)
+    self._client_statistics = tuple(client_statistics)
     self._frozen = frozenset(frozen)
     self._client_weighting = client_weighting
     self._step_observers = tuple(step_observers)
@@ -377,10 +378,10 @@ class VectorizedClientWork:
   @property
   def latent_apply(self):
     """`functional_apply` of the latent layer (`models.latent_model`): CCN's latent mean, MOON's
-    representation. `ValueError` without `latent=True` (or a `latent_mean` weight field)."""
+    representation. `ValueError` without `latent=True` (or a statistic that `reads_latent`)."""
     if self._latent is None:
       raise ValueError('VectorizedClientWork(latent=True) builds the latent-layer model.')
-    return self._latent[0]
+    return self._latent
 
   def _restore_tf2_layer_classes(self) -> None:
     """Makes the eager Keras model callable again after a model was built in a graph.
@@ -608,40 +609,21 @@ class VectorizedClientWork:
   def _round_outputs(self, out, observed, reg: _Regularization, client_terms, global_trainable,
                      start, first_epoch) -> collections.OrderedDict:
     """`out` with what is computed after training: the step observers' results from their
-    `observed` states, a global method's `update`, CCN's `latent_mean` over `first_epoch`
-    `(examples, index, mask, k)`, the regulariser's measurements."""
+    `observed` states, a global method's `update`, the statistics computed in the trace (over
+    `first_epoch`, `(examples, index, mask, k)`), the regulariser's measurements."""
     weights = out['trained']
     for observer, state in zip(self._step_observers, observed):
       out[observer.name] = observer.result(state, out['steps'])
     if start is None:
       # Computed here, the update reaches the aggregator as a TF tensor (no NumPy round trip).
       out['update'] = tuple(g[tf.newaxis] - w for g, w in zip(global_trainable, weights))
-    if 'latent_mean' in self._weight_fields:
-      out['latent_mean'] = self._latent_means(weights, *first_epoch)
+    for statistic in self._client_statistics:
+      if statistic.in_trace is not None:
+        out[statistic.name] = statistic.in_trace(self, weights, first_epoch)
     if reg.probe is not None and client_terms is None and reg.traits.measures:
       out['regularizer'] = tf.vectorized_map(
           lambda local: self._regularizer.measurements(tuple(local), global_trainable), weights)
     return out
-
-  def _latent_means(self, weights, examples, index, mask, k):
-    """Each client's mean latent representation under its trained weights over its first
-    epoch's batches (CCN's, `aggregators.ccn`)."""
-    latent_apply, latent_dim = self._latent
-
-    def latent_sums(args):
-      local, bx, bmask = args
-      z = latent_apply(local, bx, training=False)
-      return tf.reduce_sum(z * bmask[:, tf.newaxis], axis=0), tf.reduce_sum(bmask)
-
-    def step(s, total, count):
-      step_total, step_count = tf.vectorized_map(
-          latent_sums, (weights, tf.gather(examples, index[0, s]), mask[0, s]))
-      return s + 1, total + step_total, count + step_count
-
-    _, total, count = tf.while_loop(
-        lambda s, *_: s < tf.shape(index)[1], step,
-        (tf.constant(0), tf.zeros([k, latent_dim]), tf.zeros([k])))
-    return total / tf.maximum(count, 1.0)[:, tf.newaxis]
 
   def factored_kernels(self, data) -> frozenset:
     """Trainable indices of the Dense kernels worth factoring (`factored_dense.worth_factoring`)
@@ -776,18 +758,15 @@ class VectorizedClientWork:
     global_trainable = tuple(np.asarray(w) for w in global_weights.trainable)
     out, data = self.train(client_inputs, global_trainable, client_terms=client_terms,
                            statistics=tuple(np.asarray(w) for w in global_weights.non_trainable))
-    _, examples, _, batches = (t.numpy() for t in out['sums'])
+    examples = out['sums'][1].numpy()
     epochs = data['epochs']
     k = len(client_inputs)
     update = tf.nest.pack_sequence_as(list(global_weights.trainable), list(out['update']))
     weight = (np.ones(k, np.float32) if self._client_weighting == 'uniform'
               else client_work_lib.examples_per_epoch(examples, epochs).numpy().astype(
                   np.float32))
-    weight = client_work_lib.with_weight_fields(weight, self._weight_fields, {
-        'client_index': lambda: np.asarray(
-            [client_work_lib.client_index_of_input(c) for c in client_inputs], np.int32),
-        'latent_mean': lambda: out['latent_mean'].numpy(),
-        'local_steps': lambda: batches.astype(np.int32)})
+    weight = client_work_lib.with_statistics(weight, self._client_statistics, lambda s: (
+        s.of_clients(client_inputs, out) if s.of_clients else np.asarray(out[s.name])))
     results = StackedClientResults(update, weight, k)
     # The trained models, for the `trained_local` evaluation protocol.
     self.last_trained = out['trained']

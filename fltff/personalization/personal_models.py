@@ -12,6 +12,7 @@ is read (FedLap mixes it with the global model; Ditto uses it as it is). Client 
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Optional
@@ -63,7 +64,7 @@ class WithPersonalModels(protocol.FederatedAlgorithm):
     self.num_clients = algorithm.num_clients
     self.bytes_down_per_client = algorithm.bytes_down_per_client
     self.bytes_up_per_client = algorithm.bytes_up_per_client
-    self._local_work = None  # `vectorize_clients`.
+    self._local_work = None  # `with_vectorized_clients`.
     # Built here, not in a round: tracing Keras models in a graph invalidates the eager models
     # built before it (the driver's evaluator).
     self._local_update = client_work_lib.build_local_update(
@@ -78,15 +79,17 @@ class WithPersonalModels(protocol.FederatedAlgorithm):
   def initialize(self, call: protocol.Call = protocol.direct_call):
     return self.inner.initialize(call)
 
-  def vectorize_clients(self, device=None, factor_dense: bool = True) -> None:
-    """Vectorises the method's clients (else `ConfigError`) and the personal models' training."""
+  def with_vectorized_clients(self, device=None, factor_dense: bool = True):
+    """A copy with the method's clients (else `ConfigError`) and the personal models' training
+    vectorised."""
     from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
 
-    personal = self.personalization
-    self.inner.vectorize_clients(device, factor_dense)
-    self._local_work = VectorizedClientWork(personal.model_spec, personal.optimizer,
-                                            personal.regularizer, device=device,
-                                            factor_dense=factor_dense, batch_norm=True)
+    personal, vectorised = self.personalization, copy.copy(self)
+    vectorised.inner = self.inner.with_vectorized_clients(device, factor_dense)
+    vectorised._local_work = VectorizedClientWork(  # pylint: disable=protected-access
+        personal.model_spec, personal.optimizer, personal.regularizer, device=device,
+        factor_dense=factor_dense, batch_norm=True)
+    return vectorised
 
   @property
   def vectorized(self) -> bool:

@@ -10,7 +10,6 @@ from fltff.simulation.checkpoint import Checkpointer
 from fltff.simulation.driver import RoundConfig
 from fltff.simulation.driver import RoundDriver
 from fltff.simulation.evaluation import Evaluator
-from fltff.simulation.experiment import build_method
 from fltff.simulation.experiment import build_model_spec
 from fltff.simulation.experiment import run_experiment
 from fltff.simulation.state_store import ClientStateStore
@@ -22,7 +21,6 @@ __all__ = [
     'Evaluator',
     'RoundConfig',
     'RoundDriver',
-    'build_method',
     'build_model_spec',
     'run_experiment',
 ]

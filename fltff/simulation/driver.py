@@ -98,10 +98,12 @@ class RoundDriver:
 
   def __init__(self, algorithm: protocol.FederatedAlgorithm, data, config: RoundConfig,
                output_dir: str, progress: Callable[[str], None] = print, runtime=None,
-               stop_event=None, channel=None, finetuner=None, record: Optional[dict] = None):
+               stop_event=None, channel=None, finetuner=None, record: Optional[dict] = None,
+               client_work_reason: Optional[str] = None):
     """`record`: what the rounds are computed from (`{'config': operative config text,
     'data': data fingerprint}`); each checkpoint carries it, `config.gin` is written from it once
-    a resume is verified, and `outputs.check_resume` compares a resume's with it."""
+    a resume is verified, and `outputs.check_resume` compares a resume's with it.
+    `client_work_reason`: why 'auto' left the clients unvectorised (`choose_client_work`)."""
     config.validate()
     if config.round_deadline is not None and channel is None:
       raise ConfigError('experiment.round_deadline needs a channel model: set '
@@ -114,6 +116,7 @@ class RoundDriver:
     self.runtime = runtime.place(algorithm) if runtime is not None else None
     self.call = self.runtime.call if self.runtime is not None else protocol.direct_call
     self.algorithm = algorithm
+    self.client_work_reason = client_work_reason
     self.data = data
     has_local = data.local_test_indices is not None
     self.protocols = evaluation_lib.check_protocols(
@@ -338,7 +341,7 @@ class RoundDriver:
   def run(self, resume: bool = False) -> dict:
     cfg = self.config
     if self.runtime is not None:
-      reason = getattr(self.algorithm, 'client_work_reason', None)
+      reason = self.client_work_reason
       self.progress(f'{self.algorithm.name} runs on {self.runtime.description}'
                     + (f" (experiment.client_work = 'auto': {reason})" if reason else '.'))
     state = self.algorithm.initialize(self.call)

@@ -10,7 +10,6 @@ checkpoints, TensorBoard in the output folder.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -18,6 +17,7 @@ from absl import logging
 import gin
 import numpy as np
 
+from fltff import methods
 from fltff import resources
 from fltff.data import build_federated_data
 from fltff.config_checks import check_choice
@@ -48,13 +48,6 @@ def build_model_spec(data, model: str, seed: int) -> ModelSpec:
   keras_fn()  # Fail fast (unknown name, incompatible shape) before TFF traces it.
   return ModelSpec(keras_fn=keras_fn, input_shape=shape, num_classes=data.dataset.num_classes,
                    name=model)
-
-
-def _bound_selectors() -> list[str]:
-  """Every `configurable.parameter` gin binds now."""
-  return [f'{selector.rsplit(".", 1)[-1]}.{name}'
-          for (_, selector), params in gin.config._CONFIG.items()  # pylint: disable=protected-access
-          for name in params]
 
 
 CLIENT_WORKS = ('auto', 'vectorised', 'per_client')
@@ -112,29 +105,29 @@ def _has_convolutions(model_spec) -> bool:
 
 def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool = True,
                        runtime=None, steps: Optional[Sequence[int]] = None,
-                       participants: Optional[int] = None, batch_size: int = 32) -> None:
-  """The experiment's choice of what its clients compute with (`experiment.client_work`).
+                       participants: Optional[int] = None, batch_size: int = 32
+                       ) -> tuple[Any, Optional[str]]:
+  """The experiment's choice of what its clients compute with (`experiment.client_work`):
+  `(algorithm, why 'auto' left it unvectorised or None)` (the run's first line says why).
 
-  'vectorised' switches `algorithm` to its vectorised client work (`vectorize_clients`;
+  'vectorised' gives `algorithm` with its vectorised client work (`with_vectorized_clients`;
   `ConfigError` where the method or model has none); 'per_client' keeps TFF's client work;
   'auto' vectorises where the method, the model and the runtime (`auto_vectorises`) allow it,
   except a convolutional model on a CPU whose rounds would pad the
   clients' local `steps` (one entry per client, of `batch_size` examples) beyond
   `conv_padding_limit(participants)` (`expected_padding`, grouped as the vectorised work groups
-  them), and
-  otherwise records why not as `algorithm.client_work_reason` (the run's first line says it).
-  The runtime then only places the rounds (`Runtime.place`).
+  them). The runtime then only places the rounds (`Runtime.place`).
   """
   check_choice('experiment.client_work', client_work, CLIENT_WORKS)
   if not isinstance(factor_dense, bool):
     raise ConfigError(f'experiment.factor_dense must be True or False, got {factor_dense!r}.')
   if client_work == 'per_client':
-    return
+    return algorithm, None
   if runtime is None:
-    if client_work == 'auto':
-      return  # No runtime to place the rounds: the current context runs TFF's client work.
+    if client_work == 'auto':  # No runtime to place the rounds: the context runs TFF's work.
+      return algorithm, None
   elif client_work == 'auto' and not runtime.auto_vectorises:
-    return
+    return algorithm, None
   elif (client_work == 'auto' and runtime.per_client_on_cpp and steps is not None
         and participants and _on_cpu(runtime) and _has_convolutions(algorithm.model_spec)):
     from fltff.learning.round_data import step_overhead  # pylint: disable=g-import-not-at-top
@@ -143,47 +136,38 @@ def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool 
     overhead = step_overhead(macs_per_example(algorithm.model_spec.keras_fn()), batch_size)
     padding = expected_padding(steps, participants, step_overhead=overhead)
     if padding > conv_padding_limit(participants):
-      algorithm.client_work_reason = (
+      return algorithm, (
           f'its clients differ in size: a vectorised round would pad them to {padding:.2f}x '
           f'their steps (in groups of similar clients where that pays), slower for '
           f"convolutions on a CPU than client by client; experiment.client_work = 'vectorised' "
           f'forces it')
-      return
   try:
-    algorithm.vectorize_clients(None if runtime is None else runtime.device, factor_dense)
+    return algorithm.with_vectorized_clients(None if runtime is None else runtime.device,
+                                             factor_dense), None
   except ConfigError as e:
     if client_work == 'vectorised':
       raise
-    algorithm.client_work_reason = str(e)
+    return algorithm, str(e)
 
 
 def build_method(method: Callable[..., Any], model_spec: ModelSpec, num_clients: int,
                  seed: int = 0):
-  """Calls a method builder with what the experiment gives it.
-
-  Every builder gets the gin-configured `client_optimizer()`; those declaring `num_clients`
-  (stateful aggregators, per-client state) get the experiment's number of clients, those
-  declaring `relationship_seed` (KAPC) the run's `seed` unless gin binds it; when a
-  `server_optimizer.*` parameter is bound, FedAvg-family builders get `server_optimizer()`
-  (and a method without a server optimizer refuses it in one line).
-  """
-  target = inspect.unwrap(method)
-  params = parameters(target)
+  """Builds gin's `method` through `fltff.methods`: with the gin-configured `client_optimizer()`,
+  as its entry declares the experiment's number of clients and, unless gin binds it, the run's
+  `seed` as `relationship_seed` (KAPC's random R), and, when a `server_optimizer.*` parameter is
+  bound, `server_optimizer()` (a method without one refuses it in one line)."""
+  entry = methods.of_builder(method)
   kwargs = {}
-  if 'client_optimizer' in params:
-    kwargs['client_optimizer'] = optimizers.client_optimizer()
-  if 'num_clients' in params:
-    kwargs['num_clients'] = num_clients
-  bound = _bound_selectors()
-  if 'relationship_seed' in params and 'relationship_seed' not in (s.split('.')[-1] for s in bound):
-    kwargs['relationship_seed'] = seed  # KAPC's random R follows the run seed unless bound.
-  if any(s.startswith('server_optimizer.') for s in bound):
-    if 'server_optimizer' not in params:
-      name = getattr(target, '__name__', str(method)).replace('build_', '')
-      raise ConfigError(f'server_optimizer.* is bound, but {name} has no server optimizer to '
-                        f'replace (remove those bindings).')
+  if entry.relationship_seed and not gin_binds(f'{entry.gin_name}.relationship_seed'):
+    kwargs['relationship_seed'] = seed
+  if any(gin_binds(f'server_optimizer.{name}')
+         for name in parameters(optimizers.server_optimizer)):
+    if 'server_optimizer' not in parameters(method):
+      raise ConfigError(f'server_optimizer.* is bound, but {entry.name} has no server optimizer '
+                        f'to replace (remove those bindings).')
     kwargs['server_optimizer'] = optimizers.server_optimizer()
-  return method(model_spec, **kwargs)
+  return methods.build(entry.name, model_spec, num_clients,
+                       client_optimizer=optimizers.client_optimizer(), **kwargs)
 
 
 @gin.configurable('experiment', denylist=['output_dir', 'resume', 'runtime', 'stop_event',
@@ -298,12 +282,12 @@ def run_experiment(output_dir: str,
   # trained_local reads the vectorised clients' models: 'auto' keeps them vectorised for it.
   steps = (None if 'trained_local' in (evaluation or ()) else
            [-(-len(indices) // batch_size) for indices in data.train_indices])
-  choose_client_work(algorithm, client_work, factor_dense, runtime, steps,
-                     sampling.num_participants(data.num_clients(), clients_per_round,
-                                               client_fraction), batch_size)
+  algorithm, client_work_reason = choose_client_work(
+      algorithm, client_work, factor_dense, runtime, steps,
+      sampling.num_participants(data.num_clients(), clients_per_round, client_fraction),
+      batch_size)
   finetuner = None
-  if evaluation is not None and 'finetuned_local' in evaluation and getattr(
-      algorithm, 'finetunes', False):
+  if evaluation is not None and 'finetuned_local' in evaluation and algorithm.finetunes:
     finetuner = Finetuner(model_spec, optimizers.client_optimizer(), finetune_epochs)
   # A resume must compute what the checkpointed rounds did: its configuration and data are
   # checked against the checkpoint's record before anything is written.
@@ -322,7 +306,8 @@ def run_experiment(output_dir: str,
                        stop_event=stop_event,
                        channel=channel(num_clients=data.num_clients(), seed=channel_seed)
                        if channel else None,
-                       finetuner=finetuner, record=record)
+                       finetuner=finetuner, record=record,
+                       client_work_reason=client_work_reason)
   driver.run_info['seeds'] = {'run': seed, 'model': model_seed,
                               'data': gin.query_parameter('federated_data.seed')
                               if gin_binds('federated_data.seed') else seed}
