@@ -368,8 +368,7 @@ class _ReportingMean(tff.aggregators.WeightedAggregationFactory):
   squared norm of its trained weights."""
 
   client_statistics = (learning.client_work.CLIENT_INDEX, learning.client_work.ClientStatistic(
-      'squared_norm', lambda spec: tff.TensorType(np.float32), _squared_norm_of_client,
-      _squared_norms_of_clients))
+      'squared_norm', np.float32, _squared_norm_of_client, _squared_norms_of_clients))
 
   def create(self, value_type, weight_type):
     from fltff.aggregators.gather import build_gather  # pylint: disable=g-import-not-at-top
