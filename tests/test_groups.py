@@ -67,8 +67,7 @@ def test_groups_on_one_and_two_workers_equal_the_in_process_vectorised_rounds(
                                  'clients: 3 clients per call on 1 worker')
     # 'auto' client work vectorises on remote workers.
     with make_runtime(workers=two_workers, insecure_plaintext=True) as two:
-      algorithm = equality_methods()[method](spec)
-      choose_client_work(algorithm, 'auto', True, two)
+      algorithm, _ = choose_client_work(equality_methods()[method](spec), 'auto', True, two)
       assert algorithm.vectorized
       on_two = _on(two, algorithm, data)
       groups = algorithm.vectorized_work().on_workers
