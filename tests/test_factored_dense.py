@@ -141,7 +141,7 @@ def test_experiment_factor_dense_false_reaches_the_vectorised_work(spec, data, c
       rt = InProcessRuntime()
       try:
         algorithm = equality_methods()[method](spec)
-        choose_client_work(algorithm, 'vectorised', factor, rt)
+        algorithm, _ = choose_client_work(algorithm, 'vectorised', factor, rt)
         rt.place(algorithm)
         assert _trained_works(algorithm).factored_kernels(short) == expected, (method, factor)
       finally:

@@ -152,8 +152,8 @@ def test_a_layer_not_uploaded_keeps_the_servers_stale_copy_as_its_own_array(data
     store.set(k, state)
   out = _round(kapc, kapc.initialize(), store, data, [1, 3])
   layer_of = kapc.tensor_layers
-  for p, k in enumerate(out.clients):
-    omega = int(out.arrays['omega'][p])
+  for k in out.clients:
+    omega = int(out.client_states[k]['omega'])
     assert omega < max(layer_of) + 1  # Something was not uploaded.
     new = out.client_states[k]
     for t, layer in enumerate(layer_of):

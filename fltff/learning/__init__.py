@@ -20,6 +20,7 @@ from fltff.learning.client_work import RegularizerTraits
 from fltff.learning.client_work import StepObserver
 from fltff.learning.client_work import build_client_work
 from fltff.learning.client_work import build_local_training
+from fltff.learning.client_work import build_local_update
 from fltff.learning.client_work import client_input
 from fltff.learning.fedavg import build_fedavg
 from fltff.learning.fedbabu import build_fedbabu
@@ -58,6 +59,7 @@ __all__ = [
     'build_fednova',
     'build_fedprox',
     'build_local_training',
+    'build_local_update',
     'build_moon',
     'build_scaffold',
     'build_sgdm',

@@ -216,15 +216,17 @@ def step_gradients(gradients, values, regularizer: Optional[LocalRegularizer],
 
 def client_step(forward: Callable, local, batch, regularizer: Optional[LocalRegularizer],
                 global_trainable, context, affine=None, frozen: frozenset = frozenset(),
-                probes: Optional[dict[int, tf.Tensor]] = None, isolate: bool = False) -> tuple:
+                probes: Optional[dict[int, tf.Tensor]] = None, isolate: bool = False,
+                affine_by_updater: bool = False) -> tuple:
   """One client's local step up to the optimizer, on both executors (vectorised clients in a
   `tf.vectorized_map`): `(gradients, differentiated (as step observers see them), batch_loss's
   sums, probe gradients, values of local)` of `batch_loss + regulariser` w.r.t. `local`.
 
   `forward(local, x, mask) -> (latent or None, logits)` applies the model with `local` (Keras
   variables or tensors); `batch`: `x`, `y`, `mask` (`[B]`, 1 for a real example). The penalty
-  is differentiated unless analytic, the batch term always; `step_gradients` adds `affine`
-  (None: the updater adds it) or the analytic gradient and zeroes `frozen`. `probes`: `{index:
+  is differentiated unless analytic, the batch term always; `step_gradients` adds `affine`, or
+  where it is None the analytic gradient (FedLap's per-step λ), and zeroes `frozen`;
+  `affine_by_updater`: an affine regulariser's terms are the updater's (vectorised clients). `probes`: `{index:
   tensor}` differentiated in place of `local[index]` (`factored_dense`). `isolate`: the data
   loss in a function of its own (as TFF's `forward_pass`), so Grappler adds the affine terms
   to its gradient as before: the per-client numbers bit for bit.
@@ -254,8 +256,8 @@ def client_step(forward: Callable, local, batch, regularizer: Optional[LocalRegu
   differentiated = tuple(tf.zeros([], w.dtype) if i in probes else next(found)
                          for i, w in enumerate(local))
   values = tuple(tf.convert_to_tensor(w) for w in local)
-  gradients = step_gradients(differentiated, values,
-                             None if traits.affine else regularizer, global_trainable, context,
+  closed_form = None if affine_by_updater and traits.affine else regularizer
+  gradients = step_gradients(differentiated, values, closed_form, global_trainable, context,
                              affine, frozen)
   return tuple(gradients), differentiated, sums, list(found), values
 

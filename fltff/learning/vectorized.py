@@ -463,7 +463,7 @@ class VectorizedClientWork:
       # Affine terms are left to the updater.
       gradients, differentiated, (loss_sum, n, correct), deltas, _ = client_work_lib.client_step(
           forward, local, collections.OrderedDict(x=bx, y=by, mask=bmask), reg.of_client(client),
-          global_trainable, context, None, self._frozen, probes)
+          global_trainable, context, None, self._frozen, probes, affine_by_updater=True)
       count = tf.cast(trains, tf.float32)
       step_sums = (loss_sum * count, tf.cast(n * count, tf.int64), correct * count,
                    tf.cast(trains, tf.int64))
