@@ -124,7 +124,8 @@ def test_epoch_affine_gradient_equals_closed_form(q, mu):
     want = fedlap_lib.fedlap_gradient(moved, glob, lambdas, q, mu)
     for s, o, w, y in zip(scales, offsets, moved, want):
       np.testing.assert_allclose((s * w + o).numpy(), y.numpy(), rtol=1e-4, atol=1e-6)
-  assert fedlap_lib.FedLapRegularizer(q=q, mu=mu, refresh='step').affine_gradient(glob, ()) is None
+  # Per step λ follows the weights: no affine form is declared, so no loop asks for one.
+  assert not fedlap_lib.FedLapRegularizer(q=q, mu=mu, refresh='step').traits.affine
 
 
 # --- process-level special cases ----------------------------------------------------------
@@ -224,3 +225,18 @@ def test_measurements_are_per_layer_lambda_and_distance():
     d = np.concatenate([((np_rows(trained[i]) - np_rows(start[i]))**2).sum(1) for i in (k, b)])
     assert reg['lambda_mean'][name] == pytest.approx(lam.mean(), abs=1e-5)
     assert reg['distance_mean'][name] == pytest.approx(d.mean(), rel=1e-4)
+
+
+def test_per_step_lambda_on_vectorised_clients_equals_tffs_runtime(data, spec, cpp):
+  """refresh='step' declares no affine form (λ follows the weights): vectorised clients add its
+  closed-form gradient at every step, as TFF's per-client work does."""
+  from fltff.runtime.in_process import InProcessContext  # pylint: disable=g-import-not-at-top
+  from helpers import EQUALITY_CLIENTS, assert_equal_runs, equality_sgdm, run_rounds  # pylint: disable=g-import-not-at-top
+
+  build = lambda: learning.build_fedlap(spec, q=0.5, refresh='step',
+                                        client_optimizer=equality_sgdm())
+  expected = run_rounds(build(), data, cpp, EQUALITY_CLIENTS, rounds=2)
+  actual = run_rounds(build().with_vectorized_clients(), data, InProcessContext(),
+                      EQUALITY_CLIENTS, rounds=2)
+  tff.framework.set_default_context(cpp)
+  assert_equal_runs(expected, actual, 'FedLap per-step λ, vectorised vs C++ runtime', rtol=1e-5)

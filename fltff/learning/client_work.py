@@ -225,7 +225,7 @@ def client_step(forward: Callable, local, batch, regularizer: Optional[LocalRegu
   `forward(local, x, mask) -> (latent or None, logits)` applies the model with `local` (Keras
   variables or tensors); `batch`: `x`, `y`, `mask` (`[B]`, 1 for a real example). The penalty
   is differentiated unless analytic, the batch term always; `step_gradients` adds `affine`, or
-  where it is None the analytic gradient (FedLap's per-step λ), and zeroes `frozen`;
+  where it is None the analytic gradient, and zeroes `frozen`;
   `affine_by_updater`: an affine regulariser's terms are the updater's (vectorised clients). `probes`: `{index:
   tensor}` differentiated in place of `local[index]` (`factored_dense`). `isolate`: the data
   loss in a function of its own (as TFF's `forward_pass`), so Grappler adds the affine terms

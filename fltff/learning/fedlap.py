@@ -112,14 +112,14 @@ class FedLapRegularizer:
 
   @property
   def traits(self) -> client_work_lib.RegularizerTraits:
-    """Closed-form, affine `c ⊙ (w − w_global)`, global-anchored if c is fixed per epoch."""
+    """Closed-form; with λ fixed per epoch also affine, `c ⊙ (w − w_global)` (per step, λ
+    follows the weights: not affine)."""
+    per_epoch = self.refresh == 'epoch'
     return client_work_lib.RegularizerTraits(
-        analytic=True, affine=True, global_anchor=self.refresh == 'epoch', measures=True)
+        analytic=True, affine=per_epoch, global_anchor=per_epoch, measures=True)
 
   def affine_gradient(self, global_, context):
-    """With λ fixed per epoch the gradient is `c ⊙ w − c ⊙ w_global` (None per step)."""
-    if self.refresh != 'epoch':
-      return None
+    """With λ fixed per epoch the gradient is `c ⊙ w − c ⊙ w_global` (`traits.affine`)."""
     return list(context[1]), [-c * g for c, g in zip(context[1], global_)]
 
   def measurements(self, local, global_):
