@@ -4,7 +4,8 @@ Each method runs 3 rounds vectorised in this process and as groups on 1 local wo
 loopback workers (one group per worker, through TFF's remote executor and mergeable context),
 from the same initial state; every metric, client state and the final state must agree to 1e-5
 of each tensor's scale. A lost worker mid-round: `test_remote.test_lost_worker_round_repeats_on_the_other`
-(remote workers train vectorised groups under `experiment.client_work = 'auto'`).
+(remote workers train vectorised groups under `experiment.client_work = 'vectorised'`; 'auto'
+keeps clients one by one there).
 """
 
 import collections
@@ -65,9 +66,9 @@ def test_groups_on_one_and_two_workers_equal_the_in_process_vectorised_rounds(
       on_one = _on(one, algorithm, data)
       assert one.description == ("TFF's C++ runtime (local worker_binary), vectorised "
                                  'clients: 3 clients per call on 1 worker')
-    # 'auto' client work vectorises on remote workers.
+    # 'vectorised' client work runs as groups on remote workers ('auto' does not, yet).
     with make_runtime(workers=two_workers, insecure_plaintext=True) as two:
-      algorithm, _ = choose_client_work(equality_methods()[method](spec), 'auto', True, two)
+      algorithm, _ = choose_client_work(equality_methods()[method](spec), 'vectorised', True, two)
       assert algorithm.vectorized
       on_two = _on(two, algorithm, data)
       groups = algorithm.vectorized_work().on_workers
