@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from fltff.data.pipeline import preprocess_batch
 from fltff.learning.round_data import group_data
+from fltff.learning.round_data import in_client_order
 from fltff.learning.vectorized import round_specs
 
 # `VectorizedClientWork._train_fn`'s arguments, in order.
@@ -86,9 +87,7 @@ class WorkerGroups:
     results = sorted(results, key=lambda r: int(r[0]))  # Sub-rounds return in completion order.
     self.last_sizes = [len(c) for c in groups]
     self.last_bytes = [(_nbytes(server) + _nbytes(v), _nbytes(r)) for v, r in zip(inputs, results)]
-    position = np.argsort(np.concatenate(groups))
-    out = collections.OrderedDict(tf.nest.map_structure(
-        lambda *parts: tf.gather(tf.concat(parts, 0), position), *[r[1] for r in results]))
+    out = collections.OrderedDict(in_client_order([r[1] for r in results], groups))
     if not own:  # As `_round_outputs` forms it, from the global model.
       out['update'] = tuple(tf.constant(g)[tf.newaxis] - w
                             for g, w in zip(global_trainable, out['trained']))

@@ -257,6 +257,13 @@ def cheapest_groups(epochs: Sequence[int], steps: Sequence[int], step_overhead: 
   return groups[::-1]
 
 
+def in_client_order(parts, groups):
+  """The groups' outputs (`parts[g]`: `[len(groups[g]), ...]` per tensor) concatenated and put
+  back in the round's client order."""
+  position = np.argsort(np.concatenate(groups))
+  return tf.nest.map_structure(lambda *group: tf.gather(tf.concat(group, 0), position), *parts)
+
+
 def group_data(data: collections.OrderedDict, clients: np.ndarray) -> collections.OrderedDict:
   """`stack_client_batches`'s `data` for the participants `clients` only (the example table
   shared), cut to the epochs and steps any of them trains."""

@@ -42,6 +42,7 @@ from fltff.learning.model_spec import ModelSpec
 from fltff.learning.model_spec import unfinalized_metrics
 from fltff.learning.round_data import client_groups
 from fltff.learning.round_data import group_data
+from fltff.learning.round_data import in_client_order
 from fltff.learning.round_data import stack_client_batches
 from fltff.learning.round_data import step_overhead
 from fltff.learning.stacked_optimizer import Anchor
@@ -688,9 +689,7 @@ class VectorizedClientWork:
                                pick(client_terms, clients),
                                statistics if start is None else pick(statistics, clients))
              for clients in groups]
-    position = np.argsort(np.concatenate(groups))
-    out = tf.nest.map_structure(lambda *group: tf.gather(tf.concat(group, 0), position), *parts)
-    return out, data
+    return in_client_order(parts, groups), data
 
   def round_factoring(self, data, client_terms) -> frozenset:
     """The Dense kernels `data`'s round trains factored (`factored_kernels`), given its
