@@ -59,6 +59,7 @@ from fltff.learning import protocol  # pylint: disable=g-import-not-at-top,wrong
 from fltff.models import build_model  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.runtime import heap  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.simulation.state_store import ClientStateStore  # pylint: disable=g-import-not-at-top,wrong-import-position
+from . import capacity  # pylint: disable=g-import-not-at-top,wrong-import-position
 from . import memory_bench  # pylint: disable=g-import-not-at-top,wrong-import-position
 from . import torch_reference  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -78,6 +79,11 @@ _VECTORIZE = flags.DEFINE_bool('vectorize_clients', False, 'For --compare: every
 _RUNTIMES = flags.DEFINE_bool('runtimes', False, 'Compare local vs 1 and 2 remote workers.')
 _RUNTIME_SHAPES = flags.DEFINE_list('runtime_shapes', ['mlp2:100x60', 'cnn2:20x300'],
                                     'model:CLIENTSxEXAMPLES for --runtimes.')
+_CAPACITY_SHAPES = flags.DEFINE_list(
+    'capacity_shapes', ['resnet18:2x50'], 'For --runtimes: model:CLIENTSxEXAMPLES timed '
+    'vectorised in process only, for the capacity projection of models not run on workers.')
+_CAPACITY_CLIENTS = flags.DEFINE_integer('capacity_clients', 1000, 'For --runtimes: the '
+                                         'participants per round of the capacity projection.')
 _EXECUTORS = flags.DEFINE_bool('executors', False, "FedAvg rounds of TFF's built-in process, "
                                 'fltff on the C++ runtime and fltff on the in-process executor, '
                                 'for each --executor_shapes entry.')
@@ -513,9 +519,10 @@ def _pin(pids: Sequence[int], core: int) -> None:
 
 def compare_runtimes() -> int:
   """Median FedAvg round per `--runtime_shapes` entry on the local runtime and on 1 and 2
-  loopback workers, client by client and vectorised in groups, alternating; each worker pinned
-  to a core of its own (the cores taken in turn)."""
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  loopback workers, client by client and vectorised in groups, and vectorised in process,
+  alternating; each worker pinned to a core of its own (the cores taken in turn). Then the
+  capacity model (`pipelines/capacity.py`) fitted to these rounds, its check against them and
+  its projection to `--capacity_clients` participants."""
   from fltff.runtime.processes import WorkerProcess  # pylint: disable=g-import-not-at-top
 
   cores = sorted(os.sched_getaffinity(0))
@@ -523,44 +530,28 @@ def compare_runtimes() -> int:
   for server, core in zip(servers, (0, 0, 1)):
     _pin([server.pid], cores[core % len(cores)])
   variants = {'local': (None, False), '1 worker': ([0], False), '2 workers': ([1, 2], False),
-              'vectorised 1 worker': ([0], True), 'vectorised 2 workers': ([1, 2], True)}
+              'vectorised 1 worker': ([0], True), 'vectorised 2 workers': ([1, 2], True),
+              'vectorised in process': ((), True)}
   runtimes = {}
   summary = []
   try:
     runtimes['local'] = runtime.LocalWorkerRuntime()
     _pin(runtimes['local'].worker_pids, cores[0])
     for name, (used, _) in variants.items():
-      if used is not None:
+      if used == ():
+        runtimes[name] = runtime.InProcessRuntime()
+      elif used is not None:
         runtimes[name] = runtime.RemoteWorkersRuntime(
             workers=[servers[i].address for i in used])
-    opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
-    for shape in _RUNTIME_SHAPES.value:
-      model, num_clients, examples = _parse_shape(shape)
-      keras_fn = functools.partial(build_model, model, input_shape=(28, 28, 1), num_classes=10,
-                                   seed=0)
-      spec = learning.ModelSpec(keras_fn, (28, 28, 1), 10, name=model)
-      data = _client_data(num_clients, examples)
-      rounds, times, groups = {}, {name: [] for name in runtimes}, {}
-      for name, rt in runtimes.items():
-        algorithm = method_registry.build('fedavg', spec, client_optimizer=opt)
-        if variants[name][1]:
-          algorithm = algorithm.with_vectorized_clients()
-        rt.place(algorithm)
-        groups[name] = getattr(algorithm.vectorized_work(), 'on_workers', None)
-        rounds[name] = _round_fn(algorithm, [examples] * num_clients)
-      contexts = {name: rt.driver_context or rt.context for name, rt in runtimes.items()}
-      for r in range(_ROUNDS.value):
-        datasets = _round_datasets(data, r)
-        order = list(runtimes) if r % 2 == 0 else list(runtimes)[::-1]
-        for name in order:
-          tff.framework.set_default_context(contexts[name])
-          t0 = time.perf_counter()
-          rounds[name](datasets)
-          times[name].append(time.perf_counter() - t0)
-      med = {name: statistics.median(v[1:]) for name, v in times.items()}
+    shapes = [(s, False) for s in _RUNTIME_SHAPES.value] + [
+        (s, True) for s in _CAPACITY_SHAPES.value]
+    for shape, in_process_only in shapes:
+      used = {n: rt for n, rt in runtimes.items()
+              if not in_process_only or n == 'vectorised in process'}
+      med, times, sent = _time_runtimes(shape, used, {n: variants[n][1] for n in used})
       print(f'{shape}: ' + ', '.join(
-          f'{n} {med[n]:.3f} s (first round {times[n][0]:.1f} s)' for n in runtimes), flush=True)
-      summary.append((shape, med, {n: g.last_bytes for n, g in groups.items() if g}))
+          f'{n} {med[n]:.3f} s (first round {times[n][0]:.1f} s)' for n in used), flush=True)
+      summary.append((shape, med, sent))
   finally:
     for rt in runtimes.values():
       rt.close()
@@ -569,17 +560,102 @@ def compare_runtimes() -> int:
   print(f'\nFedAvg round on loopback workers ({_BATCH.value} examples a batch, each worker on '
         f'one of cores {cores}); median of rounds 2-{_ROUNDS.value}:')
   for shape, med, sent in summary:
+    if '1 worker' not in med:
+      print(f'  {shape}: vectorised in process {med["vectorised in process"]:.3f} s')
+      continue
     per_client = med['1 worker']
     print(f'  {shape}: local {med["local"]:.3f} s | client by client: 1 worker '
           f'{per_client:.3f} s, 2 workers {med["2 workers"]:.3f} s | vectorised: 1 worker '
-          f'{med["vectorised 1 worker"]:.3f} s, 2 workers {med["vectorised 2 workers"]:.3f} s')
+          f'{med["vectorised 1 worker"]:.3f} s, 2 workers {med["vectorised 2 workers"]:.3f} s'
+          f' | vectorised in process {med["vectorised in process"]:.3f} s')
     print(f'    vectorised on 1 worker: {per_client / med["vectorised 1 worker"]:.2f}x the '
           f'clients per second of client by client; on 2 workers '
           f'{med["vectorised 1 worker"] / med["vectorised 2 workers"]:.2f}x of 1 worker')
     for name, per_worker in sent.items():
       print(f'    {name}: MB to / from each worker per round: ' + ', '.join(
           f'{down / 1e6:.2f} / {up / 1e6:.2f}' for down, up in per_worker))
+  print('\n'.join(capacity_report(summary)))
   return 0
+
+
+def _time_runtimes(shape: str, runtimes: dict, vectorised: dict) -> tuple[dict, dict, dict]:
+  """`(median seconds, every round's seconds, bytes to and from each worker)` per runtime of
+  FedAvg rounds of `shape` (model:CLIENTSxEXAMPLES), the runtimes alternating."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  model, num_clients, examples = _parse_shape(shape)
+  image = input_shape(model)
+  keras_fn = functools.partial(build_model, model, input_shape=image, num_classes=10, seed=0)
+  spec = learning.ModelSpec(keras_fn, image, 10, name=model)
+  data = _client_data(num_clients, examples, shape=image)
+  opt = learning.client_optimizer(name='sgdm', learning_rate=_LR, momentum=_MOMENTUM)
+  rounds, times, groups = {}, {name: [] for name in runtimes}, {}
+  for name, rt in runtimes.items():
+    algorithm = method_registry.build('fedavg', spec, client_optimizer=opt)
+    if vectorised[name]:
+      algorithm = algorithm.with_vectorized_clients()
+    rt.place(algorithm)
+    groups[name] = getattr(algorithm.vectorized_work(), 'on_workers', None)
+    rounds[name] = _round_fn(algorithm, [examples] * num_clients)
+  contexts = {name: getattr(rt, 'driver_context', None) or rt.context
+              for name, rt in runtimes.items()}
+  for r in range(_ROUNDS.value):
+    datasets = _round_datasets(data, r)
+    order = list(runtimes) if r % 2 == 0 else list(runtimes)[::-1]
+    for name in order:
+      tff.framework.set_default_context(contexts[name])
+      t0 = time.perf_counter()
+      rounds[name](datasets)
+      times[name].append(time.perf_counter() - t0)
+  med = {name: statistics.median(v[1:]) for name, v in times.items()}
+  return med, times, {n: g.last_bytes for n, g in groups.items() if g}
+
+
+def capacity_report(summary: Sequence[tuple[str, dict, dict]]) -> list[str]:
+  """The capacity model fitted to `compare_runtimes`' rounds: its coefficients, its 1- and
+  2-worker predictions against the measured rounds, and a round of `--capacity_clients`
+  participants on 4, 16 and 64 such workers."""
+  shapes, timed_alone = [], []
+  for text, med, sent in summary:
+    model, clients, examples = _parse_shape(text)
+    shape = capacity.Shape(model, clients, examples, med['vectorised in process'],
+                           med.get('vectorised 1 worker'), med.get('vectorised 2 workers'),
+                           sent.get('vectorised 1 worker', ()), sent.get('vectorised 2 workers', ()))
+    (shapes if shape.bytes_two else timed_alone).append(shape)
+  if not shapes:
+    return []
+  t_byte = capacity.seconds_per_byte(shapes)
+  lines = [f'\nCapacity model (pipelines/capacity.py): T(W, N) = t_byte B(W, N) + t_0 + t_client '
+           f'ceil(N/W); the driver: t_byte = {t_byte * 1e9:.2f} ns a byte '
+           f'({1e-6 / t_byte if t_byte else float("inf"):.0f} MB/s)']
+  fits = {}
+  for key in dict.fromkeys((s.model, s.examples) for s in shapes):
+    fits[key] = capacity.fit([s for s in shapes if (s.model, s.examples) == key], t_byte)
+    f = fits[key]
+    lines.append(f'  {key[0]}, {key[1]} examples a client: t_0 {f.t_0:.3f} s, t_client '
+                 f'{f.t_client * 1e3:.1f} ms, model {f.b_model / 1e6:.2f} MB, a client '
+                 f'{f.b_client / 1e6:.2f} MB')
+  lines.append('  check (predicted / measured round):')
+  for s, workers, predicted, measured in capacity.validation(shapes):
+    lines.append(f'    {s.model}:{s.clients}x{s.examples} on {workers} worker(s): '
+                 f'{predicted:.3f} s / {measured:.3f} s ({100 * (predicted / measured - 1):+.0f} %)')
+  base_key = max(fits, key=lambda k: fits[k].t_client)  # The heaviest model run on workers.
+  base = fits[base_key]
+  for s in timed_alone:
+    per_example = (capacity.example_bytes(base, base_key[1])
+                   - int(np.prod(input_shape(base_key[0]))) + int(np.prod(input_shape(s.model))))
+    model_bytes = 4 * sum(int(np.prod(w.shape)) for w in build_model(
+        s.model, input_shape=input_shape(s.model), num_classes=10, seed=0).trainable_weights)
+    fits[(s.model, s.examples)] = capacity.scaled(base, s, model_bytes, per_example)
+  n = _CAPACITY_CLIENTS.value
+  lines.append(f'  projection, {n} participants a round, each worker as one core here:')
+  for (model, examples), f in fits.items():
+    rows = ', '.join(f'{w} workers {t:.1f} s ({gb:.2f} GB, driver {100 * share:.0f} %)'
+                     for w, t, gb, share in capacity.projection(f, n))
+    bound = f.driver_bound_from(n)
+    lines.append(f'    {model}, {examples} examples a client: {rows}; the driver is the limit '
+                 f'from {bound if bound else "no"} workers')
+  return lines
 
 
 def compare_checkpoints(spec) -> int:

@@ -21,13 +21,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      r'vectorised clients(.|\n)*'
      r'kapc\+bls\s+\d+\.\d+ s\s+ratio vs fedavg \d+\.\d+'),
     # Both in one process, as the flags allow.
-    (['--runtimes', '--runtime_shapes=mlp2:4x20', '--checkpoints', '--clients=4'],
+    (['--runtimes', '--runtime_shapes=mlp2:4x20', '--capacity_shapes=cnn2:1x10',
+      '--capacity_clients=100', '--checkpoints', '--clients=4'],
      r'mlp2:4x20: local \d+\.\d+ s \| client by client: 1 worker \d+\.\d+ s, 2 workers '
-     r'\d+\.\d+ s \| vectorised: 1 worker \d+\.\d+ s, 2 workers \d+\.\d+ s\n'
+     r'\d+\.\d+ s \| vectorised: 1 worker \d+\.\d+ s, 2 workers \d+\.\d+ s \| vectorised '
+     r'in process \d+\.\d+ s\n'
      r'.*vectorised on 1 worker: \d+\.\d+x .* on 2 workers \d+\.\d+x of 1 worker\n'
      r'.*vectorised 1 worker: MB to / from each worker per round: \d+\.\d+ / \d+\.\d+\n'
      r'.*vectorised 2 workers: MB to / from each worker per round: (\d+\.\d+ / \d+\.\d+, ){1}'
      r'\d+\.\d+ / \d+\.\d+(.|\n)*'
+     r'cnn2:1x10: vectorised in process \d+\.\d+ s\n'
+     r'\nCapacity model (.|\n)*mlp2:4x20 on 2 worker\(s\): \d+\.\d+ s / \d+\.\d+ s(.|\n)*'
+     r'projection, 100 participants(.|\n)*cnn2, 10 examples a client: 4 workers \d+\.\d+ s(.|\n)*'
      r'with fsync:\s+\d+\.\d+ s\n\s+without fsync:\s+\d+\.\d+ s'
      r'\n\s+ratio with/without fsync: \d+\.\d+'),
 ])
