@@ -243,29 +243,38 @@ def test_a_few_client_counts_are_traced_fixed_then_one_dynamic_trace(spec):
     vectorized.with_clients(x, 5)
 
 
-def test_participant_rows_are_the_broadcasts_own_tensors_in_its_order_and_gathered_otherwise():
-  from fltff.personalization.process import message_rows  # pylint: disable=g-import-not-at-top
-  from fltff.personalization.vectorized import participant_rows  # pylint: disable=g-import-not-at-top
+def test_client_start_on_the_broadcasts_rows_is_each_clients_own_start():
+  """`PersonalizedRound.client_start` along the client axis (vectorised clients, on the
+  broadcast's rows as they are) equals it client by client (`client_row`)."""
+  from fltff.personalization import bls  # pylint: disable=g-import-not-at-top
+  from fltff.personalization import fedbn  # pylint: disable=g-import-not-at-top
+  from fltff.personalization import process  # pylint: disable=g-import-not-at-top
 
   rng = np.random.default_rng(0)
   msg = collections.OrderedDict(
       clients=tf.constant([7, 2, 5], tf.int32),
       models=(tf.constant(rng.normal(size=(3, 4, 2)), tf.float32),
               tf.constant(rng.normal(size=(3, 2)), tf.float32)),
-      skip=tf.constant([[True, False], [False, False], [False, True]]),
-      own=(tf.constant(rng.normal(size=(3, 4, 2)), tf.float32),
-           tf.constant(rng.normal(size=(3, 2)), tf.float32)))
-  rows, listed = message_rows(msg), msg['clients'].numpy()
-  same = participant_rows(rows, listed, [7, 2, 5])
-  assert same['models'][0] is msg['models'][0] and same['own'][1] is msg['own'][1]
-  assert same['skip'] is msg['skip']
-  moved = participant_rows(rows, listed, [5, 7, 2])
-  for field in ('models', 'own'):
-    for got, full in zip(moved[field], msg[field]):
-      np.testing.assert_array_equal(got.numpy(), full.numpy()[[2, 0, 1]])
-  np.testing.assert_array_equal(moved['skip'].numpy(), msg['skip'].numpy()[[2, 0, 1]])
-  with pytest.raises(ValueError, match=r'clients \[4\] are not in'):
-    participant_rows(rows, listed, [7, 4, 5])
+      skip=tf.constant([[True, False], [False, False], [False, True]]))
+  personal = collections.OrderedDict(trainable=tuple(
+      tf.constant(rng.normal(size=m.shape), tf.float32) for m in msg['models']))
+  parts = process.PersonalizedRound(
+      rule=fedbn.SampleWeightedRelation(layer_selection=bls.BidirectionalSelection()),
+      context=process.RoundContext(layer_of=(0, 1), num_layers=2, num_clients=8),
+      layers=((0,), (1,)), local_layers=(False, False), layer_sizes_bytes=(32, 8))
+  rows = process.message_rows(msg)
+  assert rows['models'][0] is msg['models'][0] and rows['skip'] is msg['skip']
+  start, s, sent, _ = parts.client_start(rows, personal)
+  assert s[1] is msg['models'][1]
+  for p, k in enumerate([7, 2, 5]):
+    one = parts.client_start(parts.client_row(msg, k),
+                             tf.nest.map_structure(lambda m, p=p: m[p], personal))
+    for got, want in zip(start, one[0]):
+      np.testing.assert_array_equal(got[p].numpy(), want.numpy())
+    assert [bool(c[p]) for c in sent] == [bool(c) for c in one[2]]
+  # Client 7 was not sent layer 0: it starts from its own; layer 1 from s_i.
+  np.testing.assert_array_equal(start[0][0].numpy(), personal['trainable'][0][0].numpy())
+  np.testing.assert_array_equal(start[1][0].numpy(), msg['models'][1][0].numpy())
 
 
 def test_kapc_relationship_steps_after_training_equal_the_cpp_runtime(data, spec, cpp):

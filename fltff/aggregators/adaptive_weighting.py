@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from fltff.aggregators.gather import build_gather
+from fltff.aggregators.gather import build_gathering_process
 from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.learning.client_work import CLIENT_INDEX
@@ -156,17 +156,11 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
     num_state_clients = self._num_clients if keyed else 1
     alpha, lr = self._alpha, self._learning_rate
 
-    @tff.tensorflow.computation
     def init_state():
       return collections.OrderedDict(
           smoothed_angle=tf.zeros([num_state_clients, num_layers], tf.float32),
           participations=tf.zeros([num_state_clients], tf.int32))
 
-    state_type = init_state.type_signature.result
-
-    gather, acc_type = build_gather(value_type, weight_type)
-
-    @tff.tensorflow.computation(state_type, acc_type)
     def server_update(state, gathered):
       updates = list(gathered['update'])
       weight = gathered['weight']
@@ -201,19 +195,7 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
            ('smoothed_angle', smoothed), ('psi', psi)])
       return new_state, tf.nest.pack_sequence_as(specs, aggregate), measurements
 
-    @tff.federated_computation
-    def init_fn():
-      return tff.federated_eval(init_state, tff.SERVER)
-
-    @tff.federated_computation(init_fn.type_signature.result,
-                               tff.FederatedType(value_type, tff.CLIENTS),
-                               tff.FederatedType(weight_type, tff.CLIENTS))
-    def next_fn(state, value, weight):
-      gathered = gather(value, weight)
-      new_state, aggregate, measurements = tff.federated_map(server_update, (state, gathered))
-      return tff.templates.MeasuredProcessOutput(new_state, aggregate, measurements)
-
-    return tff.templates.AggregationProcess(init_fn, next_fn)
+    return build_gathering_process(value_type, weight_type, init_state, server_update)
 
 
 def layerwise_adaptive_factory(layers: Optional[Sequence[Sequence[int]]] = None,

@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from fltff.aggregators.gather import build_gather
+from fltff.aggregators.gather import build_gathering_process
 from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.learning.client_work import CLIENT_INDEX
@@ -167,11 +167,9 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
     if missing:
       raise ConfigError(self._missing_fields(missing, weight_type))
     specs = tff.types.type_to_tf_tensor_specs(value_type)
-    gather, acc_type = build_gather(value_type, weight_type)
     temperature, nova = self._temperature, self._nova
 
-    @tff.tensorflow.computation(acc_type)
-    def server_update(gathered):
+    def server_update(state, gathered):
       updates = list(gathered['update'])
       weight = gathered['weight']
       nu = weight['num_examples']
@@ -189,20 +187,9 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
         aggregate = nova_aggregate(updates, omega, weight['local_steps'])
       else:
         aggregate = [tf.tensordot(omega, u, axes=1) for u in updates]
-      return tf.nest.pack_sequence_as(specs, aggregate), measurements
+      return state, tf.nest.pack_sequence_as(specs, aggregate), measurements
 
-    @tff.federated_computation
-    def init_fn():
-      return tff.federated_value((), tff.SERVER)
-
-    @tff.federated_computation(init_fn.type_signature.result,
-                               tff.FederatedType(value_type, tff.CLIENTS),
-                               tff.FederatedType(weight_type, tff.CLIENTS))
-    def next_fn(state, value, weight):
-      aggregate, measurements = tff.federated_map(server_update, gather(value, weight))
-      return tff.templates.MeasuredProcessOutput(state, aggregate, measurements)
-
-    return tff.templates.AggregationProcess(init_fn, next_fn)
+    return build_gathering_process(value_type, weight_type, lambda: (), server_update)
 
 
 @gin.configurable('contribution_normalization')

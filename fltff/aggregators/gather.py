@@ -60,3 +60,27 @@ def build_gather(value_type, weight_type):
                                    merge, report)
 
   return gather, acc_type
+
+
+def build_gathering_process(value_type, weight_type, initial_state,
+                            server_update) -> tff.templates.AggregationProcess:
+  """An aggregation process of one `build_gather`, then `server_update(state, gathered) ->
+  (new state, aggregate, measurements)` at the server (TF); `initial_state`: a no-argument TF
+  function giving the state."""
+  gather, gathered_type = build_gather(value_type, weight_type)
+  init_state = tff.tensorflow.computation(initial_state)
+  update = tff.tensorflow.computation(server_update, init_state.type_signature.result,
+                                      gathered_type)
+
+  @tff.federated_computation
+  def init_fn():
+    return tff.federated_eval(init_state, tff.SERVER)
+
+  @tff.federated_computation(init_fn.type_signature.result,
+                             tff.FederatedType(value_type, tff.CLIENTS),
+                             tff.FederatedType(weight_type, tff.CLIENTS))
+  def next_fn(state, value, weight):
+    new_state, aggregate, measurements = tff.federated_map(update, (state, gather(value, weight)))
+    return tff.templates.MeasuredProcessOutput(new_state, aggregate, measurements)
+
+  return tff.templates.AggregationProcess(init_fn, next_fn)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -89,6 +90,14 @@ def scatter_relationship(relation: tf.Tensor, clients: tf.Tensor,
                                           tf.transpose(new_slice * mass, [2, 0, 1]))
   rows = normalize_rows(tf.transpose(by_column, [1, 2, 0]))
   return tf.tensor_scatter_nd_update(relation, clients[:, None], rows)
+
+
+def where_sent(sent: Sequence[tf.Tensor], s: Sequence[tf.Tensor],
+               own: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+  """Per tensor, s_i where its layer was sent, else the own one; for one client or along a
+  leading client axis (`sent` `[K]`)."""
+  return [tf.where(tf.reshape(c, [-1] + [1] * (a.shape.rank - 1)) if c.shape.rank else c, a, b)
+          for c, a, b in zip(sent, s, own)]
 
 
 def message_rows(server_msg) -> collections.OrderedDict:
@@ -206,9 +215,9 @@ class RelationRule:
     return collections.OrderedDict(relation=state['relation'])
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
-  """A personalised method (`protocol.FederatedAlgorithm`; `personalized` is True).
+  """A built personalised method (`protocol.FederatedAlgorithm`), complete and immutable.
 
   `process.next(state, server_input, client_data)`: `server_input = OrderedDict(clients=int32[P],
   models=tuple of [P, ...] server copies, num_examples=float32[P])`. Result, in `clients` order:
@@ -237,18 +246,16 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   model_from_client: bool = True
   layer_selection: LayerSelection = ALL_LAYERS
   num_clients: Optional[int] = None  # N: sizes R and the client state; indices must be < N.
-  personalized: bool = True
-  personal_models: bool = True
   # `(prepare_round, end_round)` around the client work; a builder of `VectorizedPersonalWork`.
   split_round: Optional[tuple] = None
-  vectorized_fn: Optional[Callable[[Optional[str]], Any]] = None
-  _initial: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
+  vectorized_fn: Optional[Callable[..., Any]] = None
   _vectorized: Any = dataclasses.field(default=None, repr=False, compare=False)
+  personalized = True
+  personal_models = True
+  has_client_state = True  # Overrides the protocol's property.
 
   def initialize(self, call: protocol.Call = protocol.direct_call):
     return call(self.process.initialize)
-
-  has_client_state = True  # Overrides the protocol's property.
 
   def initial_client_state(self, client_index: int) -> collections.OrderedDict:
     del client_index
@@ -325,7 +332,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 
   def new_client_state(self) -> collections.OrderedDict:
     """A new client: the initial model, Ω = L and the layer selection's initial client state."""
-    trainable, non_trainable = self._initial_weights()
+    trainable, non_trainable = self.initial_weights
     num_layers = len(self.layer_sizes_bytes)
     return collections.OrderedDict(
         model=collections.OrderedDict(trainable=[w.copy() for w in trainable],
@@ -333,15 +340,14 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
         server_copy=[w.copy() for w in trainable],
         omega=np.int32(num_layers), **self.layer_selection.initial_client_state(num_layers))
 
-  def _initial_weights(self) -> tuple:
+  @functools.cached_property
+  def initial_weights(self) -> tuple:
     """(trainable, non-trainable) NumPy weights of the initial model, built once."""
-    if self._initial is None:
-      self._initial = self.model_spec.initial_weights()  # A `ModelWeights` named tuple.
-    return self._initial
+    return self.model_spec.initial_weights()  # A `ModelWeights` named tuple.
 
   def stale_server_layers(self, client_states: dict) -> int:
     """How many layers of `client_states`' server copies equal the initial model's bit for bit."""
-    initial = self._initial_weights()[0]
+    initial = self.initial_weights[0]
     num_layers = len(self.layer_sizes_bytes)
     count = 0
     for state in client_states.values():
@@ -433,7 +439,6 @@ class PersonalizedRound:
   layers: tuple
   local_layers: tuple
   layer_sizes_bytes: tuple
-  message_rows = staticmethod(message_rows)  # For the vectorised clients, which import no process.
 
   @property
   def selection(self) -> LayerSelection:
@@ -476,18 +481,17 @@ class PersonalizedRound:
     return tf.nest.map_structure(lambda m: m[pos], message_rows(server_msg))
 
   def client_start(self, row, personal):
-    """`(start weights, s_i, per tensor whether its layer was sent, own model)` from a row."""
+    """`(start weights, s_i, per tensor whether its layer was sent, own model)` from a row, or
+    from rows and states along a leading client axis."""
     s = list(row['models'])
-    sent = [tf.logical_not(row['skip'][l]) for l in self.context.layer_of]
+    sent = [tf.logical_not(row['skip'][..., l]) for l in self.context.layer_of]
     if self.model_from_client:
       own = list(personal['trainable'])
     elif self.rule.start_from == 'own':
       own = list(row['own'])
     else:
       own = s  # Every layer is sent (no partial selection) and the client starts from s_i.
-    start = own
-    if self.rule.start_from == 'server':
-      start = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
+    start = where_sent(sent, s, own) if self.rule.start_from == 'server' else own
     return start, s, sent, own
 
   def client_regularizer(self, s, sent):
@@ -500,7 +504,7 @@ class PersonalizedRound:
   def client_result(self, personal, k, s, sent, own, trained, examples_per_epoch):
     """What client k uploads after training: its model and `(index, Ω, n_i, the selection's)`."""
     n_i = tf.cast(tf.maximum(examples_per_epoch, 1), tf.float32)
-    reference = [tf.where(c, a, b) for c, a, b in zip(sent, s, own)]
+    reference = where_sent(sent, s, own)
     omega, extra = self.selection.upload(personal, [[trained[t] for t in g] for g in self.layers],
                                          [[reference[t] for t in g] for g in self.layers])
     weight = collections.OrderedDict(client_index=k, omega=omega, num_examples=n_i, **extra)
@@ -690,9 +694,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     return round_end(state, server_input, server_msg, value, weight, model_outputs)
 
   def vectorized_fn(device, factor_dense=True):
-    from fltff.personalization.vectorized import VectorizedPersonalWork  # pylint: disable=g-import-not-at-top
-    return VectorizedPersonalWork(model_spec, client_optimizer, parts, device=device,
-                                  factor_dense=factor_dense)
+    return VectorizedPersonalWork(model_spec, client_optimizer, parts, device, factor_dense)
 
   process = tff.templates.IterativeProcess(init_fn, next_fn)
   return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec,
@@ -703,3 +705,59 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
                                num_clients=num_clients,
                                split_round=(prepare_round, end_round),
                                vectorized_fn=vectorized_fn)
+
+
+class VectorizedPersonalWork:
+  """`client_update` for all participants in one TensorFlow step, called with `(server_msg,
+  client_inputs)` in the broadcast's client order; returns its outputs stacked in that order.
+
+  The training is `learning.vectorized.VectorizedClientWork` with per-client start weights and
+  proximal terms; `PersonalizedRound.client_start` runs on the broadcast's `[P, ...]` rows as
+  they are (no per-client gather), `client_result` under `tf.vectorized_map`. BatchNorm models:
+  each client's moving statistics (its state's `non_trainable`) train with it, as in TFF.
+  """
+
+  def __init__(self, model_spec: ModelSpec, optimizer, parts: PersonalizedRound,
+               device: Optional[str] = None, factor_dense: bool = True):
+    from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
+
+    self._parts = parts
+    self._regularized = parts.rule.lambda_ > 0
+    self._work = VectorizedClientWork(
+        model_spec, optimizer, device=device, factor_dense=factor_dense,
+        client_regularizer=(lambda terms: parts.client_regularizer(*terms)) if self._regularized
+        else None, batch_norm=True)
+    # Without autograph, as the training: no tensor-dependent Python control flow here.
+    self._results = tf.function(self._results_fn, reduce_retracing=True, autograph=False)
+
+  def _results_fn(self, personal, clients, s, sent, own, trained, examples_per_epoch,
+                  num_clients=None):
+    from fltff.learning.vectorized import with_clients  # pylint: disable=g-import-not-at-top
+
+    return tf.vectorized_map(
+        lambda args: self._parts.client_result(*args),
+        with_clients((personal, clients, s, sent, own, trained, examples_per_epoch),
+                     num_clients))
+
+  def __call__(self, server_msg, client_inputs: Sequence[Any]):
+    from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
+
+    server_msg = tf.nest.map_structure(tf.convert_to_tensor, server_msg)
+    order = [client_work_lib.client_index_of_input(data) for data in client_inputs]
+    if order != [int(k) for k in np.asarray(server_msg['clients'])]:
+      raise ValueError(f'client inputs of clients {order} for a broadcast to '
+                       f'{np.asarray(server_msg["clients"]).tolist()}: not in its order.')
+    personal = stack_clients([data['state'] for data in client_inputs])
+    start, s, sent, own = (tuple(part) for part in self._parts.client_start(
+        message_rows(server_msg), personal))
+    out, data = self._work.train(client_inputs, start=start,
+                                 client_terms=(s, sent) if self._regularized else None,
+                                 statistics=personal.get('non_trainable'))
+    examples_per_epoch = client_work_lib.examples_per_epoch(out['sums'][1], data['epochs'])
+    value, weight = self._results(
+        personal, tf.constant(order, tf.int32), s, sent, own, tuple(out['trained']),
+        examples_per_epoch, num_clients=self._work.traced_client_count(len(client_inputs)))
+    value = collections.OrderedDict(trainable=tuple(value['trainable']))
+    if 'non_trainable' in out:
+      value['non_trainable'] = tuple(out['non_trainable'])
+    return value, weight, self._work.model_outputs(out['sums'])
