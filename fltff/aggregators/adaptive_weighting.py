@@ -4,11 +4,8 @@ Sources: H. Wu, P. Wang, "Fast-Convergent Federated Learning with Adaptive Weigh
 TCCN 2021) and "Layer-Wise Adaptive Weighting for Faster Convergence in Federated Learning"
 (FedLayerWise: FedAdp's rule per layer). Equation numbers are FedLayerWise's. Two typos of that
 paper are resolved as in docs/methods/adaptive.md: the Gompertz map decreases with the angle
-(FedAdp's form), and eq. (7) averages the clients' *updated* layer weights.
-
-The equations are pure TF functions tested against NumPy; the factory composes them single-pass
-(docs/architecture.md): one `federated_aggregate` gathers each participant's update, sample count
-and client index, and all math runs at the server, so it compiles to TFF's mergeable form.
+(FedAdp's form), and eq. (7) averages the clients' *updated* layer weights. The factory is
+single-pass (`gather.build_gathering_process`).
 """
 
 from __future__ import annotations

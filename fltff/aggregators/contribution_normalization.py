@@ -14,11 +14,8 @@ one participant Λ = 0 and ω is undefined; fltff then keeps ω_r = ν_r / Σ_q 
 FedNova (Wang et al., NeurIPS 2020): client k with τ_k local steps sends d_k = Δ_k / τ_k; the
 server applies τ_eff Σ_k p_k d_k, p the (possibly CCN-rescaled) weights, τ_eff = Σ_k p_k τ_k.
 
-One single-pass factory (docs/architecture.md: one `federated_aggregate` of updates, weights,
-latent means, step counts; math at the server) serves both. Schemes averaging updates with ν
-(FedAvg, FedProx, SGDM, FedBABU, FedLap, SCAFFOLD, FedNova) take it as `model_aggregator`. It
-cannot wrap another TFF factory (secure sum, DP): Λ needs every latent mean before any update is
-weighted. TFF's outer wrappers (e.g. `zeroing_factory`, `clipping_factory`) compose.
+One single-pass factory serves both (`model_aggregator` of the schemes averaging with ν; use and
+composition: docs/methods/ccn.md).
 """
 
 from __future__ import annotations

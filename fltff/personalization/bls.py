@@ -9,12 +9,9 @@ s_i^l = Σ_j r_ij^l w_j^l, sent by the server, regularises client i's local trai
   only its first Ω_i layers. Parts: Eqs. (30)–(31) `layer_bounds`, inequality (29)
   `criterion_sides_tf`/`criterion_tf` with sizes from `layer_dimensions`, lines 15–24 `search_tf`.
 
-`BidirectionalSelection` is both, the layer selection KAPC+BLS declares for the personalised
-round (`process.LayerSelection`), whose `check` validates μ and min_layers once, when the method
-is built. All TensorFlow, usable in TFF computations; NumPy oracles in tests/test_bls.py. The
-line-by-line
-reading of Algorithm 4 and (29), what is reconstructed from garbled text (R1–R4) and our choices
-where the paper is silent (C1–C7): the BLS section of docs/methods/personalised.md.
+`BidirectionalSelection` is both, the layer selection KAPC+BLS declares (`process.LayerSelection`).
+Our reading of Algorithm 4 and (29), reconstructions (R1–R4) and choices (C1–C7): the BLS
+section of docs/methods/personalised.md.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from fltff.learning.model_spec import ModelSpec
 from fltff.learning.regularizers import ProximalRegularizer
 from fltff.personalization.personal_models import PersonalTraining
 from fltff.personalization.personal_models import WithPersonalModels
+from fltff.personalization.personal_models import with_personal_models
 
 
 def own_model(local, global_weights) -> collections.OrderedDict:
@@ -50,5 +51,5 @@ def build_ditto(model_spec: ModelSpec, client_optimizer=None, lambda_: float = 1
   client_optimizer = client_optimizer or optimizers.default_client_optimizer()
   global_method = build_fedavg(model_spec, client_optimizer, server_learning_rate,
                                server_optimizer, model_aggregator, client_weighting)
-  return WithPersonalModels(global_method, PersonalTraining(
-      model_spec, client_optimizer, own_model, ProximalRegularizer(lambda_)), name='ditto')
+  return with_personal_models(global_method, PersonalTraining(
+      model_spec, client_optimizer, own_model, ProximalRegularizer(lambda_)), 'ditto')

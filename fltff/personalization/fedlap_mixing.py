@@ -29,6 +29,7 @@ from fltff.learning import optimizers
 from fltff.learning import protocol
 from fltff.personalization.personal_models import PersonalTraining
 from fltff.personalization.personal_models import WithPersonalModels
+from fltff.personalization.personal_models import with_personal_models
 
 
 def layer_dissimilarities(local: Sequence[np.ndarray], global_: Sequence[np.ndarray],
@@ -82,7 +83,7 @@ def with_fedlap_personalization(algorithm: protocol.FederatedAlgorithm,
                                 personalization: FedLapPersonalization) -> WithPersonalModels:
   """`algorithm` with FedLap personalisation's local models (module docstring): trained without
   a regulariser, evaluated mixed with the global model."""
-  return WithPersonalModels(algorithm, PersonalTraining(
+  return with_personal_models(algorithm, PersonalTraining(
       personalization.model_spec, personalization.optimizer,
       personalization.personalized_weights))
 

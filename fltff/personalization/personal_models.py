@@ -12,8 +12,8 @@ is read (FedLap mixes it with the global model; Ditto uses it as it is). Client 
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -47,29 +47,22 @@ class _PersonalModelInput(collections.namedtuple('_PersonalModelInput', ['method
   """A participant's input: the global method's input and its personal model."""
 
 
+@dataclasses.dataclass(frozen=True)
 class WithPersonalModels(protocol.FederatedAlgorithm):
-  """A global method plus each client's persistent personal model (module docstring)."""
-
+  """A global method plus each client's persistent personal model (module docstring), built by
+  `with_personal_models`: complete and immutable (`with_vectorized_clients` returns a new one).
+  """
+  inner: protocol.FederatedAlgorithm
+  personalization: PersonalTraining
+  name: str
+  local_update: Any  # `client_work.build_local_update`'s computation.
+  _local_work: Any = dataclasses.field(default=None, repr=False, compare=False)  # Vectorised.
   personal_models = True
-
-  def __init__(self, algorithm: protocol.FederatedAlgorithm, personal: PersonalTraining,
-               name: Optional[str] = None):
-    if algorithm.personalized:
-      raise ConfigError(f'{algorithm.name} is personalised already; remove '
-                        'experiment.personalization.')
-    self.inner = algorithm
-    self.personalization = personal
-    self.name = name or algorithm.name
-    self.model_spec = algorithm.model_spec
-    self.num_clients = algorithm.num_clients
-    self.bytes_down_per_client = algorithm.bytes_down_per_client
-    self.bytes_up_per_client = algorithm.bytes_up_per_client
-    self._local_work = None  # `with_vectorized_clients`.
-    # Built here, not in a round: tracing Keras models in a graph invalidates the eager models
-    # built before it (the driver's evaluator).
-    self._local_update = client_work_lib.build_local_update(
-        personal.model_spec, personal.optimizer, personal.regularizer)
-    self._initial_local = algorithm.model_spec.initial_weights()  # NumPy `ModelWeights`.
+  has_client_state = True  # Overrides the protocol's property.
+  model_spec = property(lambda self: self.inner.model_spec)
+  num_clients = property(lambda self: self.inner.num_clients)
+  bytes_down_per_client = property(lambda self: self.inner.bytes_down_per_client)
+  bytes_up_per_client = property(lambda self: self.inner.bytes_up_per_client)
 
   @property
   def process(self):
@@ -84,23 +77,26 @@ class WithPersonalModels(protocol.FederatedAlgorithm):
     vectorised."""
     from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
 
-    personal, vectorised = self.personalization, copy.copy(self)
-    vectorised.inner = self.inner.with_vectorized_clients(device, factor_dense)
-    vectorised._local_work = VectorizedClientWork(  # pylint: disable=protected-access
-        personal.model_spec, personal.optimizer, personal.regularizer, device=device,
-        factor_dense=factor_dense, batch_norm=True)
-    return vectorised
+    personal = self.personalization
+    return dataclasses.replace(
+        self, inner=self.inner.with_vectorized_clients(device, factor_dense),
+        _local_work=VectorizedClientWork(personal.model_spec, personal.optimizer,
+                                         personal.regularizer, device=device,
+                                         factor_dense=factor_dense, batch_norm=True))
 
   @property
   def vectorized(self) -> bool:
     return self._local_work is not None
 
-  has_client_state = True  # Overrides the protocol's property.
+  @functools.cached_property
+  def initial_local(self):
+    """The initial model's NumPy `ModelWeights`, built once."""
+    return self.inner.model_spec.initial_weights()
 
   def initial_client_state(self, client_index: int) -> collections.OrderedDict:
     """The initial model as the personal model (a client that never took part trains from it)."""
     state = collections.OrderedDict(local=collections.OrderedDict(
-        (key, [w.copy() for w in value]) for key, value in self._initial_local._asdict().items()))
+        (key, [w.copy() for w in value]) for key, value in self.initial_local._asdict().items()))
     if self.inner.has_client_state:
       state['method'] = self.inner.initial_client_state(client_index)
     return state
@@ -122,7 +118,7 @@ class WithPersonalModels(protocol.FederatedAlgorithm):
     out = self.inner.next(state, server_input, inputs, call)
     locals_ = [c.local for c in client_inputs]
     if self._local_work is None:
-      updated = call(self._local_update, locals_, received, inputs)
+      updated = call(self.local_update, locals_, received, inputs)
     else:
       updated = self._vectorized_local_update(locals_, received, inputs)
     client_states = {}
@@ -171,3 +167,17 @@ class WithPersonalModels(protocol.FederatedAlgorithm):
 
   def summary_extras(self, num_clients: int) -> dict:
     return self.inner.summary_extras(num_clients)
+
+
+def with_personal_models(algorithm: protocol.FederatedAlgorithm, personal: PersonalTraining,
+                         name: Optional[str] = None) -> WithPersonalModels:
+  """`algorithm` (a global method) plus personal models trained as `personal` declares; named
+  `name` (None: the method's name)."""
+  if algorithm.personalized:
+    raise ConfigError(f'{algorithm.name} is personalised already; remove '
+                      'experiment.personalization.')
+  # Built here, not in a round: tracing Keras models in a graph invalidates the eager models
+  # built before it (the driver's evaluator).
+  return WithPersonalModels(algorithm, personal, name or algorithm.name,
+                            client_work_lib.build_local_update(
+                                personal.model_spec, personal.optimizer, personal.regularizer))

@@ -221,30 +221,19 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 
   `process.next(state, server_input, client_data)`: `server_input = OrderedDict(clients=int32[P],
   models=tuple of [P, ...] server copies, num_examples=float32[P])`. Result, in `clients` order:
-  `personal` (new models), `omega`, `uploaded` (`bool[P, L]`), the layer selection's client
-  state (`[P, ...]`), and bytes sent down/up per client; not the server's new copies (they would
-  double what crosses the runtime boundary): `next_client_states` rebuilds them.
+  `personal` (new models), `omega`, `uploaded` (`bool[P, L]`), the selection's client state and
+  bytes down/up per client; `next_client_states` rebuilds the server's new copies from it.
 
-  Client state (`new_client_state`, `next_client_states`): `OrderedDict(model=OrderedDict(
-  trainable, non_trainable), server_copy=<the server's copy of its trainable weights, stale layers
-  included>, omega=<last Ω>)` and the selection's `initial_client_state` entries (BLS: `b_max`,
-  `tau_max`).
-
-  With a partial layer selection, `next` (not `process.next`) adds to the selection's
-  measurements `stale_server_layers` (participants' layers whose server copy still equals the
-  initial weights bit for bit, i.e. never uploaded) and `stale_server_layer_fraction` (over P·L).
+  Client state: `OrderedDict(model=OrderedDict(trainable, non_trainable), server_copy=<the
+  server's copy of its trainable weights>, omega=<last Ω>)` and the selection's
+  `initial_client_state` entries. With a partial layer selection, `next` also measures
+  `stale_server_layers` (server copies' layers still equal to the initial weights, never
+  uploaded) and `stale_server_layer_fraction` (over P·L).
   """
   name: str
   process: object
   model_spec: ModelSpec
-  layer_sizes_bytes: list
-  tensor_layers: list  # The layer of each trainable tensor.
-  # Per layer: kept on the client, never sent (the rule's `local_layer_kinds`). Its server copy
-  # is the client's own, kept by the driver, and not counted in the bytes.
-  local_layers: tuple
-  # Whether clients' personal trainable weights are part of their input (see the builder).
-  model_from_client: bool = True
-  layer_selection: LayerSelection = ALL_LAYERS
+  parts: PersonalizedRound  # The round's parts: rule, layers, sizes, layer selection.
   num_clients: Optional[int] = None  # N: sizes R and the client state; indices must be < N.
   # `(prepare_round, end_round)` around the client work; a builder of `VectorizedPersonalWork`.
   split_round: Optional[tuple] = None
@@ -257,6 +246,15 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   def initialize(self, call: protocol.Call = protocol.direct_call):
     return call(self.process.initialize)
 
+  @property
+  def layer_sizes_bytes(self) -> list:
+    return list(self.parts.layer_sizes_bytes)
+
+  @property
+  def tensor_layers(self) -> tuple:
+    """The layer of each trainable tensor."""
+    return self.parts.context.layer_of
+
   def initial_client_state(self, client_index: int) -> collections.OrderedDict:
     del client_index
     return self.new_client_state()
@@ -265,7 +263,8 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   def bytes_down_per_client(self) -> int:
     """All but the local layers, each way (`bytes_up_per_client` too); a layer selection may send
     fewer: the round's `bytes_up` and `bytes_down` count what it sends."""
-    return sum(size for size, keep in zip(self.layer_sizes_bytes, self.local_layers) if not keep)
+    return sum(size for size, keep in zip(self.layer_sizes_bytes, self.parts.local_layers)
+               if not keep)
 
   bytes_up_per_client = bytes_down_per_client
 
@@ -285,13 +284,13 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     server_seconds = time.perf_counter() - start
     measurements = dict(output.measurements)
     train = measurements.pop('train')
-    selection = self.layer_selection
+    selection = self.parts.selection
     if selection.partial:  # Server copies still at the initial weights (class docstring).
       stale = self.stale_server_layers(client_states)
       measurements[selection.name] = collections.OrderedDict(
           measurements[selection.name], stale_server_layers=stale,
           stale_server_layer_fraction=stale / max(
-              1, len(client_states) * len(self.layer_sizes_bytes)))
+              1, len(client_states) * self.parts.context.num_layers))
     return protocol.RoundOutput(
         state=output.state, client_states=client_states, train=train,
         measurements=measurements, clients=order,
@@ -333,12 +332,12 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   def new_client_state(self) -> collections.OrderedDict:
     """A new client: the initial model, Ω = L and the layer selection's initial client state."""
     trainable, non_trainable = self.initial_weights
-    num_layers = len(self.layer_sizes_bytes)
+    num_layers = self.parts.context.num_layers
     return collections.OrderedDict(
         model=collections.OrderedDict(trainable=[w.copy() for w in trainable],
                                       non_trainable=[w.copy() for w in non_trainable]),
         server_copy=[w.copy() for w in trainable],
-        omega=np.int32(num_layers), **self.layer_selection.initial_client_state(num_layers))
+        omega=np.int32(num_layers), **self._selection_state())
 
   @functools.cached_property
   def initial_weights(self) -> tuple:
@@ -348,7 +347,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   def stale_server_layers(self, client_states: dict) -> int:
     """How many layers of `client_states`' server copies equal the initial model's bit for bit."""
     initial = self.initial_weights[0]
-    num_layers = len(self.layer_sizes_bytes)
+    num_layers = self.parts.context.num_layers
     count = 0
     for state in client_states.values():
       copy = state['server_copy']
@@ -365,7 +364,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   def client_input(self, batches, client_index: int, epochs: int, client_state):
     """`client_work.client_input` with the personal model, last Ω and the selection's state."""
     personal = collections.OrderedDict()
-    if self.model_from_client:
+    if self.parts.model_from_client:
       personal['trainable'] = tuple(client_state['model']['trainable'])
     if len(client_state['model']['non_trainable']):
       personal['non_trainable'] = tuple(client_state['model']['non_trainable'])
@@ -412,7 +411,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     return out
 
   def _selection_state(self) -> collections.OrderedDict:
-    return self.layer_selection.initial_client_state(len(self.layer_sizes_bytes))
+    return self.parts.selection.initial_client_state(self.parts.context.num_layers)
 
 
 class _RowCopies:
@@ -683,27 +682,19 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
     return round_end(state, server_input, server_msg, value, weight, model_outputs)
 
   # The round split around `client_update`, which vectorised clients run outside TFF.
-  @tff.federated_computation(*server_types)
-  def prepare_round(state, server_input):
-    return tff.federated_map(prepare, (state, server_input))
-
-  @tff.federated_computation(
-      *server_types, tff.FederatedType(broadcast_type, tff.SERVER),
+  prepare_round = tff.federated_computation(
+      lambda state, server_input: tff.federated_map(prepare, (state, server_input)),
+      *server_types)
+  end_round = tff.federated_computation(
+      round_end, *server_types, tff.FederatedType(broadcast_type, tff.SERVER),
       *(tff.FederatedType(t, tff.CLIENTS) for t in client_update.type_signature.result))
-  def end_round(state, server_input, server_msg, value, weight, model_outputs):
-    return round_end(state, server_input, server_msg, value, weight, model_outputs)
 
   def vectorized_fn(device, factor_dense=True):
     return VectorizedPersonalWork(model_spec, client_optimizer, parts, device, factor_dense)
 
   process = tff.templates.IterativeProcess(init_fn, next_fn)
-  return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec,
-                               layer_sizes_bytes=list(parts.layer_sizes_bytes),
-                               tensor_layers=layer_of, local_layers=parts.local_layers,
-                               model_from_client=parts.model_from_client,
-                               layer_selection=selection,
-                               num_clients=num_clients,
-                               split_round=(prepare_round, end_round),
+  return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec, parts=parts,
+                               num_clients=num_clients, split_round=(prepare_round, end_round),
                                vectorized_fn=vectorized_fn)
 
 
