@@ -4,8 +4,7 @@ Each method runs 3 rounds vectorised in this process and as groups on 1 local wo
 loopback workers (one group per worker, through TFF's remote executor and mergeable context),
 from the same initial state; every metric, client state and the final state must agree to 1e-5
 of each tensor's scale. A lost worker mid-round: `test_remote.test_lost_worker_round_repeats_on_the_other`
-(remote workers train vectorised groups under `experiment.client_work = 'vectorised'`; 'auto'
-keeps clients one by one there).
+(remote workers train vectorised groups under `experiment.client_work = 'auto'`).
 """
 
 import collections
@@ -20,20 +19,24 @@ from fltff.learning.model_spec import ModelSpec
 from fltff.runtime import LocalWorkerRuntime
 from fltff.runtime import make_runtime
 from fltff.runtime.in_process import InProcessContext
+from fltff.simulation import build_model_spec
 from fltff.simulation.experiment import choose_client_work
 from helpers import EQUALITY_CLIENTS
 from helpers import assert_equal_runs
 from helpers import equality_methods
+from helpers import mnist_sample_split
 from helpers import run_rounds
 from test_remote import Worker
 from test_vectorized import _small_batchnorm_model
 
 # One method of each kind of vectorised client work: a weighted mean (FedAvg), per-client
 # server memory (FedLayerWise), client state with per-client corrections and CCN's latent mean
-# (SCAFFOLD+CCN), per-client starts, anchors and layer masks (KAPC+BLS), and BatchNorm: the
-# server's statistics (FedAvg) and each client's own (FedBN).
+# (SCAFFOLD+CCN), per-client starts, anchors and layer masks (KAPC+BLS), BatchNorm: the
+# server's statistics (FedAvg) and each client's own (FedBN), and cnn2's convolutions before
+# a factored dense kernel (FedAvg; `fltff.learning.factored_dense`).
 METHODS = [('fedavg', 'mlp2'), ('fedlayerwise', 'mlp2'), ('scaffold+ccn', 'mlp2'),
-           ('kapc+bls', 'mlp2'), ('fedavg', 'batchnorm'), ('fedbn', 'batchnorm')]
+           ('kapc+bls', 'mlp2'), ('fedavg', 'batchnorm'), ('fedbn', 'batchnorm'),
+           ('fedavg', 'cnn2')]
 
 
 @pytest.fixture(scope='module')
@@ -59,21 +62,30 @@ def test_groups_on_one_and_two_workers_equal_the_in_process_vectorised_rounds(
     method, model, data, spec, two_workers, cpp):
   if model == 'batchnorm':
     spec = ModelSpec(_small_batchnorm_model, (28, 28, 1), 10)
+  elif model == 'cnn2':  # A tenth of the examples: rounds short enough to factor dense1.
+    data = mnist_sample_split(EQUALITY_CLIENTS, seed=3, local_test_examples=10, data_fraction=0.1)
+    spec = build_model_spec(data, 'cnn2', seed=0)
   expected = run_rounds(_vectorised(method, spec), data, InProcessContext(), EQUALITY_CLIENTS)
   try:
     with LocalWorkerRuntime() as one:
       algorithm = _vectorised(method, spec)
       on_one = _on(one, algorithm, data)
+      if model == 'cnn2':
+        assert algorithm.vectorized_work().factored_traces == {(4, 6)}  # Both dense kernels.
       assert one.description == ("TFF's C++ runtime (local worker_binary), vectorised "
                                  'clients: 3 clients per call on 1 worker')
-    # 'vectorised' client work runs as groups on remote workers ('auto' does not, yet).
+    # 'auto' client work vectorises on remote workers.
     with make_runtime(workers=two_workers, insecure_plaintext=True) as two:
-      algorithm, _ = choose_client_work(equality_methods()[method](spec), 'vectorised', True, two)
+      algorithm, _ = choose_client_work(equality_methods()[method](spec), 'auto', True, two)
       assert algorithm.vectorized
       on_two = _on(two, algorithm, data)
       groups = algorithm.vectorized_work().on_workers
       assert sorted(groups.last_sizes) == [1, 2]  # Each round's 3 participants, 2 groups.
-      assert len(groups.last_bytes) == 2 and all(down > up > 0 for down, up in groups.last_bytes)
+      # To each worker the global model and the group's data; back, each client's model.
+      model_bytes = sum(w.nbytes for w in spec.initial_weights().trainable)
+      assert len(groups.last_bytes) == 2 and all(
+          down > model_bytes and up > n * model_bytes
+          for (down, up), n in zip(groups.last_bytes, groups.last_sizes))
       assert two.description.endswith('vectorised clients: 1-2 clients per call on 2 workers')
   finally:
     tff.framework.set_default_context(cpp)

@@ -110,15 +110,14 @@ def _wait_for_round(run_dir, proc, round_num):
 def test_lost_worker_round_repeats_on_the_other(workers, small_run, tmp_path):
   ws = workers(2)
   out = str(tmp_path)
-  proc = Program('pipelines.run', *FEDAVG, *_binding(ws), f'--output_dir={out}',
-                 "--gin_bindings=experiment.client_work = 'vectorised'")
+  proc = Program('pipelines.run', *FEDAVG, *_binding(ws), f'--output_dir={out}')
   _wait_for_round(out, proc, 1)
   ws[1].crash()
   stdout, stderr = proc.communicate(timeout=300)
   assert proc.returncode == 0, stderr[-3000:]
   assert f'TFF worker {ws[1].address} was lost' in stderr
   assert 'round    3/3' in stdout
-  # 'vectorised' client work on remote workers: one group of clients per worker.
+  # 'auto' client work on remote workers: vectorised, one group of clients per worker.
   assert 'vectorised clients: one call per worker (2 workers)' in stdout
   _assert_same_metrics(out, _local(small_run))
 

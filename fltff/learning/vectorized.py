@@ -519,8 +519,11 @@ class VectorizedClientWork:
       def step(s, carry, sums, observed, factored_state, statistics):
         trains = valid[e, s]
         t = e * num_steps + s  # The step's place in the round's history.
+        # The batch's static shape pinned (EnsureShape): after TFF's static Grappler, TF 2.14
+        # infers no rank for it, and oneDNN's layout pass aborts on a Conv2D input without one.
+        x = tf.gather(examples, index[e, s])
         gradients, step_sums, factors, differentiated, moments = tf.vectorized_map(
-            client_step, (read_weights(carry), tf.gather(examples, index[e, s]),
+            client_step, (read_weights(carry), tf.ensure_shape(x, x.shape),
                           tf.gather(labels, index[e, s]), mask[e, s], trains, context, terms,
                           plan.client_rows(factored_state, t) if plan else (), plan_anchors))
         if anchored is not None:

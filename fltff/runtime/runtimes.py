@@ -333,10 +333,6 @@ class RemoteWorkersRuntime(WorkerRuntime):
   processes are not this program's to stop."""
 
   executor_name = "TFF's C++ runtime (remote workers)"
-  # Vectorised groups are opt-in here ('vectorised'): on cnn2, TFF's worker_binary aborts on a
-  # shape check in the group computation (docs/multiple-machines.md), so 'auto' keeps clients
-  # one by one, as it did before groups.
-  auto_vectorises = False
 
   def __init__(self, workers: Sequence[str], **kwargs):
     self.lost: list[str] = []
