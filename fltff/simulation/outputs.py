@@ -326,80 +326,36 @@ def _png(gray) -> bytes:
           + chunk(b'IDAT', zlib.compress(raw)) + chunk(b'IEND', b''))
 
 
-class _EventWriter:
-  """TensorBoard event files built from protobufs, with no TensorFlow op (eager `tf.summary`
-  keeps driver memory per scalar written, for the whole run)."""
-
-  def __init__(self, logdir: str):
-    # pylint: disable=g-import-not-at-top
-    from tensorboard.summary.writer.event_file_writer import EventFileWriter
-    # pylint: enable=g-import-not-at-top
-    self._writer = EventFileWriter(logdir)
-
-  def _add(self, step: int, **fields) -> None:
-    """One event at `step`, written through to the file."""
-    import time  # pylint: disable=g-import-not-at-top
-
-    from tensorboard.compat.proto import event_pb2  # pylint: disable=g-import-not-at-top
-
-    self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), **fields))
-    self._writer.flush()
-
-  def write(self, step: int, values) -> None:
-    from tensorboard.compat.proto import summary_pb2  # pylint: disable=g-import-not-at-top
-
-    self._add(step, summary=summary_pb2.Summary(value=list(values)))
-
-  @staticmethod
-  def scalar(tag: str, value: float):
-    from tensorboard.plugins.scalar import summary_v2  # pylint: disable=g-import-not-at-top
-    return summary_v2.scalar_pb(tag, float(value)).value[0]
-
-  @staticmethod
-  def histogram(tag: str, value):
-    from tensorboard.plugins.histogram import summary_v2  # pylint: disable=g-import-not-at-top
-    return summary_v2.histogram_pb(tag, value).value[0]
-
-  @staticmethod
-  def image(tag: str, gray):
-    # pylint: disable=g-import-not-at-top
-    from tensorboard.compat.proto import summary_pb2
-    from tensorboard.plugins.image import metadata
-    from tensorboard.util import tensor_util
-    # pylint: enable=g-import-not-at-top
-    height, width = gray.shape
-    tensor = tensor_util.make_tensor_proto(
-        [str(width).encode(), str(height).encode(), _png(gray)], dtype='string')
-    return summary_pb2.Summary.Value(
-        tag=tag, tensor=tensor, metadata=metadata.create_summary_metadata(
-            display_name=tag, description=''))
-
-  def restart_at(self, step: int) -> None:
-    """Marks a restart: TensorBoard drops earlier files' events from `step` on (a resume)."""
-    from tensorboard.compat.proto import event_pb2  # pylint: disable=g-import-not-at-top
-
-    self._add(step, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
-
-  def close(self) -> None:
-    self._writer.close()
-
-
 class RunOutputs:
-  """Writes one row per round to CSV and TensorBoard; summary and plots on demand."""
+  """Writes one row per round to CSV and TensorBoard; summary and plots on demand.
+
+  TensorBoard events are written as protobufs with no TensorFlow op: eager `tf.summary` keeps
+  driver memory per scalar written, for the whole run.
+  """
 
   def __init__(self, output_dir: str):
     self.output_dir = output_dir
     os.makedirs(output_dir, exist_ok=True)
     self.csv_path = os.path.join(output_dir, 'metrics.csv')
     self.measurements_path = os.path.join(output_dir, 'measurements.jsonl')
-    self._events: Optional[_EventWriter] = None
+    self._events = None  # Made at the first event: a refused resume creates no file.
 
-  @property
-  def _writer(self) -> _EventWriter:
-    """The TensorBoard writer, made at the first event: a refused resume creates no file."""
+  def _add_event(self, step: int, **fields) -> None:
+    """One TensorBoard event at `step`, written through to the file."""
+    # pylint: disable=g-import-not-at-top
+    import time
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    # pylint: enable=g-import-not-at-top
     if self._events is None:
-      self._events = _EventWriter(os.path.join(self.output_dir, 'tensorboard'))
-    return self._events
+      self._events = EventFileWriter(os.path.join(self.output_dir, 'tensorboard'))
+    self._events.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), **fields))
+    self._events.flush()
+
+  def _write_summary(self, step: int, values) -> None:
+    from tensorboard.compat.proto import summary_pb2  # pylint: disable=g-import-not-at-top
+
+    self._add_event(step, summary=summary_pb2.Summary(value=list(values)))
 
   def write_rows(self, rows: Sequence[dict]) -> None:
     """Rewrites metrics.csv from all rows (cheap; keeps it exact after a resume)."""
@@ -416,12 +372,17 @@ class RunOutputs:
     os.replace(tmp, self.csv_path)
 
   def restart_at(self, round_num: int) -> None:
-    """A resume restarts at `round_num`: TensorBoard supersedes earlier events from there."""
-    self._writer.restart_at(round_num)
+    """A resume restarts at `round_num`: TensorBoard drops earlier files' events from there."""
+    from tensorboard.compat.proto import event_pb2  # pylint: disable=g-import-not-at-top
+
+    self._add_event(round_num,
+                    session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
 
   def log_scalars(self, row: dict) -> None:
-    self._writer.write(int(row['round']), [
-        self._writer.scalar(key, value) for key, value in row.items()
+    from tensorboard.plugins.scalar import summary_v2  # pylint: disable=g-import-not-at-top
+
+    self._write_summary(int(row['round']), [
+        summary_v2.scalar_pb(key, float(value)).value[0] for key, value in row.items()
         if key != 'round' and finite(value)])
 
   def log_arrays(self, round_num: int, arrays: dict, scalar_tags=()) -> None:
@@ -429,7 +390,13 @@ class RunOutputs:
     `measurements.jsonl` and logs them to TensorBoard: histograms under `key` (`key/values` if
     one of `scalar_tags` has that name: one summary kind per tag), matrices also as heat maps
     under `key/heatmap`."""
-    import numpy as np  # pylint: disable=g-import-not-at-top
+    # pylint: disable=g-import-not-at-top
+    import numpy as np
+    from tensorboard.compat.proto import summary_pb2
+    from tensorboard.plugins.histogram import summary_v2
+    from tensorboard.plugins.image import metadata
+    from tensorboard.util import tensor_util
+    # pylint: enable=g-import-not-at-top
 
     record = {'round': int(round_num)}
     record.update({k: np.asarray(v).tolist() for k, v in arrays.items()})
@@ -438,14 +405,19 @@ class RunOutputs:
     values = []
     for key, value in arrays.items():
       value = np.asarray(value, np.float32)
-      values.append(self._writer.histogram(f'{key}/values' if key in scalar_tags else key,
-                                           value))
+      values.append(summary_v2.histogram_pb(f'{key}/values' if key in scalar_tags else key,
+                                            value).value[0])
       if value.ndim == 2 and value.size:
         scale = max(float(np.max(np.abs(value))), 1e-12)
         # As tf.summary.image showed it: value / max|value| as 8-bit gray (negatives black).
         gray = np.clip(np.round(value / scale * 255.0), 0, 255)
-        values.append(self._writer.image(f'{key}/heatmap', gray))
-    self._writer.write(int(round_num), values)
+        tag = f'{key}/heatmap'
+        tensor = tensor_util.make_tensor_proto(
+            [str(gray.shape[1]).encode(), str(gray.shape[0]).encode(), _png(gray)],
+            dtype='string')
+        values.append(summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=(
+            metadata.create_summary_metadata(display_name=tag, description=''))))
+    self._write_summary(int(round_num), values)
 
   def truncate_measurements(self, last_round: int) -> None:
     """Drops measurement records after `last_round` (on resume)."""
