@@ -38,14 +38,13 @@ def test_client_state_store_roundtrip():
                                               'n': np.int32(0)})
   assert store.get(4)['w'][0, 0] == 4.0
   store.set(9, {'w': np.ones((2, 3), np.float32), 'n': np.int32(3)})
-  arrays = store.to_arrays()
-  restored = ClientStateStore()
-  restored.load_arrays(arrays, template_fn=lambda i: {'w': 0, 'n': 0})
-  assert len(restored) == 2 and 9 in restored
+  arrays = store.checkpoint(1)
+  restored = ClientStateStore(init_fn=lambda i: {'w': np.zeros((2, 3), np.float32),
+                                                 'n': np.int32(-1)})
+  restored.restore(1, arrays, template_fn=lambda i: {'w': 0, 'n': 0})
+  assert len(restored) == 2 and 9 in restored and 5 not in restored
   np.testing.assert_array_equal(restored.get(9)['w'], np.ones((2, 3)))
-  assert int(restored.get(9)['n']) == 3
-  with pytest.raises(KeyError):
-    ClientStateStore().get(0)
+  assert int(restored.get(9)['n']) == 3 and restored.get(4)['w'][0, 0] == 4.0
 
 
 def test_checkpointer_roundtrip_and_pruning(tmp_path):

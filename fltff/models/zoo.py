@@ -77,8 +77,13 @@ def _conv_pools(x, filters: Sequence[int], kernel_size: int, init: _Init, paddin
   return x
 
 
-def _classifier(inputs, x, num_classes: int, init, name: str) -> tf.keras.Model:
-  """The model from `inputs` to logits: a linear 'logits' layer on the features `x`."""
+def _classifier(inputs, x, num_classes: int, init, name: str,
+                latent_units: int = 0) -> tf.keras.Model:
+  """The model from `inputs` to logits: a linear 'logits' layer on the features `x`; with
+  `latent_units`, on `x` flattened through a ReLU dense layer of that size ('latent')."""
+  if latent_units:
+    x = tf.keras.layers.Flatten(name='flatten')(x)
+    x = _dense(latent_units, init, LATENT_LAYER, 'relu')(x)
   return tf.keras.Model(inputs, _dense(num_classes, init, 'logits')(x), name=name)
 
 
@@ -109,9 +114,7 @@ def _mlp2(name, input_shape, num_classes, init):
   """784-200-10 ReLU MLP, FedLap's MNIST/FMNIST model (159,010 parameters on 28x28 inputs), not
   McMahan et al.'s (2017) "2NN" (784-200-200-10)."""
   inputs = tf.keras.Input(shape=input_shape, dtype=tf.float32, name='input')
-  x = tf.keras.layers.Flatten(name='flatten')(inputs)
-  x = _dense(200, init, LATENT_LAYER, 'relu')(x)
-  return _classifier(inputs, x, num_classes, init, name)
+  return _classifier(inputs, inputs, num_classes, init, name, latent_units=200)
 
 
 def _cnn_cifar_tutorial(name, input_shape, num_classes, init):
@@ -119,9 +122,7 @@ def _cnn_cifar_tutorial(name, input_shape, num_classes, init):
   inputs, x = _image_input(name, input_shape, min_hw=18)
   x = _conv_pools(x, (32, 64), 3, init, 'valid')
   x = _conv(64, 3, init, 'conv3', activation='relu')(x)
-  x = tf.keras.layers.Flatten(name='flatten')(x)
-  x = _dense(64, init, LATENT_LAYER, 'relu')(x)
-  return _classifier(inputs, x, num_classes, init, name)
+  return _classifier(inputs, x, num_classes, init, name, latent_units=64)
 
 
 def _cnn_mnist_582k(name, input_shape, num_classes, init):
@@ -129,9 +130,7 @@ def _cnn_mnist_582k(name, input_shape, num_classes, init):
   conv5x5·32 → pool2 → conv5x5·64 → pool2 → flatten (4·4·64 = 1024) → dense 512 → classifier."""
   inputs, x = _image_input(name, input_shape, min_hw=16)
   x = _conv_pools(x, (32, 64), 5, init, 'valid')
-  x = tf.keras.layers.Flatten(name='flatten')(x)
-  x = _dense(512, init, LATENT_LAYER, 'relu')(x)
-  return _classifier(inputs, x, num_classes, init, name)
+  return _classifier(inputs, x, num_classes, init, name, latent_units=512)
 
 
 def _cnn2(name, input_shape, num_classes, init):
@@ -229,9 +228,7 @@ def _vgg16(name, input_shape, num_classes, init):
       conv_i += 1
       x = _conv(v, 3, init, f'conv{conv_i}', padding='same')(x)
       x = _bn_relu(x, f'bn{conv_i}', f'relu{conv_i}')
-  x = tf.keras.layers.Flatten(name='flatten')(x)
-  x = _dense(128, init, LATENT_LAYER, 'relu')(x)
-  return _classifier(inputs, x, num_classes, init, name)
+  return _classifier(inputs, x, num_classes, init, name, latent_units=128)
 
 
 _Builder = Callable[[str, tuple[int, ...], int, _Init], tf.keras.Model]

@@ -8,12 +8,12 @@ truncated copy, a full disk, a hand-edited `latest.json`) is skipped with a warn
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import zipfile
 import zlib
-from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
@@ -34,7 +34,8 @@ class Checkpointer:
   """Saves and restores the driver's state under `<output_dir>/checkpoints`."""
 
   def __init__(self, output_dir: str, keep: int = 3, durable: bool = True):
-    """`durable=False` skips the `fsync`s (for `pipelines.bench --checkpoints` to time them)."""
+    """`keep`: the newest checkpoints kept. `durable=False` skips the `fsync`s (for
+    `pipelines.bench --checkpoints` to time them)."""
     self.directory = os.path.join(output_dir, 'checkpoints')
     self._latest = os.path.join(self.directory, 'latest.json')
     self.keep = keep
@@ -60,7 +61,10 @@ class Checkpointer:
     atomic_write(stem + '.npz', write_npz, self.durable)
     atomic_write_json(stem + '.json', dict(meta, round=round_num), self.durable)
     self.mark_latest(round_num)
-    self._prune()
+    for old in self.rounds()[:-self.keep]:
+      for ext in ('.npz', '.json'):
+        with contextlib.suppress(FileNotFoundError):
+          os.remove(self.path(old, ext))
     return stem
 
   def path(self, round_num: int, ext: str = '') -> str:
@@ -114,10 +118,9 @@ class Checkpointer:
         continue
     return None
 
-  def restore(self, process_state_template: Any,
-              warn_fn: Callable[[str], None] = warn) -> tuple[int, Any, dict, dict]:
+  def restore(self, process_state_template: Any) -> tuple[int, Any, dict, dict]:
     """`(round, process_state, meta, other_arrays)` of the newest intact checkpoint, skipping
-    damaged ones (and `latest.json`) with one `warn_fn` line. Raises `FileNotFoundError` if
+    damaged ones (and `latest.json`) with one `warn` line. Raises `FileNotFoundError` if
     there is none, `CheckpointError` if none is intact."""
     latest, problems = None, []
     try:
@@ -140,7 +143,7 @@ class Checkpointer:
         problems.append(f'checkpoint round {round_num} is damaged ({_describe(e)})')
         continue
       if problems:
-        warn_fn(f'{"; ".join(problems)}; resuming from round {round_num}.')
+        warn(f'{"; ".join(problems)}; resuming from round {round_num}.')
       return (round_num, self._unflatten(arrays, process_state_template), meta, arrays)
     if not candidates and not problems:
       raise FileNotFoundError(self.directory)
@@ -173,16 +176,6 @@ class Checkpointer:
         raise ConfigError(f'Checkpoint tensor {i} has shape {np.shape(saved)}, the process '
                           f'expects {np.shape(ref)}: was it written by another model/method?')
     return tf.nest.pack_sequence_as(process_state_template, leaves)
-
-  def _prune(self) -> None:
-    for r in self.rounds()[:-self.keep]:
-      self.remove(r)
-
-  def remove(self, round_num: int) -> None:
-    """Deletes round `round_num`'s checkpoint files."""
-    for ext in ('.npz', '.json'):
-      if os.path.exists(self.path(round_num, ext)):
-        os.remove(self.path(round_num, ext))
 
 
 def _describe(error: BaseException) -> str:

@@ -9,6 +9,7 @@ checkpoints, TensorBoard in the output folder.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -258,17 +259,9 @@ def run_experiment(output_dir: str,
       the run's `config.gin` in more than `outputs.RESUMABLE_CHANGES`; the differences are
       appended to `config_changes.txt`. False: such a resume is refused (`ConfigError`).
   """
+  arguments = locals()  # The parameters only: RoundConfig's fields are among them.
   prepare_output_dir(output_dir, resume)
-  config = RoundConfig(rounds=rounds, clients_per_round=clients_per_round,
-                       client_fraction=client_fraction, local_epochs=local_epochs,
-                       batch_size=batch_size, eval_every=eval_every,
-                       checkpoint_every=checkpoint_every,
-                       target_accuracies=target_accuracies, seed=seed,
-                       straggler_fraction=straggler_fraction, straggler_mode=straggler_mode,
-                       round_deadline=round_deadline,
-                       compute_seconds_per_example=compute_seconds_per_example,
-                       client_state_store=client_state_store, evaluation=evaluation,
-                       headline_statistic=headline_statistic)
+  config = RoundConfig(**{f.name: arguments[f.name] for f in dataclasses.fields(RoundConfig)})
   config.validate()
   if model_seed is None:
     model_seed = seed

@@ -37,7 +37,7 @@ _SQLITE_MARKER = 'client_store/sqlite'
 class ClientStateStore:
   """Client index → nested NumPy state, with lazy initialisation and (de)serialisation."""
 
-  def __init__(self, init_fn: Optional[Callable[[int], Any]] = None):
+  def __init__(self, init_fn: Callable[[int], Any]):
     self._init_fn = init_fn
     self._states: dict[int, Any] = {}
 
@@ -50,8 +50,6 @@ class ClientStateStore:
   def get(self, client_index: int) -> Any:
     """The client's state, created with `init_fn` on first use."""
     if client_index not in self._states:
-      if self._init_fn is None:
-        raise KeyError(f'No state for client {client_index} and no init_fn.')
       self._states[client_index] = tf.nest.map_structure(np.asarray,
                                                          self._init_fn(client_index))
     return self._states[client_index]
@@ -59,30 +57,40 @@ class ClientStateStore:
   def set(self, client_index: int, state: Any) -> None:
     self._states[client_index] = tf.nest.map_structure(np.asarray, state)
 
-  def set_many(self, states: dict, round_num: Optional[int] = None) -> None:
+  def set_many(self, states: dict, round_num: int) -> None:
     """Stores the participants' new states after round `round_num`."""
     del round_num
     for k, state in states.items():
       self.set(int(k), state)
 
   def checkpoint(self, round_num: int) -> dict[str, np.ndarray]:
-    """The arrays the checkpoint of round `round_num` holds: every client's state."""
+    """The arrays the checkpoint of round `round_num` holds: every client's state, flat
+    (`client/<index>/<leaf>`)."""
     del round_num
-    return self.to_arrays()
+    return {f'client/{index}/{j}': leaf for index, state in self._states.items()
+            for j, leaf in enumerate(tf.nest.flatten(state))}
 
   def prune(self, kept_rounds) -> None:
     """Nothing to prune: each checkpoint file holds its own copy."""
     del kept_rounds
 
   def restore(self, round_num: int, arrays: dict, template_fn: Callable[[int], Any]) -> None:
-    """The states of the checkpoint of `round_num` (its `arrays`)."""
+    """The states of the checkpoint of `round_num` (its `arrays`); `template_fn(i)` gives each
+    state's structure."""
     del round_num
     if _SQLITE_MARKER in arrays:
       raise ConfigError("This run's client states are in client_states.sqlite: resume it with "
                         "experiment.client_state_store = 'sqlite'.")
     # Older checkpoints hold the client states under 'method/'.
     prefix = 'client' if any(key.startswith('client/') for key in arrays) else 'method'
-    self.load_arrays(arrays, template_fn=template_fn, prefix=prefix)
+    leaves: dict[int, dict[int, np.ndarray]] = {}
+    for key, value in arrays.items():
+      parts = key.split('/')
+      if len(parts) == 3 and parts[0] == prefix:
+        leaves.setdefault(int(parts[1]), {})[int(parts[2])] = value
+    self._states = {index: tf.nest.pack_sequence_as(template_fn(index),
+                                                    [by_pos[j] for j in range(len(by_pos))])
+                    for index, by_pos in leaves.items()}
 
   def reset(self) -> None:
     self._states = {}
@@ -98,28 +106,6 @@ class ClientStateStore:
 
   def close(self) -> None:
     pass
-
-  def to_arrays(self, prefix: str = 'client') -> dict[str, np.ndarray]:
-    """Flat `{name: array}` for `np.savez`; structure comes back through `from_arrays`."""
-    out = {}
-    for index, state in self._states.items():
-      for j, leaf in enumerate(tf.nest.flatten(state)):
-        out[f'{prefix}/{index}/{j}'] = leaf
-    return out
-
-  def load_arrays(self, arrays: dict[str, np.ndarray], template_fn: Callable[[int], Any],
-                  prefix: str = 'client') -> None:
-    """Restores states saved by `to_arrays`; `template_fn(i)` gives each state's structure."""
-    leaves: dict[int, dict[int, np.ndarray]] = {}
-    for key, value in arrays.items():
-      parts = key.split('/')
-      if len(parts) == 3 and parts[0] == prefix:
-        leaves.setdefault(int(parts[1]), {})[int(parts[2])] = value
-    self._states = {}
-    for index, by_pos in leaves.items():
-      template = template_fn(index)
-      flat = [by_pos[j] for j in range(len(by_pos))]
-      self._states[index] = tf.nest.pack_sequence_as(template, flat)
 
 
 def state_digest(client_index: int, blob: bytes) -> str:
@@ -241,10 +227,8 @@ class SqliteClientStateStore:
     self._remember(k, state)
     return state
 
-  def set_many(self, states: dict, round_num: Optional[int] = None) -> None:
+  def set_many(self, states: dict, round_num: int) -> None:
     """Writes the participants' new states of round `round_num` in one transaction."""
-    if round_num is None:
-      raise ValueError('SqliteClientStateStore.set_many needs the round number.')
     rows = []
     for k, state in states.items():
       state = tf.nest.map_structure(np.asarray, state)
