@@ -55,18 +55,6 @@ def _check_range(name: str, value: Sequence[float], positive: bool) -> tuple[flo
   return low, high
 
 
-def _check_number(name: str, value: float, positive: bool = False) -> float:
-  """Returns `value` as a finite float (positive if asked), or raises ConfigError."""
-  try:
-    value = float(value)
-  except (TypeError, ValueError):
-    raise ConfigError(f'channel_model.{name} must be a number, got {value!r}.') from None
-  if not math.isfinite(value) or (positive and value <= 0):
-    kind = 'a positive number' if positive else 'a finite number'
-    raise ConfigError(f'channel_model.{name} must be {kind}, got {value!r}.')
-  return value
-
-
 def _per_client(name: str, values: ArrayLike, count: int, positive: bool = False) -> np.ndarray:
   """A scalar or one value per client as `[count]` floats, finite and >= 0 (> 0 if
   `positive`), or ConfigError."""
@@ -124,17 +112,21 @@ class ChannelModel:
     bandwidth = _check_range('bandwidth_mhz', bandwidth_mhz, positive=True)
     power = _check_range('power_dbm', power_dbm, positive=False)
     distance = _check_range('distance_m', distance_m, positive=True)
-    self._server_bandwidth_hz = 1e6 * _check_number('server_bandwidth_mhz',
-                                                    server_bandwidth_mhz, positive=True)
-    self._server_power_w = float(dbm_to_watts(_check_number('server_power_dbm',
-                                                            server_power_dbm)))
-    self._path_loss_db = _check_number('path_loss_db_at_1m', path_loss_db_at_1m)
-    self._path_loss_exponent = _check_number('path_loss_exponent', path_loss_exponent,
-                                             positive=True)
-    self._noise_w_per_hz = float(dbm_to_watts(_check_number('noise_dbm_per_hz',
-                                                            noise_dbm_per_hz)))
-    self._interference_w = (0.0 if interference_dbm is None else float(
-        dbm_to_watts(_check_number('interference_dbm', interference_dbm))))
+    for name, value, low in (('server_bandwidth_mhz', server_bandwidth_mhz, 0),
+                             ('server_power_dbm', server_power_dbm, -math.inf),
+                             ('path_loss_db_at_1m', path_loss_db_at_1m, -math.inf),
+                             ('path_loss_exponent', path_loss_exponent, 0),
+                             ('noise_dbm_per_hz', noise_dbm_per_hz, -math.inf),
+                             ('interference_dbm', interference_dbm, -math.inf)):
+      check_number(f'channel_model.{name}', value, allow_none=name == 'interference_dbm',
+                   low=low, high=math.inf, open_low=True, open_high=True)  # Finite.
+    self._server_bandwidth_hz = 1e6 * float(server_bandwidth_mhz)
+    self._server_power_w = float(dbm_to_watts(server_power_dbm))
+    self._path_loss_db = float(path_loss_db_at_1m)
+    self._path_loss_exponent = float(path_loss_exponent)
+    self._noise_w_per_hz = float(dbm_to_watts(noise_dbm_per_hz))
+    self._interference_w = (0.0 if interference_dbm is None else
+                            float(dbm_to_watts(interference_dbm)))
     self._share_downlink = bool(share_downlink)
     self.num_clients = int(num_clients)
 

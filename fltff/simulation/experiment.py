@@ -122,15 +122,12 @@ def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool 
   check_choice('experiment.client_work', client_work, CLIENT_WORKS)
   if not isinstance(factor_dense, bool):
     raise ConfigError(f'experiment.factor_dense must be True or False, got {factor_dense!r}.')
-  if client_work == 'per_client':
+  # Without a runtime to place the rounds, 'auto' leaves TFF's client work to the context.
+  if client_work == 'per_client' or (client_work == 'auto' and (
+      runtime is None or not runtime.auto_vectorises)):
     return algorithm, None
-  if runtime is None:
-    if client_work == 'auto':  # No runtime to place the rounds: the context runs TFF's work.
-      return algorithm, None
-  elif client_work == 'auto' and not runtime.auto_vectorises:
-    return algorithm, None
-  elif (client_work == 'auto' and runtime.per_client_on_cpp and steps is not None
-        and participants and _on_cpu(runtime) and _has_convolutions(algorithm.model_spec)):
+  if (client_work == 'auto' and runtime.per_client_on_cpp and steps is not None
+      and participants and _on_cpu(runtime) and _has_convolutions(algorithm.model_spec)):
     from fltff.learning.round_data import step_overhead  # pylint: disable=g-import-not-at-top
     from fltff.models.layers import macs_per_example  # pylint: disable=g-import-not-at-top
 
