@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from fltff.config_checks import check_number
 from fltff.data.pipeline import preprocess_batch
+from fltff.errors import ConfigError
 from fltff.learning.model_spec import batch_loss
 
 
@@ -80,8 +82,6 @@ def check_protocols(protocols, personalized: bool, has_local_splits: bool,
                     can_report_trained: bool, personal_models: bool = False) -> tuple[str, ...]:
   """`protocols` as a tuple, or `ConfigError` naming what cannot be evaluated and why
   (`personal_models`: a global method whose clients keep personal models, e.g. Ditto)."""
-  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
-
   if isinstance(protocols, str) or not protocols:
     raise ConfigError('experiment.evaluation must be a non-empty list of protocols '
                       f'({", ".join(PROTOCOL_COLUMNS)}), got {protocols!r}.')
@@ -152,8 +152,6 @@ class Finetuner:
   """
 
   def __init__(self, model_spec, client_optimizer, epochs: int):
-    from fltff.config_checks import check_number  # pylint: disable=g-import-not-at-top
-
     check_number('experiment.finetune_epochs', epochs, integer=True, low=1)
     self.epochs = epochs
     self._model_spec, self._optimizer = model_spec, client_optimizer
