@@ -218,10 +218,6 @@ def read_idx(path: str) -> np.ndarray:
   return np.frombuffer(raw, dtype, offset=header).reshape(shape).astype(dtype.newbyteorder('='))
 
 
-def _idx_file(root: pathlib.Path, stem: str) -> Optional[pathlib.Path]:
-  return next((c for c in (root / f'{stem}.gz', root / stem) if c.is_file()), None)
-
-
 @gin.configurable('idx_source')
 def idx_source(path: str = '/usr/share/datasets/fashion-mnist',
                name: Optional[str] = None,
@@ -238,7 +234,8 @@ def idx_source(path: str = '/usr/share/datasets/fashion-mnist',
     num_classes: Every label must lie in `[0, num_classes)`.
   """
   root = _find(path, True, 'IDX data folder', _IDX_HINT)
-  files = {stem: _idx_file(root, stem) for pair in IDX_FILES.values() for stem in pair}
+  files = {stem: next((f for f in (root / f'{stem}.gz', root / stem) if f.is_file()), None)
+           for pair in IDX_FILES.values() for stem in pair}
   missing = [stem for stem, f in files.items() if f is None]
   if missing:
     raise DataError(f'{root} lacks {", ".join(s + "[.gz]" for s in missing)}. {_IDX_HINT}')
@@ -401,10 +398,6 @@ _EMNIST_FILE = 'emnist_all.sqlite'
 _EMNIST_TRAIN_SPLIT = {True: 'digits_only_train', False: 'all_train'}
 
 
-def _tff_cache_dir(cache_dir: Optional[str]) -> str:
-  return os.path.abspath(os.path.expanduser(cache_dir or os.path.join('~', '.tff')))
-
-
 def _emnist_train_counts(path: str, only_digits: bool) -> dict[str, int]:
   """Training examples per writer, from the database's `client_metadata` table."""
   uri = pathlib.Path(path).as_uri() + '?mode=ro'
@@ -466,7 +459,7 @@ def femnist_source(num_clients: int = 10,
   check_number('femnist_source.num_clients', num_clients, integer=True, low=1)
   check_number('femnist_source.min_examples_per_client', min_examples_per_client, integer=True,
                low=1)
-  resolved = _tff_cache_dir(cache_dir)
+  resolved = os.path.abspath(os.path.expanduser(cache_dir or os.path.join('~', '.tff')))
   path = os.path.join(resolved, _EMNIST_FILE)
   existed = os.path.isfile(path)
   if not existed and not download:

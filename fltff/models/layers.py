@@ -56,10 +56,8 @@ def _kind(layer: tf.keras.layers.Layer) -> str:
 
 def _children(layer: tf.keras.layers.Layer) -> list[tf.keras.layers.Layer]:
   """Direct sub-layers of `layer`, in Keras' weight-collection order."""
-  flatten = getattr(layer, '_flatten_layers', None)
-  if flatten is not None:
-    return list(flatten(include_self=False, recursive=False))
-  return list(getattr(layer, 'layers', ()))  # pragma: no cover (older Keras)
+  # pylint: disable=protected-access
+  return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
 def _leaf_layers(layer: tf.keras.layers.Layer) -> Iterator[tf.keras.layers.Layer]:

@@ -1,17 +1,11 @@
-"""fltff processes under TFF's program API (`tff.learning.programs.train_model`).
+"""fltff methods under TFF's program API (`tff.learning.programs.train_model`).
 
-`train_model` drives any `tff.learning.templates.LearningProcess` from a
-`tff.program.FederatedDataSource`, keeping its progress with a `ProgramStateManager` (e.g.
-`tff.program.FileProgramStateManager`). fltff's client data,
-`fltff.learning.client_input(batches, client_index, epochs)`, is a struct of two datasets, but
-TFF 0.87's `NativeFederatedContext` only materialises CLIENTS data whose member is a dataset
-or a tensor; so `as_dataset_process(algorithm, epochs)` wraps a method into a LearningProcess
-taking each client's batches as one dataset, as TFF's own processes do, and packs the fltff
-input (client index 0) inside the computation. Methods whose aggregation needs the client's
-identity (FedAdp/FedLayerWise with per-client smoothing, CCN, FedNova) or whose client state
-lives in fltff's round driver (SCAFFOLD, MOON, the personalised ones) need `pipelines.run`.
-`ClientInputDataSource` is a serialisable data source of per-client arrays (`train_model`
-stores its position in the program state).
+TFF 0.87's `NativeFederatedContext` only materialises CLIENTS data whose member is a dataset or
+a tensor, but fltff's client input (`fltff.learning.client_input`) is a struct of two datasets:
+`as_dataset_process` wraps a method into a `LearningProcess` taking each client's batches as
+one dataset, as TFF's own processes do, and packs fltff's input (client index 0) inside the
+computation. `ClientInputDataSource` is a serialisable `tff.program.FederatedDataSource` of
+per-client arrays (`train_model` stores its position in the program state).
 """
 
 from __future__ import annotations
@@ -131,7 +125,8 @@ def as_dataset_process(algorithm, epochs: int):
   each client's batched dataset (elements `OrderedDict(x=..., y=...)`), for TFF's program API.
 
   Every client trains `epochs` local epochs as fltff client index 0. Raises `ConfigError` for
-  a method that needs the client's identity or driver-held client state (module docstring).
+  a method that needs the client's identity or driver-held client state (`pipelines.run` runs
+  those: FedAdp, FedLayerWise, CCN, FedNova, SCAFFOLD, MOON, the personalised methods).
   """
   without_identity = [m.name for m in methods.METHODS.values()
                       if not (m.client_ids or m.client_state)]
