@@ -14,6 +14,7 @@ import os
 import re
 import zipfile
 import zlib
+from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
@@ -118,9 +119,10 @@ class Checkpointer:
         continue
     return None
 
-  def restore(self, process_state_template: Any) -> tuple[int, Any, dict, dict]:
+  def restore(self, process_state_template: Any,
+              warn_fn: Callable[[str], None] = warn) -> tuple[int, Any, dict, dict]:
     """`(round, process_state, meta, other_arrays)` of the newest intact checkpoint, skipping
-    damaged ones (and `latest.json`) with one `warn` line. Raises `FileNotFoundError` if
+    damaged ones (and `latest.json`) with one `warn_fn` line. Raises `FileNotFoundError` if
     there is none, `CheckpointError` if none is intact."""
     latest, problems = None, []
     try:
@@ -143,7 +145,7 @@ class Checkpointer:
         problems.append(f'checkpoint round {round_num} is damaged ({_describe(e)})')
         continue
       if problems:
-        warn(f'{"; ".join(problems)}; resuming from round {round_num}.')
+        warn_fn(f'{"; ".join(problems)}; resuming from round {round_num}.')
       return (round_num, self._unflatten(arrays, process_state_template), meta, arrays)
     if not candidates and not problems:
       raise FileNotFoundError(self.directory)
