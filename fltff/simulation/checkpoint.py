@@ -8,7 +8,6 @@ truncated copy, a full disk, a hand-edited `latest.json`) is skipped with a warn
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -35,8 +34,7 @@ class Checkpointer:
   """Saves and restores the driver's state under `<output_dir>/checkpoints`."""
 
   def __init__(self, output_dir: str, keep: int = 3, durable: bool = True):
-    """`keep`: the newest checkpoints kept. `durable=False` skips the `fsync`s (for
-    `pipelines.bench --checkpoints` to time them)."""
+    """`durable=False` skips the `fsync`s (for `pipelines.bench --checkpoints` to time them)."""
     self.directory = os.path.join(output_dir, 'checkpoints')
     self._latest = os.path.join(self.directory, 'latest.json')
     self.keep = keep
@@ -62,10 +60,7 @@ class Checkpointer:
     atomic_write(stem + '.npz', write_npz, self.durable)
     atomic_write_json(stem + '.json', dict(meta, round=round_num), self.durable)
     self.mark_latest(round_num)
-    for old in self.rounds()[:-self.keep]:
-      for ext in ('.npz', '.json'):
-        with contextlib.suppress(FileNotFoundError):
-          os.remove(self.path(old, ext))
+    self._prune()
     return stem
 
   def path(self, round_num: int, ext: str = '') -> str:
@@ -178,6 +173,16 @@ class Checkpointer:
         raise ConfigError(f'Checkpoint tensor {i} has shape {np.shape(saved)}, the process '
                           f'expects {np.shape(ref)}: was it written by another model/method?')
     return tf.nest.pack_sequence_as(process_state_template, leaves)
+
+  def _prune(self) -> None:
+    for r in self.rounds()[:-self.keep]:
+      self.remove(r)
+
+  def remove(self, round_num: int) -> None:
+    """Deletes round `round_num`'s checkpoint files."""
+    for ext in ('.npz', '.json'):
+      if os.path.exists(self.path(round_num, ext)):
+        os.remove(self.path(round_num, ext))
 
 
 def _describe(error: BaseException) -> str:
