@@ -6,6 +6,7 @@ from typing import Optional
 
 import numpy as np
 
+from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 
@@ -56,9 +57,10 @@ def straggler_plan(clients: np.ndarray, local_epochs: int, fraction: float, mode
   A `fraction` of the participants are stragglers (FedProx's system heterogeneity, Li et al.
   2020, §5.2): with `mode='partial'` each completes a uniformly random number of local epochs
   in [1, E] and sends what it has; with `mode='drop'` they are dropped from the round (FedAvg's
-  behaviour), always keeping at least one participant. The settings are checked by
-  `RoundConfig.validate`.
+  behaviour), always keeping at least one participant.
   """
+  check_number('experiment.straggler_fraction', fraction, low=0, high=1)
+  check_choice('experiment.straggler_mode', mode, ('partial', 'drop'))
   epochs = {int(k): int(local_epochs) for k in clients}
   count = int(round(fraction * len(clients)))
   if mode == 'drop':

@@ -37,7 +37,7 @@ _SQLITE_MARKER = 'client_store/sqlite'
 class ClientStateStore:
   """Client index → nested NumPy state, with lazy initialisation and (de)serialisation."""
 
-  def __init__(self, init_fn: Callable[[int], Any]):
+  def __init__(self, init_fn: Optional[Callable[[int], Any]] = None):
     self._init_fn = init_fn
     self._states: dict[int, Any] = {}
 
@@ -50,6 +50,8 @@ class ClientStateStore:
   def get(self, client_index: int) -> Any:
     """The client's state, created with `init_fn` on first use."""
     if client_index not in self._states:
+      if self._init_fn is None:
+        raise KeyError(f'No state for client {client_index} and no init_fn.')
       self._states[client_index] = tf.nest.map_structure(np.asarray,
                                                          self._init_fn(client_index))
     return self._states[client_index]
