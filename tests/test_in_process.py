@@ -261,10 +261,10 @@ def _count_stacked_splits(monkeypatch) -> list:
   splits = []
   original = in_process._members  # pylint: disable=protected-access
 
-  def counting_members(value, t):
-    if isinstance(value, in_process._Stacked):  # pylint: disable=protected-access
-      splits.append(value.count)
-    return original(value, t)
+  def counting_members(value):
+    if isinstance(value, in_process.StackedClients):
+      splits.append(value.num_clients)
+    return original(value)
 
   monkeypatch.setattr(in_process, '_members', counting_members)
   return splits

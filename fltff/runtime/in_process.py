@@ -10,38 +10,30 @@ in-process executor".
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
+import tensorflow_federated as tff
+# TFF 0.87's compiler and type internals, which this context is built on.
+from tensorflow_federated.python.common_libs import structure
+from tensorflow_federated.python.core.backends.native import compiler
+from tensorflow_federated.python.core.impl.compiler import building_blocks
+from tensorflow_federated.python.core.impl.computation import computation_impl
 from tensorflow_federated.python.core.impl.context_stack import context_base
+from tensorflow_federated.python.core.impl.types import computation_types
+from tensorflow_federated.python.core.impl.types import type_analysis
+from tensorflow_federated.python.core.impl.types import type_conversions
+from tensorflow_federated.python.core.impl.types import type_serialization
+from tensorflow_federated.python.core.impl.utils import tensorflow_utils
+from tensorflow_federated.python.tensorflow_libs import serialization_utils
 
 from fltff.errors import ConfigError
 
 _SESSION_TOKEN = 'fltff_in_process'
-
-
-def _tff_internals():
-  """TFF 0.87's compiler/type internals this context is built on (one place to update)."""
-  # pylint: disable=g-import-not-at-top
-  from tensorflow_federated.python.common_libs import structure
-  from tensorflow_federated.python.core.backends.native import compiler
-  from tensorflow_federated.python.core.impl.compiler import building_blocks
-  from tensorflow_federated.python.core.impl.computation import computation_impl
-  from tensorflow_federated.python.core.impl.types import computation_types
-  from tensorflow_federated.python.core.impl.types import type_analysis
-  from tensorflow_federated.python.core.impl.types import type_conversions
-  from tensorflow_federated.python.core.impl.types import type_serialization
-  from tensorflow_federated.python.core.impl.utils import tensorflow_utils
-  from tensorflow_federated.python.tensorflow_libs import serialization_utils
-  # pylint: enable=g-import-not-at-top
-  return dict(structure=structure, compiler=compiler, bb=building_blocks,
-              computation_impl=computation_impl, types=computation_types,
-              type_analysis=type_analysis, type_conversions=type_conversions,
-              type_serialization=type_serialization, tensorflow_utils=tensorflow_utils,
-              serialization_utils=serialization_utils)
 
 
 class InProcessError(ConfigError):
@@ -49,7 +41,8 @@ class InProcessError(ConfigError):
 
 
 # ---- values ------------------------------------------------------------------------------
-# Internal values: eager tf.Tensor, tf.data.Dataset, Struct, `_Clients`/`_Stacked`, callable.
+# Internal values: eager tf.Tensor, tf.data.Dataset, Struct, `_Clients`/`StackedClients`
+# (of internal values), callable.
 
 
 class _Clients(list):
@@ -61,7 +54,8 @@ class StackedClients:
 
   Stands for `[value with every array a[k]] for k in range(num_clients)`; this context alone
   takes it and keeps it stacked through zip, map and aggregate (`map_stacked`, `fold`),
-  so vectorised client work needs no Python value per participant.
+  so vectorised client work needs no Python value per participant. Also this context's own
+  stacked CLIENTS values (their `value` a Struct of tensors).
   """
 
   def __init__(self, value, num_clients: int):
@@ -111,8 +105,6 @@ def stacked_tensor(array) -> tf.Tensor:
 
 def _current_context() -> Optional[InProcessContext]:
   """The current TFF context if it is an `InProcessContext`, else None."""
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-
   current = tff.framework.get_context_stack().current
   return current if isinstance(current, InProcessContext) else None
 
@@ -129,57 +121,49 @@ def clients_argument(stacked: StackedClients):
   return stacked.members() if _current_context() is None else stacked
 
 
-class _Stacked:
-  """Internal CLIENTS value kept stacked: every leaf of `value` leads with `count` participants."""
-
-  __slots__ = ('value', 'count')
-
-  def __init__(self, value, count: int):
-    self.value, self.count = value, count
-
-
-def _members(value, t) -> _Clients:
-  """A CLIENTS-placed internal value as one value per participant (splits a `_Stacked`)."""
-  if not isinstance(value, _Stacked):
+def _members(value) -> _Clients:
+  """A CLIENTS-placed internal value as one value per participant (splits a `StackedClients`)."""
+  if not isinstance(value, StackedClients):
     return value
-  structure = t['structure']
-
-  def split(v) -> list:
-    if isinstance(v, structure.Struct):
-      elements = structure.to_elements(v)
-      columns = [split(member) for _, member in elements]
-      return [structure.Struct([(name, column[k]) for (name, _), column in zip(elements, columns)])
-              for k in range(value.count)]
-    return tf.unstack(v, num=value.count)
-
-  return _Clients(split(value.value))
+  columns = [tf.unstack(leaf, num=value.num_clients) for leaf in structure.flatten(value.value)]
+  return _Clients(structure.pack_sequence_as(value.value, [column[k] for column in columns])
+                  for k in range(value.num_clients))
 
 
-def _flatten(value, type_spec, t) -> list:
-  """The leaves of `value` in the order of TFF's TensorFlow bindings for `type_spec`."""
-  if isinstance(type_spec, t['types'].StructType):
-    elements = t['structure'].to_elements(value) if isinstance(value, t['structure'].Struct) \
-        else list(enumerate(value))
-    out = []
-    for (_, member), (_, member_type) in zip(elements, t['structure'].to_elements(type_spec)):
-      out.extend(_flatten(member, member_type, t))
-    return out
-  if isinstance(type_spec, t['types'].SequenceType):
-    return [value._variant_tensor]  # pylint: disable=protected-access
-  return [value]
+def _flatten(value) -> list:
+  """The leaves of an internal value in the order of TFF's TensorFlow bindings (a dataset as
+  its variant tensor)."""
+  return [leaf._variant_tensor if isinstance(leaf, tf.data.Dataset) else leaf  # pylint: disable=protected-access
+          for leaf in structure.flatten(value)]
 
 
-def _build(leaves, type_spec, t):
+def _build(leaves, type_spec):
   """Inverse of `_flatten` for results (tensors, datasets from variants, Structs) from an
   iterator of leaves; a module function: a recursive closure is a reference cycle, holding
   each call's result tensors until Python's cycle collector runs."""
-  if isinstance(type_spec, t['types'].StructType):
-    return t['structure'].Struct([(name, _build(leaves, member, t))
-                                  for name, member in t['structure'].to_elements(type_spec)])
-  if isinstance(type_spec, t['types'].SequenceType):
-    spec = t['type_conversions'].type_to_tf_tensor_specs(type_spec.element)
+  if isinstance(type_spec, computation_types.StructType):
+    return structure.Struct([(name, _build(leaves, member))
+                             for name, member in structure.to_elements(type_spec)])
+  if isinstance(type_spec, computation_types.SequenceType):
+    spec = type_conversions.type_to_tf_tensor_specs(type_spec.element)
     return tf.data.experimental.from_variant(next(leaves), structure=spec)
   return next(leaves)
+
+
+def _stack(values: list, type_spec) -> Optional[StackedClients]:
+  """Client values of `type_spec` as one `StackedClients`; None for fewer than two, datasets,
+  strings, unequal shapes or dtypes."""
+  if len(values) < 2:
+    return None
+  stacked = []
+  for column in zip(*(_flatten(v) for v in values)):
+    column = [x if tf.is_tensor(x) else tf.convert_to_tensor(x) for x in column]
+    first = column[0]
+    if first.dtype in _UNSTACKABLE or any(
+        c.dtype != first.dtype or c.shape != first.shape for c in column[1:]):
+      return None
+    stacked.append(tf.stack(column))
+  return StackedClients(_build(iter(stacked), type_spec), len(values)) if stacked else None
 
 
 _FRESH_NAMES = itertools.count()
@@ -209,24 +193,22 @@ def fresh_dataset(dataset: tf.data.Dataset) -> tf.data.Dataset:
   return tf.data.experimental.from_variant(variant, structure=dataset.element_spec)
 
 
-def _ingest(value, type_spec, t, num_clients: Optional[int]):
+def _ingest(value, type_spec, num_clients: Optional[int]):
   """A Python argument (numpy, lists, dicts, datasets) as an internal value of `type_spec`."""
-  types = t['types']
-  if isinstance(type_spec, types.FederatedType):
+  if isinstance(type_spec, computation_types.FederatedType):
     member_type = type_spec.member
     if type_spec.placement.uri == 'clients' and not type_spec.all_equal:
       if isinstance(value, StackedClients):
-        if not t['type_analysis'].contains(
-            member_type, lambda s: isinstance(s, types.SequenceType)):
-          return _Stacked(_ingest(value.value, member_type, t, None), value.num_clients)
+        if not type_analysis.contains(
+            member_type, lambda s: isinstance(s, computation_types.SequenceType)):
+          return StackedClients(_ingest(value.value, member_type, None), value.num_clients)
         value = value.members()
-      return _Clients(_ingest(v, member_type, t, None) for v in value)
-    single = _ingest(value, member_type, t, None)
+      return _Clients(_ingest(v, member_type, None) for v in value)
+    single = _ingest(value, member_type, None)
     if type_spec.placement.uri == 'clients':
       return _Clients([single] * (num_clients or 0))
     return single
-  if isinstance(type_spec, types.StructType):
-    structure = t['structure']
+  if isinstance(type_spec, computation_types.StructType):
     if not isinstance(value, structure.Struct):
       value = structure.from_container(value, recursive=False)
     members = structure.to_elements(value)
@@ -234,29 +216,27 @@ def _ingest(value, type_spec, t, num_clients: Optional[int]):
     if len(members) != len(member_types):
       raise InProcessError(f'argument has {len(members)} elements, its type {type_spec} '
                            f'has {len(member_types)}.')
-    return structure.Struct([(name, _ingest(v, mt, t, num_clients))
+    return structure.Struct([(name, _ingest(v, mt, num_clients))
                              for (_, v), (name, mt) in zip(members, member_types)])
-  if isinstance(type_spec, types.SequenceType):
+  if isinstance(type_spec, computation_types.SequenceType):
     if isinstance(value, tf.data.Dataset):
       return fresh_dataset(value)
-    spec = t['type_conversions'].type_to_tf_tensor_specs(type_spec.element)
+    spec = type_conversions.type_to_tf_tensor_specs(type_spec.element)
     return tf.data.Dataset.from_generator(lambda: iter(value), output_signature=spec)
-  if isinstance(type_spec, types.TensorType):
+  if isinstance(type_spec, computation_types.TensorType):
     return tf.convert_to_tensor(np.asarray(value, dtype=type_spec.dtype)
                                 if not tf.is_tensor(value) else value)
   raise InProcessError(f'cannot take an argument of type {type_spec}.')
 
 
-def _to_python(value, t, keep_tensors: bool = False):
+def _to_python(value, keep_tensors: bool = False):
   """Internal value -> numpy/Struct/list, as TFF's contexts return results (with
   `keep_tensors`, the tensors as they are: `InProcessContext.tensor_results`)."""
-  if isinstance(value, _Stacked):
-    value = _members(value, t)
-  if isinstance(value, _Clients):
-    return [_to_python(v, t, keep_tensors) for v in value]
-  if isinstance(value, t['structure'].Struct):
-    return t['structure'].Struct([(n, _to_python(v, t, keep_tensors))
-                                  for n, v in t['structure'].to_elements(value)])
+  if isinstance(value, (_Clients, StackedClients)):
+    return [_to_python(v, keep_tensors) for v in _members(value)]
+  if isinstance(value, structure.Struct):
+    return structure.Struct([(n, _to_python(v, keep_tensors))
+                             for n, v in structure.to_elements(value)])
   if tf.is_tensor(value) and not keep_tensors:
     return _array_view(value)
   return value
@@ -273,18 +253,16 @@ def _array_view(tensor: tf.Tensor) -> np.ndarray:
   return array
 
 
-def _num_clients_of(value, type_spec, t) -> Optional[int]:
-  types = t['types']
-  if isinstance(type_spec, types.FederatedType):
+def _num_clients_of(value, type_spec) -> Optional[int]:
+  if isinstance(type_spec, computation_types.FederatedType):
     if type_spec.placement.uri == 'clients' and not type_spec.all_equal:
       return len(value)
     return None
-  if isinstance(type_spec, types.StructType):
-    structure = t['structure']
+  if isinstance(type_spec, computation_types.StructType):
     if not isinstance(value, structure.Struct):
       value = structure.from_container(value, recursive=False)
     for (_, v), (_, vt) in zip(structure.to_elements(value), structure.to_elements(type_spec)):
-      n = _num_clients_of(v, vt, t)
+      n = _num_clients_of(v, vt)
       if n is not None:
         return n
   return None
@@ -336,21 +314,6 @@ def _as_list(out) -> list:
   return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def _stack_leaves(leaves_per_client: list) -> Optional[list]:
-  """Leaf positions stacked over clients; None for datasets, strings, unequal shapes or dtypes."""
-  if len(leaves_per_client) < 2:
-    return None
-  stacked = []
-  for column in zip(*leaves_per_client):
-    column = [x if tf.is_tensor(x) else tf.convert_to_tensor(x) for x in column]
-    first = column[0]
-    if first.dtype in _UNSTACKABLE or any(
-        c.dtype != first.dtype or c.shape != first.shape for c in column[1:]):
-      return None
-    stacked.append(tf.stack(column))
-  return stacked if stacked else None
-
-
 def _call_flat(function, leaves: list):
   """Calls a pruned function on its flat tensor inputs, skipping the public path's binding to
   a structured signature (which formats every tensor)."""
@@ -362,18 +325,17 @@ class _TensorFlowFunction:
 
   _suffixes = itertools.count()
 
-  def __init__(self, proto, t, device: Optional[str]):
-    self._t = t
+  def __init__(self, proto, device: Optional[str]):
     self.device = device
-    self.type_signature = t['type_serialization'].deserialize_type(proto.type)
+    self.type_signature = type_serialization.deserialize_type(proto.type)
     tensorflow = proto.tensorflow
-    graph_def = t['serialization_utils'].unpack_graph_def(tensorflow.graph_def)
+    graph_def = serialization_utils.unpack_graph_def(tensorflow.graph_def)
     # Unique shared names: two computations must never share a variable.
     suffix = f'fltff{next(self._suffixes)}'
-    graph_def = t['tensorflow_utils']._uniquify_shared_names_with_suffix(  # pylint: disable=protected-access
+    graph_def = tensorflow_utils._uniquify_shared_names_with_suffix(  # pylint: disable=protected-access
         graph_def, suffix)
     _rename_library_functions(graph_def, suffix)
-    extract = t['tensorflow_utils'].extract_tensor_names_from_binding
+    extract = tensorflow_utils.extract_tensor_names_from_binding
     parameter_names = (extract(tensorflow.parameter)
                        if tensorflow.HasField('parameter') else [])
     result_names = extract(tensorflow.result)
@@ -400,33 +362,22 @@ class _TensorFlowFunction:
     # is pruned anew per call, so its state never advances (it is never looped or vectorised).
     self._draws_random = any(_is_stateful_random(op) for op in self._run.graph.get_operations())
     self._fresh_run = (lambda: wrapped.prune(feeds, fetches)) if self._draws_random else None
+    # Whether `map_stacked` may be one call: not with an init op (variables), random draws, no
+    # parameter, or datasets or strings out.
+    self.maps_stacked = (self._init is None and not self._draws_random
+                         and self.type_signature.parameter is not None
+                         and all(o.dtype not in _UNSTACKABLE for o in _as_list(self._run.outputs)))
 
   # -- many clients in one call ------------------------------------------------------------
   # Not K calls from Python: a map over K participants is one pfor-vectorised call (where pfor
   # fails, one tf.function calling the graph per participant in order); a fold is that loop.
 
-  def map_clients(self, args: list) -> Optional[list]:
-    """`[self(a) for a in args]` in one call; None when the arguments cannot be stacked
-    (datasets, unequal shapes) or the graph has an init op (variables)."""
-    if self._init is not None or self.type_signature.parameter is None:
-      return None
-    stacked = _stack_leaves([self.flatten_arg(a) for a in args])
-    out = None if stacked is None else self._map_stacked_leaves(stacked)
-    if out is None:
-      return None
-    return [self.unflatten_result(list(leaves)) for leaves in zip(*(tf.unstack(o) for o in out))]
-
   def map_stacked(self, stacked_arg):
     """`self` on each participant's slice of `stacked_arg` (leaves with a leading participant
-    axis) in one call, the result stacked alike; None as `map_clients`, or for datasets."""
-    if self._init is not None or self.type_signature.parameter is None:
+    axis) in one call, the result stacked alike; None when it cannot (`maps_stacked`)."""
+    if not self.maps_stacked:
       return None
-    out = self._map_stacked_leaves(self.flatten_arg(stacked_arg))
-    return None if out is None else self.unflatten_result(out)
-
-  def _map_stacked_leaves(self, stacked: list) -> Optional[list]:
-    if self._draws_random or any(o.dtype in _UNSTACKABLE for o in _as_list(self._run.outputs)):
-      return None
+    stacked = _flatten(stacked_arg)
     if self._vectorized_map is None:
       run = self._run
 
@@ -436,31 +387,30 @@ class _TensorFlowFunction:
 
       self._vectorized_map = tf.function(vectorized, autograph=False)
     out = self._call_looped('_vectorized_map', stacked)
-    if out is not None:
-      return _as_list(out)
-    if self._looped_map is None:
-      run = self._run
-      specs = [tf.TensorSpec(o.shape, o.dtype) for o in _as_list(run.outputs)]
+    if out is None:
+      if self._looped_map is None:
+        run = self._run
+        specs = [tf.TensorSpec(o.shape, o.dtype) for o in _as_list(run.outputs)]
 
-      def mapped(*columns):
-        return tf.map_fn(lambda leaves: _as_list(run(*leaves)), list(columns),
-                         fn_output_signature=specs, parallel_iterations=1)
+        def mapped(*columns):
+          return tf.map_fn(lambda leaves: _as_list(run(*leaves)), list(columns),
+                           fn_output_signature=specs, parallel_iterations=1)
 
-      self._looped_map = tf.function(mapped, autograph=False)
-    out = self._call_looped('_looped_map', stacked)
-    return None if out is None else _as_list(out)
+        self._looped_map = tf.function(mapped, autograph=False)
+      out = self._call_looped('_looped_map', stacked)
+    return None if out is None else self.unflatten_result(_as_list(out))
 
   def fold(self, zero, values):
     """`acc = zero; for v in values: acc = self((acc, v))` in one call (federated_aggregate's
-    accumulate), over a list of client values or a `_Stacked` one's participants' slices; None
-    when it cannot (see `map_clients`)."""
+    accumulate), over a list of client values or a `StackedClients` one's participants'
+    slices; None when it cannot (see `map_stacked`)."""
     parameter = self.type_signature.parameter
     if self._init is not None or self._draws_random or parameter is None or len(parameter) != 2:
       return None
-    stacked = (_flatten(values.value, parameter[1], self._t) if isinstance(values, _Stacked)
-               else _stack_leaves([_flatten(v, parameter[1], self._t) for v in values]))
-    acc = [x if tf.is_tensor(x) else tf.convert_to_tensor(x)
-           for x in _flatten(zero, parameter[0], self._t)]
+    if not isinstance(values, StackedClients):
+      values = _stack(values, parameter[1])
+    stacked = [] if values is None else _flatten(values.value)
+    acc = [x if tf.is_tensor(x) else tf.convert_to_tensor(x) for x in _flatten(zero)]
     if not stacked or any(a.dtype in _UNSTACKABLE for a in acc):
       return None
     if self._append_columns is None:
@@ -541,16 +491,11 @@ class _TensorFlowFunction:
       setattr(self, name, False)
       return None
 
-  def flatten_arg(self, arg) -> list:
-    if self.type_signature.parameter is None:
-      return []
-    return _flatten(arg, self.type_signature.parameter, self._t)
-
   def unflatten_result(self, leaves: list):
-    return _build(iter(leaves), self.type_signature.result, self._t)
+    return _build(iter(leaves), self.type_signature.result)
 
   def __call__(self, arg=None):
-    leaves = self.flatten_arg(arg)
+    leaves = [] if self.type_signature.parameter is None else _flatten(arg)
     with tf.device(self.device) if self.device else contextlib.nullcontext():
       leaves = [x if tf.is_tensor(x) else tf.convert_to_tensor(x) for x in leaves]
       if self._init is not None:
@@ -562,54 +507,34 @@ class _TensorFlowFunction:
 # ---- the interpreter -----------------------------------------------------------------------
 
 
-class _Env:
-  """Lexical scope: a name bound to a value, then the enclosing scope."""
-
-  __slots__ = ('_name', '_value', '_parent')
-
-  def __init__(self, name=None, value=None, parent: Optional['_Env'] = None):
-    self._name, self._value, self._parent = name, value, parent
-
-  def bind(self, name, value) -> '_Env':
-    return _Env(name, value, self)
-
-  def lookup(self, name):
-    env = self
-    while env is not None:
-      if env._name == name:  # pylint: disable=protected-access
-        return env._value  # pylint: disable=protected-access
-      env = env._parent  # pylint: disable=protected-access
-    raise InProcessError(f'unbound reference {name!r} in the compiled computation.')
-
-
-def _zip_clients(value, t):
+def _zip_clients(value):
   """A (nested) Struct of CLIENTS values as CLIENTS Structs; stacked if every member is."""
-  structure = t['structure']
-  if isinstance(value, (_Clients, _Stacked)):
+  if isinstance(value, (_Clients, StackedClients)):
     return value
-  elements = structure.to_elements(value)
-  zipped = [(name, _zip_clients(member, t)) for name, member in elements]
-  if zipped and all(isinstance(member, _Stacked) for _, member in zipped):
-    return _Stacked(structure.Struct([(name, member.value) for name, member in zipped]),
-                    zipped[0][1].count)
-  zipped = [(name, _members(member, t)) for name, member in zipped]
+  zipped = [(name, _zip_clients(member)) for name, member in structure.to_elements(value)]
+  if zipped and all(isinstance(member, StackedClients) for _, member in zipped):
+    return StackedClients(structure.Struct([(name, member.value) for name, member in zipped]),
+                          zipped[0][1].num_clients)
+  zipped = [(name, _members(member)) for name, member in zipped]
   num = len(zipped[0][1]) if zipped else 0
   return _Clients(structure.Struct([(name, member[i]) for name, member in zipped])
                   for i in range(num))
 
 
 class _Interpreter:
-  """Evaluates a call-dominant TFF building block (see module docstring)."""
+  """Evaluates a call-dominant TFF building block (see module docstring) in an environment
+  (`collections.ChainMap`: the innermost scope first)."""
 
   def __init__(self, context: 'InProcessContext', num_clients: int):
     self._context = context
-    self._t = context.tff
     self._num_clients = num_clients
 
-  def evaluate(self, comp, env: _Env):
-    bb = self._t['bb']
+  def evaluate(self, comp, env: collections.ChainMap):
+    bb = building_blocks
     if isinstance(comp, bb.Reference):
-      return env.lookup(comp.name)
+      if comp.name not in env:
+        raise InProcessError(f'unbound reference {comp.name!r} in the compiled computation.')
+      return env[comp.name]
     if isinstance(comp, bb.Call):
       fn = self.evaluate(comp.function, env)
       if comp.argument is None:
@@ -617,12 +542,11 @@ class _Interpreter:
       return fn(self.evaluate(comp.argument, env))
     if isinstance(comp, bb.Block):
       for name, local in comp.locals:
-        env = env.bind(name, self.evaluate(local, env))
+        env = env.new_child({name: self.evaluate(local, env)})
       return self.evaluate(comp.result, env)
     if isinstance(comp, bb.Struct):
-      return self._t['structure'].Struct(
-          [(name, self.evaluate(member, env))
-           for name, member in self._t['structure'].to_elements(comp)])
+      return structure.Struct([(name, self.evaluate(member, env))
+                               for name, member in structure.to_elements(comp)])
     if isinstance(comp, bb.Selection):
       return self.evaluate(comp.source, env)[comp.as_index()]
     if isinstance(comp, bb.Lambda):
@@ -636,34 +560,17 @@ class _Interpreter:
     raise InProcessError(f'cannot execute a {type(comp).__name__} building block '
                          f'({comp.compact_representation()[:200]}).')
 
-  def _closure(self, comp, env: _Env):
-    compiled = self._compiled_wrapper(comp)
+  def _closure(self, comp, env: collections.ChainMap):
+    compiled = _compiled_wrapper(comp)
     if compiled is not None:
       return self._context.tensorflow_function(compiled)
     if comp.parameter_name is None:
       return lambda: self.evaluate(comp.result, env)
-    return lambda arg: self.evaluate(comp.result, env.bind(comp.parameter_name, arg))
-
-  def _compiled_wrapper(self, comp):
-    """The compiled computation C when `comp` is `(x -> C(x))` or `(x -> let v=C(x) in v)`,
-    else None: seen as C, a map or fold over stacked clients is one call, not one per client
-    (TFF's compiler leaves such wrappers, e.g. around an aggregate's accumulate)."""
-    bb = self._t['bb']
-    name, body = comp.parameter_name, comp.result
-    if name is None:
-      return None
-    if (isinstance(body, bb.Block) and len(body.locals) == 1
-        and isinstance(body.result, bb.Reference) and body.result.name == body.locals[0][0]):
-      body = body.locals[0][1]
-    if (isinstance(body, bb.Call) and isinstance(body.function, bb.CompiledComputation)
-        and isinstance(body.argument, bb.Reference) and body.argument.name == name):
-      return body.function
-    return None
+    return lambda arg: self.evaluate(comp.result, env.new_child({comp.parameter_name: arg}))
 
   def _intrinsic(self, comp):
     uri = comp.uri
     n = self._num_clients
-    t = self._t
     if uri == 'federated_broadcast' or uri == 'federated_value_at_clients':
       return lambda x: _Clients([x] * n)
     if uri in ('federated_value_at_server', 'federated_zip_at_server'):
@@ -677,50 +584,66 @@ class _Interpreter:
     if uri == 'federated_eval_at_server':
       return lambda fn: fn()
     if uri == 'federated_zip_at_clients':
-      return lambda x: _zip_clients(x, t)
+      return _zip_clients
     if uri == 'federated_aggregate':
       return self._aggregate
     if uri == 'federated_sum':
       return self._sum
     if uri == 'federated_mean':
-      return lambda x: t['structure'].map_structure(
-          lambda s: s / tf.cast(len(_members(x, t)), s.dtype), self._sum(x))
+      return lambda x: structure.map_structure(lambda s: s / tf.cast(len(x), s.dtype),
+                                               self._sum(x))
     raise InProcessError(
         f'the in-process executor does not implement the intrinsic {uri!r}; use '
         "runtime.executor = 'tff_cpp' for this computation.")
 
   def _map(self, fn, values):
-    if isinstance(fn, _TensorFlowFunction):
-      if isinstance(values, _Stacked):
-        mapped = fn.map_stacked(values.value)
-        if mapped is not None:
-          return _Stacked(mapped, values.count)
-      mapped = fn.map_clients(list(_members(values, self._t)))
+    """`fn` on every participant's value; one call over them stacked where `fn` is one graph
+    that maps stacked values (the result then stays stacked)."""
+    if isinstance(fn, _TensorFlowFunction) and fn.maps_stacked:
+      stacked = (values if isinstance(values, StackedClients)
+                 else _stack(values, fn.type_signature.parameter))
+      mapped = None if stacked is None else fn.map_stacked(stacked.value)
       if mapped is not None:
-        return _Clients(mapped)
-    return _Clients(fn(v) for v in _members(values, self._t))
+        return StackedClients(mapped, stacked.num_clients)
+    return _Clients(fn(v) for v in _members(values))
 
   def _sum(self, values):
-    values = _members(values, self._t)
+    values = _members(values)
     if not values:
       raise InProcessError('federated_sum over zero clients.')
     total = values[0]
     for v in values[1:]:
-      total = self._t['structure'].map_structure(lambda a, b: a + b, total, v)
+      total = structure.map_structure(lambda a, b: a + b, total, v)
     return total
 
   def _aggregate(self, arg):
     values, zero, accumulate, _, report = (arg[i] for i in range(5))
-    structure = self._t['structure']
     # TFF's federating executor folds the clients in order into one accumulator (no merge).
     if isinstance(accumulate, _TensorFlowFunction):
-      acc = accumulate.fold(zero, values if isinstance(values, _Stacked) else list(values))
+      acc = accumulate.fold(zero, values)
       if acc is not None:
         return report(acc)
     acc = zero
-    for v in _members(values, self._t):
+    for v in _members(values):
       acc = accumulate(structure.Struct([(None, acc), (None, v)]))
     return report(acc)
+
+
+def _compiled_wrapper(comp):
+  """The compiled computation C when `comp` is `(x -> C(x))` or `(x -> let v=C(x) in v)`,
+  else None: seen as C, a map or fold over stacked clients is one call, not one per client
+  (TFF's compiler leaves such wrappers, e.g. around an aggregate's accumulate)."""
+  bb = building_blocks
+  name, body = comp.parameter_name, comp.result
+  if name is None:
+    return None
+  if (isinstance(body, bb.Block) and len(body.locals) == 1
+      and isinstance(body.result, bb.Reference) and body.result.name == body.locals[0][0]):
+    body = body.locals[0][1]
+  if (isinstance(body, bb.Call) and isinstance(body.function, bb.CompiledComputation)
+      and isinstance(body.argument, bb.Reference) and body.argument.name == name):
+    return body.function
+  return None
 
 
 class InProcessContext(context_base.SyncContext):
@@ -728,7 +651,6 @@ class InProcessContext(context_base.SyncContext):
   TensorFlow `device` (e.g. '/GPU:0'; None: TensorFlow's choice)."""
 
   def __init__(self, device: Optional[str] = None):
-    self.tff = _tff_internals()
     self.device = device
     self._compiled: dict[int, tuple[Any, Any]] = {}
     self._functions: dict[int, tuple[Any, _TensorFlowFunction]] = {}
@@ -749,33 +671,30 @@ class InProcessContext(context_base.SyncContext):
   def tensorflow_function(self, comp) -> _TensorFlowFunction:
     key = id(comp)
     if key not in self._functions:
-      self._functions[key] = (comp, _TensorFlowFunction(comp.proto, self.tff, self.device))
+      self._functions[key] = (comp, _TensorFlowFunction(comp.proto, self.device))
     return self._functions[key][1]
 
   def _compile(self, comp):
     key = id(comp)
     if key not in self._compiled:
-      t = self.tff
-      native = t['compiler'].desugar_and_transform_to_native(comp)
-      proto = t['computation_impl'].ConcreteComputation.get_proto(native)
-      self._compiled[key] = (comp, t['bb'].ComputationBuildingBlock.from_proto(proto))
+      native = compiler.desugar_and_transform_to_native(comp)
+      proto = computation_impl.ConcreteComputation.get_proto(native)
+      self._compiled[key] = (comp, building_blocks.ComputationBuildingBlock.from_proto(proto))
     return self._compiled[key][1]
 
   def invoke(self, comp, arg):
-    t = self.tff
     block = self._compile(comp)
     type_signature = comp.type_signature
     parameter_type = type_signature.parameter
     num_clients = 0
     value = None
     if parameter_type is not None:
-      num_clients = _num_clients_of(arg, parameter_type, t) or 0
-      value = _ingest(arg, parameter_type, t, num_clients)
-    interpreter = _Interpreter(self, num_clients)
-    if isinstance(block, t['bb'].CompiledComputation):
+      num_clients = _num_clients_of(arg, parameter_type) or 0
+      value = _ingest(arg, parameter_type, num_clients)
+    if isinstance(block, building_blocks.CompiledComputation):
       result = self.tensorflow_function(block)(value)
     else:
-      fn = interpreter.evaluate(block, _Env())
+      fn = _Interpreter(self, num_clients).evaluate(block, collections.ChainMap())
       result = fn() if parameter_type is None else fn(value)
-    return t['type_conversions'].type_to_py_container(
-        _to_python(result, t, keep_tensors=self._tensor_results > 0), type_signature.result)
+    return type_conversions.type_to_py_container(
+        _to_python(result, keep_tensors=self._tensor_results > 0), type_signature.result)
