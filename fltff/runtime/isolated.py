@@ -12,36 +12,29 @@ import socket
 import struct
 import sys
 import time
-from typing import Optional
 
 from absl import app
 from absl import flags
 
 from fltff.runtime import heap
 
-# The flags, defined by `define_flags` when this module runs as the program, never by importing
-# it: `fltff.runtime.worker` has flags of the same names.
-_SOCKET: Optional[flags.FlagHolder[Optional[str]]] = None
-_MAX_CALLS: Optional[flags.FlagHolder[int]] = None
-_LOG: Optional[flags.FlagHolder[Optional[str]]] = None
-_BINARY: Optional[flags.FlagHolder[Optional[str]]] = None
-_MMAP: Optional[flags.FlagHolder[int]] = None
+FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
   """Defines this program's command-line flags (once per process), before its command line is
-  parsed: by the `__main__` block, or by whatever else runs `main` as the program."""
-  global _SOCKET, _MAX_CALLS, _LOG, _BINARY, _MMAP
-  if _SOCKET is not None:
+  parsed: by the `__main__` block, or by whatever else runs `main` as the program (never by
+  importing this module: `fltff.runtime.worker` has flags of the same names)."""
+  if 'socket' in FLAGS:
     return
-  _SOCKET = flags.DEFINE_string('socket', None, 'Unix socket to relay to worker_binary.')
-  _MAX_CALLS = flags.DEFINE_integer('max_concurrent_computation_calls', -1,
-                                    'Passed to worker_binary; <= 0 means no limit.')
-  _LOG = flags.DEFINE_string('log_file', None, "worker_binary's log.")
-  _BINARY = flags.DEFINE_string('worker_binary', None,
-                                'Path of worker_binary (default: the one in the TFF wheel).')
-  _MMAP = flags.DEFINE_integer('mmap_threshold_kib', heap.DEFAULT_MMAP_THRESHOLD_KIB,
-                               "worker_binary's glibc mmap threshold (`fltff.runtime.heap`).")
+  flags.DEFINE_string('socket', None, 'Unix socket to relay to worker_binary.')
+  flags.DEFINE_integer('max_concurrent_computation_calls', -1,
+                       'Passed to worker_binary; <= 0 means no limit.')
+  flags.DEFINE_string('log_file', None, "worker_binary's log.")
+  flags.DEFINE_string('worker_binary', None,
+                      'Path of worker_binary (default: the one in the TFF wheel).')
+  flags.DEFINE_integer('mmap_threshold_kib', heap.DEFAULT_MMAP_THRESHOLD_KIB,
+                       "worker_binary's glibc mmap threshold (`fltff.runtime.heap`).")
 
 
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
@@ -65,9 +58,10 @@ def main(argv) -> int:
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   signal.signal(signal.SIGINT, lambda *_: stop.set())
   loopback_up()
-  worker = WorkerProcess(host='127.0.0.1', max_concurrent_computation_calls=_MAX_CALLS.value,
-                         log_path=_LOG.value, mmap_threshold_kib=_MMAP.value,
-                         binary=_BINARY.value)
+  worker = WorkerProcess(
+      host='127.0.0.1', max_concurrent_computation_calls=FLAGS.max_concurrent_computation_calls,
+      log_path=FLAGS.log_file, mmap_threshold_kib=FLAGS.mmap_threshold_kib,
+      binary=FLAGS.worker_binary)
   # The relay answers at once; the first RPC must not reach a worker_binary still starting.
   deadline = time.monotonic() + 60.0
   while True:
@@ -83,7 +77,7 @@ def main(argv) -> int:
       time.sleep(0.05)
   old_umask = os.umask(0o177)  # The socket file is created 0600.
   try:
-    server, _ = serve_forwarder(f'unix:{_SOCKET.value}', worker.address)
+    server, _ = serve_forwarder(f'unix:{FLAGS.socket}', worker.address)
   finally:
     os.umask(old_umask)
   print(f'ready {worker.pid}', flush=True)

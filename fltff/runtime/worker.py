@@ -18,7 +18,6 @@ import os
 import signal
 import socket
 import sys
-from typing import Optional
 
 from absl import flags
 
@@ -33,36 +32,28 @@ from fltff.runtime.tls import check_can_listen
 from fltff.runtime.tls import serve_forwarder
 from fltff.runtime.tls import server_credentials
 
-# The flags, defined by `define_flags` when this module runs as the program, never by importing
-# it: `fltff.runtime.isolated` has flags of the same names.
-_PORT: Optional[flags.FlagHolder[int]] = None
-_MAX_CALLS: Optional[flags.FlagHolder[int]] = None
-_LOG: Optional[flags.FlagHolder[Optional[str]]] = None
-_TLS_CERT: Optional[flags.FlagHolder[Optional[str]]] = None
-_TLS_KEY: Optional[flags.FlagHolder[Optional[str]]] = None
-_TLS_CLIENT_CA: Optional[flags.FlagHolder[Optional[str]]] = None
-_INSECURE: Optional[flags.FlagHolder[bool]] = None
+FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
   """Defines the worker's command-line flags (once per process), before its command line is
-  parsed: by the `__main__` block, or by whatever else runs `main` as the program."""
-  global _PORT, _MAX_CALLS, _LOG, _TLS_CERT, _TLS_KEY, _TLS_CLIENT_CA, _INSECURE
-  if _PORT is not None:
+  parsed: by the `__main__` block, or by whatever else runs `main` as the program (never by
+  importing this module: `fltff.runtime.isolated` has flags of the same names)."""
+  if 'tls_client_ca' in FLAGS:
     return
-  _PORT = flags.DEFINE_integer('port', 8000, 'Port the worker listens on (all interfaces), 1 to '
-                               '65535; 0: any free port (printed).')
+  flags.DEFINE_integer('port', 8000, 'Port the worker listens on (all interfaces), 1 to '
+                       '65535; 0: any free port (printed).')
   flags.register_validator('port', lambda port: 0 <= port <= 65535,
                            message='a port is a number from 1 to 65535 (0: any free port)')
-  _MAX_CALLS = flags.DEFINE_integer('max_concurrent_computation_calls', -1,
-                                    'Passed to worker_binary; <= 0 means no limit.')
-  _LOG = flags.DEFINE_string('log_file', None, 'Worker log (default: a temp file, printed).')
-  _TLS_CERT = flags.DEFINE_string('tls_cert', None, "This worker's TLS certificate (PEM).")
-  _TLS_KEY = flags.DEFINE_string('tls_key', None, "This worker's TLS private key (PEM).")
-  _TLS_CLIENT_CA = flags.DEFINE_string(
+  flags.DEFINE_integer('max_concurrent_computation_calls', -1,
+                       'Passed to worker_binary; <= 0 means no limit.')
+  flags.DEFINE_string('log_file', None, 'Worker log (default: a temp file, printed).')
+  flags.DEFINE_string('tls_cert', None, "This worker's TLS certificate (PEM).")
+  flags.DEFINE_string('tls_key', None, "This worker's TLS private key (PEM).")
+  flags.DEFINE_string(
       'tls_client_ca', None, 'CA certificate (PEM) that signed the drivers\' client '
       'certificates; a client without one is refused.')
-  _INSECURE = flags.DEFINE_bool(
+  flags.DEFINE_bool(
       'insecure_plaintext', False,
       'Run worker_binary directly, plaintext gRPC on ALL interfaces, no authentication: anyone '
       'who can reach the port can run any TensorFlow graph on this host, i.e. read and write its '
@@ -78,10 +69,10 @@ def _wait(stop: StopSignal, alive, what: str, log: str) -> int:
 
 
 def _plaintext(stop: StopSignal) -> int:
-  check_can_listen(f'[::]:{_PORT.value}')  # Named before worker_binary starts and fails.
-  worker = WorkerProcess(port=_PORT.value, host=socket.gethostname(),
-                         max_concurrent_computation_calls=_MAX_CALLS.value,
-                         log_path=_LOG.value)
+  check_can_listen(f'[::]:{FLAGS.port}')  # Named before worker_binary starts and fails.
+  worker = WorkerProcess(port=FLAGS.port, host=socket.gethostname(),
+                         max_concurrent_computation_calls=FLAGS.max_concurrent_computation_calls,
+                         log_path=FLAGS.log_file)
   print(f'fltff worker pid {worker.pid} listening on {worker.address} (port {worker.port} on '
         f'all interfaces, PLAINTEXT gRPC, no authentication: --insecure_plaintext); log: '
         f'{worker.log_path}', flush=True)
@@ -92,20 +83,20 @@ def _plaintext(stop: StopSignal) -> int:
 
 
 def _secure(stop: StopSignal) -> int:
-  if not (_TLS_CERT.value and _TLS_KEY.value and _TLS_CLIENT_CA.value):
+  if not (FLAGS.tls_cert and FLAGS.tls_key and FLAGS.tls_client_ca):
     raise ConfigError('a fltff worker is reached over mutual TLS: pass --tls_cert, --tls_key and '
                       '--tls_client_ca (README, "Running on several machines"), or '
                       '--insecure_plaintext on a trusted network (see --help).')
-  credentials = server_credentials(_TLS_CERT.value, _TLS_KEY.value, _TLS_CLIENT_CA.value)
-  check_can_listen(f'[::]:{_PORT.value}')  # Before the isolated worker starts (seconds).
+  credentials = server_credentials(FLAGS.tls_cert, FLAGS.tls_key, FLAGS.tls_client_ca)
+  check_can_listen(f'[::]:{FLAGS.port}')  # Before the isolated worker starts (seconds).
   try:
-    inner = IsolatedWorker(max_concurrent_computation_calls=_MAX_CALLS.value,
-                           log_path=_LOG.value)
+    inner = IsolatedWorker(max_concurrent_computation_calls=FLAGS.max_concurrent_computation_calls,
+                           log_path=FLAGS.log_file)
   except RuntimeUnavailableError as e:
     raise ConfigError(f'{e} Or run with --insecure_plaintext behind your own firewall.') from e
   server = None
   try:
-    server, port = serve_forwarder(f'[::]:{_PORT.value}', inner.address, credentials)
+    server, port = serve_forwarder(f'[::]:{FLAGS.port}', inner.address, credentials)
     print(f'fltff worker pid {os.getpid()} listening on {socket.gethostname()}:{port} (mutual '
           'TLS; worker_binary isolated in a private network namespace); log: '
           f'{inner.log_path}', flush=True)
@@ -122,7 +113,7 @@ def main(argv) -> int:
   for signum in (signal.SIGTERM, signal.SIGINT):
     signal.signal(signum, lambda *_: stop.set())
   try:
-    status = _plaintext(stop) if _INSECURE.value else _secure(stop)
+    status = _plaintext(stop) if FLAGS.insecure_plaintext else _secure(stop)
   except FltffError as e:
     print(f'error: {e}', file=sys.stderr, flush=True)
     return 2
