@@ -1,14 +1,7 @@
-"""Where a round's memory comes from (docs/performance.md, "Where a round's memory comes from").
-
-A round allocates and frees the same model-sized buffers at every step. Tensors: TensorFlow's
-default CPU allocator takes each from malloc, whose large blocks are fresh mmaps the kernel
-fills page by page; `pooled_tensors` selects TensorFlow's reusing BFC allocator (before this
-process's first op, or for a child). Other buffers: glibc raises its mmap threshold after the
-first large `free`, and model-sized blocks then fragment the heap; `fix_mmap_threshold` /
-`worker_environment` keep it fixed (not in a driver that trains vectorised clients: its rounds
-are faster with the adaptive threshold, at the same memory), and `trim` (after each round)
-returns the free pages. None of this changes a number; the glibc settings are no-ops where libc
-is not glibc.
+"""Where a round's memory comes from (docs/performance.md, "Where a round's memory comes from"):
+TensorFlow's reusing BFC allocator (`pooled_tensors`), glibc's mmap threshold kept fixed
+(`fix_mmap_threshold`, `worker_environment`) and the heap trimmed after each round (`trim`).
+None of this changes a number; the glibc settings are no-ops where libc is not glibc.
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ class WorkerRuntime(Runtime):
     self._credentials, self._server_name = credentials, server_name
     self._channels, self._stubs = [], []
     self.driver_context = None
-    self._groups = []  # The `WorkerGroups` of the placed vectorised client work.
+    self._groups = None  # The `WorkerGroups` of the placed vectorised client work.
     try:
       self._start_worker()
       self._connect()
@@ -192,12 +192,11 @@ class WorkerRuntime(Runtime):
     from fltff.learning.groups import WorkerGroups  # pylint: disable=g-import-not-at-top
     from fltff.runtime.in_process import InProcessContext  # pylint: disable=g-import-not-at-top
 
-    self._groups = []
+    self._groups = None
     self.driver_context = None
     if algorithm.vectorized:
       work = algorithm.vectorized_work()
-      work.on_workers = WorkerGroups(work, self)
-      self._groups = [work.on_workers]
+      work.on_workers = self._groups = WorkerGroups(work, self)
       self.driver_context = InProcessContext()
     tff.framework.set_default_context(self.driver_context or self.context)
     return super().place(algorithm)
@@ -205,10 +204,10 @@ class WorkerRuntime(Runtime):
   @property
   def description(self) -> str:
     """The executor and, for vectorised client work, how many clients each call trains."""
-    if not self._groups:
+    if self._groups is None:
       return self.executor_name
     workers = f'{len(self.workers)} worker{"s" if len(self.workers) > 1 else ""}'
-    sizes = self._groups[0].last_sizes  # Of the last round.
+    sizes = self._groups.last_sizes  # Of the last round.
     if not sizes:
       return f'{self.executor_name}, vectorised clients: one call per worker ({workers})'
     per_call = f'{min(sizes)}' if min(sizes) == max(sizes) else f'{min(sizes)}-{max(sizes)}'

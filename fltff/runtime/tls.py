@@ -1,15 +1,10 @@
-"""Encrypted, authenticated access to a TFF worker with gRPC's TLS (no cryptography of ours).
-
-TFF's `worker_binary` executes any TensorFlow graph it is sent (which can read and write files
-on its host), speaks plaintext gRPC on all interfaces and has no TLS or bind-address option.
-A fltff worker therefore runs it in an unprivileged network namespace of its own (`unshare
---user --net`: only a private loopback) behind a TLS terminator:
+"""Encrypted, authenticated access to a TFF worker with gRPC's TLS (no cryptography of ours;
+docs/multiple-machines.md, "Security"):
 
     driver ──mTLS (gRPC's TLS: client certificate required)──▶ forwarder on <host>:<port>
       ──▶ Unix socket (file mode 0600) ──▶ forwarder inside the namespace ──▶ worker_binary
 
-`serve_forwarder` is that terminator: a gRPC server (BoringSSL) relaying every RPC byte for
-byte; clients without a certificate signed by the worker's client CA fail the TLS handshake.
+`serve_forwarder` is that terminator, relaying every RPC byte for byte.
 """
 
 from __future__ import annotations
