@@ -191,10 +191,10 @@ class PlainTfFedAvg:
   def round(self, global_weights, datasets, sizes):
     total = float(sum(sizes))
     new = [np.zeros_like(w) for w in global_weights]
-    for ds, n in zip(datasets, sizes):
+    for batches, n in zip(datasets, sizes):
       for v, w in zip(self.model.trainable_variables, global_weights):
         v.assign(w)
-      trained = self._train_client(ds)
+      trained = self._train_client(batches.dataset)
       for acc, w in zip(new, trained):
         acc += (n / total) * w.numpy()
     return new
@@ -422,6 +422,7 @@ def compare_executors() -> int:
         def builtin_round(datasets, holder=builtin_state, process=builtin):
           # TFF's built-in trains one pass over each dataset: --epochs passes are a repeat (a
           # reshuffling dataset reshuffles on each, as fltff's epochs do).
+          datasets = [d.dataset for d in datasets]
           if _EPOCHS.value > 1:
             datasets = [d.repeat(_EPOCHS.value) for d in datasets]
           holder['state'] = process.next(holder['state'], datasets).state

@@ -97,7 +97,8 @@ def _probe_tff_fedavg(rounds: int, recycle_every: int, rt, sample) -> None:
   datasets = ClientDatasets(data.client_arrays, batch_size=10)
   state = process.initialize()
   for r in range(1, rounds + 1):
-    state = process.next(state, [datasets.batches(k, r * 1000 + k) for k in range(10)]).state
+    state = process.next(state, [datasets.batches(k, r * 1000 + k).dataset
+                                 for k in range(10)]).state
     sample()
     if r < rounds:
       rt.after_round(r)

@@ -29,7 +29,7 @@ def test_client_datasets_give_the_batches_of_building_each_round_anew():
   datasets = pipeline.ClientDatasets(_arrays, batch_size=5)
   for k in (0, 3):
     for seed in (None, 7, 8):
-      ours = _as_arrays(datasets.batches(k, seed))
+      ours = _as_arrays(datasets.batches(k, seed).dataset)
       fresh = _as_arrays(client_batches(*_arrays(k), 5, shuffle_seed=seed))
       assert len(ours) == len(fresh) == -(-(23 + k) // 5)
       for a, b in zip(ours, fresh):
@@ -38,7 +38,7 @@ def test_client_datasets_give_the_batches_of_building_each_round_anew():
         np.testing.assert_array_equal(a['y'], b['y'])
   # Per element or per batch, the scaling is the same: x / 255 in float32.
   x, _ = _arrays(0)
-  np.testing.assert_array_equal(_as_arrays(datasets.batches(0))[0]['x'],
+  np.testing.assert_array_equal(_as_arrays(datasets.batches(0).dataset)[0]['x'],
                                 x[:5].astype(np.float32) / np.float32(255.0))
 
 
@@ -53,7 +53,7 @@ def test_a_client_examples_dataset_is_built_once_however_many_rounds():
   maps = set()
   for round_num in range(5):
     for k in (1, 2):
-      ds = datasets.batches(k, shuffle_seed=round_num)
+      ds = datasets.batches(k, shuffle_seed=round_num).dataset
       # The one traced function of a client's pipeline (the `map`) is the same every round.
       node = ds
       while not hasattr(node, '_map_func'):

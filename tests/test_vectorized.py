@@ -567,26 +567,25 @@ def test_each_epoch_reshuffles_and_a_dataset_passed_again_starts_afresh():
 
 
 def test_the_drivers_datasets_read_from_their_arrays_give_the_same_round():
-  # `ClientDatasets` datasets carry their arrays and an index shuffle; reading those must give
-  # exactly what the datasets themselves give (uint8 images preprocessed, unequal clients,
-  # 0/1/2 epochs, reshuffled epochs, a dataset passed again).
+  # `ClientDatasets` batches carry their arrays and an index shuffle; reading those must give
+  # exactly what their datasets give (uint8 images preprocessed, unequal clients, 0/1/2
+  # epochs, reshuffled epochs, a dataset passed again).
   from fltff.data.pipeline import ClientDatasets  # pylint: disable=g-import-not-at-top
-  from fltff.data.pipeline import array_source  # pylint: disable=g-import-not-at-top
   from fltff.learning.client_work import client_input  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(3)
   arrays = [(rng.integers(0, 256, size=(n, 4, 4, 1), dtype=np.uint8),
              rng.integers(0, 10, size=n).astype(np.int64)) for n in (23, 7, 16)]
   datasets = ClientDatasets(arrays.__getitem__, batch_size=5)
   via_arrays = [datasets.batches(k, shuffle_seed=11 + k) for k in range(3)]
-  via_tf_data = [datasets.batches(k, shuffle_seed=11 + k).take(-1) for k in range(3)]
-  assert all(array_source(d) is not None for d in via_arrays)
-  assert all(array_source(d) is None for d in via_tf_data)
+  via_tf_data = [datasets.batches(k, shuffle_seed=11 + k).dataset for k in range(3)]
+  # For TFF's client work, the input holds the dataset.
+  assert client_input(via_arrays[0], 0, 1)['batches'] is via_arrays[0].dataset
   read_a, read_t = vectorized.weakref.WeakSet(), vectorized.weakref.WeakSet()
+  inputs = lambda batches: [client_input(d, k, e, info_in_dataset=False)
+                            for k, (d, e) in enumerate(zip(batches, (2, 1, 0)))]
   for _ in range(2):
-    a = round_data.stack_client_batches(
-        [client_input(d, k, e) for k, (d, e) in enumerate(zip(via_arrays, (2, 1, 0)))], read_a)
-    t = round_data.stack_client_batches(
-        [client_input(d, k, e) for k, (d, e) in enumerate(zip(via_tf_data, (2, 1, 0)))], read_t)
+    a = round_data.stack_client_batches(inputs(via_arrays), read_a)
+    t = round_data.stack_client_batches(inputs(via_tf_data), read_t)
     assert a.keys() == t.keys()
     for name in ('mask', 'valid', 'epochs'):
       np.testing.assert_array_equal(a[name], t[name], err_msg=name)

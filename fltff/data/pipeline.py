@@ -39,28 +39,30 @@ def batch_examples(examples: tf.data.Dataset, num_examples: int, batch_size: int
   return examples.batch(batch_size)
 
 
-@dataclasses.dataclass(frozen=True)
-class ArraySource:
-  """What a `ClientDatasets` round dataset holds, for readers that skip tf.data.
+@dataclasses.dataclass(frozen=True, eq=False)
+class ClientBatches:
+  """One client's batches for a round (`ClientDatasets.batches`): the tf.data `dataset` that
+  TFF's client work reads, and what it holds, for readers that skip tf.data (the vectorised
+  client work, `learning/round_data.py`).
 
-  `order` yields indices 0..n-1 in the dataset's order, one pass (epoch) per iteration: the
-  same-seeded shuffle gives the same permutation (tf.data's shuffle draws positions, whatever
-  the elements). The batches are `preprocess_batch` of `(x[i], y[i])` over consecutive
-  `batch_size` chunks of `order`, `(x, y) = arrays()` (a call, so no second copy of the data
-  outlives a round). The vectorised client work (`learning/vectorized.py`) reads rounds this way.
+  `dataset`'s batches are `preprocess_batch` of `(x[i], y[i])` over consecutive `batch_size`
+  chunks of `order()`'s indices, `(x, y) = arrays()` (a call, so no second copy of the data
+  outlives a round).
   """
+  dataset: tf.data.Dataset
   arrays: Callable[[], tuple[np.ndarray, np.ndarray]]
-  order: tf.data.Dataset
   batch_size: int
-  num_examples: int  # n, `order`'s length (no cardinality op per read).
+  num_examples: int  # n (no cardinality op per read).
+  shuffle_seed: Optional[int]
 
-
-_ARRAY_SOURCE = '_fltff_array_source'
-
-
-def array_source(dataset: tf.data.Dataset) -> Optional[ArraySource]:
-  """The `ArraySource` of a dataset made by `ClientDatasets.batches`, else None."""
-  return getattr(dataset, _ARRAY_SOURCE, None)
+  def order(self) -> tf.data.Dataset:
+    """Indices 0..n-1 in `dataset`'s order, one pass (epoch) per iteration, built afresh as TFF's
+    runtime deserialises a dataset for each computation: the same-seeded shuffle gives the same
+    permutation (tf.data's shuffle draws positions, whatever the elements)."""
+    order = tf.data.Dataset.range(self.num_examples)
+    if self.shuffle_seed is None:
+      return order
+    return order.shuffle(self.num_examples, seed=self.shuffle_seed, reshuffle_each_iteration=True)
 
 
 class ClientDatasets:
@@ -77,17 +79,14 @@ class ClientDatasets:
     self._batch_size = batch_size
     self._examples: dict[int, tuple[tf.data.Dataset, int]] = {}
 
-  def batches(self, client_index: int, shuffle_seed: Optional[int] = None) -> tf.data.Dataset:
+  def batches(self, client_index: int, shuffle_seed: Optional[int] = None) -> ClientBatches:
     if client_index not in self._examples:
       x, y = self._arrays_of(client_index)
       self._examples[client_index] = (client_examples(x, y), len(x))
     examples, num_examples = self._examples[client_index]
-    batches = batch_examples(examples, num_examples, self._batch_size, shuffle_seed)
-    # The same shuffle (seeds resolved now, like the examples') over the indices: readers of
-    # `array_source` get the batches' order without the per-example map.
-    order = tf.data.Dataset.range(num_examples)
-    if shuffle_seed is not None:
-      order = order.shuffle(num_examples, seed=int(shuffle_seed), reshuffle_each_iteration=True)
-    setattr(batches, _ARRAY_SOURCE, ArraySource(
-        functools.partial(self._arrays_of, client_index), order, self._batch_size, num_examples))
-    return batches
+    # Seeds resolved now, like the examples'.
+    shuffle_seed = None if shuffle_seed is None else int(shuffle_seed)
+    return ClientBatches(
+        batch_examples(examples, num_examples, self._batch_size, shuffle_seed),
+        functools.partial(self._arrays_of, client_index), self._batch_size, num_examples,
+        shuffle_seed)

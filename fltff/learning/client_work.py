@@ -19,12 +19,13 @@ import collections
 import dataclasses
 from collections.abc import Callable
 from collections.abc import Sequence
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Union
 
 import numpy as np
 import tensorflow as tf
 
 from fltff.config_checks import check_choice
+from fltff.data.pipeline import ClientBatches
 from fltff.errors import ConfigError
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.model_spec import batch_loss
@@ -128,20 +129,24 @@ class StepObserver(Protocol):
     """From the final state and the client's step count (a scalar, or `[K]`)."""
 
 
-def client_input(batches: tf.data.Dataset, client_index: int, epochs: int,
+def client_input(batches: Union[tf.data.Dataset, ClientBatches], client_index: int, epochs: int,
                  client_state: Optional[Sequence[np.ndarray]] = None,
                  state_in_dataset: bool = True, info_in_dataset: bool = True):
-  """Packs one participant's batches and info in the layout `build_client_work` expects.
+  """Packs one participant's batches (a dataset or `pipeline.ClientBatches`) and info in the
+  layout `build_client_work` expects.
 
   `client_state` (arrays: SCAFFOLD's c_i, KAPC's personal model) travels under `state`: as a
   one-element dataset like `info` or, with `state_in_dataset=False` (processes written as their
   own federated computation: the personalised ones), as plain tensors, cheaper to ship and read
   (a model-sized constant in a dataset graph is parsed on every call). `info_in_dataset=False`
-  keeps `info` as NumPy scalars, for inputs only Python reads (vectorised client work).
+  keeps `info` as NumPy scalars and `ClientBatches` as they are (their arrays read directly),
+  for inputs only Python reads (vectorised client work).
   """
   info = collections.OrderedDict(client_index=np.int32(client_index), epochs=np.int32(epochs))
   if info_in_dataset:
     info = tf.data.Dataset.from_tensors(info)
+    if isinstance(batches, ClientBatches):
+      batches = batches.dataset
   out = collections.OrderedDict(batches=batches, info=info)
   if client_state is not None:
     if isinstance(client_state, list):

@@ -10,8 +10,7 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
-from fltff.data.pipeline import ArraySource
-from fltff.data.pipeline import array_source
+from fltff.data.pipeline import ClientBatches
 from fltff.data.pipeline import preprocess_batch
 from fltff.learning import client_work as client_work_lib
 
@@ -36,22 +35,23 @@ def stack_client_batches(client_inputs: Sequence[Any],
   k trains at epoch e, step s) and `epochs [K]`.
 
   Datasets are read once per epoch, as TFF's client work iterates them (epoch 0 even for a
-  client with no epochs, for CCN's latent mean); `ClientDatasets` ones from their arrays
-  (`ArraySource`: each example stored and preprocessed once). A dataset already in `read_before`
-  is rebuilt first (`fresh_dataset`), restarting its shuffle as TFF's runtime does. `raw`: the
-  table as NumPy arrays as read (uint8 images from an `ArraySource`), `preprocess_batch` still
-  to apply (where they are sent elsewhere to train, `fltff.learning.groups`).
+  client with no epochs, for CCN's latent mean); `ClientBatches` from their arrays (each
+  example stored and preprocessed once). A dataset already in `read_before` is rebuilt first
+  (`fresh_dataset`), restarting its shuffle as TFF's runtime does. `raw`: the table as NumPy
+  arrays as read (uint8 images from `ClientBatches`), `preprocess_batch` still to apply (where
+  they are sent elsewhere to train, `fltff.learning.groups`).
   """
   read_before = weakref.WeakSet() if read_before is None else read_before
   epochs = [client_work_lib.client_info_of_input(data)['epochs'] for data in client_inputs]
   passes = [max(e, 1) for e in epochs]
-  sources = [array_source(data['batches']) for data in client_inputs]
-  from_arrays = bool(sources) and all(source is not None for source in sources)
+  sources = [data['batches'] for data in client_inputs]
+  from_arrays = bool(sources) and all(isinstance(source, ClientBatches) for source in sources)
   if from_arrays:
-    table_x, table_y, rows, sizes, counts = _read_array_sources(sources, passes, read_before)
+    table_x, table_y, rows, sizes, counts = _read_client_batches(sources, passes)
   else:
+    datasets = [s.dataset if isinstance(s, ClientBatches) else s for s in sources]
     table_x, table_y, rows, sizes, counts = _read_datasets(
-        [_as_tff_reads(data['batches'], read_before) for data in client_inputs], passes)
+        [_as_tff_reads(dataset, read_before) for dataset in datasets], passes)
   # Where each batch goes: client c's epochs one after another, each its steps in order.
   client = _round_choice(counts, passes)
   epoch = np.concatenate([np.repeat(np.arange(p), c) for c, p in zip(counts, passes)] or [[]])
@@ -117,15 +117,14 @@ def _read_orders(orders: Sequence[tf.data.Dataset], passes: tf.Tensor,
       tf.size(choice, out_type=tf.int64)).with_options(_read_options()).get_single_element()
 
 
-def _read_array_sources(sources: Sequence[ArraySource], passes: Sequence[int],
-                        read_before: weakref.WeakSet):
+def _read_client_batches(sources: Sequence[ClientBatches], passes: Sequence[int]):
   """`(table_x, table_y, rows, sizes, batches per epoch)` from the clients' arrays (≥ 1 client).
 
   The table holds each participant's raw examples once, client after client (`preprocess_batch`
   still to apply); `rows [T, B]` are each batch's table rows, each client's epochs in order (-1
   pads a short batch). One pipeline draws all epoch orders (indices only), much cheaper than
   the datasets' per-example map."""
-  orders = [_as_tff_reads(source.order, read_before) for source in sources]
+  orders = [source.order() for source in sources]
   sizes_n = [source.num_examples for source in sources]
   choice = _round_choice(sizes_n, passes)
   flat = (_read_orders(orders, np.asarray(passes, np.int64), choice).numpy() if len(choice)
@@ -155,7 +154,7 @@ def _read_array_sources(sources: Sequence[ArraySource], passes: Sequence[int],
 
 
 def _read_datasets(datasets: Sequence[tf.data.Dataset], passes: Sequence[int]):
-  """`_read_array_sources`' result from datasets, the table holding every batch as read."""
+  """`_read_client_batches`' result from datasets, the table holding every batch as read."""
   bx, by, sizes, counts = _read_dataset_batches(datasets, passes)
   batch = by.shape[1] if by.ndim > 1 else 0
   rows = np.arange(len(by) * batch, dtype=np.int64).reshape(len(by), batch)

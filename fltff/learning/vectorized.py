@@ -265,16 +265,6 @@ def _quiet_looped_gradients():
     logger.removeFilter(quiet)
 
 
-class _EveryDataset:
-  """A `read_before` set that holds every dataset (`train(..., read_before_elsewhere=True)`)."""
-
-  def __contains__(self, dataset) -> bool:
-    return True
-
-  def add(self, dataset) -> None:
-    del dataset
-
-
 class _Regularization(NamedTuple):
   """How a round's regularisers enter the vectorised step (`VectorizedClientWork`)."""
   probe: Any  # The shared regulariser, or the first client's; None without one.
@@ -668,9 +658,10 @@ class VectorizedClientWork:
     round (FedLap personalisation's local models): each is rebuilt first, as TFF deserialises
     it afresh for every computation."""
     self._restore_tf2_layer_classes()
-    data = stack_client_batches(
-        client_inputs, _EveryDataset() if read_before_elsewhere else self._read_before,
-        raw=self.on_workers is not None)
+    read_before = self._read_before
+    if read_before_elsewhere:
+      read_before = weakref.WeakSet(data['batches'] for data in client_inputs)
+    data = stack_client_batches(client_inputs, read_before, raw=self.on_workers is not None)
     self._updater.prepare([tf.TensorSpec(w.shape, w.dtype)
                            for w in self._keras_model.trainable_weights], self._device)
     if self._update_statistics is None:
