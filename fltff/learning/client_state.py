@@ -70,9 +70,7 @@ def build_stateful_client_work(model_spec: ModelSpec, optimizer, work: StatefulC
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
   from fltff.aggregators.gather import build_gather  # pylint: disable=g-import-not-at-top
 
-  with tf.Graph().as_default():
-    metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
-        model_spec.metric_finalizers())
+  metrics_aggregation_fn = client_work_lib.metrics_aggregation(model_spec)
   specs = model_spec.trainable_specs()
   state_type = tff.types.to_type(tuple((s.dtype.as_numpy_dtype, tuple(s.shape.as_list()))
                                        for s in specs))

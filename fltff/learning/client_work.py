@@ -449,6 +449,15 @@ def client_result_type(model_spec: ModelSpec, statistics: Sequence[ClientStatist
       tff.learning.templates.ClientResult)
 
 
+def metrics_aggregation(model_spec: ModelSpec):
+  """TFF's `sum_then_finalize` of the model's metrics (the participants' unfinalized metrics →
+  the round's), built in a graph of its own (not the caller's)."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  with tf.Graph().as_default():
+    return tff.learning.metrics.sum_then_finalize(model_spec.metric_finalizers())
+
+
 def build_stateless_initialize():
   """The `initialize` of a stateless client work (`build_client_work`'s): `()` at the server."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
@@ -463,7 +472,6 @@ def build_stateless_initialize():
 def build_client_work(model_spec: ModelSpec,
                       optimizer,
                       regularizer: Optional[LocalRegularizer] = None,
-                      metrics_aggregator=None,
                       client_statistics: Sequence[ClientStatistic] = (),
                       frozen: Sequence[int] = (),
                       client_weighting: str = 'num_examples'):
@@ -475,7 +483,6 @@ def build_client_work(model_spec: ModelSpec,
   FedLap papers). `optimizer`: a `tff.learning.optimizers.Optimizer`.
 
   Args:
-    metrics_aggregator: As in TFF; default `tff.learning.metrics.sum_then_finalize`.
     client_statistics: The aggregator's `ClientStatistic`s, sent with the update. None: the
       weight is the float32 example count TFF's `MeanFactory` expects; else
       `OrderedDict(num_examples=float32, <statistics>)` (`with_statistics`).
@@ -486,10 +493,7 @@ def build_client_work(model_spec: ModelSpec,
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   check_client_weighting(client_weighting)
-  if metrics_aggregator is None:
-    metrics_aggregator = tff.learning.metrics.sum_then_finalize
-  with tf.Graph().as_default():
-    metrics_aggregation_fn = metrics_aggregator(model_spec.metric_finalizers())
+  metrics_aggregation_fn = metrics_aggregation(model_spec)
   weights_type, data_type = client_types(model_spec)
 
   reports_measurements = regularizer is not None and traits_of(regularizer).measures

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import tensorflow as tf
 
 from fltff.errors import ConfigError
+from fltff.learning.stacked_optimizer import client_mask
 
 
 def dense_kernels(slots: Sequence[tuple[object, str]], frozen: frozenset = frozenset()
@@ -143,8 +144,7 @@ class FactoredKernels:
         new_alpha_acc = self.momentum * alpha_acc + c * (1.0 + alpha)
         new_beta = beta - lr * new_gamma
         new_alpha = alpha - lr * new_alpha_acc
-      keep = lambda new, old: tf.where(  # pylint: disable=g-long-lambda
-          tf.reshape(trains, [-1] + [1] * (new.shape.rank - 1)), new, old)
+      keep = lambda new, old: tf.where(client_mask(trains, new.shape.rank), new, old)
       new_state.append((hx, hd, keep(new_beta, beta), keep(new_gamma, gamma),
                         keep(new_alpha, alpha), keep(new_alpha_acc, alpha_acc)))
     return tuple(new_state)

@@ -155,12 +155,13 @@ class FusedSGDM:
   # The carry is a token threaded through start, steps and finish, so the variables' writes
   # are ordered by data flow, not by automatic control dependencies across loop and cond.
   def start(self, weights: Sequence[tf.Tensor]) -> tf.Tensor:
-    assigned = [variable.assign(value) for variable, value in zip(self._weights, weights)]
+    assigned = [variable.assign(value, read_value=False)
+                for variable, value in zip(self._weights, weights)]
     # Not `tf.zeros_like(value)`: traced with an unknown client count it left the accumulators
     # empty at the first step (TF 2.14, cause unknown; tests/test_stacked_optimizer.py).
-    assigned += [accumulator.assign(tf.zeros(tf.shape(value), value.dtype))
+    assigned += [accumulator.assign(tf.zeros(tf.shape(value), value.dtype), read_value=False)
                  for accumulator, value in zip(self._accumulators, weights)]
-    with tf.control_dependencies([a.op if hasattr(a, 'op') else a for a in assigned]):
+    with tf.control_dependencies(assigned):
       return tf.constant(True)
 
   def weights(self, carry: tf.Tensor) -> tuple:

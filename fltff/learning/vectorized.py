@@ -71,7 +71,7 @@ def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.ker
   """
   weights_model = keras_model if weights_model is None else weights_model
   slots = weight_slots(keras_model, weights_model, batch_norm)
-  norms = [layer for layer in keras_model.layers if _is_batch_norm(layer)] if batch_norm else []
+  norms = batch_norms(keras_model) if batch_norm else []
   statistic_slots = _slots_of(weights_model.non_trainable_weights, weights_model, keras_model)
 
   def apply(trainable: Sequence[tf.Tensor], x: tf.Tensor, training: bool = True,
@@ -107,8 +107,9 @@ def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.ker
   return apply
 
 
-def _is_batch_norm(layer) -> bool:
-  return isinstance(layer, tf.keras.layers.BatchNormalization)
+def batch_norms(keras_model: tf.keras.Model) -> list[tf.keras.layers.BatchNormalization]:
+  return [layer for layer in keras_model.layers
+          if isinstance(layer, tf.keras.layers.BatchNormalization)]
 
 
 def masked_batch_norm_call(layer: tf.keras.layers.BatchNormalization,
@@ -143,8 +144,7 @@ def moving_statistics(keras_model: tf.keras.Model) -> Callable:
   """`update(statistics, moments, trains)`: the BatchNorm moving statistics (`[K, ...]`, in
   `non_trainable_weights` order) after a step with batch `moments` (`functional_apply`'s):
   Keras's `v − (v − batch)(1 − momentum)` with the biased variance, for the clients in `trains`."""
-  slot = {id(v): (layer.name, which, layer.momentum)
-          for layer in keras_model.layers if _is_batch_norm(layer)
+  slot = {id(v): (layer.name, which, layer.momentum) for layer in batch_norms(keras_model)
           for which, v in enumerate((layer.moving_mean, layer.moving_variance))}
   slots = [slot[id(v)] for v in keras_model.non_trainable_weights]
 
@@ -162,7 +162,7 @@ def moving_statistics(keras_model: tf.keras.Model) -> Callable:
 def weight_slots(keras_model: tf.keras.Model, weights_model: tf.keras.Model,
                  batch_norm: bool = False) -> list[tuple[Any, str]]:
   """`(layer, attribute)` holding each trainable weight, for `functional_apply` (its errors)."""
-  norms = [layer for layer in weights_model.layers if _is_batch_norm(layer)] if batch_norm else []
+  norms = batch_norms(weights_model) if batch_norm else []
   statistics = {id(v) for layer in norms for v in (layer.moving_mean, layer.moving_variance)}
   if any(id(v) not in statistics for v in weights_model.non_trainable_weights):
     raise ConfigError(
@@ -304,9 +304,7 @@ class VectorizedClientWork:
       raise ConfigError(f'vectorised clients do not support a shared regulariser with a batch '
                         f'term ({type(regularizer).__name__}).')
     metrics_type = tff.types.tensorflow_to_type(model_spec.unfinalized_metric_specs())
-    with tf.Graph().as_default():
-      metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
-          model_spec.metric_finalizers(), metrics_type)
+    metrics_aggregation_fn = client_work_lib.metrics_aggregation(model_spec)
 
     @tff.federated_computation(tff.FederatedType(metrics_type, tff.CLIENTS))
     def aggregate_metrics(model_outputs):
@@ -318,8 +316,7 @@ class VectorizedClientWork:
     self._keras_model = model_spec.keras_fn()
     self._layer_bases = [(cls, cls.__bases__) for cls in
                          {type(layer) for layer in (self._keras_model, *self._keras_model.layers)}]
-    self._batch_norm = batch_norm and any(
-        _is_batch_norm(layer) for layer in self._keras_model.layers)
+    self._batch_norm = batch_norm and bool(batch_norms(self._keras_model))
     reads_latent = latent or any(s.reads_latent for s in client_statistics)
     if self._batch_norm and reads_latent:
       raise ConfigError('vectorised clients do not compute latent representations of a model '
