@@ -596,7 +596,7 @@ def _time_runtimes(shape: str, runtimes: dict, vectorised: dict) -> tuple[dict, 
     if vectorised[name]:
       algorithm = algorithm.with_vectorized_clients()
     rt.place(algorithm)
-    groups[name] = getattr(algorithm.vectorized_work(), 'on_workers', None)
+    groups[name] = getattr(rt, 'groups', None)
     rounds[name] = _round_fn(algorithm, [examples] * num_clients)
   contexts = {name: getattr(rt, 'driver_context', None) or rt.context
               for name, rt in runtimes.items()}

@@ -53,7 +53,7 @@ def _vectorised(method, spec):
 
 def _on(runtime, algorithm, data):
   placed = runtime.place(algorithm)
-  assert placed is runtime and algorithm.vectorized_work().on_workers is not None
+  assert placed is runtime and runtime.groups.work is algorithm.vectorized_work()
   return run_rounds(algorithm, data, runtime.driver_context, EQUALITY_CLIENTS)
 
 
@@ -79,7 +79,7 @@ def test_groups_on_one_and_two_workers_equal_the_in_process_vectorised_rounds(
       algorithm, _ = choose_client_work(equality_methods()[method](spec), 'auto', True, two)
       assert algorithm.vectorized
       on_two = _on(two, algorithm, data)
-      groups = algorithm.vectorized_work().on_workers
+      groups = two.groups
       assert sorted(groups.last_sizes) == [1, 2]  # Each round's 3 participants, 2 groups.
       # To each worker the global model and the group's data; back, each client's model.
       model_bytes = sum(w.nbytes for w in spec.initial_weights().trainable)

@@ -24,6 +24,7 @@ from fltff.data.pipeline import preprocess_batch
 from fltff.learning.round_data import group_data
 from fltff.learning.round_data import in_client_order
 from fltff.learning.vectorized import round_specs
+from fltff.runtime.in_process import InProcessContext
 
 # `VectorizedClientWork._train_fn`'s arguments, in order.
 _ARGS = ('global_trainable', 'start', 'client_terms', 'statistics', 'examples', 'labels', 'index',
@@ -53,11 +54,11 @@ def _nbytes(structure) -> int:
 
 
 class WorkerGroups:
-  """Trains `work`'s rounds (`VectorizedClientWork.on_workers`) as groups on `runtime`'s
-  workers (a `fltff.runtime.WorkerRuntime`: its `context`, `workers` and failover `call`)."""
+  """Trains `work`'s rounds as groups on `runtime`'s workers (a `fltff.runtime.WorkerRuntime`:
+  its `context`, `workers` and failover `call`)."""
 
   def __init__(self, work, runtime):
-    self._work, self._runtime = work, runtime
+    self.work, self._runtime = work, runtime
     self._computations = {}
     self.last_sizes: list[int] = []  # Clients per group (per call) in the last round.
     self.last_bytes: list[tuple[int, int]] = []  # Tensor bytes to and from each group's worker.
@@ -82,7 +83,7 @@ class WorkerGroups:
       inputs.append(value)
     sizes = {len(c) for c in groups}
     comp = self._computation(server, inputs[0], sizes.pop() if len(sizes) == 1 else None,
-                             self._work.round_factoring(data, client_terms))
+                             self.work.round_factoring(data, client_terms))
     results = self._runtime.call(self._invoke, comp, *((server, inputs) if server else (inputs,)))
     results = sorted(results, key=lambda r: int(r[0]))  # Sub-rounds return in completion order.
     self.last_sizes = [len(c) for c in groups]
@@ -110,7 +111,7 @@ class WorkerGroups:
     key = (str(server_type), str(group_type), factored)
     if key in self._computations:
       return self._computations[key]
-    work = self._work
+    work = self.work
 
     def train(server_value, group_value):
       given = {**server_value, **group_value, **preprocess_batch(
@@ -132,3 +133,23 @@ class WorkerGroups:
       comp = tff.federated_computation(lambda g: tff.federated_map(train_group, g), clients)
     self._computations[key] = comp
     return comp
+
+
+class DriverContext(InProcessContext):
+  """A `WorkerRuntime`'s context for vectorised client work: the in-process executor runs the
+  rounds, but for the client training of the placed work, which `groups` run on the workers."""
+
+  def __init__(self, groups: WorkerGroups):
+    super().__init__()
+    self.groups = groups
+
+
+def worker_groups(work) -> Optional[WorkerGroups]:
+  """The `WorkerGroups` that train `work`'s rounds: the current context's (a `DriverContext`)
+  where `work` is the work placed there; None: `work` trains in this process."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  context = tff.framework.get_context_stack().current
+  if isinstance(context, DriverContext) and context.groups.work is work:
+    return context.groups
+  return None

@@ -120,7 +120,7 @@ class Algorithm(protocol.FederatedAlgorithm):
 
   def trained_weights(self) -> Optional[tuple]:
     """The last round's trained models (`[K, ...]` per trainable tensor), None unless vectorised."""
-    return getattr(self.vectorized_work(), 'last_trained', None)
+    return self.vectorized_work().last_trained if self.vectorized else None
 
   def _vectorized_next(self, state, client_inputs: Sequence, call: protocol.Call):
     """`process.next` with `VectorizedClientWork` as client work (same state and measurements)."""

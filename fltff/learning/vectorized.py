@@ -354,14 +354,13 @@ class VectorizedClientWork:
     # `client_groups`'s cost model is fitted on a CPU; on a GPU a step's fixed cost is far larger
     # against a client's work, so GPU rounds keep one group unless told otherwise.
     self.group_clients = group_clients and on_cpu(device)
-    # Trains the rounds elsewhere when set (`fltff.learning.groups.WorkerGroups`: on TFF workers).
-    self.on_workers = None
     self._train = tf.function(self._train_fn, reduce_retracing=True, autograph=False)
     self._static_client_counts: set[int] = set()
     self._traced_for: set[tuple[Optional[int], frozenset]] = set()
     self._read_before = weakref.WeakSet()
     # Factored kernel sets traced so far (`factored_dense`), for inspection.
     self.factored_traces: set[tuple[int, ...]] = set()
+    self.last_trained = None  # The last round's trained models (`round_results`).
 
   @property
   def latent_apply(self):
@@ -654,11 +653,14 @@ class VectorizedClientWork:
     model without `statistics`. `read_before_elsewhere`: the datasets were read already this
     round (FedLap personalisation's local models): each is rebuilt first, as TFF deserialises
     it afresh for every computation."""
+    from fltff.learning.groups import worker_groups  # pylint: disable=g-import-not-at-top
+
     self._restore_tf2_layer_classes()
+    on_workers = worker_groups(self)  # Where the runtime placed this work (`WorkerRuntime`).
     read_before = self._read_before
     if read_before_elsewhere:
       read_before = weakref.WeakSet(data['batches'] for data in client_inputs)
-    data = stack_client_batches(client_inputs, read_before, raw=self.on_workers is not None)
+    data = stack_client_batches(client_inputs, read_before, raw=on_workers is not None)
     self._updater.prepare([tf.TensorSpec(w.shape, w.dtype)
                            for w in self._keras_model.trainable_weights], self._device)
     if self._update_statistics is None:
@@ -667,8 +669,8 @@ class VectorizedClientWork:
       raise ValueError('a BatchNorm model trains from moving statistics: pass statistics=.')
     else:
       statistics = tuple(statistics)
-    if self.on_workers is not None:
-      return self.on_workers.train(data, global_trainable, start, client_terms, statistics), data
+    if on_workers is not None:
+      return on_workers.train(data, global_trainable, start, client_terms, statistics), data
     overhead = step_overhead(self._macs_per_example, np.shape(data['index'])[3])
     groups = (client_groups(data['mask'], overhead) if self.group_clients
               else [np.arange(len(client_inputs))])
@@ -758,8 +760,7 @@ class VectorizedClientWork:
     weight = client_work_lib.with_statistics(weight, self._client_statistics, lambda s: (
         s.of_clients(client_inputs, out) if s.of_clients else np.asarray(out[s.name])))
     results = StackedClientResults(update, weight, k)
-    # The trained models, for the `trained_local` evaluation protocol.
-    self.last_trained = out['trained']
+    self.last_trained = out['trained']  # For the `trained_local` evaluation protocol.
     train = call(self._aggregate_metrics,
                  clients_argument(StackedClients(self.model_outputs(out['sums']), k)))
     regularizer_stats = None

@@ -148,7 +148,7 @@ class WorkerRuntime(Runtime):
     self._credentials, self._server_name = credentials, server_name
     self._channels, self._stubs = [], []
     self.driver_context = None
-    self._groups = None  # The `WorkerGroups` of the placed vectorised client work.
+    self.groups = None  # The `WorkerGroups` of the placed vectorised client work.
     try:
       self._start_worker()
       self._connect()
@@ -186,28 +186,25 @@ class WorkerRuntime(Runtime):
     logging.info('TFF runtime ready: worker(s) %s.', ', '.join(self.workers))
 
   def place(self, algorithm) -> Runtime:
-    """This runtime; vectorised client work trains as groups on the workers
-    (`fltff.learning.groups.WorkerGroups`), the rest of its rounds in this process."""
+    """This runtime; vectorised client work trains as groups on the workers (`groups`), the
+    rest of its rounds in this process (`driver_context`, `fltff.learning.groups`)."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-    from fltff.learning.groups import WorkerGroups  # pylint: disable=g-import-not-at-top
-    from fltff.runtime.in_process import InProcessContext  # pylint: disable=g-import-not-at-top
+    from fltff.learning import groups as groups_lib  # pylint: disable=g-import-not-at-top
 
-    self._groups = None
-    self.driver_context = None
+    self.groups = self.driver_context = None
     if algorithm.vectorized:
-      work = algorithm.vectorized_work()
-      work.on_workers = self._groups = WorkerGroups(work, self)
-      self.driver_context = InProcessContext()
+      self.groups = groups_lib.WorkerGroups(algorithm.vectorized_work(), self)
+      self.driver_context = groups_lib.DriverContext(self.groups)
     tff.framework.set_default_context(self.driver_context or self.context)
     return super().place(algorithm)
 
   @property
   def description(self) -> str:
     """The executor and, for vectorised client work, how many clients each call trains."""
-    if self._groups is None:
+    if self.groups is None:
       return self.executor_name
     workers = f'{len(self.workers)} worker{"s" if len(self.workers) > 1 else ""}'
-    sizes = self._groups.last_sizes  # Of the last round.
+    sizes = self.groups.last_sizes  # Of the last round.
     if not sizes:
       return f'{self.executor_name}, vectorised clients: one call per worker ({workers})'
     per_call = f'{min(sizes)}' if min(sizes) == max(sizes) else f'{min(sizes)}-{max(sizes)}'
