@@ -132,15 +132,13 @@ class StepObserver(Protocol):
 def client_input(batches: Union[tf.data.Dataset, ClientBatches], client_index: int, epochs: int,
                  client_state: Optional[Sequence[np.ndarray]] = None,
                  state_in_dataset: bool = True, info_in_dataset: bool = True):
-  """Packs one participant's batches (a dataset or `pipeline.ClientBatches`) and info in the
-  layout `build_client_work` expects.
+  """One participant's batches (a dataset or `pipeline.ClientBatches`) and info in the layout
+  `build_client_work` expects.
 
-  `client_state` (arrays: SCAFFOLD's c_i, KAPC's personal model) travels under `state`: as a
-  one-element dataset like `info` or, with `state_in_dataset=False` (processes written as their
-  own federated computation: the personalised ones), as plain tensors, cheaper to ship and read
-  (a model-sized constant in a dataset graph is parsed on every call). `info_in_dataset=False`
-  keeps `info` as NumPy scalars and `ClientBatches` as they are (their arrays read directly),
-  for inputs only Python reads (vectorised client work).
+  `client_state` (SCAFFOLD's c_i, KAPC's personal model) travels under `state`: a one-element
+  dataset like `info` or, with `state_in_dataset=False`, plain tensors (cheaper: a model-sized
+  constant in a dataset graph is parsed on every call). `info_in_dataset=False`: `info` as
+  NumPy scalars and `ClientBatches` as they are, for inputs only Python reads (vectorised).
   """
   info = collections.OrderedDict(client_index=np.int32(client_index), epochs=np.int32(epochs))
   if info_in_dataset:
@@ -223,18 +221,16 @@ def client_step(forward: Callable, local, batch, regularizer: Optional[LocalRegu
                 global_trainable, context, affine=None, frozen: frozenset = frozenset(),
                 probes: Optional[dict[int, tf.Tensor]] = None, isolate: bool = False,
                 affine_by_updater: bool = False) -> tuple:
-  """One client's local step up to the optimizer, on both executors (vectorised clients in a
-  `tf.vectorized_map`): `(gradients, differentiated (as step observers see them), batch_loss's
-  sums, probe gradients, values of local)` of `batch_loss + regulariser` w.r.t. `local`.
+  """One client's local step up to the optimizer, on both executors: `(gradients,
+  differentiated (as step observers see them), batch_loss's sums, probe gradients, values of
+  local)` of `batch_loss + regulariser` w.r.t. `local`.
 
-  `forward(local, x, mask) -> (latent or None, logits)` applies the model with `local` (Keras
-  variables or tensors); `batch`: `x`, `y`, `mask` (`[B]`, 1 for a real example). The penalty
-  is differentiated unless analytic, the batch term always; `step_gradients` adds `affine`, or
-  where it is None the analytic gradient, and zeroes `frozen`;
-  `affine_by_updater`: an affine regulariser's terms are the updater's (vectorised clients). `probes`: `{index:
-  tensor}` differentiated in place of `local[index]` (`factored_dense`). `isolate`: the data
-  loss in a function of its own (as TFF's `forward_pass`), so Grappler adds the affine terms
-  to its gradient as before: the per-client numbers bit for bit.
+  `forward(local, x, mask) -> (latent or None, logits)`; `batch`: `x`, `y`, `mask` (`[B]`, 1
+  for a real example). `step_gradients` adds `affine` (or the analytic gradient) and zeroes
+  `frozen`, unless `affine_by_updater` (vectorised clients: the updater adds affine terms).
+  `probes`: `{index: tensor}` differentiated in place of `local[index]` (`factored_dense`).
+  `isolate`: the data loss in a function of its own (as TFF's `forward_pass`), which keeps the
+  per-client numbers bit for bit.
   """
   traits = traits_of(regularizer) or PENALTY_ONLY
   probes = probes or {}
@@ -271,14 +267,11 @@ def build_local_training(keras_model: tf.keras.Model, optimizer,
                          regularizer: Optional[LocalRegularizer] = None,
                          frozen: Sequence[int] = (),
                          step_observers: Sequence[StepObserver] = ()):
-  """Returns a `tf.function` running the local epochs of `client_step` on `keras_model`.
-
-  It maps `(initial_weights, batches, info)` to an OrderedDict: `trained` and `non_trainable`
-  (e.g. BatchNorm statistics) weights after training, `examples_per_epoch`, `steps` (optimizer
-  steps), unfinalized `metrics` (`model_spec.unfinalized_metrics`) and each step observer's
-  result under its `name`. All is read inside: outside, in a graph-mode
-  `tff.tensorflow.computation`, reads would not follow the training loop. `frozen`: indices of
-  trainable tensors kept fixed (FedBABU's head).
+  """A `tf.function` running the local epochs of `client_step` on `keras_model`:
+  `(initial_weights, batches, info)` → OrderedDict of the `trained` and `non_trainable`
+  weights, `examples_per_epoch`, `steps`, unfinalized `metrics` and each step observer's result
+  under its `name`, all read inside (in a graph-mode TFF computation, reads outside would not
+  follow the loop). `frozen`: trainable tensors kept fixed (FedBABU's head).
   """
   if keras_model.losses:
     raise ConfigError(f'client training does not support layer losses ({keras_model.name}).')

@@ -145,8 +145,7 @@ class DriverContext(InProcessContext):
 
 
 def worker_groups(work) -> Optional[WorkerGroups]:
-  """The `WorkerGroups` that train `work`'s rounds: the current context's (a `DriverContext`)
-  where `work` is the work placed there; None: `work` trains in this process."""
+  """The current context's `WorkerGroups` if placed for `work`; None: it trains in process."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   context = tff.framework.get_context_stack().current

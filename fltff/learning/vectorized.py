@@ -17,9 +17,8 @@ MOON and CCN), whose only other variables are BatchNorm statistics, trained per 
 (`functional_apply(batch_norm=True)`, `moving_statistics`). Client work: the default of
 `process.build_algorithm` (FedAvg, FedProx, FedLap, SGDM, FedAdp, FedLayerWise, FedNova,
 FedBABU, CCN); SCAFFOLD and MOON (`client_state.VectorizedStatefulWork`; MOON's batch term
-masked to the real examples); and, through
-`fltff.personalization.vectorized` (per-client starts and regularisers), the personalised
-process (KAPC ± BLS, FedAMP, Local, pFedLA).
+masked to the real examples); the personalised process (KAPC ± BLS, FedAMP, Local, pFedLA:
+`fltff.personalization.process.VectorizedPersonalWork`, per-client starts and regularisers).
 """
 
 from __future__ import annotations
@@ -290,11 +289,9 @@ class VectorizedClientWork:
                client_weighting: str = 'num_examples', device: Optional[str] = None,
                client_regularizer: Optional[Callable[[Any], Any]] = None,
                step_observers: Sequence[client_work_lib.StepObserver] = (), latent: bool = False,
-               factor_dense: bool = True, batch_norm: bool = False, group_clients: bool = True):
+               factor_dense: bool = True, batch_norm: bool = False):
     """`batch_norm`: allow BatchNorm models (`functional_apply`); the moving statistics train
-    from `train(statistics=)` and come back as `non_trainable`. `group_clients` (also an
-    attribute; on a CPU only): train clients of very unequal sizes in groups
-    (`round_data.client_groups`) rather than all padded to the longest."""
+    from `train(statistics=)` and come back as `non_trainable`."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     client_work_lib.check_client_weighting(client_weighting)
@@ -351,9 +348,9 @@ class VectorizedClientWork:
     self._client_weighting = client_weighting
     self._step_observers = tuple(step_observers)
     self._device = device
-    # `client_groups`'s cost model is fitted on a CPU; on a GPU a step's fixed cost is far larger
-    # against a client's work, so GPU rounds keep one group unless told otherwise.
-    self.group_clients = group_clients and on_cpu(device)
+    # Clients of very unequal sizes train in groups (`round_data.client_groups`), on a CPU only:
+    # its cost model is fitted there; on a GPU a step's fixed cost is far larger.
+    self.group_clients = on_cpu(device)
     self._train = tf.function(self._train_fn, reduce_retracing=True, autograph=False)
     self._static_client_counts: set[int] = set()
     self._traced_for: set[tuple[Optional[int], frozenset]] = set()
