@@ -23,7 +23,7 @@ import tensorflow as tf
 from fltff.data.pipeline import preprocess_batch
 from fltff.learning.round_data import group_data
 from fltff.learning.round_data import in_client_order
-from fltff.learning.vectorized import round_specs
+from fltff.learning.round_data import round_specs
 from fltff.runtime.in_process import InProcessContext
 
 # `VectorizedClientWork._train_fn`'s arguments, in order.

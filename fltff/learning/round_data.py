@@ -274,3 +274,30 @@ def group_data(data: collections.OrderedDict, clients: np.ndarray) -> collection
     group[key] = data[key][:num_epochs, :num_steps, clients]
   group['epochs'] = data['epochs'][clients]
   return group
+
+
+def round_specs(args: Sequence[Any], num_clients: Optional[int]) -> list:
+  """`VectorizedClientWork._train_fn`'s arguments as `tf.TensorSpec`s for every round of
+  `num_clients` participants (None: any): the global weights as they are, elsewhere only client
+  axes known."""
+  (global_trainable, start, client_terms, statistics, examples, labels, index, mask, valid,
+   epochs) = args
+
+  def spec(t, unknown=(), client_axis=None):
+    shape = list(np.shape(t))
+    for axis in unknown:
+      shape[axis] = None
+    if client_axis is not None:
+      shape[client_axis] = num_clients
+    return tf.TensorSpec(shape, tf.as_dtype(t.dtype))
+
+  def specs(structure, client_axis=None):
+    return None if structure is None else tf.nest.map_structure(
+        lambda t: spec(t, client_axis=client_axis), structure)
+
+  return [specs(global_trainable), specs(start, 0), specs(client_terms, 0),
+          specs(statistics, None if start is None else 0),
+          spec(examples, unknown=[0]), spec(labels, unknown=[0]),
+          spec(index, unknown=[0, 1, 3], client_axis=2),
+          spec(mask, unknown=[0, 1, 3], client_axis=2),
+          spec(valid, unknown=[0, 1], client_axis=2), spec(epochs, client_axis=0)]

@@ -37,11 +37,13 @@ import tensorflow as tf
 from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import factored_dense
+from fltff.learning.groups import worker_groups
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.model_spec import unfinalized_metrics
 from fltff.learning.round_data import client_groups
 from fltff.learning.round_data import group_data
 from fltff.learning.round_data import in_client_order
+from fltff.learning.round_data import round_specs
 from fltff.learning.round_data import stack_client_batches
 from fltff.learning.round_data import step_overhead
 from fltff.learning.stacked_optimizer import Anchor
@@ -223,32 +225,6 @@ def on_cpu(device: Optional[str]) -> bool:
 def stack_clients(values: Sequence[Any]) -> Any:
   """The participants' nested arrays (client states, local models) stacked as `[K, ...]`."""
   return tf.nest.map_structure(lambda *rows: stacked_tensor(aligned_stack(rows)), *values)
-
-
-def round_specs(args: Sequence[Any], num_clients: Optional[int]) -> list:
-  """`_train_fn`'s arguments as `tf.TensorSpec`s for every round of `num_clients` participants
-  (None: any): the global weights as they are, elsewhere only client axes known."""
-  (global_trainable, start, client_terms, statistics, examples, labels, index, mask, valid,
-   epochs) = args
-
-  def spec(t, unknown=(), client_axis=None):
-    shape = list(np.shape(t))
-    for axis in unknown:
-      shape[axis] = None
-    if client_axis is not None:
-      shape[client_axis] = num_clients
-    return tf.TensorSpec(shape, tf.as_dtype(t.dtype))
-
-  def specs(structure, client_axis=None):
-    return None if structure is None else tf.nest.map_structure(
-        lambda t: spec(t, client_axis=client_axis), structure)
-
-  return [specs(global_trainable), specs(start, 0), specs(client_terms, 0),
-          specs(statistics, None if start is None else 0),
-          spec(examples, unknown=[0]), spec(labels, unknown=[0]),
-          spec(index, unknown=[0, 1, 3], client_axis=2),
-          spec(mask, unknown=[0, 1, 3], client_axis=2),
-          spec(valid, unknown=[0, 1], client_axis=2), spec(epochs, client_axis=0)]
 
 
 @contextlib.contextmanager
@@ -650,8 +626,6 @@ class VectorizedClientWork:
     model without `statistics`. `read_before_elsewhere`: the datasets were read already this
     round (FedLap personalisation's local models): each is rebuilt first, as TFF deserialises
     it afresh for every computation."""
-    from fltff.learning.groups import worker_groups  # pylint: disable=g-import-not-at-top
-
     self._restore_tf2_layer_classes()
     on_workers = worker_groups(self)  # Where the runtime placed this work (`WorkerRuntime`).
     read_before = self._read_before
