@@ -334,7 +334,7 @@ class Sim:
 
   def __init__(self, algorithm, num_clients):
     self.algorithm = algorithm
-    self.states = {k: algorithm.new_client_state() for k in range(num_clients)}
+    self.states = {k: algorithm.initial_client_state(k) for k in range(num_clients)}
     self.state = algorithm.process.initialize()
 
   def models(self, k):
@@ -350,7 +350,7 @@ class Sim:
                                                [8.0] * len(clients))
     out = self.algorithm.process.next(self.state, server_input, inputs)
     self.state = out.state
-    self.states.update(self.algorithm.next_client_states(out.result, self.states.get))
+    self.states.update(self.algorithm.next_client_states(out.result, server_input))
     return out
 
   def driver_round(self, clients, datasets, epochs=1):

@@ -256,8 +256,14 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     return self.parts.context.layer_of
 
   def initial_client_state(self, client_index: int) -> collections.OrderedDict:
+    """The initial model, Ω = L and the layer selection's initial client state."""
     del client_index
-    return self.new_client_state()
+    trainable, non_trainable = self.initial_weights
+    return collections.OrderedDict(
+        model=collections.OrderedDict(trainable=[w.copy() for w in trainable],
+                                      non_trainable=[w.copy() for w in non_trainable]),
+        server_copy=[w.copy() for w in trainable],
+        omega=np.int32(self.parts.context.num_layers), **self._selection_state())
 
   @property
   def bytes_down_per_client(self) -> int:
@@ -277,10 +283,8 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
       output = call(self.process.next, state, server_input, client_inputs)
     result = output.result
     start = time.perf_counter()
-    position = {int(k): p for p, k in enumerate(np.asarray(server_input['clients']))}
-    client_states = self.next_client_states(result, lambda k: collections.OrderedDict(
-        server_copy=_RowCopies(server_input['models'], position[k])))
-    order = [int(k) for k in np.asarray(result['clients'])]
+    client_states = self.next_client_states(result, server_input)
+    order = list(client_states)
     server_seconds = time.perf_counter() - start
     measurements = dict(output.measurements)
     train = measurements.pop('train')
@@ -329,16 +333,6 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     server_state = type_num_bytes(self.process.initialize.type_signature.result.member)
     return {'server_memory_mb': (server_state + num_clients * self.bytes_up_per_client) / 1e6}
 
-  def new_client_state(self) -> collections.OrderedDict:
-    """A new client: the initial model, Ω = L and the layer selection's initial client state."""
-    trainable, non_trainable = self.initial_weights
-    num_layers = self.parts.context.num_layers
-    return collections.OrderedDict(
-        model=collections.OrderedDict(trainable=[w.copy() for w in trainable],
-                                      non_trainable=[w.copy() for w in non_trainable]),
-        server_copy=[w.copy() for w in trainable],
-        omega=np.int32(num_layers), **self._selection_state())
-
   @functools.cached_property
   def initial_weights(self) -> tuple:
     """(trainable, non-trainable) NumPy weights of the initial model, built once."""
@@ -347,19 +341,8 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   def stale_server_layers(self, client_states: dict) -> int:
     """How many layers of `client_states`' server copies equal the initial model's bit for bit."""
     initial = self.initial_weights[0]
-    num_layers = self.parts.context.num_layers
-    count = 0
-    for state in client_states.values():
-      copy = state['server_copy']
-      fresh = np.zeros(num_layers, bool)
-      for t, layer in enumerate(self.tensor_layers):
-        if not fresh[layer]:
-          a, b = np.asarray(copy[t]), initial[t]
-          # The first element decides at once for nearly every trained tensor.
-          fresh[layer] = a.shape != b.shape or (a.size and a.flat[0] != b.flat[0]) or (
-              not np.array_equal(a, b))
-      count += int(num_layers - fresh.sum())
-    return count
+    return sum(all(_unchanged(state['server_copy'][t], initial[t]) for t in layer)
+               for state in client_states.values() for layer in self.parts.layers)
 
   def client_input(self, batches, client_index: int, epochs: int, client_state):
     """`client_work.client_input` with the personal model, last Ω and the selection's state."""
@@ -389,21 +372,19 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
         models=tuple(aligned_stack([c[t] for c in copies]) for t in range(len(copies[0]))),
         num_examples=np.asarray(num_examples, np.float32))
 
-  def next_client_states(self, result, previous) -> dict:
-    """`{client: new state}` from a round's `result`; `previous(k)` gives k's state before."""
-    out = {}
+  def next_client_states(self, result, server_input) -> dict:
+    """`{client: new state}` from a round's `result`; a layer not uploaded keeps the server's
+    copy in `server_input` (copied: a view would pin the whole stack)."""
     personal = result['personal']
-    uploaded = np.asarray(result['uploaded'])
-    omega = np.asarray(result['omega'])
-    for p, k in enumerate(int(k) for k in np.asarray(result['clients'])):
+    uploaded, omega = np.asarray(result['uploaded']), np.asarray(result['omega'])
+    out = {}
+    for p, k in enumerate(np.asarray(result['clients']).tolist()):
       trainable = [np.asarray(w[p]) for w in personal['trainable']]
-      stale = previous(k)['server_copy']
       out[k] = collections.OrderedDict(
           model=collections.OrderedDict(
               trainable=trainable,
               non_trainable=[np.asarray(w[p]) for w in personal.get('non_trainable', ())]),
-          # A stale copy is read only for a layer not uploaded (none by default).
-          server_copy=[w if uploaded[p, l] else stale[t]
+          server_copy=[w if uploaded[p, l] else np.array(server_input['models'][t][p])
                        for t, (w, l) in enumerate(zip(trainable, self.tensor_layers))],
           omega=np.int32(omega[p]),
           **{key: np.asarray(result[key][p], initial.dtype)
@@ -414,14 +395,11 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     return self.parts.selection.initial_client_state(self.parts.context.num_layers)
 
 
-class _RowCopies:
-  """Stale server copy: row `p` of each `[P, ...]` stack, copied lazily (a view pins the stack)."""
-
-  def __init__(self, stacked: Sequence, p: int):
-    self._stacked, self._p = stacked, p
-
-  def __getitem__(self, t: int) -> np.ndarray:
-    return np.array(self._stacked[t][self._p])
+def _unchanged(copy, initial: np.ndarray) -> bool:
+  """Whether a server copy equals `initial` bit for bit (its first element decides at once for
+  nearly every trained tensor)."""
+  copy = np.asarray(copy)
+  return np.array_equal(copy.flat[:1], initial.flat[:1]) and np.array_equal(copy, initial)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
