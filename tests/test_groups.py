@@ -32,11 +32,12 @@ from test_vectorized import _small_batchnorm_model
 # One method of each kind of vectorised client work: a weighted mean (FedAvg), per-client
 # server memory (FedLayerWise), client state with per-client corrections and CCN's latent mean
 # (SCAFFOLD+CCN), per-client starts, anchors and layer masks (KAPC+BLS), BatchNorm: the
-# server's statistics (FedAvg) and each client's own (FedBN), and cnn2's convolutions before
-# a factored dense kernel (FedAvg; `fltff.learning.factored_dense`).
+# server's statistics (FedAvg) and each client's own (FedBN), cnn2's convolutions before a
+# factored dense kernel (FedAvg; `fltff.learning.factored_dense`), and a global method's groups
+# beside personal models trained in this process (Ditto).
 METHODS = [('fedavg', 'mlp2'), ('fedlayerwise', 'mlp2'), ('scaffold+ccn', 'mlp2'),
            ('kapc+bls', 'mlp2'), ('fedavg', 'batchnorm'), ('fedbn', 'batchnorm'),
-           ('fedavg', 'cnn2')]
+           ('fedavg', 'cnn2'), ('ditto', 'mlp2')]
 
 
 @pytest.fixture(scope='module')

@@ -143,11 +143,6 @@ def _groups_of_one(sizes: list):
   return client_groups
 
 
-def _trained_work(algorithm):
-  # FedLap personalisation wraps the method.
-  return getattr(algorithm, 'inner', algorithm).vectorized_work()
-
-
 @pytest.fixture(scope='module')
 def two_workers():
   from fltff.runtime import RemoteWorkersRuntime  # pylint: disable=g-import-not-at-top
@@ -178,7 +173,7 @@ def test_three_rounds_on_every_executor_equal_the_cpp_runtime(method, data, spec
       patch.setattr(factored_dense, 'worth_factoring', lambda *args: next(calls) < 2)
     runs = {'vectorised': run_rounds(algorithm, data, InProcessContext(), NUM_CLIENTS)}
   if not factors:
-    assert not _trained_work(algorithm).factored_traces
+    assert not algorithm.vectorized_work().factored_traces
   if method in IN_PROCESS_TOO:
     runs['in-process'] = run_rounds(reference, data, InProcessContext(), NUM_CLIENTS)
   if method in ON_TWO_WORKERS:
@@ -198,7 +193,7 @@ def test_three_rounds_on_every_executor_equal_the_cpp_runtime(method, data, spec
       factored = _vectorized(METHODS[method](spec))
       runs['factored'] = run_rounds(factored, data, InProcessContext(), NUM_CLIENTS)
     # Factoring ran: both mlp2 kernels (FedBABU: the body's only, its head is frozen).
-    assert _trained_work(factored).factored_traces == {(0,) if method == 'fedbabu' else (0, 2)}
+    assert factored.vectorized_work().factored_traces == {(0,) if method == 'fedbabu' else (0, 2)}
   if method in GROUPED_TOO:
     groups = []
     with monkeypatch.context() as patch:
@@ -208,7 +203,7 @@ def test_three_rounds_on_every_executor_equal_the_cpp_runtime(method, data, spec
     # Every round's three participants differ in epochs x steps: three groups of one client,
     # one trace for all.
     assert groups and set(groups) == {3}
-    assert _trained_work(grouped)._train.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
+    assert grouped.vectorized_work()._train.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
   tff.framework.set_default_context(cpp)
   for executor, actual in runs.items():
     reference_run = expected_in_client_order if executor == '2 workers' else expected
@@ -226,7 +221,7 @@ def test_three_rounds_on_every_executor_equal_the_cpp_runtime(method, data, spec
   # The rounds differ in examples, epochs and steps but have 3 participants each: the training
   # is traced once for them (traced on each round's exact shapes, a larger model would trace
   # again every round, seconds each).
-  assert _trained_work(algorithm)._train.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
+  assert algorithm.vectorized_work()._train.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
 
 
 def test_a_few_client_counts_are_traced_fixed_then_one_dynamic_trace(spec):

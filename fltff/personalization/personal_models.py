@@ -88,6 +88,11 @@ class WithPersonalModels(protocol.FederatedAlgorithm):
   def vectorized(self) -> bool:
     return self._local_work is not None
 
+  def vectorized_work(self):
+    """The method's vectorised client work (a runtime may train it on its workers; the personal
+    models train in this process)."""
+    return self.inner.vectorized_work()
+
   @functools.cached_property
   def initial_local(self):
     """The initial model's NumPy `ModelWeights`, built once."""
