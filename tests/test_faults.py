@@ -468,7 +468,7 @@ def test_client_index_beyond_num_clients_is_a_python_error():
   with pytest.raises(ConfigError, match=r'scaffold was built for num_clients=2'):
     scaffold.check_client_indices([0, 5])
   kapc = personalization.build_kapc(spec, 2)
-  states = [kapc.new_client_state() for _ in range(2)]
+  states = [kapc.initial_client_state(k) for k in range(2)]
   with pytest.raises(ConfigError, match=r'kapc was built for num_clients=2 .*\[2\]'):
     kapc.server_input([0, 2], states, [4.0, 4.0])
 

@@ -36,7 +36,7 @@ class Sim:
 
   def __init__(self, algorithm, num_clients):
     self.algorithm = algorithm
-    self.states = {k: algorithm.new_client_state() for k in range(num_clients)}
+    self.states = {k: algorithm.initial_client_state(k) for k in range(num_clients)}
     self.state = algorithm.process.initialize()
 
   def round(self, clients, datasets, num_examples, epochs):
@@ -46,7 +46,7 @@ class Sim:
                                                num_examples)
     out = self.algorithm.process.next(self.state, server_input, inputs)
     self.state = out.state
-    self.states.update(self.algorithm.next_client_states(out.result, self.states.get))
+    self.states.update(self.algorithm.next_client_states(out.result, server_input))
     return out
 
 

@@ -256,14 +256,8 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     return self.parts.context.layer_of
 
   def initial_client_state(self, client_index: int) -> collections.OrderedDict:
-    """The initial model, Ω = L and the layer selection's initial client state."""
     del client_index
-    trainable, non_trainable = self.initial_weights
-    return collections.OrderedDict(
-        model=collections.OrderedDict(trainable=[w.copy() for w in trainable],
-                                      non_trainable=[w.copy() for w in non_trainable]),
-        server_copy=[w.copy() for w in trainable],
-        omega=np.int32(self.parts.context.num_layers), **self._selection_state())
+    return self.parts.initial_client_state(self.initial_weights)
 
   @property
   def bytes_down_per_client(self) -> int:
@@ -345,17 +339,10 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
                for state in client_states.values() for layer in self.parts.layers)
 
   def client_input(self, batches, client_index: int, epochs: int, client_state):
-    """`client_work.client_input` with the personal model, last Ω and the selection's state."""
-    personal = collections.OrderedDict()
-    if self.parts.model_from_client:
-      personal['trainable'] = tuple(client_state['model']['trainable'])
-    if len(client_state['model']['non_trainable']):
-      personal['non_trainable'] = tuple(client_state['model']['non_trainable'])
-    personal['omega'] = np.int32(client_state['omega'])
-    for key, initial in self._selection_state().items():
-      personal[key] = np.asarray(client_state[key], initial.dtype)
+    """`client_work.client_input` with the client's `PersonalizedRound.personal` state."""
     # Vectorised client work reads the info in Python: no dataset for it.
-    return client_work_lib.client_input(batches, client_index, epochs, client_state=personal,
+    return client_work_lib.client_input(batches, client_index, epochs,
+                                        client_state=self.parts.personal(client_state),
                                         state_in_dataset=False,
                                         info_in_dataset=not self.vectorized)
 
@@ -388,11 +375,8 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
                        for t, (w, l) in enumerate(zip(trainable, self.tensor_layers))],
           omega=np.int32(omega[p]),
           **{key: np.asarray(result[key][p], initial.dtype)
-             for key, initial in self._selection_state().items()})
+             for key, initial in self.parts.selection_state.items()})
     return out
-
-  def _selection_state(self) -> collections.OrderedDict:
-    return self.parts.selection.initial_client_state(self.parts.context.num_layers)
 
 
 def _unchanged(copy, initial: np.ndarray) -> bool:
@@ -433,6 +417,33 @@ class PersonalizedRound:
     Needed where the copy may differ (a partial layer selection; no communication); else using it
     ships a model less."""
     return self.selection.partial or not self.communicates
+
+  @property
+  def selection_state(self) -> collections.OrderedDict:
+    """The layer selection's initial entries of a client state."""
+    return self.selection.initial_client_state(self.context.num_layers)
+
+  def initial_client_state(self, weights) -> collections.OrderedDict:
+    """A new client's state from the initial model's NumPy `ModelWeights`: that model as its own
+    and the server's copy, Ω = L and the layer selection's initial entries."""
+    return collections.OrderedDict(
+        model=collections.OrderedDict(trainable=[w.copy() for w in weights.trainable],
+                                      non_trainable=[w.copy() for w in weights.non_trainable]),
+        server_copy=[w.copy() for w in weights.trainable],
+        omega=np.int32(self.context.num_layers), **self.selection_state)
+
+  def personal(self, client_state) -> collections.OrderedDict:
+    """What a client's input carries of its state: its own trainable weights where they are
+    needed (`model_from_client`), BatchNorm statistics, last Ω and the selection's entries."""
+    personal = collections.OrderedDict()
+    if self.model_from_client:
+      personal['trainable'] = tuple(client_state['model']['trainable'])
+    if len(client_state['model']['non_trainable']):
+      personal['non_trainable'] = tuple(client_state['model']['non_trainable'])
+    personal['omega'] = np.int32(client_state['omega'])
+    for key, initial in self.selection_state.items():
+      personal[key] = np.asarray(client_state[key], initial.dtype)
+    return personal
 
   def prepare(self, state, server_input):
     """The broadcast: per participant s_i, skip row (`LayerSelection.skip`), r_ii; the rule's
@@ -558,42 +569,25 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   initial_relationship(num_clients, 1, rule.relationship_init)  # Validates the init.
   rule.check(name)
 
-  layers, _ = model_spec.trainable_layers()
-  num_layers = len(layers)
-  selection.check(name, num_layers)
-  layer_by_tensor = {t: l for l, group in enumerate(layers) for t in group}
-  layer_of = [layer_by_tensor[t] for t in range(len(layer_by_tensor))]
-  context = RoundContext(layer_of=tuple(layer_of), num_layers=num_layers,
-                         num_clients=num_clients)
+  weights = model_spec.initial_weights()
   with tf.Graph().as_default():
-    keras_model = model_spec.keras_fn()
-    kinds = [g.kind for g in layer_groups(keras_model) if g.trainable_indices]
-    tspecs = [tf.TensorSpec(v.shape, v.dtype) for v in keras_model.trainable_weights]
-    nspecs = [tf.TensorSpec(v.shape, v.dtype) for v in keras_model.non_trainable_weights]
+    groups = [g for g in layer_groups(model_spec.keras_fn()) if g.trainable_indices]
     metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
         model_spec.metric_finalizers())
+  layers = tuple(tuple(g.trainable_indices) for g in groups)
+  selection.check(name, len(layers))
+  layer_of = tuple(l for _, l in sorted((t, l) for l, group in enumerate(layers) for t in group))
+  context = RoundContext(layer_of=layer_of, num_layers=len(layers), num_clients=num_clients)
   parts = PersonalizedRound(
-      rule=rule, context=context, layers=tuple(tuple(g) for g in layers),
-      local_layers=tuple(k in rule.local_layer_kinds for k in kinds),
-      layer_sizes_bytes=tuple(sum(tspecs[t].shape.num_elements() * tspecs[t].dtype.size
-                                  for t in group) for group in layers))
-
-  def shape_of(spec, lead=()):
-    return (spec.dtype.as_numpy_dtype, tuple(lead) + tuple(spec.shape.as_list()))
-
-  personal_fields = []
-  if parts.model_from_client:
-    personal_fields.append(('trainable', tff.types.to_type(tuple(shape_of(s) for s in tspecs))))
-  if nspecs:
-    personal_fields.append(('non_trainable', tff.types.to_type(tuple(shape_of(s)
-                                                                      for s in nspecs))))
-  personal_fields.append(('omega', tff.TensorType(np.int32)))
-  personal_fields += [(key, tff.TensorType(value.dtype, value.shape))
-                      for key, value in selection.initial_client_state(num_layers).items()]
-  personal_type = tff.StructWithPythonType(personal_fields, collections.OrderedDict)
+      rule=rule, context=context, layers=layers,
+      local_layers=tuple(g.kind in rule.local_layer_kinds for g in groups),
+      layer_sizes_bytes=tuple(sum(weights.trainable[t].nbytes for t in group)
+                              for group in layers))
+  personal_type = tff.types.to_type(tf.nest.map_structure(
+      lambda a: (a.dtype, a.shape), parts.personal(parts.initial_client_state(weights))))
   _, data_type = client_work_lib.client_types(model_spec, state_type=personal_type,
                                               state_in_dataset=False)
-  stacked = tff.types.to_type(tuple(shape_of(s, [None]) for s in tspecs))
+  stacked = tff.types.to_type(tuple((w.dtype, [None, *w.shape]) for w in weights.trainable))
   server_input_type = tff.StructWithPythonType(
       [('clients', tff.TensorType(np.int32, [None])), ('models', stacked),
        ('num_examples', tff.TensorType(np.float32, [None]))], collections.OrderedDict)
@@ -622,7 +616,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
         initial, data['batches'], data['info'])
     value, weight = parts.client_result(personal, k, s, sent, own, list(out['trained']),
                                         out['examples_per_epoch'])
-    if nspecs:
+    if weights.non_trainable:
       value['non_trainable'] = tuple(out['non_trainable'])
     return value, weight, out['metrics']
 
