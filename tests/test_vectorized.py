@@ -255,8 +255,7 @@ def test_client_start_on_the_broadcasts_rows_is_each_clients_own_start():
       tf.constant(rng.normal(size=m.shape), tf.float32) for m in msg['models']))
   parts = process.PersonalizedRound(
       rule=fedbn.SampleWeightedRelation(layer_selection=bls.BidirectionalSelection()),
-      context=process.RoundContext(layer_of=(0, 1), num_layers=2, num_clients=8),
-      layers=((0,), (1,)), local_layers=(False, False), layer_sizes_bytes=(32, 8))
+      layers=((0,), (1,)), layer_of=(0, 1), num_clients=8, local_layers=(False, False), layer_sizes_bytes=(32, 8))
   rows = process.message_rows(msg)
   assert rows['models'][0] is msg['models'][0] and rows['skip'] is msg['skip']
   start, s, sent, _ = parts.client_start(rows, personal)

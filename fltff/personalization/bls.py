@@ -1,17 +1,10 @@
-"""BLS: KAPC's bidirectional layer selection (server skips layers, clients upload a prefix).
+"""BLS: KAPC's bidirectional layer selection (the KAPC + BLS paper, IEEE TMC 2024, §5).
 
-Source: the KAPC + BLS paper (IEEE TMC 2024), §5. A layer is its tensors (e.g. kernel and bias);
-s_i^l = Σ_j r_ij^l w_j^l, sent by the server, regularises client i's local training.
-
-* Server (§5.1, Algorithm 3, `server_skip_mask_tf`): layer l is not sent to client i when
-  r_ii^l > μ; the client trains that layer without a regulariser.
-* Client (§5.2, Definition 1, Algorithm 4, `select_omega_tf`): after training client i uploads
-  only its first Ω_i layers. Parts: Eqs. (30)–(31) `layer_bounds`, inequality (29)
-  `criterion_sides_tf`/`criterion_tf` with sizes from `layer_dimensions`, lines 15–24 `search_tf`.
-
-`BidirectionalSelection` is both, the layer selection KAPC+BLS declares (`process.LayerSelection`).
-Our reading of Algorithm 4 and (29), reconstructions (R1–R4) and choices (C1–C7): the BLS
-section of docs/methods/personalised.md.
+Server (§5.1, Algorithm 3, `server_skip_mask_tf`): layer l is not sent to client i when
+r_ii^l > μ. Client (§5.2, Definition 1, Algorithm 4, `select_omega_tf`): upload only the first
+Ω_i layers; Eqs. (30)–(31) `layer_bounds`, inequality (29) `criterion_sides_tf`, lines 15–24
+`search_tf`. `BidirectionalSelection` is both, KAPC+BLS's `process.LayerSelection`. Our reading,
+reconstructions (R1–R4) and choices (C1–C7): docs/methods/personalised.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""Ditto (T. Li, S. Hu, A. Beirami, V. Smith, ICML 2021): a global model and a personal one per
-client, the personal one pulled towards the global.
-
-Each round (Ditto's Algorithm 1), every participant k receives the global model w^t and
-
-1. trains a copy of it as FedAvg's clients do and sends the update; the server aggregates the
-   updates into w^{t+1} (`build_fedavg`: FedAvg's example weighting by default);
-2. trains its personal model v_k on the same batches, from its own v_k, on
-   `F_k(v_k) + λ/2 ||v_k − w^t||²` (Ditto's objective h_k, eq. (2)): each step adds
-   `λ (v_k − w^t)` to the data gradient (`ProximalRegularizer` with μ = λ, anchored at w^t).
-
-Clients are evaluated with v_k (`personal_local`); the global model stays (`central`,
-`global_local`). v_k starts as the initial global model w^0. Where the paper leaves a choice we
-take ours: the personal model trains for the same local epochs and batches as the global copy
-(the paper's s local iterations), and the personal models use the client optimizer.
+"""Ditto (T. Li, S. Hu, A. Beirami, V. Smith, ICML 2021): FedAvg's global model w^t plus a
+personal model v_k per client, trained on the same batches on `F_k(v_k) + λ/2 ||v_k − w^t||²`
+(eq. (2), Algorithm 1): a `ProximalRegularizer` with μ = λ anchored at w^t. Our choices where the
+paper leaves them: docs/methods/ditto.md.
 """
 
 from __future__ import annotations

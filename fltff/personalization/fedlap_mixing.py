@@ -1,18 +1,8 @@
-"""FedLap personalisation: a persistent purely local model mixed layer by layer with the global.
-
-Thesis extension of FedLap. Each client keeps its own model, trained only on its own data when
-it takes part (kept in the driver's client state store across skipped rounds). Its personalised
-model is `p_l = β_l w_l^local + (1 − β_l) w_l^global` per layer l, with `mixing`:
-
-* `'fixed'`: β_l = `degree` for every layer.
-* `'dissimilarity'` (default): β_l = clip(degree · D_l / mean_l' D_l', 0, 1), D_l ∈ [0, 1] the
-  mean over the layer's rows of FedLap's λ_lj / 2, λ_lj = 1 − cos(w_lj^local, w_lj^global).
-  Layers where the local model moved away (client-specific features) are personalised more;
-  where both agree the better-trained global weights stay. The mean β over layers is `degree`.
-
-A client that never trained locally is evaluated with the global model (β = 0).
-`with_fedlap_personalization` adds this to any global method (`personal_models`: the local
-models' training and client states).
+"""FedLap personalisation (thesis extension of FedLap): a persistent local model per client,
+evaluated mixed layer by layer with the global one, `p_l = β_l w_l^local + (1 − β_l) w_l^global`,
+with `mixing` 'fixed' (β_l = `degree`) or 'dissimilarity' (β_l = clip(degree · D_l / mean D, 0,
+1), D_l the layer's mean FedLap dissimilarity λ/2; the mean β is `degree`). Why, and results:
+docs/methods/fedlap.md. The local models train as `personal_models` declares.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""A global method plus a persistent personal model per client, trained when it takes part.
+"""A global method plus a persistent personal model per client (FedLap personalisation, Ditto).
 
-Shared by FedLap personalisation (`fedlap_mixing`) and Ditto (`ditto`): each round runs the
-global method, then every participant trains its own model (kept in the driver's client state
-store across rounds it skips) on the same batches, starting from that model, with an optional
-`LocalRegularizer` anchored at the round's received global model w^t (Ditto's proximal term;
-none for FedLap). A `PersonalTraining` declares that training and how a client's personal model
-is read (FedLap mixes it with the global model; Ditto uses it as it is). Client states are
-`OrderedDict(local=<personal model>[, method=<the global method's client state>])`.
+Each round runs the global method, then every participant trains its own model on the same
+batches, optionally with a `LocalRegularizer` anchored at the round's global model w^t. Client
+states: `OrderedDict(local=<personal model>[, method=<the global method's client state>])`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
-"""The personalised round shared by KAPC, FedAMP, FedBN, Local and pFedLA.
+"""The personalised round shared by KAPC, FedAMP, FedBN, Local and pFedLA (one single-pass TFF
+round, docs/architecture.md). Participant i gets `s_i^l = Σ_{j∈P} r_ij^l w_j^l` from a layer-wise
+slice R[P, :, P] (KAPC, Algorithm 1):
 
-One single-pass TFF round (docs/architecture.md) for methods keeping one model per client; each
-participant i gets `s_i^l = Σ_{j∈P} r_ij^l w_j^l` from a layer-wise slice R[P, :, P]:
-
-1. `prepare` (server): the rule's slice from the server state and the server's copies of the
-   participants' latest models; s_i and the layers not sent (the rule's `LayerSelection`);
-2. `client_update`: start from the own model (`start_from='own'`) or s_i (`'server'`), train E
-   epochs on `f_i(w) + λ Σ_l ||w^l − s_i^l||²` (no term for layers not sent), upload the first
-   Ω_i layers (Ω_i from the `LayerSelection`: L by default);
+1. `prepare` (server): the rule's slice, s_i from the server's copies of the participants' latest
+   models and the layers not sent (the rule's `LayerSelection`);
+2. `client_update`: from the own model or s_i (`start_from`), E epochs on
+   `f_i(w) + λ Σ_l ||w^l − s_i^l||²` (layers sent only), then upload the first Ω_i layers;
 3. one gathering aggregate; 4. `finish` (server): the rule's server update.
 
-A method is a `RelationRule` (its own module: initial state, slice, server update) that may
-declare a `LayerSelection` (KAPC's BLS: `bls.BidirectionalSelection`); this module knows none.
-Measurements go under the rule's `name` and the selection's. Non-trainable weights (BatchNorm
-statistics) stay in the personal model.
+A method is a `RelationRule` module that may declare a `LayerSelection` (KAPC's BLS); this module
+knows none. Non-trainable weights (BatchNorm statistics) stay in the personal model.
 """
 
 from __future__ import annotations
@@ -168,23 +164,14 @@ ALL_LAYERS = LayerSelection()
 
 
 @dataclasses.dataclass(frozen=True)
-class RoundContext:
-  """What a rule may need about the model: the layer of each trainable tensor, L and N."""
-  layer_of: tuple
-  num_layers: int
-  num_clients: int
-
-
-@dataclasses.dataclass(frozen=True)
 class RelationRule:
   """How a personalised method obtains R and updates its server state (one module each).
 
-  Fields (defaults set by subclasses): `lambda_` (λ of the client term towards s_i; 0: none),
-  `start_from` (`START_FROM`), `local_layer_kinds` (layer kinds whose rows are the identity:
-  FedBN's normalisation layers), `relationship_init` (`RELATIONSHIP_INITS`), `relationship_seed`
-  (for 'random'), `layer_selection` (`LayerSelection`). `name` (a class attribute) names the
-  method and its measurements. The methods run inside `build_personalized_process`'s TFF
-  computations.
+  Fields (subclasses set defaults): `lambda_` (λ of the client term towards s_i; 0: none),
+  `start_from` (`START_FROM`), `local_layer_kinds` (kinds of layers whose rows are the identity:
+  FedBN's normalisation layers), `relationship_init` and `relationship_seed` (R at round 0),
+  `layer_selection`. `name` (a class attribute) names the method and its measurements. The
+  methods run in the round's TFF computations; `context` is the round (`PersonalizedRound`).
   """
   name = 'personalized'
   lambda_: float = 0.0
@@ -197,18 +184,18 @@ class RelationRule:
   def check(self, name: str) -> None:
     """Raises `ConfigError` for settings the rule cannot run with."""
 
-  def initial_state(self, context: RoundContext) -> collections.OrderedDict:
+  def initial_state(self, context: PersonalizedRound) -> collections.OrderedDict:
     """The server state at round 0 (TF ops; `relation` is R ∈ ℝ^{N×L×N})."""
     return collections.OrderedDict(relation=tf.constant(initial_relationship(
         context.num_clients, context.num_layers, self.relationship_init,
         self.relationship_seed)))
 
-  def relation(self, state, server_input, context: RoundContext):
+  def relation(self, state, server_input, context: PersonalizedRound):
     """Returns (the `[P, L, P]` slice for s_i and r_ii, extra broadcast entries)."""
     return normalize_rows(slice_relationship(state['relation'], server_input['clients'])), {}
 
   def server_update(self, state, server_input, server_msg, trained, uploaded,
-                    context: RoundContext) -> collections.OrderedDict:
+                    context: PersonalizedRound) -> collections.OrderedDict:
     """The new server state from the participants' `trained` models `[P, ...]` per tensor
     (in the order of `server_input['clients']`) and `uploaded` (`bool[P, L]`)."""
     del server_input, server_msg, trained, uploaded, context
@@ -219,16 +206,13 @@ class RelationRule:
 class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   """A built personalised method (`protocol.FederatedAlgorithm`), complete and immutable.
 
-  `process.next(state, server_input, client_data)`: `server_input = OrderedDict(clients=int32[P],
-  models=tuple of [P, ...] server copies, num_examples=float32[P])`. Result, in `clients` order:
-  `personal` (new models), `omega`, `uploaded` (`bool[P, L]`), the selection's client state and
-  bytes down/up per client; `next_client_states` rebuilds the server's new copies from it.
-
-  Client state: `OrderedDict(model=OrderedDict(trainable, non_trainable), server_copy=<the
-  server's copy of its trainable weights>, omega=<last Ω>)` and the selection's
-  `initial_client_state` entries. With a partial layer selection, `next` also measures
-  `stale_server_layers` (server copies' layers still equal to the initial weights, never
-  uploaded) and `stale_server_layer_fraction` (over P·L).
+  `process.next(state, server_input, client_data)`, `server_input = OrderedDict(clients=int32[P],
+  models=<[P, ...] server copies>, num_examples=float32[P])`, returns in `clients` order the new
+  models (`personal`), `omega`, `uploaded` (`bool[P, L]`), the selection's client state and the
+  bytes down/up. Client state: `OrderedDict(model=OrderedDict(trainable, non_trainable),
+  server_copy, omega)` and the selection's entries. A partial layer selection also measures
+  `stale_server_layers` (server copies' layers never uploaded: still the initial weights) and
+  `stale_server_layer_fraction` (over P·L).
   """
   name: str
   process: object
@@ -253,7 +237,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   @property
   def tensor_layers(self) -> tuple:
     """The layer of each trainable tensor."""
-    return self.parts.context.layer_of
+    return self.parts.layer_of
 
   def initial_client_state(self, client_index: int) -> collections.OrderedDict:
     del client_index
@@ -288,7 +272,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
       measurements[selection.name] = collections.OrderedDict(
           measurements[selection.name], stale_server_layers=stale,
           stale_server_layer_fraction=stale / max(
-              1, len(client_states) * self.parts.context.num_layers))
+              1, len(client_states) * self.parts.num_layers))
     return protocol.RoundOutput(
         state=output.state, client_states=client_states, train=train,
         measurements=measurements, clients=order,
@@ -396,10 +380,15 @@ class PersonalizedRound:
   """
 
   rule: RelationRule
-  context: RoundContext
   layers: tuple
+  layer_of: tuple  # The layer of each trainable tensor.
+  num_clients: int  # N.
   local_layers: tuple
   layer_sizes_bytes: tuple
+
+  @property
+  def num_layers(self) -> int:
+    return len(self.layers)
 
   @property
   def selection(self) -> LayerSelection:
@@ -421,7 +410,7 @@ class PersonalizedRound:
   @property
   def selection_state(self) -> collections.OrderedDict:
     """The layer selection's initial entries of a client state."""
-    return self.selection.initial_client_state(self.context.num_layers)
+    return self.selection.initial_client_state(self.num_layers)
 
   def initial_client_state(self, weights) -> collections.OrderedDict:
     """A new client's state from the initial model's NumPy `ModelWeights`: that model as its own
@@ -430,7 +419,7 @@ class PersonalizedRound:
         model=collections.OrderedDict(trainable=[w.copy() for w in weights.trainable],
                                       non_trainable=[w.copy() for w in weights.non_trainable]),
         server_copy=[w.copy() for w in weights.trainable],
-        omega=np.int32(self.context.num_layers), **self.selection_state)
+        omega=np.int32(self.num_layers), **self.selection_state)
 
   def personal(self, client_state) -> collections.OrderedDict:
     """What a client's input carries of its state: its own trainable weights where they are
@@ -448,12 +437,12 @@ class PersonalizedRound:
   def prepare(self, state, server_input):
     """The broadcast: per participant s_i, skip row (`LayerSelection.skip`), r_ii; the rule's
     extras."""
-    rel, extra = self.rule.relation(state, server_input, self.context)
+    rel, extra = self.rule.relation(state, server_input, self)
     local_layers = np.asarray(self.local_layers, bool)
     if local_layers.any():
       eye = tf.eye(tf.shape(server_input['clients'])[0])[:, None, :]
       rel = tf.where(tf.constant(local_layers)[None, :, None], eye, rel)
-    s = personalized_server_models(rel, list(server_input['models']), self.context.layer_of)
+    s = personalized_server_models(rel, list(server_input['models']), self.layer_of)
     self_rel = tf.linalg.diag_part(tf.transpose(rel, [1, 0, 2]))       # [L, P]
     self_rel = tf.transpose(self_rel)                                   # [P, L]
     message = collections.OrderedDict(clients=server_input['clients'], models=tuple(s),
@@ -472,7 +461,7 @@ class PersonalizedRound:
     """`(start weights, s_i, per tensor whether its layer was sent, own model)` from a row, or
     from rows and states along a leading client axis."""
     s = list(row['models'])
-    sent = [tf.logical_not(row['skip'][..., l]) for l in self.context.layer_of]
+    sent = [tf.logical_not(row['skip'][..., l]) for l in self.layer_of]
     if self.model_from_client:
       own = list(personal['trainable'])
     elif self.rule.start_from == 'own':
@@ -512,14 +501,14 @@ class PersonalizedRound:
     weight = collections.OrderedDict((key, tf.gather(value, rows))
                                      for key, value in gathered['weight'].items())
     omega = weight.pop('omega')
-    uploaded = tf.range(self.context.num_layers)[None, :] < omega[:, None]  # [P, L]
+    uploaded = tf.range(self.num_layers)[None, :] < omega[:, None]  # [P, L]
     sent = tf.logical_not(server_msg['skip'])
     if not self.communicates:
       uploaded, sent = tf.zeros_like(uploaded), tf.zeros_like(sent)
     update = tf.nest.pack_sequence_as(value_template, values)
     trained = list(update['trainable'])
     new_state = self.rule.server_update(state, server_input, server_msg, trained,
-                                        uploaded, self.context)
+                                        uploaded, self)
     # A local layer's s_i is the client's own layer: neither sent nor uploaded.
     sizes = tf.constant(np.where(self.local_layers, 0, self.layer_sizes_bytes), tf.float64)
     bytes_down = tf.reduce_sum(tf.cast(sent, tf.float64) * sizes, axis=1)
@@ -529,14 +518,14 @@ class PersonalizedRound:
       personal['non_trainable'] = tuple(update['non_trainable'])
     result = collections.OrderedDict(
         clients=clients, personal=personal, omega=omega, uploaded=uploaded)
-    for key in self.selection.initial_client_state(self.context.num_layers):
+    for key in self.selection.initial_client_state(self.num_layers):
       result[key] = weight[key]
     result['bytes_down'], result['bytes_up'] = bytes_down, bytes_up
     stats = collections.OrderedDict(
         self_relation_mean=tf.reduce_mean(server_msg['self_relation']),
         self_relation_max=tf.reduce_max(server_msg['self_relation']))
     # r_ii^l: per-layer means (CSV columns), all `[P, L]` in `clients` order (measurements.jsonl).
-    for l in range(self.context.num_layers):
+    for l in range(self.num_layers):
       stats[f'self_relation_layer_{l}'] = tf.reduce_mean(server_msg['self_relation'][:, l])
     stats['self_relation'] = server_msg['self_relation']
     measurements = collections.OrderedDict([(self.rule.name, stats)])
@@ -577,9 +566,8 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   layers = tuple(tuple(g.trainable_indices) for g in groups)
   selection.check(name, len(layers))
   layer_of = tuple(l for _, l in sorted((t, l) for l, group in enumerate(layers) for t in group))
-  context = RoundContext(layer_of=layer_of, num_layers=len(layers), num_clients=num_clients)
   parts = PersonalizedRound(
-      rule=rule, context=context, layers=layers,
+      rule=rule, layers=layers, layer_of=layer_of, num_clients=num_clients,
       local_layers=tuple(g.kind in rule.local_layer_kinds for g in groups),
       layer_sizes_bytes=tuple(sum(weights.trainable[t].nbytes for t in group)
                               for group in layers))
@@ -594,7 +582,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
 
   @tff.tensorflow.computation
   def initial_state():
-    return rule.initial_state(context)
+    return rule.initial_state(parts)
 
   state_type = initial_state.type_signature.result
 
