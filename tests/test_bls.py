@@ -167,6 +167,12 @@ X = {  # x = τ̂/(2B̂) for the truth pattern of (29) at Ω = 1, 2, 3
 }
 
 
+def criterion(*args):
+  """Whether inequality (29) holds at each Ω (NaN sides: not satisfied, C6)."""
+  log_lhs, log_rhs = bls.criterion_sides_tf(*args)
+  return log_lhs < log_rhs
+
+
 def tau_round(pattern):
   return 2.0 * np.array(X[pattern])
 
@@ -187,16 +193,16 @@ def test_criterion_on_hand_made_values(pattern):
   with np.errstate(divide='ignore'):
     np.testing.assert_allclose(log_lhs.numpy(), np.log(want_lhs), rtol=1e-12, atol=1e-12)
   np.testing.assert_allclose(log_rhs.numpy(), np.log(want_rhs), rtol=1e-12, atol=1e-12)
-  got = bls.criterion_tf(B_ROUND, tau_hat, B_STORED, TAU_STORED, COLUMNS, OUT_DIMS).numpy()
+  got = criterion(B_ROUND, tau_hat, B_STORED, TAU_STORED, COLUMNS, OUT_DIMS).numpy()
   assert ''.join('T' if g else 'F' for g in got) == pattern.replace('E', 'F')
 
 
 def test_criterion_num_classes_and_strictness():
   # c = 4 instead of d^3 = 2 halves the left side: Ω = 3 of 'TTE' (1 < 1 fails) now holds.
   tau_hat = tau_round('TTE')
-  default = bls.criterion_tf(B_ROUND, tau_hat, B_STORED, TAU_STORED, COLUMNS, OUT_DIMS)
+  default = criterion(B_ROUND, tau_hat, B_STORED, TAU_STORED, COLUMNS, OUT_DIMS)
   np.testing.assert_array_equal(default.numpy(), [True, True, False])
-  four = bls.criterion_tf(B_ROUND, tau_hat, B_STORED, TAU_STORED, COLUMNS, OUT_DIMS, 4)
+  four = criterion(B_ROUND, tau_hat, B_STORED, TAU_STORED, COLUMNS, OUT_DIMS, 4)
   np.testing.assert_array_equal(four.numpy(), [True, True, True])
 
 
@@ -211,7 +217,7 @@ def test_criterion_num_classes_and_strictness():
     ([1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 0.5, 0.0], TAU_STORED, [False, False, True]),
 ])
 def test_criterion_zero_conventions(b_hat, tau_hat, b, tau, want):
-  got = bls.criterion_tf(b_hat, tau_hat, b, tau, COLUMNS, OUT_DIMS).numpy()
+  got = criterion(b_hat, tau_hat, b, tau, COLUMNS, OUT_DIMS).numpy()
   np.testing.assert_array_equal(got, want)
   lhs, rhs = np_criterion_sides(b_hat, tau_hat, b, tau, COLUMNS, OUT_DIMS)
   np.testing.assert_array_equal(lhs < rhs, want)
@@ -237,7 +243,7 @@ def test_criterion_tf_matches_numpy(seed):
     np.testing.assert_allclose(log_lhs.numpy(), np.log(lhs), rtol=1e-10, atol=1e-10)
   np.testing.assert_allclose(log_rhs.numpy(), np.log(rhs), rtol=1e-10, atol=1e-10)
   np.testing.assert_array_equal(
-      bls.criterion_tf(b_hat, tau_hat, b, tau, columns, out_dims).numpy(), lhs < rhs)
+      criterion(b_hat, tau_hat, b, tau, columns, out_dims).numpy(), lhs < rhs)
 
 
 def test_criterion_does_not_overflow_for_deep_models():
@@ -246,7 +252,7 @@ def test_criterion_does_not_overflow_for_deep_models():
   length = 40
   columns, out_dims = [4608] * length, [512] * (length - 1) + [10]
   b = np.full(length, 60.0)
-  got = bls.criterion_tf(b, 0.1 * b, b, 0.2 * b, columns, out_dims).numpy()
+  got = criterion(b, 0.1 * b, b, 0.2 * b, columns, out_dims).numpy()
   assert got.shape == (length,) and got[:-1].all()   # Π_{l>Ω} 60 is huge for Ω < L
   assert got[-1]                                      # M̂(L) = M / 2 < M
 

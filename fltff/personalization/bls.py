@@ -117,7 +117,6 @@ def criterion_sides_tf(b_hat: TensorLike, tau_hat: TensorLike, b: TensorLike, ta
     columns, out_dims: n^l, d^l: L positive integers each (`layer_dimensions`).
     num_classes: c (default d^L; C5).
   """
-  columns, out_dims = list(columns), list(out_dims)
   num_layers = len(columns)
   b_hat, tau_hat, b, tau = (_as_dtype(x, tf.float64) for x in (b_hat, tau_hat, b, tau))
   c = float(out_dims[-1] if num_classes is None else num_classes)
@@ -134,16 +133,6 @@ def criterion_sides_tf(b_hat: TensorLike, tau_hat: TensorLike, b: TensorLike, ta
   return log_lhs, log_rhs
 
 
-def criterion_tf(b_hat: TensorLike, tau_hat: TensorLike, b: TensorLike, tau: TensorLike,
-                 columns: Sequence[int], out_dims: Sequence[int],
-                 num_classes: Union[int, None] = None) -> tf.Tensor:
-  """Whether inequality (29) holds at each Ω = 1..L (bool `[L]`); arguments as
-  `criterion_sides_tf`. Undefined sides (NaN) count as not satisfied (C6)."""
-  log_lhs, log_rhs = criterion_sides_tf(b_hat, tau_hat, b, tau, columns, out_dims,
-                                        num_classes)
-  return log_lhs < log_rhs
-
-
 def search_tf(satisfied: TensorLike, omega_prev: TensorLike,
               min_layers: TensorLike = 1) -> tuple[tf.Tensor, tf.Tensor]:
   """Algorithm 4, lines 15–24: `(Ω^k, |Ω^k − Ω_0|)` (int32) from (29)'s truth values.
@@ -153,7 +142,7 @@ def search_tf(satisfied: TensorLike, omega_prev: TensorLike,
   take at least one step and stop at the ends of [min_layers, L] (C3).
 
   Args:
-    satisfied: bool `[L]`, entry Ω − 1 whether (29) holds at Ω (`criterion_tf`).
+    satisfied: bool `[L]`, entry Ω − 1 whether (29) holds at Ω (`criterion_sides_tf`).
     min_layers: Smallest Ω, in [1, L] (`BidirectionalSelection.check`).
   """
   satisfied = tf.convert_to_tensor(satisfied)
@@ -194,7 +183,6 @@ def select_omega_tf(b: TensorLike, tau: TensorLike, b_max: TensorLike, tau_max: 
     `(omega, steps, b_max, tau_max)`: int32 Ω^k and its moves (0 in branch A), and the stored
     bounds for the next selection, in `b_max`'s dtype (float32 unless a float tensor).
   """
-  columns, out_dims = list(columns), list(out_dims)
   num_layers = len(columns)
   b_max = tf.convert_to_tensor(b_max)
   dtype = b_max.dtype if b_max.dtype.is_floating else tf.float32
@@ -207,7 +195,8 @@ def select_omega_tf(b: TensorLike, tau: TensorLike, b_max: TensorLike, tau_max: 
   b_a, tau_a = tf.maximum(b, b_max), tf.maximum(tau, tau_max)
   omega_a = tf.maximum(tf.constant(num_layers - 1, tf.int32), min_layers)
   # Branch B (lines 11–24): this round's values are B̂, τ̂; the stored ones stay.
-  satisfied = criterion_tf(b, tau, b_max, tau_max, columns, out_dims, num_classes)
+  log_lhs, log_rhs = criterion_sides_tf(b, tau, b_max, tau_max, columns, out_dims, num_classes)
+  satisfied = log_lhs < log_rhs  # Undefined sides (NaN) count as not satisfied (C6).
   omega_b, steps_b = search_tf(satisfied, omega_prev, min_layers)
   omega = tf.where(full, omega_a, omega_b)
   steps = tf.where(full, tf.constant(0, tf.int32), steps_b)
