@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import time
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -94,14 +93,6 @@ def where_sent(sent: Sequence[tf.Tensor], s: Sequence[tf.Tensor],
   leading client axis (`sent` `[K]`)."""
   return [tf.where(tf.reshape(c, [-1] + [1] * (a.shape.rank - 1)) if c.shape.rank else c, a, b)
           for c, a, b in zip(sent, s, own)]
-
-
-def message_rows(server_msg) -> collections.OrderedDict:
-  """The broadcast's per-participant entries (s_i, skip, own), `[P, ...]` in `clients` order."""
-  rows = collections.OrderedDict(models=tuple(server_msg['models']), skip=server_msg['skip'])
-  if 'own' in server_msg:
-    rows['own'] = tuple(server_msg['own'])
-  return rows
 
 
 RELATIONSHIP_INITS = ('uniform', 'identity', 'random')
@@ -223,6 +214,8 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   split_round: Optional[tuple] = None
   vectorized_fn: Optional[Callable[..., Any]] = None
   _vectorized: Any = dataclasses.field(default=None, repr=False, compare=False)
+  # The initial model's NumPy `ModelWeights` (new clients' models, stale layers' reference).
+  initial_weights: Any = dataclasses.field(default=None, repr=False, compare=False)
   personalized = True
   personal_models = True
   has_client_state = True  # Overrides the protocol's property.
@@ -310,11 +303,6 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     """Server memory: its state (R; pFedLA's hypernetworks) plus one model copy per client."""
     server_state = type_num_bytes(self.process.initialize.type_signature.result.member)
     return {'server_memory_mb': (server_state + num_clients * self.bytes_up_per_client) / 1e6}
-
-  @functools.cached_property
-  def initial_weights(self) -> tuple:
-    """(trainable, non-trainable) NumPy weights of the initial model, built once."""
-    return self.model_spec.initial_weights()  # A `ModelWeights` named tuple.
 
   def stale_server_layers(self, client_states: dict) -> int:
     """How many layers of `client_states`' server copies equal the initial model's bit for bit."""
@@ -443,8 +431,7 @@ class PersonalizedRound:
       eye = tf.eye(tf.shape(server_input['clients'])[0])[:, None, :]
       rel = tf.where(tf.constant(local_layers)[None, :, None], eye, rel)
     s = personalized_server_models(rel, list(server_input['models']), self.layer_of)
-    self_rel = tf.linalg.diag_part(tf.transpose(rel, [1, 0, 2]))       # [L, P]
-    self_rel = tf.transpose(self_rel)                                   # [P, L]
+    self_rel = tf.transpose(tf.linalg.diag_part(tf.transpose(rel, [1, 0, 2])))  # r_ii^l, [P, L]
     message = collections.OrderedDict(clients=server_input['clients'], models=tuple(s),
                                       skip=self.selection.skip(self_rel), self_relation=self_rel)
     if not self.model_from_client and self.rule.start_from == 'own':
@@ -455,7 +442,8 @@ class PersonalizedRound:
   def client_row(self, server_msg, k):
     """Client k's broadcast entries: s_i per tensor, skip row and, when sent, `own` weights."""
     pos = tf.argmax(tf.cast(tf.equal(server_msg['clients'], k), tf.int32), output_type=tf.int32)
-    return tf.nest.map_structure(lambda m: m[pos], message_rows(server_msg))
+    return {key: tf.nest.map_structure(lambda m: m[pos], server_msg[key])
+            for key in ('models', 'skip', 'own') if key in server_msg}
 
   def client_start(self, row, personal):
     """`(start weights, s_i, per tensor whether its layer was sent, own model)` from a row, or
@@ -513,21 +501,19 @@ class PersonalizedRound:
     sizes = tf.constant(np.where(self.local_layers, 0, self.layer_sizes_bytes), tf.float64)
     bytes_down = tf.reduce_sum(tf.cast(sent, tf.float64) * sizes, axis=1)
     bytes_up = tf.reduce_sum(tf.cast(uploaded, tf.float64) * sizes, axis=1)
-    personal = collections.OrderedDict(trainable=tuple(trained))
-    if 'non_trainable' in update:
-      personal['non_trainable'] = tuple(update['non_trainable'])
+    personal = collections.OrderedDict((key, tuple(update[key]))
+                                       for key in ('trainable', 'non_trainable') if key in update)
     result = collections.OrderedDict(
-        clients=clients, personal=personal, omega=omega, uploaded=uploaded)
-    for key in self.selection.initial_client_state(self.num_layers):
-      result[key] = weight[key]
-    result['bytes_down'], result['bytes_up'] = bytes_down, bytes_up
-    stats = collections.OrderedDict(
-        self_relation_mean=tf.reduce_mean(server_msg['self_relation']),
-        self_relation_max=tf.reduce_max(server_msg['self_relation']))
+        clients=clients, personal=personal, omega=omega, uploaded=uploaded,
+        **{key: weight[key] for key in self.selection_state}, bytes_down=bytes_down,
+        bytes_up=bytes_up)
+    self_relation = server_msg['self_relation']
+    stats = collections.OrderedDict(self_relation_mean=tf.reduce_mean(self_relation),
+                                    self_relation_max=tf.reduce_max(self_relation))
     # r_ii^l: per-layer means (CSV columns), all `[P, L]` in `clients` order (measurements.jsonl).
     for l in range(self.num_layers):
-      stats[f'self_relation_layer_{l}'] = tf.reduce_mean(server_msg['self_relation'][:, l])
-    stats['self_relation'] = server_msg['self_relation']
+      stats[f'self_relation_layer_{l}'] = tf.reduce_mean(self_relation[:, l])
+    stats['self_relation'] = self_relation
     measurements = collections.OrderedDict([(self.rule.name, stats)])
     if self.selection.name:
       measurements[self.selection.name] = self.selection.measurements(omega, server_msg['skip'],
@@ -655,7 +641,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   process = tff.templates.IterativeProcess(init_fn, next_fn)
   return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec, parts=parts,
                                num_clients=num_clients, split_round=(prepare_round, end_round),
-                               vectorized_fn=vectorized_fn)
+                               vectorized_fn=vectorized_fn, initial_weights=weights)
 
 
 class VectorizedPersonalWork:
@@ -699,8 +685,8 @@ class VectorizedPersonalWork:
       raise ValueError(f'client inputs of clients {order} for a broadcast to '
                        f'{np.asarray(server_msg["clients"]).tolist()}: not in its order.')
     personal = stack_clients([data['state'] for data in client_inputs])
-    start, s, sent, own = (tuple(part) for part in self._parts.client_start(
-        message_rows(server_msg), personal))
+    start, s, sent, own = (tuple(part)
+                           for part in self._parts.client_start(server_msg, personal))
     out, data = self._work.train(client_inputs, start=start,
                                  client_terms=(s, sent) if self._regularized else None,
                                  statistics=personal.get('non_trainable'))
