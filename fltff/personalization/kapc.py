@@ -25,8 +25,8 @@ from fltff.personalization import bls
 from fltff.personalization import process as process_lib
 from fltff.personalization.process import normalize_rows
 from fltff.personalization.process import project_rows_to_simplex
-from fltff.personalization.process import refreshed_models
 from fltff.personalization.process import scatter_relationship
+from fltff.personalization.process import select_by_layer
 from fltff.personalization.process import slice_relationship
 
 # When R takes its E_r steps: before s_i is sent (Algorithm 5) or after training (our alternative).
@@ -153,8 +153,8 @@ class KapcRule(process_lib.RelationRule):
       relation = scatter_relationship(relation, clients, server_msg['relation'])
     else:
       # The fresh uploads, layers not uploaded filled with the stale copies.
-      models = refreshed_models(trained, list(server_input['models']), uploaded,
-                                context.layer_of)
+      models = select_by_layer([uploaded[:, l] for l in context.layer_of], trained,
+                               list(server_input['models']))
       current = normalize_rows(slice_relationship(relation, clients))
       relation = scatter_relationship(relation, clients, self._step(current, models, context))
     return collections.OrderedDict(relation=relation)

@@ -123,37 +123,33 @@ class WithPersonalModels(protocol.FederatedAlgorithm):
     else:
       updated = self._vectorized_local_update(locals_, received, inputs)
     client_states = {}
-    for index, weights in updated:
+    for index, (trainable, non_trainable) in updated:
       k = int(index)
       client_states[k] = collections.OrderedDict(local=collections.OrderedDict(
-          trainable=[np.asarray(w) for w in weights.trainable],
-          non_trainable=[np.asarray(w) for w in weights.non_trainable]))
+          trainable=[np.asarray(w) for w in trainable],
+          non_trainable=[np.asarray(w) for w in non_trainable]))
       if self.inner.has_client_state:
         client_states[k]['method'] = out.client_states[k]
     out.client_states = client_states
     return out
 
   def _vectorized_local_update(self, local_models, received, inputs) -> list:
-    """`(client index, trained ModelWeights)` per participant, as `local_update` returns them."""
-    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+    """`(client index, (trainable, non-trainable))` per participant, as `local_update` returns."""
     from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
 
     start = stack_clients([tuple(model['trainable']) for model in local_models])
-    statistics = None
-    if len(local_models[0]['non_trainable']):  # A BatchNorm model's, each local model's own.
-      statistics = stack_clients([tuple(model['non_trainable']) for model in local_models])
-    anchor = None
-    if self.personalization.regularizer is not None:
-      anchor = tuple(np.asarray(w) for w in received.trainable)
+    # A BatchNorm model trains each local model's own statistics.
+    statistics = (stack_clients([tuple(model['non_trainable']) for model in local_models])
+                  if len(local_models[0]['non_trainable']) else None)
+    anchor = None if self.personalization.regularizer is None else tuple(
+        np.asarray(w) for w in received.trainable)
     # The method's clients read these datasets this round: read them afresh, as TFF would.
     out, _ = self._local_work.train(inputs, anchor, start=start, statistics=statistics,
                                     read_before_elsewhere=True)
     trained = [t.numpy() for t in out['trained']]
     moved = [t.numpy() for t in out.get('non_trainable', ())]
     return [(client_work_lib.client_index_of_input(data),
-             tff.learning.models.ModelWeights(
-                 trainable=[t[k] for t in trained],
-                 non_trainable=[t[k] for t in moved] if moved else list(model['non_trainable'])))
+             ([t[k] for t in trained], [t[k] for t in moved] if moved else model['non_trainable']))
             for k, (data, model) in enumerate(zip(inputs, local_models))]
 
   def global_model_weights(self, state):

@@ -87,12 +87,12 @@ def scatter_relationship(relation: tf.Tensor, clients: tf.Tensor,
   return tf.tensor_scatter_nd_update(relation, clients[:, None], rows)
 
 
-def where_sent(sent: Sequence[tf.Tensor], s: Sequence[tf.Tensor],
-               own: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-  """Per tensor, s_i where its layer was sent, else the own one; for one client or along a
-  leading client axis (`sent` `[K]`)."""
-  return [tf.where(tf.reshape(c, [-1] + [1] * (a.shape.rank - 1)) if c.shape.rank else c, a, b)
-          for c, a, b in zip(sent, s, own)]
+def select_by_layer(chosen: Sequence[tf.Tensor], a: Sequence[tf.Tensor],
+                    b: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+  """Per tensor, `a` where `chosen` (its layer's: s_i where sent, an upload where uploaded), else
+  `b`; for one client (scalar `chosen`) or along a leading client axis (`[K]`)."""
+  return [tf.where(tf.reshape(c, [-1] + [1] * (x.shape.rank - 1)) if c.shape.rank else c, x, y)
+          for c, x, y in zip(chosen, a, b)]
 
 
 RELATIONSHIP_INITS = ('uniform', 'identity', 'random')
@@ -112,13 +112,6 @@ def initial_relationship(num_clients: int, num_layers: int, init: str,
     return np.tile(np.eye(num_clients, dtype=np.float32)[:, None, :], [1, num_layers, 1])
   draw = np.random.default_rng(seed).uniform(size=shape)
   return (draw / draw.sum(-1, keepdims=True)).astype(np.float32)
-
-
-def refreshed_models(trained: Sequence[tf.Tensor], stale: Sequence[tf.Tensor],
-                     uploaded: tf.Tensor, layer_of: Sequence[int]) -> list[tf.Tensor]:
-  """The server's new copies `[P, ...]`: uploaded layers from `trained`, the rest `stale`."""
-  return [tf.where(tf.reshape(uploaded[:, layer], [-1] + [1] * (len(new.shape) - 1)), new, old)
-          for new, old, layer in zip(trained, stale, layer_of)]
 
 
 class LayerSelection:
@@ -456,7 +449,7 @@ class PersonalizedRound:
       own = list(row['own'])
     else:
       own = s  # Every layer is sent (no partial selection) and the client starts from s_i.
-    start = where_sent(sent, s, own) if self.rule.start_from == 'server' else own
+    start = select_by_layer(sent, s, own) if self.rule.start_from == 'server' else own
     return start, s, sent, own
 
   def client_regularizer(self, s, sent):
@@ -469,7 +462,7 @@ class PersonalizedRound:
   def client_result(self, personal, k, s, sent, own, trained, examples_per_epoch):
     """What client k uploads after training: its model and `(index, Ω, n_i, the selection's)`."""
     n_i = tf.cast(tf.maximum(examples_per_epoch, 1), tf.float32)
-    reference = where_sent(sent, s, own)
+    reference = select_by_layer(sent, s, own)
     omega, extra = self.selection.upload(personal, [[trained[t] for t in g] for g in self.layers],
                                          [[reference[t] for t in g] for g in self.layers])
     weight = collections.OrderedDict(client_index=k, omega=omega, num_examples=n_i, **extra)
