@@ -186,8 +186,7 @@ def select_omega_tf(b: TensorLike, tau: TensorLike, b_max: TensorLike, tau_max: 
   num_layers = len(columns)
   b_max = tf.convert_to_tensor(b_max)
   dtype = b_max.dtype if b_max.dtype.is_floating else tf.float32
-  b, tau = _as_dtype(b, dtype), _as_dtype(tau, dtype)
-  b_max, tau_max = _as_dtype(b_max, dtype), _as_dtype(tau_max, dtype)
+  b, tau, b_max, tau_max = (_as_dtype(x, dtype) for x in (b, tau, b_max, tau_max))
   omega_prev = tf.cast(omega_prev, tf.int32)
   min_layers = tf.cast(min_layers, tf.int32)
   full = omega_prev >= num_layers  # Line 3 (C2: q = 0 is Ω = L in a new client's state).

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -53,6 +52,8 @@ class WithPersonalModels(protocol.FederatedAlgorithm):
   name: str
   local_update: Any  # `client_work.build_local_update`'s computation.
   _local_work: Any = dataclasses.field(default=None, repr=False, compare=False)  # Vectorised.
+  # The initial model's NumPy `ModelWeights`: a client's personal model before its first round.
+  initial_local: Any = dataclasses.field(default=None, repr=False, compare=False)
   personal_models = True
   has_client_state = True  # Overrides the protocol's property.
   model_spec = property(lambda self: self.inner.model_spec)
@@ -88,11 +89,6 @@ class WithPersonalModels(protocol.FederatedAlgorithm):
     """The method's vectorised client work (a runtime may train it on its workers; the personal
     models train in this process)."""
     return self.inner.vectorized_work()
-
-  @functools.cached_property
-  def initial_local(self):
-    """The initial model's NumPy `ModelWeights`, built once."""
-    return self.inner.model_spec.initial_weights()
 
   def initial_client_state(self, client_index: int) -> collections.OrderedDict:
     """The initial model as the personal model (a client that never took part trains from it)."""
@@ -177,4 +173,5 @@ def with_personal_models(algorithm: protocol.FederatedAlgorithm, personal: Perso
   # built before it (the driver's evaluator).
   return WithPersonalModels(algorithm, personal, name or algorithm.name,
                             client_work_lib.build_local_update(
-                                personal.model_spec, personal.optimizer, personal.regularizer))
+                                personal.model_spec, personal.optimizer, personal.regularizer),
+                            initial_local=algorithm.model_spec.initial_weights())

@@ -419,10 +419,9 @@ class PersonalizedRound:
     """The broadcast: per participant s_i, skip row (`LayerSelection.skip`), r_ii; the rule's
     extras."""
     rel, extra = self.rule.relation(state, server_input, self)
-    local_layers = np.asarray(self.local_layers, bool)
-    if local_layers.any():
+    if any(self.local_layers):
       eye = tf.eye(tf.shape(server_input['clients'])[0])[:, None, :]
-      rel = tf.where(tf.constant(local_layers)[None, :, None], eye, rel)
+      rel = tf.where(tf.constant(self.local_layers)[None, :, None], eye, rel)
     s = personalized_server_models(rel, list(server_input['models']), self.layer_of)
     self_rel = tf.transpose(tf.linalg.diag_part(tf.transpose(rel, [1, 0, 2])))  # r_ii^l, [P, L]
     message = collections.OrderedDict(clients=server_input['clients'], models=tuple(s),
@@ -660,14 +659,11 @@ class VectorizedPersonalWork:
     # Without autograph, as the training: no tensor-dependent Python control flow here.
     self._results = tf.function(self._results_fn, reduce_retracing=True, autograph=False)
 
-  def _results_fn(self, personal, clients, s, sent, own, trained, examples_per_epoch,
-                  num_clients=None):
+  def _results_fn(self, *client_result_args, num_clients=None):
     from fltff.learning.vectorized import with_clients  # pylint: disable=g-import-not-at-top
 
-    return tf.vectorized_map(
-        lambda args: self._parts.client_result(*args),
-        with_clients((personal, clients, s, sent, own, trained, examples_per_epoch),
-                     num_clients))
+    return tf.vectorized_map(lambda args: self._parts.client_result(*args),
+                             with_clients(client_result_args, num_clients))
 
   def __call__(self, server_msg, client_inputs: Sequence[Any]):
     from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
