@@ -469,7 +469,7 @@ def test_byte_counts_equal_the_tensors_exchanged():
   def one_step(relation, sim):
     stacked = [tf.constant(np.stack([sim.copies(k)[t] for k in range(3)])) for t in range(4)]
     return kapc_lib.update_relationship(tf.constant(relation), stacked,
-                                        algorithm.tensor_layers, LAM, BETA, 0.01, 1).numpy()
+                                        algorithm.parts.layer_of, LAM, BETA, 0.01, 1).numpy()
 
   want = one_step(uniform, sim2)
   sim2.round([0, 1, 2], _datasets((8, 8, 8), seed=1))

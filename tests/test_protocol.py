@@ -151,7 +151,7 @@ def test_a_layer_not_uploaded_keeps_the_servers_stale_copy_as_its_own_array(data
     stale[k] = [w.copy() for w in state['server_copy']]
     store.set(k, state)
   out = _round(kapc, kapc.initialize(), store, data, [1, 3])
-  layer_of = kapc.tensor_layers
+  layer_of = kapc.parts.layer_of
   for k in out.clients:
     omega = int(out.client_states[k]['omega'])
     assert omega < max(layer_of) + 1  # Something was not uploaded.

@@ -220,11 +220,6 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   def layer_sizes_bytes(self) -> list:
     return list(self.parts.layer_sizes_bytes)
 
-  @property
-  def tensor_layers(self) -> tuple:
-    """The layer of each trainable tensor."""
-    return self.parts.layer_of
-
   def initial_client_state(self, client_index: int) -> collections.OrderedDict:
     del client_index
     return self.parts.initial_client_state(self.initial_weights)
@@ -337,7 +332,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
               trainable=trainable,
               non_trainable=[np.asarray(w[p]) for w in personal.get('non_trainable', ())]),
           server_copy=[w if uploaded[p, l] else np.array(server_input['models'][t][p])
-                       for t, (w, l) in enumerate(zip(trainable, self.tensor_layers))],
+                       for t, (w, l) in enumerate(zip(trainable, self.parts.layer_of))],
           omega=np.int32(omega[p]),
           **{key: np.asarray(result[key][p], initial.dtype)
              for key, initial in self.parts.selection_state.items()})
@@ -558,16 +553,9 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
       [('clients', tff.TensorType(np.int32, [None])), ('models', stacked),
        ('num_examples', tff.TensorType(np.float32, [None]))], collections.OrderedDict)
 
-  @tff.tensorflow.computation
-  def initial_state():
-    return rule.initial_state(parts)
-
+  initial_state = tff.tensorflow.computation(lambda: rule.initial_state(parts))
   state_type = initial_state.type_signature.result
-
-  @tff.tensorflow.computation(state_type, server_input_type)
-  def prepare(state, server_input):
-    return parts.prepare(state, server_input)
-
+  prepare = tff.tensorflow.computation(parts.prepare, state_type, server_input_type)
   broadcast_type = prepare.type_signature.result
 
   @tff.tensorflow.computation(broadcast_type, data_type)
