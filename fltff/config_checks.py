@@ -18,14 +18,6 @@ from typing import Any, Optional
 
 from fltff.errors import ConfigError
 
-# Annotation text (without 'typing.' and spaces) -> (integer wanted, None allowed).
-_NUMERIC_ANNOTATIONS = {
-    'float': (False, False), 'int': (True, False),
-    'Optional[float]': (False, True), 'Optional[int]': (True, True),
-    'float|None': (False, True), 'int|None': (True, True),
-}
-
-
 # Seeds are 32-bit unsigned integers, as NumPy's legacy generator and most FL tools take them;
 # every stream fltff derives from one (TF's stateless int64 pairs, NumPy's generators) holds it.
 MAX_SEED = 2**32 - 1
@@ -66,24 +58,19 @@ def check_choice(name: str, value: Any, choices) -> None:
     raise ConfigError(f'{name} must be one of {", ".join(map(repr, choices))}, got {value!r}.')
 
 
-def _numeric_kind(annotation: Any) -> Optional[tuple[bool, bool]]:
-  text = annotation if isinstance(annotation, str) else getattr(annotation, '__name__', None)
-  if not isinstance(text, str):
-    text = str(annotation)
-  return _NUMERIC_ANNOTATIONS.get(text.replace('typing.', '').replace(' ', ''))
-
-
 # What a gin binding holds when it is written as a value (not a reference or a macro).
 _PLAIN_VALUES = (str, int, float, list, tuple, dict)
 
 
-def _callable_kind(annotation: Any) -> Optional[bool]:
-  """For a `Callable` annotation whether None is allowed (`Optional`); None otherwise."""
-  text = (annotation if isinstance(annotation, str) else str(annotation)).replace(
-      'typing.', '').replace('collections.abc.', '').replace(' ', '')
-  if text.startswith('Callable'):
-    return text.endswith('|None')
-  return True if text.startswith('Optional[Callable') else None
+def _annotation(annotation: Any) -> tuple[str, bool]:
+  """An annotation, written (postponed) or evaluated, as text without module prefixes and spaces
+  ('int', 'Callable[...]'), and whether it allows None (`Optional[...]`, `... | None`)."""
+  text = annotation if isinstance(annotation, str) else (
+      annotation.__name__ if isinstance(annotation, type) else str(annotation))
+  text = re.sub(r'typing\.|collections\.abc\.|\s', '', text)
+  if text.startswith('Optional[') and text.endswith(']'):
+    return text[len('Optional['):-1], True
+  return (text[:-len('|None')], True) if text.endswith('|None') else (text, False)
 
 
 def _signature(selector: str) -> Optional[inspect.Signature]:
@@ -140,13 +127,11 @@ def check_gin_bindings(config: Mapping[tuple[str, str], Mapping[str, Any]]) -> N
       if signature is None or param not in signature.parameters:
         continue
       name = f'{scope + "/" if scope else ""}{selector.rsplit(".", 1)[-1]}.{param}'
-      annotation = signature.parameters[param].annotation
-      builder = _callable_kind(annotation)
-      kind = _numeric_kind(annotation)
-      if builder is not None:
-        check_builder(name, value, builder, config)
-      elif kind is not None and isinstance(value, _PLAIN_VALUES):
-        check_number(name, value, integer=kind[0], allow_none=kind[1])
+      kind, optional = _annotation(signature.parameters[param].annotation)
+      if kind.startswith('Callable'):
+        check_builder(name, value, optional, config)
+      elif kind in ('int', 'float') and isinstance(value, _PLAIN_VALUES):
+        check_number(name, value, integer=kind == 'int', allow_none=optional)
 
 
 def parameters(fn: Any) -> Mapping[str, inspect.Parameter]:
@@ -199,19 +184,14 @@ def _expected(annotation: Any) -> Optional[str]:
   nothing gin can write."""
   if annotation is inspect.Parameter.empty:
     return None
-  numeric = _numeric_kind(annotation)
-  if numeric is not None:
-    return ('an integer' if numeric[0] else 'a number') + (' or None' if numeric[1] else '')
-  if _callable_kind(annotation) is not None:
+  kind, optional = _annotation(annotation)
+  if kind.startswith('Callable'):
     return 'a configurable written with @ (e.g. @fedavg)'
-  text = (annotation if isinstance(annotation, str) else getattr(
-      annotation, '__name__', str(annotation))).replace('typing.', '').replace(' ', '')
-  optional = text.startswith('Optional[') or text.endswith('|None')
-  text = text[len('Optional['):-1] if text.startswith('Optional[') else text.split('|')[0]
-  kinds = {'str': "a string in quotes ('...')", 'bool': 'True or False'}
-  kind = kinds.get(text) or next((v for k, v in (
+  kinds = {'int': 'an integer', 'float': 'a number', 'str': "a string in quotes ('...')",
+           'bool': 'True or False'}
+  kind = kinds.get(kind) or next((v for k, v in (
       ('Sequence', 'a list or tuple'), ('list', 'a list or tuple'), ('tuple', 'a list or tuple'),
-      ('Mapping', 'a dict'), ('dict', 'a dict')) if text.startswith(k)), None)
+      ('Mapping', 'a dict'), ('dict', 'a dict')) if kind.startswith(k)), None)
   return kind and kind + (' or None' if optional else '')
 
 

@@ -147,6 +147,11 @@ def test_output_dir_that_is_a_file_fails_before_any_work(tmp_path):
     (['experiment.clients_per_round = 2.5'], ['experiment.clients_per_round', '2.5', 'integer']),
     (['experiment.rounds = True'], ['experiment.rounds', 'True']),
     (['experiment.local_epochs = 1.5'], ['experiment.local_epochs', '1.5']),
+    # Optional[int] in a module whose annotations are evaluated (no postponed annotations).
+    (['npz_source.num_classes = "ten"'],
+     ["npz_source.num_classes must be an integer, got 'ten'."]),
+    (['shard_partition.num_shards = 20.0'],
+     ['shard_partition.num_shards must be an integer, got 20.0.']),
 ])
 def test_badly_typed_numbers_are_one_line(bindings, fragments, tmp_path):
   args = [SMALL[0], *[f'--gin_bindings={b}' for b in bindings], f'--output_dir={tmp_path}']
