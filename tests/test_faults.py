@@ -225,7 +225,7 @@ def test_a_builder_given_as_a_value_or_a_call_is_one_line(binding, fragments, tm
 ])
 def test_round_config_rejects_non_integers(settings):
   with pytest.raises(ConfigError, match=f'experiment.{next(iter(settings))}'):
-    RoundConfig(**settings).validate()
+    RoundConfig(**settings)
 
 
 # -- 5. divergence and an exploding loss ---------------------------------------------------

@@ -45,7 +45,7 @@ from fltff.simulation.state_store import build_client_state_store
 
 @dataclasses.dataclass
 class RoundConfig:
-  """What a round does; all of it comes from gin's `experiment` configurable."""
+  """What a round does (gin's `experiment` settings), checked when built."""
 
   rounds: int = 10
   clients_per_round: Optional[int] = None
@@ -64,7 +64,7 @@ class RoundConfig:
   evaluation: Optional[Sequence[str]] = None
   headline_statistic: str = 'best_round_mean'
 
-  def validate(self) -> None:
+  def __post_init__(self) -> None:
     for name in ('rounds', 'local_epochs', 'batch_size', 'eval_every', 'checkpoint_every'):
       check_number(f'experiment.{name}', getattr(self, name), integer=True, low=1)
     check_number('experiment.clients_per_round', self.clients_per_round, integer=True,
@@ -104,7 +104,6 @@ class RoundDriver:
     'data': data fingerprint}`); each checkpoint carries it, `config.gin` is written from it once
     a resume is verified, and `outputs.check_resume` compares a resume's with it.
     `client_work_reason`: why 'auto' left the clients unvectorised (`choose_client_work`)."""
-    config.validate()
     if config.round_deadline is not None and channel is None:
       raise ConfigError('experiment.round_deadline needs a channel model: set '
                         'experiment.channel = @channel_model.')

@@ -259,7 +259,6 @@ def run_experiment(output_dir: str,
   arguments = locals()  # The parameters only: RoundConfig's fields are among them.
   prepare_output_dir(output_dir, resume)
   config = RoundConfig(**{f.name: arguments[f.name] for f in dataclasses.fields(RoundConfig)})
-  config.validate()
   if model_seed is None:
     model_seed = seed
   check_seed('experiment.model_seed', model_seed)

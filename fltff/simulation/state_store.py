@@ -326,7 +326,7 @@ def fingerprint_of(entries, contents=None) -> dict:
 
 def build_client_state_store(kind: str, output_dir: str, init_fn: Callable[[int], Any]):
   """The store `experiment.client_state_store` names ('memory' or 'sqlite'; checked by
-  `RoundConfig.validate`)."""
+  `RoundConfig`)."""
   if kind == 'memory':
     return ClientStateStore(init_fn)
   return SqliteClientStateStore(output_dir, init_fn)
