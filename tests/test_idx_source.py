@@ -106,7 +106,7 @@ def test_idx_source_errors(tmp_path):
   _write_set(root)
   with gzip.open(root / 't10k-labels-idx1-ubyte.gz', 'wb') as f:
     f.write(_idx_bytes(np.full(5, 12, np.uint8)))
-  with pytest.raises(DataError, match=r'label 12 outside \[0, 10\)'):
+  with pytest.raises(DataError, match=r'y_test holds 5 labels outside \[0, 10\)'):
     data.idx_source(str(root))
 
 

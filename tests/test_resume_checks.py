@@ -150,6 +150,9 @@ def test_unusable_data_are_refused_before_the_first_round(tmp_path, change, frag
     ('train', 'label', 'src: y_train holds 1 labels outside [0, 3) (the declared classes)'),
     ('test', 'inf', 'src: x_test holds 1 NaN or infinite values (of 8)'),
     ('test', 'image', 'src: x_test holds float images with values in [0.5, 2]'),
+    ('train', 'count', 'src: x_train has 2 examples but y_train has 1; both must have the same'),
+    ('test', 'shape', 'src: training examples have shape (2, 2, 1), test examples (3, 2, 1); '
+                      'they must match.'),
 ])
 def test_check_dataset_names_the_split_and_the_count(split, change, message):
   from fltff.data.sources import ArrayDataset  # pylint: disable=g-import-not-at-top
@@ -161,6 +164,10 @@ def test_check_dataset_names_the_split_and_the_count(split, change, message):
   check_dataset(ArrayDataset('d', num_classes=3, **arrays), 'src')
   if change == 'label':
     arrays[f'y_{split}'] = np.array([0, 3])
+  elif change == 'count':
+    arrays[f'y_{split}'] = np.array([0])
+  elif change == 'shape':
+    arrays[f'x_{split}'] = np.full((2, 3, 2, 1), 0.5, np.float32)
   else:
     x = arrays[f'x_{split}'].copy()
     x[0, 0, 0, 0] = np.inf if change == 'inf' else 2.0

@@ -48,14 +48,21 @@ class ArrayDataset:
   natural_test_partition: Optional[list[np.ndarray]] = None
 
 
-def check_dataset(dataset: ArrayDataset, origin: str) -> None:
-  """Refuses data a run would train on without a word and get wrong (`DataError`, one line
-  naming `origin`, the split and the count): non-finite features, float images outside [0, 1]
-  (uint8 images are scaled to [0, 1] by the input pipeline, float ones are used as they are),
-  labels outside [0, num_classes). Float feature vectors (`[n, d]`) may take any finite value.
-  """
+def check_dataset(dataset: ArrayDataset, origin: str) -> ArrayDataset:
+  """`dataset`, unless it is data a run would train on without a word and get wrong
+  (`DataError`, one line naming `origin`, the split and the count): examples and labels of
+  different counts, training and test examples of different shapes, non-finite features, float
+  images outside [0, 1] (uint8 images are scaled to [0, 1] by the input pipeline, float ones are
+  used as they are), labels outside [0, num_classes). Float feature vectors (`[n, d]`) may take
+  any finite value."""
+  if dataset.x_train.shape[1:] != dataset.x_test.shape[1:]:
+    raise DataError(f'{origin}: training examples have shape {dataset.x_train.shape[1:]}, test '
+                    f'examples {dataset.x_test.shape[1:]}; they must match.')
   for split in ('train', 'test'):
     x, y = getattr(dataset, f'x_{split}'), getattr(dataset, f'y_{split}')
+    if len(x) != len(y):
+      raise DataError(f'{origin}: x_{split} has {len(x)} examples but y_{split} has {len(y)}; '
+                      'both must have the same length.')
     if np.issubdtype(x.dtype, np.floating):
       bad = int(x.size - np.count_nonzero(np.isfinite(x)))
       if bad:
@@ -71,6 +78,7 @@ def check_dataset(dataset: ArrayDataset, origin: str) -> None:
       raise DataError(f'{origin}: y_{split} holds {outside} labels outside [0, '
                       f'{dataset.num_classes}) (the declared classes); fix the labels or the '
                       'class count.')
+  return dataset
 
 
 _TFDS_BATCH = 8192
@@ -251,17 +259,11 @@ def idx_source(path: str = '/usr/share/datasets/fashion-mnist',
       raise DataError(f'{files[images_stem].name} has {len(x)} images but '
                       f'{files[labels_stem].name} has {len(y)} labels; the files do not '
                       f'belong together. {_IDX_HINT}')
-    if y.size and (y.min() < 0 or y.max() >= num_classes):
-      raise DataError(f'{files[labels_stem]} has label {int(y.max())} outside '
-                      f'[0, {num_classes}); set idx_source.num_classes.')
     arrays[split] = (_images(x), y)
   (x_train, y_train), (x_test, y_test) = arrays['train'], arrays['test']
-  if x_train.shape[1:] != x_test.shape[1:]:
-    raise DataError(f'{root}: training images are {x_train.shape[1:]}, test images '
-                    f'{x_test.shape[1:]}; they must match.')
-  return ArrayDataset(name=name or root.name.replace('-', '_'), x_train=x_train,
-                      y_train=y_train, x_test=x_test, y_test=y_test,
-                      num_classes=int(num_classes))
+  return check_dataset(ArrayDataset(name=name or root.name.replace('-', '_'), x_train=x_train,
+                                    y_train=y_train, x_test=x_test, y_test=y_test,
+                                    num_classes=int(num_classes)), f'idx_source ({root})')
 
 
 def _labels(y: np.ndarray, key: str, path: pathlib.Path) -> np.ndarray:
@@ -307,17 +309,7 @@ def npz_source(path: str,
   x_train, x_test = _features(raw['x_train']), _features(raw['x_test'])
   y_train = _labels(raw['y_train'], 'y_train', resolved)
   y_test = _labels(raw['y_test'], 'y_test', resolved)
-  for split, x, y in (('train', x_train, y_train), ('test', x_test, y_test)):
-    if len(x) != len(y):
-      raise DataError(f'{resolved}: x_{split} has {len(x)} examples but y_{split} has '
-                      f'{len(y)}; both must have the same length.')
-  if x_train.shape[1:] != x_test.shape[1:]:
-    raise DataError(f'{resolved}: x_train examples have shape {x_train.shape[1:]} but x_test '
-                    f'examples have shape {x_test.shape[1:]}; they must match.')
   all_labels = np.concatenate([y_train, y_test])
-  if all_labels.size and all_labels.min() < 0:
-    raise DataError(f'{resolved} has negative label {all_labels.min()}; labels must be class '
-                    'indices in [0, num_classes).')
   inferred = int(all_labels.max()) + 1 if all_labels.size else 0
   if num_classes is None:
     num_classes = inferred
@@ -325,8 +317,9 @@ def npz_source(path: str,
     raise ConfigError(f'npz_source.num_classes is {num_classes} but {resolved} has label '
                       f'{inferred - 1}; set num_classes to at least {inferred} or leave it '
                       'unset.')
-  return ArrayDataset(name=name or resolved.stem, x_train=x_train, y_train=y_train,
-                      x_test=x_test, y_test=y_test, num_classes=int(num_classes))
+  return check_dataset(ArrayDataset(name=name or resolved.stem, x_train=x_train,
+                                    y_train=y_train, x_test=x_test, y_test=y_test,
+                                    num_classes=int(num_classes)), str(resolved))
 
 
 CINIC10_CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse',
@@ -385,11 +378,8 @@ def image_folder_source(path: str,
   classes = tuple(classes)
   x_train, y_train = _read_image_split(root, train_split, classes)
   x_test, y_test = _read_image_split(root, test_split, classes)
-  if x_train.shape[1:] != x_test.shape[1:]:
-    raise DataError(f'{root}: {train_split} images are {x_train.shape[1:]}, {test_split} '
-                    f'images {x_test.shape[1:]}; they must match.')
-  return ArrayDataset(name=name, x_train=x_train, y_train=y_train, x_test=x_test,
-                      y_test=y_test, num_classes=len(classes))
+  return check_dataset(ArrayDataset(name=name, x_train=x_train, y_train=y_train, x_test=x_test,
+                                    y_test=y_test, num_classes=len(classes)), str(root))
 
 
 # TFF 0.87's federated EMNIST: one SQLite file, both variants as splits (`femnist_source`).
@@ -511,17 +501,13 @@ def femnist_source(num_clients: int = 10,
     if part.size == 0:
       raise DataError(f'writer {writer!r} has no training examples in {path} although its '
                       'metadata lists some; the database is inconsistent, download it again.')
-  labels = np.concatenate([y_train, y_test])
-  if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
-    raise DataError(f'{path} has label {labels.max()} outside [0, {num_classes}) for '
-                    f'only_digits={only_digits}; the database is not TFF\'s EMNIST.')
   if not len(y_test):
     raise DataError(f'the {num_clients} chosen writers have no test examples in {path}; '
                     'the database is inconsistent, download it again.')
-  return ArrayDataset(name='femnist_digits' if only_digits else 'femnist',
-                      x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test,
-                      num_classes=num_classes, natural_partition=train_parts,
-                      natural_test_partition=test_parts)
+  return check_dataset(ArrayDataset(
+      name='femnist_digits' if only_digits else 'femnist', x_train=x_train, y_train=y_train,
+      x_test=x_test, y_test=y_test, num_classes=num_classes, natural_partition=train_parts,
+      natural_test_partition=test_parts), path)
 
 
 @gin.configurable('synthetic_source')
