@@ -187,11 +187,10 @@ def _expected(annotation: Any) -> Optional[str]:
   kind, optional = _annotation(annotation)
   if kind.startswith('Callable'):
     return 'a configurable written with @ (e.g. @fedavg)'
-  kinds = {'int': 'an integer', 'float': 'a number', 'str': "a string in quotes ('...')",
-           'bool': 'True or False'}
-  kind = kinds.get(kind) or next((v for k, v in (
-      ('Sequence', 'a list or tuple'), ('list', 'a list or tuple'), ('tuple', 'a list or tuple'),
-      ('Mapping', 'a dict'), ('dict', 'a dict')) if kind.startswith(k)), None)
+  sequence = 'a list or tuple'
+  kind = {'int': 'an integer', 'float': 'a number', 'str': "a string in quotes ('...')",
+          'bool': 'True or False', 'Sequence': sequence, 'list': sequence, 'tuple': sequence,
+          'Mapping': 'a dict', 'dict': 'a dict'}.get(kind.split('[')[0])
   return kind and kind + (' or None' if optional else '')
 
 

@@ -125,8 +125,9 @@ def test_subsample_draws_fraction_without_replacement():
   np.testing.assert_array_equal(again.x_train, small.x_train)
   assert not np.array_equal(data.subsample(ds, 0.1, seed=4).x_train, small.x_train)
   assert data.subsample(ds, 1.0, seed=0) is ds
-  for bad in (0, 1.5, -0.1, '0.1'):
-    with pytest.raises(ConfigError, match='data_fraction must be a number in'):
+  for bad, message in ((0, r'must be in \(0, 1\], got 0\.'), (1.5, r'must be in \(0, 1\]'),
+                       (-0.1, r'must be in \(0, 1\]'), ('0.1', "must be a number, got '0.1'")):
+    with pytest.raises(ConfigError, match=f'federated_data.data_fraction {message}'):
       data.subsample(ds, bad, seed=0)
   natural = data.synthetic_source(num_clients=3)
   with pytest.raises(ConfigError, match='natural partition'):

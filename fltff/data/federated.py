@@ -171,9 +171,7 @@ def subsample(dataset: ArrayDataset, fraction: float, seed: int) -> ArrayDataset
   KAPC's setting without client selection keeps 10 % of both before partitioning. `ConfigError`
   for a fraction outside (0, 1] or a dataset with a natural partition (a draw would break it).
   """
-  if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-    raise ConfigError(f'federated_data.data_fraction must be a number in (0, 1], got '
-                      f'{fraction!r}.')
+  check_number('federated_data.data_fraction', fraction, low=0, high=1, open_low=True)
   if fraction == 1:
     return dataset
   if dataset.natural_partition is not None:

@@ -174,9 +174,7 @@ class RoundDriver:
           sizes * cfg.compute_seconds_per_example, cfg.local_epochs, cfg.round_deadline)
       epochs = {int(k): min(int(epochs[int(k)]), int(e)) for k, e in zip(ks, fit)}
       dropped = set(dropped) | {int(k) for k, e in zip(ks, fit) if e == 0}
-    clients = [int(k) for k in sampled if int(k) not in dropped]
-    self._round_clients = clients
-    return clients, epochs, dropped
+    return [int(k) for k in sampled if int(k) not in dropped], epochs, dropped
 
   def system_columns(self, clients: Sequence[int], epochs: dict, bytes_down, bytes_up,
                      train_seconds: float, server_seconds: float) -> dict:

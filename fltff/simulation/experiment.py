@@ -22,7 +22,6 @@ from fltff import methods
 from fltff import resources
 from fltff.data import build_federated_data
 from fltff.config_checks import check_choice
-from fltff.config_checks import check_number
 from fltff.config_checks import check_seed
 from fltff.config_checks import gin_binds
 from fltff.config_checks import parameters
