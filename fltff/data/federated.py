@@ -213,10 +213,6 @@ def build_federated_data(source: Callable[[], ArrayDataset] = gin.REQUIRED,
     data_fraction: Fraction of the training and of the test examples kept (`subsample`)
       before partitioning.
   """
-  if source is gin.REQUIRED or partitioner is gin.REQUIRED:
-    raise ConfigError('federated_data needs a source and a partitioner, e.g. '
-                      'federated_data.source = @npz_source and '
-                      'federated_data.partitioner = @shard_partition.')
   check_number('federated_data.num_clients', num_clients, integer=True, low=1)
   check_number('federated_data.local_test_examples', local_test_examples, integer=True, low=0)
   if seed is None:
