@@ -1,11 +1,5 @@
-"""Type checks of numeric settings, shared by the gin configuration and the library's builders.
-
-`check_gin_bindings` applies `check_number` to every gin-bound parameter annotated `int`/`float`
-(or `Optional` of them), so e.g. `experiment.clients_per_round = 2.5` ends in a `ConfigError`
-naming the binding, not in a TypeError deep inside TensorFlow; and `check_builder` to every one
-annotated `Callable`, so `experiment.method = 'fedavg'` (a string, not `@fedavg`) ends in one.
-`explain_gin_error` says what gin's own parse errors mean and what to write instead.
-"""
+"""Checks of settings, shared by the gin configuration and the library's builders, and what
+gin's own errors mean (`explain_gin_error`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Data sources, each returning a whole dataset as in-memory NumPy arrays (`ArrayDataset`).
 
-Only `tfds_source` and `femnist_source` (TFF's FEMNIST) can download, and only with
-`download=True`. `idx_source` (MNIST-family IDX files), `npz_source` (Keras-layout `.npz`) and
-`image_folder_source` (CINIC-10 layout) read local files; relative paths are looked up in the
-current directory, then in fltff's shipped files. `synthetic_source`, FedProx's Synthetic(alpha,
-beta) (Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020), needs nothing
-on disk and is the offline default.
+Only `tfds_source` and `femnist_source` download, and only with `download=True`; relative paths
+are looked up in the current directory, then in fltff's shipped files (docs/configuration.md).
 """
 
 import contextlib

@@ -1,11 +1,5 @@
-"""The wiring of one experiment, in the order data flows (docs/architecture.md).
-
-gin's `experiment` → federated data (`fltff.data`) → model (`fltff.models`) → method
-(`fltff.learning` / `fltff.personalization`, given its optimizers here: library builders never
-read gin; optionally wrapped with FedLap personalisation's local models) → the round driver
-(`driver.RoundDriver`, one for every method: it speaks `fltff.learning.protocol`) → metrics,
-checkpoints, TensorBoard in the output folder.
-"""
+"""The wiring of one experiment from gin, in the order data flows (docs/architecture.md): data,
+model, method (given its optimizers here: library builders never read gin), round driver."""
 
 from __future__ import annotations
 
