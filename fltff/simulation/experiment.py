@@ -22,6 +22,12 @@ from fltff.config_checks import parameters
 from fltff.errors import ConfigError
 from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
+from fltff.learning.round_data import cheapest_groups
+from fltff.learning.round_data import step_overhead
+from fltff.learning.vectorized import on_cpu
+from fltff.models import build_model
+from fltff.models import layer_groups
+from fltff.models.layers import macs_per_example
 from fltff.personalization.fedlap_mixing import with_fedlap_personalization
 from fltff.simulation.driver import RoundConfig
 from fltff.simulation.driver import RoundDriver
@@ -34,8 +40,6 @@ from fltff.simulation.outputs import check_resume
 
 def build_model_spec(data, model: str, seed: int) -> ModelSpec:
   """The zoo model `model` sized for `data`'s examples and classes."""
-  from fltff.models import build_model  # pylint: disable=g-import-not-at-top
-
   shape = tuple(data.dataset.x_train.shape[1:])
   keras_fn = functools.partial(build_model, name=model, input_shape=shape,
                                num_classes=data.dataset.num_classes, seed=seed)
@@ -58,8 +62,6 @@ def expected_padding(steps: Sequence[int], participants: int, draws: int = 64,
   fixed-seed draws; every client is assumed to train all its epochs (stragglers and a round
   deadline pad further).
   """
-  from fltff.learning.round_data import cheapest_groups  # pylint: disable=g-import-not-at-top
-
   steps = np.asarray(steps, np.int64)
   if participants >= len(steps):
     chosen = steps[np.newaxis]
@@ -87,16 +89,6 @@ def conv_padding_limit(participants: int) -> float:
   return 1.0 + participants / 150.0
 
 
-def _on_cpu(runtime) -> bool:
-  from fltff.learning.vectorized import on_cpu  # pylint: disable=g-import-not-at-top
-  return on_cpu(runtime.device)
-
-
-def _has_convolutions(model_spec) -> bool:
-  from fltff.models import layer_groups  # pylint: disable=g-import-not-at-top
-  return any(group.kind == 'conv' for group in layer_groups(model_spec.keras_fn()))
-
-
 def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool = True,
                        runtime=None, steps: Optional[Sequence[int]] = None,
                        participants: Optional[int] = None, batch_size: int = 32
@@ -120,10 +112,8 @@ def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool 
       runtime is None or not runtime.auto_vectorises)):
     return algorithm, None
   if (client_work == 'auto' and runtime.per_client_on_cpp and steps is not None
-      and participants and _on_cpu(runtime) and _has_convolutions(algorithm.model_spec)):
-    from fltff.learning.round_data import step_overhead  # pylint: disable=g-import-not-at-top
-    from fltff.models.layers import macs_per_example  # pylint: disable=g-import-not-at-top
-
+      and participants and on_cpu(runtime.device)
+      and any(g.kind == 'conv' for g in layer_groups(algorithm.model_spec.keras_fn()))):
     overhead = step_overhead(macs_per_example(algorithm.model_spec.keras_fn()), batch_size)
     padding = expected_padding(steps, participants, step_overhead=overhead)
     if padding > conv_padding_limit(participants):
