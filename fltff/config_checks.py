@@ -10,6 +10,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
+import gin
+
 from fltff.errors import ConfigError
 
 # Seeds are 32-bit unsigned integers, as NumPy's legacy generator and most FL tools take them;
@@ -68,8 +70,6 @@ def _annotation(annotation: Any) -> tuple[str, bool]:
 
 
 def _signature(selector: str) -> Optional[inspect.Signature]:
-  import gin  # pylint: disable=g-import-not-at-top
-
   try:
     fn = inspect.unwrap(gin.get_configurable(selector))
     return inspect.signature(fn.__init__ if inspect.isclass(fn) else fn)
@@ -82,8 +82,6 @@ def check_builder(name: str, value: Any, allow_none: bool,
   """Raises `ConfigError` unless `value`, bound to `name` (annotated `Callable`), is a reference
   to a configurable (`@fedavg`): not a string, number or collection, and not a call (`@fedavg()`)
   of one that needs arguments gin does not bind (`config`, as in `check_gin_bindings`)."""
-  import gin  # pylint: disable=g-import-not-at-top
-
   if value is None and allow_none:
     return
   if isinstance(value, gin.config.ConfigurableReference):
@@ -138,8 +136,6 @@ def parameters(fn: Any) -> Mapping[str, inspect.Parameter]:
 
 def gin_binds(selector: str) -> bool:
   """Whether the current gin configuration binds `selector` ('configurable.parameter')."""
-  import gin  # pylint: disable=g-import-not-at-top
-
   try:
     gin.query_parameter(selector)
     return True
@@ -156,8 +152,6 @@ def did_you_mean(name: str, choices, prefix: str = '') -> str:
 
 def _configurables() -> dict:
   """Every registered gin configurable, by its name (`fedavg`, `experiment`, ...)."""
-  import gin  # pylint: disable=g-import-not-at-top
-
   return {c.name: c for _, c in gin.config._REGISTRY.items()}  # pylint: disable=protected-access
 
 

@@ -6,10 +6,17 @@ sample data are named by paths from the repository root (`gin_configs/base/...`,
 """
 
 import contextlib
+import logging
 import os
 import re
 import stat
+import subprocess
 from typing import Optional
+
+import gin
+
+from fltff import __version__
+from fltff.errors import ConfigError
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -34,8 +41,6 @@ def find_gin_files(paths, bindings=()) -> list[str]:
   """The gin files as `find_shipped` finds them, after checking that they and their includes
   (looked up as gin will), and the files that `bindings` include, exist, are gin files and
   include no cycle; `ConfigError` naming the first that fails."""
-  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
-
   found = [find_shipped(path) for path in paths]
   for path, where in zip(paths, found):
     if where is None:
@@ -61,8 +66,6 @@ MAX_GIN_FILE_BYTES = 1 << 20
 def _read_gin_file(path: str) -> list[str]:
   """The lines of the gin file `path`; `ConfigError` unless it is a readable regular text file
   of at most `MAX_GIN_FILE_BYTES` (a device or FIFO is refused before it is opened)."""
-  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
-
   try:
     if not stat.S_ISREG(os.stat(path).st_mode):
       raise ConfigError(f'the gin file {path} is not a regular file (a folder, device or '
@@ -81,8 +84,6 @@ def _read_gin_file(path: str) -> list[str]:
 def _check_includes(path: str, seen: set, chain: tuple) -> None:
   """Checks `path` and, recursively, the files it includes; `chain`: the files including it,
   outermost first (an include of one of them is a cycle, which gin would follow forever)."""
-  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
-
   real = os.path.realpath(path)
   cycle = [p for p in chain if os.path.realpath(p) == real]
   if cycle:
@@ -144,8 +145,6 @@ def _open_beside_including_file(path: str):
 def enable_gin_lookup() -> None:
   """Makes gin look up an `include` beside the including file first, then in the working
   directory, then among fltff's shipped files (`gin_configs/...`). Idempotent."""
-  import gin  # pylint: disable=g-import-not-at-top
-
   for root in shipped_roots():
     if root not in gin.config._LOCATION_PREFIXES:  # pylint: disable=protected-access
       gin.add_config_file_search_path(root)
@@ -161,8 +160,6 @@ def enable_gin_lookup() -> None:
 
 
 def _quietly(check):
-  import logging  # pylint: disable=g-import-not-at-top
-
   def quiet_check(path: str) -> bool:
     logging.disable(logging.ERROR)
     try:
@@ -180,10 +177,6 @@ def _quietly(check):
 def source_version() -> dict:
   """fltff's version and, in a git checkout, its commit (`-dirty` with uncommitted changes), as
   a run's `summary.json` records them."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-
-  from fltff import __version__  # pylint: disable=g-import-not-at-top
-
   info = {'fltff_version': __version__}
   checkout = os.path.dirname(PACKAGE_DIR)
   if os.path.exists(os.path.join(checkout, '.git')):
