@@ -6,10 +6,12 @@ are looked up in the current directory, then in fltff's shipped files (docs/conf
 
 import contextlib
 import dataclasses
+import gzip
 import os
 import pathlib
 import sqlite3
 import zipfile
+import zlib
 from typing import Optional
 
 import gin
@@ -195,9 +197,6 @@ _IDX_HINT = ('Fashion-MNIST: `apt-get install dataset-fashion-mnist` (Debian/Ubu
 def read_idx(path: str) -> np.ndarray:
   """Reads one IDX file (gzip-compressed if named `*.gz`) into a NumPy array; `DataError` for a
   file that is not IDX (magic `00 00 <type> <ndim>`), is truncated, or has bytes left over."""
-  import gzip  # pylint: disable=g-import-not-at-top
-  import zlib  # pylint: disable=g-import-not-at-top
-
   opener = gzip.open if str(path).endswith('.gz') else open
   try:
     with opener(path, 'rb') as f:

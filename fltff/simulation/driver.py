@@ -514,6 +514,10 @@ class RoundDriver:
       extra['executor'] = self.runtime.description
     if self.rows:
       extra['round_seconds_median'] = float(np.median([r['round_seconds'] for r in self.rows]))
+    for way in ('down', 'up'):
+      per_round = [r[f'bytes_{way}'] for r in self.rows]
+      extra.update({f'bytes_{way}_per_round': per_round, f'bytes_{way}_total': int(sum(per_round)),
+                    f'mb_{way}_total': float(sum(per_round)) / 1e6})
     return extra | {
         'method': self.algorithm.name,
         'dataset': self.data.dataset.name,
@@ -524,13 +528,7 @@ class RoundDriver:
         'best_round': best['round'] if best else None,
         'rounds_to_target': rounds_to_targets(self.rows, self.config.target_accuracies),
         'examples_processed': int(sum(r['examples'] for r in self.rows)),
-        'bytes_down_per_round': [r['bytes_down'] for r in self.rows],
-        'bytes_up_per_round': [r['bytes_up'] for r in self.rows],
-        'bytes_down_total': int(sum(r['bytes_down'] for r in self.rows)),
-        'bytes_up_total': int(sum(r['bytes_up'] for r in self.rows)),
         'train_seconds_total': float(sum(r['round_seconds'] for r in self.rows)),
-        'mb_down_total': float(sum(r['bytes_down'] for r in self.rows)) / 1e6,
-        'mb_up_total': float(sum(r['bytes_up'] for r in self.rows)) / 1e6,
     }
 
 
