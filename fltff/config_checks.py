@@ -69,12 +69,15 @@ def _annotation(annotation: Any) -> tuple[str, bool]:
   return (text[:-len('|None')], True) if text.endswith('|None') else (text, False)
 
 
-def _signature(selector: str) -> Optional[inspect.Signature]:
+def _parameters(selector: str) -> dict[str, inspect.Parameter]:
+  """The parameters gin may bind of configurable `selector` (a class: its `__init__`'s), by
+  name; none where it is unknown."""
   try:
     fn = inspect.unwrap(gin.get_configurable(selector))
-    return inspect.signature(fn.__init__ if inspect.isclass(fn) else fn)
-  except (ValueError, TypeError, KeyError):
-    return None
+  except (ValueError, KeyError):
+    return {}
+  return {name: p for name, p in parameters(fn.__init__ if inspect.isclass(fn) else fn).items()
+          if name != 'self' and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
 def check_builder(name: str, value: Any, allow_none: bool,
@@ -85,13 +88,10 @@ def check_builder(name: str, value: Any, allow_none: bool,
   if value is None and allow_none:
     return
   if isinstance(value, gin.config.ConfigurableReference):
-    signature = _signature(value.configurable.selector) if value.evaluate else None
-    if signature is None:
-      return
+    params = _parameters(value.configurable.selector) if value.evaluate else {}
     bound = config.get(('/'.join(value.scopes), value.configurable.selector), {})
-    needed = [p for p in signature.parameters.values()
-              if p.name != 'self' and p.name not in bound and p.default in (p.empty, gin.REQUIRED)
-              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    needed = [p for name, p in params.items()
+              if name not in bound and p.default in (p.empty, gin.REQUIRED)]
     if needed:
       target = value.selector.rsplit('.', 1)[-1]
       raise ConfigError(f'{name} = @{target}() calls {target} while gin reads the '
@@ -114,12 +114,12 @@ def check_gin_bindings(config: Mapping[tuple[str, str], Mapping[str, Any]]) -> N
       get them; macros (`%NAME`) are not checked.
   """
   for (scope, selector), params in config.items():
-    signature = _signature(selector)
+    declared = _parameters(selector)
     for param, value in params.items():
-      if signature is None or param not in signature.parameters:
+      if param not in declared:
         continue
       name = f'{scope + "/" if scope else ""}{selector.rsplit(".", 1)[-1]}.{param}'
-      kind, optional = _annotation(signature.parameters[param].annotation)
+      kind, optional = _annotation(declared[param].annotation)
       if kind.startswith('Callable'):
         check_builder(name, value, optional, config)
       elif kind in ('int', 'float') and isinstance(value, _PLAIN_VALUES):
@@ -158,13 +158,11 @@ def _configurables() -> dict:
 def gin_parameters(name: str) -> list[str]:
   """The parameters gin may bind of configurable `name`, in signature order (none if unknown)."""
   configurable = _configurables().get(name.rsplit('.', 1)[-1])
-  signature = configurable and _signature(configurable.selector)
-  if not signature:
+  if not configurable:
     return []
-  return [p.name for p in signature.parameters.values()
-          if p.name != 'self' and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-          and (configurable.allowlist is None or p.name in configurable.allowlist)
-          and p.name not in (configurable.denylist or ())]
+  return [p for p in _parameters(configurable.selector)
+          if (configurable.allowlist is None or p in configurable.allowlist)
+          and p not in (configurable.denylist or ())]
 
 
 def _expected(annotation: Any) -> Optional[str]:
@@ -211,8 +209,7 @@ def _unreadable_value(error: SyntaxError) -> Optional[str]:
   target = binding.group(1)
   configurable, param = target.rsplit('/', 1)[-1].rsplit('.', 1)
   configurable = _configurables().get(configurable.rsplit('.', 1)[-1])
-  signature = _signature(configurable.selector) if configurable else None
-  parameter = signature.parameters.get(param) if signature else None
+  parameter = _parameters(configurable.selector).get(param) if configurable else None
   expected = _expected(parameter.annotation) if parameter else None
   text = f'{target} = {binding.group(2)} (in {where}): gin cannot read {value} as a value; '
   if expected is None:
