@@ -209,6 +209,17 @@ class _SignalThread:
           counted(signum)
 
 
+def _unbound_parameters(error: RuntimeError) -> Optional[str]:
+  """`a.x, a.y` for gin's error on a configurable called without its required parameters
+  bound ("Required bindings for `a` not provided in config: ['x', 'y']"); None for any other."""
+  found = re.fullmatch(r"Required bindings for `([\w.]+)` not provided in config: \[(.*)\]",
+                       str(error).strip())
+  if not found:
+    return None
+  names = re.findall(r"'([^']+)'", found.group(2))
+  return ', '.join(f'{found.group(1)}.{n}' for n in names) + (' is' if len(names) == 1 else ' are')
+
+
 def main(argv) -> int:
   del argv
   heap.pooled_tensors()  # Before the first TensorFlow op (fltff.runtime.heap).
@@ -255,6 +266,14 @@ def main(argv) -> int:
     return EXIT_STOPPED
   except FltffError as e:
     print(f'error: {_short_gin_message(e)}', file=sys.stderr)
+    failed = True
+    return EXIT_USER_ERROR
+  except RuntimeError as e:
+    unbound = _unbound_parameters(e)
+    if unbound is None:
+      raise
+    print(f'error: {unbound} not bound: bind them in the gin file or with --gin_bindings '
+          '(fltff list shows the shipped configs).', file=sys.stderr)
     failed = True
     return EXIT_USER_ERROR
   except OSError as e:  # The machine's: a full disk, a folder made read-only, ...

@@ -498,3 +498,14 @@ def test_a_full_disk_is_one_line_keeps_the_rounds_and_leaves_no_tmp(tmp_path):
   assert saved >= 1 and (f'Rounds 1-{saved} are kept' in line or 'Round 1 is kept' in line), line
   assert '.tmp' not in result.stdout, result.stdout
   assert 'Exception ignored' not in result.stderr, result.stderr[-3000:]
+
+
+def test_a_required_parameter_left_unbound_is_one_line(tmp_path):
+  # gin raises a RuntimeError when a configurable is called without a required binding.
+  config = tmp_path / 'unbound.gin'
+  config.write_text('experiment.rounds = 1\n')
+  out = tmp_path / 'run'
+  line = assert_one_line_error(run_pipeline_here(f'--gin_file={config}', f'--output_dir={out}'),
+                               'experiment.method, experiment.model are not bound')
+  assert '--gin_bindings' in line
+  assert not out.exists()  # A run that wrote nothing leaves no folder.
