@@ -600,14 +600,21 @@ def _time_runtimes(shape: str, runtimes: dict, vectorised: dict) -> tuple[dict, 
     rounds[name] = _round_fn(algorithm, [examples] * num_clients)
   contexts = {name: getattr(rt, 'driver_context', None) or rt.context
               for name, rt in runtimes.items()}
+  cores = sorted(os.sched_getaffinity(0))
   for r in range(_ROUNDS.value):
     datasets = _round_datasets(data, r)
     order = list(runtimes) if r % 2 == 0 else list(runtimes)[::-1]
     for name in order:
       tff.framework.set_default_context(contexts[name])
+      one_core = name == 'vectorised in process'  # On one core, as each worker trains.
+      if one_core:
+        _pin([os.getpid()], cores[0])
       t0 = time.perf_counter()
       rounds[name](datasets)
       times[name].append(time.perf_counter() - t0)
+      if one_core:
+        for task in os.listdir(f'/proc/{os.getpid()}/task'):
+          os.sched_setaffinity(int(task), cores)
   med = {name: statistics.median(v[1:]) for name, v in times.items()}
   return med, times, {n: g.last_bytes for n, g in groups.items() if g}
 
@@ -625,17 +632,16 @@ def capacity_report(summary: Sequence[tuple[str, dict, dict]]) -> list[str]:
     (shapes if shape.bytes_two else timed_alone).append(shape)
   if not shapes:
     return []
-  t_byte = capacity.seconds_per_byte(shapes)
-  lines = [f'\nCapacity model (pipelines/capacity.py): T(W, N) = t_byte B(W, N) + t_0 + t_client '
-           f'ceil(N/W); the driver: t_byte = {t_byte * 1e9:.2f} ns a byte '
-           f'({1e-6 / t_byte if t_byte else float("inf"):.0f} MB/s)']
+  lines = ['\nCapacity model (pipelines/capacity.py): T(W, N) = t_byte B(W, N) + t_0 + t_client '
+           'ceil(N/W); t_0 and t_client from the in-process rounds on one core:']
   fits = {}
   for key in dict.fromkeys((s.model, s.examples) for s in shapes):
-    fits[key] = capacity.fit([s for s in shapes if (s.model, s.examples) == key], t_byte)
-    f = fits[key]
+    same = [s for s in shapes if (s.model, s.examples) == key]
+    fits[key] = f = capacity.fit(same, capacity.seconds_per_byte(same))
     lines.append(f'  {key[0]}, {key[1]} examples a client: t_0 {f.t_0:.3f} s, t_client '
                  f'{f.t_client * 1e3:.1f} ms, model {f.b_model / 1e6:.2f} MB, a client '
-                 f'{f.b_client / 1e6:.2f} MB')
+                 f'{f.b_client / 1e6:.2f} MB; the driver {f.t_byte * 1e9:.2f} ns a byte '
+                 f'({1e-6 / f.t_byte if f.t_byte else float("inf"):.0f} MB/s)')
   lines.append('  check (predicted / measured round):')
   for s, workers, predicted, measured in capacity.validation(shapes):
     lines.append(f'    {s.model}:{s.clients}x{s.examples} on {workers} worker(s): '

@@ -10,10 +10,11 @@ A round of N participants on W workers trains one group of ⌈N/W⌉ clients per
   driver serialises, sends, receives and merges them one worker after another, so this term
   does not shrink with W.
 - `t_0 + t_client · n`: one group of n clients trained on one worker; fitted to the same round
-  vectorised in process, where no byte leaves the driver (the aggregation on the driver is
-  counted here, once per round: at FedAvg's cost it is small next to training).
-- `t_byte`: the driver's seconds per byte on the wire, fitted to (the round on 1 worker − the
-  same round in process) over the measured shapes.
+  vectorised in process on one core, as a worker has, where no byte leaves the driver (the
+  aggregation on the driver is counted here, once per round: at FedAvg's cost it is small next
+  to training).
+- `t_byte`: the driver's seconds per byte on the wire, fitted per model to (the round on 1
+  worker − the same round in process) over its measured shapes.
 
 The workers run their groups at once (TFF's mergeable context: one sub-round per worker), so the
 round's compute shrinks with W while the driver's bytes grow with N: the driver becomes the
@@ -111,18 +112,19 @@ def fit(shapes: Sequence[Shape], t_byte: float) -> Fit:
 
 
 def validation(shapes: Sequence[Shape]) -> list[tuple[Shape, int, float, float]]:
-  """`(shape, workers, predicted, measured)` for each shape's 1- and 2-worker rounds. Each
-  1-worker prediction takes `t_byte` from the other shapes (when there are others: with one
-  shape it is the fit itself); the 2-worker predictions use all of them."""
+  """`(shape, workers, predicted, measured)` for each shape's 1- and 2-worker rounds, with
+  `t_byte` fitted per model (the driver's cost per byte depends on the tensors it carries). Each
+  1-worker prediction takes `t_byte` from the model's other shapes (with one shape: from every
+  other shape; alone: the fit itself); the 2-worker predictions use all of the model's shapes."""
   rows = []
-  every = seconds_per_byte(shapes)
   for s in shapes:
     same = [o for o in shapes if (o.model, o.examples) == (s.model, s.examples)]
-    others = [o for o in shapes if o is not s and o.one_worker is not None and o.bytes_one]
+    others = ([o for o in same if o is not s] or [o for o in shapes if o is not s]
+              or [s])
     for workers, measured in ((1, s.one_worker), (2, s.two_workers)):
       if measured is None or not s.bytes_two:
         continue
-      t_byte = seconds_per_byte(others) if workers == 1 and others else every
+      t_byte = seconds_per_byte(others if workers == 1 else same)
       rows.append((s, workers, fit(same, t_byte).round_seconds(workers, s.clients), measured))
   return rows
 
