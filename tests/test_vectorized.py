@@ -53,8 +53,9 @@ SGDM = equality_sgdm
 # corrections c − c_i, its controls and c updated; with CCN, whose latent mean SCAFFOLD's
 # clients return beside them), MOON (a per-client batch term: the
 # contrastive loss against each client's previous model, over the batch's real examples) and
-# the personalised round (`fltff.personalization.process.VectorizedPersonalWork`): per-client proximal anchors s_i
-# (FedAMP's; KAPC's from its relationship cube, with BLS: per-client layer masks and Ω searches);
+# the personalised round (`fltff.personalization.process.VectorizedPersonalWork`): per-client
+# proximal anchors s_i (FedAMP's; KAPC's from its relationship cube, with BLS: per-client layer
+# masks and Ω searches);
 # FedBN for the start from the server's aggregate with local layers (Local and pFedLA differ
 # from these only in the server's relation, a TFF computation). BatchNorm models: below.
 # FedLap personalisation: the method's clients and the participants' local models (from
