@@ -511,11 +511,11 @@ def _column(name: str) -> str:
   return "TFF's built-in" if name == 'tff_builtin' else name
 
 
-def _pin(pids: Sequence[int], core: int) -> None:
-  """Every thread of `pids` on CPU `core` only (`taskset -a -p -c core pid`)."""
+def _pin(pids: Sequence[int], *cores: int) -> None:
+  """Every thread of `pids` on CPUs `cores` only (`taskset -a -p -c cores pid`)."""
   for pid in pids:
     for task in os.listdir(f'/proc/{pid}/task'):
-      os.sched_setaffinity(int(task), {core})
+      os.sched_setaffinity(int(task), set(cores))
 
 
 def compare_runtimes() -> int:
@@ -613,8 +613,7 @@ def _time_runtimes(shape: str, runtimes: dict, vectorised: dict) -> tuple[dict, 
       rounds[name](datasets)
       times[name].append(time.perf_counter() - t0)
       if one_core:
-        for task in os.listdir(f'/proc/{os.getpid()}/task'):
-          os.sched_setaffinity(int(task), cores)
+        _pin([os.getpid()], *cores)
   med = {name: statistics.median(v[1:]) for name, v in times.items()}
   return med, times, {n: g.last_bytes for n, g in groups.items() if g}
 
