@@ -647,20 +647,23 @@ def capacity_report(summary: Sequence[tuple[str, dict, dict]]) -> list[str]:
                  f'{predicted:.3f} s / {measured:.3f} s ({100 * (predicted / measured - 1):+.0f} %)')
   base_key = max(fits, key=lambda k: fits[k].t_client)  # The heaviest model run on workers.
   base = fits[base_key]
+  model_bytes = lambda model: 4 * sum(int(np.prod(w.shape)) for w in build_model(
+      model, input_shape=input_shape(model), num_classes=10, seed=0).trainable_weights)
   for s in timed_alone:
     per_example = (capacity.example_bytes(base, base_key[1])
                    - int(np.prod(input_shape(base_key[0]))) + int(np.prod(input_shape(s.model))))
-    model_bytes = 4 * sum(int(np.prod(w.shape)) for w in build_model(
-        s.model, input_shape=input_shape(s.model), num_classes=10, seed=0).trainable_weights)
-    fits[(s.model, s.examples)] = capacity.scaled(base, s, model_bytes, per_example)
+    fits[(s.model, s.examples)] = capacity.scaled(base, s, model_bytes(s.model), per_example)
   n = _CAPACITY_CLIENTS.value
-  lines.append(f'  projection, {n} participants a round, each worker as one core here:')
+  lines.append(f'  projection, {n} participants a round, each worker as one core here; FedAvg '
+               "(the group's mean update back) | a method that needs each client's model back:")
   for (model, examples), f in fits.items():
-    rows = ', '.join(f'{w} workers {t:.1f} s ({gb:.2f} GB, driver {100 * share:.0f} %)'
-                     for w, t, gb, share in capacity.projection(f, n))
-    bound = f.driver_bound_from(n)
-    lines.append(f'    {model}, {examples} examples a client: {rows}; the driver is the limit '
-                 f'from {bound if bound else "no"} workers')
+    for name, g in (('group means', f), ("clients' models", f.with_client_models(
+        model_bytes(model)))):
+      rows = ', '.join(f'{w} workers {t:.1f} s ({gb:.2f} GB, driver {100 * share:.0f} %)'
+                       for w, t, gb, share in capacity.projection(g, n))
+      bound = g.driver_bound_from(n)
+      lines.append(f'    {model}, {examples} examples a client, {name}: {rows}; the driver is '
+                   f'the limit from {bound if bound else "no"} workers')
   return lines
 
 

@@ -5,10 +5,11 @@ A round of N participants on W workers trains one group of ⌈N/W⌉ clients per
 
   T(W, N) = t_byte · B(W, N) + t_0 + t_client · ⌈N/W⌉
 
-- `B(W, N) = W · b_model + N · b_client`: tensor bytes to and from all workers in a round (the
-  global model once per worker; each client's examples down and its trained model up). The
-  driver serialises, sends, receives and merges them one worker after another, so this term
-  does not shrink with W.
+- `B(W, N) = W · b_model + N · b_client`: tensor bytes to and from all workers in a round. Per
+  worker the global model down and, for a method whose updates go to a plain weighted mean
+  (FedAvg's), the group's mean update up; per client its examples down and, for any other
+  method, its trained model up (`Fit.with_client_models`). The driver serialises, sends,
+  receives and merges them one worker after another, so this term does not shrink with W.
 - `t_0 + t_client · n`: one group of n clients trained on one worker; fitted to the same round
   vectorised in process on one core, as a worker has, where no byte leaves the driver (the
   aggregation on the driver is counted here, once per round: at FedAvg's cost it is small next
@@ -67,6 +68,12 @@ class Fit:
     """The fraction of T(W, N) the driver's bytes take."""
     return self.t_byte * self.round_bytes(workers, clients) / self.round_seconds(workers, clients)
 
+  def with_client_models(self, model_bytes: float) -> 'Fit':
+    """This fit (of group means) for a method that needs each client's trained model back:
+    `model_bytes` moves from each worker's bytes to each client's."""
+    return dataclasses.replace(self, b_model=self.b_model - model_bytes,
+                               b_client=self.b_client + model_bytes)
+
   def driver_bound_from(self, clients: int, most: int = 1 << 20) -> Optional[int]:
     """The fewest workers at which the driver's bytes take longer than a group's training."""
     for w in range(1, min(clients, most) + 1):
@@ -87,8 +94,8 @@ def seconds_per_byte(shapes: Sequence[Shape]) -> float:
 
 
 def per_client_bytes(shape: Shape) -> tuple[float, float]:
-  """`(b_model, b_client)` of a shape, from its bytes on 1 and on 2 workers: the second worker
-  adds one global model down; the rest is per client (its examples down, its model up)."""
+  """`(b_model, b_client)` of a shape, from its bytes on 1 and on 2 workers: what the second
+  worker adds is per worker; the rest is per client."""
   one = sum(d + u for d, u in shape.bytes_one)
   if not shape.bytes_two:
     raise ValueError(f'{shape.model}:{shape.clients}x{shape.examples} has no 2-worker bytes')
@@ -130,17 +137,18 @@ def validation(shapes: Sequence[Shape]) -> list[tuple[Shape, int, float, float]]
 
 
 def example_bytes(base: Fit, examples: int) -> float:
-  """Bytes on the wire per example of `base`'s clients (`examples` each): a client's bytes less
-  its model up."""
-  return (base.b_client - base.b_model) / examples
+  """Bytes on the wire per example of `base`'s clients (`examples` each; a fit of group
+  means, whose client bytes are its examples)."""
+  return base.b_client / examples
 
 
 def scaled(base: Fit, in_process: Shape, b_model: float, b_example: float) -> Fit:
-  """The model for another model timed in process only (`in_process`: its round of N clients,
-  through 0), with `base`'s driver cost per byte, its own model bytes (`b_model`: the global
-  model down per worker, each client's model up) and bytes per example (`b_example`)."""
-  return Fit(0.0, in_process.in_process / in_process.clients, b_model,
-             b_model + in_process.examples * b_example, base.t_byte)
+  """The model of group means for another model timed in process only (`in_process`: its
+  round of N clients, through 0), with `base`'s driver cost per byte, its own model bytes
+  (`b_model`: the global model down and the group's mean up per worker) and bytes per example
+  (`b_example`)."""
+  return Fit(0.0, in_process.in_process / in_process.clients, 2 * b_model,
+             in_process.examples * b_example, base.t_byte)
 
 
 def projection(fit_: Fit, clients: int = 1000, workers: Sequence[int] = (4, 16, 64)

@@ -62,8 +62,13 @@ def test_a_model_timed_in_process_only_takes_the_drivers_rate():
   alone = capacity.Shape('resnet18', 2, 50, in_process=3.0)
   got = capacity.scaled(TRUE, alone, b_model=44.7e6, b_example=3084.0)
   assert (got.t_0, got.t_client, got.t_byte) == (0.0, 1.5, 1e-8)
-  assert got.b_client == pytest.approx(44.7e6 + 50 * 3084.0)
-  assert capacity.example_bytes(TRUE, 300) == pytest.approx(1000.0)
+  # Group means: per worker the model down and the mean up; per client its examples only.
+  assert (got.b_model, got.b_client) == (pytest.approx(2 * 44.7e6), pytest.approx(50 * 3084.0))
+  assert capacity.example_bytes(TRUE, 300) == pytest.approx(1.3e6 / 300)
   (w, seconds, gb, share), = capacity.projection(got, 1000, (16,))
-  assert (w, gb) == (16, pytest.approx((16 * 44.7e6 + 1000 * got.b_client) / 1e9))
+  assert (w, gb) == (16, pytest.approx((16 * 2 * 44.7e6 + 1000 * got.b_client) / 1e9))
   assert seconds == pytest.approx(got.round_seconds(16, 1000))
+  # Each client's model back instead: one model moves from each worker's bytes to each client's.
+  each = got.with_client_models(44.7e6)
+  assert each.round_bytes(16, 1000) == pytest.approx(16 * 44.7e6 + 1000 * (44.7e6 + 50 * 3084.0))
+  assert each.driver_bound_from(1000) <= got.driver_bound_from(1000)

@@ -82,16 +82,39 @@ def test_groups_on_one_and_two_workers_equal_the_in_process_vectorised_rounds(
       on_two = _on(two, algorithm, data)
       groups = two.groups
       assert sorted(groups.last_sizes) == [1, 2]  # Each round's 3 participants, 2 groups.
-      # To each worker the global model and the group's data; back, each client's model.
+      # To each worker the global model and the group's data; back, each client's model, or
+      # for a plain weighted mean (FedAvg's, Ditto's global model) the group's mean update.
+      summed = groups.work.mean_aggregation
+      assert summed == (method in ('fedavg', 'ditto'))
       model_bytes = sum(w.nbytes for w in spec.initial_weights().trainable)
       assert len(groups.last_bytes) == 2 and all(
-          down > model_bytes and up > n * model_bytes
+          down > model_bytes and (model_bytes < up < 2 * model_bytes if summed
+                                  else up > n * model_bytes)
           for (down, up), n in zip(groups.last_bytes, groups.last_sizes))
       assert two.description.endswith('vectorised clients: 1-2 clients per call on 2 workers')
   finally:
     tff.framework.set_default_context(cpp)
   assert_equal_runs(expected, on_one, f'{method} on {model} (1 worker)', rtol=1e-5)
   assert_equal_runs(expected, on_two, f'{method} on {model} (2 workers)', rtol=1e-5)
+
+
+def test_clients_trained_models_come_back_when_the_driver_reads_them(data, spec, cpp):
+  # `trained_local` evaluates each participant's trained model: the groups send their clients'
+  # models, not the group's mean update, and they equal the in-process ones.
+  in_process = _vectorised('fedavg', spec)
+  expected = run_rounds(in_process, data, InProcessContext(), EQUALITY_CLIENTS, rounds=1)
+  try:
+    with LocalWorkerRuntime() as one:
+      algorithm = _vectorised('fedavg', spec)
+      assert one.place(algorithm, keep_trained=True) is one
+      trace = run_rounds(algorithm, data, one.driver_context, EQUALITY_CLIENTS, rounds=1)
+      (_, up), = one.groups.last_bytes
+  finally:
+    tff.framework.set_default_context(cpp)
+  assert up > 3 * sum(w.nbytes for w in spec.initial_weights().trainable)
+  assert_equal_runs(expected, trace, 'fedavg, trained models back', rtol=1e-5)
+  for want, got in zip(in_process.trained_weights(), algorithm.trained_weights()):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_groups_table_holds_only_its_clients_rows_and_reads_the_same_batches():

@@ -4,7 +4,9 @@ Each group is one TFF client of a `tff.federated_map` over a `tff.tensorflow.com
 around `VectorizedClientWork`'s own training (`train_in_graph`): the group's round data
 (`round_data.stack_client_batches`, cut to its clients; images as the source stores them,
 uint8, preprocessed on the worker) in, its clients' trained weights, metric sums and the rest
-of the training's outputs `[K, ...]` out. TFF's remote executor (one worker) or mergeable
+of the training's outputs `[K, ...]` out; for work whose updates go to a plain weighted mean
+(`VectorizedClientWork.mean_aggregation`), the group's weighted mean update and total weight
+instead of its clients' models, unless the driver needs those (`trained_local`). TFF's remote executor (one worker) or mergeable
 context (several: one sub-round per worker) runs the groups, so no RPC of ours carries them;
 the driver puts the groups' results back in client order and runs the method's aggregator on
 them in process (`StackedClients`), as in-process vectorised rounds do. A client's training
@@ -57,8 +59,9 @@ class WorkerGroups:
   """Trains `work`'s rounds as groups on `runtime`'s workers (a `fltff.runtime.WorkerRuntime`:
   its `context`, `workers` and failover `call`)."""
 
-  def __init__(self, work, runtime):
+  def __init__(self, work, runtime, keep_trained: bool = False):
     self.work, self._runtime = work, runtime
+    self._keep_trained = keep_trained
     self._computations = {}
     self.last_sizes: list[int] = []  # Clients per group (per call) in the last round.
     self.last_bytes: list[tuple[int, int]] = []  # Tensor bytes to and from each group's worker.
@@ -68,6 +71,7 @@ class WorkerGroups:
     """`VectorizedClientWork.train`'s outputs for `data`'s round, trained on the workers."""
     groups = split_clients(data, max(1, min(len(self._runtime.workers), len(data['epochs']))))
     own = start is not None  # Per-client starts come with per-client statistics.
+    summed = self.work.mean_aggregation and not own and not self._keep_trained
     server = collections.OrderedDict(
         (name, tf.nest.map_structure(np.asarray, value)) for name, value in
         (('global_trainable', global_trainable), ('statistics', None if own else statistics))
@@ -83,13 +87,17 @@ class WorkerGroups:
       inputs.append(value)
     sizes = {len(c) for c in groups}
     comp = self._computation(server, inputs[0], sizes.pop() if len(sizes) == 1 else None,
-                             self.work.round_factoring(data, client_terms))
+                             self.work.round_factoring(data, client_terms), summed)
     results = self._runtime.call(self._invoke, comp, *((server, inputs) if server else (inputs,)))
     results = sorted(results, key=lambda r: int(r[0]))  # Sub-rounds return in completion order.
     self.last_sizes = [len(c) for c in groups]
     self.last_bytes = [(_nbytes(server) + _nbytes(v), _nbytes(r)) for v, r in zip(inputs, results)]
-    out = collections.OrderedDict(in_client_order([r[1] for r in results], groups))
-    if not own:  # As `_round_outputs` forms it, from the global model.
+    parts = [collections.OrderedDict(r[1]) for r in results]
+    means = {name: tf.nest.map_structure(lambda *g: tf.concat(g, 0),
+                                         *[part.pop(name) for part in parts])
+             for name in ('update', 'update_weight') if summed}
+    out = collections.OrderedDict(in_client_order(parts, groups), **means)
+    if not own and not summed:  # As `_round_outputs` forms it, from the global model.
       out['update'] = tuple(tf.constant(g)[tf.newaxis] - w
                             for g, w in zip(global_trainable, out['trained']))
     return out
@@ -100,15 +108,17 @@ class WorkerGroups:
     with tff.framework.get_context_stack().install(self._runtime.context):
       return comp(*args)
 
-  def _computation(self, server, group, num_clients: Optional[int], factored: frozenset):
-    """The federated computation for values like `server` and `group` (cached by type)."""
+  def _computation(self, server, group, num_clients: Optional[int], factored: frozenset,
+                   summed: bool):
+    """The federated computation for values like `server` and `group` (cached by type); with
+    `summed`, the group's mean update and weight replace its clients' models."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     specs = dict(zip(_ARGS, round_specs([{**server, **group}.get(n) for n in _ARGS],
                                         num_clients)), group=tf.TensorSpec([], tf.int32))
     server_type, group_type = (tff.types.tensorflow_to_type(collections.OrderedDict(
         (name, specs[name]) for name in value)) if value else None for value in (server, group))
-    key = (str(server_type), str(group_type), factored)
+    key = (str(server_type), str(group_type), factored, summed)
     if key in self._computations:
       return self._computations[key]
     work = self.work
@@ -119,7 +129,15 @@ class WorkerGroups:
       given['examples'], given['labels'] = given.pop('x'), given.pop('y')
       out = collections.OrderedDict(
           work.train_in_graph([given.get(n) for n in _ARGS], num_clients, factored))
-      out.pop('update', None)  # Formed by the driver from `trained` (`WorkerGroups.train`).
+      if summed:  # MeanFactory's Σ ν_i Δ_i / Σ ν_i over the group; the driver's weighs by Σ ν_i.
+        weight = work.update_weights(out['sums'][1], group_value['epochs'])
+        total = tf.reduce_sum(weight)
+        out['update'] = tuple(tf.math.divide_no_nan(tf.tensordot(weight, u, 1), total)[tf.newaxis]
+                              for u in out['update'])
+        out['update_weight'] = total[tf.newaxis]
+        del out['trained']
+      else:  # Formed by the driver from `trained` (`WorkerGroups.train`).
+        out.pop('update', None)
       return group_value['group'], out
 
     clients = tff.FederatedType(group_type, tff.CLIENTS)

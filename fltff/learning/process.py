@@ -182,6 +182,7 @@ def build_algorithm(name: str,
     # E.g. TFF's DP factories; ν ignored, as in TFF's build_weighted_fed_avg.
     model_aggregator = tff.aggregators.as_weighted_aggregator(model_aggregator)
   statistics = tuple(getattr(model_aggregator, 'client_statistics', ()))
+  plain_mean = model_aggregator is None  # TFF's `MeanFactory()`: a group's mean may stand in.
   weights_type = model_spec.weights_type()
 
   distributor = tff.learning.templates.build_broadcast_process(weights_type)
@@ -217,7 +218,8 @@ def build_algorithm(name: str,
     return VectorizedClientWork(model_spec, client_optimizer, regularizer,
                                 client_statistics=statistics, frozen=frozen,
                                 client_weighting=client_weighting, device=device,
-                                factor_dense=factor_dense, batch_norm=True)
+                                factor_dense=factor_dense, batch_norm=True,
+                                mean_aggregation=plain_mean)
   return Algorithm(
       name=name,
       build_process=build_process,

@@ -265,9 +265,12 @@ class VectorizedClientWork:
                client_weighting: str = 'num_examples', device: Optional[str] = None,
                client_regularizer: Optional[Callable[[Any], Any]] = None,
                step_observers: Sequence[client_work_lib.StepObserver] = (), latent: bool = False,
-               factor_dense: bool = True, batch_norm: bool = False):
+               factor_dense: bool = True, batch_norm: bool = False,
+               mean_aggregation: bool = False):
     """`batch_norm`: allow BatchNorm models (`functional_apply`); the moving statistics train
-    from `train(statistics=)` and come back as `non_trainable`."""
+    from `train(statistics=)` and come back as `non_trainable`. `mean_aggregation`: the updates
+    go to a plain weighted mean (TFF's `MeanFactory()`), so a group of clients trained on a
+    worker may send its weighted mean and total weight instead (`fltff.learning.groups`)."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     client_work_lib.check_client_weighting(client_weighting)
@@ -322,6 +325,7 @@ class VectorizedClientWork:
     self._client_statistics = tuple(client_statistics)
     self._frozen = frozenset(frozen)
     self._client_weighting = client_weighting
+    self.mean_aggregation = mean_aggregation and not client_statistics
     self._step_observers = tuple(step_observers)
     self._device = device
     # Clients of very unequal sizes train in groups (`round_data.client_groups`), on a CPU only:
@@ -697,6 +701,12 @@ class VectorizedClientWork:
         self._traced_for.add((k, factored))
       return self._train(*args, num_clients=k, factored=factored)
 
+  def update_weights(self, examples, epochs) -> tf.Tensor:
+    """Each client's update weight ν (`[K]`, float32): 1, or n_i (`examples_per_epoch`)."""
+    if self._client_weighting == 'uniform':
+      return tf.ones(tf.shape(examples), tf.float32)
+    return tf.cast(client_work_lib.examples_per_epoch(examples, epochs), tf.float32)
+
   def model_outputs(self, sums) -> collections.OrderedDict:
     """The participants' unfinalized metrics (`[K]`, NumPy) from the sums."""
     return tf.nest.map_structure(np.asarray, unfinalized_metrics(sums))
@@ -721,17 +731,17 @@ class VectorizedClientWork:
     global_trainable = tuple(np.asarray(w) for w in global_weights.trainable)
     out, data = self.train(client_inputs, global_trainable, client_terms=client_terms,
                            statistics=tuple(np.asarray(w) for w in global_weights.non_trainable))
-    examples = out['sums'][1].numpy()
-    epochs = data['epochs']
     k = len(client_inputs)
     update = tf.nest.pack_sequence_as(list(global_weights.trainable), list(out['update']))
-    weight = (np.ones(k, np.float32) if self._client_weighting == 'uniform'
-              else client_work_lib.examples_per_epoch(examples, epochs).numpy().astype(
-                  np.float32))
-    weight = client_work_lib.with_statistics(weight, self._client_statistics, lambda s: (
-        s.of_clients(client_inputs, out) if s.of_clients else np.asarray(out[s.name])))
-    results = StackedClientResults(update, weight, k)
-    self.last_trained = out['trained']  # For the `trained_local` evaluation protocol.
+    if 'update_weight' in out:  # Each group's mean update (`groups`): one result a group.
+      weight = out['update_weight'].numpy()
+    else:
+      weight = client_work_lib.with_statistics(
+          self.update_weights(out['sums'][1], data['epochs']).numpy(), self._client_statistics,
+          lambda s: (s.of_clients(client_inputs, out) if s.of_clients
+                     else np.asarray(out[s.name])))
+    results = StackedClientResults(update, weight, len(weight))
+    self.last_trained = out.get('trained')  # For the `trained_local` evaluation protocol.
     train = call(self._aggregate_metrics,
                  clients_argument(StackedClients(self.model_outputs(out['sums']), k)))
     regularizer_stats = None

@@ -59,9 +59,10 @@ class Runtime:
   def worker_pids(self) -> list[int]:  # The processes of the workers this runtime owns.
     return []
 
-  def place(self, algorithm) -> 'Runtime':
+  def place(self, algorithm, keep_trained: bool = False) -> 'Runtime':
     """This runtime, for `algorithm`'s client work; fixes glibc's mmap threshold (`heap`) for
-    client work that is not vectorised (vectorised rounds run faster on the adaptive one)."""
+    client work that is not vectorised (vectorised rounds run faster on the adaptive one).
+    `keep_trained`: the driver reads each participant's trained model (`trained_local`)."""
     if not algorithm.vectorized:
       heap.fix_mmap_threshold(self.mmap_threshold_kib)
     return self
@@ -113,7 +114,7 @@ class InProcessRuntime(Runtime):
     tff.framework.set_default_context(self.context)
     logging.info('TFF runtime ready: in-process executor, device %s.', device or 'auto')
 
-  def place(self, algorithm) -> Runtime:
+  def place(self, algorithm, keep_trained: bool = False) -> Runtime:
     if algorithm.vectorized:
       self.description = 'the in-process executor, vectorised clients'
     return super().place(algorithm)
@@ -185,7 +186,7 @@ class WorkerRuntime(Runtime):
     tff.framework.set_default_context(self.driver_context or self.context)
     logging.info('TFF runtime ready: worker(s) %s.', ', '.join(self.workers))
 
-  def place(self, algorithm) -> Runtime:
+  def place(self, algorithm, keep_trained: bool = False) -> Runtime:
     """This runtime; vectorised client work trains as groups on the workers (`groups`), the
     rest of its rounds in this process (`driver_context`, `fltff.learning.groups`)."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
@@ -193,7 +194,7 @@ class WorkerRuntime(Runtime):
 
     self.groups = self.driver_context = None
     if algorithm.vectorized:
-      self.groups = groups_lib.WorkerGroups(algorithm.vectorized_work(), self)
+      self.groups = groups_lib.WorkerGroups(algorithm.vectorized_work(), self, keep_trained)
       self.driver_context = groups_lib.DriverContext(self.groups)
     tff.framework.set_default_context(self.driver_context or self.context)
     return super().place(algorithm)
@@ -362,14 +363,14 @@ class AutoRuntime(Runtime):
     self._local = local
     self.placed: Optional[Runtime] = None
 
-  def place(self, algorithm) -> Runtime:
+  def place(self, algorithm, keep_trained: bool = False) -> Runtime:
     if self.placed is not None:
       self.placed.close()
     if algorithm.vectorized or not self.per_client_on_cpp:
       self.placed = InProcessRuntime(self.device, self.mmap_threshold_kib)
     else:
       self.placed = LocalWorkerRuntime(mmap_threshold_kib=self.mmap_threshold_kib, **self._local)
-    self.placed = self.placed.place(algorithm)
+    self.placed = self.placed.place(algorithm, keep_trained)
     logging.info("runtime.executor = 'auto': %s for %s.", self.placed.description,
                  algorithm.name)
     return self.placed

@@ -111,17 +111,18 @@ class RoundDriver:
       raise ConfigError(f'{algorithm.name} evaluates personal models on local test splits: '
                         'set federated_data.local_test_examples > 0.')
     self.channel = channel
-    # The runtime that runs the rounds ('auto': by the client work chosen); it fails over.
-    self.runtime = runtime.place(algorithm) if runtime is not None else None
-    self.call = self.runtime.call if self.runtime is not None else protocol.direct_call
-    self.algorithm = algorithm
-    self.client_work_reason = client_work_reason
-    self.data = data
     has_local = data.local_test_indices is not None
     self.protocols = evaluation_lib.check_protocols(
         config.evaluation or evaluation_lib.default_protocols(algorithm.personalized, has_local),
         algorithm.personalized, has_local, algorithm.reports_trained_weights,
         algorithm.personal_models)
+    # The runtime that runs the rounds ('auto': by the client work chosen); it fails over.
+    self.runtime = (runtime.place(algorithm, 'trained_local' in self.protocols)
+                    if runtime is not None else None)
+    self.call = self.runtime.call if self.runtime is not None else protocol.direct_call
+    self.algorithm = algorithm
+    self.client_work_reason = client_work_reason
+    self.data = data
     if 'finetuned_local' in self.protocols and finetuner is None:
       raise ConfigError(f'experiment.evaluation: finetuned_local needs a fine-tuning '
                         f'procedure, and {algorithm.name} has none (FedBABU has).')
