@@ -663,7 +663,7 @@ def capacity_report(summary: Sequence[tuple[str, dict, dict]]) -> list[str]:
                        for w, t, gb, share in capacity.projection(g, n))
       bound = g.driver_bound_from(n)
       lines.append(f'    {model}, {examples} examples a client, {name}: {rows}; the driver is '
-                   f'the limit from {bound if bound else "no"} workers')
+                   f'the limit from {bound or "no"} worker{"" if bound == 1 else "s"}')
   return lines
 
 

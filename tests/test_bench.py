@@ -32,7 +32,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      r'\d+\.\d+ / \d+\.\d+(.|\n)*'
      r'cnn2:1x10: vectorised in process \d+\.\d+ s\n'
      r'\nCapacity model (.|\n)*mlp2:4x20 on 2 worker\(s\): \d+\.\d+ s / \d+\.\d+ s(.|\n)*'
-     r'projection, 100 participants(.|\n)*cnn2, 10 examples a client: 4 workers \d+\.\d+ s(.|\n)*'
+     r'projection, 100 participants(.|\n)*cnn2, 10 examples a client, group means: 4 workers '
+     r"\d+\.\d+ s(.|\n)*cnn2, 10 examples a client, clients' models: 4 workers \d+\.\d+ s(.|\n)*"
      r'with fsync:\s+\d+\.\d+ s\n\s+without fsync:\s+\d+\.\d+ s'
      r'\n\s+ratio with/without fsync: \d+\.\d+'),
 ])
