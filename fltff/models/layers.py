@@ -15,15 +15,14 @@ import tensorflow as tf
 from fltff.errors import ConfigError
 
 
-def _layer_types(*names: str) -> tuple[type, ...]:
-  return tuple(getattr(tf.keras.layers, n) for n in names if hasattr(tf.keras.layers, n))
-
-
-_DENSE_TYPES = _layer_types('Dense', 'EinsumDense')
-_CONV_TYPES = _layer_types(
-    'Conv1D', 'Conv2D', 'Conv3D', 'Conv1DTranspose', 'Conv2DTranspose', 'Conv3DTranspose',
-    'DepthwiseConv1D', 'DepthwiseConv2D', 'SeparableConv1D', 'SeparableConv2D')
-_NORM_TYPES = _layer_types('BatchNormalization', 'LayerNormalization', 'GroupNormalization')
+# Keras layer classes of each `LayerGroup.kind`; any other layer is 'other'.
+_KINDS = {
+    kind: tuple(getattr(tf.keras.layers, n) for n in names) for kind, names in (
+        ('dense', ('Dense', 'EinsumDense')),
+        ('conv', ('Conv1D', 'Conv2D', 'Conv3D', 'Conv1DTranspose', 'Conv2DTranspose',
+                  'Conv3DTranspose', 'DepthwiseConv1D', 'DepthwiseConv2D', 'SeparableConv1D',
+                  'SeparableConv2D')),
+        ('norm', ('BatchNormalization', 'LayerNormalization', 'GroupNormalization')))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,25 +43,10 @@ class LayerGroup:
   non_trainable_indices: tuple[int, ...]
 
 
-def _kind(layer: tf.keras.layers.Layer) -> str:
-  if isinstance(layer, _DENSE_TYPES):
-    return 'dense'
-  if isinstance(layer, _CONV_TYPES):
-    return 'conv'
-  if isinstance(layer, _NORM_TYPES):
-    return 'norm'
-  return 'other'
-
-
-def _children(layer: tf.keras.layers.Layer) -> list[tf.keras.layers.Layer]:
-  """Direct sub-layers of `layer`, in Keras' weight-collection order."""
-  # pylint: disable=protected-access
-  return list(layer._flatten_layers(include_self=False, recursive=False))
-
-
 def _leaf_layers(layer: tf.keras.layers.Layer) -> Iterator[tf.keras.layers.Layer]:
   """Layers without sub-layers, depth first in Keras' weight-collection order."""
-  children = _children(layer)
+  # pylint: disable=protected-access
+  children = list(layer._flatten_layers(include_self=False, recursive=False))
   if not children:
     yield layer
     return
@@ -101,7 +85,8 @@ def layer_groups(model: tf.keras.Model) -> list[LayerGroup]:
       elif ref in non_trainable:
         n_idx.append(non_trainable[ref])
     if t_idx or n_idx:
-      groups.append(LayerGroup(name=layer.name, kind=_kind(layer),
+      kind = next((k for k, types in _KINDS.items() if isinstance(layer, types)), 'other')
+      groups.append(LayerGroup(name=layer.name, kind=kind,
                                trainable_indices=tuple(t_idx),
                                non_trainable_indices=tuple(n_idx)))
   covered = sum(len(g.trainable_indices) + len(g.non_trainable_indices) for g in groups)

@@ -10,6 +10,7 @@ classifier is `LATENT_LAYER` (`'latent'`), exposed by `latent_model`.
 """
 
 from collections.abc import Callable, Sequence
+import itertools
 import math
 
 import gin
@@ -19,29 +20,16 @@ from fltff.errors import ConfigError
 
 LATENT_LAYER = 'latent'
 
-# Seeds of layer i are `seed * _SEED_STRIDE + i`; no zoo model has this many kernels.
-_SEED_STRIDE = 1000
-
-# PyTorch's BatchNorm settings (its momentum 0.1 is 0.9 here), as in the reference CIFAR
-# ResNet-18 and VGG-16; Keras' default 0.99 adapts too slowly for a few local epochs per round.
-_BN_MOMENTUM = 0.9
-_BN_EPSILON = 1e-5
-
 
 class _Init:
   """Hands out seeded kernel initializers, one fresh seed per layer (input → output)."""
 
   def __init__(self, seed: int):
     self.seed = int(seed)
-    self._count = 0
+    self._seeds = itertools.count(self.seed * 1000)  # No zoo model has 1000 kernels.
 
   def __call__(self) -> tf.keras.initializers.Initializer:
-    if self._count >= _SEED_STRIDE:
-      raise ConfigError(f'Model has more than {_SEED_STRIDE} seeded layers.')
-    init = tf.keras.initializers.GlorotUniform(
-        seed=self.seed * _SEED_STRIDE + self._count)
-    self._count += 1
-    return init
+    return tf.keras.initializers.GlorotUniform(seed=next(self._seeds))
 
 
 def _dense(units: int, init: _Init, name: str,
@@ -60,8 +48,9 @@ def _conv(filters: int, kernel_size: int, init: _Init, name: str, *,
 
 
 def _bn(name: str) -> tf.keras.layers.BatchNormalization:
-  return tf.keras.layers.BatchNormalization(
-      momentum=_BN_MOMENTUM, epsilon=_BN_EPSILON, name=name)
+  # PyTorch's BatchNorm settings (its momentum 0.1 is 0.9 here), as in the reference CIFAR
+  # ResNet-18 and VGG-16; Keras' default 0.99 adapts too slowly for a few local epochs per round.
+  return tf.keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=name)
 
 
 def _bn_relu(x, bn_name: str, relu_name: str):
@@ -150,17 +139,9 @@ def _cnn2(name, input_shape, num_classes, init):
 def _cnn2_bn(name, input_shape, num_classes, init):
   """`cnn2` with BatchNorm, for FedBN on the KAPC paper's MNIST/FMNIST setting.
 
-  The KAPC paper (§7.1) gives the 2CNN's layers but no normalisation, which leaves FedBN
-  nothing to keep local on `cnn2`. The BatchNorm placement is OUR choice: after every conv and
-  both hidden dense layers, before the ReLU (as in FedBN's reference digit model, med-air/FedBN
-  `DigitModel`), with the zoo's momentum 0.9 and epsilon 1e-5:
-
-    conv1 5x5·32 → bn1 → ReLU → pool1 → conv2 5x5·64 → bn2 → ReLU → pool2 → flatten (3136)
-    → dense1 512 → bn3 → ReLU → dense2 128 → bn4 → ReLU ('latent') → logits.
-
-  Conv and dense layers are `cnn2`'s (padding, biases, sizes, seeds): on 28x28x1 with 10
-  classes, 1,725,194 + 1,472 BatchNorm gamma/beta = 1,726,666 trainable parameters, and as many
-  moving statistics again: 1,728,138 in all.
+  The KAPC paper (§7.1) gives the 2CNN no normalisation, so the BatchNorm placement is OUR
+  choice: after every conv and both hidden dense layers, before the ReLU, as in FedBN's
+  reference digit model (med-air/FedBN `DigitModel`); conv and dense layers are `cnn2`'s.
   """
   inputs, x = _image_input(name, input_shape, min_hw=4)
   x = _bn_relu(_conv(32, 5, init, 'conv1', padding='same')(x), 'bn1', 'relu1')
@@ -231,9 +212,7 @@ def _vgg16(name, input_shape, num_classes, init):
   return _classifier(inputs, x, num_classes, init, name, latent_units=128)
 
 
-_Builder = Callable[[str, tuple[int, ...], int, _Init], tf.keras.Model]
-
-_REGISTRY: dict[str, _Builder] = {
+_REGISTRY: dict[str, Callable[[str, tuple[int, ...], int, _Init], tf.keras.Model]] = {
     'logistic': _logistic,
     'mlp2': _mlp2,
     'cnn_cifar_tutorial': _cnn_cifar_tutorial,
@@ -247,10 +226,8 @@ _REGISTRY: dict[str, _Builder] = {
 # The built-in models; `model_names()` adds the ones registered with `register`.
 MODEL_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
-UserModelFn = Callable[[tuple[int, ...], int, int], tf.keras.Model]
 
-
-def register(name: str, model_fn: UserModelFn) -> None:
+def register(name: str, model_fn: Callable[[tuple[int, ...], int, int], tf.keras.Model]) -> None:
   """Makes your own Keras model buildable by name wherever a zoo name is accepted.
 
   `model_fn(input_shape, num_classes, seed)` returns a new `tf.keras.Model` with logits
