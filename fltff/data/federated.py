@@ -124,14 +124,6 @@ class FederatedData:
     return tff.simulation.datasets.ClientData.from_clients_and_tf_fn(ids, dataset_fn)
 
 
-def _call_partitioner(partitioner: Callable[..., Any], dataset: ArrayDataset,
-                      num_clients: int, seed: int) -> Any:
-  kwargs = dict(labels=dataset.y_train, num_clients=num_clients, seed=seed)
-  if 'dataset' in parameters(partitioner):
-    kwargs['dataset'] = dataset
-  return partitioner(**kwargs)
-
-
 def _validate_partition(parts: Any, num_clients: int, num_examples: int) -> list[np.ndarray]:
   if not isinstance(parts, (list, tuple)):
     raise ConfigError(f'the partitioner must return a list of index arrays, got '
@@ -152,17 +144,6 @@ def _validate_partition(parts: Any, num_clients: int, num_examples: int) -> list
     raise ConfigError('the partitioner assigned some examples to more than one client; '
                       'clients must be disjoint.')
   return parts
-
-
-def _call_source(source: Callable[..., Any], seed: int) -> tuple[Any, Optional[int]]:
-  """`(source(), the seed it used)`: a source with a `seed` parameter that gin does not bind
-  (as `<source name>.seed`) is given `seed`."""
-  if 'seed' not in parameters(source):
-    return source(), None
-  selector = f'{getattr(source, "__name__", "")}.seed'
-  if gin_binds(selector):
-    return source(), gin.query_parameter(selector)
-  return source(seed=seed), seed
 
 
 def subsample(dataset: ArrayDataset, fraction: float, seed: int) -> ArrayDataset:
@@ -218,17 +199,25 @@ def build_federated_data(source: Callable[[], ArrayDataset] = gin.REQUIRED,
   if seed is None:
     seed = run_seed
   check_seed('federated_data.seed', seed)
-  dataset, source_seed = _call_source(source, seed)
+  # A source with a `seed` parameter that gin does not bind (`<source name>.seed`) gets `seed`.
+  origin = getattr(source, '__name__', 'federated_data.source')
+  if 'seed' not in parameters(source):
+    dataset, source_seed = source(), None
+  elif gin_binds(f'{origin}.seed'):
+    dataset, source_seed = source(), gin.query_parameter(f'{origin}.seed')
+  else:
+    dataset, source_seed = source(seed=seed), seed
   if not isinstance(dataset, ArrayDataset):
     raise ConfigError(f'federated_data.source must return an ArrayDataset, got '
                       f'{type(dataset).__name__}; use e.g. @npz_source or @tfds_source.')
-  origin = getattr(source, '__name__', 'federated_data.source')
   if gin_binds(f'{origin}.path'):
     origin = f"{origin} ({gin.query_parameter(f'{origin}.path')})"
   check_dataset(dataset, origin)
   dataset = subsample(dataset, data_fraction, seed)
-  parts = _validate_partition(_call_partitioner(partitioner, dataset, num_clients, seed),
-                              num_clients, len(dataset.y_train))
+  kwargs = dict(labels=dataset.y_train, num_clients=num_clients, seed=seed)
+  if 'dataset' in parameters(partitioner):
+    kwargs['dataset'] = dataset
+  parts = _validate_partition(partitioner(**kwargs), num_clients, len(dataset.y_train))
   width = max(3, len(str(num_clients - 1)))
   client_ids = [f'client_{i:0{width}d}' for i in range(num_clients)]
 

@@ -131,18 +131,6 @@ def dirichlet_partition(labels: np.ndarray,
       'raise alpha, or use fewer clients.')
 
 
-def _largest_remainder(weights: np.ndarray, total: int) -> np.ndarray:
-  """Integer counts proportional to `weights` summing to `total` (largest remainder; ties in
-  the fractional parts go to the lower index)."""
-  weights = np.asarray(weights, dtype=np.float64)
-  exact = weights / weights.sum() * total
-  counts = np.floor(exact).astype(np.int64)
-  short = int(total - counts.sum())
-  if short > 0:
-    counts[np.argsort(-(exact - counts), kind='stable')[:short]] += 1
-  return counts
-
-
 @gin.configurable('mixed_partition')
 def mixed_partition(labels: np.ndarray,
                     num_clients: Optional[int] = None,
@@ -285,7 +273,11 @@ def local_test_split(test_labels: np.ndarray,
     if weights.sum() <= 0:
       raise ConfigError(f'client {i} has no training examples of any class present in the '
                         'test set, so its local test split is undefined.')
-    counts = _largest_remainder(weights, examples_per_client)
+    exact = weights / weights.sum() * examples_per_client  # Largest remainder, ties to low c.
+    counts = np.floor(exact).astype(np.int64)
+    short = int(examples_per_client - counts.sum())
+    if short > 0:
+      counts[np.argsort(-(exact - counts), kind='stable')[:short]] += 1
     chunks = [rng.choice(pools[c], k, replace=k > len(pools[c]))
               for c, k in enumerate(counts) if k > 0]
     parts.append(np.concatenate(chunks))

@@ -15,11 +15,9 @@ import tensorflow as tf
 def preprocess_batch(batch):
   """uint8 images → float32 in [0, 1]; other inputs → float32; labels → int32. Runs inside the
   client's dataset graph, so images travel to the TFF worker as uint8."""
-  x = batch['x']
-  if x.dtype == tf.uint8:
-    x = tf.cast(x, tf.float32) / 255.0
-  else:
-    x = tf.cast(x, tf.float32)
+  x = tf.cast(batch['x'], tf.float32)
+  if batch['x'].dtype == tf.uint8:
+    x = x / 255.0
   return collections.OrderedDict(x=x, y=tf.cast(batch['y'], tf.int32))
 
 

@@ -79,9 +79,6 @@ def check_dataset(dataset: ArrayDataset, origin: str) -> ArrayDataset:
   return dataset
 
 
-_TFDS_BATCH = 8192
-
-
 def _contiguous(lengths) -> list[np.ndarray]:
   """Index arrays of consecutive runs of `lengths` (a natural partition of concatenated data)."""
   lengths = list(lengths)
@@ -115,7 +112,20 @@ def tfds_source(name: str,
   """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
-  num_classes = _tfds_num_classes(tfds, name, data_dir)
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+  except Exception as e:  # pylint: disable=broad-except
+    if 'NotFound' not in type(e).__name__:
+      raise
+    raise ConfigError(f'TFDS has no dataset {name!r} (tfds_source.name; see '
+                      'https://www.tensorflow.org/datasets/catalog), or use npz_source for '
+                      'other data.') from None
+  keys = builder.info.supervised_keys  # The class count from the label feature, no data read.
+  label = builder.info.features[keys[1]] if keys and len(keys) == 2 else None
+  if label is None or not hasattr(label, 'num_classes') or len(
+      getattr(builder.info.features[keys[0]], 'shape', ())) not in (2, 3):
+    raise ConfigError(f'TFDS dataset {name!r} is not image classification (a supervised '
+                      '(image, label) pair with a class label); tfds_source reads those only.')
   try:
     # Not `batch_size=-1`: under `tfds.testing.mock_data` (split size 0) that aborts.
     splits = tfds.load(name, split=['train', 'test'], as_supervised=True,
@@ -135,7 +145,7 @@ def tfds_source(name: str,
 
   arrays = []
   for ds in splits:
-    batches = list(tfds.as_numpy(ds.batch(_TFDS_BATCH)))
+    batches = list(tfds.as_numpy(ds.batch(8192)))
     if not batches:
       raise DataError(f'TFDS dataset {name!r} in {_tfds_data_dir(data_dir)} has an empty '
                       'split; re-prepare it with tfds.load(..., download=True).')
@@ -144,26 +154,7 @@ def tfds_source(name: str,
                    np.concatenate(ys).astype(np.int32).reshape(-1)))
   (x_train, y_train), (x_test, y_test) = arrays
   return ArrayDataset(name=name, x_train=x_train, y_train=y_train, x_test=x_test,
-                      y_test=y_test, num_classes=num_classes)
-
-
-def _tfds_num_classes(tfds, name: str, data_dir: Optional[str]) -> int:
-  """The class count from TFDS dataset `name`'s label feature (no data read), or `ConfigError`."""
-  try:
-    builder = tfds.builder(name, data_dir=data_dir)
-  except Exception as e:  # pylint: disable=broad-except
-    if 'NotFound' not in type(e).__name__:
-      raise
-    raise ConfigError(f'TFDS has no dataset {name!r} (tfds_source.name; see '
-                      'https://www.tensorflow.org/datasets/catalog), or use npz_source for '
-                      'other data.') from None
-  keys = builder.info.supervised_keys
-  label = builder.info.features[keys[1]] if keys and len(keys) == 2 else None
-  if label is None or not hasattr(label, 'num_classes') or len(
-      getattr(builder.info.features[keys[0]], 'shape', ())) not in (2, 3):
-    raise ConfigError(f'TFDS dataset {name!r} is not image classification (a supervised '
-                      '(image, label) pair with a class label); tfds_source reads those only.')
-  return int(label.num_classes)
+                      y_test=y_test, num_classes=int(label.num_classes))
 
 
 def _find(path: str, folder: bool, what: str, hint: str) -> pathlib.Path:
@@ -380,23 +371,6 @@ def image_folder_source(path: str,
 # TFF 0.87's federated EMNIST: one SQLite file, both variants as splits (`femnist_source`).
 _EMNIST_URL = 'https://storage.googleapis.com/tff-datasets-public/emnist_all.sqlite.lzma'
 _EMNIST_FILE = 'emnist_all.sqlite'
-_EMNIST_TRAIN_SPLIT = {True: 'digits_only_train', False: 'all_train'}
-
-
-def _emnist_train_counts(path: str, only_digits: bool) -> dict[str, int]:
-  """Training examples per writer, from the database's `client_metadata` table."""
-  uri = pathlib.Path(path).as_uri() + '?mode=ro'
-  with contextlib.closing(sqlite3.connect(uri, uri=True)) as connection:
-    rows = connection.execute(
-        'SELECT client_id, num_examples FROM client_metadata WHERE split_name = ?',
-        (_EMNIST_TRAIN_SPLIT[only_digits],)).fetchall()
-  return {str(cid): int(n) for cid, n in rows}
-
-
-def _emnist_pixels_to_uint8(pixels: np.ndarray) -> np.ndarray:
-  """TFF's float [0, 1] white-background pixels -> uint8 ink-on-black `[n, 28, 28, 1]`."""
-  x = np.round((1.0 - np.asarray(pixels, np.float32)) * 255.0)
-  return np.clip(x, 0, 255).astype(np.uint8).reshape(-1, 28, 28, 1)
 
 
 def _writer_arrays(client_data, writer: str) -> tuple[np.ndarray, np.ndarray]:
@@ -405,7 +379,9 @@ def _writer_arrays(client_data, writer: str) -> tuple[np.ndarray, np.ndarray]:
       1024).as_numpy_iterator()) if writer in client_data.client_ids else []
   pixels = [np.zeros((0, 28, 28), np.float32)] + [b['pixels'] for b in batches]
   labels = [np.zeros(0, np.int32)] + [b['label'] for b in batches]
-  return (_emnist_pixels_to_uint8(np.concatenate(pixels)),
+  # TFF's float [0, 1] white-background pixels -> uint8 ink-on-black.
+  x = np.round((1.0 - np.asarray(np.concatenate(pixels), np.float32)) * 255.0)
+  return (np.clip(x, 0, 255).astype(np.uint8).reshape(-1, 28, 28, 1),
           np.concatenate(labels).astype(np.int32).reshape(-1))
 
 
@@ -416,30 +392,13 @@ def femnist_source(num_clients: int = 10,
                    download: bool = False,
                    seed: int = 0,
                    min_examples_per_client: int = 1) -> ArrayDataset:
-  """FEMNIST (LEAF's federated EMNIST, one client per writer) through TFF's loader.
+  """FEMNIST (LEAF's federated EMNIST, one client per writer) through TFF 0.87's loader.
 
-  `tff.simulation.datasets.emnist.load_data` (TFF 0.87) reads `<cache_dir>/emnist_all.sqlite`
-  (default `~/.tff`) for both variants. Only with `download=True` does TFF fetch
-  `emnist_all.sqlite.lzma` (about 3,400 writers) and decompress it there.
-
-  The `num_clients` writers are drawn without replacement (`default_rng(seed).choice`) from
-  the sorted ids of writers with at least `min_examples_per_client` training examples; client
-  i is the i-th chosen writer in id order. TFF's float pixels (1.0 white background, 0.0 ink)
-  become uint8 ink-on-black like MNIST: `round((1 - pixels) * 255)`.
-
-  Args:
-    only_digits: Digits only (10 classes, about 3,380 writers) instead of digits and upper-
-      and lower-case letters (62 classes).
-
-  Returns:
-    'femnist' ('femnist_digits' with `only_digits`): the chosen writers' uint8 `[n, 28, 28, 1]`
-    images and int32 labels; training examples as `natural_partition` (contiguous, one index
-    array per writer), test examples as the central test set and `natural_test_partition`.
-
-  Raises:
-    ConfigError: For counts below 1, or fewer eligible writers than `num_clients`.
-    DataError: If the database is missing (and `download` is False) or unreadable, or the
-      download fails.
+  Reads `<cache_dir>/emnist_all.sqlite` (default `~/.tff`; TFF downloads it only with
+  `download=True`) and draws `num_clients` of the writers with at least
+  `min_examples_per_client` training examples (`default_rng(seed)`): their training examples
+  as `natural_partition`, their test examples as the central test set and
+  `natural_test_partition` (docs/configuration.md).
   """
   check_number('femnist_source.num_clients', num_clients, integer=True, low=1)
   check_number('femnist_source.min_examples_per_client', min_examples_per_client, integer=True,
@@ -459,7 +418,13 @@ def femnist_source(num_clients: int = 10,
   try:
     train, test = tff.simulation.datasets.emnist.load_data(only_digits=only_digits,
                                                            cache_dir=resolved)
-    counts = _emnist_train_counts(path, only_digits)
+    # Training examples per writer, from the database's `client_metadata` table.
+    uri = pathlib.Path(path).as_uri() + '?mode=ro'
+    with contextlib.closing(sqlite3.connect(uri, uri=True)) as connection:
+      rows = connection.execute(
+          'SELECT client_id, num_examples FROM client_metadata WHERE split_name = ?',
+          ('digits_only_train' if only_digits else 'all_train',)).fetchall()
+    counts = {str(cid): int(n) for cid, n in rows}
   except BaseException as e:
     if not existed and os.path.isfile(path):
       os.remove(path)  # TFF decompresses straight into the cache: drop a partial file.
