@@ -284,6 +284,7 @@ def test_unknown_name_lists_known_names():
     ('vgg16', (28, 28, 1)),
     ('cnn_mnist_582k', (8, 8, 1)),
     ('mlp2', (0, 28)),
+    ('mlp2', ('a', 28)),
     ('resnet18', (32, 32, 3, 1)),
 ])
 def test_bad_shape(name, shape):

@@ -85,12 +85,6 @@ def _contiguous(lengths) -> list[np.ndarray]:
   return np.split(np.arange(sum(lengths), dtype=np.int64), np.cumsum(lengths)[:-1])
 
 
-def _tfds_data_dir(data_dir: Optional[str]) -> str:
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  default = os.environ.get('TFDS_DATA_DIR') or tfds.core.constants.DATA_DIR
-  return os.path.abspath(os.path.expanduser(data_dir or default))
-
-
 def _images(x: np.ndarray) -> np.ndarray:
   return x[..., np.newaxis] if x.ndim == 3 else x
 
@@ -112,6 +106,8 @@ def tfds_source(name: str,
   """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
+  resolved = os.path.abspath(os.path.expanduser(
+      data_dir or os.environ.get('TFDS_DATA_DIR') or tfds.core.constants.DATA_DIR))
   try:
     builder = tfds.builder(name, data_dir=data_dir)
   except Exception as e:  # pylint: disable=broad-except
@@ -135,7 +131,6 @@ def tfds_source(name: str,
         'NotFound' in type(e).__name__)
     if not not_prepared:
       raise
-    resolved = _tfds_data_dir(data_dir)
     raise DataError(
         f'TFDS dataset {name!r} is not prepared in {resolved} and downloading is off '
         f'({type(e).__name__}); prepare it on a machine with network access with '
@@ -147,7 +142,7 @@ def tfds_source(name: str,
   for ds in splits:
     batches = list(tfds.as_numpy(ds.batch(8192)))
     if not batches:
-      raise DataError(f'TFDS dataset {name!r} in {_tfds_data_dir(data_dir)} has an empty '
+      raise DataError(f'TFDS dataset {name!r} in {resolved} has an empty '
                       'split; re-prepare it with tfds.load(..., download=True).')
     xs, ys = zip(*batches)
     arrays.append((_images(np.concatenate(xs)).astype(np.uint8),
@@ -492,19 +487,9 @@ def synthetic_source(alpha: float = 1.0,
 
   A client's size (train + test) is `min_samples + int(lognormal(4, 2))` (the reference: `+ 50`),
   clipped to `max_samples` against the heavy tail. Each client holds out a random
-  `test_fraction` (at least one example): the central test set and `natural_test_partition`.
-
-  Args:
-    alpha: How much the clients' models differ (>= 0).
-    beta: How much the clients' input distributions differ (>= 0).
-    test_fraction: In [0, 1).
-
-  Returns:
-    float32 `x` `[n, dimension]`, int32 `y` and the natural partition (one contiguous train
-    index array per client), a deterministic function of all arguments.
-
-  Raises:
-    ConfigError: For negative alpha/beta, fewer than one client, or inconsistent sizes.
+  `test_fraction` (in [0, 1), at least one example): the central test set and
+  `natural_test_partition`. float32 `x` `[n, dimension]`, a deterministic function of all
+  arguments; alpha (how much the clients' models differ) and beta (their inputs) are >= 0.
   """
   if alpha < 0 or beta < 0:
     raise ConfigError(f'synthetic_source needs alpha >= 0 and beta >= 0, got alpha={alpha} '

@@ -279,8 +279,7 @@ def build_model(name: str = gin.REQUIRED,
   try:
     shape = tuple(int(d) for d in input_shape)
   except (TypeError, ValueError):
-    raise ConfigError(
-        f'input_shape must be a sequence of positive ints; got {input_shape!r}.') from None
+    shape = ()  # Refused next, as a shape with a non-positive size.
   if not shape or any(d <= 0 for d in shape):
     raise ConfigError(f'input_shape must be a sequence of positive ints; got {input_shape!r}.')
   if int(num_classes) < 2:
