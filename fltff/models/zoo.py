@@ -230,10 +230,8 @@ MODEL_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 def register(name: str, model_fn: Callable[[tuple[int, ...], int, int], tf.keras.Model]) -> None:
   """Makes your own Keras model buildable by name wherever a zoo name is accepted.
 
-  `model_fn(input_shape, num_classes, seed)` returns a new `tf.keras.Model` with logits
-  `[batch, num_classes]` and the same initial weights for the same seed (executors and resumed
-  runs rebuild it); CCN and MOON need its layer named 'latent', and layer-wise methods group its
-  layers by `layer_groups`. Register from a module your gin file imports. Re-registering a name
+  `model_fn(input_shape, num_classes, seed)` returns a new model with logits, the same initial
+  weights for the same seed (docs/configuration.md, "Your own model"). Re-registering a name
   replaces it; a built-in name is refused.
   """
   if not isinstance(name, str) or not name.strip():
