@@ -273,7 +273,7 @@ def local_test_split(test_labels: np.ndarray,
     if weights.sum() <= 0:
       raise ConfigError(f'client {i} has no training examples of any class present in the '
                         'test set, so its local test split is undefined.')
-    exact = weights / weights.sum() * examples_per_client  # Largest remainder, ties to low c.
+    exact = weights / weights.sum() * examples_per_client  # Largest remainder; ties: lower class.
     counts = np.floor(exact).astype(np.int64)
     short = int(examples_per_client - counts.sum())
     if short > 0:
