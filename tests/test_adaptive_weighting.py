@@ -117,8 +117,9 @@ WEIGHT_TYPE = tff.types.to_type(
 
 
 def test_layerwise_factory_two_rounds_by_hand():
-  process = aggregators.layerwise_adaptive_factory(
-      LAYERS, num_clients=5, learning_rate=0.1).create(_value_type(), WEIGHT_TYPE)
+  # The reference divides by η = 0.1, the factory by 1: η cancels in the angles.
+  process = aggregators.layerwise_adaptive_factory(LAYERS, num_clients=5).create(
+      _value_type(), WEIGHT_TYPE)
   state = process.initialize()
   theta_np, t_np = np.zeros((5, 2)), np.zeros(5, np.int64)
   # Round 1: clients 4, 0, 2. Round 2: clients 2, 1, 4 (client 2 and 4 smooth over 2 rounds).

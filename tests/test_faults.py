@@ -422,7 +422,7 @@ def test_factories_type_check_their_arguments():
     adaptive_weighting.AdaptiveWeightingFactory(None, 3, 'five')
   with pytest.raises(ConfigError, match='layers must be groups of tensor indices'):
     adaptive_weighting.AdaptiveWeightingFactory([0, 1], 3)
-  adaptive_weighting.AdaptiveWeightingFactory([[0, 1], range(2, 4)], 3, 5, 0.1)
+  adaptive_weighting.AdaptiveWeightingFactory([[0, 1], range(2, 4)], 3, 5)
   with pytest.raises(ConfigError, match="scaffold num_clients must be an integer, got '3'"):
     scaffold_lib.build_scaffold(None, '3')
   from fltff.learning import regularizers

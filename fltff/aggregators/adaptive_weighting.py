@@ -4,8 +4,7 @@ Sources: H. Wu, P. Wang, "Fast-Convergent Federated Learning with Adaptive Weigh
 TCCN 2021) and "Layer-Wise Adaptive Weighting for Faster Convergence in Federated Learning"
 (FedLayerWise: FedAdp's rule per layer). Equation numbers are FedLayerWise's. Two typos of that
 paper are resolved as in docs/methods/adaptive.md: the Gompertz map decreases with the angle
-(FedAdp's form), and eq. (7) averages the clients' *updated* layer weights. The factory is
-single-pass (`gather.build_gathering_process`).
+(FedAdp's form), and eq. (7) averages the clients' *updated* layer weights.
 """
 
 from __future__ import annotations
@@ -97,20 +96,17 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
   def __init__(self,
                layers: Optional[Sequence[Sequence[int]]] = None,
                num_clients: Optional[int] = None,
-               alpha: float = GOMPERTZ_ALPHA,
-               learning_rate: float = 1.0):
+               alpha: float = GOMPERTZ_ALPHA):
     """Args:
       layers: Per layer, indices into the flattened update (`tf.nest.flatten`), or
         `fltff.models.layer_groups(model)` as is. None: one layer per tensor; one group: FedAdp.
       num_clients: Total number of clients (size of the smoothing state).
       alpha: Gompertz α (the papers: 5).
-      learning_rate: η of eq. (3); angles do not depend on it.
     """
     # Checked now: a factory passed positionally here would fail as a raw gRPC error in round 1.
     check_number('AdaptiveWeightingFactory num_clients', num_clients, integer=True,
                  allow_none=True, low=1)
     check_number('AdaptiveWeightingFactory alpha', alpha)
-    check_number('AdaptiveWeightingFactory learning_rate', learning_rate)
     if layers is not None and any(hasattr(g, 'trainable_indices') for g in layers):
       layers = update_index_groups(layers)  # `fltff.models.layer_groups(model)`'s output.
     if layers is not None and not all(
@@ -122,7 +118,6 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
     self._layers = None if layers is None else [list(g) for g in layers]
     self._num_clients = num_clients
     self._alpha = float(alpha)
-    self._learning_rate = float(learning_rate)
 
   @property
   def client_statistics(self) -> tuple:
@@ -151,7 +146,7 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
           '(angles unsmoothed, θ̃ = θ), or use fltff\'s builders (learning.build_fedlayerwise, '
           'learning.build_fedadp), whose client work sends the index.')
     num_state_clients = self._num_clients if keyed else 1
-    alpha, lr = self._alpha, self._learning_rate
+    alpha = self._alpha
 
     def init_state():
       return collections.OrderedDict(
@@ -164,9 +159,9 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
       n = weight['num_examples'] if keyed else weight
       k = tf.shape(n)[0]
       angles = []
-      for group in layers:
+      for group in layers:  # η = 1: it cancels in the angles.
         grads = client_gradients(
-            tf.concat([tf.reshape(updates[i], [k, -1]) for i in group], axis=1), lr)
+            tf.concat([tf.reshape(updates[i], [k, -1]) for i in group], axis=1), 1.0)
         angles.append(instantaneous_angles(grads, global_gradient(grads, n)))
       angle = tf.stack(angles, axis=1)  # [K, L]
       if keyed:
@@ -197,16 +192,13 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
 
 def layerwise_adaptive_factory(layers: Optional[Sequence[Sequence[int]]] = None,
                                num_clients: Optional[int] = None,
-                               alpha: float = GOMPERTZ_ALPHA,
-                               learning_rate: float = 1.0) -> AdaptiveWeightingFactory:
+                               alpha: float = GOMPERTZ_ALPHA) -> AdaptiveWeightingFactory:
   """FedLayerWise: ψ per client *and layer* (`layers` from `fltff.models.layer_groups`)."""
-  return AdaptiveWeightingFactory(layers, num_clients, alpha, learning_rate)
+  return AdaptiveWeightingFactory(layers, num_clients, alpha)
 
 
 def fedadp_factory(num_tensors: int,
                    num_clients: Optional[int] = None,
-                   alpha: float = GOMPERTZ_ALPHA,
-                   learning_rate: float = 1.0) -> AdaptiveWeightingFactory:
+                   alpha: float = GOMPERTZ_ALPHA) -> AdaptiveWeightingFactory:
   """FedAdp: one ψ per client, from the angle of the whole flattened model update."""
-  return AdaptiveWeightingFactory([list(range(num_tensors))], num_clients, alpha,
-                                  learning_rate)
+  return AdaptiveWeightingFactory([list(range(num_tensors))], num_clients, alpha)

@@ -1,12 +1,5 @@
-"""Composing fltff's factories with TFF's aggregation wrappers.
-
-fltff's factories gather all participants' values in one aggregate (single-pass), so they take
-no inner TFF factory (secure sum or DP noise would have to run per client inside them). TFF
-wrappers acting on each client's value first (`clipping_factory`, `zeroing_factory`) go *around*
-them; `with_client_statistics_of` keeps the inner factory's `client_statistics` visible on the
-wrapper, so the learning builders still send them. TFF's unweighted factories (e.g.
-`DifferentiallyPrivateFactory`) go to the builders directly (`build_algorithm` makes them
-weighted, ignoring ν, as TFF's `build_weighted_fed_avg` does).
+"""Composing fltff's factories with TFF's aggregation wrappers (`clipping_factory`,
+`zeroing_factory`), which go *around* them (docs/methods/index.md, `model_aggregator=`).
 """
 
 from __future__ import annotations

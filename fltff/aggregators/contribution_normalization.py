@@ -1,21 +1,6 @@
-"""Client contribution normalisation (CCN) and FedNova's normalised averaging.
-
-CCN ("Client Contribution Normalization for Enhanced Federated Learning"): each client sends with
-its update the mean of its model's latent (last hidden) layer over its local training data. With
-S the clients' cosine-similarity matrix (diagonal 1), temperature T and the base scheme's weights ν:
-
-    Λ_r = Σ_{q≠r} exp(Σ_p S_qp / T) / Σ_q exp(Σ_p S_qp / T) = 1 − softmax_r(Σ_p S_rp / T),
-    ω_r = Λ_r ν_r / Σ_q Λ_q ν_q,
-
-so a client whose representation is unlike the others' (small row sum) gets the largest Λ. With
-one participant Λ = 0 and ω is undefined; fltff then keeps ω_r = ν_r / Σ_q ν_q (likewise whenever
-Σ_q Λ_q ν_q = 0).
-
-FedNova (Wang et al., NeurIPS 2020): client k with τ_k local steps sends d_k = Δ_k / τ_k; the
-server applies τ_eff Σ_k p_k d_k, p the (possibly CCN-rescaled) weights, τ_eff = Σ_k p_k τ_k.
-
-One single-pass factory serves both (`model_aggregator` of the schemes averaging with ν; use and
-composition: docs/methods/ccn.md).
+"""Client contribution normalisation (CCN, "Client Contribution Normalization for Enhanced
+Federated Learning") and FedNova's normalised averaging (Wang et al., NeurIPS 2020), as one
+single-pass factory; the equations and their use: docs/methods/ccn.md.
 """
 
 from __future__ import annotations
@@ -139,30 +124,25 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
     return ((CLIENT_INDEX,) + ((LATENT_MEAN,) if self._temperature else ()) +
             ((LOCAL_STEPS,) if self._nova else ()))
 
-  def _missing_fields(self, missing: list, weight_type) -> str:
-    """What the aggregator needs that the update weight `weight_type` lacks, and how a process
-    sends it (e.g. CCN inside TFF's own `build_weighted_fed_avg`, whose weight is n_k)."""
-    what = ' and '.join(filter(None, (
-        "CCN (contribution_normalization_factory) needs each client's latent_mean, the mean of "
-        "its model's 'latent' layer over its local training data" if self._temperature else '',
-        "FedNova's normalised averaging needs each client's local_steps" if self._nova else '')))
-    fields = ', '.join(['num_examples'] + [s.name for s in self.client_statistics[1:]])
-    return (f'{what}, sent with its update in the update weight, a struct ({fields}); this '
-            f'process\'s update weight is {weight_type}, without {", ".join(missing)} (TFF\'s '
-            'own client work sends only the example count). Build the process with an fltff '
-            'builder, whose client work sends the factory\'s client_statistics: '
-            'fltff.learning.build_fedavg(model_spec, model_aggregator=<this factory>) or another '
-            'that takes model_aggregator (fltff.methods marks them composes_aggregator), or '
-            'build_algorithm(..., model_aggregator=<this factory>) for a method of your own.')
-
   def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:
     fields = [name for name, _ in tff.structure.iter_elements(weight_type)] if isinstance(
         weight_type, tff.StructType) else []
     # ν and the statistics but the first, `client_index` (optional: it labels measurements).
     needed = ['num_examples'] + [s.name for s in self.client_statistics[1:]]
     missing = [f for f in needed if f not in fields]
-    if missing:
-      raise ConfigError(self._missing_fields(missing, weight_type))
+    if missing:  # E.g. CCN inside TFF's own `build_weighted_fed_avg`, whose weight is n_k.
+      what = ' and '.join(filter(None, (
+          "CCN (contribution_normalization_factory) needs each client's latent_mean, the mean of "
+          "its model's 'latent' layer over its local training data" if self._temperature else '',
+          "FedNova's normalised averaging needs each client's local_steps" if self._nova else '')))
+      raise ConfigError(
+          f'{what}, sent with its update in the update weight, a struct ({", ".join(needed)}); '
+          f'this process\'s update weight is {weight_type}, without {", ".join(missing)} (TFF\'s '
+          'own client work sends only the example count). Build the process with an fltff '
+          'builder, whose client work sends the factory\'s client_statistics: '
+          'fltff.learning.build_fedavg(model_spec, model_aggregator=<this factory>) or another '
+          'that takes model_aggregator (fltff.methods marks them composes_aggregator), or '
+          'build_algorithm(..., model_aggregator=<this factory>) for a method of your own.')
     specs = tff.types.type_to_tf_tensor_specs(value_type)
     temperature, nova = self._temperature, self._nova
 

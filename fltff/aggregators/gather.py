@@ -1,11 +1,8 @@
-"""Single-pass gathering of every participant's update and weight at the server.
-
-fltff's aggregators need all participants' values at once (angles against the global update,
-similarities between clients), single-pass (docs/architecture.md) so that TFF's mergeable context
-can split a round across workers: one `federated_aggregate` whose accumulator concatenates client
-values along a new leading axis (merging is another concatenation), then server-side math. No
-`tff.federated_select` (wrong rows in the mergeable context), no aggregate depending on another
-("Detected one aggregate dependent on another").
+"""Single-pass gathering of every participant's update and weight at the server
+(docs/architecture.md): one `federated_aggregate` whose accumulator concatenates client values
+along a new leading axis (merging is another concatenation), so TFF's mergeable context can split
+a round across workers. No `tff.federated_select` (wrong rows in the mergeable context), no
+aggregate depending on another ("Detected one aggregate dependent on another").
 """
 
 from __future__ import annotations
@@ -14,12 +11,6 @@ import collections
 
 import tensorflow as tf
 import tensorflow_federated as tff
-
-
-def _unknown_rows(spec: tf.TensorSpec) -> tf.Tensor:
-  """A zero-row tensor whose leading dimension is unknown ([None, ...]), for accumulators."""
-  return tf.compat.v1.placeholder_with_default(tf.zeros([0, *spec.shape], spec.dtype),
-                                               [None, *spec.shape])
 
 
 def build_gather(value_type, weight_type):
@@ -33,8 +24,9 @@ def build_gather(value_type, weight_type):
       weight=tff.types.type_to_tf_tensor_specs(weight_type))
 
   @tff.tensorflow.computation
-  def zero():
-    return tf.nest.map_structure(_unknown_rows, specs)
+  def zero():  # Zero rows, the leading dimension unknown ([None, ...]).
+    return tf.nest.map_structure(lambda s: tf.compat.v1.placeholder_with_default(
+        tf.zeros([0, *s.shape], s.dtype), [None, *s.shape]), specs)
 
   acc_type = zero.type_signature.result
 
