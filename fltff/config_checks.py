@@ -155,16 +155,6 @@ def _configurables() -> dict:
   return {c.name: c for _, c in gin.config._REGISTRY.items()}  # pylint: disable=protected-access
 
 
-def gin_parameters(name: str) -> list[str]:
-  """The parameters gin may bind of configurable `name`, in signature order (none if unknown)."""
-  configurable = _configurables().get(name.rsplit('.', 1)[-1])
-  if not configurable:
-    return []
-  return [p for p in _parameters(configurable.selector)
-          if (configurable.allowlist is None or p in configurable.allowlist)
-          and p not in (configurable.denylist or ())]
-
-
 def _expected(annotation: Any) -> Optional[str]:
   """What a parameter annotated `annotation` takes, in words; None when the annotation says
   nothing gin can write."""
@@ -178,19 +168,6 @@ def _expected(annotation: Any) -> Optional[str]:
           'bool': 'True or False', 'Sequence': sequence, 'list': sequence, 'tuple': sequence,
           'Mapping': 'a dict', 'dict': 'a dict'}.get(kind.split('[')[0])
   return kind and kind + (' or None' if optional else '')
-
-
-def _located(message: str) -> tuple[str, str]:
-  """`(where, line)` of a gin error message: '--gin_bindings' or 'file, line n', and the
-  configuration line it quotes ('' where it quotes none)."""
-  lines = [l.strip() for l in message.splitlines()]
-  for i, line in enumerate(lines):
-    in_file = re.match(r'In file "([^"]+)", line (\d+)', line)
-    if in_file or line.startswith('In bindings string'):
-      quoted = lines[i + 1] if i + 1 < len(lines) else ''
-      return (f'{in_file.group(1)}, line {in_file.group(2)}' if in_file else '--gin_bindings',
-              quoted)
-  return '', ''
 
 
 def _unreadable_value(error: SyntaxError) -> Optional[str]:
@@ -239,13 +216,23 @@ def explain_gin_error(error: BaseException, method_names: Sequence[str] = ()) ->
   if isinstance(error, SyntaxError):
     return _unreadable_value(error)
   message = str(error)
-  where, line = _located(message)
+  # Where: '--gin_bindings' or 'file, line n', and the configuration line it quotes.
+  where, line, lines = '', '', [l.strip() for l in message.splitlines()]
+  for i, text in enumerate(lines):
+    in_file = re.match(r'In file "([^"]+)", line (\d+)', text)
+    if in_file or text.startswith('In bindings string'):
+      where = f'{in_file.group(1)}, line {in_file.group(2)}' if in_file else '--gin_bindings'
+      line = lines[i + 1] if i + 1 < len(lines) else ''
+      break
   binding = f'{line} (in {where})' if '=' in line else f'in {where}' if where else ''
   unknown_param = re.match(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'",
                            message)
   if unknown_param:
     configurable, param = unknown_param.groups()
-    params = gin_parameters(configurable)
+    known = _configurables().get(configurable.rsplit('.', 1)[-1])
+    params = [p for p in (_parameters(known.selector) if known else ())
+              if (known.allowlist is None or p in known.allowlist)
+              and p not in (known.denylist or ())]
     return (f'{binding}: {configurable} has no parameter {param};'
             f'{did_you_mean(param, params)} {configurable}\'s parameters: {", ".join(params)}.'
             ).lstrip(': ')

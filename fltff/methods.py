@@ -29,6 +29,9 @@ class Method:
 
   Attributes:
     builder: `module:function` of its `build_<method>` (imported when used).
+    gin_name: `experiment.method = @<gin_name>`; `name`, but `local_training` for `local`.
+    citation: The paper the method follows (authors, title, venue, year); '' for local
+      training, which has none.
     num_clients: The builder takes the total number of clients N (state sized by N).
     client_ids: Its round uses each participant's client index (per-client server memory,
       client state or aggregator weights), so TFF's program API (which has none) cannot drive it.
@@ -42,36 +45,26 @@ class Method:
       factory; CCN with `+ccn`).
     relationship_seed: The builder's `relationship_seed` (KAPC's R, pFedLA's hypernetworks)
       follows the run's seed unless gin binds it (`simulation.experiment.build_method`).
-    gin_name: `experiment.method = @<gin_name>`; `name`, but `local_training` for `local`.
-    citation: The paper the method follows (authors, title, venue, year); '' for local
-      training, which has none.
   """
   name: str
   builder: str
-  num_clients: bool
-  client_ids: bool
-  client_state: bool
-  personalised: bool
+  gin_name: str
+  citation: str
+  num_clients: bool = False
+  client_ids: bool = False
+  client_state: bool = False
+  personalised: bool = False
   factors: bool = True
   composes_aggregator: bool = False
   relationship_seed: bool = False
-  gin_name: str = ''
-  citation: str = ''
-
-  def __post_init__(self):
-    if not self.gin_name:
-      object.__setattr__(self, 'gin_name', self.name)
 
   def build_fn(self) -> Callable[..., Any]:
     module, function = self.builder.split(':')
     return getattr(importlib.import_module(module), function)
 
 
-def _m(name, module, citation, *, num_clients=False, client_ids=False, client_state=False,
-       personalised=False, factors=True, composes_aggregator=False, relationship_seed=False,
-       gin_name=''):
-  return Method(name, f'{module}:build_{name}', num_clients, client_ids, client_state,
-                personalised, factors, composes_aggregator, relationship_seed, gin_name, citation)
+def _m(name, module, citation, gin_name='', **traits):
+  return Method(name, f'{module}:build_{name}', gin_name or name, citation, **traits)
 
 
 _L, _P = 'fltff.learning', 'fltff.personalization'
