@@ -21,38 +21,6 @@ COMMANDS = {
 }
 
 
-def _usage() -> str:
-  lines = ['usage: fltff <command> [flags]   (fltff <command> --help for its flags)', '',
-           'commands:']
-  lines += [f'  {name:<10} {what}' for name, what in COMMANDS.items()]
-  return '\n'.join(lines)
-
-
-def _program(command: str):
-  try:
-    return importlib.import_module(f'fltff.pipelines.{command}')
-  except ModuleNotFoundError as e:
-    if e.name not in ('fltff.pipelines', f'fltff.pipelines.{command}'):
-      raise
-    # A checkout on sys.path that was not pip-installed: the runner is `pipelines`.
-    return importlib.import_module(f'pipelines.{command}')
-
-
-def _check_gin_files(args: Sequence[str]) -> None:
-  """Exits on a missing `--gin_file` before TensorFlow is imported (`fltff run` checks again,
-  for `python -m pipelines.run`)."""
-  from fltff import resources  # pylint: disable=g-import-not-at-top
-  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
-
-  paths = [a.split('=', 1)[1] for a in args if a.startswith('--gin_file=')]
-  paths += [b for a, b in zip(args, args[1:]) if a == '--gin_file']
-  try:
-    resources.find_gin_files(paths)
-  except ConfigError as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(2)
-
-
 def _parse_flags(argv: Sequence[str]) -> list[str]:
   from absl import flags  # pylint: disable=g-import-not-at-top
 
@@ -97,30 +65,41 @@ class StopSignal:
     return self._set
 
 
-def _import_from_working_directory() -> None:
-  """Puts the working directory first on `sys.path`, as `python -m fltff` does, so that a gin
-  file's `import my_models` finds the user's module: the installed `fltff` script starts with
-  its own folder there instead. Nothing with `python -P` (PYTHONSAFEPATH), as for `python -m`."""
-  if sys.flags.safe_path:
-    return
-  cwd = os.getcwd()
-  if not sys.path or os.path.abspath(sys.path[0] or os.curdir) != cwd:
-    sys.path.insert(0, cwd)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
   argv = list(sys.argv if argv is None else argv)
-  _import_from_working_directory()
+  # The working directory first on `sys.path`, as `python -m fltff` does, so that a gin file's
+  # `import my_models` finds the user's module: the installed `fltff` script starts with its own
+  # folder there instead. Nothing with `python -P` (PYTHONSAFEPATH), as for `python -m`.
+  if not sys.flags.safe_path:
+    cwd = os.getcwd()
+    if not sys.path or os.path.abspath(sys.path[0] or os.curdir) != cwd:
+      sys.path.insert(0, cwd)
   if len(argv) < 2 or argv[1] in ('-h', '--help', 'help'):
-    print(_usage())
+    print('usage: fltff <command> [flags]   (fltff <command> --help for its flags)\n\ncommands:')
+    print('\n'.join(f'  {name:<10} {what}' for name, what in COMMANDS.items()))
     sys.exit(0 if len(argv) >= 2 else 2)
   command = argv[1]
   if command not in COMMANDS:
     print(f'error: unknown command {command!r}; one of {", ".join(COMMANDS)}.', file=sys.stderr)
     sys.exit(2)
-  if command == 'run':
-    _check_gin_files(argv[2:])
-  program = _program(command)
+  if command == 'run':  # A missing --gin_file exits before TensorFlow is imported.
+    from fltff import resources  # pylint: disable=g-import-not-at-top
+    from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+    args = argv[2:]
+    paths = [a.split('=', 1)[1] for a in args if a.startswith('--gin_file=')]
+    try:
+      resources.find_gin_files(paths + [b for a, b in zip(args, args[1:]) if a == '--gin_file'])
+    except ConfigError as e:
+      print(f'error: {e}', file=sys.stderr)
+      sys.exit(2)
+  try:
+    program = importlib.import_module(f'fltff.pipelines.{command}')
+  except ModuleNotFoundError as e:
+    if e.name not in ('fltff.pipelines', f'fltff.pipelines.{command}'):
+      raise
+    # A checkout on sys.path that was not pip-installed: the runner is `pipelines`.
+    program = importlib.import_module(f'pipelines.{command}')
   from absl import flags  # pylint: disable=g-import-not-at-top
 
   if {'-h', '--help', '-?'} & set(argv[2:]):
