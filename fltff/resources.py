@@ -63,24 +63,6 @@ _INCLUDE = re.compile(r"""^include\s+(['"])(.+?)\1""")
 MAX_GIN_FILE_BYTES = 1 << 20
 
 
-def _read_gin_file(path: str) -> list[str]:
-  """The lines of the gin file `path`; `ConfigError` unless it is a readable regular text file
-  of at most `MAX_GIN_FILE_BYTES` (a device or FIFO is refused before it is opened)."""
-  try:
-    if not stat.S_ISREG(os.stat(path).st_mode):
-      raise ConfigError(f'the gin file {path} is not a regular file (a folder, device or '
-                        'pipe); pass a gin configuration file.')
-    with open(path, 'rb') as f:
-      data = f.read(MAX_GIN_FILE_BYTES + 1)
-    if len(data) > MAX_GIN_FILE_BYTES:
-      raise ConfigError(f'the gin file {path} is over {MAX_GIN_FILE_BYTES >> 20} MiB, more '
-                        'than a gin configuration is; pass a gin configuration file.')
-    return data.decode().splitlines()
-  except (OSError, UnicodeDecodeError) as e:
-    reason = os.strerror(e.errno) if getattr(e, 'errno', None) else 'not a text file'
-    raise ConfigError(f'cannot read the gin file {path}: {reason}.') from None
-
-
 def _check_includes(path: str, seen: set, chain: tuple) -> None:
   """Checks `path` and, recursively, the files it includes; `chain`: the files including it,
   outermost first (an include of one of them is a cycle, which gin would follow forever)."""
@@ -93,7 +75,19 @@ def _check_includes(path: str, seen: set, chain: tuple) -> None:
   if real in seen:
     return
   seen.add(real)
-  lines = _read_gin_file(path)
+  try:  # A readable regular text file (a device or FIFO is refused before it is opened).
+    if not stat.S_ISREG(os.stat(path).st_mode):
+      raise ConfigError(f'the gin file {path} is not a regular file (a folder, device or '
+                        'pipe); pass a gin configuration file.')
+    with open(path, 'rb') as f:
+      data = f.read(MAX_GIN_FILE_BYTES + 1)
+    if len(data) > MAX_GIN_FILE_BYTES:
+      raise ConfigError(f'the gin file {path} is over {MAX_GIN_FILE_BYTES >> 20} MiB, more '
+                        'than a gin configuration is; pass a gin configuration file.')
+    lines = data.decode().splitlines()
+  except (OSError, UnicodeDecodeError) as e:
+    reason = os.strerror(e.errno) if getattr(e, 'errno', None) else 'not a text file'
+    raise ConfigError(f'cannot read the gin file {path}: {reason}.') from None
   for number, line in enumerate(lines, 1):
     match = _INCLUDE.match(line.strip())
     if not match:
