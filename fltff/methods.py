@@ -161,13 +161,11 @@ def names(variants: bool = False) -> list[str]:
 def get(name: str) -> Method:
   """The registry entry of `name` (a variant's: its method's with the variant's traits);
   `ConfigError` for an unknown name, listing the known ones."""
-  variant = VARIANTS.get(name)
-  base = variant.base if variant else name
-  if base not in METHODS:
+  if name in METHODS:
+    return METHODS[name]
+  if name not in VARIANTS:
     raise ConfigError(f'unknown method {name!r}; fltff has {", ".join(names(variants=True))}.')
-  if variant is None:
-    return METHODS[base]
-  return dataclasses.replace(METHODS[base], name=name, **variant.traits)
+  return dataclasses.replace(METHODS[VARIANTS[name].base], name=name, **VARIANTS[name].traits)
 
 
 def of_builder(builder: Callable[..., Any]) -> Method:

@@ -19,22 +19,20 @@ from fltff import __version__
 from fltff.errors import ConfigError
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_CHECKOUT = os.path.dirname(PACKAGE_DIR)  # A checkout's root (site-packages once installed).
 
 
 def shipped_roots() -> list[str]:
   """Folders against which a shipped path (`gin_configs/...`, `fltff/...`) resolves: the
   checkout this fltff is imported from, then the installed package's own folder."""
-  checkout = os.path.dirname(PACKAGE_DIR)
-  roots = [checkout] if os.path.isdir(os.path.join(checkout, 'gin_configs')) else []
-  return roots + [PACKAGE_DIR] + ([] if roots else [checkout])
+  roots = [_CHECKOUT] if os.path.isdir(os.path.join(_CHECKOUT, 'gin_configs')) else []
+  return roots + [PACKAGE_DIR] + ([] if roots else [_CHECKOUT])
 
 
 def find_shipped(path: str) -> Optional[str]:
   """`path` as given if it exists, else the shipped file of that relative path, else None."""
-  if os.path.exists(path) or os.path.isabs(path):
-    return path if os.path.exists(path) else None
-  return next((candidate for candidate in (os.path.join(root, path) for root in shipped_roots())
-               if os.path.exists(candidate)), None)
+  shipped = [] if os.path.isabs(path) else [os.path.join(root, path) for root in shipped_roots()]
+  return next((candidate for candidate in [path] + shipped if os.path.exists(candidate)), None)
 
 
 def find_gin_files(paths, bindings=()) -> list[str]:
@@ -172,11 +170,10 @@ def source_version() -> dict:
   """fltff's version and, in a git checkout, its commit (`-dirty` with uncommitted changes), as
   a run's `summary.json` records them."""
   info = {'fltff_version': __version__}
-  checkout = os.path.dirname(PACKAGE_DIR)
-  if os.path.exists(os.path.join(checkout, '.git')):
+  if os.path.exists(os.path.join(_CHECKOUT, '.git')):
     try:
       info['fltff_commit'] = subprocess.run(
-          ['git', '-C', checkout, 'describe', '--always', '--dirty', '--abbrev=12'],
+          ['git', '-C', _CHECKOUT, 'describe', '--always', '--dirty', '--abbrev=12'],
           capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
       pass

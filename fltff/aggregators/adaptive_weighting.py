@@ -133,7 +133,6 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
       raise ConfigError(f'Layer groups {layers} do not partition the {len(flat_specs)} '
                         'tensors of the update.')
     tensor_layer = {i: l for l, group in enumerate(layers) for i in group}
-    num_layers = len(layers)
     keyed = isinstance(weight_type, tff.StructType)
     if keyed and not self._num_clients:
       raise ConfigError('Per-client angle smoothing needs num_clients (the total number of '
@@ -146,11 +145,10 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
           '(angles unsmoothed, θ̃ = θ), or use fltff\'s builders (learning.build_fedlayerwise, '
           'learning.build_fedadp), whose client work sends the index.')
     num_state_clients = self._num_clients if keyed else 1
-    alpha = self._alpha
 
     def init_state():
       return collections.OrderedDict(
-          smoothed_angle=tf.zeros([num_state_clients, num_layers], tf.float32),
+          smoothed_angle=tf.zeros([num_state_clients, len(layers)], tf.float32),
           participations=tf.zeros([num_state_clients], tf.int32))
 
     def server_update(state, gathered):
@@ -178,7 +176,7 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
         index = tf.range(k, dtype=tf.int32)
         smoothed = angle
         new_state = state
-      psi = adaptive_weights(gompertz(smoothed, alpha), n)  # [K, L]
+      psi = adaptive_weights(gompertz(smoothed, self._alpha), n)  # [K, L]
       aggregate = [weighted_layer_mean(u, psi[:, tensor_layer[i]])
                    for i, u in enumerate(updates)]
       # Without client indices a row is a participant's position in this round, named so.

@@ -1,5 +1,9 @@
-"""Composing fltff's factories with TFF's aggregation wrappers (`clipping_factory`,
-`zeroing_factory`), which go *around* them (docs/methods/index.md, `model_aggregator=`).
+"""Composing fltff's factories with TFF's aggregation wrappers (docs/methods/index.md).
+
+fltff's factories gather all participants' values in one aggregate (single-pass), so they take
+no inner TFF factory (secure sum or DP noise would have to run per client inside them). TFF
+wrappers acting on each client's value first (`clipping_factory`, `zeroing_factory`) go *around*
+them.
 """
 
 from __future__ import annotations

@@ -144,23 +144,21 @@ class NormalizedMeanFactory(tff.aggregators.WeightedAggregationFactory):
           'that takes model_aggregator (fltff.methods marks them composes_aggregator), or '
           'build_algorithm(..., model_aggregator=<this factory>) for a method of your own.')
     specs = tff.types.type_to_tf_tensor_specs(value_type)
-    temperature, nova = self._temperature, self._nova
 
     def server_update(state, gathered):
       updates = list(gathered['update'])
       weight = gathered['weight']
       nu = weight['num_examples']
-      k = tf.shape(nu)[0]
-      measurements = collections.OrderedDict(
-          client_index=weight['client_index'] if 'client_index' in fields else tf.range(k))
-      if temperature:
-        factors = contribution_factors(similarity_matrix(weight['latent_mean']), temperature)
+      measurements = collections.OrderedDict(client_index=(
+          weight['client_index'] if 'client_index' in fields else tf.range(tf.shape(nu)[0])))
+      if self._temperature:
+        factors = contribution_factors(similarity_matrix(weight['latent_mean']), self._temperature)
         omega = normalized_weights(factors, nu)
         measurements['contribution'] = factors
       else:
         omega = nu / tf.reduce_sum(nu)
       measurements['weight'] = omega
-      if nova:
+      if self._nova:
         aggregate = nova_aggregate(updates, omega, weight['local_steps'])
       else:
         aggregate = [tf.tensordot(omega, u, axes=1) for u in updates]

@@ -41,9 +41,7 @@ def build_gather(value_type, weight_type):
   def merge(a, b):
     return tf.nest.map_structure(lambda x, y: tf.concat([x, y], 0), a, b)
 
-  @tff.tensorflow.computation(acc_type)
-  def report(acc):
-    return acc
+  report = tff.tensorflow.computation(lambda acc: acc, acc_type)
 
   @tff.federated_computation(tff.FederatedType(value_type, tff.CLIENTS),
                              tff.FederatedType(weight_type, tff.CLIENTS))
