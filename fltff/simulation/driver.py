@@ -32,6 +32,8 @@ from fltff.errors import StopRequested
 from fltff.errors import warn
 from fltff.learning import protocol
 from fltff.simulation import sampling
+from fltff.simulation.channel import deadline_epochs
+from fltff.simulation.channel import round_time_breakdown
 from fltff.simulation.checkpoint import Checkpointer
 from fltff.simulation.checkpoint import kept_message
 from fltff.simulation import evaluation as evaluation_lib
@@ -40,7 +42,8 @@ from fltff.simulation.outputs import RunOutputs
 from fltff.simulation.outputs import finite
 from fltff.simulation.outputs import rounds_to_targets
 from fltff.simulation.state_store import STORE_KINDS
-from fltff.simulation.state_store import build_client_state_store
+from fltff.simulation.state_store import ClientStateStore
+from fltff.simulation.state_store import SqliteClientStateStore
 
 
 @dataclasses.dataclass
@@ -88,11 +91,6 @@ class RoundConfig:
                  low=0, open_low=True)
 
 
-def _finite_tree(structure) -> bool:
-  return all(np.all(np.isfinite(np.asarray(x))) for x in tf.nest.flatten(structure)
-             if np.asarray(x).dtype.kind == 'f')
-
-
 class RoundDriver:
   """Runs any `protocol.FederatedAlgorithm` on `FederatedData` for `config.rounds` rounds."""
 
@@ -136,8 +134,9 @@ class RoundDriver:
                                                   config.client_fraction)
     # All per-client state (SCAFFOLD's controls, MOON's previous models, personal models...).
     self.record = record
-    self.client_states = build_client_state_store(config.client_state_store, output_dir,
-                                                  algorithm.initial_client_state)
+    self.client_states = (ClientStateStore(algorithm.initial_client_state)
+                          if config.client_state_store == 'memory' else
+                          SqliteClientStateStore(output_dir, algorithm.initial_client_state))
     self.datasets = ClientDatasets(data.client_arrays, config.batch_size)
     self.outputs = RunOutputs(output_dir)
     self.checkpointer = Checkpointer(output_dir)
@@ -149,7 +148,6 @@ class RoundDriver:
     self._round_arrays: dict = {}
     self._trained: Optional[tuple] = None
     self._loss_warned = False
-    self._last_saved, self._last_good, self._consistent = 0, (0, None), True
 
   # -- one round ---------------------------------------------------------------------------
   def client_batches(self, round_num: int, client_index: int):
@@ -166,7 +164,6 @@ class RoundDriver:
     epochs, dropped = sampling.straggler_plan(sampled, cfg.local_epochs, cfg.straggler_fraction,
                                               cfg.straggler_mode, cfg.seed, round_num)
     if cfg.round_deadline is not None:
-      from fltff.simulation.channel import deadline_epochs  # pylint: disable=g-import-not-at-top
       ks = np.asarray([int(k) for k in sampled])
       sizes = np.asarray([len(self.data.train_indices[k]) for k in ks], np.float64)
       fit = deadline_epochs(
@@ -176,39 +173,6 @@ class RoundDriver:
       epochs = {int(k): min(int(epochs[int(k)]), int(e)) for k, e in zip(ks, fit)}
       dropped = set(dropped) | {int(k) for k, e in zip(ks, fit) if e == 0}
     return [int(k) for k in sampled if int(k) not in dropped], epochs, dropped
-
-  def system_columns(self, clients: Sequence[int], epochs: dict, bytes_down, bytes_up,
-                     train_seconds: float, server_seconds: float) -> dict:
-    """The round's simulated time breakdown (KAPC paper, Table 5) from the channel model; each
-    client's compute is the measured training time apportioned by examples × epochs."""
-    if self.channel is None or not clients:
-      return {}
-    from fltff.simulation.channel import round_time_breakdown  # pylint: disable=g-import-not-at-top
-    ks = np.asarray(clients)
-    work = np.asarray([len(self.data.train_indices[k]) * max(epochs[k], 0) for k in clients],
-                      np.float64)
-    compute = train_seconds * work / max(work.sum(), 1.0)
-    times = round_time_breakdown(self.channel.download_seconds(ks, bytes_down),
-                                 compute, self.channel.upload_seconds(ks, bytes_up),
-                                 server_seconds)
-    return {f'sim_{key}': float(value) for key, value in times.items()
-            if key != 'slowest_client_position'}
-
-  def round_row(self, round_num: int, train, clients, epochs, dropped, bytes_down: int,
-                bytes_up: int, seconds: float) -> dict:
-    """The metrics.csv columns every method has (training metrics, participation, bytes)."""
-    return {
-        'round': round_num,
-        'train_loss': float(train['loss']),
-        'train_accuracy': float(train['accuracy']),
-        'examples': int(train['num_examples']),
-        'clients': len(clients),
-        'stragglers': sum(1 for k in clients if epochs[k] < self.config.local_epochs),
-        'dropped': len(dropped),
-        'bytes_down': int(bytes_down),
-        'bytes_up': int(bytes_up),
-        'round_seconds': seconds,
-    }
 
   def run_round(self, state, round_num: int):
     """One round: `(new_state, metrics row, the participants' new client states)`, the states
@@ -221,11 +185,31 @@ class RoundDriver:
         num_examples_of=lambda k: len(self.data.train_indices[k]),
         client_state_of=self.client_states.get, call=self.call)
     scalars, arrays = split_measurements(out.measurements)
-    row = self.round_row(round_num, out.train, clients, epochs, dropped, out.bytes_down.sum(),
-                         out.bytes_up.sum(), seconds)
-    row.update(scalars)
-    row.update(self.system_columns(out.clients, epochs, out.bytes_down, out.bytes_up, seconds,
-                                   out.server_seconds))
+    row = {  # The metrics.csv columns every method has, then the method's measurements.
+        'round': round_num,
+        'train_loss': float(out.train['loss']),
+        'train_accuracy': float(out.train['accuracy']),
+        'examples': int(out.train['num_examples']),
+        'clients': len(clients),
+        'stragglers': sum(1 for k in clients if epochs[k] < self.config.local_epochs),
+        'dropped': len(dropped),
+        'bytes_down': int(out.bytes_down.sum()),
+        'bytes_up': int(out.bytes_up.sum()),
+        'round_seconds': seconds,
+        **scalars,
+    }
+    if self.channel is not None and out.clients:
+      # The simulated time breakdown (KAPC paper, Table 5); each client's compute is the
+      # measured training time apportioned by examples × epochs.
+      ks = np.asarray(out.clients)
+      work = np.asarray([len(self.data.train_indices[k]) * max(epochs[k], 0) for k in out.clients],
+                        np.float64)
+      times = round_time_breakdown(self.channel.download_seconds(ks, out.bytes_down),
+                                   seconds * work / max(work.sum(), 1.0),
+                                   self.channel.upload_seconds(ks, out.bytes_up),
+                                   out.server_seconds)
+      row.update({f'sim_{key}': float(value) for key, value in times.items()
+                  if key != 'slowest_client_position'})
     arrays.update(out.arrays)
     self._round_arrays = arrays  # Logged with the evaluation's per-client arrays (`run`).
     self._round_clients = list(out.clients)
@@ -266,7 +250,15 @@ class RoundDriver:
     if per_client:
       out['_clients'] = per_client
     if self.algorithm.personal_models and not self.algorithm.personalized:
-      out.update(self.evaluate_personalized(state, global_weights))
+      # Every client on its local test split, with its personal model (the global one for a
+      # client that has never taken part) and with the global model.
+      everyone = range(self.num_clients)
+      global_local = self.local_accuracies(lambda k: global_weights, everyone)
+      personal = global_local | self.local_accuracies(
+          lambda k: self.algorithm.personal_weights(state, self.client_states.get(k)),
+          [k for k in everyone if k in self.client_states])
+      out.update(personalized_accuracy=float(np.mean(list(personal.values()))),
+                 global_model_local_accuracy=float(np.mean(list(global_local.values()))))
     return out
 
   def _stacked_weights(self, stacked, global_weights) -> Callable[[int], Any]:
@@ -287,17 +279,6 @@ class RoundDriver:
         self.evaluator.set_weights(weights_of(k))
         accuracies[k] = self.evaluator.evaluate(x, y)['accuracy']
     return accuracies
-
-  def evaluate_personalized(self, state, global_weights) -> dict[str, float]:
-    """Mean over all clients of accuracy on their own local test split: personal model and
-    global model. A client that has never taken part is evaluated with the global model."""
-    everyone = range(self.num_clients)
-    global_local = self.local_accuracies(lambda k: global_weights, everyone)
-    personal = global_local | self.local_accuracies(
-        lambda k: self.algorithm.personal_weights(state, self.client_states.get(k)),
-        [k for k in everyone if k in self.client_states])
-    return {'personalized_accuracy': float(np.mean(list(personal.values()))),
-            'global_model_local_accuracy': float(np.mean(list(global_local.values())))}
 
   # -- checkpoints -------------------------------------------------------------------------
   def save(self, round_num: int, state) -> None:
@@ -376,14 +357,8 @@ class RoundDriver:
     t0 = time.perf_counter()
     try:
       for r in range(start_round, cfg.rounds + 1):
-        new_state, row, client_states = self.run_round(state, r)
-        if not math.isfinite(row['train_loss']) or not self.is_finite(new_state, client_states):
-          raise DivergenceError(
-              f'Training diverged in round {r}: the loss or the model weights became NaN/inf. '
-              f'{kept_message(self.checkpointer.directory, r - 1)}; lower '
-              'client_optimizer.learning_rate (or the server learning rate) and rerun.')
-        self.check_loss_growth(row)
-        state = new_state
+        state, row, client_states = self.run_round(state, r)
+        self.check_divergence(row, state, client_states)
         # From here until round r is recorded, the client store holds round r's states and
         # the last completed round is r - 1: no checkpoint can pair them.
         self._recording()
@@ -414,7 +389,7 @@ class RoundDriver:
           self._consistent = True
         done = r - start_round + 1
         eta = (time.perf_counter() - t0) / done * (cfg.rounds - r)
-        acc = row.get(self.headline_column)
+        acc = row.get(evaluation_lib.PROTOCOL_COLUMNS[self.protocols[0]])
         self.progress(
             f'round {r:4d}/{cfg.rounds} | {self.protocols[0]} acc '
             f'{"  -   " if acc is None else f"{acc:.4f}"} | train loss {row["train_loss"]:.4f} '
@@ -458,30 +433,28 @@ class RoundDriver:
       finally:
         self._consistent = True
 
-  @property
-  def headline_column(self) -> str:
-    """The metrics.csv column of the run's first (headline) protocol."""
-    return evaluation_lib.PROTOCOL_COLUMNS[self.protocols[0]]
-
   LOSS_WARNING_FACTOR = 1e3
 
-  def check_loss_growth(self, row: dict) -> None:
-    """Warns once if the training loss exceeds `LOSS_WARNING_FACTOR` × ln(classes), a uniform
-    guess's loss: divergence that may never reach NaN (round 1, which may already explode, is
-    no reference). The run goes on."""
+  def check_divergence(self, row: dict, new_state, client_states: dict) -> None:
+    """`DivergenceError` if the round's loss, new server state (global methods: its trainable
+    weights) or client states are not finite. Warns once if the training loss exceeds
+    `LOSS_WARNING_FACTOR` × ln(classes), a uniform guess's loss: divergence that may never
+    reach NaN (round 1, which may already explode, is no reference). The run goes on."""
+    checked = (new_state if self.algorithm.personalized else
+               self.algorithm.global_model_weights(new_state).trainable)
+    if not math.isfinite(row['train_loss']) or not all(
+        np.all(np.isfinite(x)) for x in map(np.asarray, tf.nest.flatten(
+            [checked, list(client_states.values())])) if x.dtype.kind == 'f'):
+      raise DivergenceError(
+          f'Training diverged in round {row["round"]}: the loss or the model weights became '
+          f'NaN/inf. {kept_message(self.checkpointer.directory, row["round"] - 1)}; lower '
+          'client_optimizer.learning_rate (or the server learning rate) and rerun.')
     limit = self.LOSS_WARNING_FACTOR * math.log(max(self.algorithm.model_spec.num_classes, 2))
     if not self._loss_warned and row['train_loss'] > limit:
       self._loss_warned = True
       warn(f'training loss {row["train_loss"]:.4g} in round {row["round"]} is over '
            f'{self.LOSS_WARNING_FACTOR:g} x ln(classes) = {limit:.4g}: the run is likely '
            'diverging; consider a lower client_optimizer.learning_rate.')
-
-  def is_finite(self, new_state, client_states: dict) -> bool:
-    """Whether the new server state (global methods: its trainable weights) and client states
-    are finite."""
-    checked = (new_state if self.algorithm.personalized else
-               self.algorithm.global_model_weights(new_state).trainable)
-    return _finite_tree(checked) and all(_finite_tree(s) for s in client_states.values())
 
   def summary(self) -> dict:
     evals = [r for r in self.rows if 'test_accuracy' in r]

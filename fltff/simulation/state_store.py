@@ -1,16 +1,7 @@
-"""The per-client state store (docs/architecture.md: stateful clients).
-
-Personal models, control variates, previous models, stale layers: nested NumPy structures by
-client index, which the round driver feeds to a process and saves with checkpoints. Chosen by
-`experiment.client_state_store`:
-
-* `ClientStateStore` ('memory', the default): a dict, saved whole in every checkpoint's
-  `.npz`; fastest for small populations.
-* `SqliteClientStateStore` ('sqlite'): `<output_dir>/client_states.sqlite`, a bounded cache
-  in RAM. Each round commits its participants' new states in one transaction, tagged with the
-  round; a checkpoint only prunes versions no kept checkpoint needs (cost: the clients changed)
-  and a restore drops newer ones, so a `kill -9` at any moment and `--resume` give the
-  uninterrupted run's numbers.
+"""The per-client state store: nested NumPy states by client index, which the round driver
+feeds to a process and saves with checkpoints; `experiment.client_state_store` chooses
+`ClientStateStore` ('memory') or `SqliteClientStateStore` ('sqlite'), as docs/outputs.md
+("Where client states live") describes.
 """
 
 from __future__ import annotations
@@ -37,7 +28,7 @@ _SQLITE_MARKER = 'client_store/sqlite'
 class ClientStateStore:
   """Client index → nested NumPy state, with lazy initialisation and (de)serialisation."""
 
-  def __init__(self, init_fn: Optional[Callable[[int], Any]] = None):
+  def __init__(self, init_fn: Callable[[int], Any]):
     self._init_fn = init_fn
     self._states: dict[int, Any] = {}
 
@@ -50,8 +41,6 @@ class ClientStateStore:
   def get(self, client_index: int) -> Any:
     """The client's state, created with `init_fn` on first use."""
     if client_index not in self._states:
-      if self._init_fn is None:
-        raise KeyError(f'No state for client {client_index} and no init_fn.')
       self._states[client_index] = tf.nest.map_structure(np.asarray,
                                                          self._init_fn(client_index))
     return self._states[client_index]
@@ -125,18 +114,6 @@ def _leaves_digest(client_index: int, state) -> str:
   return digest.hexdigest()
 
 
-def _pack(state) -> bytes:
-  buffer = io.BytesIO()
-  np.savez(buffer, *[np.asarray(leaf) for leaf in tf.nest.flatten(state)])
-  return buffer.getvalue()
-
-
-def _unpack(blob: bytes, template) -> Any:
-  with np.load(io.BytesIO(blob)) as arrays:
-    leaves = [arrays[f'arr_{j}'] for j in range(len(arrays.files))]
-  return tf.nest.pack_sequence_as(template, leaves)
-
-
 class SqliteClientStateStore:
   """Client states in SQLite, RAM bounded by a small cache (module docstring).
 
@@ -180,12 +157,15 @@ class SqliteClientStateStore:
           f'the client-state store {self.path} is damaged or not fltff\'s ({e}); restore it '
           'from a copy, or start the run again in a new --output_dir.') from None
 
-  def _changed_state(self, client_index: int) -> CheckpointError:
-    return CheckpointError(
-        f'the client-state store {self.path} holds a state for client {client_index} that is '
-        'not the one stored for it (its checksum differs: changed, or moved from another '
-        'client); the checkpointed rounds are kept: restore the file from a copy, or start the '
-        'run again in a new --output_dir.')
+  def _verify(self, client_index: int, blob: bytes, digest: Optional[str]) -> None:
+    """Raises `CheckpointError` unless `blob` is the state stored for the client (`digest`;
+    None in a store written before states carried one)."""
+    if digest is not None and state_digest(client_index, blob) != digest:
+      raise CheckpointError(
+          f'the client-state store {self.path} holds a state for client {client_index} that is '
+          'not the one stored for it (its checksum differs: changed, or moved from another '
+          'client); the checkpointed rounds are kept: restore the file from a copy, or start the '
+          'run again in a new --output_dir.')
 
   def _remember(self, client_index: int, state) -> None:
     self._cache[client_index] = state
@@ -217,10 +197,11 @@ class SqliteClientStateStore:
       # initial state (a model-sized copy for the personalised methods).
       if self._structure is None:
         self._structure = self._init_fn(k)
-      if row[1] is not None and state_digest(k, row[0]) != row[1]:
-        raise self._changed_state(k)
+      self._verify(k, *row)
       try:
-        state = _unpack(row[0], self._structure)
+        with np.load(io.BytesIO(row[0])) as arrays:
+          state = tf.nest.pack_sequence_as(self._structure,
+                                           [arrays[f'arr_{j}'] for j in range(len(arrays.files))])
       except Exception as e:  # pylint: disable=broad-except
         raise CheckpointError(
             f'the client-state store {self.path} holds a damaged state for client {k} '
@@ -234,7 +215,9 @@ class SqliteClientStateStore:
     rows = []
     for k, state in states.items():
       state = tf.nest.map_structure(np.asarray, state)
-      blob = _pack(state)
+      buffer = io.BytesIO()
+      np.savez(buffer, *tf.nest.flatten(state))
+      blob = buffer.getvalue()
       rows.append((int(k), int(round_num), blob, state_digest(k, blob)))
       self._remember(int(k), state)
       self._changed.add(int(k))
@@ -281,8 +264,7 @@ class SqliteClientStateStore:
     cursor = self._sql('execute', 'SELECT client, leaves, digest FROM states WHERE round <= ?',
                        (int(round_num),))
     for client, blob, digest in cursor:  # One row at a time: RAM stays bounded.
-      if digest is not None and state_digest(client, blob) != digest:
-        raise self._changed_state(client)
+      self._verify(client, blob, digest)
     self._sql('execute', 'DELETE FROM states WHERE round > ?', (int(round_num),))
     self._cache.clear()
     self._changed = {row[0] for row in self._sql('execute', 'SELECT DISTINCT client FROM states')}
@@ -307,7 +289,7 @@ class SqliteClientStateStore:
     self._db.close()
 
 
-def fingerprint_of(entries, contents=None) -> dict:
+def fingerprint_of(entries, contents) -> dict:
   """`{'clients': count, 'digest': sha256, 'contents': sha256}` of `(client, detail)` entries
   and `(client, state digest)` `contents` in client order: a resumed run checks the store
   against its checkpoint's (`RoundDriver.restore`; checkpoints written before 'contents'
@@ -317,16 +299,5 @@ def fingerprint_of(entries, contents=None) -> dict:
   for client, detail in entries:
     digest.update(f'{int(client)}:{detail};'.encode())
     count += 1
-  out = {'clients': count, 'digest': digest.hexdigest()}
-  if contents is not None:
-    out['contents'] = hashlib.sha256(
-        ''.join(f'{int(k)}:{d};' for k, d in contents).encode()).hexdigest()
-  return out
-
-
-def build_client_state_store(kind: str, output_dir: str, init_fn: Callable[[int], Any]):
-  """The store `experiment.client_state_store` names ('memory' or 'sqlite'; checked by
-  `RoundConfig`)."""
-  if kind == 'memory':
-    return ClientStateStore(init_fn)
-  return SqliteClientStateStore(output_dir, init_fn)
+  return {'clients': count, 'digest': digest.hexdigest(), 'contents': hashlib.sha256(
+      ''.join(f'{int(k)}:{d};' for k, d in contents).encode()).hexdigest()}
