@@ -60,7 +60,8 @@ class Checkpointer:
     atomic_write(stem + '.npz', write_npz, self.durable)
     atomic_write_json(stem + '.json', dict(meta, round=round_num), self.durable)
     self.mark_latest(round_num)
-    self._prune()
+    for old in self.rounds()[:-self.keep]:
+      self.remove(old)
     return stem
 
   def path(self, round_num: int, ext: str = '') -> str:
@@ -134,49 +135,36 @@ class Checkpointer:
     elif latest is not None and candidates and candidates[0] > latest:
       problems.append(f'latest.json names round {latest} but round {candidates[0]} is newer')
     for round_num in candidates:
+      stem = self.path(round_num)
       try:
-        arrays, meta = self._read(round_num)
+        with np.load(stem + '.npz', allow_pickle=False) as data:
+          arrays = {k: data[k] for k in data.files}  # Reads (and CRC-checks) every array.
+        with open(stem + '.json') as f:
+          meta = json.load(f)
+        if int(meta['round']) != round_num or not isinstance(meta.get('rows', []), list):
+          raise ValueError(f'{stem}.json describes round {meta["round"]}')
       except _DAMAGE as e:
         problems.append(f'checkpoint round {round_num} is damaged ({_describe(e)})')
         continue
       if problems:
         warn_fn(f'{"; ".join(problems)}; resuming from round {round_num}.')
-      return (round_num, self._unflatten(arrays, process_state_template), meta, arrays)
+      # `state/i` leave `arrays` for the process state, packed like the template.
+      template_leaves = tf.nest.flatten(process_state_template)
+      if any(f'state/{i}' not in arrays for i in range(len(template_leaves))):
+        raise ConfigError(f'The checkpoint holds fewer state tensors than the process has '
+                          f'({len(template_leaves)}): was it written by another model/method?')
+      leaves = [arrays.pop(f'state/{i}') for i in range(len(template_leaves))]
+      for i, (saved, ref) in enumerate(zip(leaves, template_leaves)):
+        if np.shape(saved) != np.shape(ref):
+          raise ConfigError(f'Checkpoint tensor {i} has shape {np.shape(saved)}, the process '
+                            f'expects {np.shape(ref)}: was it written by another model/method?')
+      return (round_num, tf.nest.pack_sequence_as(process_state_template, leaves), meta, arrays)
     if not candidates and not problems:
       raise FileNotFoundError(self.directory)
     raise CheckpointError(
         f'No intact checkpoint to resume from in {self.directory}: '
         f'{"; ".join(problems) or "no round files"}. Move that folder away or choose another '
         '--output_dir to start again.')
-
-  def _read(self, round_num: int) -> tuple[dict, dict]:
-    """All arrays and the metadata of one checkpoint; raises one of `_DAMAGE` if damaged."""
-    stem = self.path(round_num)
-    with np.load(stem + '.npz', allow_pickle=False) as data:
-      arrays = {k: data[k] for k in data.files}  # Reads (and CRC-checks) every array.
-    with open(stem + '.json') as f:
-      meta = json.load(f)
-    if int(meta['round']) != round_num or not isinstance(meta.get('rows', []), list):
-      raise ValueError(f'{stem}.json describes round {meta["round"]}')
-    return arrays, meta
-
-  @staticmethod
-  def _unflatten(arrays: dict, process_state_template: Any) -> Any:
-    """Pops `state/i` from `arrays` and packs them like the template (shapes checked)."""
-    template_leaves = tf.nest.flatten(process_state_template)
-    if any(f'state/{i}' not in arrays for i in range(len(template_leaves))):
-      raise ConfigError(f'The checkpoint holds fewer state tensors than the process has '
-                        f'({len(template_leaves)}): was it written by another model/method?')
-    leaves = [arrays.pop(f'state/{i}') for i in range(len(template_leaves))]
-    for i, (saved, ref) in enumerate(zip(leaves, template_leaves)):
-      if np.shape(saved) != np.shape(ref):
-        raise ConfigError(f'Checkpoint tensor {i} has shape {np.shape(saved)}, the process '
-                          f'expects {np.shape(ref)}: was it written by another model/method?')
-    return tf.nest.pack_sequence_as(process_state_template, leaves)
-
-  def _prune(self) -> None:
-    for r in self.rounds()[:-self.keep]:
-      self.remove(r)
 
   def remove(self, round_num: int) -> None:
     """Deletes round `round_num`'s checkpoint files."""

@@ -19,12 +19,10 @@ from fltff.errors import warn
 RUN_RESULTS = ('metrics.csv', 'summary.json')
 
 
-def rounds_to_targets(rows: Sequence[dict], targets: Sequence[float],
-                      key: str = 'test_accuracy') -> dict[str, Optional[int]]:
-  """First round whose `key` reaches each target (None if never)."""
-  return {f'{target:g}': next((r['round'] for r in rows
-                               if finite(r.get(key)) and r[key] >= target), None)
-          for target in targets}
+def rounds_to_targets(rows: Sequence[dict], targets: Sequence[float]) -> dict[str, Optional[int]]:
+  """First round whose central test accuracy reaches each target (None if never)."""
+  return {f'{target:g}': next((r['round'] for r in rows if finite(r.get('test_accuracy'))
+                               and r['test_accuracy'] >= target), None) for target in targets}
 
 
 def finite(value) -> bool:
@@ -38,13 +36,6 @@ LOCK_FILE = '.fltff-run.lock'
 # `run_experiment` may retake the one `pipelines.run` took.
 _HELD_LOCKS: dict = {}
 _CREATED: dict[str, str] = {}  # A run folder (real path) -> the outermost folder made for it.
-
-
-def _is_run_folder(output_dir: str) -> bool:
-  """A fltff run's folder: its marker, or (runs from before the marker) checkpoints/metrics."""
-  return (os.path.exists(os.path.join(output_dir, RUN_MARKER))
-          or os.path.isdir(os.path.join(output_dir, 'checkpoints'))
-          or any(os.path.exists(os.path.join(output_dir, n)) for n in RUN_RESULTS))
 
 
 def _lock(output_dir: str) -> None:
@@ -83,7 +74,9 @@ def prepare_output_dir(output_dir: str, resume: bool) -> bool:
                       'another --output_dir.')
   existing = sorted(n for n in os.listdir(output_dir) if n != LOCK_FILE) if os.path.isdir(
       output_dir) else []
-  if existing and not _is_run_folder(output_dir):
+  # A fltff run's folder has its marker or (runs from before the marker) checkpoints/results.
+  if existing and not (RUN_MARKER in existing or any(n in existing for n in RUN_RESULTS)
+                       or os.path.isdir(os.path.join(output_dir, 'checkpoints'))):
     shown = ', '.join(existing[:3]) + (', ...' if len(existing) > 3 else '')
     raise ConfigError(f'{output_dir} holds files that are not a fltff run\'s ({shown}) and is '
                       'never written into; choose a new or empty --output_dir.')
@@ -352,11 +345,6 @@ class RunOutputs:
     self._events.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), **fields))
     self._events.flush()
 
-  def _write_summary(self, step: int, values) -> None:
-    from tensorboard.compat.proto import summary_pb2  # pylint: disable=g-import-not-at-top
-
-    self._add_event(step, summary=summary_pb2.Summary(value=list(values)))
-
   def write_rows(self, rows: Sequence[dict]) -> None:
     """Rewrites metrics.csv from all rows (cheap; keeps it exact after a resume)."""
     # The newest row's order first (restored rows have sorted keys, new ones the driver's
@@ -379,11 +367,13 @@ class RunOutputs:
                     session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
 
   def log_scalars(self, row: dict) -> None:
-    from tensorboard.plugins.scalar import summary_v2  # pylint: disable=g-import-not-at-top
-
-    self._write_summary(int(row['round']), [
+    # pylint: disable=g-import-not-at-top
+    from tensorboard.compat.proto import summary_pb2
+    from tensorboard.plugins.scalar import summary_v2
+    # pylint: enable=g-import-not-at-top
+    self._add_event(int(row['round']), summary=summary_pb2.Summary(value=[
         summary_v2.scalar_pb(key, float(value)).value[0] for key, value in row.items()
-        if key != 'round' and finite(value)])
+        if key != 'round' and finite(value)]))
 
   def log_arrays(self, round_num: int, arrays: dict, scalar_tags=()) -> None:
     """Appends non-scalar measurements (e.g. FedLayerWise's ψ [clients, layers]) to
@@ -417,7 +407,7 @@ class RunOutputs:
             dtype='string')
         values.append(summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=(
             metadata.create_summary_metadata(display_name=tag, description=''))))
-    self._write_summary(int(round_num), values)
+    self._add_event(int(round_num), summary=summary_pb2.Summary(value=values))
 
   def truncate_measurements(self, last_round: int) -> None:
     """Drops measurement records after `last_round` (on resume)."""
@@ -433,7 +423,7 @@ class RunOutputs:
   def write_json(self, name: str, payload: dict) -> None:
     atomic_write_json(os.path.join(self.output_dir, name), payload, durable=False)
 
-  def plot(self, rows: Sequence[dict], title: str) -> str:
+  def plot(self, rows: Sequence[dict], title: str) -> None:
     """accuracy_loss.png: each evaluated protocol's accuracy and the losses per round."""
     import matplotlib  # pylint: disable=g-import-not-at-top
     matplotlib.use('Agg')
@@ -462,10 +452,8 @@ class RunOutputs:
     ax2.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    path = os.path.join(self.output_dir, 'accuracy_loss.png')
-    fig.savefig(path, dpi=100)
+    fig.savefig(os.path.join(self.output_dir, 'accuracy_loss.png'), dpi=100)
     plt.close(fig)
-    return path
 
   def plot_matrices(self) -> list[str]:
     """`heatmap_<name>.png` of the last round's value of each per-round matrix in
