@@ -55,10 +55,15 @@ def _check_range(name: str, value: Sequence[float], positive: bool) -> tuple[flo
   return low, high
 
 
-def _per_client(name: str, values: ArrayLike, count: int, positive: bool = False) -> np.ndarray:
-  """A scalar or one value per client as `[count]` floats, finite and >= 0 (> 0 if
-  `positive`), or ConfigError."""
+def _per_client(name: str, values: ArrayLike, count: Optional[int] = None,
+                positive: bool = False) -> np.ndarray:
+  """A scalar or one value per client (`count` None: a 1-D array, one per client) as `[count]`
+  floats, finite and >= 0 (> 0 if `positive`), or ConfigError."""
   array = np.asarray(values, dtype=np.float64)
+  if count is None and array.ndim != 1:
+    raise ConfigError(f'{name} must be a 1-D array with one entry per client, '
+                      f'got shape {array.shape}.')
+  count = len(array) if count is None else count
   if array.ndim > 1 or (array.ndim == 1 and array.shape[0] != count):
     raise ConfigError(f'{name} must be a scalar or one value per client ({count}), '
                       f'got shape {array.shape}.')
@@ -66,15 +71,6 @@ def _per_client(name: str, values: ArrayLike, count: int, positive: bool = False
     raise ConfigError(f'{name} must be finite and {"positive" if positive else "non-negative"}'
                       f', got {values!r}.')
   return np.broadcast_to(array, (count,))
-
-
-def _as_seconds(name: str, values: ArrayLike) -> np.ndarray:
-  """A 1-D float array of non-negative, finite per-client seconds, or ConfigError."""
-  array = np.asarray(values, dtype=np.float64)
-  if array.ndim != 1:
-    raise ConfigError(f'{name} must be a 1-D array with one entry per client, '
-                      f'got shape {array.shape}.')
-  return _per_client(name, array, len(array))
 
 
 @gin.configurable('channel_model')
@@ -94,20 +90,10 @@ class ChannelModel:
                noise_dbm_per_hz: float = -174.0,
                interference_dbm: Optional[float] = -100.0,
                share_downlink: bool = True):
-    """Draws each client's bandwidth, power and distance uniformly from its (low, high) range.
-
-    Args:
-      server_bandwidth_mhz: The server's downlink bandwidth B_s.
-      server_power_dbm: The server's transmit power P_s.
-      path_loss_db_at_1m: Path loss PL at the 1 m reference distance (negative).
-      path_loss_exponent: The gain is g = 10^(PL/10) * d^-exponent.
-      noise_dbm_per_hz: Noise power spectral density N0.
-      interference_dbm: Additive interference power I; None: none.
-      share_downlink: Split B_s equally among a round's receivers, else each gets all of B_s.
-
-    Raises:
-      ConfigError: A parameter is out of range.
-    """
+    """Draws each client's bandwidth, power and distance uniformly from its (low, high) range;
+    the server's B_s and P_s, path loss PL at 1 m and exponent, noise N0, interference I (None:
+    none) and `share_downlink` (B_s split among a round's receivers) as in docs/methods/
+    personalised.md, "System model". `ConfigError` for a parameter out of range."""
     check_number('channel_model.num_clients', num_clients, integer=True, low=1)
     bandwidth = _check_range('bandwidth_mhz', bandwidth_mhz, positive=True)
     power = _check_range('power_dbm', power_dbm, positive=False)
@@ -122,8 +108,6 @@ class ChannelModel:
                    low=low, high=math.inf, open_low=True, open_high=True)  # Finite.
     self._server_bandwidth_hz = 1e6 * float(server_bandwidth_mhz)
     self._server_power_w = float(dbm_to_watts(server_power_dbm))
-    self._path_loss_db = float(path_loss_db_at_1m)
-    self._path_loss_exponent = float(path_loss_exponent)
     self._noise_w_per_hz = float(dbm_to_watts(noise_dbm_per_hz))
     self._interference_w = (0.0 if interference_dbm is None else
                             float(dbm_to_watts(interference_dbm)))
@@ -137,8 +121,8 @@ class ChannelModel:
         distance_m=rng.uniform(*distance, size=self.num_clients))
     for field in dataclasses.fields(self.params):
       getattr(self.params, field.name).setflags(write=False)
-    self._gain = (10.0 ** (self._path_loss_db / 10.0)
-                  * self.params.distance_m ** (-self._path_loss_exponent))
+    self._gain = (10.0 ** (float(path_loss_db_at_1m) / 10.0)
+                  * self.params.distance_m ** (-float(path_loss_exponent)))
 
   def _indices(self, clients: ArrayLike) -> np.ndarray:
     """`clients` as a 1-D integer index array, checked against the number of clients."""
@@ -167,12 +151,8 @@ class ChannelModel:
 
   def downlink_rate(self, clients: ArrayLike,
                     num_receivers: Optional[int] = None) -> np.ndarray:
-    """Downlink rates (B_s/K) log2(1 + P_s g_i / (N0 B_s/K + I)) of the given clients, in bit/s.
-
-    Args:
-      num_receivers: K, the receivers sharing the server's bandwidth (default `len(clients)`;
-        K = 1 with `share_downlink=False`).
-    """
+    """Downlink rates (B_s/K) log2(1 + P_s g_i / (N0 B_s/K + I)) of the given clients, in bit/s;
+    K = `num_receivers` (default `len(clients)`; 1 with `share_downlink=False`)."""
     indices = self._indices(clients)
     check_number('num_receivers', num_receivers, integer=True, low=1, allow_none=True)
     if num_receivers is None:
@@ -198,20 +178,14 @@ class ChannelModel:
 
 def round_time_breakdown(download_s: ArrayLike, compute_s: ArrayLike, upload_s: ArrayLike,
                          server_s: float) -> dict:
-  """Time figures of a synchronous round from per-participant seconds (KAPC paper, Table 5).
-
-  Returns:
-    The participants' mean 'download_seconds', 'compute_seconds' and 'upload_seconds',
-    'server_seconds', 'round_seconds' = max_i(download_i + compute_i + upload_i) + server_s
-    (the server waits for the slowest participant) and 'slowest_client_position', that
-    participant's position in the inputs (the first on ties).
-
-  Raises:
-    ConfigError: The inputs are empty, of different lengths, negative or not finite.
-  """
-  download = _as_seconds('download_s', download_s)
-  compute = _as_seconds('compute_s', compute_s)
-  upload = _as_seconds('upload_s', upload_s)
+  """Time figures of a synchronous round from per-participant seconds (KAPC paper, Table 5):
+  the participants' mean 'download_seconds', 'compute_seconds' and 'upload_seconds',
+  'server_seconds', 'round_seconds' = max_i(download_i + compute_i + upload_i) + server_s and
+  'slowest_client_position' (the first on ties). `ConfigError` for inputs empty, of different
+  lengths, negative or not finite."""
+  download = _per_client('download_s', download_s)
+  compute = _per_client('compute_s', compute_s)
+  upload = _per_client('upload_s', upload_s)
   if not len(download) == len(compute) == len(upload):
     raise ConfigError(f'download_s, compute_s and upload_s must have one entry per client '
                       f'each, got lengths {len(download)}, {len(compute)} and {len(upload)}.')
@@ -234,22 +208,11 @@ def round_time_breakdown(download_s: ArrayLike, compute_s: ArrayLike, upload_s: 
 
 def deadline_epochs(download_s: ArrayLike, upload_s: ArrayLike, seconds_per_epoch: ArrayLike,
                     epochs: int, deadline_s: Optional[float]) -> np.ndarray:
-  """Whole local epochs (int64) each client completes within a round deadline.
-
-  A client far from the server spends more of the deadline on transfers, leaving less for
-  training: it runs floor((deadline - download - upload) / seconds_per_epoch) epochs, clipped
-  to [0, epochs]; 0 drops it from the round.
-
-  Args:
-    seconds_per_epoch: Seconds of one local epoch, a positive scalar or one per client.
-    epochs: The configured local epochs E (at least 1).
-    deadline_s: Round deadline in seconds; None: every client runs E.
-
-  Raises:
-    ConfigError: Lengths differ, or a value is out of range.
-  """
-  download = _as_seconds('download_s', download_s)
-  upload = _as_seconds('upload_s', upload_s)
+  """Whole local epochs (int64) each client completes within `deadline_s` (None: `epochs`):
+  floor((deadline - download - upload) / seconds_per_epoch) clipped to [0, epochs], 0 dropping
+  the client. `ConfigError` for lengths that differ or a value out of range."""
+  download = _per_client('download_s', download_s)
+  upload = _per_client('upload_s', upload_s)
   if len(download) != len(upload):
     raise ConfigError(f'download_s and upload_s must have one entry per client each, got '
                       f'lengths {len(download)} and {len(upload)}.')

@@ -111,7 +111,8 @@ class RoundDriver:
     self.channel = channel
     has_local = data.local_test_indices is not None
     self.protocols = evaluation_lib.check_protocols(
-        config.evaluation or evaluation_lib.default_protocols(algorithm.personalized, has_local),
+        config.evaluation or (('personal_local',) if algorithm.personalized else
+                              ('central', 'global_local') if has_local else ('central',)),
         algorithm.personalized, has_local, algorithm.reports_trained_weights,
         algorithm.personal_models)
     # The runtime that runs the rounds ('auto': by the client work chosen); it fails over.
@@ -132,8 +133,8 @@ class RoundDriver:
     self.num_clients = data.num_clients()
     self.participants = sampling.num_participants(self.num_clients, config.clients_per_round,
                                                   config.client_fraction)
-    # All per-client state (SCAFFOLD's controls, MOON's previous models, personal models...).
     self.record = record
+    # All per-client state (SCAFFOLD's controls, MOON's previous models, personal models...).
     self.client_states = (ClientStateStore(algorithm.initial_client_state)
                           if config.client_state_store == 'memory' else
                           SqliteClientStateStore(output_dir, algorithm.initial_client_state))
@@ -164,14 +165,13 @@ class RoundDriver:
     epochs, dropped = sampling.straggler_plan(sampled, cfg.local_epochs, cfg.straggler_fraction,
                                               cfg.straggler_mode, cfg.seed, round_num)
     if cfg.round_deadline is not None:
-      ks = np.asarray([int(k) for k in sampled])
-      sizes = np.asarray([len(self.data.train_indices[k]) for k in ks], np.float64)
+      sizes = np.asarray([len(self.data.train_indices[k]) for k in sampled], np.float64)
       fit = deadline_epochs(
-          self.channel.download_seconds(ks, self.algorithm.bytes_down_per_client, len(ks)),
-          self.channel.upload_seconds(ks, self.algorithm.bytes_up_per_client),
+          self.channel.download_seconds(sampled, self.algorithm.bytes_down_per_client),
+          self.channel.upload_seconds(sampled, self.algorithm.bytes_up_per_client),
           sizes * cfg.compute_seconds_per_example, cfg.local_epochs, cfg.round_deadline)
-      epochs = {int(k): min(int(epochs[int(k)]), int(e)) for k, e in zip(ks, fit)}
-      dropped = set(dropped) | {int(k) for k, e in zip(ks, fit) if e == 0}
+      epochs = {int(k): min(int(epochs[int(k)]), int(e)) for k, e in zip(sampled, fit)}
+      dropped = set(dropped) | {int(k) for k, e in zip(sampled, fit) if e == 0}
     return [int(k) for k in sampled if int(k) not in dropped], epochs, dropped
 
   def run_round(self, state, round_num: int):
@@ -201,12 +201,11 @@ class RoundDriver:
     if self.channel is not None and out.clients:
       # The simulated time breakdown (KAPC paper, Table 5); each client's compute is the
       # measured training time apportioned by examples × epochs.
-      ks = np.asarray(out.clients)
       work = np.asarray([len(self.data.train_indices[k]) * max(epochs[k], 0) for k in out.clients],
                         np.float64)
-      times = round_time_breakdown(self.channel.download_seconds(ks, out.bytes_down),
+      times = round_time_breakdown(self.channel.download_seconds(out.clients, out.bytes_down),
                                    seconds * work / max(work.sum(), 1.0),
-                                   self.channel.upload_seconds(ks, out.bytes_up),
+                                   self.channel.upload_seconds(out.clients, out.bytes_up),
                                    out.server_seconds)
       row.update({f'sim_{key}': float(value) for key, value in times.items()
                   if key != 'slowest_client_position'})
@@ -230,21 +229,20 @@ class RoundDriver:
       column = evaluation_lib.PROTOCOL_COLUMNS[protocol_name]
       if protocol_name == 'central':
         self.evaluator.set_weights(global_weights)
-        x, y = self.data.central_test()
-        result = self.evaluator.evaluate(x, y)
+        result = self.evaluator.evaluate(*self.data.central_test())
         out.update(test_loss=result['loss'], test_accuracy=result['accuracy'])
         continue
       if protocol_name == 'global_local':
         weights_of = lambda k: global_weights
       elif protocol_name == 'personal_local':
         weights_of = lambda k: self.algorithm.personal_weights(state, self.client_states.get(k))
-      elif protocol_name == 'trained_local':
-        weights_of = self._stacked_weights(self._trained, global_weights)
-      else:  # finetuned_local
-        tuned = self.finetuner(global_weights,
-                               [(k, self.client_batches(round_num, k)) for k in clients])
-        weights_of = self._stacked_weights(tuned, global_weights)
-      accuracies = self.local_accuracies(weights_of)
+      else:  # trained_local, finetuned_local: the participants' models stacked [K, ...].
+        stacked = self._trained if protocol_name == 'trained_local' else self.finetuner(
+            global_weights, [(k, self.client_batches(round_num, k)) for k in clients])
+        position = {k: i for i, k in enumerate(clients)}
+        weights_of = lambda k: {'trainable': [np.asarray(t[position[k]]) for t in stacked],
+                                'non_trainable': list(global_weights.non_trainable)}
+      accuracies = self.local_accuracies(weights_of, clients)
       out[column] = float(np.mean(list(accuracies.values()))) if accuracies else float('nan')
       per_client[protocol_name] = [[int(k), float(a)] for k, a in accuracies.items()]
     if per_client:
@@ -261,19 +259,11 @@ class RoundDriver:
                  global_model_local_accuracy=float(np.mean(list(global_local.values()))))
     return out
 
-  def _stacked_weights(self, stacked, global_weights) -> Callable[[int], Any]:
-    """`client -> weights` for participant models stacked `[K, ...]` in the round's order."""
-    position = {k: i for i, k in enumerate(self._round_clients)}
-    non_trainable = list(global_weights.non_trainable)
-    return lambda k: {'trainable': [np.asarray(t[position[k]]) for t in stacked],
-                      'non_trainable': non_trainable}
-
   def local_accuracies(self, weights_of: Callable[[int], Any],
-                       clients: Optional[Sequence[int]] = None) -> dict[int, float]:
-    """Accuracy of each of `clients` (default: the round's) on its local test split (if any),
-    with `weights_of(k)`."""
+                       clients: Sequence[int]) -> dict[int, float]:
+    """Accuracy of each of `clients` on its local test split (if any), with `weights_of(k)`."""
     accuracies = {}
-    for k in self._round_clients if clients is None else clients:
+    for k in clients:
       x, y = self.data.local_test_arrays(k)
       if len(y):
         self.evaluator.set_weights(weights_of(k))

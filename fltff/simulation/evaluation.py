@@ -64,18 +64,10 @@ PROTOCOL_COLUMNS = {
     # (FedBABU: the whole model fine-tuned, Oh et al. §3).
     'finetuned_local': 'finetuned_local_accuracy',
 }
-LOCAL_PROTOCOLS = ('global_local', 'personal_local', 'trained_local', 'finetuned_local')
 # How a run's headline number is taken over rounds: the best round of the clients' mean (KAPC
 # §7.2, "best mean accuracy"), or the mean over clients of each client's best round (KAPC §7.1
 # for its local-training and FedAvg baselines).
 HEADLINE_STATISTICS = ('best_round_mean', 'mean_client_best')
-
-
-def default_protocols(personalized: bool, has_local_splits: bool) -> tuple[str, ...]:
-  """The protocols a run evaluates when `experiment.evaluation` is not set."""
-  if personalized:
-    return ('personal_local',)
-  return ('central', 'global_local') if has_local_splits else ('central',)
 
 
 def check_protocols(protocols, personalized: bool, has_local_splits: bool,
@@ -101,7 +93,7 @@ def check_protocols(protocols, personalized: bool, has_local_splits: bool,
     raise ConfigError("experiment.evaluation: personal_local needs personal models (a "
                       "personalised method, Ditto); for a global method's clients after local "
                       "training use trained_local.")
-  if not has_local_splits and any(p in LOCAL_PROTOCOLS for p in protocols):
+  if not has_local_splits and set(protocols) - {'central'}:
     raise ConfigError('experiment.evaluation: the local protocols need local test splits: set '
                       'federated_data.local_test_examples > 0.')
   if 'trained_local' in protocols and not can_report_trained:

@@ -440,16 +440,13 @@ class RunOutputs:
     ev = [r for r in rows if finite(r.get('test_accuracy'))]
     ax1.plot([r['round'] for r in rows], [r.get('train_accuracy') for r in rows], alpha=0.6,
              label='train (participants)')
-    ax1.set_xlabel('round')
-    ax1.set_ylabel('accuracy')
-    ax1.legend()
     ax2.plot([r['round'] for r in rows], [r.get('train_loss') for r in rows], label='train')
     if ev:
       ax2.plot([r['round'] for r in ev], [r.get('test_loss') for r in ev], marker='.',
                label='central test')
-    ax2.set_xlabel('round')
-    ax2.set_ylabel('loss')
-    ax2.legend()
+    for ax, quantity in ((ax1, 'accuracy'), (ax2, 'loss')):
+      ax.set(xlabel='round', ylabel=quantity)
+      ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(os.path.join(self.output_dir, 'accuracy_loss.png'), dpi=100)

@@ -121,11 +121,9 @@ class SqliteClientStateStore:
   its state. `cache_size`: decoded states kept in RAM (a few rounds' participants suffice).
   """
 
-  FILE_NAME = 'client_states.sqlite'
-
   def __init__(self, directory: str, init_fn: Callable[[int], Any], cache_size: int = 64):
     os.makedirs(directory, exist_ok=True)
-    self.path = os.path.join(directory, self.FILE_NAME)
+    self.path = os.path.join(directory, 'client_states.sqlite')
     self._init_fn = init_fn
     self._structure = None  # One initial state, for its structure only (`get`).
     self._cache: collections.OrderedDict[int, Any] = collections.OrderedDict()
@@ -235,8 +233,6 @@ class SqliteClientStateStore:
 
   def prune(self, kept_rounds) -> None:
     """Deletes the changed clients' versions older than the oldest kept checkpoint needs."""
-    if not kept_rounds:
-      return
     oldest = min(kept_rounds)
     changed = sorted(self._changed)
     self._sql('execute', 'BEGIN')
