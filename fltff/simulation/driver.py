@@ -452,17 +452,15 @@ class RoundDriver:
     extra = {**self.run_info, 'evaluation': list(self.protocols),
              'headline': evaluation_lib.headline(self.rows, self.protocols[0],
                                                  self.config.headline_statistic)}
-    for protocol_name in self.protocols:
-      if protocol_name == 'central':
-        continue
+    for protocol_name in [p for p in self.protocols if p != 'central']:
       column = evaluation_lib.PROTOCOL_COLUMNS[protocol_name]
-      local = [r for r in self.rows if finite(r.get(column))]
-      if local:
-        best_local = max(local, key=lambda r: r[column])
-        bests = evaluation_lib.client_bests(self.rows, protocol_name)
-        extra.update({f'final_{column}': local[-1][column], f'best_{column}': best_local[column],
+      best_local = evaluation_lib.headline(self.rows, protocol_name, 'best_round_mean')
+      if best_local['value'] is not None:
+        final = [r[column] for r in self.rows if finite(r.get(column))][-1]
+        extra.update({f'final_{column}': final, f'best_{column}': best_local['value'],
                       f'best_{column}_round': best_local['round'],
-                      f'mean_client_best_{column}': float(np.mean(list(bests.values())))})
+                      f'mean_client_best_{column}': evaluation_lib.headline(
+                          self.rows, protocol_name, 'mean_client_best')['value']})
     if self.rows and 'sim_time_cumulative' in self.rows[-1]:
       extra['sim_time_total'] = self.rows[-1]['sim_time_cumulative']
       extra['sim_round_seconds_mean'] = float(np.mean([r['sim_round_seconds']
