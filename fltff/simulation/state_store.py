@@ -115,7 +115,7 @@ def _leaves_digest(client_index: int, state) -> str:
 
 
 class SqliteClientStateStore:
-  """Client states in SQLite, RAM bounded by a small cache (module docstring).
+  """Client states in SQLite, RAM bounded by a small cache (docs/outputs.md).
 
   Table `states(client, round, leaves)`: a row per client and round it changed in, the newest
   its state. `cache_size`: decoded states kept in RAM (a few rounds' participants suffice).
