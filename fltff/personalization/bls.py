@@ -18,7 +18,6 @@ import numpy as np
 import tensorflow as tf
 
 from fltff.config_checks import check_number
-from fltff.errors import ConfigError
 from fltff.personalization import process
 
 TensorLike = Union[tf.Tensor, np.ndarray, float, int]
@@ -33,13 +32,8 @@ def _as_dtype(x: TensorLike, dtype: tf.DType) -> tf.Tensor:
 
 def layer_bounds(weights_layers: Sequence[Sequence[TensorLike]],
                  server_layers: Sequence[Sequence[TensorLike]]) -> tuple[tf.Tensor, tf.Tensor]:
-  """Returns `(B, τ)`, Eqs. (30)–(31): `[L]` Frobenius norms of w^l and w^l − s^l (weights' dtype).
-
-  Args:
-    weights_layers: By layer, the client's tensors after local training.
-    server_layers: Same shapes: the regulariser received; for a layer the server skipped, the
-      client's own layer at the round's start (C4).
-  """
+  """Returns `(B, τ)`, Eqs. (30)–(31): `[L]` Frobenius norms of w^l and w^l − s^l (weights' dtype);
+  `server_layers` holds, for a layer the server skipped, the own layer at the round's start (C4)."""
   b, tau = [], []
   for w_layer, s_layer in zip(weights_layers, server_layers):
     w_layer = [tf.convert_to_tensor(w) for w in w_layer]
@@ -52,26 +46,11 @@ def layer_bounds(weights_layers: Sequence[Sequence[TensorLike]],
 
 def layer_dimensions(layer_shapes: Sequence[Sequence[Sequence[int]]]
                      ) -> tuple[list[int], list[int]]:
-  """Returns `(columns, out_dims)`, n^l and d^l per layer, from static shapes (C5).
-
-  n^l is the kernel's fan-in (product of all axes but the last), d^l its last axis; n^l = d^l =
-  length for a layer of vectors only. `layer_shapes`: by layer, its shapes (Keras layout), e.g.
-  `[[(784, 200), (200,)], ...]`.
-
-  Raises:
-    ConfigError: No layers, a layer without tensors, or an unknown or zero dimension.
-  """
-  if not layer_shapes:
-    raise ConfigError('BLS: a model needs at least one layer.')
+  """Returns `(columns, out_dims)`, n^l and d^l per layer (C5), from each layer's static shapes
+  (Keras layout), e.g. `[[(784, 200), (200,)], ...]`."""
   columns, out_dims = [], []
-  for l, shapes in enumerate(layer_shapes):
-    shapes = [tuple(s) for s in shapes]
-    if not shapes:
-      raise ConfigError(f'BLS: layer {l} has no tensors.')
-    kernel = max(shapes, key=len)  # The first of the highest rank.
-    if any(d is None or d < 1 for d in kernel):
-      raise ConfigError(f'BLS: layer {l} has a kernel of shape {kernel}; sizes must be known '
-                        'and positive.')
+  for shapes in layer_shapes:
+    kernel = max((tuple(s) for s in shapes), key=len)  # The first of the highest rank.
     if len(kernel) >= 2:
       columns.append(int(np.prod(kernel[:-1], dtype=np.int64)))
       out_dims.append(int(kernel[-1]))
@@ -82,19 +61,15 @@ def layer_dimensions(layer_shapes: Sequence[Sequence[Sequence[int]]]
   return columns, out_dims
 
 
-def _log_half_ratio(tau: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
-  """log(τ^l / (2 B^l)) with τ = 0 → −∞ (also for B = 0) and τ > 0, B = 0 → +∞ (C6)."""
-  neg_inf = tf.fill(tf.shape(tau), tf.constant(-np.inf, tau.dtype))
-  positive = tau > 0
-  safe_tau = tf.where(positive, tau, tf.ones_like(tau))
-  return tf.where(positive, tf.math.log(safe_tau) - tf.math.log(b) - np.log(2.0), neg_inf)
-
-
 def _log_m_curve(tau: tf.Tensor, b: tf.Tensor, half_log_n: tf.Tensor) -> tf.Tensor:
   """log M̂(Ω) for Ω = 1..L: log Σ_{l≤Ω} τ^l/(2B^l) Π_{m=l+1}^{Ω} sqrt(n^m), as
   C(Ω) + logsumexp_{l≤Ω}(log(τ^l/(2B^l)) − C(l)) with C(Ω) = Σ_{m≤Ω} ½ log n^m."""
   cumulative = tf.cumsum(half_log_n)
-  terms = _log_half_ratio(tau, b) - cumulative                                   # [l]
+  # log(τ^l / (2 B^l)) with τ = 0 → −∞ (also for B = 0) and τ > 0, B = 0 → +∞ (C6).
+  positive = tau > 0
+  log_half_ratio = tf.where(positive, tf.math.log(tf.where(positive, tau, tf.ones_like(tau))) -
+                            tf.math.log(b) - np.log(2.0), tf.constant(-np.inf, tau.dtype))
+  terms = log_half_ratio - cumulative                                            # [l]
   num_layers = tf.shape(tau)[0]
   below = tf.range(num_layers)[None, :] <= tf.range(num_layers)[:, None]          # [Ω, l]
   masked = tf.where(below, tf.broadcast_to(terms[None, :], [num_layers, num_layers]),
@@ -104,22 +79,17 @@ def _log_m_curve(tau: tf.Tensor, b: tf.Tensor, half_log_n: tf.Tensor) -> tf.Tens
 
 
 def criterion_sides_tf(b_hat: TensorLike, tau_hat: TensorLike, b: TensorLike, tau: TensorLike,
-                       columns: Sequence[int], out_dims: Sequence[int],
-                       num_classes: Union[int, None] = None) -> tuple[tf.Tensor, tf.Tensor]:
+                       columns: Sequence[int], out_dims: Sequence[int]
+                       ) -> tuple[tf.Tensor, tf.Tensor]:
   """`(log_lhs, log_rhs)`: logs of inequality (29)'s sides at every Ω = 1..L (float64 `[L]`).
 
-  Entry Ω − 1 is log `L d^Ω M̂(Ω) / (Ω c M 2^{L−Ω})` and log `Π_{l>Ω} B^l` (0 at Ω = L); NaN
-  where the left side is undefined (C6).
-
-  Args:
-    b_hat, tau_hat: B̂^l, τ̂^l `[L]`: this round's norms and distances (M̂(Ω), Algorithm 4 line 12).
-    b, tau: B^l, τ^l `[L]`: the stored full-layer bounds (M; B also on the right, line 13).
-    columns, out_dims: n^l, d^l: L positive integers each (`layer_dimensions`).
-    num_classes: c (default d^L; C5).
+  Entry Ω − 1 is log `L d^Ω M̂(Ω) / (Ω c M 2^{L−Ω})` (c = d^L, C5; NaN where undefined, C6) and
+  log `Π_{l>Ω} B^l` (0 at Ω = L). M̂(Ω) from this round's B̂, τ̂ (`b_hat`, `tau_hat`), M and the
+  right side from the stored B, τ (Algorithm 4 lines 12–13); n^l, d^l from `layer_dimensions`.
   """
   num_layers = len(columns)
   b_hat, tau_hat, b, tau = (_as_dtype(x, tf.float64) for x in (b_hat, tau_hat, b, tau))
-  c = float(out_dims[-1] if num_classes is None else num_classes)
+  c = float(out_dims[-1])
   half_log_n = tf.constant(0.5 * np.log(np.asarray(columns, np.float64)))
   log_m_hat = _log_m_curve(tau_hat, b_hat, half_log_n)                           # [Ω]
   log_m_full = _log_m_curve(tau, b, half_log_n)[-1]
@@ -135,16 +105,8 @@ def criterion_sides_tf(b_hat: TensorLike, tau_hat: TensorLike, b: TensorLike, ta
 
 def search_tf(satisfied: TensorLike, omega_prev: TensorLike,
               min_layers: TensorLike = 1) -> tuple[tf.Tensor, tf.Tensor]:
-  """Algorithm 4, lines 15–24: `(Ω^k, |Ω^k − Ω_0|)` (int32) from (29)'s truth values.
-
-  From Ω_0 = Ω^{k−1} clipped into [min_layers, L]: if (29) holds at Ω_0, Ω moves down and stops at
-  the first Ω < Ω_0 where (29) fails, else up to the first Ω > Ω_0 where it holds. Both loops
-  take at least one step and stop at the ends of [min_layers, L] (C3).
-
-  Args:
-    satisfied: bool `[L]`, entry Ω − 1 whether (29) holds at Ω (`criterion_sides_tf`).
-    min_layers: Smallest Ω, in [1, L] (`BidirectionalSelection.check`).
-  """
+  """Algorithm 4, lines 15–24: `(Ω^k, |Ω^k − Ω_0|)` (int32) from (29)'s truth values `satisfied`
+  (bool `[L]`, entry Ω − 1 at Ω), Ω_0 = Ω^{k−1} clipped into [min_layers, L] (C3)."""
   satisfied = tf.convert_to_tensor(satisfied)
   num_layers = tf.shape(satisfied, out_type=tf.int32)[0]
   min_layers = tf.cast(min_layers, tf.int32)
@@ -162,26 +124,14 @@ def search_tf(satisfied: TensorLike, omega_prev: TensorLike,
 
 def select_omega_tf(b: TensorLike, tau: TensorLike, b_max: TensorLike, tau_max: TensorLike,
                     omega_prev: TensorLike, columns: Sequence[int], out_dims: Sequence[int],
-                    num_classes: Union[int, None] = None, min_layers: TensorLike = 1
+                    min_layers: TensorLike = 1
                     ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
-  """Algorithm 4 for one client and round, usable in a TFF computation.
+  """Algorithm 4 for one client and round (branches A and B: docs/methods/personalised.md) from
+  this round's B^l, τ^l `[L]` (`layer_bounds`), the stored ones (`b_max`, `tau_max`) and
+  Ω^{k−1} (L for a new client, C2). `tf.where` picks one of both computed branches.
 
-  Branch A (Ω^{k−1} = L: last upload complete, or a new client, C2): the stored bounds become
-  max(stored, this round's), Ω^k = L − 1 (at least min_layers), no search. Branch B: the stored
-  bounds stay, (29) takes this round's (B, τ) as (B̂, τ̂) and the stored ones as (B, τ), and
-  `search_tf` runs from Ω^{k−1}. `tf.where` picks one of both computed branches (no
-  data-dependent control flow); branch A's results do not depend on (29).
-
-  Args:
-    b, tau: This round's B^l, τ^l `[L]` (Eqs. 30–31, `layer_bounds`).
-    b_max, tau_max: The stored B^l, τ^l `[L]` (0 before the client's first selection).
-    omega_prev: Ω^{k−1} (L for a client that never took part).
-    columns, out_dims, num_classes: As in `criterion_sides_tf`.
-    min_layers: Smallest Ω, in [1, L] (`BidirectionalSelection.check`).
-
-  Returns:
-    `(omega, steps, b_max, tau_max)`: int32 Ω^k and its moves (0 in branch A), and the stored
-    bounds for the next selection, in `b_max`'s dtype (float32 unless a float tensor).
+  Returns `(omega, steps, b_max, tau_max)`: int32 Ω^k and its moves (0 in branch A, C7), and the
+  stored bounds for the next selection, in `b_max`'s dtype (float32 unless a float tensor).
   """
   num_layers = len(columns)
   b_max = tf.convert_to_tensor(b_max)
@@ -194,7 +144,7 @@ def select_omega_tf(b: TensorLike, tau: TensorLike, b_max: TensorLike, tau_max: 
   b_a, tau_a = tf.maximum(b, b_max), tf.maximum(tau, tau_max)
   omega_a = tf.maximum(tf.constant(num_layers - 1, tf.int32), min_layers)
   # Branch B (lines 11–24): this round's values are B̂, τ̂; the stored ones stay.
-  log_lhs, log_rhs = criterion_sides_tf(b, tau, b_max, tau_max, columns, out_dims, num_classes)
+  log_lhs, log_rhs = criterion_sides_tf(b, tau, b_max, tau_max, columns, out_dims)
   satisfied = log_lhs < log_rhs  # Undefined sides (NaN) count as not satisfied (C6).
   omega_b, steps_b = search_tf(satisfied, omega_prev, min_layers)
   omega = tf.where(full, omega_a, omega_b)
@@ -203,16 +153,9 @@ def select_omega_tf(b: TensorLike, tau: TensorLike, b_max: TensorLike, tau_max: 
 
 
 def server_skip_mask_tf(self_relationship: TensorLike, mu: TensorLike) -> tf.Tensor:
-  """Algorithm 3: True where layer l is NOT sent to the client, i.e. r_ii^l > μ.
-
-  Args:
-    self_relationship: r_ii^l, `[L]` for one client or `[P, L]` for P clients.
-    mu: Threshold μ ≥ 0 (`BidirectionalSelection.check`). With rows of R normalised (r_ii ≤ 1),
-      μ ≥ 1 skips nothing.
-  """
+  """Algorithm 3: True where layer l is NOT sent to the client, i.e. r_ii^l > μ (r_ii^l: `[L]`
+  for one client or `[P, L]`)."""
   r = tf.convert_to_tensor(self_relationship)
-  if not r.dtype.is_floating:
-    r = tf.cast(r, tf.float32)
   return r > _as_dtype(mu, r.dtype)
 
 
