@@ -235,9 +235,21 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
 
   def next(self, state, server_input, client_inputs: Sequence,
            call: protocol.Call = protocol.direct_call) -> protocol.RoundOutput:
-    """`process.next`; new client states rebuilt from the result and `server_input`'s copies."""
+    """`process.next` (vectorised: `prepare_round`, `VectorizedPersonalWork`, `end_round`, the
+    same result); new client states rebuilt from the result and `server_input`'s copies."""
     if self.vectorized:
-      output = self._vectorized_next(state, server_input, client_inputs, call)
+      from fltff.runtime import in_process as runtime  # pylint: disable=g-import-not-at-top
+
+      prepare_round, end_round = self.split_round
+      # The `[P, ...]` copies and s_i stay tensors between computations: no NumPy round trips.
+      with runtime.tensor_results() as in_process:
+        if in_process:
+          server_input = tf.nest.map_structure(runtime.stacked_tensor, server_input)
+        server_msg = call(prepare_round, state, server_input)
+      outputs = self._vectorized(server_msg, client_inputs)  # (value, weight, model_outputs)
+      output = call(end_round, state, server_input, server_msg,
+                    *(runtime.clients_argument(runtime.StackedClients(v, len(client_inputs)))
+                      for v in outputs))
     else:
       output = call(self.process.next, state, server_input, client_inputs)
     result = output.result
@@ -262,22 +274,6 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
         arrays={'clients': np.asarray(order)},
         server_seconds=server_seconds)
 
-  def _vectorized_next(self, state, server_input, client_inputs: Sequence,
-                       call: protocol.Call):
-    """`process.next` as `prepare_round`, `VectorizedPersonalWork`, `end_round` (same result)."""
-    from fltff.runtime import in_process as runtime  # pylint: disable=g-import-not-at-top
-
-    prepare_round, end_round = self.split_round
-    # The `[P, ...]` copies and s_i stay tensors between computations: no NumPy round trips.
-    with runtime.tensor_results() as in_process:
-      if in_process:
-        server_input = tf.nest.map_structure(runtime.stacked_tensor, server_input)
-      server_msg = call(prepare_round, state, server_input)
-    outputs = self._vectorized(server_msg, client_inputs)  # (value, weight, model_outputs)
-    return call(end_round, state, server_input, server_msg,
-                *(runtime.clients_argument(runtime.StackedClients(v, len(client_inputs)))
-                  for v in outputs))
-
   def personal_weights(self, state, client_state):
     del state
     return client_state['model']
@@ -293,9 +289,12 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     return {'server_memory_mb': (server_state + num_clients * self.bytes_up_per_client) / 1e6}
 
   def stale_server_layers(self, client_states: dict) -> int:
-    """How many layers of `client_states`' server copies equal the initial model's bit for bit."""
+    """How many layers of `client_states`' server copies equal the initial model's bit for bit
+    (a tensor's first element decides at once for nearly every trained one)."""
     initial = self.initial_weights[0]
-    return sum(all(_unchanged(state['server_copy'][t], initial[t]) for t in layer)
+    unchanged = lambda copy, t: (np.array_equal(copy.flat[:1], initial[t].flat[:1])
+                                 and np.array_equal(copy, initial[t]))
+    return sum(all(unchanged(np.asarray(state['server_copy'][t]), t) for t in layer)
                for state in client_states.values() for layer in self.parts.layers)
 
   def client_input(self, batches, client_index: int, epochs: int, client_state):
@@ -337,13 +336,6 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
           **{key: np.asarray(result[key][p], initial.dtype)
              for key, initial in self.parts.selection_state.items()})
     return out
-
-
-def _unchanged(copy, initial: np.ndarray) -> bool:
-  """Whether a server copy equals `initial` bit for bit (its first element decides at once for
-  nearly every trained tensor)."""
-  copy = np.asarray(copy)
-  return np.array_equal(copy.flat[:1], initial.flat[:1]) and np.array_equal(copy, initial)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -534,8 +526,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   weights = model_spec.initial_weights()
   with tf.Graph().as_default():
     groups = [g for g in layer_groups(model_spec.keras_fn()) if g.trainable_indices]
-    metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
-        model_spec.metric_finalizers())
+  metrics_aggregation_fn = client_work_lib.metrics_aggregation(model_spec)
   layers = tuple(tuple(g.trainable_indices) for g in groups)
   selection.check(name, len(layers))
   layer_of = tuple(l for _, l in sorted((t, l) for l, group in enumerate(layers) for t in group))
@@ -615,13 +606,12 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
       round_end, *server_types, tff.FederatedType(broadcast_type, tff.SERVER),
       *(tff.FederatedType(t, tff.CLIENTS) for t in client_update.type_signature.result))
 
-  def vectorized_fn(device, factor_dense=True):
-    return VectorizedPersonalWork(model_spec, client_optimizer, parts, device, factor_dense)
-
   process = tff.templates.IterativeProcess(init_fn, next_fn)
-  return PersonalizedAlgorithm(name=name, process=process, model_spec=model_spec, parts=parts,
-                               num_clients=num_clients, split_round=(prepare_round, end_round),
-                               vectorized_fn=vectorized_fn, initial_weights=weights)
+  return PersonalizedAlgorithm(
+      name=name, process=process, model_spec=model_spec, parts=parts, num_clients=num_clients,
+      split_round=(prepare_round, end_round), initial_weights=weights,
+      vectorized_fn=lambda device, factor_dense=True: VectorizedPersonalWork(
+          model_spec, client_optimizer, parts, device, factor_dense))
 
 
 class VectorizedPersonalWork:
@@ -637,6 +627,7 @@ class VectorizedPersonalWork:
   def __init__(self, model_spec: ModelSpec, optimizer, parts: PersonalizedRound,
                device: Optional[str] = None, factor_dense: bool = True):
     from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
+    from fltff.learning.vectorized import with_clients  # pylint: disable=g-import-not-at-top
 
     self._parts = parts
     self._regularized = parts.rule.lambda_ > 0
@@ -645,22 +636,15 @@ class VectorizedPersonalWork:
         client_regularizer=(lambda terms: parts.client_regularizer(*terms)) if self._regularized
         else None, batch_norm=True)
     # Without autograph, as the training: no tensor-dependent Python control flow here.
-    self._results = tf.function(self._results_fn, reduce_retracing=True, autograph=False)
-
-  def _results_fn(self, *client_result_args, num_clients=None):
-    from fltff.learning.vectorized import with_clients  # pylint: disable=g-import-not-at-top
-
-    return tf.vectorized_map(lambda args: self._parts.client_result(*args),
-                             with_clients(client_result_args, num_clients))
+    self._results = tf.function(
+        lambda *args, num_clients=None: tf.vectorized_map(
+            lambda client_args: parts.client_result(*client_args), with_clients(args, num_clients)),
+        reduce_retracing=True, autograph=False)
 
   def __call__(self, server_msg, client_inputs: Sequence[Any]):
     from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
 
     server_msg = tf.nest.map_structure(tf.convert_to_tensor, server_msg)
-    order = [client_work_lib.client_index_of_input(data) for data in client_inputs]
-    if order != [int(k) for k in np.asarray(server_msg['clients'])]:
-      raise ValueError(f'client inputs of clients {order} for a broadcast to '
-                       f'{np.asarray(server_msg["clients"]).tolist()}: not in its order.')
     personal = stack_clients([data['state'] for data in client_inputs])
     start, s, sent, own = (tuple(part)
                            for part in self._parts.client_start(server_msg, personal))
@@ -669,7 +653,7 @@ class VectorizedPersonalWork:
                                  statistics=personal.get('non_trainable'))
     examples_per_epoch = client_work_lib.examples_per_epoch(out['sums'][1], data['epochs'])
     value, weight = self._results(
-        personal, tf.constant(order, tf.int32), s, sent, own, tuple(out['trained']),
+        personal, server_msg['clients'], s, sent, own, tuple(out['trained']),
         examples_per_epoch, num_clients=self._work.traced_client_count(len(client_inputs)))
     value = collections.OrderedDict(trainable=tuple(value['trainable']))
     if 'non_trainable' in out:
