@@ -6,10 +6,7 @@ paper leaves them: docs/methods/ditto.md.
 
 from __future__ import annotations
 
-import collections
-
 import gin
-import numpy as np
 
 from fltff.config_checks import check_number
 from fltff.learning import optimizers
@@ -19,13 +16,6 @@ from fltff.learning.regularizers import ProximalRegularizer
 from fltff.personalization.personal_models import PersonalTraining
 from fltff.personalization.personal_models import WithPersonalModels
 from fltff.personalization.personal_models import with_personal_models
-
-
-def own_model(local, global_weights) -> collections.OrderedDict:
-  """The model a Ditto client is evaluated with: its personal model v_k as it is."""
-  del global_weights
-  return collections.OrderedDict(trainable=[np.asarray(w) for w in local['trainable']],
-                                 non_trainable=[np.asarray(w) for w in local['non_trainable']])
 
 
 @gin.configurable('ditto')
@@ -41,4 +31,4 @@ def build_ditto(model_spec: ModelSpec, client_optimizer=None, lambda_: float = 1
   global_method = build_fedavg(model_spec, client_optimizer, server_learning_rate,
                                server_optimizer, model_aggregator, client_weighting)
   return with_personal_models(global_method, PersonalTraining(
-      model_spec, client_optimizer, own_model, ProximalRegularizer(lambda_)), 'ditto')
+      model_spec, client_optimizer, regularizer=ProximalRegularizer(lambda_)), 'ditto')

@@ -27,19 +27,19 @@ class PersonalTraining:
     model_spec: The model.
     optimizer: The personal models' client optimizer (a `tff.learning.optimizers.Optimizer`).
     personalized_weights: `(personal ModelWeights-like OrderedDict, global ModelWeights) ->
-      OrderedDict(trainable, non_trainable)`, the model a client is evaluated with.
+      OrderedDict(trainable, non_trainable)`, the model a client is evaluated with (None: its
+      personal model as it is, Ditto's v_k).
     regularizer: A term towards the round's global model w^t (`LocalRegularizer`; its
       `global_` is w^t), or None for plain local training.
   """
   model_spec: Any
   optimizer: Any
-  personalized_weights: Callable[[Any, Any], collections.OrderedDict]
+  personalized_weights: Optional[Callable[[Any, Any], collections.OrderedDict]] = None
   regularizer: Optional[client_work_lib.LocalRegularizer] = None
 
 
-
-class _PersonalModelInput(collections.namedtuple('_PersonalModelInput', ['method', 'local'])):
-  """A participant's input: the global method's input and its personal model."""
+# A participant's input: the global method's input and its personal model.
+_PersonalModelInput = collections.namedtuple('_PersonalModelInput', ['method', 'local'])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +116,24 @@ class WithPersonalModels(protocol.FederatedAlgorithm):
     locals_ = [c.local for c in client_inputs]
     if self._local_work is None:
       updated = call(self.local_update, locals_, received, inputs)
-    else:
-      updated = self._vectorized_local_update(locals_, received, inputs)
+    else:  # `(client index, (trainable, non-trainable))` per participant, as `local_update`.
+      from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
+
+      # A BatchNorm model trains each local model's own statistics.
+      statistics = (stack_clients([tuple(model['non_trainable']) for model in locals_])
+                    if len(locals_[0]['non_trainable']) else None)
+      anchor = None if self.personalization.regularizer is None else tuple(
+          np.asarray(w) for w in received.trainable)
+      # The method's clients read these datasets this round: read them afresh, as TFF would.
+      result, _ = self._local_work.train(
+          inputs, anchor, start=stack_clients([tuple(model['trainable']) for model in locals_]),
+          statistics=statistics, read_before_elsewhere=True)
+      trained = [t.numpy() for t in result['trained']]
+      moved = [t.numpy() for t in result.get('non_trainable', ())]
+      updated = [(client_work_lib.client_index_of_input(data),
+                  ([t[k] for t in trained],
+                   [t[k] for t in moved] if moved else model['non_trainable']))
+                 for k, (data, model) in enumerate(zip(inputs, locals_))]
     client_states = {}
     for index, (trainable, non_trainable) in updated:
       k = int(index)
@@ -129,31 +145,13 @@ class WithPersonalModels(protocol.FederatedAlgorithm):
     out.client_states = client_states
     return out
 
-  def _vectorized_local_update(self, local_models, received, inputs) -> list:
-    """`(client index, (trainable, non-trainable))` per participant, as `local_update` returns."""
-    from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
-
-    start = stack_clients([tuple(model['trainable']) for model in local_models])
-    # A BatchNorm model trains each local model's own statistics.
-    statistics = (stack_clients([tuple(model['non_trainable']) for model in local_models])
-                  if len(local_models[0]['non_trainable']) else None)
-    anchor = None if self.personalization.regularizer is None else tuple(
-        np.asarray(w) for w in received.trainable)
-    # The method's clients read these datasets this round: read them afresh, as TFF would.
-    out, _ = self._local_work.train(inputs, anchor, start=start, statistics=statistics,
-                                    read_before_elsewhere=True)
-    trained = [t.numpy() for t in out['trained']]
-    moved = [t.numpy() for t in out.get('non_trainable', ())]
-    return [(client_work_lib.client_index_of_input(data),
-             ([t[k] for t in trained], [t[k] for t in moved] if moved else model['non_trainable']))
-            for k, (data, model) in enumerate(zip(inputs, local_models))]
-
   def global_model_weights(self, state):
     return self.inner.global_model_weights(state)
 
   def personal_weights(self, state, client_state):
-    return self.personalization.personalized_weights(client_state['local'],
-                                                     self.inner.global_model_weights(state))
+    weights_of = self.personalization.personalized_weights
+    return client_state['local'] if weights_of is None else weights_of(
+        client_state['local'], self.inner.global_model_weights(state))
 
   def round_files(self, state) -> dict:
     return self.inner.round_files(state)
