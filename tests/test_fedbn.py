@@ -74,7 +74,7 @@ def test_fedbn_keeps_batchnorm_local_averages_the_rest_by_examples_and_sends_no_
   dense1, dense2, logits = 2 * 2 * 64 * 512 + 512, 512 * 128 + 128, 128 * CLASSES + CLASSES
   shared = 4 * (conv1 + conv2 + dense1 + dense2 + logits)
   bn = 4 * 2 * (32 + 64 + 512 + 128)
-  assert sum(algorithm.layer_sizes_bytes) == shared + bn
+  assert sum(algorithm.parts.layer_sizes_bytes) == shared + bn
   assert algorithm.bytes_down_per_client == algorithm.bytes_up_per_client == shared
   sim = Sim(algorithm, 3)
   initial = SPEC.initial_weights()

@@ -443,7 +443,7 @@ def test_byte_counts_equal_the_tensors_exchanged():
   sim = Sim(algorithm, 3)
   sizes = [sum(np.asarray(w).nbytes for w in SPEC.initial_weights().trainable[t:t + 2])
            for t in (0, 2)]
-  assert algorithm.layer_sizes_bytes == sizes
+  assert list(algorithm.parts.layer_sizes_bytes) == sizes
   for r in range(3):
     out = sim.round([0, 1, 2], _datasets((8, 8, 8), seed=r))
     rel = np.asarray(out.measurements['kapc']['self_relation_mean'])
@@ -538,7 +538,7 @@ def test_default_order_skips_layers_by_the_stepped_self_relationship():
     sim = Sim(kapc_lib.build_kapc(SPEC, 4, client_optimizer=_sgd(), bls_mu=mu,
                                   relationship_update=order, relationship_init='uniform'), 4)
     _randomize(sim, models)
-    sizes = np.array(sim.algorithm.layer_sizes_bytes, np.float64)
+    sizes = np.array(sim.algorithm.parts.layer_sizes_bytes, np.float64)
     out = sim.round(clients, _datasets([8] * 3, seed=0))
     down[order] = np.asarray(out.result['bytes_down'])
     kapc_stats = out.measurements['kapc']

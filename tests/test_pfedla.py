@@ -133,7 +133,7 @@ def test_hypernetworks_learn_only_for_participants():
   np.testing.assert_allclose(relation.sum(-1), 1.0, atol=1e-5)
   np.testing.assert_array_equal(relation[[0, 2]], relation_before[[0, 2]])
   # The participants started from θ̄ built with their α: bytes are the whole model both ways.
-  full = sum(algorithm.layer_sizes_bytes)
+  full = sum(algorithm.parts.layer_sizes_bytes)
   np.testing.assert_allclose(out.result['bytes_down'], [full, full])
   np.testing.assert_allclose(out.result['bytes_up'], [full, full])
 

@@ -89,17 +89,15 @@ def criterion_sides_tf(b_hat: TensorLike, tau_hat: TensorLike, b: TensorLike, ta
   """
   num_layers = len(columns)
   b_hat, tau_hat, b, tau = (_as_dtype(x, tf.float64) for x in (b_hat, tau_hat, b, tau))
-  c = float(out_dims[-1])
   half_log_n = tf.constant(0.5 * np.log(np.asarray(columns, np.float64)))
   log_m_hat = _log_m_curve(tau_hat, b_hat, half_log_n)                           # [Ω]
   log_m_full = _log_m_curve(tau, b, half_log_n)[-1]
   omegas = np.arange(1, num_layers + 1, dtype=np.float64)
   constant = tf.constant(np.log(num_layers) + np.log(np.asarray(out_dims, np.float64)) -
-                         np.log(omegas) - np.log(c) - (num_layers - omegas) * np.log(2.0))
+                         np.log(omegas) - np.log(out_dims[-1]) - (num_layers - omegas) * np.log(2.0))
   log_lhs = constant + log_m_hat - log_m_full
-  log_b = tf.math.log(b)  # log 0 = −∞: a zero-norm layer makes the right side 0.
-  # Σ_{l>Ω} log B^l: reversed exclusive cumulative sum.
-  log_rhs = tf.cumsum(log_b, exclusive=True, reverse=True)
+  # Σ_{l>Ω} log B^l, reversed exclusive cumulative sum (log 0 = −∞: a zero-norm layer gives 0).
+  log_rhs = tf.cumsum(tf.math.log(b), exclusive=True, reverse=True)
   return log_lhs, log_rhs
 
 

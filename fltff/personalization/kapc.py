@@ -92,8 +92,6 @@ def update_relationship(relation: tf.Tensor, models: Sequence[tf.Tensor],
   `'norm'`: `relationship_gradient_norm` (two `[P, P] × [P, d]` products per step); `'squared'`:
   the closed form on inner products computed once, `O(P³ L)` per step instead of `O(P² d)`.
   """
-  if steps <= 0:
-    return relation
   if coaching_loss == 'squared':
     grams = layer_grams(models, layer_of)
     gradient = lambda r: relationship_gradient(r, grams, lambda_, beta)

@@ -41,11 +41,9 @@ from fltff.personalization.process import personalized_server_models
 
 def initial_hypernetworks(num_clients: int, num_layers: int, embedding_dim: int = 100,
                           hidden_dim: int = 100, seed: int = 0) -> collections.OrderedDict:
-  """Every client's hypernetwork parameters, stacked `[N, ...]`; sizes < 1: `ConfigError`.
+  """Every client's hypernetwork parameters, stacked `[N, ...]`.
 
   Stateless TF draws: a TFF computation holds a seed, not N parameter sets as constants."""
-  check_number('pfedla embedding_dim', embedding_dim, integer=True, low=1)
-  check_number('pfedla hidden_dim', hidden_dim, integer=True, low=1)
   n, l, d, h = num_clients, num_layers, embedding_dim, hidden_dim
 
   def glorot(fan_in, fan_out, stream, scale=1.0):
@@ -117,7 +115,8 @@ class HypernetworkRelation(process_lib.RelationRule):
       raise ConfigError(f'{name}: pFedLA has no proximal term (lambda_ must be 0, got '
                         f'{self.lambda_}).')
     check_number(f'{name}.learning_rate', self.learning_rate, low=0)
-    initial_hypernetworks(1, 1, self.embedding_dim, self.hidden_dim)  # Validates the sizes.
+    check_number(f'{name} embedding_dim', self.embedding_dim, integer=True, low=1)
+    check_number(f'{name} hidden_dim', self.hidden_dim, integer=True, low=1)
 
   def initial_state(self, context):
     state = super().initial_state(context)

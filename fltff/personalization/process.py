@@ -216,10 +216,6 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   def initialize(self, call: protocol.Call = protocol.direct_call):
     return call(self.process.initialize)
 
-  @property
-  def layer_sizes_bytes(self) -> list:
-    return list(self.parts.layer_sizes_bytes)
-
   def initial_client_state(self, client_index: int) -> collections.OrderedDict:
     del client_index
     return self.parts.initial_client_state(self.initial_weights)
@@ -228,7 +224,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
   def bytes_down_per_client(self) -> int:
     """All but the local layers, each way (`bytes_up_per_client` too); a layer selection may send
     fewer: the round's `bytes_up` and `bytes_down` count what it sends."""
-    return sum(size for size, keep in zip(self.layer_sizes_bytes, self.parts.local_layers)
+    return sum(size for size, keep in zip(self.parts.layer_sizes_bytes, self.parts.local_layers)
                if not keep)
 
   bytes_up_per_client = bytes_down_per_client
@@ -655,7 +651,6 @@ class VectorizedPersonalWork:
     value, weight = self._results(
         personal, server_msg['clients'], s, sent, own, tuple(out['trained']),
         examples_per_epoch, num_clients=self._work.traced_client_count(len(client_inputs)))
-    value = collections.OrderedDict(trainable=tuple(value['trainable']))
     if 'non_trainable' in out:
       value['non_trainable'] = tuple(out['non_trainable'])
     return value, weight, self._work.model_outputs(out['sums'])
