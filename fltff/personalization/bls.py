@@ -32,8 +32,13 @@ def _as_dtype(x: TensorLike, dtype: tf.DType) -> tf.Tensor:
 
 def layer_bounds(weights_layers: Sequence[Sequence[TensorLike]],
                  server_layers: Sequence[Sequence[TensorLike]]) -> tuple[tf.Tensor, tf.Tensor]:
-  """Returns `(B, τ)`, Eqs. (30)–(31): `[L]` Frobenius norms of w^l and w^l − s^l (weights' dtype);
-  `server_layers` holds, for a layer the server skipped, the own layer at the round's start (C4)."""
+  """Returns `(B, τ)`, Eqs. (30)–(31): `[L]` Frobenius norms of w^l and w^l − s^l (weights' dtype).
+
+  Args:
+    weights_layers: By layer, the client's tensors after local training.
+    server_layers: Same shapes: the regulariser received; for a layer the server skipped, the
+      client's own layer at the round's start (C4).
+  """
   b, tau = [], []
   for w_layer, s_layer in zip(weights_layers, server_layers):
     w_layer = [tf.convert_to_tensor(w) for w in w_layer]
@@ -46,8 +51,8 @@ def layer_bounds(weights_layers: Sequence[Sequence[TensorLike]],
 
 def layer_dimensions(layer_shapes: Sequence[Sequence[Sequence[int]]]
                      ) -> tuple[list[int], list[int]]:
-  """Returns `(columns, out_dims)`, n^l and d^l per layer (C5), from each layer's static shapes
-  (Keras layout), e.g. `[[(784, 200), (200,)], ...]`."""
+  """Returns `(columns, out_dims)`, n^l and d^l per layer (C5: the kernel's fan-in and last
+  axis), from each layer's static shapes (Keras layout), e.g. `[[(784, 200), (200,)], ...]`."""
   columns, out_dims = [], []
   for shapes in layer_shapes:
     kernel = max((tuple(s) for s in shapes), key=len)  # The first of the highest rank.
@@ -103,8 +108,16 @@ def criterion_sides_tf(b_hat: TensorLike, tau_hat: TensorLike, b: TensorLike, ta
 
 def search_tf(satisfied: TensorLike, omega_prev: TensorLike,
               min_layers: TensorLike = 1) -> tuple[tf.Tensor, tf.Tensor]:
-  """Algorithm 4, lines 15–24: `(Ω^k, |Ω^k − Ω_0|)` (int32) from (29)'s truth values `satisfied`
-  (bool `[L]`, entry Ω − 1 at Ω), Ω_0 = Ω^{k−1} clipped into [min_layers, L] (C3)."""
+  """Algorithm 4, lines 15–24: `(Ω^k, |Ω^k − Ω_0|)` (int32) from (29)'s truth values.
+
+  From Ω_0 = Ω^{k−1} clipped into [min_layers, L]: if (29) holds at Ω_0, Ω moves down and stops at
+  the first Ω < Ω_0 where (29) fails, else up to the first Ω > Ω_0 where it holds. Both loops
+  take at least one step and stop at the ends of [min_layers, L] (C3).
+
+  Args:
+    satisfied: bool `[L]`, entry Ω − 1 whether (29) holds at Ω (`criterion_sides_tf`).
+    min_layers: Smallest Ω, in [1, L] (`BidirectionalSelection.check`).
+  """
   satisfied = tf.convert_to_tensor(satisfied)
   num_layers = tf.shape(satisfied, out_type=tf.int32)[0]
   min_layers = tf.cast(min_layers, tf.int32)
@@ -151,8 +164,13 @@ def select_omega_tf(b: TensorLike, tau: TensorLike, b_max: TensorLike, tau_max: 
 
 
 def server_skip_mask_tf(self_relationship: TensorLike, mu: TensorLike) -> tf.Tensor:
-  """Algorithm 3: True where layer l is NOT sent to the client, i.e. r_ii^l > μ (r_ii^l: `[L]`
-  for one client or `[P, L]`)."""
+  """Algorithm 3: True where layer l is NOT sent to the client, i.e. r_ii^l > μ.
+
+  Args:
+    self_relationship: r_ii^l, `[L]` for one client or `[P, L]` for P clients.
+    mu: Threshold μ ≥ 0 (`BidirectionalSelection.check`). With rows of R normalised (r_ii ≤ 1),
+      μ ≥ 1 skips nothing.
+  """
   r = tf.convert_to_tensor(self_relationship)
   return r > _as_dtype(mu, r.dtype)
 
