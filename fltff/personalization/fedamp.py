@@ -37,8 +37,7 @@ def attentive_relationship(models: Sequence[tf.Tensor], num_layers: int, sigma: 
   off = alpha * tf.exp(-dist / sigma) / sigma
   eye = tf.eye(tf.shape(flat)[0], dtype=flat.dtype)
   off = off * (1.0 - eye)
-  xi = off + eye * (1.0 - tf.reduce_sum(off, axis=1, keepdims=True))
-  xi = normalize_rows(xi)
+  xi = normalize_rows(off + eye * (1.0 - tf.reduce_sum(off, axis=1, keepdims=True)))
   return tf.tile(xi[:, None, :], [1, num_layers, 1])
 
 
