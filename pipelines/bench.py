@@ -631,16 +631,16 @@ def capacity_report(summary: Sequence[tuple[str, dict, dict]]) -> list[str]:
     (shapes if shape.bytes_two else timed_alone).append(shape)
   if not shapes:
     return []
-  lines = ['\nCapacity model (pipelines/capacity.py): T(W, N) = t_byte B(W, N) + t_0 + t_client '
-           'ceil(N/W); t_0 and t_client from the in-process rounds on one core:']
+  t_call, t_byte = driver = capacity.driver_costs(shapes)
+  lines = ['\nCapacity model (pipelines/capacity.py): T(W, N) = t_call W + t_byte B(W, N) + t_0 + '
+           't_client ceil(N/W); t_0 and t_client from the in-process rounds on one core; the '
+           f'driver {t_call * 1e3:.1f} ms a worker call, {t_byte * 1e9:.2f} ns a byte:']
   fits = {}
   for key in dict.fromkeys((s.model, s.examples) for s in shapes):
-    same = [s for s in shapes if (s.model, s.examples) == key]
-    fits[key] = f = capacity.fit(same, capacity.seconds_per_byte(same))
+    fits[key] = f = capacity.fit([s for s in shapes if (s.model, s.examples) == key], driver)
     lines.append(f'  {key[0]}, {key[1]} examples a client: t_0 {f.t_0:.3f} s, t_client '
-                 f'{f.t_client * 1e3:.1f} ms, model {f.b_model / 1e6:.2f} MB, a client '
-                 f'{f.b_client / 1e6:.2f} MB; the driver {f.t_byte * 1e9:.2f} ns a byte '
-                 f'({1e-6 / f.t_byte if f.t_byte else float("inf"):.0f} MB/s)')
+                 f'{f.t_client * 1e3:.1f} ms, a worker {f.b_model / 1e6:.2f} MB, a client '
+                 f'{f.b_client / 1e6:.2f} MB')
   lines.append('  check (predicted / measured round):')
   for s, workers, predicted, measured in capacity.validation(shapes):
     lines.append(f'    {s.model}:{s.clients}x{s.examples} on {workers} worker(s): '

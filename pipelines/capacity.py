@@ -3,7 +3,7 @@
 A round of N participants on W workers trains one group of ⌈N/W⌉ clients per worker
 (`fltff.learning.groups`). The model:
 
-  T(W, N) = t_byte · B(W, N) + t_0 + t_client · ⌈N/W⌉
+  T(W, N) = t_call · W + t_byte · B(W, N) + t_0 + t_client · ⌈N/W⌉
 
 - `B(W, N) = W · b_model + N · b_client`: tensor bytes to and from all workers in a round. Per
   worker the global model down and, for a method whose updates go to a plain weighted mean
@@ -14,12 +14,14 @@ A round of N participants on W workers trains one group of ⌈N/W⌉ clients per
   vectorised in process on one core, as a worker has, where no byte leaves the driver (the
   aggregation on the driver is counted here, once per round: at FedAvg's cost it is small next
   to training).
-- `t_byte`: the driver's seconds per byte on the wire, fitted per model to (the round on 1
-  worker − the same round in process) over its measured shapes.
+- `t_call`, `t_byte`: the driver's seconds per worker call (TFF's dispatch, values created
+  and results merged, whatever their size) and per byte on the wire; the least-squares line of
+  (the round on 1 worker − the same round in process) on the 1-worker bytes over the measured
+  shapes.
 
 The workers run their groups at once (TFF's mergeable context: one sub-round per worker), so the
-round's compute shrinks with W while the driver's bytes grow with N: the driver becomes the
-limit from the W where `t_byte · B(W, N)` exceeds `t_0 + t_client · ⌈N/W⌉`.
+round's compute shrinks with W while the driver's share grows with W and N: the driver becomes
+the limit from the W where `t_call · W + t_byte · B(W, N)` exceeds `t_0 + t_client · ⌈N/W⌉`.
 """
 
 from __future__ import annotations
@@ -48,25 +50,32 @@ class Shape:
 
 @dataclasses.dataclass(frozen=True)
 class Fit:
-  """The model's coefficients for one model and client size (`t_byte` is the driver's, shared)."""
+  """The model's coefficients for one model and client size (`t_call`, `t_byte`: the driver's,
+  shared)."""
   t_0: float
   t_client: float
   b_model: float
   b_client: float
   t_byte: float
+  t_call: float = 0.0
 
   def round_bytes(self, workers: int, clients: int) -> float:
     """B(W, N); at most one group (and global model) per client."""
     return min(workers, clients) * self.b_model + clients * self.b_client
 
+  def driver_seconds(self, workers: int, clients: int) -> float:
+    """The driver's calls and bytes of a round: t_call · W + t_byte · B(W, N)."""
+    return (self.t_call * min(workers, clients)
+            + self.t_byte * self.round_bytes(workers, clients))
+
   def round_seconds(self, workers: int, clients: int) -> float:
-    """T(W, N): the driver's bytes plus the largest group's training."""
+    """T(W, N): the driver's calls and bytes plus the largest group's training."""
     group = math.ceil(clients / max(1, min(workers, clients)))
-    return self.t_byte * self.round_bytes(workers, clients) + self.t_0 + self.t_client * group
+    return self.driver_seconds(workers, clients) + self.t_0 + self.t_client * group
 
   def driver_share(self, workers: int, clients: int) -> float:
-    """The fraction of T(W, N) the driver's bytes take."""
-    return self.t_byte * self.round_bytes(workers, clients) / self.round_seconds(workers, clients)
+    """The fraction of T(W, N) the driver's calls and bytes take."""
+    return self.driver_seconds(workers, clients) / self.round_seconds(workers, clients)
 
   def with_client_models(self, model_bytes: float) -> 'Fit':
     """This fit (of group means) for a method that needs each client's trained model back:
@@ -75,22 +84,30 @@ class Fit:
                                b_client=self.b_client + model_bytes)
 
   def driver_bound_from(self, clients: int, most: int = 1 << 20) -> Optional[int]:
-    """The fewest workers at which the driver's bytes take longer than a group's training."""
+    """The fewest workers at which the driver's calls and bytes take longer than a group's
+    training."""
     for w in range(1, min(clients, most) + 1):
       group = math.ceil(clients / w)
-      if self.t_byte * self.round_bytes(w, clients) >= self.t_0 + self.t_client * group:
+      if self.driver_seconds(w, clients) >= self.t_0 + self.t_client * group:
         return w
     return None
 
 
-def seconds_per_byte(shapes: Sequence[Shape]) -> float:
-  """`t_byte`: least squares through 0 of (1 worker − in process) seconds on the 1-worker bytes."""
+def driver_costs(shapes: Sequence[Shape]) -> tuple[float, float]:
+  """`(t_call, t_byte)`: the least-squares line of (1 worker − in process) seconds on the
+  1-worker bytes, neither negative; through 0 (t_call = 0) from a single byte count."""
   pairs = [(s.one_worker - s.in_process, sum(d + u for d, u in s.bytes_one))
            for s in shapes if s.one_worker is not None and s.bytes_one]
   if not pairs:
     raise ValueError('the capacity model needs at least one shape timed on 1 worker')
   extra, sent = np.array(pairs, dtype=np.float64).T
-  return max(0.0, float(extra @ sent / (sent @ sent)))
+  if len(set(sent)) > 1:
+    t_byte, t_call = np.polyfit(sent, extra, 1)
+    if t_call >= 0 and t_byte >= 0:
+      return float(t_call), float(t_byte)
+    if t_byte < 0:  # Bytes too few to tell from the calls: all of it per call.
+      return max(0.0, float(np.mean(extra))), 0.0
+  return 0.0, max(0.0, float(extra @ sent / (sent @ sent)))
 
 
 def per_client_bytes(shape: Shape) -> tuple[float, float]:
@@ -103,9 +120,10 @@ def per_client_bytes(shape: Shape) -> tuple[float, float]:
   return float(b_model), (one - b_model) / shape.clients
 
 
-def fit(shapes: Sequence[Shape], t_byte: float) -> Fit:
+def fit(shapes: Sequence[Shape], driver: tuple[float, float]) -> Fit:
   """The model for shapes of one model and client size (their in-process rounds give the
-  group's training: the least-squares line in the number of clients, through 0 for one size)."""
+  group's training: the least-squares line in the number of clients, through 0 for one size),
+  with the driver's `(t_call, t_byte)` (`driver_costs`)."""
   clients = np.array([s.clients for s in shapes], dtype=np.float64)
   seconds = np.array([s.in_process for s in shapes])
   t_client, t_0 = (np.polyfit(clients, seconds, 1) if len(set(clients)) > 1
@@ -115,24 +133,22 @@ def fit(shapes: Sequence[Shape], t_byte: float) -> Fit:
   measured = [s for s in shapes if s.bytes_two]
   b_model, b_client = (np.mean([per_client_bytes(s) for s in measured], axis=0)
                        if measured else (0.0, 0.0))
-  return Fit(float(t_0), float(t_client), float(b_model), float(b_client), t_byte)
+  return Fit(float(t_0), float(t_client), float(b_model), float(b_client), driver[1], driver[0])
 
 
 def validation(shapes: Sequence[Shape]) -> list[tuple[Shape, int, float, float]]:
-  """`(shape, workers, predicted, measured)` for each shape's 1- and 2-worker rounds, with
-  `t_byte` fitted per model (the driver's cost per byte depends on the tensors it carries). Each
-  1-worker prediction takes `t_byte` from the model's other shapes (with one shape: from every
-  other shape; alone: the fit itself); the 2-worker predictions use all of the model's shapes."""
+  """`(shape, workers, predicted, measured)` for each shape's 1- and 2-worker rounds. Each
+  1-worker prediction takes the driver's costs from the other shapes (alone: from itself); the
+  2-worker predictions from all of them."""
   rows = []
   for s in shapes:
     same = [o for o in shapes if (o.model, o.examples) == (s.model, s.examples)]
-    others = ([o for o in same if o is not s] or [o for o in shapes if o is not s]
-              or [s])
+    others = [o for o in shapes if o is not s] or [s]
     for workers, measured in ((1, s.one_worker), (2, s.two_workers)):
       if measured is None or not s.bytes_two:
         continue
-      t_byte = seconds_per_byte(others if workers == 1 else same)
-      rows.append((s, workers, fit(same, t_byte).round_seconds(workers, s.clients), measured))
+      driver = driver_costs(others if workers == 1 else shapes)
+      rows.append((s, workers, fit(same, driver).round_seconds(workers, s.clients), measured))
   return rows
 
 
@@ -144,11 +160,11 @@ def example_bytes(base: Fit, examples: int) -> float:
 
 def scaled(base: Fit, in_process: Shape, b_model: float, b_example: float) -> Fit:
   """The model of group means for another model timed in process only (`in_process`: its
-  round of N clients, through 0), with `base`'s driver cost per byte, its own model bytes
+  round of N clients, through 0), with `base`'s driver costs, its own model bytes
   (`b_model`: the global model down and the group's mean up per worker) and bytes per example
   (`b_example`)."""
   return Fit(0.0, in_process.in_process / in_process.clients, 2 * b_model,
-             in_process.examples * b_example, base.t_byte)
+             in_process.examples * b_example, base.t_byte, base.t_call)
 
 
 def projection(fit_: Fit, clients: int = 1000, workers: Sequence[int] = (4, 16, 64)
