@@ -77,8 +77,7 @@ def build_stateful_client_work(model_spec: ModelSpec, optimizer, work: StatefulC
   weights_type, data_type = client_work_lib.client_types(model_spec, state_type=state_type)
 
   def run_client(initial_weights, server_value, data):
-    zero = tuple(tf.zeros(s.shape, s.dtype) for s in specs)
-    client_state = client_work_lib.read_single(data['state'], zero)
+    client_state = client_work_lib.read_single(data['state'])
     keras_model = model_spec.keras_fn()
     latent_apply = None
     if work.latent:

@@ -168,18 +168,15 @@ def client_types(model_spec: ModelSpec, state_type=None, state_in_dataset: bool 
   return weights_type, data_type
 
 
-def read_single(dataset: tf.data.Dataset, zero):
+def read_single(dataset: tf.data.Dataset):
   """The element of a one-element dataset (`info`, `state`), inside a TFF computation."""
+  zero = tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), dataset.element_spec)
   return dataset.reduce(zero, lambda _, x: x)
-
-
-def _info_zero():
-  return tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), CLIENT_INFO_SPEC)
 
 
 def client_index_of(data) -> tf.Tensor:
   """The client slot carried in a client input's `info`."""
-  return read_single(data['info'], _info_zero())['client_index']
+  return read_single(data['info'])['client_index']
 
 
 def client_info_of_input(data) -> dict:
@@ -287,7 +284,7 @@ def build_local_training(keras_model: tf.keras.Model, optimizer,
   # No autograph: loops are `tf.while_loop`s, every `if` is on a Python value (converting is slow).
   @tf.function(autograph=False)
   def train(initial_weights, batches, info, anchor_weights=None):
-    info = read_single(info, _info_zero())
+    info = read_single(info)
     epochs = info['epochs']
     variables = tuple(keras_model.trainable_weights)
     statistics = tuple(keras_model.non_trainable_weights)
@@ -396,18 +393,12 @@ CLIENT_INDEX = ClientStatistic(
 CLIENT_WEIGHTINGS = ('num_examples', 'uniform')
 
 
-def check_client_weighting(client_weighting: str) -> None:
-  """Raises a one-line `ConfigError` unless `client_weighting` is in `CLIENT_WEIGHTINGS`."""
-  check_choice('client_weighting', client_weighting, CLIENT_WEIGHTINGS)
-
-
 def client_result(initial_weights, data, out, statistics: Sequence[ClientStatistic] = (),
                   client_weighting: str = 'num_examples', keras_model=None):
   """The `ClientResult` of local training `out` (of `keras_model`): update `initial − trained`,
   weight ν = n_k (`client_weighting='num_examples'`) or 1 (`'uniform'`), with `statistics`."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  check_client_weighting(client_weighting)
   update = tf.nest.map_structure(
       tf.subtract, tuple(tf.nest.flatten(initial_weights.trainable)), out['trained'])
   update = tf.nest.pack_sequence_as(initial_weights.trainable, update)
@@ -485,7 +476,7 @@ def build_client_work(model_spec: ModelSpec,
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  check_client_weighting(client_weighting)
+  check_choice('client_weighting', client_weighting, CLIENT_WEIGHTINGS)
   metrics_aggregation_fn = metrics_aggregation(model_spec)
   weights_type, data_type = client_types(model_spec)
 

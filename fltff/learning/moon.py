@@ -73,26 +73,6 @@ class ModelContrastiveRegularizer(client_work_lib.LocalRegularizer):
                                             self.temperature, batch['mask'])
 
 
-def previous_models(server_value, previous: tuple) -> tuple:
-  """MOON's per-client term: the previous local model(s) (client state; no server state)."""
-  del server_value
-  return tuple(previous)
-
-
-def trained_models(out: dict, previous: tuple) -> tuple:
-  """MOON's new client states, the trained models, and no server contribution."""
-  del previous
-  return tuple(out['trained']), ()
-
-
-def moon_client_work(mu: float, temperature: float) -> client_state.StatefulClientWork:
-  """MOON's client work; client state: the previous local model's trainable weights."""
-  return client_state.StatefulClientWork(
-      lambda previous, latent_apply: ModelContrastiveRegularizer(latent_apply, previous, mu,
-                                                                 temperature),
-      previous_models, trained_models, latent=True)
-
-
 @gin.configurable('moon')
 def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, mu: float = 1.0,
                temperature: float = 0.5, server_optimizer=None) -> Algorithm:
@@ -110,7 +90,13 @@ def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, m
   with tf.Graph().as_default():
     latent_model(model_spec.keras_fn())  # A clear error now, not inside the computation.
   optimizer = client_optimizer or optimizers.default_client_optimizer()
-  work = moon_client_work(mu, temperature)
+  # The client state and term: the previous local model; the new state: the trained one (no
+  # server state or contribution).
+  work = client_state.StatefulClientWork(
+      lambda previous, latent_apply: ModelContrastiveRegularizer(latent_apply, previous, mu,
+                                                                 temperature),
+      lambda server_value, previous: tuple(previous),
+      lambda out, previous: (tuple(out['trained']), ()), latent=True)
   initial = [w.copy() for w in model_spec.initial_weights().trainable]
   return build_averaging_method(
       'moon', model_spec, optimizer, server_optimizer, 1.0, None,

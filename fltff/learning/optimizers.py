@@ -14,8 +14,6 @@ import gin
 from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 
-_NAMES = ('sgd', 'sgdm', 'adam')
-
 
 def declared(inner, hyperparameters=None, weight_decay: float = 0.0):
   """`inner` (a `tff.learning.optimizers.Optimizer`) stepping on `gradient + weight_decay · w`
@@ -37,7 +35,7 @@ def declared(inner, hyperparameters=None, weight_decay: float = 0.0):
       return inner.next(state, weights, gradients)
 
   optimizer = Declared()
-  optimizer.hyperparameters = None if weight_decay else hyperparameters
+  optimizer.hyperparameters = hyperparameters
   return optimizer
 
 
@@ -62,22 +60,18 @@ def build_optimizer(name: str, learning_rate: float, momentum: float = 0.9,
     check_number(f'{role}.{what}', value)
   check_number(f'{role}.learning_rate', learning_rate, low=0, open_low=True)
   check_number(f'{role}.weight_decay', weight_decay, low=0)
-  optimizer = _build(name, learning_rate, momentum, beta_1, beta_2, epsilon, role)
-  return declared(optimizer, weight_decay=weight_decay) if weight_decay else optimizer
-
-
-def _build(name, learning_rate, momentum, beta_1, beta_2, epsilon, role):
-  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
-
   if name == 'sgd':
-    return sgdm(learning_rate)
-  if name == 'sgdm':
+    optimizer = sgdm(learning_rate)
+  elif name == 'sgdm':
     check_number(f'{role}.momentum', momentum, low=0, high=1, open_high=True)
-    return sgdm(learning_rate, momentum)
-  if name == 'adam':
-    return tff.learning.optimizers.build_adam(
+    optimizer = sgdm(learning_rate, momentum)
+  elif name == 'adam':
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+    optimizer = tff.learning.optimizers.build_adam(
         learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
-  raise ConfigError(f'Unknown {role}.name {name!r}; choose one of {", ".join(_NAMES)}.')
+  else:
+    raise ConfigError(f'Unknown {role}.name {name!r}; choose one of sgd, sgdm, adam.')
+  return declared(optimizer, weight_decay=weight_decay) if weight_decay else optimizer
 
 
 def default_client_optimizer():

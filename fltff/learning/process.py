@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from fltff.config_checks import check_choice
 from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import protocol
@@ -173,7 +174,7 @@ def build_algorithm(name: str,
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  client_work_lib.check_client_weighting(client_weighting)
+  check_choice('client_weighting', client_weighting, client_work_lib.CLIENT_WEIGHTINGS)
   if client_work is not None and client_weighting != 'num_examples':
     raise ConfigError(f'client_weighting={client_weighting!r} applies to the default client '
                       f'work only; {name} builds its own.')
@@ -233,17 +234,13 @@ def build_algorithm(name: str,
 
 def build_averaging_method(name: str, model_spec: ModelSpec, client_optimizer, server_optimizer,
                            server_learning_rate: float, model_aggregator, **kwargs) -> Algorithm:
-  """`build_algorithm` for a method of the FedAvg family: named `name` (`ccn_name`), the default
-  client optimizer for None, the server step `optimizers.server_sgd`; `kwargs` as there."""
+  """`build_algorithm` for a method of the FedAvg family: named `name`, '+ccn' with a CCN
+  `model_aggregator`; the default client optimizer for None, the server step
+  `optimizers.server_sgd`; `kwargs` as there."""
   from fltff.learning import optimizers  # pylint: disable=g-import-not-at-top
 
   return build_algorithm(
-      ccn_name(name, model_aggregator), model_spec,
+      f'{name}+ccn' if getattr(model_aggregator, 'temperature', None) else name, model_spec,
       client_optimizer or optimizers.default_client_optimizer(),
       optimizers.server_sgd(server_optimizer, server_learning_rate, name),
       model_aggregator=model_aggregator, **kwargs)
-
-
-def ccn_name(name: str, model_aggregator) -> str:
-  """`name`, with '+ccn' when `model_aggregator` applies client contribution normalisation."""
-  return f'{name}+ccn' if getattr(model_aggregator, 'temperature', None) else name

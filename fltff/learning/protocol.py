@@ -133,19 +133,13 @@ class FederatedAlgorithm:
     return {}
 
   def check_client_indices(self, indices: Sequence[int]) -> None:
-    """`ConfigError` when an index is outside `[0, num_clients)`."""
-    check_client_indices(self.name, self.num_clients, indices)
-
-
-def check_client_indices(name: str, num_clients: Optional[int], indices: Sequence[int]) -> None:
-  """`ConfigError` naming the indices of `indices` outside `[0, num_clients)`."""
-  if num_clients is None:
-    return
-  bad = sorted({int(k) for k in indices if not 0 <= int(k) < num_clients})
-  if bad:
-    raise ConfigError(f'{name} was built for num_clients={num_clients} clients (indices 0-'
-                      f'{num_clients - 1}), but got client index(es) {bad}: build it with the '
-                      f'real number of clients.')
+    """`ConfigError` naming the indices of `indices` outside `[0, num_clients)`."""
+    n = self.num_clients
+    bad = [] if n is None else sorted({int(k) for k in indices if not 0 <= int(k) < n})
+    if bad:
+      raise ConfigError(f'{self.name} was built for num_clients={n} clients (indices 0-{n - 1}), '
+                        f'but got client index(es) {bad}: build it with the real number of '
+                        f'clients.')
 
 
 def run_round(algorithm: FederatedAlgorithm, state, clients: Sequence[int],

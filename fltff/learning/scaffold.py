@@ -101,17 +101,6 @@ def new_controls(out: dict, controls: Sequence[tf.Tensor]) -> tuple:
   return new, tuple(n - o for n, o in zip(new, controls))
 
 
-def scaffold_client_work(model_spec: ModelSpec,
-                         num_clients: int) -> client_state.StatefulClientWork:
-  """SCAFFOLD's client work: c the server state, c_i the client state (`client_state`)."""
-  specs = model_spec.trainable_specs()
-  return client_state.StatefulClientWork(
-      lambda terms, latent_apply: ControlVariateCorrection(terms), correction, new_controls,
-      server_init=lambda: tuple(tf.zeros(s.shape, s.dtype) for s in specs),
-      server_update=functools.partial(server_control_update, num_clients=num_clients),
-      step_observers=(GradientMean(),))
-
-
 @gin.configurable('scaffold')
 def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
                    server_learning_rate: float = 1.0, server_optimizer=None,
@@ -122,11 +111,16 @@ def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=Non
 
   check_number('scaffold num_clients', num_clients, integer=True, low=1)
   optimizer = client_optimizer or optimizers.default_client_optimizer()
-  work = scaffold_client_work(model_spec, num_clients)
+  specs = model_spec.trainable_specs()
+  work = client_state.StatefulClientWork(  # c the server state, c_i the client state.
+      lambda terms, latent_apply: ControlVariateCorrection(terms), correction, new_controls,
+      server_init=lambda: tuple(tf.zeros(s.shape, s.dtype) for s in specs),
+      server_update=functools.partial(server_control_update, num_clients=num_clients),
+      step_observers=(GradientMean(),))
   statistics = getattr(model_aggregator, 'client_statistics', ())
   client_work, control_type = client_state.build_stateful_client_work(
       model_spec, optimizer, work, statistics)
-  specs = [np.zeros(t.shape, t.dtype.type) for t in control_type]
+  zeros = [np.zeros(t.shape, t.dtype.type) for t in control_type]
   return build_averaging_method(
       'scaffold', model_spec, optimizer, server_optimizer, server_learning_rate,
       model_aggregator, client_work=client_work,
@@ -135,4 +129,4 @@ def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=Non
           model_spec, optimizer, work, statistics, device),
       # The server sends c with the model; each client sends Δc_i with its update.
       extra_bytes_per_client=type_num_bytes(control_type), num_clients=num_clients,
-      client_state_init=lambda: [np.zeros_like(z) for z in specs])
+      client_state_init=lambda: [np.zeros_like(z) for z in zeros])

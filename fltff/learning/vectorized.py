@@ -273,7 +273,6 @@ class VectorizedClientWork:
     worker may send its weighted mean and total weight instead (`fltff.learning.groups`)."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-    client_work_lib.check_client_weighting(client_weighting)
     if regularizer is not None and client_regularizer is not None:
       raise ValueError('give a shared regularizer or a client_regularizer, not both.')
     if regularizer is not None and client_work_lib.traits_of(regularizer).batch_term:
