@@ -36,7 +36,7 @@ class StatefulClientWork:
       `latent_apply(trainable, x)` is the latent layer in inference mode with other weights
       (the global model's BatchNorm statistics), None unless `latent`.
     client_terms: `(server value, client state) -> client terms`; the server value is the
-      broadcast server state (None without one); one client's, or along a client axis.
+      broadcast server state (`()` without one); one client's, or along a client axis.
     client_final: `(training outputs, client state) -> (new client state, server contribution)`.
     server_init: No-arg TF function giving the server state (SCAFFOLD's c); None: none.
     server_update: `(server state, summed contributions) -> new server state`; given exactly
@@ -98,47 +98,35 @@ def build_stateful_client_work(model_spec: ModelSpec, optimizer, work: StatefulC
 
   gather, _ = build_gather(state_type, tff.TensorType(np.int32))
 
-  if work.server_init is None:
+  # Without a server state: `()`, broadcast and updated as one.
+  @tff.tensorflow.computation
+  def initial_server_state():
+    return () if work.server_init is None else work.server_init()
 
-    @tff.tensorflow.computation(weights_type, data_type)
-    def client_update(initial_weights, data):
-      return run_client(initial_weights, None, data)[:4]
+  server_type = initial_server_state.type_signature.result
 
-    init_fn = client_work_lib.build_stateless_initialize()
+  @tff.tensorflow.computation(weights_type, server_type, data_type)
+  def client_update(initial_weights, server_value, data):
+    return run_client(initial_weights, server_value, data)
 
-  else:
+  @tff.federated_computation
+  def init_fn():
+    return tff.federated_eval(initial_server_state, tff.SERVER)
 
-    @tff.tensorflow.computation
-    def initial_server_state():
-      return work.server_init()
-
-    server_type = initial_server_state.type_signature.result
-
-    @tff.tensorflow.computation(weights_type, server_type, data_type)
-    def client_update(initial_weights, server_value, data):  # pylint: disable=function-redefined
-      return run_client(initial_weights, server_value, data)
-
-    @tff.federated_computation
-    def init_fn():  # pylint: disable=function-redefined
-      return tff.federated_eval(initial_server_state, tff.SERVER)
-
-    @tff.tensorflow.computation(server_type, client_update.type_signature.result[4])
-    def update_server_state(server_state, contribution_sum):
-      return work.server_update(server_state, contribution_sum)
+  @tff.tensorflow.computation(server_type, client_update.type_signature.result[4])
+  def update_server_state(server_state, contribution_sum):
+    if work.server_update is None:
+      return server_state
+    return work.server_update(server_state, contribution_sum)
 
   @tff.federated_computation(init_fn.type_signature.result,
                              tff.FederatedType(weights_type, tff.CLIENTS),
                              tff.FederatedType(data_type, tff.CLIENTS))
   def next_fn(state, weights, client_data):
-    if work.server_init is None:
-      result, model_outputs, new_states, indices = tff.federated_map(
-          client_update, (weights, client_data))
-      new_server_state = state
-    else:
-      result, model_outputs, new_states, indices, contributions = tff.federated_map(
-          client_update, (weights, tff.federated_broadcast(state), client_data))
-      new_server_state = tff.federated_map(update_server_state,
-                                           (state, tff.federated_sum(contributions)))
+    result, model_outputs, new_states, indices, contributions = tff.federated_map(
+        client_update, (weights, tff.federated_broadcast(state), client_data))
+    new_server_state = tff.federated_map(update_server_state,
+                                         (state, tff.federated_sum(contributions)))
     # The aggregates are independent: one pass.
     measurements = tff.federated_zip(collections.OrderedDict(
         train=metrics_aggregation_fn(model_outputs),

@@ -424,10 +424,8 @@ def client_result_type(model_spec: ModelSpec, statistics: Sequence[ClientStatist
   (`process.build_algorithm` makes the aggregator from it before any round runs)."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  weight = with_statistics(tff.TensorType(np.float32), statistics,
-                           lambda s: tff.TensorType(s.dtype, s.shape(model_spec)))
-  if statistics:
-    weight = tff.StructWithPythonType(list(weight.items()), collections.OrderedDict)
+  weight = tff.types.to_type(with_statistics(tff.TensorType(np.float32), statistics, lambda s:
+                                             tff.TensorType(s.dtype, s.shape(model_spec))))
   return tff.StructWithPythonType(
       [('update', model_spec.weights_type().trainable), ('update_weight', weight)],
       tff.learning.templates.ClientResult)

@@ -36,13 +36,13 @@ class ModelSpec:
         y=tf.TensorSpec([None], tf.int32),
     )
 
-  def tff_model(self, keras_model=None):
-    """A `tff.learning.models.VariableModel` wrapping `keras_model` (default: a fresh one), for
-    TFF's types and metric finalizers; training and evaluation use `batch_loss`."""
+  def tff_model(self):
+    """A `tff.learning.models.VariableModel` wrapping a fresh Keras model, for TFF's types and
+    metric finalizers; training and evaluation use `batch_loss`."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     return tff.learning.models.from_keras_model(
-        keras_model if keras_model is not None else self.keras_fn(),
+        self.keras_fn(),
         loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         input_spec=self.input_spec,
         metrics=[tf.keras.metrics.SparseCategoricalAccuracy(name='accuracy')],
