@@ -149,6 +149,15 @@ def test_fednova_with_equal_steps_is_fedavg_and_differs_otherwise():
   assert _diff(nova_u, avg_u) > 1e-3
 
 
+def test_fednova_keeps_ccns_temperature_and_refuses_other_aggregators():
+  ccn = learning.build_fednova(
+      SPEC, model_aggregator=aggregators.contribution_normalization_factory(2.0))
+  assert ccn.name == 'fednova+ccn' and learning.build_fednova(SPEC).name == 'fednova'
+  with pytest.raises(ConfigError,
+                     match=r'^fednova\.model_aggregator must be CCN .* got MeanFactory\.'):
+    learning.build_fednova(SPEC, model_aggregator=tff.aggregators.MeanFactory())
+
+
 def test_ccn_with_huge_temperature_is_the_base_scheme():
   """T → ∞ makes every Λ_r = 1 − 1/K: ω = ν/Σν, i.e. the base scheme unchanged."""
   sizes = (10, 20, 30)

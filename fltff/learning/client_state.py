@@ -1,11 +1,7 @@
-"""Client work for global methods whose clients carry a state shaped like the trainable weights.
-
-SCAFFOLD's c_i and MOON's previous model are kept in the round driver's store; a state comes in
-with the client data (a one-element dataset under `state`) and the new states go out, keyed by
-client index, through one gathering aggregate (`fltff.aggregators.gather`) under
-`CLIENT_STATES_KEY`. A method declares its work once (`StatefulClientWork`), and
-`build_stateful_client_work` (client by client) and `VectorizedStatefulWork` (all participants
-together) run it.
+"""Client work for global methods whose clients carry a state shaped like the trainable weights
+(SCAFFOLD's c_i, MOON's previous model; docs/architecture.md, "Contracts"). A state comes in
+with the client data (under `state`) and the new states go out, keyed by client index, through
+one gathering aggregate (`fltff.aggregators.gather`) under `CLIENT_STATES_KEY`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""Client work shared by every method: local training with an optional regulariser.
-
-Each participant receives the global `ModelWeights` and its client input
-
-    OrderedDict(batches=<batched tf.data.Dataset of OrderedDict(x, y)>,
-                info=<one-element dataset of OrderedDict(client_index, epochs)>)
-
-and runs `epochs` passes over `batches` with a `tff.learning.optimizers.Optimizer`, minimising
-`loss(batch) + regulariser(local, global)` (plus the regulariser's optional batch term). `info`
-is a dataset because `compose_learning_process` accepts only sequence-valued client data (TFF
-0.87); it carries the client's slot (for stateful aggregators) and its local epochs
-(stragglers do fewer). Unlike TFF, non-finite updates are *not* zeroed: divergence must
-surface so the round driver can stop and keep the last good checkpoint.
+"""Client work shared by every method: local training with an optional regulariser
+(docs/methods/index.md). A client input is `OrderedDict(batches, info)`; `info` (client index,
+local epochs) is a one-element dataset because `compose_learning_process` accepts only
+sequence-valued client data (TFF 0.87). Unlike TFF, non-finite updates are *not* zeroed:
+divergence must surface so the round driver can stop and keep the last good checkpoint.
 """
 
 from __future__ import annotations
@@ -43,24 +35,17 @@ class RegularizerTraits:
   flag promises a method or a form of the gradient beyond `epoch_start` and `penalty`.
 
   Attributes:
-    analytic: `gradient(local, global_, context) -> list of tensors`, `penalty`'s closed-form
-      gradient w.r.t. `local`, added to the data gradient instead of differentiating `penalty`.
+    analytic: `gradient(local, global_, context)`, `penalty`'s closed-form gradient w.r.t.
+      `local`, added to the data gradient instead of differentiating `penalty`.
     affine: `affine_gradient(global_, context) -> (scales, offsets) or None`: the gradient is
-      `scale_t * w_t + offset_t`, fixed for the epoch (a None scale: 0); None: use `gradient`
-      (so `affine` needs `analytic`).
-    global_anchor: The offsets are `−scale ⊙ global_` (FedProx, FedLap): vectorised clients add
-      `scale ⊙ (w − global_)` instead of forming `[clients, ...]` offsets (`stacked_optimizer`).
-    own_anchor: `offset_anchor(global_) -> list of tensors`: the offsets are `−scale ⊙ anchor`
-      (KAPC: the client's s_i); vectorised clients read the stacked anchors instead.
-    per_tensor_scales: Each `affine_gradient` scale is one number per tensor: vectorised
-      clients may train Dense kernels in factored form (`factored_dense`).
+      `scale_t * w_t + offset_t`, fixed for the epoch (a None scale: 0); None: use `gradient`.
+    global_anchor: The offsets are `−scale ⊙ global_` (FedProx, FedLap).
+    own_anchor: `offset_anchor(global_)`: the offsets are `−scale ⊙ anchor` (KAPC's s_i).
+    per_tensor_scales: Each `affine_gradient` scale is one number per tensor (`factored_dense`).
     batch_term: `batch_penalty(local, global_, batch, context) -> scalar`, a minibatch term
-      (MOON's model-contrastive loss); `batch` has `x`, `y` and, on vectorised clients, `mask`
-      (1 for a real example of a padded batch; average over those only). Differentiated with
-      the data loss in one tape, so it may depend on the variables through the model, not only
-      through `local`; `penalty`/`gradient` still apply on top.
-    reads_latent: `batch_penalty` reads the training pass's latent representation
-      (`batch['latent']`; needs `batch_term`).
+      (MOON's) differentiated with the data loss, on top of `penalty`/`gradient`; `batch` has
+      `x`, `y` and `mask` (1 for a real example of a padded batch; average over those only).
+    reads_latent: `batch_penalty` reads the training pass's latent layer (`batch['latent']`).
     measures: `measurements(trained, global_) -> nested dict of scalars`, averaged over the
       participants and reported as `client_work/regularizer/...` (FedLap's λ, d).
   """
@@ -110,13 +95,9 @@ class LocalRegularizer(Protocol):
 
 
 class StepObserver(Protocol):
-  """State a method accumulates over a client's local steps (SCAFFOLD's `GradientMean`).
-
-  Carried by `build_local_training` and (`[K, ...]`) `vectorized.VectorizedClientWork`, which
-  output `result` under `name`. `observe` sees every tensor's gradient as differentiated: with
-  any batch term and penalty-only penalty; without closed-form or affine terms (SCAFFOLD's
-  correction); before frozen tensors are zeroed.
-  """
+  """State a method accumulates over a client's local steps (SCAFFOLD's `GradientMean`),
+  output as `result` under `name` by both training loops. `observe` sees the gradients as
+  differentiated: without closed-form or affine terms, before frozen tensors are zeroed."""
   name: str
 
   def initial(self, weights: Sequence[tf.Tensor]) -> Any:
@@ -222,12 +203,10 @@ def client_step(forward: Callable, local, batch, regularizer: Optional[LocalRegu
   differentiated (as step observers see them), batch_loss's sums, probe gradients, values of
   local)` of `batch_loss + regulariser` w.r.t. `local`.
 
-  `forward(local, x, mask) -> (latent or None, logits)`; `batch`: `x`, `y`, `mask` (`[B]`, 1
-  for a real example). `step_gradients` adds `affine` (or the analytic gradient) and zeroes
-  `frozen`, unless `affine_by_updater` (vectorised clients: the updater adds affine terms).
-  `probes`: `{index: tensor}` differentiated in place of `local[index]` (`factored_dense`).
-  `isolate`: the data loss in a function of its own (as TFF's `forward_pass`), which keeps the
-  per-client numbers bit for bit.
+  `forward(local, x, mask) -> (latent or None, logits)`. `affine_by_updater`: the updater adds
+  affine terms (vectorised clients). `probes`: `{index: tensor}` differentiated in place of
+  `local[index]` (`factored_dense`). `isolate`: the data loss in a function of its own (as
+  TFF's `forward_pass`), which keeps the per-client numbers bit for bit.
   """
   traits = traits_of(regularizer) or PENALTY_ONLY
   probes = probes or {}
@@ -363,15 +342,15 @@ def build_local_training(keras_model: tf.keras.Model, optimizer,
 
 @dataclasses.dataclass(frozen=True)
 class ClientStatistic:
-  """A per-client value an aggregation factory needs (listed in its `client_statistics`), sent
-  in the update weight `OrderedDict(num_examples=ν, <name>=<value>, ...)` in declared order.
+  """A per-client value an aggregation factory needs (its `client_statistics`), sent in the
+  update weight `OrderedDict(num_examples=ν, <name>=<value>, ...)` in declared order.
 
-  `name`, `dtype`, `shape(model_spec)`: its field in the weight. `of_client(keras_model, client
-  data, build_local_training's outputs)`: its tensor in TFF's client computation (a read of the
-  model must depend on `outputs['trained']`: the graph orders nothing itself). `of_clients(client
-  inputs, VectorizedClientWork.train's outputs)`: `[K, ...]` for vectorised clients; None:
-  `outputs[name]`, from `in_trace(work, trained [K, ...], (examples, index, mask, K) of the first
-  epoch)` in the training's trace (`reads_latent`: it reads `work.latent_apply`).
+  `of_client(keras_model, client data, build_local_training's outputs)`: its tensor in TFF's
+  client computation (a read of the model must depend on `outputs['trained']`).
+  `of_clients(client inputs, VectorizedClientWork.train's outputs)`: `[K, ...]` for vectorised
+  clients; None: `outputs[name]`, from `in_trace(work, trained [K, ...], (examples, index,
+  mask, K) of the first epoch)` in the training's trace (`reads_latent`: it reads
+  `work.latent_apply`).
   """
   name: str
   dtype: type
@@ -465,12 +444,10 @@ def build_client_work(model_spec: ModelSpec,
   FedLap papers). `optimizer`: a `tff.learning.optimizers.Optimizer`.
 
   Args:
-    client_statistics: The aggregator's `ClientStatistic`s, sent with the update. None: the
-      weight is the float32 example count TFF's `MeanFactory` expects; else
-      `OrderedDict(num_examples=float32, <statistics>)` (`with_statistics`).
+    client_statistics: The aggregator's `ClientStatistic`s, sent with the update
+      (`with_statistics`).
     frozen: Indices of trainable tensors kept fixed (FedBABU's head).
-    client_weighting: 'num_examples' (ν = n_k) or 'uniform' (ν = 1; with `client_statistics`,
-      the `num_examples` field is 1).
+    client_weighting: 'num_examples' (ν = n_k) or 'uniform' (ν = 1).
   """
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 

@@ -24,14 +24,12 @@ def build_fednova(model_spec: ModelSpec, client_optimizer=None,
   `aggregators.contribution_normalization_factory(T)` (CCN's Λ on the weights p_k)."""
   from fltff.aggregators import contribution_normalization as ccn  # pylint: disable=g-import-not-at-top
 
-  if model_aggregator is None:
-    aggregator = ccn.NormalizedMeanFactory(normalized_averaging=True)
-  elif isinstance(model_aggregator, ccn.NormalizedMeanFactory):
-    aggregator = ccn.NormalizedMeanFactory(model_aggregator.temperature, normalized_averaging=True)
-  else:
+  if not (model_aggregator is None or isinstance(model_aggregator, ccn.NormalizedMeanFactory)):
     raise ConfigError(f'fednova.model_aggregator must be CCN (@contribution_normalization()) '
                       f'or None: FedNova aggregates by normalised averaging, got '
                       f'{type(model_aggregator).__name__}.')
-  # The CCN aggregator keeps its temperature: `build_averaging_method` names it fednova+ccn.
+  # CCN's temperature is kept: `build_averaging_method` names it fednova+ccn.
+  aggregator = ccn.NormalizedMeanFactory(getattr(model_aggregator, 'temperature', None),
+                                         normalized_averaging=True)
   return build_averaging_method('fednova', model_spec, client_optimizer, server_optimizer,
                                 server_learning_rate, aggregator)

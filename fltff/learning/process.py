@@ -161,8 +161,7 @@ def build_algorithm(name: str,
     client_optimizer: `tff.learning.optimizers.Optimizer` for local steps.
     server_optimizer: `tff.learning.optimizers.Optimizer` applying the aggregated delta.
     model_aggregator: Any `tff.aggregators.WeightedAggregationFactory` (default `MeanFactory()`,
-      FedAvg's weighted mean); an unweighted one is wrapped and ignores ν. The client work
-      sends the statistics it declares (`client_statistics`) with each update.
+      FedAvg's weighted mean); an unweighted one is wrapped and ignores ν.
     frozen: Trainable tensors kept fixed during local training (FedBABU's head).
     client_work: A `ClientWorkProcess` replacing the default local training (SCAFFOLD's).
     client_weighting: Each update's base weight ν: 'num_examples' (n_k) or 'uniform' (1, only

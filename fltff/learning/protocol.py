@@ -1,12 +1,8 @@
-"""The protocol every fltff method implements, in the shape of FedJAX's `FederatedAlgorithm`.
-
-A round (docs/outputs.md): `initialize`, then `client_input` per participant, `server_input`
-and `next(state, server_input, inputs, call)`, which returns a `RoundOutput` with the new server
-state and the participants' new client states. Global methods run a `tff.learning`
-LearningProcess underneath, personalised ones an `IterativeProcess`. `call(fn, *args)` runs a
-TFF computation (the runtime's failover wrapper; default: a plain call). `RoundDriver`
-(`fltff.simulation.driver`, built on `run_round`) is the only round loop. Per-client memory that
-never leaves the server (FedAdp's angles, KAPC's R) is server state.
+"""The protocol every fltff method implements, in the shape of FedJAX's `FederatedAlgorithm`
+(docs/api.md). `call(fn, *args)` runs a TFF computation (the runtime's failover wrapper;
+default: a plain call). `RoundDriver` (`fltff.simulation.driver`, built on `run_round`) is the
+only round loop. Per-client memory that never leaves the server (FedAdp's angles, KAPC's R) is
+server state.
 """
 
 from __future__ import annotations

@@ -35,14 +35,13 @@ class ProximalRegularizer(LocalRegularizer):
     check_number('Proximal mu', mu, low=0)
     self.mu = float(mu)
     self.anchor = None if anchor is None else tuple(anchor)
-    self.mask = None if tensor_mask is None else tuple(tensor_mask)
-    # Per-tensor coefficients, formed once (not at every local step).
-    self._coefficients = None if self.mask is None else tuple(self.mu * m for m in self.mask)
+    # Per-tensor coefficients μ m_t, formed once (not at every local step).
+    self._coefficients = None if tensor_mask is None else tuple(self.mu * m for m in tensor_mask)
 
   def penalty(self, local, global_, context):
     del context
     anchor = global_ if self.anchor is None else self.anchor
-    if self.mask is None:
+    if self._coefficients is None:
       return proximal_penalty(local, anchor, self.mu)
     return 0.5 * tf.add_n([c * tf.reduce_sum(tf.square(w - a)) for w, a, c in
                            zip(local, anchor, self._coefficients)])
