@@ -28,6 +28,7 @@ from fltff.learning.model_spec import ModelSpec
 from fltff.learning.model_spec import type_num_bytes
 from fltff.learning.process import Algorithm
 from fltff.learning.process import build_averaging_method
+from fltff.learning.stacked_optimizer import client_mask
 
 
 class ControlVariateCorrection(client_work_lib.LocalRegularizer):
@@ -67,14 +68,9 @@ class GradientMean:
 
   def result(self, total, steps):
     steps = tf.maximum(steps, 1)
-
-    def mean(g):
-      n = tf.cast(steps, g.dtype)
-      if n.shape.rank:  # One step count per client: over each client's slice.
-        n = tf.reshape(n, [-1] + [1] * (g.shape.rank - 1))
-      return g / n
-
-    return tuple(mean(g) for g in total)
+    if steps.shape.rank:  # One step count per client: over each client's slice.
+      return tuple(g / client_mask(tf.cast(steps, g.dtype), g.shape.rank) for g in total)
+    return tuple(g / tf.cast(steps, g.dtype) for g in total)
 
 
 def server_control_update(control: Sequence[tf.Tensor], delta_sum: Sequence[tf.Tensor],
@@ -91,13 +87,9 @@ def correction(server_control: Sequence[tf.Tensor], controls: Sequence[tf.Tensor
 def new_controls(out: dict, controls: Sequence[tf.Tensor]) -> tuple:
   """`(c_i⁺, Δc_i)` from the training's `gradient_mean` and `steps` (a client that took no step
   keeps its control); for one client or along a leading client axis."""
-  took_steps = out['steps'] > 0
-
-  def rows(g):  # One flag per client, against the client axis of `g`.
-    return took_steps if took_steps.shape.rank == 0 else tf.reshape(
-        took_steps, [-1] + [1] * (g.shape.rank - 1))
-
-  new = tuple(tf.where(rows(g), g, ci) for g, ci in zip(out['gradient_mean'], controls))
+  took_steps = out['steps'] > 0  # Per client: against the client axis of each tensor.
+  new = tuple(tf.where(client_mask(took_steps, g.shape.rank) if took_steps.shape.rank
+                       else took_steps, g, ci) for g, ci in zip(out['gradient_mean'], controls))
   return new, tuple(n - o for n, o in zip(new, controls))
 
 
