@@ -503,12 +503,11 @@ def build_local_update(model_spec: ModelSpec, optimizer,
   def local_update(weights, global_weights, data):
     out = build_local_training(model_spec.keras_fn(), optimizer, regularizer)(
         weights, data['batches'], data['info'], global_weights)
-    client_index = client_index_of(data)
     new_weights = tff.learning.models.ModelWeights(
         trainable=tf.nest.pack_sequence_as(weights.trainable, list(out['trained'])),
         non_trainable=tf.nest.pack_sequence_as(weights.non_trainable,
                                                list(out['non_trainable'])))
-    return client_index, new_weights
+    return client_index_of(data), new_weights
 
   @tff.federated_computation(tff.FederatedType(weights_type, tff.CLIENTS),
                              tff.FederatedType(weights_type, tff.SERVER),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Optional
 
@@ -48,45 +49,42 @@ class ModelSpec:
         metrics=[tf.keras.metrics.SparseCategoricalAccuracy(name='accuracy')],
     )
 
-  def _built_model_facts(self) -> dict:
+  @functools.cached_property  # A cache in the instance's __dict__, not a dataclass field.
+  def _facts(self) -> dict:
     """What process builders read off a model (types, specs, finalizers), built once per spec in
     a throwaway graph: each graph-mode Keras build is costly, and the facts never change."""
-    facts = self.__dict__.get('_facts')
-    if facts is None:
-      import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+    import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-      with tf.Graph().as_default():
-        model = self.tff_model()
-        unfinalized = model.report_local_unfinalized_metrics()
-        facts = dict(
-            weights_type=tff.learning.models.weights_type_from_model(model),
-            element_type=tff.types.tensorflow_to_type(model.input_spec),
-            trainable_specs=[tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables],
-            unfinalized_metric_specs=tf.nest.map_structure(
-                lambda t: tf.TensorSpec(t.shape, t.dtype), unfinalized),
-            metric_finalizers=model.metric_finalizers())
-      object.__setattr__(self, '_facts', facts)  # A frozen dataclass: a cache, not a field.
-    return facts
+    with tf.Graph().as_default():
+      model = self.tff_model()
+      unfinalized = model.report_local_unfinalized_metrics()
+      return dict(
+          weights_type=tff.learning.models.weights_type_from_model(model),
+          element_type=tff.types.tensorflow_to_type(model.input_spec),
+          trainable_specs=[tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables],
+          unfinalized_metric_specs=tf.nest.map_structure(
+              lambda t: tf.TensorSpec(t.shape, t.dtype), unfinalized),
+          metric_finalizers=model.metric_finalizers())
 
   def weights_type(self):
     """TFF type of `tff.learning.models.ModelWeights` for this model."""
-    return self._built_model_facts()['weights_type']
+    return self._facts['weights_type']
 
   def element_type(self):
     """TFF type of one batch (`input_spec`)."""
-    return self._built_model_facts()['element_type']
+    return self._facts['element_type']
 
   def trainable_specs(self) -> list[tf.TensorSpec]:
     """`TensorSpec`s of the model's trainable weights, in order."""
-    return list(self._built_model_facts()['trainable_specs'])
+    return list(self._facts['trainable_specs'])
 
   def unfinalized_metric_specs(self):
     """`TensorSpec`s of the TFF model's unfinalized metrics (`report_local_unfinalized_metrics`)."""
-    return self._built_model_facts()['unfinalized_metric_specs']
+    return self._facts['unfinalized_metric_specs']
 
   def metric_finalizers(self):
     """The TFF model's metric finalizers (functions of the unfinalized values)."""
-    return self._built_model_facts()['metric_finalizers']
+    return self._facts['metric_finalizers']
 
   def trainable_layers(self) -> tuple[list[list[int]], list[str]]:
     """`(layers, names)`: per layer with trainable weights, input to output, its indices into

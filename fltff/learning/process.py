@@ -69,14 +69,6 @@ class Algorithm(protocol.FederatedAlgorithm):
     state = call(self.process.initialize)
     return self.process.set_model_weights(state, self.model_spec.initial_weights())
 
-  @property
-  def has_client_state(self) -> bool:
-    return self.client_state_init is not None
-
-  def initial_client_state(self, client_index: int):
-    del client_index
-    return None if self.client_state_init is None else self.client_state_init()
-
   def client_input(self, batches, client_index: int, epochs: int, client_state=None):
     # Vectorised client work reads info and state in Python: no datasets.
     return client_work_lib.client_input(batches, client_index, epochs, client_state=client_state,

@@ -46,6 +46,7 @@ class FederatedAlgorithm:
   bytes_down_per_client: int  # The most a participant receives per round (channel sizes).
   bytes_up_per_client: int  # The most a participant sends per round.
   num_clients: Optional[int] = None  # N the state is sized for; None: any.
+  client_state_init: Optional[Callable[[], Any]] = None  # A new client's state; None: none.
   personalized: bool = False  # Clients are evaluated with their own models; no global model.
   personal_models: bool = False  # Clients keep personal models (`personal_weights`).
   # `(device, factor_dense) -> vectorised client work` where possible; the work it made.
@@ -59,12 +60,12 @@ class FederatedAlgorithm:
   @property
   def has_client_state(self) -> bool:
     """Whether clients carry a state between rounds (the store keeps it)."""
-    return False
+    return self.client_state_init is not None
 
   def initial_client_state(self, client_index: int):
     """A client's state before its first round (nested NumPy), or None without client state."""
     del client_index
-    return None
+    return None if self.client_state_init is None else self.client_state_init()
 
   @property
   def vectorized(self) -> bool:

@@ -21,6 +21,7 @@ import gin
 import numpy as np
 import tensorflow as tf
 
+from fltff.config_checks import check_number
 from fltff.learning import client_state
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import optimizers
@@ -99,8 +100,6 @@ def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=Non
                    model_aggregator=None) -> Algorithm:
   """SCAFFOLD with η_g = `server_learning_rate`; the server control averages over N =
   `num_clients`. Only the model update, not Δc_i, goes through `model_aggregator` (CCN: Λ)."""
-  from fltff.config_checks import check_number  # pylint: disable=g-import-not-at-top
-
   check_number('scaffold num_clients', num_clients, integer=True, low=1)
   optimizer = client_optimizer or optimizers.default_client_optimizer()
   specs = model_spec.trainable_specs()
