@@ -170,14 +170,14 @@ def test_clients_are_mapped_and_folded_in_one_call_with_tffs_numbers(contexts):
     results[name] = mean.next(mean.initialize(), values, weights).result
   functions = [fn for _, fn in context._functions.values()]  # pylint: disable=protected-access
   # pylint: disable=protected-access
-  assert any(fn._vectorized_map not in (None, False) for fn in functions)
-  assert any(fn._looped_fold not in (None, False) for fn in functions)
+  assert any(fn._looped.get('vectorized_map') is not None for fn in functions)
+  assert any(fn._looped.get('looped_fold') is not None for fn in functions)
   for fn in functions:  # The looped map from here on.
-    fn._vectorized_map = False
+    fn._looped['vectorized_map'] = None
   results['looped'] = mean.next(mean.initialize(), values, weights).result
-  assert any(fn._looped_map not in (None, False) for fn in functions)
+  assert any(fn._looped.get('looped_map') is not None for fn in functions)
   for fn in functions:  # Client by client from here on.
-    fn._looped_map = fn._looped_fold = False
+    fn._looped['looped_map'] = fn._looped['looped_fold'] = None
   # pylint: enable=protected-access
   results['one_by_one'] = mean.next(mean.initialize(), values, weights).result
   tff.framework.set_default_context(contexts['tff_cpp'])
@@ -334,8 +334,8 @@ def test_a_mapped_graph_with_random_draws_gives_every_call_the_first_draw(contex
   tff.framework.set_default_context(contexts['tff_cpp'])
   functions = [fn for _, fn in context._functions.values()]  # pylint: disable=protected-access
   # pylint: disable=protected-access
-  assert all(fn._vectorized_map in (None, False) and fn._looped_map in (None, False)
-             for fn in functions)
+  assert all(fn._looped.get(name) is None for fn in functions
+             for name in ('vectorized_map', 'looped_map'))
   # pylint: enable=protected-access
   for result in results:
     np.testing.assert_allclose(result, values + first_draw, rtol=1e-6)
@@ -418,7 +418,7 @@ def test_stacked_tensor_copies_what_tensorflow_cannot_take_as_it_is():
 
 
 def test_results_are_read_only_views_of_the_computations_tensors(tff_runtime):
-  # A model-sized result is handed back without a copy (`_array_view`), read-only so nothing
+  # A model-sized result is handed back without a copy (`_to_python`), read-only so nothing
   # writes into a buffer TensorFlow may share; the values are the computation's.
   @tff.tensorflow.computation(tff.TensorType(np.float32, [300, 200]))
   def double(x):

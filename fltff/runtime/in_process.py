@@ -1,11 +1,8 @@
-"""An in-process TFF execution context: the compiled round runs in this Python process.
-
-TFF's native compiler lowers the computation to a tree of federated intrinsics over compiled
-TensorFlow graphs; each graph is imported once as a TensorFlow function, and a small
-interpreter evaluates the tree with CLIENTS values as per-participant lists or stacked
-(`StackedClients`). No arithmetic is rewritten: results equal the C++ runtime's up to
-floating-point scheduling (tests/test_in_process.py). Details: docs/architecture.md, "The
-in-process executor".
+"""An in-process TFF execution context: TFF's native compiler lowers the computation to a tree
+of federated intrinsics over compiled TensorFlow graphs, each imported once as a TensorFlow
+function, and a small interpreter evaluates the tree with CLIENTS values as per-participant lists
+or stacked (`StackedClients`). No arithmetic is rewritten: results equal the C++ runtime's up to
+floating-point scheduling (docs/architecture.md, "The in-process executor").
 """
 
 from __future__ import annotations
@@ -50,12 +47,9 @@ class _Clients(list):
 
 
 class StackedClients:
-  """A CLIENTS-placed argument as one structure whose arrays lead with a participant axis.
-
-  Stands for `[value with every array a[k]] for k in range(num_clients)`; this context alone
-  takes it and keeps it stacked through zip, map and aggregate (`map_stacked`, `fold`),
-  so vectorised client work needs no Python value per participant. Also this context's own
-  stacked CLIENTS values (their `value` a Struct of tensors).
+  """A CLIENTS-placed value as one structure whose arrays lead with a participant axis: it stands
+  for `[value with every array a[k]] for k in range(num_clients)`, and this context alone keeps
+  it stacked through zip, map and aggregate (an argument, or its own values: Structs of tensors).
   """
 
   def __init__(self, value, num_clients: int):
@@ -238,19 +232,13 @@ def _to_python(value, keep_tensors: bool = False):
     return structure.Struct([(n, _to_python(v, keep_tensors))
                              for n, v in structure.to_elements(value)])
   if tf.is_tensor(value) and not keep_tensors:
-    return _array_view(value)
+    # A read-only view over the tensor's own buffer: `numpy()` copies model-sized results into
+    # fresh memory, which can be slow to touch. Read-only, as TensorFlow may share the buffer.
+    value = np.asarray(value)
+    if value.flags.writeable:
+      value = value.view()
+      value.flags.writeable = False
   return value
-
-
-def _array_view(tensor: tf.Tensor) -> np.ndarray:
-  """`tensor`'s value as a read-only NumPy array over its own buffer: `tensor.numpy()` copies
-  model-sized results into fresh memory, which can be slow to touch. Read-only, as TensorFlow
-  may share the buffer with another tensor."""
-  array = np.asarray(tensor)
-  if array.flags.writeable:
-    array = array.view()
-    array.flags.writeable = False
-  return array
 
 
 def _num_clients_of(value, type_spec) -> Optional[int]:
@@ -303,13 +291,6 @@ def _rename_library_functions(graph_def, suffix: str) -> None:
 _UNSTACKABLE = (tf.variant, tf.resource, tf.string)
 
 
-def _is_stateful_random(op) -> bool:
-  """A random op that keeps state between runs (not the `Stateless*` ones)."""
-  return (op.op_def is not None and op.op_def.is_stateful
-          and ('Random' in op.type or op.type in ('TruncatedNormal', 'Multinomial',
-                                                  'ParameterizedTruncatedNormal')))
-
-
 def _as_list(out) -> list:
   return list(out) if isinstance(out, (list, tuple)) else [out]
 
@@ -354,13 +335,15 @@ class _TensorFlowFunction:
     # TFF's TensorFlow executor runs the init op (variable initialisers) before every call.
     self._init = (wrapped.prune(feeds, graph.get_operation_by_name(init_name))
                   if init_name else None)
-    self._vectorized_map = None  # Built on first use; False when it cannot be.
-    self._looped_map = None
-    self._looped_fold = None
+    self._looped = {}  # The looped tf.functions by name (`_call_looped`); None: unusable.
     self._append_columns = None  # `_find_append_columns`, on first fold; False: not a gather.
-    # Stateful random ops: TFF runs the graph afresh each call (the op's first draw); here it
-    # is pruned anew per call, so its state never advances (it is never looped or vectorised).
-    self._draws_random = any(_is_stateful_random(op) for op in self._run.graph.get_operations())
+    # Stateful random ops (not the `Stateless*` ones): TFF runs the graph afresh each call (the
+    # op's first draw); here it is pruned anew per call, so its state never advances (it is
+    # never looped or vectorised).
+    self._draws_random = any(
+        op.op_def is not None and op.op_def.is_stateful and ('Random' in op.type or op.type in (
+            'TruncatedNormal', 'Multinomial', 'ParameterizedTruncatedNormal'))
+        for op in self._run.graph.get_operations())
     self._fresh_run = (lambda: wrapped.prune(feeds, fetches)) if self._draws_random else None
     # Whether `map_stacked` may be one call: not with an init op (variables), random draws, no
     # parameter, or datasets or strings out.
@@ -378,26 +361,21 @@ class _TensorFlowFunction:
     if not self.maps_stacked:
       return None
     stacked = _flatten(stacked_arg)
-    if self._vectorized_map is None:
-      run = self._run
+    run = self._run
 
-      def vectorized(*columns):
-        return tf.vectorized_map(lambda leaves: _as_list(run(*leaves)), list(columns),
-                                 fallback_to_while_loop=False)
+    def vectorized(*columns):
+      return tf.vectorized_map(lambda leaves: _as_list(run(*leaves)), list(columns),
+                               fallback_to_while_loop=False)
 
-      self._vectorized_map = tf.function(vectorized, autograph=False)
-    out = self._call_looped('_vectorized_map', stacked)
+    out = self._call_looped('vectorized_map', vectorized, stacked)
     if out is None:
-      if self._looped_map is None:
-        run = self._run
-        specs = [tf.TensorSpec(o.shape, o.dtype) for o in _as_list(run.outputs)]
+      specs = [tf.TensorSpec(o.shape, o.dtype) for o in _as_list(run.outputs)]
 
-        def mapped(*columns):
-          return tf.map_fn(lambda leaves: _as_list(run(*leaves)), list(columns),
-                           fn_output_signature=specs, parallel_iterations=1)
+      def mapped(*columns):
+        return tf.map_fn(lambda leaves: _as_list(run(*leaves)), list(columns),
+                         fn_output_signature=specs, parallel_iterations=1)
 
-        self._looped_map = tf.function(mapped, autograph=False)
-      out = self._call_looped('_looped_map', stacked)
+      out = self._call_looped('looped_map', mapped, stacked)
     return None if out is None else self.unflatten_result(_as_list(out))
 
   def fold(self, zero, values):
@@ -421,25 +399,22 @@ class _TensorFlowFunction:
       return self.unflatten_result([
           stacked[j] if a.shape[0] == 0 else tf.concat([a, stacked[j]], 0)
           for a, j in zip(acc, self._append_columns)])
-    if self._looped_fold is None:
-      run = self._run
-      num_acc = len(acc)
+    run, num_acc = self._run, len(acc)
 
-      def fold(*leaves):
-        acc, columns = list(leaves[:num_acc]), leaves[num_acc:]
+    def fold(*leaves):
+      acc, columns = list(leaves[:num_acc]), leaves[num_acc:]
 
-        def body(i, acc):
-          return i + 1, _as_list(run(*acc, *(c[i] for c in columns)))
+      def body(i, acc):
+        return i + 1, _as_list(run(*acc, *(c[i] for c in columns)))
 
-        # Accumulators may grow (e.g. gathered values with an unknown leading size).
-        _, acc = tf.while_loop(
-            lambda i, _: i < tf.shape(columns[0])[0], body, (tf.constant(0), acc),
-            shape_invariants=(tf.TensorShape([]), [tf.TensorShape(None)] * num_acc),
-            parallel_iterations=1)
-        return acc
+      # Accumulators may grow (e.g. gathered values with an unknown leading size).
+      _, acc = tf.while_loop(
+          lambda i, _: i < tf.shape(columns[0])[0], body, (tf.constant(0), acc),
+          shape_invariants=(tf.TensorShape([]), [tf.TensorShape(None)] * num_acc),
+          parallel_iterations=1)
+      return acc
 
-      self._looped_fold = tf.function(fold, autograph=False)
-    out = self._call_looped('_looped_fold', acc + stacked)
+    out = self._call_looped('looped_fold', fold, acc + stacked)
     return None if out is None else self.unflatten_result(_as_list(out))
 
   def _find_append_columns(self, num_acc: int) -> Optional[list]:
@@ -478,17 +453,19 @@ class _TensorFlowFunction:
       columns.append(next(j for j, v in enumerate(value_inputs) if v is value))
     return columns
 
-  def _call_looped(self, name: str, leaves: list):
-    """Calls the looped function `name`; on a first failure (a graph it cannot trace) marks it
-    unusable and returns None, so the caller goes client by client."""
-    fn = getattr(self, name)
-    if fn is False:
+  def _call_looped(self, name: str, python_fn, leaves: list):
+    """Calls the looped function `name`, `tf.function(python_fn)` made on first use; on a first
+    failure (a graph it cannot trace) marks it unusable and returns None, so the caller goes
+    client by client."""
+    if name not in self._looped:
+      self._looped[name] = tf.function(python_fn, autograph=False)
+    if self._looped[name] is None:
       return None
     try:
       with tf.device(self.device) if self.device else contextlib.nullcontext():
-        return fn(*leaves)
+        return self._looped[name](*leaves)
     except (TypeError, ValueError, tf.errors.OpError, NotImplementedError):
-      setattr(self, name, False)
+      self._looped[name] = None
       return None
 
   def unflatten_result(self, leaves: list):
@@ -683,18 +660,9 @@ class InProcessContext(context_base.SyncContext):
     return self._compiled[key][1]
 
   def invoke(self, comp, arg):
-    block = self._compile(comp)
-    type_signature = comp.type_signature
-    parameter_type = type_signature.parameter
-    num_clients = 0
-    value = None
-    if parameter_type is not None:
-      num_clients = _num_clients_of(arg, parameter_type) or 0
-      value = _ingest(arg, parameter_type, num_clients)
-    if isinstance(block, building_blocks.CompiledComputation):
-      result = self.tensorflow_function(block)(value)
-    else:
-      fn = _Interpreter(self, num_clients).evaluate(block, collections.ChainMap())
-      result = fn() if parameter_type is None else fn(value)
+    parameter_type = comp.type_signature.parameter
+    num_clients = 0 if parameter_type is None else _num_clients_of(arg, parameter_type) or 0
+    fn = _Interpreter(self, num_clients).evaluate(self._compile(comp), collections.ChainMap())
+    result = fn() if parameter_type is None else fn(_ingest(arg, parameter_type, num_clients))
     return type_conversions.type_to_py_container(
-        _to_python(result, keep_tensors=self._tensor_results > 0), type_signature.result)
+        _to_python(result, keep_tensors=self._tensor_results > 0), comp.type_signature.result)
