@@ -19,22 +19,20 @@ import grpc
 from fltff.errors import ConfigError
 
 
-def _read(path: str, what: str) -> bytes:
-  try:
-    with open(path, 'rb') as f:
-      return f.read()
-  except OSError as e:
-    raise ConfigError(f'Cannot read the {what} {path}: {e.strerror}.') from None
-
-
-def check_tls_files(cert: tuple[str, str], key: tuple[str, str], ca: tuple[str, str]) -> None:
-  """Raises `ConfigError` naming the setting (each a `(setting, path)`) unless `cert` holds a
-  PEM certificate, `key` its unencrypted PEM private key and `ca` a PEM CA certificate: checked
-  with Python's `ssl` before gRPC sees them (gRPC logs its own lines and says only that it
-  cannot listen or connect)."""
+def read_tls_files(cert: tuple[str, str], key: tuple[str, str],
+                   ca: tuple[str, str]) -> list[bytes]:
+  """The contents of `cert`, `key` and `ca` (each a `(setting, path)`); `ConfigError` naming the
+  setting unless `cert` holds a PEM certificate, `key` its unencrypted PEM private key and `ca`
+  a PEM CA certificate: checked with Python's `ssl` before gRPC sees them (gRPC logs its own
+  lines and says only that it cannot listen or connect)."""
+  contents = []
   for (name, path), what in ((cert, 'certificate'), (key, 'private key'),
                              (ca, 'CA certificate')):
-    _read(path, f'{what} ({name})')
+    try:
+      with open(path, 'rb') as f:
+        contents.append(f.read())
+    except OSError as e:
+      raise ConfigError(f'Cannot read the {what} ({name}) {path}: {e.strerror}.') from None
   context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
   for (name, path), what in ((cert, 'a PEM certificate'), (ca, 'a PEM CA certificate')):
     try:
@@ -49,30 +47,28 @@ def check_tls_files(cert: tuple[str, str], key: tuple[str, str], ca: tuple[str, 
       raise ConfigError(f'{key[0]} {key[1]} is not the private key of {cert[0]} {cert[1]}: '
                         'pass the key the certificate was issued for.') from None
     raise ConfigError(f'{key[0]} {key[1]} is not an unencrypted PEM private key.') from None
+  return contents
 
 
 def server_credentials(cert_file: str, key_file: str,
                        client_ca_file: str) -> grpc.ServerCredentials:
   """mTLS server credentials, requiring client certificates signed by `client_ca_file`; the
-  files are the worker's `--tls_cert`, `--tls_key`, `--tls_client_ca` (`check_tls_files`)."""
-  check_tls_files(('--tls_cert', cert_file), ('--tls_key', key_file),
-                  ('--tls_client_ca', client_ca_file))
-  return grpc.ssl_server_credentials(
-      [(_read(key_file, 'TLS key'), _read(cert_file, 'TLS certificate'))],
-      root_certificates=_read(client_ca_file, 'client CA certificate'),
-      require_client_auth=True)
+  files are the worker's `--tls_cert`, `--tls_key`, `--tls_client_ca` (`read_tls_files`)."""
+  cert, key, ca = read_tls_files(('--tls_cert', cert_file), ('--tls_key', key_file),
+                                 ('--tls_client_ca', client_ca_file))
+  return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                     require_client_auth=True)
 
 
 def channel_credentials(ca_file: str, cert_file: str,
                         key_file: str) -> grpc.ChannelCredentials:
   """mTLS client credentials: trust `ca_file` for the worker; present our certificate (the
-  driver's `runtime.tls_*` files, `check_tls_files`)."""
-  check_tls_files(('runtime.tls_cert_file', cert_file), ('runtime.tls_key_file', key_file),
-                  ('runtime.tls_ca_file', ca_file))
-  return grpc.ssl_channel_credentials(
-      root_certificates=_read(ca_file, 'CA certificate'),
-      private_key=_read(key_file, 'TLS key'),
-      certificate_chain=_read(cert_file, 'TLS certificate'))
+  driver's `runtime.tls_*` files, `read_tls_files`)."""
+  cert, key, ca = read_tls_files(('runtime.tls_cert_file', cert_file),
+                                 ('runtime.tls_key_file', key_file),
+                                 ('runtime.tls_ca_file', ca_file))
+  return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                      certificate_chain=cert)
 
 
 def check_can_listen(listen: str) -> None:
