@@ -127,10 +127,8 @@ class WorkerRuntime(Runtime):
   aggregators). `call` repeats a computation whose worker was lost after `_recover`, up to
   `max_retries` times; the repeat is exact, as a round's inputs are deterministic. Mutual TLS
   with `credentials` (None: plaintext; `server_name`: the name to check in the certificates).
-
-  Vectorised client work (`place`) trains as one group of clients per worker
-  (`fltff.learning.groups`); the rest of its rounds, the method's aggregator on the stacked
-  results, runs in this process (`driver_context`, then the default context)."""
+  Subclasses define `_recover(error)`, which makes the context whole again or raises
+  `RuntimeUnavailableError`."""
 
   def __init__(self, workers: Sequence[str] = (), connect_timeout: float = 60.0,
                rpc_timeout: Optional[float] = None, max_retries: int = 2,
@@ -233,10 +231,6 @@ class WorkerRuntime(Runtime):
               'rounds are checkpointed: restart the worker(s) and rerun with --resume.') from None
         self._recover(e)
     raise AssertionError('unreachable')
-
-  def _recover(self, error: channels.WorkerLostError) -> None:
-    """Makes the context whole again after `error`, or raises `RuntimeUnavailableError`."""
-    raise NotImplementedError
 
   def after_round(self, round_num: int, round_seconds: Optional[float] = None) -> None:
     """Also adapts the RPC deadline to `round_seconds` (`rpc_timeout=None`)."""
@@ -390,41 +384,26 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                  executor: str = 'auto', device: str = 'auto',
                  mmap_threshold_kib: int = heap.DEFAULT_MMAP_THRESHOLD_KIB,
                  isolate_local_worker: bool = True) -> Runtime:
-  """The experiment's runtime, of the class its settings name; `ConfigError` for an invalid
-  setting.
+  """The experiment's runtime, of the class its settings name (docs/runtime.md,
+  docs/multiple-machines.md); `ConfigError` for an invalid setting.
 
   Args:
-    workers: `host:port` of running TFF workers (`python -m fltff.runtime.worker`):
-      `RemoteWorkersRuntime`; empty: this host.
+    workers: `host:port` of running workers (`python -m fltff.runtime.worker`); empty: this host.
     connect_timeout: Seconds to wait for each worker to answer at start.
-    rpc_timeout: Seconds after which a worker silent in an RPC counts as lost. None: an hour
-      until a round completes, then 10 x the slowest round, at least 5 minutes.
+    rpc_timeout: Seconds before a worker silent in an RPC counts as lost; None: adaptive.
     max_retries: How often a round is repeated after losing a worker.
     log_dir: Folder of the local worker's log (`tff_worker.log`); None: a temporary file.
-    tls_ca_file: Mutual TLS to remote workers (the default): the CA of the workers'
-      certificates (PEM).
+    tls_ca_file: Mutual TLS to remote workers: the CA of their certificates (PEM).
     tls_cert_file: This driver's certificate (PEM), signed by the workers' client CA.
     tls_key_file: This driver's private key (PEM).
     tls_server_name: The name to check in the workers' certificates, if not their host.
-    insecure_plaintext: Plaintext to workers started with `--insecure_plaintext`: only on a
-      trusted network.
-    recycle_every: Replace the local worker_binary every this many rounds (0: never), bounding
-      its memory; results unchanged.
-    executor: 'auto' (`AutoRuntime`): the in-process executor for vectorised client work
-      without `workers` or `recycle_every`, else 'tff_cpp' (TFF's C++ runtime: local,
-      `LocalWorkerRuntime`, or remote). 'in_process' (`InProcessRuntime`): the same
-      computations in this process (`fltff.runtime.in_process`; equal results, slower
-      client by client on CPUs).
-    device: 'auto' (TensorFlow's choice), 'cpu' or 'gpu' (in process only: TFF's C++ runtime
-      never uses a GPU, TFF issues 3709, 4600).
-    mmap_threshold_kib: glibc serves blocks of this many KiB or more with mmap in the local
-      worker and in the driver (with 'auto' or 'in_process': from `place`, and only for clients
-      that are not vectorised), which then trims its heap after each round
-      (`fltff.runtime.heap`; results unchanged). 0: glibc's default.
-    isolate_local_worker: Run the local `worker_binary` in a private network namespace,
-      behind a Unix socket only this user can open (`IsolatedWorker`; needs unprivileged user
-      namespaces). False: it listens in plaintext on every interface, where anyone reaching
-      the port can run code on this host; only behind a firewall.
+    insecure_plaintext: Plaintext to workers started with `--insecure_plaintext`.
+    recycle_every: Replace the local worker_binary every this many rounds (0: never).
+    executor: 'auto', 'tff_cpp' (TFF's C++ runtime) or 'in_process' (this process).
+    device: 'auto', 'cpu' or 'gpu' (in process only: TFF issues 3709, 4600).
+    mmap_threshold_kib: glibc's fixed mmap threshold (`fltff.runtime.heap`); 0: glibc's default.
+    isolate_local_worker: Run the local `worker_binary` in a private network namespace
+      (`IsolatedWorker`); False: it listens in plaintext on every interface.
   """
   if not isinstance(isolate_local_worker, bool):
     raise ConfigError(f'runtime.isolate_local_worker must be True or False, got '
@@ -465,15 +444,11 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
   return AutoRuntime(tf_device, **local, **failover)
 
 
-EXECUTORS = ('auto', 'tff_cpp', 'in_process')
-DEVICES = ('auto', 'cpu', 'gpu')
-
-
 def check_executor(executor: str, device: str, workers: Sequence[str] = (),
                    recycle_every: int = 0) -> Optional[str]:
   """Validates `runtime.executor`/`runtime.device`; returns the TensorFlow device (or None)."""
-  check_choice('runtime.executor', executor, EXECUTORS)
-  check_choice('runtime.device', device, DEVICES)
+  check_choice('runtime.executor', executor, ('auto', 'tff_cpp', 'in_process'))
+  check_choice('runtime.device', device, ('auto', 'cpu', 'gpu'))
   if executor == 'tff_cpp':
     if device == 'gpu':
       raise ConfigError("runtime.device = 'gpu' needs runtime.executor = 'in_process': TFF's "
