@@ -11,8 +11,7 @@ import grpc
 
 from fltff.errors import ConfigError
 from fltff.errors import RuntimeUnavailableError
-
-_GRPC_OPTIONS = [(f'grpc.max_{way}message_length', 2**31 - 1) for way in ('', 'receive_', 'send_')]
+from fltff.runtime.tls import MESSAGE_OPTIONS
 
 
 class WorkerLostError(RuntimeUnavailableError):
@@ -76,14 +75,13 @@ def connect_stub(address: str, timeout: float, rpc_timeout: float,
   """A fail-fast executor stub for `address` once the worker answers; mutual TLS with
   `credentials` (`server_name`: the name to check in the worker's certificate)."""
   if credentials is None:
-    channel = grpc.insecure_channel(address, _GRPC_OPTIONS)
+    channel = grpc.insecure_channel(address, MESSAGE_OPTIONS)
   else:
-    options = list(_GRPC_OPTIONS) + ([('grpc.ssl_target_name_override', server_name)]
-                                     if server_name else [])
+    options = MESSAGE_OPTIONS + ([('grpc.ssl_target_name_override', server_name)]
+                                 if server_name else [])
     channel = grpc.secure_channel(address, credentials, options)
   deadline = time.monotonic() + timeout
   ready = grpc.channel_ready_future(channel)
-  detail = ''
   try:
     while True:
       try:

@@ -538,9 +538,18 @@ class _Interpreter:
                          f'({comp.compact_representation()[:200]}).')
 
   def _closure(self, comp, env: collections.ChainMap):
-    compiled = _compiled_wrapper(comp)
-    if compiled is not None:
-      return self._context.tensorflow_function(compiled)
+    # `(x -> C(x))` or `(x -> let v=C(x) in v)` runs as the compiled computation C: a map or
+    # fold over stacked clients is then one call, not one per client (TFF's compiler leaves
+    # such wrappers, e.g. around an aggregate's accumulate).
+    bb = building_blocks
+    body = comp.result
+    if (isinstance(body, bb.Block) and len(body.locals) == 1
+        and isinstance(body.result, bb.Reference) and body.result.name == body.locals[0][0]):
+      body = body.locals[0][1]
+    if (isinstance(body, bb.Call) and isinstance(body.function, bb.CompiledComputation)
+        and isinstance(body.argument, bb.Reference) and comp.parameter_name is not None
+        and body.argument.name == comp.parameter_name):
+      return self._context.tensorflow_function(body.function)
     if comp.parameter_name is None:
       return lambda: self.evaluate(comp.result, env)
     return lambda arg: self.evaluate(comp.result, env.new_child({comp.parameter_name: arg}))
@@ -606,23 +615,6 @@ class _Interpreter:
     return report(acc)
 
 
-def _compiled_wrapper(comp):
-  """The compiled computation C when `comp` is `(x -> C(x))` or `(x -> let v=C(x) in v)`,
-  else None: seen as C, a map or fold over stacked clients is one call, not one per client
-  (TFF's compiler leaves such wrappers, e.g. around an aggregate's accumulate)."""
-  bb = building_blocks
-  name, body = comp.parameter_name, comp.result
-  if name is None:
-    return None
-  if (isinstance(body, bb.Block) and len(body.locals) == 1
-      and isinstance(body.result, bb.Reference) and body.result.name == body.locals[0][0]):
-    body = body.locals[0][1]
-  if (isinstance(body, bb.Call) and isinstance(body.function, bb.CompiledComputation)
-      and isinstance(body.argument, bb.Reference) and body.argument.name == name):
-    return body.function
-  return None
-
-
 class InProcessContext(context_base.SyncContext):
   """A TFF synchronous context that runs computations in this process (module docstring), on
   TensorFlow `device` (e.g. '/GPU:0'; None: TensorFlow's choice)."""
@@ -651,18 +643,15 @@ class InProcessContext(context_base.SyncContext):
       self._functions[key] = (comp, _TensorFlowFunction(comp.proto, self.device))
     return self._functions[key][1]
 
-  def _compile(self, comp):
-    key = id(comp)
-    if key not in self._compiled:
+  def invoke(self, comp, arg):
+    if id(comp) not in self._compiled:  # Kept with `comp`, so that its id stays its own.
       native = compiler.desugar_and_transform_to_native(comp)
       proto = computation_impl.ConcreteComputation.get_proto(native)
-      self._compiled[key] = (comp, building_blocks.ComputationBuildingBlock.from_proto(proto))
-    return self._compiled[key][1]
-
-  def invoke(self, comp, arg):
+      self._compiled[id(comp)] = (comp, building_blocks.ComputationBuildingBlock.from_proto(proto))
     parameter_type = comp.type_signature.parameter
     num_clients = 0 if parameter_type is None else _num_clients_of(arg, parameter_type) or 0
-    fn = _Interpreter(self, num_clients).evaluate(self._compile(comp), collections.ChainMap())
+    fn = _Interpreter(self, num_clients).evaluate(self._compiled[id(comp)][1],
+                                                  collections.ChainMap())
     result = fn() if parameter_type is None else fn(_ingest(arg, parameter_type, num_clients))
     return type_conversions.type_to_py_container(
         _to_python(result, keep_tensors=self._tensor_results > 0), comp.type_signature.result)

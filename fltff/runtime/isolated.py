@@ -53,6 +53,7 @@ def main(argv) -> int:
   from fltff.cli import StopSignal  # pylint: disable=g-import-not-at-top
   from fltff.runtime.processes import WorkerProcess  # pylint: disable=g-import-not-at-top
   from fltff.runtime.tls import serve_forwarder  # pylint: disable=g-import-not-at-top
+  from fltff.runtime.worker import serve_until_stopped  # pylint: disable=g-import-not-at-top
 
   stop = StopSignal()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -82,15 +83,10 @@ def main(argv) -> int:
     os.umask(old_umask)
   print(f'ready {worker.pid}', flush=True)
   try:
-    while not stop.wait(0.5):
-      if not worker.alive():
-        print(f'error: worker_binary exited with status {worker.process.returncode}; see '
-              f'{worker.log_path}', file=sys.stderr, flush=True)
-        return 1
+    return serve_until_stopped(stop, worker, 'worker_binary')
   finally:
     server.stop(grace=1)
     worker.stop()
-  return 0
 
 
 if __name__ == '__main__':

@@ -163,7 +163,6 @@ class WorkerRuntime(Runtime):
     `channels.WorkerLostError`."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-    stubs = []
     for address in self.workers:
       try:
         channel, stub = channels.connect_stub(address, timeout or self.connect_timeout,
@@ -174,13 +173,12 @@ class WorkerRuntime(Runtime):
           raise
         raise channels.WorkerLostError(address, f'no answer within {timeout:.0f} s') from None
       self._channels.append(channel)
-      stubs.append(stub)
-    self._stubs = stubs
-    if len(stubs) == 1:
-      self.context = channels.context_for_stub(stubs[0])
+      self._stubs.append(stub)
+    if len(self._stubs) == 1:
+      self.context = channels.context_for_stub(self._stubs[0])
     else:  # TFF's mergeable-computation context: each round's clients split across the workers.
       self.context = tff.backends.native.create_mergeable_comp_execution_context(
-          [channels.context_for_stub(s, asynchronous=True) for s in stubs])
+          [channels.context_for_stub(s, asynchronous=True) for s in self._stubs])
     tff.framework.set_default_context(self.driver_context or self.context)
     logging.info('TFF runtime ready: worker(s) %s.', ', '.join(self.workers))
 
@@ -288,10 +286,9 @@ class LocalWorkerRuntime(WorkerRuntime):
 
   def _start_worker(self) -> None:
     log_path = None if self.log_dir is None else os.path.join(self.log_dir, 'tff_worker.log')
-    if self.isolated:
-      self._worker = IsolatedWorker(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
-    else:
-      self._worker = WorkerProcess(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
+    process = IsolatedWorker if self.isolated else WorkerProcess
+    self._worker = process(log_path=log_path, mmap_threshold_kib=self.mmap_threshold_kib)
+    if not self.isolated:
       warn(f'runtime.isolate_local_worker = False: the local worker_binary listens on port '
            f'{self._worker.port} of every interface, plaintext and unauthenticated; anyone who '
            'reaches it can run code on this host as you.')

@@ -142,7 +142,7 @@ def _until_cancelled(request_iterator):
 
 
 # TFF sends whole computations and values in single messages.
-_MESSAGE_OPTIONS = [('grpc.max_send_message_length', -1),
+MESSAGE_OPTIONS = [('grpc.max_send_message_length', -1),
                     ('grpc.max_receive_message_length', -1)]
 
 
@@ -154,12 +154,12 @@ def serve_forwarder(listen: str, upstream: str,
   socket), or raises `ConfigError` if it cannot listen."""
   from concurrent import futures  # pylint: disable=g-import-not-at-top
 
-  channel = grpc.insecure_channel(upstream, options=_MESSAGE_OPTIONS)
+  channel = grpc.insecure_channel(upstream, options=MESSAGE_OPTIONS)
   # gRPC binds with SO_REUSEPORT by default: a second worker on a port in use would share it
   # silently instead of failing.
   server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                        handlers=[_Relay(channel)],
-                       options=_MESSAGE_OPTIONS + [('grpc.so_reuseport', 0)])
+                       options=MESSAGE_OPTIONS + [('grpc.so_reuseport', 0)])
   if not listen.startswith('unix:'):
     check_can_listen(listen)
   try:

@@ -60,10 +60,13 @@ def define_flags() -> None:
       'files as this user. Only on a trusted, isolated network.')
 
 
-def _wait(stop: StopSignal, alive, what: str, log: str) -> int:
+def serve_until_stopped(stop: StopSignal, worker, what: str) -> int:
+  """0 once `stop` is set; 1, said on stderr, if `worker` (a `WorkerProcess` or an
+  `IsolatedWorker`) exits first."""
   while not stop.wait(0.5):
-    if not alive():
-      print(f'error: {what} exited; see {log}', file=sys.stderr, flush=True)
+    if not worker.alive():
+      print(f'error: {what} exited with status {worker.process.returncode}; see '
+            f'{worker.log_path}', file=sys.stderr, flush=True)
       return 1
   return 0
 
@@ -77,7 +80,7 @@ def _plaintext(stop: StopSignal) -> int:
         f'all interfaces, PLAINTEXT gRPC, no authentication: --insecure_plaintext); log: '
         f'{worker.log_path}', flush=True)
   try:
-    return _wait(stop, worker.alive, 'worker_binary', worker.log_path)
+    return serve_until_stopped(stop, worker, 'worker_binary')
   finally:
     worker.stop()
 
@@ -100,7 +103,7 @@ def _secure(stop: StopSignal) -> int:
     print(f'fltff worker pid {os.getpid()} listening on {socket.gethostname()}:{port} (mutual '
           'TLS; worker_binary isolated in a private network namespace); log: '
           f'{inner.log_path}', flush=True)
-    return _wait(stop, inner.alive, 'the isolated worker', inner.log_path)
+    return serve_until_stopped(stop, inner, 'the isolated worker')
   finally:
     if server is not None:
       server.stop(grace=1)
