@@ -89,7 +89,14 @@ def connect_stub(address: str, timeout: float, rpc_timeout: float,
         break
       except grpc.FutureTimeoutError:
         pass
-      detail = _connection_error(channel)
+      # gRPC's last error connecting: the detail of an RPC that does not wait for the
+      # connection (any method: a worker answers UNIMPLEMENTED once connected).
+      detail = ''
+      try:
+        channel.unary_unary('/fltff.Probe/Connect')(b'', timeout=1.0, wait_for_ready=False)
+      except grpc.RpcError as e:
+        if isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.UNAVAILABLE:
+          detail = (e.details() or '').split('last error: ', 1)[-1]
       refusal = _refusal(detail, tls=credentials is not None)
       if refusal:
         raise RuntimeUnavailableError(f'TFF worker at {address} {refusal}')
@@ -103,18 +110,6 @@ def connect_stub(address: str, timeout: float, rpc_timeout: float,
     channel.close()
     raise
   return channel, fail_fast_stub_class()(channel, address, rpc_timeout)
-
-
-def _connection_error(channel: grpc.Channel) -> str:
-  """gRPC's last error connecting `channel` ('' if none): the detail of an RPC that does not
-  wait for the connection (any method: a worker answers UNIMPLEMENTED once connected)."""
-  try:
-    channel.unary_unary('/fltff.Probe/Connect')(b'', timeout=1.0, wait_for_ready=False)
-  except grpc.RpcError as e:
-    if isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.UNAVAILABLE:
-      detail = e.details() or ''
-      return detail.split('last error: ', 1)[-1]
-  return ''
 
 
 def _refusal(detail: str, tls: bool) -> Optional[str]:

@@ -30,8 +30,6 @@ from tensorflow_federated.python.tensorflow_libs import serialization_utils
 
 from fltff.errors import ConfigError
 
-_SESSION_TOKEN = 'fltff_in_process'
-
 
 class InProcessError(ConfigError):
   """A computation uses something this context cannot execute (named in the message)."""
@@ -262,10 +260,7 @@ def _num_clients_of(value, type_spec) -> Optional[int]:
 def _rename_library_functions(graph_def, suffix: str) -> None:
   """Gives the graph's function library unique names, in place: TFF's compiler rewrites
   traced functions but keeps their names, which this process holds with the original bodies."""
-  names = {f.signature.name for f in graph_def.library.function}
-  if not names:
-    return
-  rename = {n: f'{n}_{suffix}' for n in names}
+  rename = {f.signature.name: f'{f.signature.name}_{suffix}' for f in graph_def.library.function}
 
   def fix_attr(attr):  # `func` and `list` are one `oneof`: at most one is set.
     for f in [attr.func] if attr.HasField('func') else attr.list.func:
@@ -324,7 +319,7 @@ class _TensorFlowFunction:
     init_name = tensorflow.initialize_op
 
     def import_graph():
-      input_map = {token_name: tf.constant(_SESSION_TOKEN)} if token_name else {}
+      input_map = {token_name: tf.constant('fltff_in_process')} if token_name else {}
       tf.graph_util.import_graph_def(graph_def, input_map=input_map, name='')
 
     wrapped = tf.compat.v1.wrap_function(import_graph, [])
@@ -357,9 +352,7 @@ class _TensorFlowFunction:
 
   def map_stacked(self, stacked_arg):
     """`self` on each participant's slice of `stacked_arg` (leaves with a leading participant
-    axis) in one call, the result stacked alike; None when it cannot (`maps_stacked`)."""
-    if not self.maps_stacked:
-      return None
+    axis) in one call, the result stacked alike, where `maps_stacked`; None when it cannot."""
     stacked = _flatten(stacked_arg)
     run = self._run
 

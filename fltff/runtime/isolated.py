@@ -22,9 +22,8 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  """Defines this program's command-line flags (once per process), before its command line is
-  parsed: by the `__main__` block, or by whatever else runs `main` as the program (never by
-  importing this module: `fltff.runtime.worker` has flags of the same names)."""
+  """Defines this program's flags (once per process) for whatever runs `main` as the program;
+  not on import, as `fltff.runtime.worker` has flags of the same names."""
   if 'socket' in FLAGS:
     return
   flags.DEFINE_string('socket', None, 'Unix socket to relay to worker_binary.')
@@ -59,10 +58,9 @@ def main(argv) -> int:
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   signal.signal(signal.SIGINT, lambda *_: stop.set())
   loopback_up()
-  worker = WorkerProcess(
-      host='127.0.0.1', max_concurrent_computation_calls=FLAGS.max_concurrent_computation_calls,
-      log_path=FLAGS.log_file, mmap_threshold_kib=FLAGS.mmap_threshold_kib,
-      binary=FLAGS.worker_binary)
+  worker = WorkerProcess(max_concurrent_computation_calls=FLAGS.max_concurrent_computation_calls,
+                         log_path=FLAGS.log_file, mmap_threshold_kib=FLAGS.mmap_threshold_kib,
+                         binary=FLAGS.worker_binary)
   # The relay answers at once; the first RPC must not reach a worker_binary still starting.
   deadline = time.monotonic() + 60.0
   while True:

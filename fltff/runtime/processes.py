@@ -1,16 +1,12 @@
-"""The `worker_binary` processes this program starts and owns.
-
-TFF's default local context stops its worker in `__del__`, which fails at interpreter exit and
-leaves it running. fltff starts the worker with `PR_SET_PDEATHSIG(SIGKILL)` (it dies even with
-a SIGKILLed driver), its output in a log file (an inherited pipe would block its reader until
-the worker dies), and stops it by PID (`stop`; the runtime's `close()`, also at exit).
-"""
+"""The `worker_binary` processes this program starts and owns, unlike TFF's local context: killed
+with their parent (`PR_SET_PDEATHSIG`), logging to a file, stopped by PID (docs/runtime.md)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -76,7 +72,7 @@ class WorkerProcess:
     import portpicker  # pylint: disable=g-import-not-at-top
 
     self.port = port or portpicker.pick_unused_port()
-    self.host = host
+    self.address = f'{host}:{self.port}'
     self._log = (  # pylint: disable=consider-using-with
         open(log_path, 'ab') if log_path is not None else tempfile.NamedTemporaryFile(
             'ab', prefix=f'fltff_worker_{self.port}_', suffix='.log', delete=False))
@@ -87,14 +83,7 @@ class WorkerProcess:
         heap.worker_environment(mmap_threshold_kib),  # See fltff.runtime.heap.
         stdout=self._log, stderr=subprocess.STDOUT)
     self.pid = self.process.pid
-
-  @property
-  def address(self) -> str:
-    return f'{self.host}:{self.port}'
-
-  @property
-  def pids(self) -> list[int]:
-    return [self.pid]
+    self.pids = [self.pid]
 
   def alive(self) -> bool:
     return self.process.poll() is None
@@ -109,13 +98,9 @@ class WorkerProcess:
 
 
 class IsolatedWorker:
-  """A `worker_binary` in a private network namespace, reached only by a Unix socket.
-
-  `worker_binary` runs any TensorFlow graph it is sent and listens on every interface; in its
-  own unprivileged namespace (`unshare --user --map-root-user --net`) the only one is a private
-  loopback, and the socket's folder has mode 0700: neither the network nor another local user
-  reaches it. `fltff.runtime.isolated` runs inside and relays the socket.
-  """
+  """A `worker_binary` (which runs any graph it is sent, on every interface) in a private
+  network namespace whose only interface is a private loopback, reached only by a Unix socket
+  in a 0700 folder that `fltff.runtime.isolated` relays (docs/multiple-machines.md)."""
 
   def __init__(self, max_concurrent_computation_calls: int = -1,
                log_path: Optional[str] = None,
@@ -126,6 +111,7 @@ class IsolatedWorker:
       base = '/tmp'
     self.folder = tempfile.mkdtemp(prefix='fltff_worker_', dir=base)
     self.socket_path = os.path.join(self.folder, 'worker.sock')
+    self.address = f'unix:{self.socket_path}'
     self._own_log = log_path is None
     self.log_path = log_path or os.path.join(self.folder, 'worker_binary.log')
     self._log = open(self.log_path, 'ab')  # pylint: disable=consider-using-with
@@ -140,12 +126,9 @@ class IsolatedWorker:
         env, stdout=subprocess.PIPE, stderr=self._log, text=True)
     self.pid = self.process.pid
     self.worker_pid = None
-    first_line = []  # The relay's 'ready <worker_binary pid>', awaited for up to a minute.
-    reader = threading.Thread(target=lambda: first_line.append(self.process.stdout.readline()),
-                              daemon=True)
-    reader.start()
-    reader.join(60.0)
-    words = ''.join(first_line).split()
+    # The relay's 'ready <worker_binary pid>', awaited for up to a minute.
+    ready = select.select([self.process.stdout], [], [], 60.0)[0]
+    words = self.process.stdout.readline().split() if ready else []
     if len(words) != 2 or words[0] != 'ready':
       self.stop()
       detail = ''  # The log's last line, if the folder is still there (a non-empty log).
@@ -159,10 +142,6 @@ class IsolatedWorker:
           'runtime.isolate_local_worker = False (worker_binary then listens on every '
           'interface: only behind a firewall).')
     self.worker_pid = int(words[1])
-
-  @property
-  def address(self) -> str:
-    return f'unix:{self.socket_path}'
 
   @property
   def pids(self) -> list[int]:
@@ -192,12 +171,13 @@ def wait_for_exit(pid: int, timeout: float = 10.0) -> bool:
   """True once process `pid` has exited (gone, or a zombie not yet reaped by its parent) within
   `timeout` seconds."""
   deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
+  while True:  # Looked at once even with no time left.
     try:
       with open(f'/proc/{pid}/stat') as f:
         if f.read().split()[2] == 'Z':
           return True
     except OSError:
       return True
+    if time.monotonic() >= deadline:
+      return False
     time.sleep(0.05)
-  return False

@@ -34,7 +34,7 @@ RPC_TIMEOUT_FACTOR = 10.0
 RPC_TIMEOUT_FLOOR_S = 300.0
 
 
-class Runtime:
+class Runtime(contextlib.AbstractContextManager):
   """A TFF execution context (`context`, TFF's default) and what it owns; `close()` (also a
   context manager, and at exit) stops it.
 
@@ -90,9 +90,6 @@ class Runtime:
 
   def _stop(self) -> None:
     pass
-
-  def __enter__(self) -> 'Runtime':
-    return self
 
   def __exit__(self, *exc) -> None:
     self.close()
@@ -264,9 +261,8 @@ class WorkerRuntime(Runtime):
 class LocalWorkerRuntime(WorkerRuntime):
   """TFF's C++ runtime on a `worker_binary` on this host, started and owned here: an
   `IsolatedWorker` (not `isolated`: a `WorkerProcess` listening on every interface) logging to
-  `<log_dir>/tff_worker.log` or a temporary file. A lost worker is restarted; with
-  `recycle_every` = K > 0 it is replaced every K rounds (its memory, which TFF's C++ runtime
-  grows each round, starts over; all state is in the driver, so results are unchanged)."""
+  `<log_dir>/tff_worker.log` or a temporary file; restarted when lost, and replaced every
+  `recycle_every` rounds (0: never) with unchanged results (docs/runtime.md)."""
 
   executor_name = "TFF's C++ runtime (local worker_binary)"
   auto_vectorises = False  # Pinned by `runtime.executor = 'tff_cpp'` or `recycle_every`.
@@ -355,8 +351,7 @@ class AutoRuntime(Runtime):
     self.placed: Optional[Runtime] = None
 
   def place(self, algorithm, keep_trained: bool = False) -> Runtime:
-    if self.placed is not None:
-      self.placed.close()
+    self._stop()  # The runtime placed before, if any.
     if algorithm.vectorized or not self.per_client_on_cpp:
       self.placed = InProcessRuntime(self.device, self.mmap_threshold_kib)
     else:

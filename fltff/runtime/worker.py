@@ -36,9 +36,8 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  """Defines the worker's command-line flags (once per process), before its command line is
-  parsed: by the `__main__` block, or by whatever else runs `main` as the program (never by
-  importing this module: `fltff.runtime.isolated` has flags of the same names)."""
+  """Defines the worker's flags (once per process) for whatever runs `main` as the program; not
+  on import, as `fltff.runtime.isolated` has flags of the same names."""
   if 'tls_client_ca' in FLAGS:
     return
   flags.DEFINE_integer('port', 8000, 'Port the worker listens on (all interfaces), 1 to '
