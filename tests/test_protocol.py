@@ -78,7 +78,8 @@ def test_fedlap_personalization_wraps_a_global_method_and_refuses_a_personalised
   state = wrapped.initialize()
   out = _round(wrapped, state, store, data, [0, 2])
   # The global round is FedAvg's own: the same new weights as the bare method.
-  bare = _round(base, base.initialize(), ClientStateStore(), data, [0, 2])
+  bare = _round(base, base.initialize(), ClientStateStore(base.initial_client_state), data,
+                [0, 2])
   for a, b in zip(wrapped.global_model_weights(out.state).trainable,
                   base.global_model_weights(bare.state).trainable):
     np.testing.assert_array_equal(a, b)
