@@ -228,6 +228,25 @@ def test_round_config_rejects_non_integers(settings):
     RoundConfig(**settings)
 
 
+@pytest.mark.parametrize('kwargs,message', [
+    (dict(connect_timeout=0), 'runtime.connect_timeout must be > 0, got 0; seconds.'),
+    (dict(max_retries=-1), 'runtime.max_retries must be >= 0, got -1.'),
+    (dict(max_retries=1.5), 'runtime.max_retries must be an integer, got 1.5.'),
+    (dict(insecure_plaintext='yes'), "runtime.insecure_plaintext must be True or False, got 'yes'."),
+])
+def test_runtime_settings_are_checked_before_anything_starts(kwargs, message):
+  from fltff.runtime import make_runtime
+  with pytest.raises(ConfigError, match=re.escape(message)):  # Gin appends the configurable.
+    make_runtime(**kwargs)
+
+
+def test_kapc_min_upload_layers_without_bls_is_refused_not_ignored(spec):
+  from fltff.personalization.kapc import build_kapc
+  with pytest.raises(ConfigError, match='kapc.min_upload_layers applies to KAPC.BLS only'):
+    build_kapc(spec, 4, min_upload_layers=2)
+  build_kapc(spec, 4, bls_mu=0.7, min_upload_layers=2)
+
+
 # -- 5. divergence and an exploding loss ---------------------------------------------------
 def test_divergence_in_round_one_says_nothing_was_kept(tmp_path):
   out = str(tmp_path / 'run')

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
+from fltff.errors import ConfigError
 from fltff.learning.model_spec import ModelSpec
 from fltff.personalization import bls
 from fltff.personalization import process as process_lib
@@ -173,6 +174,8 @@ def build_kapc(model_spec: ModelSpec, num_clients: int, client_optimizer=None,
   `RELATIONSHIP_UPDATES`, `COACHING_LOSSES`, `RELATIONSHIP_PROJECTIONS`;
   `relationship_init`: 'random' (§4.4, seeded by `relationship_seed`), 'uniform' or 'identity'.
   """
+  if bls_mu is None and min_upload_layers != 1:
+    raise ConfigError('kapc.min_upload_layers applies to KAPC+BLS only: set kapc.bls_mu too.')
   rule = KapcRule(lambda_=lambda_, beta=beta,
                   relationship_learning_rate=relationship_learning_rate,
                   relationship_steps=relationship_steps, relationship_update=relationship_update,

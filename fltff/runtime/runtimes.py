@@ -397,9 +397,12 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
     isolate_local_worker: Run the local `worker_binary` in a private network namespace
       (`IsolatedWorker`); False: it listens in plaintext on every interface.
   """
-  if not isinstance(isolate_local_worker, bool):
-    raise ConfigError(f'runtime.isolate_local_worker must be True or False, got '
-                      f'{isolate_local_worker!r}.')
+  for name, value in (('isolate_local_worker', isolate_local_worker),
+                      ('insecure_plaintext', insecure_plaintext)):
+    if not isinstance(value, bool):
+      raise ConfigError(f'runtime.{name} must be True or False, got {value!r}.')
+  check_number('runtime.connect_timeout', connect_timeout, low=0, open_low=True, hint='seconds')
+  check_number('runtime.max_retries', max_retries, integer=True, low=0)
   check_number('runtime.rpc_timeout', rpc_timeout, allow_none=True, low=0, open_low=True,
                hint='seconds; None: adaptive')
   check_number('runtime.recycle_every', recycle_every, integer=True, low=0, hint='0: never')
