@@ -97,7 +97,7 @@ class WorkerGroups:
                                          *[part.pop(name) for part in parts])
              for name in ('update', 'update_weight') if summed}
     out = collections.OrderedDict(in_client_order(parts, groups), **means)
-    if not own and not summed:  # As `_round_outputs` forms it, from the global model.
+    if not own and not summed:  # As `_train_fn` forms it, from the global model.
       out['update'] = tuple(tf.constant(g)[tf.newaxis] - w
                             for g, w in zip(global_trainable, out['trained']))
     return out

@@ -131,11 +131,6 @@ class FusedSGDM:
     self._affine_gradients = tf.function(self._affine_gradients_fn, jit_compile=True,
                                          autograph=False)
 
-  @property
-  def hyperparameters(self) -> tuple[float, Optional[float]]:
-    """`(learning_rate, momentum or None)`."""
-    return self._learning_rate, self._momentum
-
   def prepare(self, specs: Sequence[tf.TensorSpec], device: Optional[str] = None) -> None:
     """Makes the variables (once) for one client's weight `specs`."""
     if self._weights is not None:

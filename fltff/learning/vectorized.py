@@ -2,23 +2,12 @@
 
 The participants' weights get a leading client axis and every local step is one
 `tf.vectorized_map` over the clients (a batched matmul/convolution, not K small ones) of
-`client_work.client_step`, the per-client work's step too (optimizer: `stacked_optimizer`), so a
-round equals TFF's to float rounding (tests/test_vectorized.py). Unequal clients are padded to
-`[epochs, steps, clients, batch, ...]`: padded examples are masked out of the loss and a client
-with no batch at a step keeps its weights and optimizer state; where sizes differ so much that
-it pays, groups of similar clients train one after another (`round_data.client_groups`). Exact
+`client_work.client_step` (optimizer: `stacked_optimizer`), so a round equals TFF's to float
+rounding. Unequal clients are padded and masked, or trained in groups (`round_data`). Exact
 shortcuts: with every client starting from the global model under the shared regulariser, the
 first epoch's context is computed once; an epoch whose anchored term `s ⊙ (w − global)` has
-every scale zero (FedLap's first epoch: λ = 0 at local = global) takes the plain update.
-
-Scope (anything else raises a `ConfigError` naming it): models without layer losses whose
-variables are all trainable or, for client work that reads no representation (all below but
-MOON and CCN), whose only other variables are BatchNorm statistics, trained per client
-(`functional_apply(batch_norm=True)`, `moving_statistics`). Client work: the default of
-`process.build_algorithm` (FedAvg, FedProx, FedLap, SGDM, FedAdp, FedLayerWise, FedNova,
-FedBABU, CCN); SCAFFOLD and MOON (`client_state.VectorizedStatefulWork`; MOON's batch term
-masked to the real examples); the personalised process (KAPC ± BLS, FedAMP, Local, pFedLA:
-`fltff.personalization.process.VectorizedPersonalWork`, per-client starts and regularisers).
+every scale zero (FedLap's first epoch: λ = 0 at local = global) takes the plain update. The
+scope (anything else raises a `ConfigError` naming it): docs/runtime.md.
 """
 
 from __future__ import annotations
@@ -71,9 +60,24 @@ def functional_apply(keras_model: tf.keras.Model, weights_model: Optional[tf.ker
   not held as layer attributes.
   """
   weights_model = keras_model if weights_model is None else weights_model
-  slots = weight_slots(keras_model, weights_model, batch_norm)
-  norms = batch_norms(keras_model) if batch_norm else []
+  model_norms = batch_norms(weights_model) if batch_norm else []
+  moving = {id(v) for layer in model_norms for v in (layer.moving_mean, layer.moving_variance)}
+  if any(id(v) not in moving for v in weights_model.non_trainable_weights):
+    raise ConfigError(
+        f'vectorised clients need a model whose weights are all trainable; {keras_model.name} '
+        f"has non-trainable weights (e.g. BatchNorm statistics): use "
+        f"experiment.client_work = 'per_client'.")
+  plain = lambda layer: (list(layer.input_spec.axes) == [layer.input_spec.ndim - 1]
+                         and not layer.renorm and layer.virtual_batch_size is None
+                         and layer.adjustment is None)
+  if not all(plain(layer) for layer in model_norms):
+    raise ConfigError(f'vectorised clients support BatchNormalization over the last axis, '
+                      f'without renorm, virtual batches or adjustment ({keras_model.name}).')
+  if weights_model.losses:
+    raise ConfigError(f'vectorised clients do not support layer losses ({keras_model.name}).')
+  slots = _slots_of(weights_model.trainable_weights, weights_model, keras_model)
   statistic_slots = _slots_of(weights_model.non_trainable_weights, weights_model, keras_model)
+  norms = batch_norms(keras_model) if batch_norm else []  # Those whose `call` is swapped.
 
   def apply(trainable: Sequence[tf.Tensor], x: tf.Tensor, training: bool = True,
             kernel_products: Optional[dict[int, Callable]] = None,
@@ -158,27 +162,6 @@ def moving_statistics(keras_model: tf.keras.Model) -> Callable:
     return tuple(out)
 
   return update
-
-
-def weight_slots(keras_model: tf.keras.Model, weights_model: tf.keras.Model,
-                 batch_norm: bool = False) -> list[tuple[Any, str]]:
-  """`(layer, attribute)` holding each trainable weight, for `functional_apply` (its errors)."""
-  norms = batch_norms(weights_model) if batch_norm else []
-  statistics = {id(v) for layer in norms for v in (layer.moving_mean, layer.moving_variance)}
-  if any(id(v) not in statistics for v in weights_model.non_trainable_weights):
-    raise ConfigError(
-        f'vectorised clients need a model whose weights are all trainable; {keras_model.name} '
-        f"has non-trainable weights (e.g. BatchNorm statistics): use "
-        f"experiment.client_work = 'per_client'.")
-  plain = lambda layer: (list(layer.input_spec.axes) == [layer.input_spec.ndim - 1]
-                         and not layer.renorm and layer.virtual_batch_size is None
-                         and layer.adjustment is None)
-  if not all(plain(layer) for layer in norms):
-    raise ConfigError(f'vectorised clients support BatchNormalization over the last axis, '
-                      f'without renorm, virtual batches or adjustment ({keras_model.name}).')
-  if weights_model.losses:
-    raise ConfigError(f'vectorised clients do not support layer losses ({keras_model.name}).')
-  return _slots_of(weights_model.trainable_weights, weights_model, keras_model)
 
 
 def _slots_of(variables, weights_model, keras_model) -> list[tuple[Any, str]]:
@@ -291,14 +274,13 @@ class VectorizedClientWork:
     self._keras_model = model_spec.keras_fn()
     self._layer_bases = [(cls, cls.__bases__) for cls in
                          {type(layer) for layer in (self._keras_model, *self._keras_model.layers)}]
-    self._batch_norm = batch_norm and bool(batch_norms(self._keras_model))
+    batch_norm = batch_norm and bool(batch_norms(self._keras_model))
     reads_latent = latent or any(s.reads_latent for s in client_statistics)
-    if self._batch_norm and reads_latent:
+    if batch_norm and reads_latent:
       raise ConfigError('vectorised clients do not compute latent representations of a model '
                         'with BatchNorm.')
     self._apply = functional_apply(self._keras_model, batch_norm=batch_norm)
-    self._update_statistics = (moving_statistics(self._keras_model) if self._batch_norm
-                               else None)
+    self._update_statistics = moving_statistics(self._keras_model) if batch_norm else None
     self._macs_per_example = macs_per_example(self._keras_model)
     self._latent, self.latent_dim = None, None  # `latent_apply` and its width.
     self._latent_and_output = None
@@ -373,30 +355,6 @@ class VectorizedClientWork:
         global_anchor=traits.affine and client_terms is None and traits.global_anchor,
         client_anchor=traits.affine and client_terms is not None and traits.own_anchor)
 
-  @staticmethod
-  def _epoch_context_fn(reg: _Regularization, global_trainable):
-    """One client's `(weights, terms) → (context, affine)`: the epoch context and, if affine,
-    `(scales, offsets)`, `(scales,)` for the global anchor, `(scales, anchors)` for own ones."""
-
-    def epoch_context(args):
-      local, client = args
-      regularizer = reg.of_client(client)
-      if regularizer is None:
-        return (), ()
-      context = regularizer.epoch_start(tuple(local), global_trainable)
-      if not reg.traits.affine:
-        return context, ()
-      affine = regularizer.affine_gradient(global_trainable, context)
-      if reg.global_anchor:
-        affine = affine[:1]
-      elif reg.client_anchor:
-        affine = (affine[0], tuple(regularizer.offset_anchor(global_trainable)))
-      # `None` scales (SCAFFOLD's correction) cannot cross vectorized_map: a scalar zero.
-      return context, tuple(tuple(tf.zeros([], w.dtype) if a is None else a
-                                  for a, w in zip(part, local)) for part in affine)
-
-    return epoch_context
-
   def _client_step_fn(self, reg: _Regularization, global_trainable, plan, base_of, anchor_of):
     """One client's step, `(weights, x, y, mask, trains, context, terms, rows, anchors) →
     (gradients, metric sums, factors, differentiated, moments)`: affine terms are left to the
@@ -447,13 +405,23 @@ class VectorizedClientWork:
     """
     del epochs  # Each client's epochs are in `valid`.
     reg = self._regularization(client_terms)
-    plan = self._factored_plan(factored, reg.probe, start)
+    plan = None
+    if factored:
+      self.factored_traces.add(tuple(sorted(factored)))
+      plan = factored_dense.FactoredKernels(
+          tuple(sorted(factored)), *self._optimizer.hyperparameters,
+          with_anchor=reg.probe is not None and start is not None)
     # Reads of the updater's `[None, ...]` variables get the traced client count (`with_clients`).
     clients = functools.partial(with_clients, num_clients=num_clients)
     k = tf.shape(valid)[2] if num_clients is None else num_clients
+    # Each client's start `[K, ...]`: the global model's or its own; BatchNorm statistics likewise.
+    statistics = () if self._update_statistics is None else tuple(statistics)
     if start is None:
       global_trainable = tuple(global_trainable)
-    weights, statistics = self._client_starts(global_trainable, start, statistics, k, clients)
+      weights = tuple(broadcast_clients(g, k) for g in global_trainable)
+      statistics = tuple(broadcast_clients(v, k) for v in statistics)
+    else:
+      weights, statistics = tuple(start), clients(statistics)
     updater = self._updater
     read_weights = lambda carry: clients(updater.weights(carry))
     terms = () if client_terms is None else client_terms
@@ -461,22 +429,57 @@ class VectorizedClientWork:
     base_of = ((lambda i, w: global_trainable[i]) if start is None else (lambda i, w: w[i]))
     anchor_of = lambda n, i, anchors: ((anchors[n] if reg.client_anchor else global_trainable[i])
                                        if plan.with_anchor else None)
-    epoch_context = self._epoch_context_fn(reg, global_trainable)
+
+    def epoch_context(args):
+      """One client's `(context, affine)`: the epoch context and, if affine, `(scales, offsets)`,
+      `(scales,)` for the global anchor, `(scales, anchors)` for own ones."""
+      local, client = args
+      regularizer = reg.of_client(client)
+      if regularizer is None:
+        return (), ()
+      context = regularizer.epoch_start(tuple(local), global_trainable)
+      if not reg.traits.affine:
+        return context, ()
+      affine = regularizer.affine_gradient(global_trainable, context)
+      if reg.global_anchor:
+        affine = affine[:1]
+      elif reg.client_anchor:
+        affine = (affine[0], tuple(regularizer.offset_anchor(global_trainable)))
+      # `None` scales (SCAFFOLD's correction) cannot cross vectorized_map: a scalar zero.
+      return context, tuple(tuple(tf.zeros([], w.dtype) if a is None else a
+                                  for a, w in zip(part, local)) for part in affine)
+
     client_step = self._client_step_fn(reg, global_trainable, plan, base_of, anchor_of)
     # The first epoch's context, shared by all clients here (module docstring): computed once.
     first_context = None
     if start is None and client_terms is None:
       first_context = tf.nest.map_structure(
           lambda t: broadcast_clients(t, k), epoch_context((global_trainable, ())))
-    factored_state, plan_anchors = self._factored_start(
-        plan, reg, weights, k, tf.shape(valid)[0] * tf.shape(valid)[1], tf.shape(index)[3],
-        terms, global_trainable)
-    skip = frozenset(plan.indices) if plan is not None else frozenset()
+    # The factored kernels' zero history and, with per-client anchors, each client's (KAPC's
+    # s_i), fixed for the round.
+    factored_state, plan_anchors, skip = (), (), frozenset()
+    if plan is not None:
+      factored_state = plan.initial_state(weights, k, tf.shape(valid)[0] * tf.shape(valid)[1],
+                                          tf.shape(index)[3])
+      if plan.with_anchor and reg.client_anchor:
+        offset_anchors = tf.vectorized_map(
+            lambda client: tuple(reg.of_client(client).offset_anchor(global_trainable)), terms)
+        plan_anchors = tuple(offset_anchors[i] for i in plan.indices)
+      skip = frozenset(plan.indices)
     num_epochs, num_steps = tf.shape(valid)[0], tf.shape(valid)[1]
 
     def epoch(e, carry, sums, observed, factored_state, statistics):
-      context, affine, anchored = self._epoch_terms(
-          reg, e, epoch_context, first_context, read_weights(carry), terms, global_trainable)
+      local = read_weights(carry)
+      per_client = lambda: tf.vectorized_map(epoch_context, (local, terms))
+      context, affine = (per_client() if first_context is None
+                         else tf.cond(tf.equal(e, 0), lambda: first_context, per_client))
+      anchored = None  # With a global anchor: whether any client's scale is non-zero.
+      if reg.client_anchor:
+        affine = (affine[0], tuple(Anchor(a) for a in affine[1]))
+      if reg.global_anchor:
+        affine = (affine[0], tuple(Anchor(g) for g in global_trainable))
+        # All scales zero (FedLap's first epoch; FedProx's μ = 0): the plain update.
+        anchored = tf.reduce_any([tf.reduce_any(tf.not_equal(scale, 0.0)) for scale in affine[0]])
 
       def step(s, carry, sums, observed, factored_state, statistics):
         trains = valid[e, s]
@@ -527,57 +530,6 @@ class VectorizedClientWork:
     out = collections.OrderedDict(trained=weights, sums=sums, steps=sums[3])
     if statistics:
       out['non_trainable'] = clients(statistics)
-    return self._round_outputs(out, observed, reg, client_terms, global_trainable, start,
-                               (examples, index, mask, k))
-
-  def _client_starts(self, global_trainable, start, statistics, k, clients) -> tuple:
-    """`(weights, statistics)` each client starts from, `[K, ...]`: the global model's or its
-    own `start`, and the BatchNorm statistics (`()` without BatchNorm)."""
-    statistics = () if self._update_statistics is None else tuple(statistics)
-    if start is None:
-      return (tuple(broadcast_clients(g, k) for g in global_trainable),
-              tuple(broadcast_clients(v, k) for v in statistics))
-    return tuple(start), clients(statistics)
-
-  @staticmethod
-  def _factored_start(plan, reg: _Regularization, weights, k, steps, batch, terms,
-                      global_trainable) -> tuple:
-    """`(state, anchors)` of the round's factored kernels (`()` without): the zero history, and
-    with per-client anchors each client's (KAPC's s_i), fixed for the round."""
-    if plan is None:
-      return (), ()
-    state, anchors = plan.initial_state(weights, k, steps, batch), ()
-    if plan.with_anchor and reg.client_anchor:
-      offset_anchors = tf.vectorized_map(
-          lambda client: tuple(reg.of_client(client).offset_anchor(global_trainable)), terms)
-      anchors = tuple(offset_anchors[i] for i in plan.indices)
-    return state, anchors
-
-  @staticmethod
-  def _epoch_terms(reg: _Regularization, e, epoch_context, first_context, weights, terms,
-                   global_trainable) -> tuple:
-    """Epoch `e`'s `(context, affine, anchored)` for every client: `first_context` (shared) in
-    epoch 0 where given; `anchored`, with a global anchor, says whether any scale is non-zero."""
-    if first_context is not None:
-      context, affine = tf.cond(tf.equal(e, 0), lambda: first_context,
-                                lambda: tf.vectorized_map(epoch_context, (weights, terms)))
-    else:
-      context, affine = tf.vectorized_map(epoch_context, (weights, terms))
-    anchored = None
-    if reg.client_anchor:
-      affine = (affine[0], tuple(Anchor(a) for a in affine[1]))
-    if reg.global_anchor:
-      affine = (affine[0], tuple(Anchor(g) for g in global_trainable))
-      # All scales zero (FedLap's first epoch; FedProx's μ = 0): the plain update.
-      anchored = tf.reduce_any([tf.reduce_any(tf.not_equal(scale, 0.0)) for scale in affine[0]])
-    return context, affine, anchored
-
-  def _round_outputs(self, out, observed, reg: _Regularization, client_terms, global_trainable,
-                     start, first_epoch) -> collections.OrderedDict:
-    """`out` with what is computed after training: the step observers' results from their
-    `observed` states, a global method's `update`, the statistics computed in the trace (over
-    `first_epoch`, `(examples, index, mask, k)`), the regulariser's measurements."""
-    weights = out['trained']
     for observer, state in zip(self._step_observers, observed):
       out[observer.name] = observer.result(state, out['steps'])
     if start is None:
@@ -585,7 +537,7 @@ class VectorizedClientWork:
       out['update'] = tuple(g[tf.newaxis] - w for g, w in zip(global_trainable, weights))
     for statistic in self._client_statistics:
       if statistic.in_trace is not None:
-        out[statistic.name] = statistic.in_trace(self, weights, first_epoch)
+        out[statistic.name] = statistic.in_trace(self, weights, (examples, index, mask, k))
     if reg.probe is not None and client_terms is None and reg.traits.measures:
       out['regularizer'] = tf.vectorized_map(
           lambda local: self._regularizer.measurements(tuple(local), global_trainable), weights)
@@ -598,18 +550,6 @@ class VectorizedClientWork:
     rows = epochs * steps * batch
     return frozenset(i for i, (fan_in, fan_out) in self._dense_kernels.items()
                      if rows and factored_dense.worth_factoring(fan_in, fan_out, rows))
-
-  def _factored_plan(self, requested: frozenset, regularizer, start
-                     ) -> Optional[factored_dense.FactoredKernels]:
-    """The round's `FactoredKernels` (`requested`: none where the regulariser cannot factor,
-    `_train_group`), or None."""
-    if not requested:
-      return None
-    learning_rate, momentum = self._updater.hyperparameters
-    self.factored_traces.add(tuple(sorted(requested)))
-    return factored_dense.FactoredKernels(
-        tuple(sorted(requested)), learning_rate, momentum,
-        with_anchor=regularizer is not None and start is not None)
 
   # -- the round ----------------------------------------------------------------------------
   def traced_client_count(self, k: int) -> Optional[int]:
@@ -725,8 +665,6 @@ class VectorizedClientWork:
     """The round's results (class docstring); with `client_terms` (`[K, ...]`), each client's
     regulariser is `client_regularizer(its row)`."""
     call = call or (lambda fn, *args: fn(*args))
-    if global_weights.non_trainable and not self._batch_norm:
-      raise ConfigError('vectorised clients need a model without non-trainable weights.')
     global_trainable = tuple(np.asarray(w) for w in global_weights.trainable)
     out, data = self.train(client_inputs, global_trainable, client_terms=client_terms,
                            statistics=tuple(np.asarray(w) for w in global_weights.non_trainable))
