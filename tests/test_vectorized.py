@@ -233,7 +233,7 @@ def test_a_few_client_counts_are_traced_fixed_then_one_dynamic_trace(spec):
   assert work.traced_client_count(fixed[0]) == fixed[0]  # Known counts keep their trace.
   x = tf.zeros([3, 4, 2])
   assert vectorized.with_clients(x, 3).shape.as_list() == [3, 4, 2]
-  assert vectorized.with_clients({'a': x}, 3, axis=0)['a'].shape.as_list() == [3, 4, 2]
+  assert vectorized.with_clients({'a': x}, 3)['a'].shape.as_list() == [3, 4, 2]
   assert vectorized.with_clients(x, None) is x
   with pytest.raises((ValueError, tf.errors.InvalidArgumentError)):
     vectorized.with_clients(x, 5)

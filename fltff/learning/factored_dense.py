@@ -33,12 +33,8 @@ from fltff.learning.stacked_optimizer import client_mask
 def dense_kernels(slots: Sequence[tuple[object, str]], frozen: frozenset = frozenset()
                   ) -> dict[int, tuple[int, int]]:
   """`{trainable index: (in, out)}` of the unfrozen plain `Dense` kernels among `slots`."""
-  kernels = {}
-  for i, (layer, name) in enumerate(slots):
-    if i not in frozen and type(layer) is tf.keras.layers.Dense and name == 'kernel':
-      fan_in, fan_out = (int(d) for d in layer.kernel.shape)
-      kernels[i] = (fan_in, fan_out)
-  return kernels
+  return {i: tuple(int(d) for d in layer.kernel.shape) for i, (layer, name) in enumerate(slots)
+          if i not in frozen and type(layer) is tf.keras.layers.Dense and name == 'kernel'}
 
 
 def worth_factoring(fan_in: int, fan_out: int, rows: int) -> bool:

@@ -49,9 +49,15 @@ def stack_client_batches(client_inputs: Sequence[Any],
   if from_arrays:
     table_x, table_y, rows, sizes, counts = _read_client_batches(sources, passes)
   else:
-    datasets = [s.dataset if isinstance(s, ClientBatches) else s for s in sources]
-    table_x, table_y, rows, sizes, counts = _read_datasets(
-        [_as_tff_reads(dataset, read_before) for dataset in datasets], passes)
+    from fltff.runtime.in_process import fresh_dataset  # pylint: disable=g-import-not-at-top
+
+    datasets = []
+    for source in sources:
+      dataset = source.dataset if isinstance(source, ClientBatches) else source
+      # As TFF's runtime reads it: rebuilt if read here before.
+      datasets.append(fresh_dataset(dataset) if dataset in read_before else dataset)
+      read_before.add(dataset)
+    table_x, table_y, rows, sizes, counts = _read_datasets(datasets, passes)
   # Where each batch goes: client c's epochs one after another, each its steps in order.
   client = _round_choice(counts, passes)
   epoch = np.concatenate([np.repeat(np.arange(p), c) for c, p in zip(counts, passes)] or [[]])
@@ -70,26 +76,15 @@ def stack_client_batches(client_inputs: Sequence[Any],
   valid[epoch, step, client] = epoch < np.asarray(epochs, np.int64)[client]
   table_x = np.concatenate([table_x, np.zeros((1, *table_x.shape[1:]), table_x.dtype)])
   table_y = np.concatenate([table_y, np.zeros(1, table_y.dtype)])
-  if raw:
-    return collections.OrderedDict(examples=table_x, labels=table_y, index=index, mask=mask,
-                                   valid=valid, epochs=np.asarray(epochs, np.int32))
-  if from_arrays:
-    # The pipeline's elementwise preprocessing on the whole table (the padding row stays 0).
-    processed = preprocess_batch(collections.OrderedDict(x=table_x, y=table_y))
-    table_x, table_y = processed['x'], processed['y']
-  # As tensors: the examples are copied once, into TensorFlow (a NumPy round trip is costly).
-  return collections.OrderedDict(
-      examples=tf.cast(table_x, tf.float32), labels=tf.cast(table_y, tf.int32), index=index,
-      mask=mask, valid=valid, epochs=np.asarray(epochs, np.int32))
-
-
-def _as_tff_reads(dataset: tf.data.Dataset, read_before: weakref.WeakSet) -> tf.data.Dataset:
-  """`dataset` as TFF's runtime reads it: rebuilt (`fresh_dataset`) if read here before."""
-  from fltff.runtime.in_process import fresh_dataset  # pylint: disable=g-import-not-at-top
-
-  fresh = fresh_dataset(dataset) if dataset in read_before else dataset
-  read_before.add(dataset)
-  return fresh
+  if not raw:
+    if from_arrays:
+      # The pipeline's elementwise preprocessing on the whole table (the padding row stays 0).
+      processed = preprocess_batch(collections.OrderedDict(x=table_x, y=table_y))
+      table_x, table_y = processed['x'], processed['y']
+    # As tensors: the examples are copied once, into TensorFlow (a NumPy round trip is costly).
+    table_x, table_y = tf.cast(table_x, tf.float32), tf.cast(table_y, tf.int32)
+  return collections.OrderedDict(examples=table_x, labels=table_y, index=index, mask=mask,
+                                 valid=valid, epochs=np.asarray(epochs, np.int32))
 
 
 def _round_choice(counts: Sequence[int], passes: Sequence[int]) -> np.ndarray:
@@ -154,16 +149,8 @@ def _read_client_batches(sources: Sequence[ClientBatches], passes: Sequence[int]
 
 
 def _read_datasets(datasets: Sequence[tf.data.Dataset], passes: Sequence[int]):
-  """`_read_client_batches`' result from datasets, the table holding every batch as read."""
-  bx, by, sizes, counts = _read_dataset_batches(datasets, passes)
-  batch = by.shape[1] if by.ndim > 1 else 0
-  rows = np.arange(len(by) * batch, dtype=np.int64).reshape(len(by), batch)
-  rows = np.where(np.arange(batch) < sizes[:, np.newaxis], rows, -1)
-  return bx.reshape(-1, *bx.shape[2:]), by.reshape(-1), rows, sizes, counts
-
-
-def _read_dataset_batches(datasets: Sequence[tf.data.Dataset], passes: Sequence[int]):
-  """`(x [T, B, ...], y [T, B], sizes [T], batches per epoch)`: all epochs' batches, padded."""
+  """`_read_client_batches`' result from datasets, the table holding every batch of every epoch
+  as read."""
   counts = [int(dataset.cardinality()) for dataset in datasets]
   if any(c < 0 for c in counts):
     # Unknown batch counts (e.g. a `filter`): read the clients one by one.
@@ -178,15 +165,18 @@ def _read_dataset_batches(datasets: Sequence[tf.data.Dataset], passes: Sequence[
     sizes = np.zeros(len(flat), np.int64)
     for t, (x, y) in enumerate(flat):
       bx[t, :len(y)], by[t, :len(y)], sizes[t] = x, y, len(y)
-    return bx, by, sizes, counts
-  choice = _round_choice(counts, passes)
-  stream, length = _round_stream(datasets, passes, choice), len(choice)
-  if not length:
-    return np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int32), np.zeros(0, np.int64), counts
-  stream = stream.map(lambda b: (b['x'], b['y'], tf.shape(b['y'], out_type=tf.int64)[0]))
-  bx, by, sizes = (t.numpy() for t in stream.padded_batch(length).with_options(
-      _read_options()).get_single_element())
-  return bx, by, sizes, counts
+  elif not sum(c * p for c, p in zip(counts, passes)):  # Not one batch in the round.
+    bx, by, sizes = np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int32), np.zeros(0, np.int64)
+  else:
+    choice = _round_choice(counts, passes)
+    stream = _round_stream(datasets, passes, choice).map(
+        lambda b: (b['x'], b['y'], tf.shape(b['y'], out_type=tf.int64)[0]))
+    bx, by, sizes = (t.numpy() for t in stream.padded_batch(len(choice)).with_options(
+        _read_options()).get_single_element())
+  batch = by.shape[1] if by.ndim > 1 else 0
+  rows = np.arange(len(by) * batch, dtype=np.int64).reshape(len(by), batch)
+  rows = np.where(np.arange(batch) < sizes[:, np.newaxis], rows, -1)
+  return bx.reshape(-1, *bx.shape[2:]), by.reshape(-1), rows, sizes, counts
 
 
 # A vectorised step of K clients costs about K + c client steps: the per-client weights and

@@ -1,17 +1,12 @@
 """The client optimizer's local step for a round's stacked participants (vectorised clients).
 
-`learning.vectorized` stacks the participants' weights as `[K, ...]` and computes all clients'
-gradients in one `tf.vectorized_map` per step; an updater then applies the client optimizer.
-`MappedOptimizer` maps any TFF optimizer's `next` over the clients. `FusedSGDM` applies SGD(M)
-as `optimizers.sgdm` declares it (a ← μ·a + g, w ← w − η·a; without momentum w ← w − η·g) in
-place with TensorFlow's fused kernels on the stacked weights and accumulators: one pass per
-tensor, not ops that each write a model-sized `[K, ...]` tensor. A client without a batch at a
-step keeps its weights and optimizer state.
-
-An affine regulariser's terms (`client_work.step_gradients`: `g + s ⊙ w + o`; FedProx, FedLap,
-KAPC) go to `step`, not into the clients' map, so `FusedSGDM` can fuse them into the update; an
-offset `−s ⊙ global` comes as an `Anchor`, added as `s ⊙ (w − global)` (no `[K, ...]` offset
-formed per epoch).
+An updater applies the client optimizer to the clients' stacked `[K, ...]` weights after each
+step's `tf.vectorized_map` of gradients (`learning.vectorized`): `MappedOptimizer` maps any TFF
+optimizer's `next` over the clients; `FusedSGDM` applies SGD(M) as `optimizers.sgdm` declares
+it (a ← μ·a + g, w ← w − η·a; without momentum w ← w − η·g) in place with TensorFlow's fused
+kernels, one pass per tensor. An affine regulariser's terms (`g + s ⊙ w + o`; an offset
+`−s ⊙ global` as an `Anchor`, added as `s ⊙ (w − global)`) go to `step`, where `FusedSGDM`
+fuses them into the update. A client without a batch at a step keeps its weights and state.
 
 Use: `carry = start(weights)`, per step `weights(carry)` and
 `carry = step(carry, gradients, trains, affine)`, then `finish(carry)` for the trained weights.
@@ -48,14 +43,6 @@ def _per_client(term, weight: tf.Tensor) -> tf.Tensor:
                                      tf.shape(term)[1:]], 0))
 
 
-def _affine_gradient(gradient, weight, scale, offset) -> tf.Tensor:
-  """`g + s ⊙ w + o` for one stacked tensor (`step_gradients`'s order); `g + s ⊙ (w − a)` for
-  an `Anchor` offset."""
-  if isinstance(offset, Anchor):
-    return gradient + _per_client(scale, weight) * (weight - offset.value)
-  return tf.add_n([gradient, _per_client(scale, weight) * weight, _per_client(offset, weight)])
-
-
 class Anchor:
   """The anchor `a` of an offset `−s ⊙ a`: shared, without a client axis (the global model,
   `RegularizerTraits.global_anchor`), or each client's own `[K, ...]` (KAPC's s_i)."""
@@ -65,12 +52,17 @@ class Anchor:
 
 
 def add_affine(gradients, weights, affine, skip: frozenset = frozenset()) -> list:
-  """Stacked gradients plus the affine terms `affine = (scales, offsets)` (`[K, ...]`; an offset
-  may be an `Anchor`), except for the tensors in `skip`."""
+  """Stacked gradients plus the affine terms `affine = (scales, offsets)` (`[K, ...]`), except
+  for the tensors in `skip`: `g + s ⊙ w + o` (`step_gradients`'s order), `g + s ⊙ (w − a)` for
+  an `Anchor` offset."""
   if affine is None:
     return list(gradients)
-  return [g if i in skip else _affine_gradient(g, w, a, o)
-          for i, (g, w, a, o) in enumerate(zip(gradients, weights, *affine))]
+  out = list(gradients)
+  for i, (g, w, s, o) in enumerate(zip(gradients, weights, *affine)):
+    if i not in skip:
+      out[i] = (g + _per_client(s, w) * (w - o.value) if isinstance(o, Anchor)
+                else tf.add_n([g, _per_client(s, w) * w, _per_client(o, w)]))
+  return out
 
 
 class MappedOptimizer:
@@ -94,8 +86,7 @@ class MappedOptimizer:
 
   def step(self, carry, gradients: Sequence[tf.Tensor], trains: tf.Tensor, affine=None,
            skip: frozenset = frozenset()):
-    if skip:
-      raise ValueError('factored kernels (`skip`) need TFF\'s SGD(M) (`FusedSGDM`).')
+    del skip  # Only `FusedSGDM` trains factored kernels (`VectorizedClientWork`).
     weights, state = carry
     gradients = add_affine(gradients, weights, affine)
     new_state, updated = tf.vectorized_map(

@@ -180,8 +180,8 @@ def _slots_of(variables, weights_model, keras_model) -> list[tuple[Any, str]]:
 MAX_STATIC_CLIENT_COUNTS = 4
 
 
-def with_clients(structure: Any, num_clients: Optional[int], axis: int = 0) -> Any:
-  """`structure`'s tensors with client axis `axis` fixed at `num_clients` (None: unchanged).
+def with_clients(structure: Any, num_clients: Optional[int]) -> Any:
+  """`structure`'s tensors with their leading (client) axis fixed at `num_clients` (None: as is).
 
   Unless a mapped tensor's leading dimension and the client count are known at trace time,
   pfor copies every argument of `tf.vectorized_map` (the stacked weights too) at every step.
@@ -192,7 +192,7 @@ def with_clients(structure: Any, num_clients: Optional[int], axis: int = 0) -> A
   def fix(t):
     t = tf.convert_to_tensor(t)
     shape = t.shape.as_list()
-    shape[axis] = num_clients
+    shape[0] = num_clients
     return tf.ensure_shape(t, shape)
 
   return tf.nest.map_structure(fix, structure)
@@ -327,15 +327,6 @@ class VectorizedClientWork:
     if self._latent is None:
       raise ValueError('VectorizedClientWork(latent=True) builds the latent-layer model.')
     return self._latent
-
-  def _restore_tf2_layer_classes(self) -> None:
-    """Makes the eager Keras model callable again after a model was built in a graph.
-
-    Keras builds a model in a graph (TFF's tracing, by any computation) by swapping its layer
-    classes' bases to TF1's, so earlier eager models refuse calls ("invalid state", e.g. when
-    `_train` retraces) until a model is built eagerly, which swaps them back."""
-    if any(cls.__bases__ != bases for cls, bases in self._layer_bases):
-      self._keras_fn()
 
   # -- the TensorFlow part -----------------------------------------------------------------
   # No autograph: loops are `tf.while_loop`s, every condition a Python value (converting is slow).
@@ -569,7 +560,11 @@ class VectorizedClientWork:
     model without `statistics`. `read_before_elsewhere`: the datasets were read already this
     round (FedLap personalisation's local models): each is rebuilt first, as TFF deserialises
     it afresh for every computation."""
-    self._restore_tf2_layer_classes()
+    # Keras builds a model in a graph (TFF's tracing, by any computation) by swapping its layer
+    # classes' bases to TF1's, so earlier eager models refuse calls ("invalid state", e.g. when
+    # `_train` retraces) until a model is built eagerly, which swaps them back.
+    if any(cls.__bases__ != bases for cls, bases in self._layer_bases):
+      self._keras_fn()
     on_workers = worker_groups(self)  # Where the runtime placed this work (`WorkerRuntime`).
     read_before = self._read_before
     if read_before_elsewhere:
