@@ -203,8 +203,6 @@ class FusedSGDM:
     function is slower: those steps use the sparse kernels). `skip`: tensors left as they are
     (factored kernels, `factored_dense`)."""
     gradients = tuple(gradients)
-    skip = frozenset(skip)
-
     if affine is None:
       every = lambda: self._apply(gradients, None, skip)
       some_idle = lambda: self._apply(gradients, tf.where(trains)[:, 0], skip)
