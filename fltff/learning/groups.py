@@ -6,9 +6,9 @@ around `VectorizedClientWork`'s own training (`train_in_graph`): the group's rou
 uint8, preprocessed on the worker) in, its clients' trained weights, metric sums and the rest
 of the training's outputs `[K, ...]` out; for work whose updates go to a plain weighted mean
 (`VectorizedClientWork.mean_aggregation`), the group's weighted mean update and total weight
-instead of its clients' models, unless the driver needs those (`trained_local`). TFF's remote executor (one worker) or mergeable
-context (several: one sub-round per worker) runs the groups, so no RPC of ours carries them;
-the driver puts the groups' results back in client order and runs the method's aggregator on
+instead of its clients' models, unless the driver needs those (`trained_local`). Each
+worker's TFF remote executor runs its group, the workers at once, so no RPC of ours carries
+them; the driver puts the groups' results back in client order and runs the method's aggregator on
 them in process (`StackedClients`), as in-process vectorised rounds do. A client's training
 reads its own data only: grouping changes the numbers only as batched kernels round
 (tests/test_groups.py).
@@ -17,6 +17,7 @@ reads its own data only: grouping changes the numbers only as batched kernels ro
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 from typing import Optional
 
 import numpy as np
@@ -57,7 +58,7 @@ def _nbytes(structure) -> int:
 
 class WorkerGroups:
   """Trains `work`'s rounds as groups on `runtime`'s workers (a `fltff.runtime.WorkerRuntime`:
-  its `context`, `workers` and failover `call`)."""
+  its `worker_contexts`, `workers` and failover `call`)."""
 
   def __init__(self, work, runtime, keep_trained: bool = False):
     self.work, self._runtime = work, runtime
@@ -69,7 +70,6 @@ class WorkerGroups:
   def train(self, data, global_trainable, start, client_terms, statistics
             ) -> collections.OrderedDict:
     """`VectorizedClientWork.train`'s outputs for `data`'s round, trained on the workers."""
-    groups = split_clients(data, max(1, min(len(self._runtime.workers), len(data['epochs']))))
     own = start is not None  # Per-client starts come with per-client statistics.
     summed = self.work.mean_aggregation and not own and not self._keep_trained
     server = collections.OrderedDict(
@@ -78,21 +78,12 @@ class WorkerGroups:
         if value is not None)
     per_client = {'start': start, 'client_terms': client_terms,
                   'statistics': statistics if own else None}
-    inputs = []
-    for g, clients in enumerate(groups):
-      value = group_table(data, clients)
-      value.update((name, tf.nest.map_structure(lambda t, c=clients: np.asarray(t)[c], v))
-                   for name, v in per_client.items() if v is not None)
-      value['group'] = np.int32(g)
-      inputs.append(value)
-    sizes = {len(c) for c in groups}
-    comp = self._computation(server, inputs[0], sizes.pop() if len(sizes) == 1 else None,
-                             self.work.round_factoring(data, client_terms), summed)
-    results = self._runtime.call(self._invoke, comp, *((server, inputs) if server else (inputs,)))
-    results = sorted(results, key=lambda r: int(r[0]))  # Sub-rounds return in completion order.
+    groups, inputs, results = self._runtime.call(
+        self._train_groups, data, server, per_client,
+        self.work.round_factoring(data, client_terms), summed)
     self.last_sizes = [len(c) for c in groups]
     self.last_bytes = [(_nbytes(server) + _nbytes(v), _nbytes(r)) for v, r in zip(inputs, results)]
-    parts = [collections.OrderedDict(r[1]) for r in results]
+    parts = [collections.OrderedDict(r) for r in results]
     means = {name: tf.nest.map_structure(lambda *g: tf.concat(g, 0),
                                          *[part.pop(name) for part in parts])
              for name in ('update', 'update_weight') if summed}
@@ -102,11 +93,30 @@ class WorkerGroups:
                             for g, w in zip(global_trainable, out['trained']))
     return out
 
-  def _invoke(self, comp, *args):
+  def _train_groups(self, data, server, per_client, factored: frozenset, summed: bool) -> tuple:
+    """`(groups, their inputs, their outputs)`: `data`'s participants as one group per worker
+    (`runtime.worker_contexts`, fewer after a lost one), each trained on its worker, the workers
+    at once: a thread each, as TFF's remote executor blocks on its calls."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-    with tff.framework.get_context_stack().install(self._runtime.context):
-      return comp(*args)
+    contexts = self._runtime.worker_contexts
+    groups = split_clients(data, max(1, min(len(contexts), len(data['epochs']))))
+    inputs = []
+    for clients in groups:
+      value = group_table(data, clients)
+      value.update((name, tf.nest.map_structure(lambda t, c=clients: np.asarray(t)[c], v))
+                   for name, v in per_client.items() if v is not None)
+      inputs.append(value)
+    sizes = {len(c) for c in groups}
+    comp = self._computation(server, inputs[0], sizes.pop() if len(sizes) == 1 else None,
+                             factored, summed)
+
+    def on_worker(g):
+      with tff.framework.get_context_stack().install(contexts[g]):
+        return comp(*((server, [inputs[g]]) if server else ([inputs[g]],)))[0]
+
+    with concurrent.futures.ThreadPoolExecutor(len(groups)) as pool:
+      return groups, inputs, list(pool.map(on_worker, range(len(groups))))
 
   def _computation(self, server, group, num_clients: Optional[int], factored: frozenset,
                    summed: bool):
@@ -115,7 +125,7 @@ class WorkerGroups:
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     specs = dict(zip(_ARGS, round_specs([{**server, **group}.get(n) for n in _ARGS],
-                                        num_clients)), group=tf.TensorSpec([], tf.int32))
+                                        num_clients)))
     server_type, group_type = (tff.types.tensorflow_to_type(collections.OrderedDict(
         (name, specs[name]) for name in value)) if value else None for value in (server, group))
     key = (str(server_type), str(group_type), factored, summed)
@@ -138,7 +148,7 @@ class WorkerGroups:
         del out['trained']
       else:  # Formed by the driver from `trained` (`WorkerGroups.train`).
         out.pop('update', None)
-      return group_value['group'], out
+      return out
 
     clients = tff.FederatedType(group_type, tff.CLIENTS)
     if server_type is not None:

@@ -142,7 +142,7 @@ class WorkerRuntime(Runtime):
     self._slowest_round = 0.0
     self.max_retries = max_retries
     self._credentials, self._server_name = credentials, server_name
-    self._channels, self._stubs = [], []
+    self._channels, self._stubs, self.worker_contexts = [], [], []
     self.driver_context = None
     self.groups = None  # The `WorkerGroups` of the placed vectorised client work.
     try:
@@ -171,8 +171,12 @@ class WorkerRuntime(Runtime):
         raise channels.WorkerLostError(address, f'no answer within {timeout:.0f} s') from None
       self._channels.append(channel)
       self._stubs.append(stub)
+    # One synchronous context a worker, which vectorised groups call from a thread each
+    # (`groups.WorkerGroups`): TFF 0.87's remote executor blocks its event loop on every gRPC
+    # call, so the mergeable context's sub-rounds run one after another.
+    self.worker_contexts = [channels.context_for_stub(s) for s in self._stubs]
     if len(self._stubs) == 1:
-      self.context = channels.context_for_stub(self._stubs[0])
+      self.context = self.worker_contexts[0]
     else:  # TFF's mergeable-computation context: each round's clients split across the workers.
       self.context = tff.backends.native.create_mergeable_comp_execution_context(
           [channels.context_for_stub(s, asynchronous=True) for s in self._stubs])
@@ -241,13 +245,14 @@ class WorkerRuntime(Runtime):
     for channel in self._channels:
       with contextlib.suppress(Exception):
         channel.close()
-    # The context's event-loop thread references its runner, whose `__del__` (which stops
-    # the loop) therefore never runs: do its work here.
-    runner = getattr(self.context, '_async_runner', None)
-    if runner is not None:
-      with contextlib.suppress(Exception):
-        runner._finalizer(runner._event_loop, runner._thread)  # pylint: disable=protected-access
-    self._channels, self._stubs, self.context = [], [], None
+    # A context's event-loop thread references its runner, whose `__del__` (which stops the
+    # loop) therefore never runs: do its work here.
+    for context in {id(c): c for c in (self.context, *self.worker_contexts)}.values():
+      runner = getattr(context, '_async_runner', None)
+      if runner is not None:
+        with contextlib.suppress(Exception):
+          runner._finalizer(runner._event_loop, runner._thread)  # pylint: disable=protected-access
+    self._channels, self._stubs, self.context, self.worker_contexts = [], [], None, []
     # TFF 0.87's `CompilerPipeline.compile` cache is one `lru_cache` for all pipelines: else a
     # replaced context's compilations stay until 128 newer entries evict them. The live context
     # recompiles once.
