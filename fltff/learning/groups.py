@@ -8,10 +8,10 @@ of the training's outputs `[K, ...]` out; for work whose updates go to a plain w
 (`VectorizedClientWork.mean_aggregation`), the group's weighted mean update and total weight
 instead of its clients' models, unless the driver needs those (`trained_local`). Each
 worker's TFF remote executor runs its group, the workers at once, so no RPC of ours carries
-them; the driver puts the groups' results back in client order and runs the method's aggregator on
-them in process (`StackedClients`), as in-process vectorised rounds do. A client's training
-reads its own data only: grouping changes the numbers only as batched kernels round
-(tests/test_groups.py).
+them; the driver puts the groups' results back in client order and runs the method's
+aggregator on them in process (`StackedClients`), as in-process vectorised rounds do. A
+client's training reads its own data only: grouping changes the numbers only as batched
+kernels round (tests/test_groups.py).
 """
 
 from __future__ import annotations
@@ -84,9 +84,10 @@ class WorkerGroups:
     self.last_sizes = [len(c) for c in groups]
     self.last_bytes = [(_nbytes(server) + _nbytes(v), _nbytes(r)) for v, r in zip(inputs, results)]
     parts = [collections.OrderedDict(r) for r in results]
-    means = {name: tf.nest.map_structure(lambda *g: tf.concat(g, 0),
-                                         *[part.pop(name) for part in parts])
-             for name in ('update', 'update_weight') if summed}
+    # Group means: one row a group, in group order (per-client outputs go back to client order).
+    means = {} if not summed else {
+        name: tf.nest.map_structure(lambda *g: tf.concat(g, 0), *[p.pop(name) for p in parts])
+        for name in ('update', 'update_weight')}
     out = collections.OrderedDict(in_client_order(parts, groups), **means)
     if not own and not summed:  # As `_train_fn` forms it, from the global model.
       out['update'] = tuple(tf.constant(g)[tf.newaxis] - w
