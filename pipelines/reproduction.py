@@ -800,16 +800,17 @@ def _final_of(run: dict, bls_column: str) -> Optional[float]:
                if v is not None), None)
 
 
-def ablation_point(group: dict, runs: dict, column: str) -> dict:
-  """Per seed of one ablation entry: best-round mean, final round, r_ii last and max, Ω and the
-  skipped-layer fraction at the last round ({seed: {...}}), and the names missing."""
+def ablation_point(group: dict, runs: dict, column: str, last_rounds: int = 1) -> dict:
+  """Per seed of one ablation entry: best-round mean, the mean over the last `last_rounds`
+  rounds, r_ii last and max, Ω and the skipped-layer fraction at the last round
+  ({seed: {...}}), and the names missing."""
   present, missing = _group_runs(group, runs, next(iter(group['runs'])))
   per_seed = {}
   for run in present:
     best = _best(run, column)
     rii = [a for _, a in curve(run, SELF_RELATION)]
     per_seed[seed_of(run['label'])] = {
-        'best': best[1] if best else None, 'final': _final(run, column),
+        'best': best[1] if best else None, 'last': last_rounds_mean(run, column, last_rounds),
         'rii_last': rii[-1] if rii else None, 'rii_max': max(rii) if rii else None,
         'omega': _final_of(run, 'omega_mean'), 'skipped': _final_of(run, 'skipped_layer_fraction')}
   return {'seeds': per_seed, 'missing': missing, 'names': _as_list(group['runs'][next(iter(
@@ -837,34 +838,40 @@ def ablation_verdict(point: dict, base: dict, seeds: int) -> tuple[str, Optional
   return f'{effect:+.2f} points', effect
 
 
+def _paired(point: dict, base: dict, key: str) -> list[float]:
+  """(point − base) in points for `key`, per seed both have."""
+  out = []
+  for s, v in point['seeds'].items():
+    b = base['seeds'].get(s)
+    if v[key] is not None and b and b[key] is not None:
+      out.append(100 * (v[key] - b[key]))
+  return out
+
+
 def _ablation_cells(point: dict, base: Optional[dict]) -> list[str]:
   values = point['seeds'].values()
   got = lambda k: [v[k] for v in values if v[k] is not None]
-  diff = []
-  if base is not None:
-    for s, v in point['seeds'].items():
-      b = base['seeds'].get(s)
-      if v['best'] is not None and b and b['best'] is not None:
-        diff.append(100 * (v['best'] - b['best']))
   omega, skipped = got('omega'), got('skipped')
   bls = (f'{sum(omega) / len(omega):.2f}, {sum(skipped) / len(skipped):.2f}'
          if omega and skipped else DASH)
   return [_pm([100 * v for v in got('best')]),
-          DASH if base is None else _pm(diff, signed=True),
-          _pm([100 * v for v in got('final')]),
+          DASH if base is None else _pm(_paired(point, base, 'best'), signed=True),
+          _pm([100 * v for v in got('last')]),
+          DASH if base is None else _pm(_paired(point, base, 'last'), signed=True),
           _pm(got('rii_last'), digits=3), _pm(got('rii_max'), digits=3), bls]
 
 
 def ablation_points(section: dict, runs: dict) -> tuple[dict, list[tuple[dict, dict, str]]]:
   """({base id: its point}, [(group, point, verdict)] for the declared points, in order)."""
-  bases = {g['id']: ablation_point(g, runs, g['column']) for g in section['groups']
+  k = section.get('last_rounds', 1)
+  bases = {g['id']: ablation_point(g, runs, g['column'], k) for g in section['groups']
            if g.get('role') == 'base'}
   columns = {g['id']: g['column'] for g in section['groups'] if g.get('role') == 'base'}
   out = []
   for group in section['groups']:
     if group.get('role') == 'base':
       continue
-    point = ablation_point(group, runs, columns[group['base']])
+    point = ablation_point(group, runs, columns[group['base']], k)
     verdict, effect = ablation_verdict(point, bases[group['base']], section['seeds'])
     point['effect'] = effect
     out.append((group, point, verdict))
@@ -875,9 +882,12 @@ def ablation(section: dict, runs: dict, paper: dict, report=None) -> str:
   """The declared ablation points beside their base: one row per point, finished or not."""
   seeds = section['seeds']
   bases, points = ablation_points(section, runs)
+  k = section.get('last_rounds', 1)
+  last = 'final-round mean' if k == 1 else f'mean over the last {k} rounds'
   out = ['| suspect | setting | runs | seeds finished | best-round mean % | − base, same seeds '
-         '(points) | final-round mean % | r_ii, last round | r_ii, max over rounds | Ω mean, '
-         'skipped-layer fraction (last round) | verdict |', '|' + '---|' * 11]
+         f'(points) | {last} % | − base, {last}, same seeds (points) | r_ii, last round | r_ii, '
+         'max over rounds | Ω mean, skipped-layer fraction (last round) | verdict |',
+         '|' + '---|' * 12]
   for group in section['groups']:
     if group.get('role') != 'base':
       continue

@@ -534,31 +534,49 @@ def test_ablation_rows_cells_and_verdicts(ablation_results):
   md = _write(ablation_results)
   assert _row(md, '| base | base kapc |') == [
       'base', 'base kapc', 'kb_s{0,1,2}', '3/3', '92.00 ± 2.00 (n=3)', '–', '91.00 ± 2.00 (n=3)',
-      '0.190 ± 0.000 (n=3)', '0.200 ± 0.000 (n=3)', '5.00, 0.20', 'seed std 2.00']
+      '–', '0.190 ± 0.000 (n=3)', '0.200 ± 0.000 (n=3)', '5.00, 0.20', 'seed std 2.00']
   assert _row(md, '| suspect A |') == [
       'suspect A', 'A', 'a_s{0,1,2}', '3/3', '93.00 ± 2.00 (n=3)', '+1.00 ± 0.00 (n=3)',
-      '92.00 ± 2.00 (n=3)', '0.190 ± 0.000 (n=3)', '0.200 ± 0.000 (n=3)', '5.00, 0.20',
-      'tested, no effect']
+      '92.00 ± 2.00 (n=3)', '+1.00 ± 0.00 (n=3)', '0.190 ± 0.000 (n=3)', '0.200 ± 0.000 (n=3)',
+      '5.00, 0.20', 'tested, no effect']
   assert _row(md, '| suspect B |')[5] == '+5.00 ± 0.00 (n=3)'
-  assert _row(md, '| suspect B |')[7:9] == ['0.390 ± 0.000 (n=3)', '0.400 ± 0.000 (n=3)']
+  assert _row(md, '| suspect B |')[8:10] == ['0.390 ± 0.000 (n=3)', '0.400 ± 0.000 (n=3)']
   assert _row(md, '| suspect B |')[-1] == '+5.00 points'
   # One seed of three: its numbers, paired with base seed 0, and "pending (1/3)".
   assert _row(md, '| suspect C |') == [
       'suspect C', 'C', 'c_s{0,1,2}', '1/3', '80.00 (n=1, no std)', '-10.00 (n=1, no std)',
-      '79.00 (n=1, no std)', '0.190 (n=1, no std)', '0.200 (n=1, no std)', '1.00, 0.20',
+      '79.00 (n=1, no std)', '-10.00 (n=1, no std)', '0.190 (n=1, no std)', '0.200 (n=1, no std)', '1.00, 0.20',
       'pending (1/3)']
   # Not run at all: listed all the same.
-  assert _row(md, '| suspect D |') == ['suspect D', 'D', 'd_s{0,1,2}', '0/3'] + ['–'] * 6 + [
+  assert _row(md, '| suspect D |') == ['suspect D', 'D', 'd_s{0,1,2}', '0/3'] + ['–'] * 7 + [
       'pending (0/3)']
   # FedProx reads its own protocol (trained_local) and has no R.
   assert _row(md, '| suspect E |')[4:] == ['90.00 ± 0.00 (n=3)', '-4.00 ± 1.00 (n=3)',
-                                          '89.00 ± 0.00 (n=3)', '–', '–', '–', '-4.00 points']
+                                          '89.00 ± 0.00 (n=3)', '-4.00 ± 1.00 (n=3)', '–', '–',
+                                          '–', '-4.00 points']
   # A base with one seed: its points wait for it.
   assert _row(md, '| suspect F |')[-1] == 'pending base (1/3)'
   for name in ('why_self_relation.png', 'why_factors.png'):
     assert os.path.getsize(os.path.join(ablation_results, 'figures', name)) > 1000
     assert f'](figures/{name})' in md
   assert not os.path.exists(os.path.join(ablation_results, 'figures', 'why.png'))
+
+
+def test_ablation_reads_the_mean_over_the_sections_last_rounds(ablation_results):
+  """With `last_rounds` k the table gives each seed's mean over its last k rounds beside the
+  best-round mean, paired with the base's; a run with fewer rounds than k has none."""
+  path = os.path.join(ablation_results, 'reproduction.json')
+  for k, cells in ((2, ['91.50 ± 2.00 (n=3)', '–', '92.50 ± 2.00 (n=3)', '+1.00 ± 0.00 (n=3)']),
+                   (5, ['–', '–', '–', '–'])):
+    manifest = json.load(open(path))
+    manifest['sections'][1]['last_rounds'] = k
+    json.dump(manifest, open(path, 'w'))
+    md = _write(ablation_results)
+    assert f'| mean over the last {k} rounds % | − base, mean over the last {k} rounds' in md
+    assert _row(md, '| base | base kapc |')[6:8] == cells[:2]
+    assert _row(md, '| suspect A |')[6:8] == cells[2:]
+    # The verdict stays the declared rule's: the best-round mean.
+    assert _row(md, '| suspect B |')[-1] == '+5.00 points'
 
 
 def test_ablation_verdict_rule_is_the_base_seed_std():
