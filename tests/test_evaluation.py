@@ -192,6 +192,13 @@ def test_protocols_that_cannot_run_are_refused_in_one_line(protocols, personaliz
     evaluation.check_protocols(protocols, personalized, local, trained)
 
 
+def test_an_empty_evaluation_list_is_refused_not_defaulted(data, spec, tmp_path):
+  algorithm = learning.build_fedavg(spec, client_optimizer=SGD())
+  with pytest.raises(ConfigError, match=r'non-empty list of protocols .*got \[\]'):
+    drive(algorithm, data, tmp_path, [])
+  assert drive(algorithm, data, tmp_path, None).protocols == ('central', 'global_local')
+
+
 def test_finetuned_local_needs_a_method_that_fine_tunes(data, spec, tmp_path):
   algorithm = learning.build_fedavg(spec, client_optimizer=SGD())
   with pytest.raises(ConfigError, match='FedBABU has'):

@@ -110,9 +110,11 @@ class RoundDriver:
                         'set federated_data.local_test_examples > 0.')
     self.channel = channel
     has_local = data.local_test_indices is not None
+    # Only an unset evaluation takes the default: an empty list is refused, not defaulted.
     self.protocols = evaluation_lib.check_protocols(
-        config.evaluation or (('personal_local',) if algorithm.personalized else
-                              ('central', 'global_local') if has_local else ('central',)),
+        config.evaluation if config.evaluation is not None else
+        (('personal_local',) if algorithm.personalized else
+         ('central', 'global_local') if has_local else ('central',)),
         algorithm.personalized, has_local, algorithm.reports_trained_weights,
         algorithm.personal_models)
     # The runtime that runs the rounds ('auto': by the client work chosen); it fails over.
