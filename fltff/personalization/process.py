@@ -641,6 +641,12 @@ class VectorizedPersonalWork:
     from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
 
     server_msg = tf.nest.map_structure(tf.convert_to_tensor, server_msg)
+    # The broadcast's rows are per participant: inputs in another order would train each
+    # client from another's start and anchor, silently.
+    order = [client_work_lib.client_index_of_input(data) for data in client_inputs]
+    if order != np.asarray(server_msg['clients']).tolist():
+      raise ValueError(f'client inputs of clients {order} for a broadcast to clients '
+                       f'{np.asarray(server_msg["clients"]).tolist()}: not in its order.')
     personal = stack_clients([data['state'] for data in client_inputs])
     start, s, sent, own = (tuple(part)
                            for part in self._parts.client_start(server_msg, personal))
