@@ -800,10 +800,17 @@ def _final_of(run: dict, bls_column: str) -> Optional[float]:
                if v is not None), None)
 
 
+def _skipped_max(run: dict) -> Optional[float]:
+  """The largest fraction of layers Algorithm 3 skipped on the download in any round."""
+  values = [a for group in ('bls', 'kapc')
+            for _, a in curve(run, f'{group}/skipped_layer_fraction')]
+  return max(values) if values else None
+
+
 def ablation_point(group: dict, runs: dict, column: str, last_rounds: int = 1) -> dict:
   """Per seed of one ablation entry: best-round mean, the mean over the last `last_rounds`
-  rounds, r_ii last and max, Ω and the skipped-layer fraction at the last round
-  ({seed: {...}}), and the names missing."""
+  rounds, r_ii last and max, Ω and the skipped-layer fraction at the last round, the largest
+  skipped-layer fraction of any round ({seed: {...}}), and the names missing."""
   present, missing = _group_runs(group, runs, next(iter(group['runs'])))
   per_seed = {}
   for run in present:
@@ -812,7 +819,8 @@ def ablation_point(group: dict, runs: dict, column: str, last_rounds: int = 1) -
     per_seed[seed_of(run['label'])] = {
         'best': best[1] if best else None, 'last': last_rounds_mean(run, column, last_rounds),
         'rii_last': rii[-1] if rii else None, 'rii_max': max(rii) if rii else None,
-        'omega': _final_of(run, 'omega_mean'), 'skipped': _final_of(run, 'skipped_layer_fraction')}
+        'omega': _final_of(run, 'omega_mean'), 'skipped': _final_of(run, 'skipped_layer_fraction'),
+        'skipped_max': _skipped_max(run)}
   return {'seeds': per_seed, 'missing': missing, 'names': _as_list(group['runs'][next(iter(
       group['runs']))])}
 
@@ -873,6 +881,13 @@ def ablation_points(section: dict, runs: dict) -> tuple[dict, list[tuple[dict, d
       continue
     point = ablation_point(group, runs, columns[group['base']], k)
     verdict, effect = ablation_verdict(point, bases[group['base']], section['seeds'])
+    # A point read from KAPC's runs ("KAPC+BLS with Ω = L is KAPC") holds only while the base
+    # KAPC+BLS runs skip no download layer: a skip voids it, whatever the numbers say.
+    skipped = [v['skipped_max'] for v in bases[group['base']]['seeds'].values()
+               if v['skipped_max']]
+    if group.get('equal_while_nothing_skipped') and skipped:
+      verdict, effect = (f'void: the base skipped up to {100 * max(skipped):.0f} % of the '
+                         'download layers in a round'), None
     point['effect'] = effect
     out.append((group, point, verdict))
   return bases, out

@@ -475,14 +475,16 @@ def test_one_seed_has_no_spread_and_none_is_a_dash():
 
 # -- Why KAPC trails: the ablation table, its verdict rule and its figures ----------------------
 
-def _kapc_run(root, name, best, column='personal_local_accuracy', rii=(0.1, 0.2), omega=5.0):
-  """Three rounds reaching `best` in round 2, r_ii (mean, two layers) rising to rii[1]."""
+def _kapc_run(root, name, best, column='personal_local_accuracy', rii=(0.1, 0.2), omega=5.0,
+              skipped=(0.0, 0.0, 0.2)):
+  """Three rounds reaching `best` in round 2, r_ii (mean, two layers) rising to rii[1]; the
+  download skips `skipped` of the layers per round."""
   columns = {column: [best - 0.05, best, best - 0.01]}
   if column == 'personal_local_accuracy':
     columns.update({'kapc/self_relation_mean': [rii[0], rii[1], rii[1] - 0.01],
                     'kapc/self_relation_layer_0': [rii[0], rii[0], rii[0]],
                     'kapc/self_relation_layer_1': [rii[0], rii[1], rii[1]],
-                    'kapc/omega_mean': [omega] * 3, 'kapc/skipped_layer_fraction': [0.0, 0.0, 0.2]})
+                    'kapc/omega_mean': [omega] * 3, 'kapc/skipped_layer_fraction': list(skipped)})
   _write_run(root, name, columns, _head('personal_local', column, 'best_round_mean', best))
 
 
@@ -577,6 +579,30 @@ def test_ablation_reads_the_mean_over_the_sections_last_rounds(ablation_results)
     assert _row(md, '| suspect A |')[6:8] == cells[2:]
     # The verdict stays the declared rule's: the best-round mean.
     assert _row(md, '| suspect B |')[-1] == '+5.00 points'
+
+
+def test_a_point_read_from_kapcs_runs_is_void_once_its_base_skipped_a_layer(tmp_path):
+  """KAPC+BLS with the upload search off is KAPC only while its download skips nothing: a point
+  marked `equal_while_nothing_skipped` gets its verdict from KAPC's runs until a base run skipped
+  a layer in any round (not only the last), then 'void'."""
+  root = str(tmp_path / 'results')
+  for k, best in enumerate((0.90, 0.92, 0.94)):
+    _kapc_run(root, f'kapc_s{k}', best + 0.05)
+    _kapc_run(root, f'none_s{k}', best, omega=1.0, skipped=(0.0, 0.0, 0.0))
+    _kapc_run(root, f'once_s{k}', best, omega=1.0, skipped=(0.0, 0.4 if k == 1 else 0.0, 0.0))
+  point = lambda label, base: dict(_point(label, base, 'kapc'), equal_while_nothing_skipped=True)
+  manifest = {'sections': [{'id': 'why', 'kind': 'ablation', 'title': 'Why', 'seeds': 3,
+                            'groups': [_base('none', 'none'), _base('once', 'once'),
+                                       point('N', 'none'), point('O', 'once')]}]}
+  os.makedirs(root, exist_ok=True)
+  with open(os.path.join(root, 'reproduction.json'), 'w') as f:
+    json.dump(manifest, f)
+  with open(os.path.join(root, 'paper_numbers.json'), 'w') as f:
+    json.dump({}, f)
+  md = _write(root)
+  assert _row(md, '| suspect N |')[-1] == '+5.00 points'
+  assert _row(md, '| suspect O |')[-1] == ('void: the base skipped up to 40 % of the download '
+                                           'layers in a round')
 
 
 def test_ablation_verdict_rule_is_the_base_seed_std():
