@@ -161,8 +161,8 @@ class RoundDriver:
   def plan_round(self, round_num: int):
     """`(participants, local epochs by client, dropped)`: stragglers from `straggler_fraction`
     or, with `round_deadline`, the channel (the whole epochs of `compute_seconds_per_example` ×
-    examples that fit the deadline after a full-size download, shared by all the sampled
-    clients, and upload; none: dropped). `ConfigError` for a deadline that drops them all."""
+    examples that fit after the sampled clients' full-size transfers; none: dropped; a round
+    with none left: `ConfigError`)."""
     cfg = self.config
     sampled = sampling.sample_clients(self.num_clients, self.participants, cfg.seed, round_num)
     epochs, dropped = sampling.straggler_plan(sampled, cfg.local_epochs, cfg.straggler_fraction,
@@ -175,11 +175,11 @@ class RoundDriver:
       fit = deadline_epochs(*seconds, cfg.local_epochs, cfg.round_deadline)
       epochs = {int(k): min(int(epochs[int(k)]), int(e)) for k, e in zip(sampled, fit)}
       dropped = set(dropped) | {int(k) for k, e in zip(sampled, fit) if e == 0}
-      if len(dropped) == len(sampled):  # No round to run: no update, no training metrics.
+      if len(dropped) == len(sampled):  # Nothing to aggregate: no round to run.
         raise ConfigError(
             f'experiment.round_deadline = {cfg.round_deadline:g} s drops every participant of '
-            f'round {round_num} (the quickest of its {len(sampled)} needs {min(sum(seconds)):.4g}'
-            f' s for its download, one epoch and its upload). '
+            f'round {round_num} (the quickest of its {len(sampled)} needs {min(sum(seconds)):.4g} s'
+            f' for its download, one epoch and its upload). '
             f'{kept_message(self.checkpointer.directory, round_num - 1)}; raise the deadline.')
     return [int(k) for k in sampled if int(k) not in dropped], epochs, dropped
 
