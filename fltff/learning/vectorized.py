@@ -120,7 +120,9 @@ def batch_norms(keras_model: tf.keras.Model) -> list[tf.keras.layers.BatchNormal
 def masked_batch_norm_call(layer: tf.keras.layers.BatchNormalization,
                            example_mask: Optional[tf.Tensor], moments: Optional[dict] = None):
   """A training-mode `call` for `layer`: Keras's BatchNorm over the examples where
-  `example_mask` is 1 (biased variance); the moments are recorded in `moments` if given."""
+  `example_mask` is 1 (biased variance); the moments its moving statistics move towards are
+  recorded in `moments` if given: the variance unbiased (n / (n − 1)) where Keras's fused kernel
+  (`layer.fused`: 4-D inputs) computes them, as it does."""
 
   def call(inputs, training=None, mask=None):
     del training, mask  # Training mode; the example mask is the round's, not Keras's.
@@ -138,7 +140,8 @@ def masked_batch_norm_call(layer: tf.keras.layers.BatchNormalization,
     # A step without examples (an idle client) stays finite: its masked loss is zero, not NaN.
     variance = tf.where(count > 0, variance, tf.ones_like(variance))
     if moments is not None:
-      moments[layer.name] = (mean, variance)
+      moments[layer.name] = (mean, variance * count / tf.maximum(count - 1.0, 1.0)
+                             if layer.fused else variance)
     return tf.nn.batch_normalization(x, mean, variance, layer.beta if layer.center else None,
                                      layer.gamma if layer.scale else None, layer.epsilon)
 
@@ -148,7 +151,7 @@ def masked_batch_norm_call(layer: tf.keras.layers.BatchNormalization,
 def moving_statistics(keras_model: tf.keras.Model) -> Callable:
   """`update(statistics, moments, trains)`: the BatchNorm moving statistics (`[K, ...]`, in
   `non_trainable_weights` order) after a step with batch `moments` (`functional_apply`'s):
-  Keras's `v − (v − batch)(1 − momentum)` with the biased variance, for the clients in `trains`."""
+  Keras's `v − (v − batch)(1 − momentum)`, for the clients in `trains`."""
   slot = {id(v): (layer.name, which, layer.momentum) for layer in batch_norms(keras_model)
           for which, v in enumerate((layer.moving_mean, layer.moving_variance))}
   slots = [slot[id(v)] for v in keras_model.non_trainable_weights]
