@@ -120,9 +120,8 @@ def batch_norms(keras_model: tf.keras.Model) -> list[tf.keras.layers.BatchNormal
 def masked_batch_norm_call(layer: tf.keras.layers.BatchNormalization,
                            example_mask: Optional[tf.Tensor], moments: Optional[dict] = None):
   """A training-mode `call` for `layer`: Keras's BatchNorm over the examples where
-  `example_mask` is 1 (biased variance); the moments its moving statistics move towards are
-  recorded in `moments` if given: the variance unbiased (n / (n − 1)) where Keras's fused kernel
-  (`layer.fused`: 4-D inputs) computes them, as it does."""
+  `example_mask` is 1 (biased variance); the moments the moving statistics follow go to
+  `moments` if given, the variance unbiased (n / (n − 1)) where Keras's fused kernel runs."""
 
   def call(inputs, training=None, mask=None):
     del training, mask  # Training mode; the example mask is the round's, not Keras's.
@@ -134,9 +133,8 @@ def masked_batch_norm_call(layer: tf.keras.layers.BatchNormalization,
     weight = tf.reshape(weight, [-1] + [1] * (rank - 1))
     count = tf.reduce_sum(weight) * tf.cast(tf.reduce_prod(tf.shape(x)[1:-1]), x.dtype)
     mean = tf.reduce_sum(x * weight, axes) / tf.maximum(count, 1.0)
-    variance = tf.reduce_sum(
-        tf.math.squared_difference(x, tf.stop_gradient(mean)) * weight, axes) / tf.maximum(
-            count, 1.0)
+    variance = tf.reduce_sum(tf.math.squared_difference(x, tf.stop_gradient(mean)) * weight,
+                             axes) / tf.maximum(count, 1.0)
     # A step without examples (an idle client) stays finite: its masked loss is zero, not NaN.
     variance = tf.where(count > 0, variance, tf.ones_like(variance))
     if moments is not None:
