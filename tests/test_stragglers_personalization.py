@@ -110,7 +110,10 @@ def test_a_round_deadline_sets_each_clients_epochs_and_drops_the_late(deadline_d
                                                                       in_process):
   """Each sampled client trains the whole epochs that fit the deadline after its transfers and
   one with none is dropped: the clients aggregated, the examples trained (Σ e_k n_k), the bytes
-  and the `stragglers`/`dropped` columns of each round, and the summary, against NumPy."""
+  (a dropped client's download included), the `stragglers`/`dropped` columns and the simulated
+  times of each round (the plan's: downloads sharing the band among every sampled client,
+  e_k n_k × the compute model, no participant past the deadline), and the summary, against
+  NumPy."""
   del in_process
   driver = deadline_driver(deadline_data, tmp_path, deadline=0.7, clients_per_round=4)
   summary = driver.run()
@@ -120,7 +123,7 @@ def test_a_round_deadline_sets_each_clients_epochs_and_drops_the_late(deadline_d
   with open(tmp_path / 'measurements.jsonl') as f:
     records = [json.loads(line) for line in f]
   assert [int(r['round']) for r in rows] == [r['round'] for r in records] == [1, 2]
-  all_epochs, examples = [], []
+  all_epochs, examples, sim_time = [], [], 0.0
   for row, record in zip(rows, records):
     sampled, epochs = deadline_plan(driver, int(row['round']))
     sizes = np.asarray([len(deadline_data.train_indices[k]) for k in sampled])
@@ -131,8 +134,26 @@ def test_a_round_deadline_sets_each_clients_epochs_and_drops_the_late(deadline_d
     assert int(row['dropped']) == np.sum(epochs == 0)
     assert int(row['stragglers']) == np.sum((epochs > 0) & (epochs < DEADLINE_EPOCHS))
     assert int(row['examples']) == np.sum(epochs * sizes)
-    assert int(row['bytes_down']) == len(participants) * bytes_down
+    assert int(row['bytes_down']) == len(sampled) * bytes_down
     assert int(row['bytes_up']) == len(participants) * bytes_up
+    trained = epochs > 0
+    # The server's 50 MHz at 30 dBm (1 W) shared by every sampled client, -174 dBm/Hz noise,
+    # -100 dBm interference (docs/methods/personalised.md, "System model").
+    band = 50e6 / len(sampled)
+    download = 8 * bytes_down / (band * np.log2(
+        1 + driver.channel.gain(sampled) / (10 ** -20.4 * band + 1e-13)))
+    compute = epochs * sizes * DEADLINE_SECONDS_PER_EXAMPLE
+    upload = driver.channel.upload_seconds(sampled, bytes_up)
+    client_seconds = (download + compute + upload)[trained]
+    assert np.all(client_seconds <= driver.config.round_deadline * (1 + 1e-9))
+    expected = {'sim_download_seconds': np.mean(download),
+                'sim_compute_seconds': np.mean(compute[trained]),
+                'sim_upload_seconds': np.mean(upload[trained]), 'sim_server_seconds': 0.0,
+                'sim_round_seconds': np.max(client_seconds),
+                'sim_time_cumulative': sim_time + np.max(client_seconds)}
+    for column, value in expected.items():
+      assert float(row[column]) == pytest.approx(value, rel=1e-12, abs=1e-15), column
+    sim_time = float(row['sim_time_cumulative'])
     all_epochs.extend(epochs)
     examples.append(int(np.sum(epochs * sizes)))
   # The deadline bites: some clients train all E epochs, some fewer, some none.
@@ -140,6 +161,7 @@ def test_a_round_deadline_sets_each_clients_epochs_and_drops_the_late(deadline_d
   assert summary['rounds_completed'] == 2
   assert summary['examples_processed'] == sum(examples)
   assert summary['bytes_up_per_round'] == [int(r['bytes_up']) for r in rows]
+  assert summary['sim_time_total'] == sim_time
 
 
 @pytest.mark.parametrize('deadline,clients_per_round,seed,empty_round', [

@@ -194,6 +194,8 @@ class RoundDriver:
         num_examples_of=lambda k: len(self.data.train_indices[k]),
         client_state_of=self.client_states.get, call=self.call)
     scalars, arrays = split_measurements(out.measurements)
+    # Every sampled client downloads: a dropped one (at full size) before it is dropped.
+    bytes_down = np.append(out.bytes_down, [self.algorithm.bytes_down_per_client] * len(dropped))
     row = {  # The metrics.csv columns every method has, then the method's measurements.
         'round': round_num,
         'train_loss': float(out.train['loss']),
@@ -202,22 +204,25 @@ class RoundDriver:
         'clients': len(clients),
         'stragglers': sum(1 for k in clients if epochs[k] < self.config.local_epochs),
         'dropped': len(dropped),
-        'bytes_down': int(out.bytes_down.sum()),
+        'bytes_down': int(bytes_down.sum()),
         'bytes_up': int(out.bytes_up.sum()),
         'round_seconds': seconds,
         **scalars,
     }
     if self.channel is not None and out.clients:
-      # The simulated time breakdown (KAPC paper, Table 5); each client's compute is the
-      # measured training time apportioned by examples × epochs.
-      work = np.asarray([len(self.data.train_indices[k]) * max(epochs[k], 0) for k in out.clients],
+      # The simulated time breakdown (KAPC paper, Table 5), the downloads sharing the band as
+      # `plan_round` assumed; compute is the deadline's model of the planned epochs or, without
+      # a deadline, the measured training time apportioned by examples × epochs.
+      down = self.channel.download_seconds([*out.clients, *sorted(dropped)], bytes_down)
+      work = np.asarray([len(self.data.train_indices[k]) * epochs[k] for k in out.clients],
                         np.float64)
-      times = round_time_breakdown(self.channel.download_seconds(out.clients, out.bytes_down),
-                                   seconds * work / max(work.sum(), 1.0),
+      compute = (work * self.config.compute_seconds_per_example if self.config.round_deadline
+                 is not None else seconds * work / max(work.sum(), 1.0))
+      times = round_time_breakdown(down[:len(out.clients)], compute,
                                    self.channel.upload_seconds(out.clients, out.bytes_up),
                                    out.server_seconds)
       row.update({f'sim_{key}': float(value) for key, value in times.items()
-                  if key != 'slowest_client_position'})
+                  if key != 'slowest_client_position'}, sim_download_seconds=float(np.mean(down)))
     arrays.update(out.arrays)
     self._round_arrays = arrays  # Logged with the evaluation's per-client arrays (`run`).
     self._round_clients = list(out.clients)
