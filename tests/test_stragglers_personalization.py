@@ -4,6 +4,7 @@ personalisation, unit and end to end."""
 import json
 import os
 import re
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -78,15 +79,16 @@ def deadline_data():
   return mnist_sample_split(DEADLINE_CLIENTS, seed=5, local_test_examples=10)
 
 
-def deadline_driver(data, output_dir, deadline: float, clients_per_round: int, seed: int = 0,
-                    rounds: int = 2) -> RoundDriver:
-  """Vectorised FedAvg with E = DEADLINE_EPOCHS under `experiment.round_deadline = deadline`."""
+def deadline_driver(data, output_dir, deadline: Optional[float], clients_per_round: int,
+                    seed: int = 0, rounds: int = 2, **settings) -> RoundDriver:
+  """Vectorised FedAvg with E = DEADLINE_EPOCHS under `experiment.round_deadline = deadline`
+  (and the other `experiment` `settings`)."""
   spec = build_model_spec(data, 'mlp2', seed=0)
   algorithm = learning.build_fedavg(spec, client_optimizer=optimizers.sgdm(learning_rate=0.05))
   config = RoundConfig(rounds=rounds, clients_per_round=clients_per_round,
                        local_epochs=DEADLINE_EPOCHS, batch_size=16, seed=seed,
                        round_deadline=deadline,
-                       compute_seconds_per_example=DEADLINE_SECONDS_PER_EXAMPLE)
+                       compute_seconds_per_example=DEADLINE_SECONDS_PER_EXAMPLE, **settings)
   channel = ChannelModel(DEADLINE_CLIENTS, seed=0, distance_m=(50.0, 150.0))
   return RoundDriver(algorithm.with_vectorized_clients(), data, config, str(output_dir),
                      progress=lambda _: None, channel=channel)
@@ -162,6 +164,36 @@ def test_a_round_deadline_sets_each_clients_epochs_and_drops_the_late(deadline_d
   assert summary['examples_processed'] == sum(examples)
   assert summary['bytes_up_per_round'] == [int(r['bytes_up']) for r in rows]
   assert summary['sim_time_total'] == sim_time
+
+
+def test_dropped_stragglers_downloaded_and_measured_compute_without_a_deadline(
+    deadline_data, tmp_path, in_process):
+  """`straggler_mode = 'drop'` without a deadline: the dropped clients downloaded (their bytes in
+  `bytes_down`, their share of the band and their download in `sim_download_seconds`), the
+  participants' compute is the measured training time split by examples × epochs."""
+  del in_process
+  driver = deadline_driver(deadline_data, tmp_path, None, clients_per_round=4,
+                           straggler_fraction=0.5, straggler_mode='drop')
+  driver.run()
+  bytes_down = driver.algorithm.bytes_down_per_client
+  bytes_up = driver.algorithm.bytes_up_per_client
+  for row in read_csv(tmp_path / 'metrics.csv'):
+    round_num = int(row['round'])
+    sampled = sampling.sample_clients(DEADLINE_CLIENTS, 4, 0, round_num)
+    _, dropped = sampling.straggler_plan(sampled, DEADLINE_EPOCHS, 0.5, 'drop', 0, round_num)
+    kept = np.asarray([k not in dropped for k in sampled])
+    assert int(row['dropped']) == len(dropped) == 2
+    assert int(row['bytes_down']) == len(sampled) * bytes_down
+    assert int(row['bytes_up']) == np.sum(kept) * bytes_up
+    download = driver.channel.download_seconds(sampled, bytes_down)  # B_s / 4 each.
+    work = np.asarray([len(deadline_data.train_indices[k]) for k in sampled])[kept]
+    compute = float(row['round_seconds']) * work / work.sum()
+    upload = driver.channel.upload_seconds(sampled[kept], bytes_up)
+    for column, value in (('sim_download_seconds', np.mean(download)),
+                          ('sim_compute_seconds', np.mean(compute)),
+                          ('sim_upload_seconds', np.mean(upload)),
+                          ('sim_round_seconds', np.max(download[kept] + compute + upload))):
+      assert float(row[column]) == pytest.approx(value, rel=1e-12), column
 
 
 @pytest.mark.parametrize('deadline,clients_per_round,seed,empty_round', [
