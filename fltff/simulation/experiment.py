@@ -213,7 +213,8 @@ def run_experiment(output_dir: str,
       `@channel_model`): adds the simulated time breakdown (sim_* columns).
     round_deadline: Optional deadline in simulated seconds: clients run only the epochs that
       fit (needs `channel`); see `RoundDriver.plan_round`.
-    compute_seconds_per_example: The deadline's compute model (seconds per example-epoch).
+    compute_seconds_per_example: The deadline's compute model (seconds per example-epoch), also
+      the `sim_compute_seconds` of its rounds.
     client_state_store: Where per-client state lives: 'memory' (default; each checkpoint holds
       every client's state) or 'sqlite' (`<output_dir>/client_states.sqlite`; RAM bounded by
       the round's participants, checkpoints cost the clients changed; for large populations).
