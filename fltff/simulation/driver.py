@@ -173,14 +173,17 @@ class RoundDriver:
                  self.channel.upload_seconds(sampled, self.algorithm.bytes_up_per_client),
                  sizes * cfg.compute_seconds_per_example)
       fit = deadline_epochs(*seconds, cfg.local_epochs, cfg.round_deadline)
+      # The quickest of the clients the straggler plan kept: the deadline alone drops them.
+      kept = [i for i, k in enumerate(sampled) if int(k) not in dropped]
       epochs = {int(k): min(int(epochs[int(k)]), int(e)) for k, e in zip(sampled, fit)}
       dropped = set(dropped) | {int(k) for k, e in zip(sampled, fit) if e == 0}
       if len(dropped) == len(sampled):  # Nothing to aggregate: no round to run.
         raise ConfigError(
             f'experiment.round_deadline = {cfg.round_deadline:g} s drops every participant of '
-            f'round {round_num} (the quickest of its {len(sampled)} needs {min(sum(seconds)):.4g} s'
-            f' for its download, one epoch and its upload). '
-            f'{kept_message(self.checkpointer.directory, round_num - 1)}; raise the deadline.')
+            f'round {round_num} (the quickest of its {len(kept)} needs '
+            f'{min(sum(seconds)[kept]):.4g} s for its download, one epoch and its upload). '
+            f'{kept_message(self.checkpointer.directory, self.checkpointer.latest_round() or 0)}'
+            '; raise the deadline.')
     return [int(k) for k in sampled if int(k) not in dropped], epochs, dropped
 
   def run_round(self, state, round_num: int):
@@ -216,13 +219,17 @@ class RoundDriver:
       down = self.channel.download_seconds([*out.clients, *sorted(dropped)], bytes_down)
       work = np.asarray([len(self.data.train_indices[k]) * epochs[k] for k in out.clients],
                         np.float64)
-      compute = (work * self.config.compute_seconds_per_example if self.config.round_deadline
-                 is not None else seconds * work / max(work.sum(), 1.0))
+      if self.config.round_deadline is not None:
+        compute = work * self.config.compute_seconds_per_example
+      else:
+        compute = seconds * work / max(work.sum(), 1.0)
       times = round_time_breakdown(down[:len(out.clients)], compute,
                                    self.channel.upload_seconds(out.clients, out.bytes_up),
                                    out.server_seconds)
       row.update({f'sim_{key}': float(value) for key, value in times.items()
-                  if key != 'slowest_client_position'}, sim_download_seconds=float(np.mean(down)))
+                  if key != 'slowest_client_position'})
+      # The mean download over every client that downloaded, the dropped included.
+      row['sim_download_seconds'] = float(np.mean(down))
     arrays.update(out.arrays)
     self._round_arrays = arrays  # Logged with the evaluation's per-client arrays (`run`).
     self._round_clients = list(out.clients)
@@ -323,6 +330,10 @@ class RoundDriver:
   # -- the loop ----------------------------------------------------------------------------
   def run(self, resume: bool = False) -> dict:
     cfg = self.config
+    if cfg.round_deadline is not None:  # A round the deadline leaves empty: refused up front.
+      first = (self.checkpointer.latest_round() or 0) + 1 if resume else 1
+      for r in range(first, cfg.rounds + 1):
+        self.plan_round(r)
     if self.runtime is not None:
       reason = self.client_work_reason
       self.progress(f'{self.algorithm.name} runs on {self.runtime.description}'
