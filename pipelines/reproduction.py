@@ -23,7 +23,10 @@ Section kinds (`"kind"` in the manifest): `paper_table` (KAPC Tables 1–2: the 
 method beside our headline), `claim_gaps` (FedLap: per-seed gaps against the abstract's claims),
 `rounds_to_target` (FedLayerWise Table I), `pairs` (CCN: original vs normalised per temperature,
 with the spread of the contribution factors), `ablation` (why KAPC trails: each declared point
-beside its paper-settings base, with the verdict rule of its intro, and two figures) and
+beside its paper-settings base, with the verdict rule of its intro, and two figures; the
+section's `last_rounds` k adds the mean over the last k rounds; a point with
+`equal_while_self_relation_at_most` μ reads runs of another method that equal it while no r_ii
+exceeds μ, and is void otherwise) and
 `out_of_reach` (settings whose data are not here, with their configs and the paper numbers they
 would compare with).
 
@@ -800,17 +803,11 @@ def _final_of(run: dict, bls_column: str) -> Optional[float]:
                if v is not None), None)
 
 
-def _skipped_max(run: dict) -> Optional[float]:
-  """The largest fraction of layers Algorithm 3 skipped on the download in any round."""
-  values = [a for group in ('bls', 'kapc')
-            for _, a in curve(run, f'{group}/skipped_layer_fraction')]
-  return max(values) if values else None
-
-
 def ablation_point(group: dict, runs: dict, column: str, last_rounds: int = 1) -> dict:
   """Per seed of one ablation entry: best-round mean, the mean over the last `last_rounds`
-  rounds, r_ii last and max, Ω and the skipped-layer fraction at the last round, the largest
-  skipped-layer fraction of any round ({seed: {...}}), and the names missing."""
+  rounds, r_ii last and max (the mean over clients and layers), the largest r_ii of any client,
+  layer and round, Ω and the skipped-layer fraction at the last round ({seed: {...}}), and the
+  names missing."""
   present, missing = _group_runs(group, runs, next(iter(group['runs'])))
   per_seed = {}
   for run in present:
@@ -819,8 +816,8 @@ def ablation_point(group: dict, runs: dict, column: str, last_rounds: int = 1) -
     per_seed[seed_of(run['label'])] = {
         'best': best[1] if best else None, 'last': last_rounds_mean(run, column, last_rounds),
         'rii_last': rii[-1] if rii else None, 'rii_max': max(rii) if rii else None,
-        'omega': _final_of(run, 'omega_mean'), 'skipped': _final_of(run, 'skipped_layer_fraction'),
-        'skipped_max': _skipped_max(run)}
+        'rii_peak': max((a for _, a in curve(run, 'kapc/self_relation_max')), default=None),
+        'omega': _final_of(run, 'omega_mean'), 'skipped': _final_of(run, 'skipped_layer_fraction')}
   return {'seeds': per_seed, 'missing': missing, 'names': _as_list(group['runs'][next(iter(
       group['runs']))])}
 
@@ -881,13 +878,15 @@ def ablation_points(section: dict, runs: dict) -> tuple[dict, list[tuple[dict, d
       continue
     point = ablation_point(group, runs, columns[group['base']], k)
     verdict, effect = ablation_verdict(point, bases[group['base']], section['seeds'])
-    # A point read from KAPC's runs ("KAPC+BLS with Ω = L is KAPC") holds only while the base
-    # KAPC+BLS runs skip no download layer: a skip voids it, whatever the numbers say.
-    skipped = [v['skipped_max'] for v in bases[group['base']]['seeds'].values()
-               if v['skipped_max']]
-    if group.get('equal_while_nothing_skipped') and skipped:
-      verdict, effect = (f'void: the base skipped up to {100 * max(skipped):.0f} % of the '
-                         'download layers in a round'), None
+    # A point read from KAPC's runs ("KAPC+BLS with Ω = L is KAPC") holds only while no client's
+    # r_ii in those runs exceeds BLS's μ (there Algorithm 3 would have skipped a layer): a run
+    # above μ, or one that does not log r_ii, voids its finished verdict.
+    mu = group.get('equal_while_self_relation_at_most')
+    peaks = [v['rii_peak'] for v in point['seeds'].values()]
+    if mu is not None and not verdict.startswith('pending') and (
+        None in peaks or max(peaks) > mu):
+      verdict, effect = ('void: a run does not log kapc/self_relation_max' if None in peaks else
+                         f'void: a client\'s r_ii reached {max(peaks):.2f} > μ = {mu:g}'), None
     point['effect'] = effect
     out.append((group, point, verdict))
   return bases, out
@@ -967,11 +966,12 @@ def plot_ablation(section: dict, runs: dict, figures_dir: str) -> list[str]:
   # Accuracy against each varied factor: the base's tick, then the points' ticks.
   factors = {}
   labels = {g['id']: g['label'] for g in section['groups'] if g.get('role') == 'base'}
-  for group, point, _ in points:
+  for group, point, verdict in points:
     entries = factors.setdefault(group['factor'], [])
     if not any(e[0] == group['base_tick'] for e in entries):
       entries.append((group['base_tick'], bases[group['base']], labels[group['base']]))
-    entries.append((group['tick'], point, group['label']))
+    entries.append((group['tick'] + (' (void)' if verdict.startswith('void') else ''), point,
+                    group['label']))
   cols = 4
   rows = -(-len(factors) // cols)
   fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)

@@ -476,15 +476,18 @@ def test_one_seed_has_no_spread_and_none_is_a_dash():
 # -- Why KAPC trails: the ablation table, its verdict rule and its figures ----------------------
 
 def _kapc_run(root, name, best, column='personal_local_accuracy', rii=(0.1, 0.2), omega=5.0,
-              skipped=(0.0, 0.0, 0.2)):
-  """Three rounds reaching `best` in round 2, r_ii (mean, two layers) rising to rii[1]; the
-  download skips `skipped` of the layers per round."""
+              rii_max=None):
+  """Three rounds reaching `best` in round 2, r_ii (mean, two layers) rising to rii[1]; with
+  `rii_max`, the largest r_ii of any client per round."""
   columns = {column: [best - 0.05, best, best - 0.01]}
   if column == 'personal_local_accuracy':
     columns.update({'kapc/self_relation_mean': [rii[0], rii[1], rii[1] - 0.01],
                     'kapc/self_relation_layer_0': [rii[0], rii[0], rii[0]],
                     'kapc/self_relation_layer_1': [rii[0], rii[1], rii[1]],
-                    'kapc/omega_mean': [omega] * 3, 'kapc/skipped_layer_fraction': list(skipped)})
+                    'kapc/omega_mean': [omega] * 3,
+                    'kapc/skipped_layer_fraction': [0.0, 0.0, 0.2]})
+    if rii_max is not None:
+      columns['kapc/self_relation_max'] = list(rii_max)
   _write_run(root, name, columns, _head('personal_local', column, 'best_round_mean', best))
 
 
@@ -547,8 +550,8 @@ def test_ablation_rows_cells_and_verdicts(ablation_results):
   # One seed of three: its numbers, paired with base seed 0, and "pending (1/3)".
   assert _row(md, '| suspect C |') == [
       'suspect C', 'C', 'c_s{0,1,2}', '1/3', '80.00 (n=1, no std)', '-10.00 (n=1, no std)',
-      '79.00 (n=1, no std)', '-10.00 (n=1, no std)', '0.190 (n=1, no std)', '0.200 (n=1, no std)', '1.00, 0.20',
-      'pending (1/3)']
+      '79.00 (n=1, no std)', '-10.00 (n=1, no std)', '0.190 (n=1, no std)',
+      '0.200 (n=1, no std)', '1.00, 0.20', 'pending (1/3)']
   # Not run at all: listed all the same.
   assert _row(md, '| suspect D |') == ['suspect D', 'D', 'd_s{0,1,2}', '0/3'] + ['–'] * 7 + [
       'pending (0/3)']
@@ -581,28 +584,34 @@ def test_ablation_reads_the_mean_over_the_sections_last_rounds(ablation_results)
     assert _row(md, '| suspect B |')[-1] == '+5.00 points'
 
 
-def test_a_point_read_from_kapcs_runs_is_void_once_its_base_skipped_a_layer(tmp_path):
-  """KAPC+BLS with the upload search off is KAPC only while its download skips nothing: a point
-  marked `equal_while_nothing_skipped` gets its verdict from KAPC's runs until a base run skipped
-  a layer in any round (not only the last), then 'void'."""
+def test_a_point_read_from_kapcs_runs_is_void_once_a_clients_r_ii_exceeds_mu(tmp_path):
+  """KAPC+BLS with the upload search off is KAPC only while Algorithm 3 skips nothing, i.e. while
+  no client's r_ii in KAPC's runs exceeds μ: a point marked `equal_while_self_relation_at_most`
+  gets its verdict from those runs until one of them goes above μ in any round (not only the
+  last) or does not log r_ii (fail closed); a point still missing seeds stays pending."""
   root = str(tmp_path / 'results')
   for k, best in enumerate((0.90, 0.92, 0.94)):
-    _kapc_run(root, f'kapc_s{k}', best + 0.05)
-    _kapc_run(root, f'none_s{k}', best, omega=1.0, skipped=(0.0, 0.0, 0.0))
-    _kapc_run(root, f'once_s{k}', best, omega=1.0, skipped=(0.0, 0.4 if k == 1 else 0.0, 0.0))
-  point = lambda label, base: dict(_point(label, base, 'kapc'), equal_while_nothing_skipped=True)
+    _kapc_run(root, f'bls_s{k}', best, omega=1.0)
+    _kapc_run(root, f'below_s{k}', best + 0.05, rii_max=(0.3, 0.7, 0.5))
+    _kapc_run(root, f'above_s{k}', best + 0.05, rii_max=(0.3, 0.75 if k == 1 else 0.5, 0.5))
+    _kapc_run(root, f'unlogged_s{k}', best + 0.05)
+  _kapc_run(root, 'early_s0', 0.95, rii_max=(0.9, 0.9, 0.9))
+  point = lambda label, stem: dict(_point(label, 'bls', stem),
+                                   equal_while_self_relation_at_most=0.7)
   manifest = {'sections': [{'id': 'why', 'kind': 'ablation', 'title': 'Why', 'seeds': 3,
-                            'groups': [_base('none', 'none'), _base('once', 'once'),
-                                       point('N', 'none'), point('O', 'once')]}]}
+                            'groups': [_base('bls', 'bls'), point('B', 'below'),
+                                       point('A', 'above'), point('U', 'unlogged'),
+                                       point('E', 'early')]}]}
   os.makedirs(root, exist_ok=True)
   with open(os.path.join(root, 'reproduction.json'), 'w') as f:
     json.dump(manifest, f)
   with open(os.path.join(root, 'paper_numbers.json'), 'w') as f:
     json.dump({}, f)
   md = _write(root)
-  assert _row(md, '| suspect N |')[-1] == '+5.00 points'
-  assert _row(md, '| suspect O |')[-1] == ('void: the base skipped up to 40 % of the download '
-                                           'layers in a round')
+  assert _row(md, '| suspect B |')[-1] == '+5.00 points'  # μ itself skips nothing (r > μ).
+  assert _row(md, '| suspect A |')[-1] == "void: a client's r_ii reached 0.75 > μ = 0.7"
+  assert _row(md, '| suspect U |')[-1] == 'void: a run does not log kapc/self_relation_max'
+  assert _row(md, '| suspect E |')[-1] == 'pending (1/3)'
 
 
 def test_ablation_verdict_rule_is_the_base_seed_std():
