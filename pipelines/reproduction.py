@@ -1116,13 +1116,24 @@ def _kapc_summary(section: dict, why: Optional[dict], runs: dict, paper: dict,
   findings = []
   if why:
     done = [(g, p, v) for g, p, v in points if not v.startswith('pending')]
-    started = [f'{g["label"]} {_pm([100 * (x["best"] - bases[g["base"]]["seeds"][s]["best"]) for s, x in p["seeds"].items() if s in bases[g["base"]]["seeds"] and x["best"] is not None], signed=True)}'
-               for g, p, v in points if v.startswith('pending') and p['seeds']]
+    started = []
+    for g, p, v in points:
+      base = bases[g['base']]['seeds']
+      diff = [100 * (x['best'] - base[s]['best']) for s, x in p['seeds'].items()
+              if s in base and x['best'] is not None and base[s]['best'] is not None]
+      if v.startswith('pending') and diff:
+        started.append(f'{g["label"]} {_pm(diff, signed=True)}')
+    by_kind = {kind: [f'{g["label"]} ({v})' if kind == 'with an effect' else g['label']
+                      for g, _, v in done if test(v)]
+               for kind, test in (('with an effect', lambda v: v.endswith(' points')),
+                                  ('tested, no effect', lambda v: v == 'tested, no effect'),
+                                  ('void', lambda v: v.startswith('void')))}
     findings.append(
         f'Why KAPC trails (the results\' "Why KAPC trails" table): {len(done)} of {len(points)} '
-        'declared points have their 3 seeds' +
-        (': ' + '; '.join(f'{g["label"]} {v}' for g, _, v in done) if done else '') + '.' +
-        (' Seeds finished so far, point − base in points (not a verdict): ' +
+        'declared points have their 3 seeds.' +
+        ''.join(f' {kind.capitalize()}: {"; ".join(names)}.' for kind, names in by_kind.items()
+                if names) +
+        (' Still running, point − base in points over the seeds finished (not a verdict): ' +
          '; '.join(started) + '.' if started else ''))
     bls = bases.get('kapc_bls')
     if bls and bls['seeds']:
