@@ -37,6 +37,18 @@ def session_context(tff_runtime):
   yield
 
 
+@pytest.fixture
+def in_process(session_context):
+  """The in-process executor as TFF's context (after the session runtime's): where vectorised
+  clients run."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  from fltff.runtime.in_process import InProcessContext  # pylint: disable=g-import-not-at-top
+
+  del session_context
+  tff.framework.set_default_context(InProcessContext())
+
+
 @pytest.fixture(scope='module')
 def cpp(tff_runtime):
   """The session's TFF C++ runtime context: the reference the executor-equality tests compare

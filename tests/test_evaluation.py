@@ -10,7 +10,6 @@ import tensorflow_federated as tff
 from fltff import learning
 from fltff import personalization
 from fltff.errors import ConfigError
-from fltff.runtime.in_process import InProcessContext
 from fltff.simulation import RoundConfig
 from fltff.simulation import RoundDriver
 from fltff.simulation import evaluation
@@ -23,11 +22,8 @@ SGD = functools.partial(tff.learning.optimizers.build_sgdm, learning_rate=LR)
 
 
 @pytest.fixture(autouse=True)
-def in_process(session_context):
-  """Vectorised clients run on the in-process executor (after conftest's C++ context)."""
-  del session_context
-  tff.framework.set_default_context(InProcessContext())
-  yield
+def vectorised_clients_run_in_process(in_process):
+  del in_process
 
 
 @pytest.fixture(scope='module')

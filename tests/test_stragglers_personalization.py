@@ -15,7 +15,6 @@ from fltff.learning import optimizers
 from fltff.personalization import mix_layers
 from fltff.personalization import mixing_coefficients
 from fltff.personalization import layer_dissimilarities
-from fltff.runtime.in_process import InProcessContext
 from fltff.simulation import ChannelModel
 from fltff.simulation import RoundConfig
 from fltff.simulation import RoundDriver
@@ -64,13 +63,6 @@ def test_straggler_plan_rejects_bad_settings(fraction, mode):
 DEADLINE_CLIENTS = 6
 DEADLINE_EPOCHS = 3
 DEADLINE_SECONDS_PER_EXAMPLE = 1e-3
-
-
-@pytest.fixture
-def in_process(session_context):
-  """Vectorised clients run on the in-process executor (after conftest's C++ context)."""
-  del session_context
-  tff.framework.set_default_context(InProcessContext())
 
 
 @pytest.fixture(scope='module')
