@@ -130,6 +130,8 @@ def fit(shapes: Sequence[Shape], driver: tuple[float, float]) -> Fit:
                     else (float(np.mean(seconds / clients)), 0.0))
   if t_client < 0:  # Timing noise over sizes too close to tell: a constant round.
     t_client, t_0 = 0.0, float(np.mean(seconds))
+  elif t_0 < 0:  # A round cannot cost less than nothing: the least-squares line through 0.
+    t_client, t_0 = float(clients @ seconds / (clients @ clients)), 0.0
   measured = [s for s in shapes if s.bytes_two]
   b_model, b_client = (np.mean([per_client_bytes(s) for s in measured], axis=0)
                        if measured else (0.0, 0.0))

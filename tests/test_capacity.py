@@ -41,6 +41,18 @@ def test_fit_recovers_the_coefficients():
   assert capacity.driver_costs(shapes[:1])[0] == 0.0
 
 
+def test_a_negative_fixed_cost_is_refitted_through_zero():
+  # Rounds growing faster than linearly in N: the free line crosses 0 below N = 10.
+  shapes = [capacity.Shape('cnn2', n, 300, in_process=s) for n, s in ((10, 0.4), (20, 1.2),
+                                                                      (40, 2.8))]
+  free = np.polyfit([10, 20, 40], [0.4, 1.2, 2.8], 1)
+  assert free[1] < 0
+  got = capacity.fit(shapes, (0.0, 0.0))
+  clients, seconds = np.array([10.0, 20.0, 40.0]), np.array([0.4, 1.2, 2.8])
+  assert got.t_0 == 0.0
+  assert got.t_client == pytest.approx(clients @ seconds / (clients @ clients), rel=1e-12)
+
+
 def test_validation_predicts_each_shape_from_the_others():
   shapes = [measured(10), measured(20), measured(40)]
   rows = capacity.validation(shapes)
