@@ -47,6 +47,38 @@ def test_client_state_store_roundtrip():
   assert int(restored.get(9)['n']) == 3 and restored.get(4)['w'][0, 0] == 4.0
 
 
+def test_the_fingerprint_is_that_of_the_states_held_after_every_kind_of_change():
+  """The store keeps each state's digest between checkpoints: every change must drop it."""
+  init = lambda i: {'w': np.full((2, 3), i, np.float32)}
+  store = ClientStateStore(init)
+
+  def from_scratch():  # A fresh store holding the same states digests each one anew.
+    fresh = ClientStateStore(init)
+    fresh.restore(1, store.checkpoint(1), init)
+    return fresh.fingerprint(1)
+
+  for k in (1, 2, 3):
+    store.get(k)
+  first = store.fingerprint(1)
+  assert first == from_scratch() and store.fingerprint(2) == first
+  store.set(2, {'w': np.full((2, 3), 7, np.float32)})  # Replaced after a checkpoint.
+  second = store.fingerprint(3)
+  assert second != first and second == from_scratch()
+  store.set_many({3: {'w': np.zeros((2, 3), np.float32)}}, 4)
+  store.get(5)  # A new client.
+  third = store.fingerprint(4)
+  assert third['clients'] == 4 and third != second and third == from_scratch()
+  # States 1 and 2 restored into each other's place: the restored store's fingerprint says so.
+  arrays = store.checkpoint(4)
+  arrays['client/1/0'], arrays['client/2/0'] = arrays['client/2/0'], arrays['client/1/0']
+  store.restore(4, arrays, init)
+  assert store.fingerprint(4)['contents'] != third['contents'] and store.fingerprint(4) == (
+      from_scratch())
+  store.reset()
+  store.get(1)
+  assert store.fingerprint(5) == from_scratch() and store.fingerprint(5)['clients'] == 1
+
+
 def test_checkpointer_roundtrip_and_pruning(tmp_path):
   ckpt = Checkpointer(str(tmp_path), keep=2)
   template = {'a': np.zeros(3, np.float32), 'b': [np.zeros((2, 2)), np.int64(0)]}

@@ -31,6 +31,9 @@ class ClientStateStore:
   def __init__(self, init_fn: Callable[[int], Any]):
     self._init_fn = init_fn
     self._states: dict[int, Any] = {}
+    # Client index → `_leaves_digest` of its state, dropped wherever the state is replaced
+    # (states are never changed in place): a checkpoint hashes only the states changed since.
+    self._digests: dict[int, str] = {}
 
   def __len__(self) -> int:
     return len(self._states)
@@ -41,12 +44,12 @@ class ClientStateStore:
   def get(self, client_index: int) -> Any:
     """The client's state, created with `init_fn` on first use."""
     if client_index not in self._states:
-      self._states[client_index] = tf.nest.map_structure(np.asarray,
-                                                         self._init_fn(client_index))
+      self.set(client_index, self._init_fn(client_index))
     return self._states[client_index]
 
   def set(self, client_index: int, state: Any) -> None:
     self._states[client_index] = tf.nest.map_structure(np.asarray, state)
+    self._digests.pop(client_index, None)
 
   def set_many(self, states: dict, round_num: int) -> None:
     """Stores the participants' new states after round `round_num`."""
@@ -82,18 +85,21 @@ class ClientStateStore:
     self._states = {index: tf.nest.pack_sequence_as(template_fn(index),
                                                     [by_pos[j] for j in range(len(by_pos))])
                     for index, by_pos in leaves.items()}
+    self._digests = {}
 
   def reset(self) -> None:
-    self._states = {}
+    self._states, self._digests = {}, {}
 
   def fingerprint(self, round_num: int) -> dict:
     """`fingerprint_of` the clients with a state and the shapes of each one's arrays, with a
     digest of their contents (a state moved to another client changes it)."""
     del round_num
     ordered = sorted(self._states)
+    self._digests.update({k: _leaves_digest(k, self._states[k]) for k in ordered
+                          if k not in self._digests})
     return fingerprint_of(
         ((k, [np.shape(leaf) for leaf in tf.nest.flatten(self._states[k])]) for k in ordered),
-        contents=((k, _leaves_digest(k, self._states[k])) for k in ordered))
+        contents=((k, self._digests[k]) for k in ordered))
 
   def close(self) -> None:
     pass
