@@ -19,10 +19,13 @@ r"""Round-time benchmarks, always as ratios against a baseline measured in the s
       a FedAvg round on the local runtime and on 1 and 2 remote TFF workers (started here, on
       loopback, each pinned to a core of its own), client by client and vectorised in groups
       (one per worker, `fltff.learning.groups`), with the tensor bytes to and from each worker.
-  python -m pipelines.bench --checkpoints [--model=mlp2 --clients=10 --checkpoint_dir=DIR]
-      the cost of durable checkpoints: saving the global model and one model per client (a
-      personalised method's state) with `fsync` of file and folder vs without, in DIR (default:
-      a temporary folder; pass a folder on the disk your runs write to).
+  python -m pipelines.bench --checkpoints [--model=mlp2 --clients=10 --checkpoint_changed=20
+      --checkpoint_dir=DIR]
+      the cost of durable checkpoints: saving the global model and each client's state (a
+      personal model and the server's copy, as KAPC keeps) with the store's fingerprint, as a
+      run saves, vs without `fsync` of file and folder, and vs hashing every state anew instead
+      of only the changed ones, in DIR (default: a temporary folder; pass a folder on the disk
+      your runs write to).
 
 Both sides do the same work per round: every client starts from the global MLP (784-200-10),
 runs `--epochs` epochs of SGD with momentum over its `--examples` examples in batches of
@@ -116,6 +119,9 @@ _EXECUTOR_METHODS = flags.DEFINE_list(
     "on the in-process executor, as ratios to the same run's TFF built-in FedAvg.")
 _CHECKPOINTS = flags.DEFINE_bool('checkpoints', False, 'Time durable checkpoint saves (fsync) '
                                   'against the same saves without fsync.')
+_CHECKPOINT_CHANGED = flags.DEFINE_integer(
+    'checkpoint_changed', 20, 'For --checkpoints: client states replaced between two saves (a '
+    "round's participants times experiment.checkpoint_every).")
 _CHECKPOINT_DIR = flags.DEFINE_string('checkpoint_dir', None, 'For --checkpoints: where to '
                                       'write (default: a temporary folder).')
 _MEMORY = flags.DEFINE_list('memory', [], 'Memory per round of the driver and its worker for '
@@ -668,31 +674,43 @@ def capacity_report(summary: Sequence[tuple[str, dict, dict]]) -> list[str]:
 
 
 def compare_checkpoints(spec) -> int:
-  """Median seconds per checkpoint save, durable (`fsync`) and not, alternating."""
+  """Median seconds per checkpoint of `--clients` client states as the driver saves it (the
+  store's fingerprint, then `Checkpointer.save`): durable (`fsync`), without `fsync`, and
+  durable with every state's digest computed anew (the cost without the store's cached
+  digests), in turn; between two saves `--checkpoint_changed` clients get new states."""
   import tempfile  # pylint: disable=g-import-not-at-top
 
   from fltff.simulation.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
 
   weights = [np.asarray(w) for w in spec.initial_weights().trainable]
-  clients = {f'client/{c}/{i}': w + c for c in range(_CLIENTS.value)
-             for i, w in enumerate(weights)}
-  megabytes = sum(a.nbytes for a in weights + list(clients.values())) / 2**20
-  times = {True: [], False: []}
+  # A personal model and the server's copy, as KAPC keeps for each client.
+  state = lambda c: {'model': [w + np.float32(c) for w in weights], 'server_copy': weights}
+  store = ClientStateStore(state)
+  for c in range(_CLIENTS.value):
+    store.get(c)
+  changed = min(_CHECKPOINT_CHANGED.value, _CLIENTS.value)
+  megabytes = sum(a.nbytes for a in weights + list(store.checkpoint(0).values())) / 2**20
+  kinds = ('durable', 'without fsync', 'durable, every state hashed')
+  times = {kind: [] for kind in kinds}
   with tempfile.TemporaryDirectory(dir=_CHECKPOINT_DIR.value) as folder:
-    savers = {durable: Checkpointer(os.path.join(folder, str(durable)), durable=durable)
-              for durable in (True, False)}
+    savers = {kind: Checkpointer(os.path.join(folder, str(i)), durable=kind != 'without fsync')
+              for i, kind in enumerate(kinds)}
     for r in range(1, _ROUNDS.value + 1):
-      for durable in (r % 2 == 0, r % 2 == 1):  # Alternate which goes first.
+      for kind in kinds[r % 3:] + kinds[:r % 3]:  # Each goes first in turn.
+        store.set_many({(r * changed + j) % _CLIENTS.value: state(r) for j in range(changed)}, r)
+        if kind == 'durable, every state hashed':  # The same arrays set anew: no digest kept.
+          store.set_many({c: store.get(c) for c in range(_CLIENTS.value)}, r)
         t0 = time.perf_counter()
-        savers[durable].save(r, weights, {'round_seconds': 0.0}, clients)
-        times[durable].append(time.perf_counter() - t0)
+        savers[kind].save(r, weights, {'client_states': store.fingerprint(r)}, store.checkpoint(r))
+        times[kind].append(time.perf_counter() - t0)
     where = _CHECKPOINT_DIR.value or tempfile.gettempdir()
-  durable, plain = (statistics.median(times[k][1:]) for k in (True, False))
+  medians = {kind: statistics.median(times[kind][1:]) for kind in kinds}
   print(f'checkpoint of {megabytes:.1f} MB ({_MODEL.value}, global model + {_CLIENTS.value} '
-        f'client models) in {where}; median of saves 2-{_ROUNDS.value}:')
-  print(f'  with fsync:    {durable:.4f} s')
-  print(f'  without fsync: {plain:.4f} s')
-  print(f'  ratio with/without fsync: {durable / plain:.3f}')
+        f'client states of 2 models, {changed} new between saves) in {where}; median of saves '
+        f'2-{_ROUNDS.value}:')
+  for kind in kinds:
+    print(f'  {kind + ":":28s} {medians[kind]:.4f} s  (ratio to durable: '
+          f'{medians[kind] / medians["durable"]:.3f})')
   return 0
 
 

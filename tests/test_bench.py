@@ -34,8 +34,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      r'\nCapacity model (.|\n)*mlp2:4x20 on 2 worker\(s\): \d+\.\d+ s / \d+\.\d+ s(.|\n)*'
      r'projection, 100 participants(.|\n)*cnn2, 10 examples a client, group means: 4 workers '
      r"\d+\.\d+ s(.|\n)*cnn2, 10 examples a client, clients' models: 4 workers \d+\.\d+ s(.|\n)*"
-     r'with fsync:\s+\d+\.\d+ s\n\s+without fsync:\s+\d+\.\d+ s'
-     r'\n\s+ratio with/without fsync: \d+\.\d+'),
+     r'durable:\s+\d+\.\d+ s  \(ratio to durable: 1\.000\)\n\s+without fsync:\s+\d+\.\d+ s  '
+     r'\(ratio to durable: \d+\.\d+\)\n\s+durable, every state hashed:\s+\d+\.\d+ s  '
+     r'\(ratio to durable: \d+\.\d+\)'),
 ])
 def test_bench_prints_ratio(extra, pattern):
   result = run_program('pipelines.bench', '--rounds=2', '--clients=3', '--examples=20', *extra,
