@@ -31,8 +31,7 @@ class ClientStateStore:
   def __init__(self, init_fn: Callable[[int], Any]):
     self._init_fn = init_fn
     self._states: dict[int, Any] = {}
-    # Client index → `_leaves_digest` of its state, dropped wherever the state is replaced
-    # (states are never changed in place): a checkpoint hashes only the states changed since.
+    # Client index → `_leaves_digest` of its state until replaced (never changed in place).
     self._digests: dict[int, str] = {}
 
   def __len__(self) -> int:
