@@ -1133,7 +1133,8 @@ def _kapc_summary(section: dict, why: Optional[dict], runs: dict, paper: dict,
         'declared points have their 3 seeds.' +
         ''.join(f' {kind.capitalize()}: {"; ".join(names)}.' for kind, names in by_kind.items()
                 if names) +
-        (' Still running, point − base in points over the seeds finished (not a verdict): ' +
+        (' Still running (the point or its base), point − base in points over the seeds '
+         'finished (not a verdict): ' +
          '; '.join(started) + '.' if started else ''))
     bls = bases.get('kapc_bls')
     if bls and bls['seeds']:

@@ -660,8 +660,8 @@ def test_docs_summary_block_is_generated_from_the_results(ablation_results, tmp_
   assert _row(text, '| KAPC has the best accuracy')[2] == 'Table 1, α = 0.1: 1 of 1'
   assert ('3 of 6 declared points have their 3 seeds. With an effect: B (+5.00 points); E '
           '(-4.00 points). '
-          'Tested, no effect: A. Still running, point − base in points over the seeds finished '
-          '(not a verdict): C -10.00 (n=1, no std); F -5.00 (n=1, no std).') in text
+          'Tested, no effect: A. Still running (the point or its base), point − base in points '
+          'over the seeds finished (not a verdict): C -10.00 (n=1, no std); F -5.00 (n=1, no std).') in text
   # A results folder without a docs page beside it writes none.
   assert reproduction.write_docs_summary(str(tmp_path / 'elsewhere' / 'results'), report) is None
 
