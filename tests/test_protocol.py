@@ -138,6 +138,26 @@ def test_a_checkpoint_from_before_the_single_store_resumes_exactly(method, data,
     np.testing.assert_array_equal(final[0][key], final[1][key], err_msg=key)
 
 
+def test_a_checkpoint_holds_the_model_a_kapc_state_holds_twice_once(data, spec, tmp_path):
+  # KAPC uploads every layer: a participant's server copy is its new model, the same arrays,
+  # written once (a cnn2 checkpoint at N = 100: 0.69 GB, not 1.38) and restored as one.
+  kapc = personalization.build_kapc(spec, NUM_CLIENTS, client_optimizer=SGD())
+  _drive(kapc, data, tmp_path, rounds=2)
+  with np.load(tmp_path / 'checkpoints' / 'round_00002.npz') as npz:
+    arrays = {key: npz[key] for key in npz.files}
+  clients = {int(key.split('/')[1]) for key in arrays if key.startswith('client/')}
+  assert len(clients) >= 3
+  model_bytes = sum(w.nbytes for w in spec.initial_weights().trainable)
+  assert sum(a.nbytes for key, a in arrays.items() if key.startswith('client/')) == (
+      len(clients) * (model_bytes + np.dtype(np.int32).itemsize))  # A model and Ω each.
+  store = ClientStateStore(kapc.initial_client_state)
+  store.restore(2, arrays, kapc.initial_client_state)
+  for k in clients:
+    state = store.get(k)
+    assert all(copy is own for copy, own in zip(state['server_copy'],
+                                                state['model']['trainable']))
+
+
 def test_a_layer_not_uploaded_keeps_the_servers_stale_copy_as_its_own_array(data, spec):
   # KAPC+BLS on a first selection: Ω = L − 1 = 1 (Algorithm 4, `test_bls`), so mlp2's second
   # layer is not uploaded and the server keeps its previous copy of it.

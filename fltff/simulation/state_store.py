@@ -58,10 +58,17 @@ class ClientStateStore:
 
   def checkpoint(self, round_num: int) -> dict[str, np.ndarray]:
     """The arrays the checkpoint of round `round_num` holds: every client's state, flat
-    (`client/<index>/<leaf>`)."""
+    (`client/<index>/<leaf>`), an array that a state holds twice (KAPC's server copy of an
+    uploaded layer is the client's own) once: `alias/<index>/<leaf>` is the leaf holding it."""
     del round_num
-    return {f'client/{index}/{j}': leaf for index, state in self._states.items()
-            for j, leaf in enumerate(tf.nest.flatten(state))}
+    arrays = {}
+    for index, state in self._states.items():
+      first: dict[int, int] = {}  # id(array) → its first leaf.
+      for j, leaf in enumerate(tf.nest.flatten(state)):
+        source = first.setdefault(id(leaf), j)
+        arrays[f'alias/{index}/{j}' if source < j else f'client/{index}/{j}'] = (
+            np.int64(source) if source < j else leaf)
+    return arrays
 
   def prune(self, kept_rounds) -> None:
     """Nothing to prune: each checkpoint file holds its own copy."""
@@ -77,10 +84,12 @@ class ClientStateStore:
     # Older checkpoints hold the client states under 'method/'.
     prefix = 'client' if any(key.startswith('client/') for key in arrays) else 'method'
     leaves: dict[int, dict[int, np.ndarray]] = {}
-    for key, value in arrays.items():
+    # Aliases last, each then the array of its leaf (the same array, as the state held it).
+    for key, value in sorted(arrays.items(), key=lambda item: item[0].startswith('alias/')):
       parts = key.split('/')
-      if len(parts) == 3 and parts[0] == prefix:
-        leaves.setdefault(int(parts[1]), {})[int(parts[2])] = value
+      if len(parts) == 3 and parts[0] in (prefix, 'alias'):
+        by_position = leaves.setdefault(int(parts[1]), {})
+        by_position[int(parts[2])] = by_position[int(value)] if parts[0] == 'alias' else value
     self._states = {index: tf.nest.pack_sequence_as(template_fn(index),
                                                     [by_pos[j] for j in range(len(by_pos))])
                     for index, by_pos in leaves.items()}
