@@ -683,7 +683,7 @@ def compare_checkpoints(spec) -> int:
   from fltff.simulation.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
 
   weights = [np.asarray(w) for w in spec.initial_weights().trainable]
-  # A personal model and the server's copy, as KAPC keeps for each client.
+  # A personal model and the server's copy apart (KAPC+BLS's of a layer not uploaded).
   state = lambda c: {'model': [w + np.float32(c) for w in weights], 'server_copy': weights}
   store = ClientStateStore(state)
   for c in range(_CLIENTS.value):
