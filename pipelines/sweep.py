@@ -16,10 +16,11 @@ grid, an unknown gin name or a badly typed value is one `error:` line and nothin
 The plan goes to `<sweep_dir>/plan.txt` (the format of `fltff reproduce --plan`); running the
 command again continues it: finished runs are skipped, stopped ones resumed (`--resume`,
 exactly as `fltff reproduce` decides), points new to the grid (another seed) added; a point
-planned there with other settings is refused. Up to `--parallel` runs go at once, each its own
-process with its log in `<sweep_dir>/<name>.log`; SIGTERM/Ctrl-C stops them after their current
-round, checkpointed (a second signal: at once). At the end `fltff report` compares the finished
-runs in `<sweep_dir>/report/` (`fltff report --runs=<sweep_dir>` does it again).
+planned there with other settings, or whose run there was computed with settings the gin file
+no longer gives (it was edited since), is refused. Up to `--parallel` runs go at once, each its
+own process with its log in `<sweep_dir>/<name>.log`; SIGTERM/Ctrl-C stops them after their
+current round, checkpointed (a second signal: at once). At the end `fltff report` compares the
+finished runs in `<sweep_dir>/report/` (`fltff report --runs=<sweep_dir>` does it again).
 """
 
 from __future__ import annotations
@@ -168,16 +169,29 @@ def write_plan(runs: list[PlannedRun], path: str) -> None:
   os.replace(path + '.tmp', path)
 
 
-def check_configurations(runs: list[PlannedRun]) -> None:
+def check_configurations(runs: list[PlannedRun], sweep_dir: str) -> None:
   """Reads every run's configuration as `fltff run` does; `ConfigError` naming the first run
-  whose configuration is refused (an unknown name, a badly typed value, ...)."""
+  whose configuration is refused (an unknown name, a badly typed value, ...), or whose folder
+  holds a run computed with other settings (`outputs.config_changes`: the gin file changed
+  since), which would otherwise be skipped as done or fail its `--resume`."""
   import gin  # pylint: disable=g-import-not-at-top
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from fltff.simulation.outputs import changes_text  # pylint: disable=g-import-not-at-top
+  from fltff.simulation.outputs import config_changes  # pylint: disable=g-import-not-at-top
 
   check_gin_files(runs)
   for run in runs:
     try:
       configure([run.gin_file], list(run.bindings))
+      recorded = os.path.join(sweep_dir, run.name, 'config.gin')
+      if os.path.exists(recorded):
+        with open(recorded) as f:
+          changes = config_changes(f.read(), gin.config_str(), parsed=True)
+        if changes:
+          raise ConfigError(
+              f'its run in {os.path.dirname(recorded)} was computed with other settings than '
+              f'{run.gin_file} gives now ({changes_text(changes)}); sweep into another folder, '
+              'or move that run away to run the point again.')
     except ConfigError as e:
       raise ConfigError(f'sweep point {run.name}: {e}') from None
     finally:
@@ -248,7 +262,7 @@ def main(argv) -> int:
   sweep_dir = os.path.expanduser(_SWEEP_DIR.value)
   try:
     runs = _plan(sweep_dir)
-    check_configurations(runs)
+    check_configurations(runs, sweep_dir)
   except OSError as e:
     print(f'error: {sweep_dir}: {e.strerror or e}.', file=sys.stderr)
     return 2

@@ -146,3 +146,42 @@ def test_check_resume_without_any_record_of_the_config_refuses(tmp_path, capsys)
   assert (tmp_path / 'config_changes.txt').read_text() == (
       'resumed after round 3: the configuration: not recorded (config.gin is missing) -> '
       'this one\n')
+
+
+def test_config_changes_read_a_parsed_configuration_as_gin_does():
+  """`fltff sweep` compares what its gin file gives now (`gin.config_str()`) with a run's
+  operative config: a binding only the parsed one has is of a configurable the run never
+  called; a scoped parameter takes its enclosing scope's binding."""
+  import gin  # pylint: disable=g-import-not-at-top
+
+  @gin.configurable('parsed_test_point')
+  def point(mu=1, b=2):
+    return mu, b
+
+  @gin.configurable('parsed_test_unused')
+  def unused(x=3):
+    return x
+
+  def parse(text):
+    gin.clear_config()
+    gin.parse_config(text)
+    return gin.config_str()
+
+  text = ('MU = 0.5\nparsed_test_point.mu = %MU\nsc/parsed_test_point.b = 7\n'
+          'parsed_test_unused.x = 4\n')
+  try:
+    parse(text)
+    point()
+    with gin.config_scope('sc'):
+      point()
+    operative = gin.operative_config_str()
+    assert 'sc/parsed_test_point.mu = %MU' in operative and 'parsed_test_unused' not in operative
+    assert outputs.config_changes(operative, parse(text), parsed=True) == []
+    assert outputs.config_changes(operative, parse(text.replace('0.5', '0.7').replace(
+        'sc/parsed_test_point.b = 7\n', '')), parsed=True) == [
+            ('MU', '0.5', '0.7'), ('sc/parsed_test_point.b', '7', outputs.ABSENT)]
+    assert outputs.config_changes(operative, parse(text.replace('sc/', '')), parsed=True) == [
+        ('parsed_test_point.b', '2', '7')]
+  finally:
+    gin.clear_config()
+  del unused

@@ -132,3 +132,26 @@ def test_a_sweep_runs_in_parallel_stops_on_a_signal_and_continues(tmp_path):
   changed = run_program('pipelines.sweep', *flags[:3], '--gin_bindings=experiment.rounds = 9',
                         flags[4], env=env, cwd=str(tmp_path), timeout=300)
   assert_one_line_error(changed, 'sweep already plans fedprox.mu=0.0,seed=0 as')
+
+
+def test_a_finished_point_the_edited_gin_file_would_compute_otherwise_is_refused(tmp_path):
+  """A sweep continued after its gin file changed: a finished run computed with the old
+  settings is not counted as done (nor reported as the point's), and an unchanged one is."""
+  (tmp_path / 'exp.gin').write_text(EXPERIMENT)
+  env = dict(pipeline_env(), PYTHONPATH=REPO)
+  flags = ['--gin_file=exp.gin', '--grid=fedprox.mu=[0.1]', '--seeds=0',
+           '--gin_bindings=experiment.rounds = 1', '--sweep_dir=sweep']
+  first = run_program('pipelines.sweep', *flags, env=env, cwd=str(tmp_path), timeout=600)
+  assert first.returncode == 0, first.stdout + first.stderr[-3000:]
+  again = run_program('pipelines.sweep', '--sweep_dir=sweep', '--dry_run', env=env,
+                      cwd=str(tmp_path), timeout=300)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert re.findall(r'\d\d:\d\d:\d\d (\S+): (\w+)', again.stdout) == [
+      ('fedprox.mu=0.1,seed=0', 'done')]
+  (tmp_path / 'exp.gin').write_text(EXPERIMENT + 'client_optimizer.learning_rate = 0.05\n')
+  planned = (tmp_path / 'sweep' / 'plan.txt').read_text()
+  changed = run_program('pipelines.sweep', '--sweep_dir=sweep', env=env, cwd=str(tmp_path),
+                        timeout=300)
+  assert_one_line_error(changed, 'sweep point fedprox.mu=0.1,seed=0: ',
+                        'client_optimizer.learning_rate: 0.01 -> 0.05')
+  assert (tmp_path / 'sweep' / 'plan.txt').read_text() == planned

@@ -201,20 +201,40 @@ def is_resumable_change(binding: str) -> bool:
   return binding.startswith(RESUMABLE_CHANGES) or binding.endswith(_DATA_LOCATIONS)
 
 
-def config_changes(earlier: str, now: str) -> list[tuple[str, str, str]]:
+def config_changes(earlier: str, now: str,
+                   parsed: bool = False) -> list[tuple[str, str, str]]:
   """`(binding, earlier value, value now)` for each binding whose value differs between the
   operative configs, except `RESUMABLE_CHANGES` and data locations. A binding in only one of
   them counts (its missing side reads `ABSENT`), e.g. a server optimizer bound only for the
-  resume, unless its value is the parameter's default (a parameter fltff added since)."""
+  resume, unless its value is the parameter's default (a parameter fltff added since).
+  `parsed`: `now` is a configuration as parsed (`gin.config_str()`), not yet run: a binding
+  only it has (e.g. of a configurable the run never calls) is no change."""
   a, b = config_bindings(earlier), config_bindings(now)
   changes = []
   for key in sorted(set(a) | set(b)):
-    if a.get(key) == b.get(key) or is_resumable_change(key):
+    if parsed and key not in a:
       continue
-    if (key not in a or key not in b) and (a.get(key) or b.get(key)) == _default_text(key):
+    value = _inherited(b, key) if parsed else b.get(key)
+    if a.get(key) == value or is_resumable_change(key):
       continue
-    changes.append((key, a.get(key, ABSENT), b.get(key, ABSENT)))
+    if (key not in a or value is None) and (a.get(key) or value) == _default_text(key):
+      continue
+    changes.append((key, a.get(key, ABSENT), ABSENT if value is None else value))
   return changes
+
+
+def _inherited(bindings: dict[str, str], key: str) -> Optional[str]:
+  """The value parsed `bindings` give `key` as gin reads them: its own binding, else its nearest
+  enclosing scope's (`a/b/f.x` from `a/f.x`, then `f.x`); None if none binds it."""
+  *scopes, name = key.split('/')
+  return next((bindings[k] for k in ('/'.join(scopes[:i] + [name])
+                                     for i in range(len(scopes), -1, -1)) if k in bindings), None)
+
+
+def changes_text(changes: list[tuple[str, str, str]]) -> str:
+  """The first five `config_changes` as 'binding: old -> new; ...' (and how many more)."""
+  more = f' and {len(changes) - 5} more' if len(changes) > 5 else ''
+  return '; '.join(f'{k}: {old} -> {new}' for k, old, new in changes[:5]) + more
 
 
 def check_resume(output_dir: str, record: dict, recorded: Optional[dict],
@@ -248,13 +268,11 @@ def check_resume(output_dir: str, record: dict, recorded: Optional[dict],
   else:
     changes += config_changes(earlier, record['config'])
   if changes and not allow_changes:
-    listed = '; '.join(f'{k}: {old} -> {new}' for k, old, new in changes[:5])
-    more = f' and {len(changes) - 5} more' if len(changes) > 5 else ''
     raise ConfigError(
         f'--resume refused, nothing changed: what this run would compute differs from what '
-        f'rounds 1-{resumed_from} were computed with ({listed}{more}). Resume with the same '
-        'gin files, bindings and data, or pass --allow_config_change to continue with these '
-        '(recorded in config_changes.txt).')
+        f'rounds 1-{resumed_from} were computed with ({changes_text(changes)}). Resume with '
+        'the same gin files, bindings and data, or pass --allow_config_change to continue with '
+        'these (recorded in config_changes.txt).')
   if changes:
     with open(os.path.join(output_dir, 'config_changes.txt'), 'a') as f:
       for key, old, new in changes:
