@@ -6,14 +6,16 @@ r"""Compares finished runs: tables (Markdown, CSV, LaTeX) and accuracy-by-round 
 (`python -m pipelines.report` in a checkout). Reads each run's metrics.csv, summary.json and
 config.gin (written by `fltff run`); a folder `fltff sweep` wrote stands for its finished runs.
 Runs whose config.gin differ only in seeds (and in what a resume may change: rounds,
-checkpointing, runtime, data paths) form a group, named by its method and the settings that
-tell it from the other groups of that method (`fedprox (mu=0.01)`). Every table is one
-evaluation protocol (`central`, `personal_local`, ...; a run without that protocol's reading
-is marked, never mixed in) at one round: `--at_round`, by default the last round all runs
-evaluated (the report says which). Per protocol, a methods table (mean ± sample std over each
-group's seeds, n) and a runs table. Writes `<out>/report.md`, `<out>/report.tex` (booktabs),
-`<out>/<protocol>-methods.csv` and `<out>/<protocol>-runs.csv`, and `<out>/accuracy.png` and
-`.pdf` (one panel per protocol, one colour per group in all panels, seed bands).
+checkpointing, runtime, data paths) and whose data are the same (summary.json's
+`source_fingerprint`) form a group, named by its method and the settings that tell it from the
+other groups of that method (`fedprox (mu=0.01)`, `fedavg (data=<its first 8 hex digits>)`).
+Every table is one evaluation protocol (`central`, `personal_local`, ...; a run without that
+protocol's reading is marked, never mixed in) at one round: `--at_round`, by default the last
+round all runs evaluated (the report says which). Per protocol, a methods table (mean ± sample
+std over each group's seeds, n) and a runs table. Writes `<out>/report.md`, `<out>/report.tex`
+(booktabs), `<out>/<protocol>-methods.csv` and `<out>/<protocol>-runs.csv`, and
+`<out>/accuracy.png` and `.pdf` (one panel per protocol, one colour per group in all panels,
+seed bands).
 
   python -m pipelines.report --pairs --runs=runs/ccn/fedavg,runs/ccn/fedavg_ccn,...
 
@@ -158,15 +160,19 @@ def _is_seed(binding: str) -> bool:
   return binding.endswith('.seed') or binding.endswith('.model_seed')
 
 
-def _setting_key(run: dict):
-  """The bindings that decide what a run computes but its seeds: config.gin without seeds and
-  without what a resume may change (`outputs.is_resumable_change`: rounds, checkpointing,
-  runtime, data paths). None without config.gin."""
+def _settings(run: dict) -> Optional[dict]:
+  """What decides what a run computes but its seeds: config.gin without seeds and without what
+  a resume may change (`outputs.is_resumable_change`: rounds, checkpointing, runtime, data
+  paths), and as `data` what its data are wherever they lie (summary.json's
+  `source_fingerprint`, its first 8 hex digits). None without config.gin."""
   from fltff.simulation.outputs import is_resumable_change  # pylint: disable=g-import-not-at-top
   if run.get('config') is None:
     return None
-  return tuple(sorted((k, v) for k, v in run['config'].items()
-                      if not _is_seed(k) and not is_resumable_change(k)))
+  settings = {k: v for k, v in run['config'].items()
+              if not _is_seed(k) and not is_resumable_change(k)}
+  if run['summary'].get('source_fingerprint'):
+    settings['data'] = run['summary']['source_fingerprint'][:8]
+  return settings
 
 
 def _seeds(run: dict) -> tuple:
@@ -177,12 +183,14 @@ def _seeds(run: dict) -> tuple:
 def seed_groups(runs: list[dict]) -> list[list[int]]:
   """Indices of runs whose `config.gin` differ only in seeds (`experiment.seed`,
   `experiment.model_seed`, `federated_data.seed`, any `<source>.seed`) and in what a resume may
-  change (a run continued to more rounds stays in its group), in order of first appearance. A
-  run with the seeds of a run already in its group (the same run twice, or a copy) starts
-  another group; a run without `config.gin` is a group of its own."""
+  change (a run continued to more rounds stays in its group), on the same data (`_settings`),
+  in order of first appearance. A run with the seeds of a run already in its group (the same
+  run twice, or a copy) starts another group; a run without `config.gin` is a group of its
+  own."""
   groups, of_key = [], {}
   for i, run in enumerate(runs):
-    key = _setting_key(run)
+    settings = _settings(run)
+    key = None if settings is None else tuple(sorted(settings.items()))
     candidates = of_key.setdefault(key, []) if key is not None else []
     for g in candidates:
       if _seeds(run) not in {_seeds(runs[j]) for j in groups[g]}:
@@ -206,17 +214,15 @@ def group_names(runs: list[dict], groups: list[list[int]]) -> list[str]:
   """A name per group: its method, and where several groups share a method, the settings in
   which they differ (`fedprox (mu=0.01)`; a binding's last part where that is unambiguous);
   groups alike in both (the same run twice) add their first run's folder name."""
-  from fltff.simulation.outputs import is_resumable_change  # pylint: disable=g-import-not-at-top
   methods = [_method(runs[g[0]]) for g in groups]
   names = []
   for i, group in enumerate(groups):
-    config = runs[group[0]].get('config')
-    same = [runs[groups[j][0]].get('config') or {} for j, m in enumerate(methods)
+    config = _settings(runs[group[0]])
+    same = [_settings(runs[groups[j][0]]) or {} for j, m in enumerate(methods)
             if m == methods[i]]
     differing = []
     if config is not None and len(same) > 1:
-      keys = sorted({k for c in same for k in c if not _is_seed(k) and
-                     not is_resumable_change(k)})
+      keys = sorted({k for c in same for k in c})
       differing = [k for k in keys if k in config and len({c.get(k) for c in same}) > 1]
     short = [k.rsplit('.', 1)[-1] for k in differing]
     settings = [f'{s if short.count(s) == 1 else k}={_value_text(config[k])}'

@@ -1,5 +1,6 @@
 """Tests for fltff.data: sources, partitioners and FederatedData."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -391,6 +392,22 @@ def test_build_federated_data_natural_synthetic():
                                        num_clients=3)
   with pytest.raises(ConfigError, match='no local test splits'):
     no_local.local_test_arrays(0)
+
+
+def test_the_source_fingerprint_is_what_the_data_are_not_how_a_seed_split_them(mnist):
+  """summary.json's `source_fingerprint`, by which `fltff report` tells data apart: one for
+  every seed (partition, `data_fraction` draw), another for other data, none for data a source
+  drew with a seed."""
+  def build(source, seed, **kwargs):
+    return data.build_federated_data(source=source, partitioner=data.iid_partition,
+                                     num_clients=4, seed=seed, **kwargs)
+
+  a, b = build(lambda: mnist, 0), build(lambda: mnist, 1, data_fraction=0.5)
+  assert a.fingerprint() != b.fingerprint()
+  assert a.source_fingerprint == b.source_fingerprint and len(a.source_fingerprint) == 64
+  relabelled = dataclasses.replace(mnist, y_train=np.roll(mnist.y_train, 1))
+  assert build(lambda: relabelled, 0).source_fingerprint not in (None, a.source_fingerprint)
+  assert build(data.synthetic_source, 0).source_fingerprint is None
 
 
 def test_client_data_elements(mnist):

@@ -46,9 +46,10 @@ runtime.workers = []
 
 
 def write_run(root, name, columns, method='fedavg', seed=0, rounds=None, statistic=None,
-              parameter='server_learning_rate', value='1.0', executor='auto'):
+              parameter='server_learning_rate', value='1.0', executor='auto', data=None):
   """A run folder as `fltff run` leaves it: metrics.csv (`columns`: {accuracy column: one value
-  per round}), summary.json (its headline: the first column's best round) and config.gin."""
+  per round}), summary.json (its headline: the first column's best round) and config.gin;
+  `data`: (npz_source.path, the data's source_fingerprint)."""
   path = os.path.join(root, name)
   os.makedirs(path)
   count = len(next(iter(columns.values())))
@@ -74,10 +75,12 @@ def write_run(root, name, columns, method='fedavg', seed=0, rounds=None, statist
                'headline': {'protocol': protocol, 'column': column,
                             'statistic': statistic or 'best_round_mean',
                             'value': columns[column][best], 'round': best + 1},
-               'rounds_to_target': {'0.5': None, '0.9': None}}, f, indent=1)
+               'rounds_to_target': {'0.5': None, '0.9': None},
+               **({'source_fingerprint': data[1]} if data else {})}, f, indent=1)
   with open(os.path.join(path, 'config.gin'), 'w') as f:
     f.write(CONFIG.format(method=method, rounds=rounds or count, seed=seed, parameter=parameter,
-                          value=value, executor=executor))
+                          value=value, executor=executor) +
+            (f"npz_source.path = '{data[0]}'\n" if data else ''))
   return path
 
 
@@ -192,6 +195,27 @@ def test_groups_are_named_by_method_and_the_settings_that_differ(tmp_path):
   assert groups == [[0, 1], [2, 3], [4], [5]]
   assert report.group_names(runs, groups) == [
       'fedprox (mu=0.01)', 'fedprox (mu=0.1)', 'fedavg [avg]', 'fedavg [avg_copy]']
+
+
+def test_runs_on_other_data_are_not_seeds_of_one_group(tmp_path):
+  """Where the data lie is no setting (the same data moved, or on another machine, stay one
+  group); what they are is: runs on other data are not averaged as seeds of one group."""
+  root, curve = str(tmp_path), {'test_accuracy': [0.5, 0.6]}
+  mnist, fmnist = ('/data/mnist.npz', 'a' * 64), ('/data/fmnist.npz', 'b' * 64)
+  paths = [write_run(root, 'mnist_s0', curve, data=mnist),
+           write_run(root, 'fmnist_s0', {'test_accuracy': [0.7, 0.8]}, data=fmnist),
+           write_run(root, 'fmnist_s1', {'test_accuracy': [0.7, 0.9]}, seed=1, data=fmnist),
+           write_run(root, 'mnist_s1', {'test_accuracy': [0.5, 0.7]}, seed=1,
+                     data=('/scratch/mnist.npz', mnist[1]))]
+  runs = [report.load_run(p) for p in paths]
+  groups = report.seed_groups(runs)
+  assert groups == [[0, 3], [1, 2]]
+  assert report.group_names(runs, groups) == ['fedavg (data=aaaaaaaa)', 'fedavg (data=bbbbbbbb)']
+  md = report.write_report(runs, str(tmp_path / 'report'))
+  assert _table(md, 1)[1:] == [['fedavg (data=aaaaaaaa)', '0, 1', '65.00 ± 7.07 (n=2)',
+                                '65.00 ± 7.07 (n=2)'],
+                               ['fedavg (data=bbbbbbbb)', '0, 1', '85.00 ± 7.07 (n=2)',
+                                '85.00 ± 7.07 (n=2)']]
 
 
 def test_the_command_reads_a_sweep_folder_and_refuses_an_empty_one(runs, tmp_path):

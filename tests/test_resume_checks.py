@@ -3,6 +3,7 @@ checked before the first round (docs/faults.md). Each case is one `error:` line 
 run folder exactly as it was."""
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -104,6 +105,10 @@ def test_the_same_data_moved_elsewhere_resume_exactly(two_rounds, tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'Resumed from the checkpoint of round 2' in result.stdout
   assert [r['round'] for r in read_csv(out / 'metrics.csv')] == ['1', '2', '3']
+  # What the data are, wherever they lie: `fltff report` groups seeds by it.
+  fingerprints = [json.loads((folder / 'summary.json').read_text())['source_fingerprint']
+                  for folder in (run, out)]
+  assert fingerprints[0] == fingerprints[1] and len(fingerprints[0]) == 64
 
 
 def test_a_deleted_config_gin_does_not_disable_the_check(two_rounds, tmp_path):

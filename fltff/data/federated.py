@@ -28,12 +28,16 @@ class FederatedData:
     local_test_indices: Optional per-client indices into `dataset.x_test` (personalised
       evaluation).
     source_seed: The seed the source drew its data with, if it has one.
+    source_fingerprint: `digest` of the source's data before any seeded draw, wherever they
+      lie (summary.json: `fltff report` does not average runs on other data as seeds); None
+      for data a source drew with a seed (its settings tell them apart).
   """
   dataset: ArrayDataset
   client_ids: list[str]
   train_indices: list[np.ndarray]
   local_test_indices: Optional[list[np.ndarray]] = None
   source_seed: Optional[int] = None
+  source_fingerprint: Optional[str] = None
 
   def num_clients(self) -> int:
     return len(self.client_ids)
@@ -80,14 +84,7 @@ class FederatedData:
     """sha256 of everything a run reads of the data: the arrays (values, dtypes, shapes), the
     class count and the clients' training and local test indices. A resume compares it with
     the one its checkpoint recorded, so other data under the same path are refused."""
-    digest = hashlib.sha256(f'{self.dataset.num_classes};'.encode())
-    parts = [self.dataset.x_train, self.dataset.y_train, self.dataset.x_test, self.dataset.y_test]
-    parts += list(self.train_indices) + list(self.local_test_indices or [])
-    for array in parts:
-      array = np.ascontiguousarray(array)
-      digest.update(f'{array.dtype.str}{array.shape};'.encode())
-      digest.update(memoryview(array).cast('B'))
-    return digest.hexdigest()
+    return digest(self.dataset, list(self.train_indices) + list(self.local_test_indices or []))
 
   def client_data(self):
     """The training split as `tff.simulation.datasets.ClientData` of `OrderedDict(x=, y=)` in the
@@ -122,6 +119,17 @@ class FederatedData:
       return from_arrays(tf.gather(tf.constant(x_all), idx), tf.gather(tf.constant(y_all), idx))
 
     return tff.simulation.datasets.ClientData.from_clients_and_tf_fn(ids, dataset_fn)
+
+
+def digest(dataset: ArrayDataset, indices: list[np.ndarray]) -> str:
+  """sha256 of the class count and the arrays (values, dtypes, shapes) of `dataset`, then of
+  `indices`."""
+  sha = hashlib.sha256(f'{dataset.num_classes};'.encode())
+  for array in [dataset.x_train, dataset.y_train, dataset.x_test, dataset.y_test, *indices]:
+    array = np.ascontiguousarray(array)
+    sha.update(f'{array.dtype.str}{array.shape};'.encode())
+    sha.update(memoryview(array).cast('B'))
+  return sha.hexdigest()
 
 
 def _validate_partition(parts: Any, num_clients: int, num_examples: int) -> list[np.ndarray]:
@@ -213,6 +221,7 @@ def build_federated_data(source: Callable[[], ArrayDataset] = gin.REQUIRED,
   if gin_binds(f'{origin}.path'):
     origin = f"{origin} ({gin.query_parameter(f'{origin}.path')})"
   check_dataset(dataset, origin)
+  source_fingerprint = digest(dataset, []) if source_seed is None else None
   dataset = subsample(dataset, data_fraction, seed)
   kwargs = dict(labels=dataset.y_train, num_clients=num_clients, seed=seed)
   if 'dataset' in parameters(partitioner):
@@ -234,4 +243,5 @@ def build_federated_data(source: Callable[[], ArrayDataset] = gin.REQUIRED,
       local_test = partition_lib.local_test_split(dataset.y_test, hist, local_test_examples,
                                                   seed)
   return FederatedData(dataset=dataset, client_ids=client_ids, train_indices=parts,
-                       local_test_indices=local_test, source_seed=source_seed)
+                       local_test_indices=local_test, source_seed=source_seed,
+                       source_fingerprint=source_fingerprint)

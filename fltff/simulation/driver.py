@@ -508,6 +508,7 @@ class RoundDriver:
     return extra | {
         'method': self.algorithm.name,
         'dataset': self.data.dataset.name,
+        'source_fingerprint': self.data.source_fingerprint,
         'model': self.algorithm.model_spec.name,
         'rounds_completed': self.rows[-1]['round'] if self.rows else 0,
         'final_accuracy': evals[-1]['test_accuracy'] if evals else None,
