@@ -79,6 +79,11 @@ def command(run: PlannedRun, runs_dir: str,
   return args, 'start'
 
 
+def finished(runs: Sequence[PlannedRun], runs_dir: str) -> list[PlannedRun]:
+  """The runs of the plan whose metrics.csv has all their rounds."""
+  return [r for r in runs if command(r, runs_dir)[1] == 'done']
+
+
 def check_gin_files(runs: list[PlannedRun]) -> None:
   """`ConfigError` naming the first run whose gin file, or a file it includes, is missing: found
   before the first run starts, not hours later when its turn comes."""

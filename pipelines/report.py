@@ -507,15 +507,15 @@ def comparison_figure(runs: list[dict], groups: list[list[int]], names: list[str
 
 def run_dirs(paths: list[str]) -> list[str]:
   """The run folders `paths` name: a folder with metrics.csv is one run; a folder `fltff sweep`
-  wrote (a plan.txt and no metrics.csv) stands for its runs that have a metrics.csv, in the
+  wrote (a plan.txt and no metrics.csv) stands for its finished runs (`plan.finished`), in the
   plan's order."""
+  from .plan import finished  # pylint: disable=g-import-not-at-top
   from .plan import read_plan  # pylint: disable=g-import-not-at-top
   out = []
   for path in paths:
     plan = os.path.join(path, 'plan.txt')
     if not os.path.exists(os.path.join(path, 'metrics.csv')) and os.path.exists(plan):
-      out += [os.path.join(path, run.name) for run in read_plan(plan)
-              if os.path.exists(os.path.join(path, run.name, 'metrics.csv'))]
+      out += [os.path.join(path, run.name) for run in finished(read_plan(plan), path)]
     else:
       out.append(path)
   return out

@@ -36,7 +36,7 @@ from absl import flags
 from . import report
 from .plan import PlannedRun
 from .plan import check_gin_files
-from .plan import command
+from .plan import finished
 from .plan import outcome_message
 from .plan import read_plan
 from .plan import run_plan
@@ -230,11 +230,6 @@ def _plan(sweep_dir: str) -> list[PlannedRun]:
   planned = plan_points(_gin_file(_GIN_FILE.value[0]), parse_grid(_GRID.value), seeds,
                         _BINDINGS.value)
   return merge_plans(planned, existing, sweep_dir)
-
-
-def finished(runs: list[PlannedRun], sweep_dir: str) -> list[PlannedRun]:
-  """The runs of the plan whose metrics.csv has all their rounds."""
-  return [r for r in runs if command(r, sweep_dir)[1] == 'done']
 
 
 def write_sweep_report(runs: list[PlannedRun], sweep_dir: str) -> Optional[str]:

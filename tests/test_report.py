@@ -218,6 +218,22 @@ def test_runs_on_other_data_are_not_seeds_of_one_group(tmp_path):
                                 '85.00 ± 7.07 (n=2)']]
 
 
+def test_a_sweep_folder_stands_for_its_finished_runs(runs, tmp_path):
+  """As in the sweep's own report: a run still running, stopped or failed is left out, not
+  compared at the round it reached."""
+  sweep = os.path.dirname(runs[0])
+  write_run(sweep, 'fedavg_s2', {'test_accuracy': [.10, .20], 'global_local_accuracy': [.1] * 2},
+            seed=2, rounds=10)
+  with open(os.path.join(sweep, 'plan.txt'), 'w') as f:
+    f.write(''.join(f'{name} exp.gin\n' for name in ('fedavg_s0', 'fedavg_s2', 'fedavg_s1',
+                                                    'kapc_s0', 'kapc_s1', 'not_run')))
+  assert report.run_dirs([sweep]) == [runs[0], runs[1], runs[2], runs[3]]
+  md = report.write_report([report.load_run(p) for p in report.run_dirs([sweep])],
+                           str(tmp_path / 'out'))
+  assert 'Compared at round 10, the last round all 4 runs evaluated' in md
+  assert _table(md, 1)[1] == ['fedavg', '0, 1', '70.00 ± 2.83 (n=2)', '71.00 ± 1.41 (n=2)']
+
+
 def test_the_command_reads_a_sweep_folder_and_refuses_an_empty_one(runs, tmp_path):
   sweep = os.path.dirname(runs[0])
   with open(os.path.join(sweep, 'plan.txt'), 'w') as f:
