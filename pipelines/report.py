@@ -82,7 +82,12 @@ def load_run(path: str) -> dict:
   if not os.path.exists(metrics):
     raise FileNotFoundError(f'{path} has no metrics.csv: is it a pipelines.run output dir?')
   with open(metrics) as f:
-    rows = [{k: float(v) for k, v in r.items() if v != ''} for r in csv.DictReader(f)]
+    reader = csv.DictReader(f)
+    try:
+      rows = [{k: float(v) for k, v in r.items() if v != ''} for r in reader]
+    except (TypeError, ValueError):  # A row cut short or longer than the header, not a number.
+      raise ValueError(f'{metrics}, line {reader.line_num}: not a row of numbers under its '
+                       'header (a damaged or hand-edited metrics.csv)') from None
   summary = {}
   if os.path.exists(os.path.join(path, 'summary.json')):
     with open(os.path.join(path, 'summary.json')) as f:

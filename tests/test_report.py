@@ -234,6 +234,20 @@ def test_a_sweep_folder_stands_for_its_finished_runs(runs, tmp_path):
   assert _table(md, 1)[1] == ['fedavg', '0, 1', '70.00 ± 2.83 (n=2)', '71.00 ± 1.41 (n=2)']
 
 
+@pytest.mark.parametrize('row', ['3,0.5', '3,0.5,0.2,0.1', '3,0.5,high'])
+def test_a_damaged_metrics_csv_is_one_error_naming_the_line(tmp_path, row):
+  (tmp_path / 'metrics.csv').write_text(f'round,train_loss,test_accuracy\n1,0.5,0.3\n2,,0.4\n'
+                                        f'{row}\n')
+  with pytest.raises(ValueError) as error:
+    report.load_run(str(tmp_path))
+  assert str(error.value) == (f'{tmp_path}/metrics.csv, line 4: not a row of numbers under its '
+                              'header (a damaged or hand-edited metrics.csv)')
+  result = run_program('pipelines.report', f'--runs={tmp_path}', f'--out={tmp_path / "out"}',
+                       timeout=300)
+  assert result.returncode == 2 and 'Traceback' not in result.stderr
+  assert result.stderr.splitlines() == [f'error: {error.value}']
+
+
 def test_the_command_reads_a_sweep_folder_and_refuses_an_empty_one(runs, tmp_path):
   sweep = os.path.dirname(runs[0])
   with open(os.path.join(sweep, 'plan.txt'), 'w') as f:
