@@ -28,9 +28,8 @@ class FederatedData:
     local_test_indices: Optional per-client indices into `dataset.x_test` (personalised
       evaluation).
     source_seed: The seed the source drew its data with, if it has one.
-    source_fingerprint: `digest` of the source's data before any seeded draw, wherever they
-      lie (summary.json: `fltff report` does not average runs on other data as seeds); None
-      for data a source drew with a seed (its settings tell them apart).
+    source_fingerprint: `digest` of the source's data wherever they lie (`fltff report`'s seed
+      groups); None for data a source drew with a seed (its settings tell them apart).
   """
   dataset: ArrayDataset
   client_ids: list[str]

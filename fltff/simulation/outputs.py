@@ -201,8 +201,7 @@ def is_resumable_change(binding: str) -> bool:
   return binding.startswith(RESUMABLE_CHANGES) or binding.endswith(_DATA_LOCATIONS)
 
 
-def config_changes(earlier: str, now: str,
-                   parsed: bool = False) -> list[tuple[str, str, str]]:
+def config_changes(earlier: str, now: str, parsed: bool = False) -> list[tuple[str, str, str]]:
   """`(binding, earlier value, value now)` for each binding whose value differs between the
   operative configs, except `RESUMABLE_CHANGES` and data locations. A binding in only one of
   them counts (its missing side reads `ABSENT`), e.g. a server optimizer bound only for the
@@ -214,7 +213,9 @@ def config_changes(earlier: str, now: str,
   for key in sorted(set(a) | set(b)):
     if parsed and key not in a:
       continue
-    value = _inherited(b, key) if parsed else b.get(key)
+    *scopes, name = key.split('/')  # Parsed: `a/b/f.x` takes `a/b/f.x`, else `a/f.x`, `f.x`.
+    value = next((b[k] for k in ('/'.join(scopes[:i] + [name]) for i in range(
+        len(scopes), -1, -1)) if k in b), None) if parsed else b.get(key)
     if a.get(key) == value or is_resumable_change(key):
       continue
     if (key not in a or value is None) and (a.get(key) or value) == _default_text(key):
@@ -222,13 +223,6 @@ def config_changes(earlier: str, now: str,
     changes.append((key, a.get(key, ABSENT), ABSENT if value is None else value))
   return changes
 
-
-def _inherited(bindings: dict[str, str], key: str) -> Optional[str]:
-  """The value parsed `bindings` give `key` as gin reads them: its own binding, else its nearest
-  enclosing scope's (`a/b/f.x` from `a/f.x`, then `f.x`); None if none binds it."""
-  *scopes, name = key.split('/')
-  return next((bindings[k] for k in ('/'.join(scopes[:i] + [name])
-                                     for i in range(len(scopes), -1, -1)) if k in bindings), None)
 
 
 def changes_text(changes: list[tuple[str, str, str]]) -> str:
