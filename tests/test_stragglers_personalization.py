@@ -238,24 +238,26 @@ def test_the_empty_round_error_names_the_quickest_of_the_clients_the_straggler_p
     driver.run()
 
 
-@pytest.mark.parametrize('fraction, mode, epochs, message', [
-    (0.1, 'drop', 3, 'experiment.straggler_fraction = 0.1 of 4 participants a round is 0.4, '
-     'which rounds to no straggler; use at least 0.25, or more participants.'),
-    (0.5, 'partial', 1, "experiment.straggler_mode = 'partial': a straggler trains a random "
+@pytest.mark.parametrize('fraction, mode, epochs, m, message', [
+    (0.1, 'partial', 3, 4, 'experiment.straggler_fraction = 0.1 of 4 participant(s) a round '
+     'gives no straggler (0.4 rounds to 0); use at least 0.25, or more participants.'),
+    (0.9, 'drop', 3, 1, 'experiment.straggler_fraction = 0.9 of 1 participant(s) a round gives '
+     "no straggler ('drop' keeps one); use more participants."),
+    (0.5, 'partial', 1, 4, "experiment.straggler_mode = 'partial': a straggler trains a random "
      'number of epochs in [1, experiment.local_epochs], with local_epochs = 1 as many as the '
      "others; use more epochs or straggler_mode = 'drop'."),
 ])
 def test_stragglers_that_would_not_straggle_are_refused(deadline_data, tmp_path, fraction,
-                                                         mode, epochs, message):
+                                                         mode, epochs, m, message):
   """A run that asked for stragglers never has one: refused, not run as if none were asked."""
-  plans = [sampling.straggler_plan(sampling.sample_clients(DEADLINE_CLIENTS, 4, 0, r), epochs,
+  plans = [sampling.straggler_plan(sampling.sample_clients(DEADLINE_CLIENTS, m, 0, r), epochs,
                                    fraction, mode, 0, r) for r in (1, 2)]
   assert all(set(e.values()) == {epochs} and not dropped for e, dropped in plans)
   spec = build_model_spec(deadline_data, 'mlp2', seed=0)
   algorithm = learning.build_fedavg(spec, client_optimizer=optimizers.sgdm(learning_rate=0.05))
   with pytest.raises(ConfigError) as error:
     RoundDriver(algorithm, deadline_data, RoundConfig(
-        rounds=2, clients_per_round=4, local_epochs=epochs, straggler_fraction=fraction,
+        rounds=2, clients_per_round=m, local_epochs=epochs, straggler_fraction=fraction,
         straggler_mode=mode), str(tmp_path), progress=lambda _: None)
   assert str(error.value) == message
   assert os.listdir(tmp_path) == []

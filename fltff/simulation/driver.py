@@ -139,11 +139,12 @@ class RoundDriver:
     self.num_clients = data.num_clients()
     self.participants = sampling.num_participants(self.num_clients, config.clients_per_round,
                                                   config.client_fraction)
-    stragglers = config.straggler_fraction * self.participants
-    if config.straggler_fraction and not round(stragglers):  # As `sampling.straggler_plan`.
-      raise ConfigError(f'experiment.straggler_fraction = {config.straggler_fraction:g} of '
-                        f'{self.participants} participants a round is {stragglers:g}, which '
-                        f'rounds to no straggler; use at least {1 / self.participants:.3g}, or '
+    fraction, m = config.straggler_fraction, self.participants
+    if fraction and not sampling.straggler_count(m, fraction, config.straggler_mode):
+      raise ConfigError(f'experiment.straggler_fraction = {fraction:g} of {m} participant(s) a '
+                        'round gives no straggler (' + (
+                            f'{fraction * m:g} rounds to 0); use at least {1 / m:.3g}, or '
+                            if not round(fraction * m) else "'drop' keeps one); use ") +
                         'more participants.')
     self.record = record
     # All per-client state (SCAFFOLD's controls, MOON's previous models, personal models...).

@@ -62,9 +62,7 @@ def straggler_plan(clients: np.ndarray, local_epochs: int, fraction: float, mode
   check_number('experiment.straggler_fraction', fraction, low=0, high=1)
   check_choice('experiment.straggler_mode', mode, ('partial', 'drop'))
   epochs = {int(k): int(local_epochs) for k in clients}
-  count = int(round(fraction * len(clients)))
-  if mode == 'drop':
-    count = min(count, len(clients) - 1)
+  count = straggler_count(len(clients), fraction, mode)
   if count == 0:
     return epochs, set()
   rng = round_rng(seed, round_num, stream=_STRAGGLER_STREAM)
@@ -74,3 +72,10 @@ def straggler_plan(clients: np.ndarray, local_epochs: int, fraction: float, mode
   for k in stragglers:
     epochs[k] = int(rng.integers(1, local_epochs + 1))
   return epochs, set()
+
+
+def straggler_count(participants: int, fraction: float, mode: str) -> int:
+  """How many of a round's `participants` straggle: round(fraction × m), Python's rounding
+  (0.5 × 5 is 2); with `mode='drop'` at most m − 1."""
+  count = int(round(fraction * participants))
+  return min(count, participants - 1) if mode == 'drop' else count
