@@ -56,16 +56,17 @@ def read_plan(path: str) -> list[PlannedRun]:
   return runs
 
 
-def command(run: PlannedRun, runs_dir: str,
-            extra_bindings: tuple[str, ...] = ()) -> tuple[list[str], str]:
+def command(run: PlannedRun, runs_dir: str, extra_bindings: tuple[str, ...] = (),
+            rounds: Optional[int] = None) -> tuple[list[str], str]:
   """The `pipelines.run` command for `run`, and its state.
 
-  The state is 'done', 'resume' (checkpoints to continue from), 'restart' (a run that stopped
-  before its first checkpoint left files: `--resume` reruns it from round 1 in place) or 'start'.
+  The state is 'done' (its config.gin's rounds, and `rounds`, in metrics.csv), 'resume'
+  (checkpoints to continue from), 'restart' (a run that stopped before its first checkpoint
+  left files: `--resume` reruns it from round 1 in place) or 'start'.
   """
   out = os.path.join(runs_dir, run.name)
   done, wanted = reproduction.run_progress(out)
-  if wanted is not None and done >= wanted:
+  if wanted is not None and done >= max(wanted, rounds or 0):
     return [], 'done'
   # The executor is the default's choice ('auto': vectorised clients where the model allows;
   # summary.json names it). `extra_bindings` (e.g. where the data lie) come before the plan's.
@@ -79,9 +80,11 @@ def command(run: PlannedRun, runs_dir: str,
   return args, 'start'
 
 
-def finished(runs: Sequence[PlannedRun], runs_dir: str) -> list[PlannedRun]:
-  """The runs of the plan whose metrics.csv has all their rounds."""
-  return [r for r in runs if command(r, runs_dir)[1] == 'done']
+def finished(runs: Sequence[PlannedRun], runs_dir: str,
+             rounds: Optional[dict[str, int]] = None) -> list[PlannedRun]:
+  """The runs of the plan whose metrics.csv has all their rounds (`rounds`: by run name, the
+  rounds its configuration asks for now, where known)."""
+  return [r for r in runs if command(r, runs_dir, (), (rounds or {}).get(r.name))[1] == 'done']
 
 
 def check_gin_files(runs: list[PlannedRun]) -> None:
@@ -117,9 +120,11 @@ class Outcome:
 
 
 def run_plan(plan: Sequence[PlannedRun], runs_dir: str, extra_bindings: tuple[str, ...] = (),
-             parallel: int = 1, dry_run: bool = False) -> Outcome:
-  """Runs the plan's runs that are not done, in order, up to `parallel` at a time, each as its
-  own process (in a process group of its own, so that a Ctrl-C reaches it only through here).
+             parallel: int = 1, dry_run: bool = False,
+             rounds: Optional[dict[str, int]] = None) -> Outcome:
+  """Runs the plan's runs that are not done (`finished`'s `rounds`), in order, up to `parallel`
+  at a time, each as its own process (in a process group of its own, so that a Ctrl-C reaches
+  it only through here).
 
   Prints one line per run when it starts (`name: state, pid N`) or is found done, and one when
   it ends (exit status, seconds, its last `error:` line). A first SIGTERM/SIGINT to this process
@@ -130,7 +135,7 @@ def run_plan(plan: Sequence[PlannedRun], runs_dir: str, extra_bindings: tuple[st
   """
   pending = []
   for run in plan:
-    args, state = command(run, runs_dir, extra_bindings)
+    args, state = command(run, runs_dir, extra_bindings, (rounds or {}).get(run.name))
     if state == 'done' or dry_run:
       _say(f'{run.name}: {state}')
     else:

@@ -15,7 +15,8 @@ grid, an unknown gin name or a badly typed value is one `error:` line and nothin
 
 The plan goes to `<sweep_dir>/plan.txt` (the format of `fltff reproduce --plan`); running the
 command again continues it: finished runs are skipped, stopped ones resumed (`--resume`,
-exactly as `fltff reproduce` decides), points new to the grid (another seed) added; a point
+exactly as `fltff reproduce` decides; a finished run the gin file now asks more rounds of
+too), points new to the grid (another seed) added; a point
 planned there with other settings, or whose run there was computed with settings the gin file
 no longer gives (it was edited since), is refused. Up to `--parallel` runs go at once, each its
 own process with its log in `<sweep_dir>/<name>.log`; SIGTERM/Ctrl-C stops them after their
@@ -169,20 +170,27 @@ def write_plan(runs: list[PlannedRun], path: str) -> None:
   os.replace(path + '.tmp', path)
 
 
-def check_configurations(runs: list[PlannedRun], sweep_dir: str) -> None:
+def check_configurations(runs: list[PlannedRun], sweep_dir: str) -> dict[str, int]:
   """Reads every run's configuration as `fltff run` does; `ConfigError` naming the first run
   whose configuration is refused (an unknown name, a badly typed value, ...), or whose folder
   holds a run computed with other settings (`outputs.config_changes`: the gin file changed
-  since), which would otherwise be skipped as done or fail its `--resume`."""
+  since), which would otherwise be skipped as done or fail its `--resume`. Returns the rounds
+  each run's configuration binds (`experiment.rounds`), by run name: a finished run continues
+  to more."""
   import gin  # pylint: disable=g-import-not-at-top
+  from fltff.config_checks import gin_binds  # pylint: disable=g-import-not-at-top
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from fltff.simulation.outputs import changes_text  # pylint: disable=g-import-not-at-top
   from fltff.simulation.outputs import config_changes  # pylint: disable=g-import-not-at-top
 
   check_gin_files(runs)
+  rounds = {}
   for run in runs:
     try:
       configure([run.gin_file], list(run.bindings))
+      value = gin.query_parameter('experiment.rounds') if gin_binds('experiment.rounds') else 0
+      if isinstance(value, int):  # Not a macro's reference.
+        rounds[run.name] = value
       recorded = os.path.join(sweep_dir, run.name, 'config.gin')
       if os.path.exists(recorded):
         with open(recorded) as f:
@@ -196,6 +204,7 @@ def check_configurations(runs: list[PlannedRun], sweep_dir: str) -> None:
       raise ConfigError(f'sweep point {run.name}: {e}') from None
     finally:
       gin.clear_config()
+  return rounds
 
 
 def _gin_file(path: str) -> str:
@@ -232,10 +241,11 @@ def _plan(sweep_dir: str) -> list[PlannedRun]:
   return merge_plans(planned, existing, sweep_dir)
 
 
-def write_sweep_report(runs: list[PlannedRun], sweep_dir: str) -> Optional[str]:
-  """`fltff report` over the finished runs into `<sweep_dir>/report/`; its report.md, or None
-  when no run has finished."""
-  done = finished(runs, sweep_dir)
+def write_sweep_report(runs: list[PlannedRun], sweep_dir: str,
+                       rounds: dict[str, int]) -> Optional[str]:
+  """`fltff report` over the finished runs (`plan.finished`) into `<sweep_dir>/report/`; its
+  report.md, or None when no run has finished."""
+  done = finished(runs, sweep_dir, rounds)
   if not done:
     return None
   missing = [r.name for r in runs if r not in done]
@@ -257,7 +267,7 @@ def main(argv) -> int:
   sweep_dir = os.path.expanduser(_SWEEP_DIR.value)
   try:
     runs = _plan(sweep_dir)
-    check_configurations(runs, sweep_dir)
+    rounds = check_configurations(runs, sweep_dir)
   except OSError as e:
     print(f'error: {sweep_dir}: {e.strerror or e}.', file=sys.stderr)
     return 2
@@ -265,7 +275,7 @@ def main(argv) -> int:
     print(f'error: {e}', file=sys.stderr)
     return 2
   if _DRY_RUN.value:
-    run_plan(runs, sweep_dir, dry_run=True)
+    run_plan(runs, sweep_dir, dry_run=True, rounds=rounds)
     return 0
   try:
     os.makedirs(sweep_dir, exist_ok=True)
@@ -275,13 +285,13 @@ def main(argv) -> int:
     return 2
   print(f'sweep of {len(runs)} runs in {sweep_dir} (plan: {PLAN_FILE}), {_PARALLEL.value} at '
         'a time', flush=True)
-  outcome = run_plan(runs, sweep_dir, parallel=_PARALLEL.value)
+  outcome = run_plan(runs, sweep_dir, parallel=_PARALLEL.value, rounds=rounds)
   again = f'fltff sweep --sweep_dir={_SWEEP_DIR.value}'
   message = outcome_message(outcome, sweep_dir, again)
   if outcome.stopped:
     print(message, file=sys.stderr)
     return 143
-  written = write_sweep_report(runs, sweep_dir)
+  written = write_sweep_report(runs, sweep_dir, rounds)
   if written:
     print(f'wrote the report over the finished runs: {written}', flush=True)
   if message:

@@ -136,11 +136,11 @@ def test_a_sweep_runs_in_parallel_stops_on_a_signal_and_continues(tmp_path):
 
 def test_a_finished_point_the_edited_gin_file_would_compute_otherwise_is_refused(tmp_path):
   """A sweep continued after its gin file changed: a finished run computed with the old
-  settings is not counted as done (nor reported as the point's), and an unchanged one is."""
-  (tmp_path / 'exp.gin').write_text(EXPERIMENT)
+  settings is not counted as done (nor reported as the point's), an unchanged one is, and one
+  the file now asks more rounds of is continued to them."""
+  (tmp_path / 'exp.gin').write_text(EXPERIMENT + 'experiment.rounds = 1\n')
   env = dict(pipeline_env(), PYTHONPATH=REPO)
-  flags = ['--gin_file=exp.gin', '--grid=fedprox.mu=[0.1]', '--seeds=0',
-           '--gin_bindings=experiment.rounds = 1', '--sweep_dir=sweep']
+  flags = ['--gin_file=exp.gin', '--grid=fedprox.mu=[0.1]', '--seeds=0', '--sweep_dir=sweep']
   first = run_program('pipelines.sweep', *flags, env=env, cwd=str(tmp_path), timeout=600)
   assert first.returncode == 0, first.stdout + first.stderr[-3000:]
   again = run_program('pipelines.sweep', '--sweep_dir=sweep', '--dry_run', env=env,
@@ -148,10 +148,20 @@ def test_a_finished_point_the_edited_gin_file_would_compute_otherwise_is_refused
   assert again.returncode == 0, again.stderr[-3000:]
   assert re.findall(r'\d\d:\d\d:\d\d (\S+): (\w+)', again.stdout) == [
       ('fedprox.mu=0.1,seed=0', 'done')]
-  (tmp_path / 'exp.gin').write_text(EXPERIMENT + 'client_optimizer.learning_rate = 0.05\n')
+  (tmp_path / 'exp.gin').write_text(EXPERIMENT + 'experiment.rounds = 1\n'
+                                    'client_optimizer.learning_rate = 0.05\n')
   planned = (tmp_path / 'sweep' / 'plan.txt').read_text()
   changed = run_program('pipelines.sweep', '--sweep_dir=sweep', env=env, cwd=str(tmp_path),
                         timeout=300)
   assert_one_line_error(changed, 'sweep point fedprox.mu=0.1,seed=0: ',
                         'client_optimizer.learning_rate: 0.01 -> 0.05')
   assert (tmp_path / 'sweep' / 'plan.txt').read_text() == planned
+  (tmp_path / 'exp.gin').write_text(EXPERIMENT + 'experiment.rounds = 2\n')
+  longer = run_program('pipelines.sweep', '--sweep_dir=sweep', env=env, cwd=str(tmp_path),
+                       timeout=600)
+  assert longer.returncode == 0, longer.stdout + longer.stderr[-3000:]
+  assert 'fedprox.mu=0.1,seed=0: resume, pid' in longer.stdout
+  run = tmp_path / 'sweep' / 'fedprox.mu=0.1,seed=0'
+  assert [r['round'] for r in read_csv(run / 'metrics.csv')] == ['1', '2']
+  assert 'Compared at round 2, the last round all 1 runs evaluated' in (
+      tmp_path / 'sweep' / 'report' / 'report.md').read_text()
