@@ -224,7 +224,6 @@ def config_changes(earlier: str, now: str, parsed: bool = False) -> list[tuple[s
   return changes
 
 
-
 def changes_text(changes: list[tuple[str, str, str]]) -> str:
   """The first five `config_changes` as 'binding: old -> new; ...' (and how many more)."""
   more = f' and {len(changes) - 5} more' if len(changes) > 5 else ''
