@@ -18,10 +18,10 @@ command again continues it: finished runs are skipped, stopped ones resumed (`--
 exactly as `fltff reproduce` decides; a finished run the gin file now asks more rounds of
 too), points new to the grid (another seed) added; a point planned there with other settings,
 or whose run there was computed with settings the gin file no longer gives (it was edited
-since), is refused. Up to `--parallel` runs go at once, each its
-own process with its log in `<sweep_dir>/<name>.log`; SIGTERM/Ctrl-C stops them after their
-current round, checkpointed (a second signal: at once). At the end `fltff report` compares the
-finished runs in `<sweep_dir>/report/` (`fltff report --runs=<sweep_dir>` does it again).
+since), is refused. Up to `--parallel` runs go at once, each its own process with its log in
+`<sweep_dir>/<name>.log`; SIGTERM/Ctrl-C stops them after their current round, checkpointed (a
+second signal: at once). At the end `fltff report` compares the finished runs in
+`<sweep_dir>/report/` (`fltff report --runs=<sweep_dir>` does it again).
 """
 
 from __future__ import annotations
