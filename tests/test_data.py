@@ -410,6 +410,24 @@ def test_the_source_fingerprint_is_what_the_data_are_not_how_a_seed_split_them(m
   assert build(data.synthetic_source, 0).source_fingerprint is None
 
 
+def test_a_client_without_local_test_examples_is_refused():
+  """A natural partition whose client has no held-out examples: its local accuracy would read 0
+  (before this check, a run stopped with a traceback where the data fingerprint hashed it)."""
+  two = data.ArrayDataset('two', x_train=np.zeros((4, 3), np.float32),
+                          y_train=np.array([0, 1, 0, 1]), x_test=np.zeros((2, 3), np.float32),
+                          y_test=np.array([0, 1]), num_classes=2,
+                          natural_partition=[np.arange(2), np.arange(2, 4)],
+                          natural_test_partition=[np.arange(2), np.arange(0)])
+  with pytest.raises(ConfigError) as error:
+    data.build_federated_data(source=lambda: two, partitioner=data.natural_partition,
+                              num_clients=2, local_test_examples=3)
+  assert str(error.value).splitlines()[0] == (
+      'client 1 (client_001) has no local test examples: its source holds none for it; draw '
+      'other clients or set federated_data.local_test_examples = 0.')
+  assert data.build_federated_data(source=lambda: two, partitioner=data.natural_partition,
+                                   num_clients=2).local_test_indices is None
+
+
 def test_client_data_elements(mnist):
   tf = pytest.importorskip('tensorflow')
   pytest.importorskip('tensorflow_federated')

@@ -158,6 +158,8 @@ def test_unusable_data_are_refused_before_the_first_round(tmp_path, change, frag
     ('train', 'count', 'src: x_train has 2 examples but y_train has 1; both must have the same'),
     ('test', 'shape', 'src: training examples have shape (2, 2, 1), test examples (3, 2, 1); '
                       'they must match.'),
+    ('test', 'empty', 'src: the test split has no examples, and every evaluation reads it (the '
+                      'central test set, and the local test splits drawn from it).'),
 ])
 def test_check_dataset_names_the_split_and_the_count(split, change, message):
   from fltff.data.sources import ArrayDataset  # pylint: disable=g-import-not-at-top
@@ -173,6 +175,8 @@ def test_check_dataset_names_the_split_and_the_count(split, change, message):
     arrays[f'y_{split}'] = np.array([0])
   elif change == 'shape':
     arrays[f'x_{split}'] = np.full((2, 3, 2, 1), 0.5, np.float32)
+  elif change == 'empty':
+    arrays.update(x_test=arrays['x_test'][:0], y_test=arrays['y_test'][:0])
   else:
     x = arrays[f'x_{split}'].copy()
     x[0, 0, 0, 0] = np.inf if change == 'inf' else 2.0
@@ -183,6 +187,16 @@ def test_check_dataset_names_the_split_and_the_count(split, change, message):
   check_dataset(ArrayDataset('d', x_train=np.full((2, 3), -7.0, np.float32),
                              y_train=np.array([0, 1]), x_test=np.full((1, 3), 9.0, np.float32),
                              y_test=np.array([2]), num_classes=3), 'src')
+
+
+def test_data_without_a_test_split_are_refused_not_evaluated_as_accuracy_0(tmp_path):
+  """Synthetic data with `test_fraction = 0` have no test split: every accuracy would read 0."""
+  out = tmp_path / 'run'
+  assert_one_line_error(run_pipeline_here(
+      '--gin_file=gin_configs/quickstart.gin', '--gin_bindings=experiment.rounds = 1',
+      '--gin_bindings=synthetic_source.test_fraction = 0.0', f'--output_dir={out}'),
+      'synthetic_source: the test split has no examples')
+  assert not out.exists()
 
 
 def test_float_images_in_range_are_used(tmp_path):

@@ -237,6 +237,10 @@ def build_federated_data(source: Callable[[], ArrayDataset] = gin.REQUIRED,
     if is_natural and natural_test is not None:
       local_test = [np.sort(np.asarray(t, dtype=np.int64))[:local_test_examples]
                     for t in natural_test]
+      for i in [i for i, t in enumerate(local_test) if not t.size][:1]:
+        raise ConfigError(f'client {i} ({client_ids[i]}) has no local test examples: its source '
+                          'holds none for it; draw other clients or set '
+                          'federated_data.local_test_examples = 0.')
     else:
       hist = partition_lib.label_histograms(dataset.y_train, parts, dataset.num_classes)
       local_test = partition_lib.local_test_split(dataset.y_test, hist, local_test_examples,

@@ -51,11 +51,14 @@ def check_dataset(dataset: ArrayDataset, origin: str) -> ArrayDataset:
   (`DataError`, one line naming `origin`, the split and the count): examples and labels of
   different counts, training and test examples of different shapes, non-finite features, float
   images outside [0, 1] (uint8 images are scaled to [0, 1] by the input pipeline, float ones are
-  used as they are), labels outside [0, num_classes). Float feature vectors (`[n, d]`) may take
-  any finite value."""
+  used as they are), labels outside [0, num_classes), no test examples. Float feature vectors
+  (`[n, d]`) may take any finite value."""
   if dataset.x_train.shape[1:] != dataset.x_test.shape[1:]:
     raise DataError(f'{origin}: training examples have shape {dataset.x_train.shape[1:]}, test '
                     f'examples {dataset.x_test.shape[1:]}; they must match.')
+  if not len(dataset.y_test):
+    raise DataError(f'{origin}: the test split has no examples, and every evaluation reads it '
+                    '(the central test set, and the local test splits drawn from it).')
   for split in ('train', 'test'):
     x, y = getattr(dataset, f'x_{split}'), getattr(dataset, f'y_{split}')
     if len(x) != len(y):
