@@ -9,12 +9,16 @@ import tensorflow_federated as tff
 
 from fltff import learning
 from fltff import personalization
+from fltff.data.pipeline import ClientDatasets
 from fltff.errors import ConfigError
 from fltff.simulation import RoundConfig
 from fltff.simulation import RoundDriver
 from fltff.simulation import evaluation
+from fltff.learning import ModelSpec
 from fltff.learning import optimizers
+from fltff.learning import protocol
 from helpers import mnist_sample_split
+from test_vectorized import _small_batchnorm_model
 
 NUM_CLIENTS = 4
 LR = 0.05
@@ -151,6 +155,46 @@ def test_personal_local_tests_each_clients_own_model(data, spec, tmp_path):
     weights = weights['trainable'] if isinstance(weights, dict) else weights.trainable
     expected[k] = numpy_accuracy(weights, *data.local_test_arrays(k))
   assert dict(row['_clients']['personal_local']) == pytest.approx(expected)
+
+
+BATCHNORM_SPEC = ModelSpec(_small_batchnorm_model, (28, 28, 1), 10)
+
+
+def test_a_global_model_without_trained_batchnorm_statistics_is_not_tested(data, tmp_path):
+  """A global method's server never trains BatchNorm's moving statistics (its client work and
+  finalizer update the trainable weights only): the global model keeps the initial ones, so
+  testing it would report the accuracy of untrained statistics (on this model 0.55 against
+  0.72 with the data's own after 10 FedAvg rounds). Every protocol that tests the global model
+  is refused in one line."""
+  fedavg = learning.build_fedavg(BATCHNORM_SPEC, client_optimizer=SGD())
+  vectorised = fedavg.with_vectorized_clients()
+  datasets = ClientDatasets(data.client_arrays, 16)
+  state = vectorised.initialize()
+  out, _ = protocol.run_round(vectorised, state, [0, 1],
+                              batches_of=lambda k: datasets.batches(k, k), epochs_of=lambda k: 1, num_examples_of=lambda k: 1.0,
+                              client_state_of=lambda k: None)
+  initial, trained = (vectorised.global_model_weights(s) for s in (state, out.state))
+  assert not np.array_equal(initial.trainable[0], trained.trainable[0])
+  for before, after in zip(initial.non_trainable, trained.non_trainable):
+    np.testing.assert_array_equal(before, after)
+  for protocols in (None, ['central'], ['global_local'], ['finetuned_local']):
+    with pytest.raises(ConfigError, match='never trains its BatchNorm statistics'):
+      drive(fedavg, data, tmp_path, protocols, finetuner=evaluation.Finetuner(
+          BATCHNORM_SPEC, SGD(), epochs=1))
+
+
+def test_personal_models_on_batchnorm_are_tested_without_the_global_model(data, tmp_path):
+  """Ditto's personal models carry their own BatchNorm statistics and are tested; the columns
+  that test its global model (`global_model_local_accuracy`, and `personalized_accuracy`, which
+  takes it for clients never trained) are left out, not filled with untrained statistics."""
+  ditto = personalization.build_ditto(BATCHNORM_SPEC, client_optimizer=SGD())
+  driver = drive(ditto, data, tmp_path, ['personal_local'], clients_per_round=2)
+  state = driver.algorithm.initialize()
+  state, row, client_states = driver.run_round(state, 1)
+  driver.client_states.set_many(client_states, 1)
+  row.update(driver.evaluate(state, 1))
+  assert 0 < row['personal_local_accuracy'] <= 1
+  assert 'global_model_local_accuracy' not in row and 'personalized_accuracy' not in row
 
 
 ROWS = [

@@ -114,13 +114,16 @@ class RoundDriver:
                         'set federated_data.local_test_examples > 0.')
     self.channel = channel
     has_local = data.local_test_indices is not None
+    self.evaluator = Evaluator(algorithm.model_spec)
+    self.untrained_statistics = evaluation_lib.untrained_statistics(algorithm,
+                                                                    self.evaluator.model)
     # Only an unset evaluation takes the default: an empty list is refused, not defaulted.
     self.protocols = evaluation_lib.check_protocols(
         config.evaluation if config.evaluation is not None else
         (('personal_local',) if algorithm.personalized else
          ('central', 'global_local') if has_local else ('central',)),
         algorithm.personalized, has_local, algorithm.reports_trained_weights,
-        algorithm.personal_models)
+        algorithm.personal_models, self.untrained_statistics and algorithm.name)
     # The runtime that runs the rounds ('auto': by the client work chosen); it fails over.
     self.runtime = (runtime.place(algorithm, 'trained_local' in self.protocols)
                     if runtime is not None else None)
@@ -155,7 +158,6 @@ class RoundDriver:
     self.outputs = RunOutputs(output_dir)
     self.checkpointer = Checkpointer(output_dir)
     self._checkpoint_costs: list[tuple[float, int]] = []  # (seconds, npz bytes) per save.
-    self.evaluator = Evaluator(algorithm.model_spec)
     self.rows: list[dict] = []
     self.stop_event = stop_event
     self._round_clients: list[int] = []
@@ -279,9 +281,11 @@ class RoundDriver:
       per_client[protocol_name] = [[int(k), float(a)] for k, a in accuracies.items()]
     if per_client:
       out['_clients'] = per_client
-    if self.algorithm.personal_models and not self.algorithm.personalized:
+    if (self.algorithm.personal_models and not self.algorithm.personalized
+        and not self.untrained_statistics):
       # Every client on its local test split, with its personal model (the global one for a
-      # client that has never taken part) and with the global model.
+      # client that has never taken part) and with the global model (not on BatchNorm models:
+      # its statistics are untrained).
       everyone = range(self.num_clients)
       global_local = self.local_accuracies(lambda k: global_weights, everyone)
       personal = global_local | self.local_accuracies(
