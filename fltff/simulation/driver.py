@@ -123,7 +123,7 @@ class RoundDriver:
         (('personal_local',) if algorithm.personalized else
          ('central', 'global_local') if has_local else ('central',)),
         algorithm.personalized, has_local, algorithm.reports_trained_weights,
-        algorithm.personal_models, self.untrained_statistics and algorithm.name)
+        algorithm.personal_models, algorithm.name if self.untrained_statistics else '')
     # The runtime that runs the rounds ('auto': by the client work chosen); it fails over.
     self.runtime = (runtime.place(algorithm, 'trained_local' in self.protocols)
                     if runtime is not None else None)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 import tensorflow as tf
 
@@ -72,21 +70,17 @@ PROTOCOL_COLUMNS = {
 HEADLINE_STATISTICS = ('best_round_mean', 'mean_client_best')
 
 
-# The protocols that test the global model.
-GLOBAL_MODEL_PROTOCOLS = ('central', 'global_local', 'finetuned_local')
-
-
 def untrained_statistics(algorithm, keras_model) -> bool:
   """Whether `algorithm`'s global model keeps `keras_model`'s initial BatchNorm moving
   statistics: a global method's finalizer updates the trainable weights only (TFF's)."""
-  from fltff.models import layer_groups  # pylint: disable=g-import-not-at-top
   return not algorithm.personalized and any(
-      g.kind == 'norm' and g.non_trainable_indices for g in layer_groups(keras_model))
+      isinstance(layer, tf.keras.layers.BatchNormalization) and layer.trainable
+      for layer in keras_model.submodules)
 
 
 def check_protocols(protocols, personalized: bool, has_local_splits: bool,
                     can_report_trained: bool, personal_models: bool = False,
-                    untrained: Optional[str] = None) -> tuple[str, ...]:
+                    untrained: str = '') -> tuple[str, ...]:
   """`protocols` as a tuple, or `ConfigError` naming what cannot be evaluated and why
   (`personal_models`: a global method whose clients keep personal models, e.g. Ditto;
   `untrained`: the name of a global method whose global model keeps untrained statistics)."""
@@ -112,7 +106,7 @@ def check_protocols(protocols, personalized: bool, has_local_splits: bool,
   if not has_local_splits and set(protocols) - {'central'}:
     raise ConfigError('experiment.evaluation: the local protocols need local test splits: set '
                       'federated_data.local_test_examples > 0.')
-  tested = [p for p in protocols if p in GLOBAL_MODEL_PROTOCOLS]
+  tested = [p for p in protocols if p in ('central', 'global_local', 'finetuned_local')]
   if untrained and tested:
     raise ConfigError(
         f'experiment.evaluation: {", ".join(tested)} test(s) the global model, and '
