@@ -9,6 +9,7 @@ still resume to the same numbers.
 import functools
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -68,6 +69,23 @@ def test_client_states_go_in_and_out_the_same_way_for_every_kind(data, spec):
   out = _round(kapc, kapc.initialize(), ClientStateStore(kapc.initial_client_state), data, [2, 4])
   assert list(out.client_states[4]) == ['model', 'server_copy', 'omega']
   assert out.arrays['clients'].tolist() == out.clients
+
+
+def test_personalised_inputs_are_refused_unless_they_are_the_server_inputs_clients(data, spec):
+  """Each client input is matched to the row of its client in `server_input`: an input of a
+  client it does not list trained from another client's row (the first), and a listed client
+  without an input took another's trained model as its new state, silently. Refused in one
+  line, on TFF's runtime and vectorised alike."""
+  local = personalization.build_local(spec, NUM_CLIENTS, client_optimizer=SGD())
+  for algorithm in (local, local.with_vectorized_clients()):
+    states = {k: algorithm.initial_client_state(k) for k in range(NUM_CLIENTS)}
+    server_input = algorithm.server_input([0, 1], [states[0], states[1]], [1.0, 1.0])
+    for clients in ([0, 2], [1, 0], [0]):
+      inputs = [algorithm.client_input(client_batches(*data.client_arrays(k), 32), k, 1,
+                                       states[k]) for k in clients]
+      with pytest.raises(ConfigError, match=re.escape(
+          f'client inputs of clients {clients} for a server input of clients [0, 1]')):
+        algorithm.next(algorithm.initialize(), server_input, inputs)
 
 
 def test_fedlap_personalization_wraps_a_global_method_and_refuses_a_personalised_one(data,

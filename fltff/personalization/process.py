@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
+from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import optimizers
 from fltff.learning import protocol
@@ -233,6 +234,13 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
            call: protocol.Call = protocol.direct_call) -> protocol.RoundOutput:
     """`process.next` (vectorised: `prepare_round`, `VectorizedPersonalWork`, `end_round`, the
     same result); new client states rebuilt from the result and `server_input`'s copies."""
+    # An input trains from its client's row of the server input (TFF's runtime: the first row
+    # for a client not listed; vectorised: by position); the result is read by those rows.
+    order = [client_work_lib.client_index_of_input(data) for data in client_inputs]
+    if order != np.asarray(server_input['clients']).tolist():
+      raise ConfigError(f'{self.name}: client inputs of clients {order} for a server input of '
+                        f'clients {np.asarray(server_input["clients"]).tolist()}: give one '
+                        'input per client listed, in its order.')
     if self.vectorized:
       from fltff.runtime import in_process as runtime  # pylint: disable=g-import-not-at-top
 
@@ -641,12 +649,6 @@ class VectorizedPersonalWork:
     from fltff.learning.vectorized import stack_clients  # pylint: disable=g-import-not-at-top
 
     server_msg = tf.nest.map_structure(tf.convert_to_tensor, server_msg)
-    # The broadcast's rows are per participant: inputs in another order would train each
-    # client from another's start and anchor, silently.
-    order = [client_work_lib.client_index_of_input(data) for data in client_inputs]
-    if order != np.asarray(server_msg['clients']).tolist():
-      raise ValueError(f'client inputs of clients {order} for a broadcast to clients '
-                       f'{np.asarray(server_msg["clients"]).tolist()}: not in its order.')
     personal = stack_clients([data['state'] for data in client_inputs])
     start, s, sent, own = (tuple(part)
                            for part in self._parts.client_start(server_msg, personal))
