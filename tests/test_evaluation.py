@@ -245,6 +245,17 @@ def test_finetuned_local_needs_a_method_that_fine_tunes(data, spec, tmp_path):
     drive(algorithm, data, tmp_path, ['finetuned_local'])
 
 
+def test_a_mean_of_client_bests_needs_a_local_headline_protocol(data, spec, tmp_path):
+  """`central` has one accuracy a round and no clients, so its mean of client bests was None in
+  summary.json's headline, silently; refused in one line (also when central is the default)."""
+  fedavg = learning.build_fedavg(spec, client_optimizer=SGD())
+  for protocols in (['central', 'global_local'], None):
+    with pytest.raises(ConfigError, match="'mean_client_best' .* headline protocol is central"):
+      drive(fedavg, data, tmp_path, protocols, headline='mean_client_best')
+  assert drive(fedavg, data, tmp_path, ['global_local', 'central'],
+               headline='mean_client_best').protocols[0] == 'global_local'
+
+
 def test_the_summary_names_the_protocols_and_the_headline(data, spec, tmp_path):
   algorithm = learning.build_fedavg(spec, client_optimizer=SGD())
   driver = drive(algorithm, data, tmp_path, ['global_local', 'central'],

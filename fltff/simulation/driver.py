@@ -124,6 +124,11 @@ class RoundDriver:
          ('central', 'global_local') if has_local else ('central',)),
         algorithm.personalized, has_local, algorithm.reports_trained_weights,
         algorithm.personal_models, algorithm.name if self.untrained_statistics else '')
+    if config.headline_statistic == 'mean_client_best' and self.protocols[0] == 'central':
+      raise ConfigError("experiment.headline_statistic = 'mean_client_best' averages each "
+                        "client's best round; the headline protocol is central (the first of "
+                        "experiment.evaluation), which tests no clients: put a local protocol "
+                        "first, or use 'best_round_mean'.")
     # The runtime that runs the rounds ('auto': by the client work chosen); it fails over.
     self.runtime = (runtime.place(algorithm, 'trained_local' in self.protocols)
                     if runtime is not None else None)
