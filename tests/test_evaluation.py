@@ -197,6 +197,24 @@ def test_personal_models_on_batchnorm_are_tested_without_the_global_model(data, 
   assert 'global_model_local_accuracy' not in row and 'personalized_accuracy' not in row
 
 
+def test_fedlap_personalised_models_on_batchnorm_take_the_local_models_statistics(data):
+  """FedLap personalisation mixes the local and global trainable weights; the statistics are
+  the local model's own trained ones, not the global model's untrained (initial) ones."""
+  from fltff import methods  # pylint: disable=g-import-not-at-top
+  fedlap = methods.build('fedavg+fedlap_personalization', BATCHNORM_SPEC,
+                         client_optimizer=SGD()).with_vectorized_clients()
+  datasets = ClientDatasets(data.client_arrays, 16)
+  state = fedlap.initialize()
+  out, _ = protocol.run_round(fedlap, state, [0, 1], batches_of=lambda k: datasets.batches(k, k),
+                              epochs_of=lambda k: 1, num_examples_of=lambda k: 1.0,
+                              client_state_of=fedlap.initial_client_state)
+  local = out.client_states[1]['local']['non_trainable']
+  personal = fedlap.personal_weights(out.state, out.client_states[1])['non_trainable']
+  assert not np.array_equal(local[0], BATCHNORM_SPEC.initial_weights().non_trainable[0])
+  for a, b in zip(personal, local):
+    np.testing.assert_array_equal(a, b)
+
+
 ROWS = [
     {'round': 1, 'trained_local_accuracy': 0.5, '_clients': {'trained_local': [[0, 0.2], [1, 0.8]]}},
     {'round': 2, 'trained_local_accuracy': 0.6, '_clients': {'trained_local': [[0, 0.7], [1, 0.5]]}},

@@ -61,12 +61,13 @@ class FedLapPersonalization:
     self.model_spec, self.optimizer = model_spec, optimizer
 
   def personalized_weights(self, local, global_):
-    """ModelWeights-like OrderedDict(trainable, non_trainable) of the personalised model."""
+    """ModelWeights-like OrderedDict(trainable, non_trainable) of the personalised model: the
+    trainable weights mixed, the local model's statistics (the global model's are untrained)."""
     d = layer_dissimilarities(local['trainable'], global_.trainable, self.layers)
     betas = mixing_coefficients(d, self.degree, self.mixing)
     return collections.OrderedDict(
         trainable=mix_layers(local['trainable'], global_.trainable, self.layers, betas),
-        non_trainable=[np.asarray(x) for x in global_.non_trainable])
+        non_trainable=[np.asarray(x) for x in local['non_trainable']])
 
 
 def with_fedlap_personalization(algorithm: protocol.FederatedAlgorithm,
