@@ -23,6 +23,7 @@ from fltff import learning
 from fltff import methods
 from fltff import personalization
 from fltff.errors import ConfigError
+from fltff.errors import DataError
 from fltff.learning import factored_dense
 from fltff.learning import round_data
 from fltff.learning import vectorized
@@ -963,6 +964,21 @@ def test_a_vectorised_algorithms_client_inputs_carry_their_info_without_a_datase
   assert not isinstance(fast['info'], tf.data.Dataset)
   assert (client_work_lib.client_info_of_input(plain)
           == client_work_lib.client_info_of_input(fast) == {'client_index': 7, 'epochs': 3})
+
+
+@pytest.mark.parametrize('x, y', [
+    (np.zeros((4, 28, 28, 1), np.float32), np.eye(10, dtype=np.float32)[[1, 2, 3, 4]]),  # One-hot.
+    (np.zeros((4, 28, 28, 1), np.uint8), np.zeros(4, np.int32)),  # Not preprocessed.
+    (np.zeros((4, 28, 28), np.float32), np.zeros(4, np.int32)),  # No channel axis.
+    (np.zeros((4, 28, 28, 1), np.float32), np.zeros((4, 1), np.int32)),  # Labels as a column.
+])
+def test_vectorised_clients_refuse_batches_that_are_not_the_models_input(x, y, spec, in_process):
+  # TFF's client work refuses batches of another type; the vectorised one read them as they
+  # were, silently: one-hot labels flattened into 10 labels an example, 0-255 pixels.
+  algorithm = _vectorized(METHODS['fedavg'](spec))
+  batches = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y)).batch(2)
+  with pytest.raises(DataError, match=r"client 0's batches .* the model's input_spec"):
+    algorithm.next(algorithm.initialize(), None, [algorithm.client_input(batches, 0, 1)])
 
 
 @pytest.mark.parametrize('method', ['fedprox', 'kapc'])
