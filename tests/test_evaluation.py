@@ -178,7 +178,7 @@ def test_a_global_model_without_trained_batchnorm_statistics_is_not_tested(data,
   for before, after in zip(initial.non_trainable, trained.non_trainable):
     np.testing.assert_array_equal(before, after)
   for protocols in (None, ['central'], ['global_local'], ['finetuned_local']):
-    with pytest.raises(ConfigError, match='never trains its BatchNorm statistics'):
+    with pytest.raises(ConfigError, match='whose BatchNorm statistics fedavg never trains'):
       drive(fedavg, data, tmp_path, protocols, finetuner=evaluation.Finetuner(
           BATCHNORM_SPEC, SGD(), epochs=1))
 

@@ -115,8 +115,7 @@ class RoundDriver:
     self.channel = channel
     has_local = data.local_test_indices is not None
     self.evaluator = Evaluator(algorithm.model_spec)
-    self.untrained_statistics = evaluation_lib.untrained_statistics(algorithm,
-                                                                    self.evaluator.model)
+    self.untrained_statistics = evaluation_lib.untrained_statistics(algorithm, self.evaluator.model)
     # Only an unset evaluation takes the default: an empty list is refused, not defaulted.
     self.protocols = evaluation_lib.check_protocols(
         config.evaluation if config.evaluation is not None else
@@ -289,8 +288,7 @@ class RoundDriver:
     if (self.algorithm.personal_models and not self.algorithm.personalized
         and not self.untrained_statistics):
       # Every client on its local test split, with its personal model (the global one for a
-      # client that has never taken part) and with the global model (not on BatchNorm models:
-      # its statistics are untrained).
+      # client that has never taken part) and with the global model (with trained statistics).
       everyone = range(self.num_clients)
       global_local = self.local_accuracies(lambda k: global_weights, everyone)
       personal = global_local | self.local_accuracies(

@@ -109,11 +109,10 @@ def check_protocols(protocols, personalized: bool, has_local_splits: bool,
   tested = [p for p in protocols if p in ('central', 'global_local', 'finetuned_local')]
   if untrained and tested:
     raise ConfigError(
-        f'experiment.evaluation: {", ".join(tested)} test(s) the global model, and '
-        f'{untrained} never trains its BatchNorm statistics (its server updates the trainable '
-        'weights only), so they would test the initial ones: use a model without BatchNorm '
-        '(LayerNormalization or GroupNormalization keep no statistics), a personalised method '
-        'that keeps them local (fedbn)' + (', or personal_local.' if personal_models else '.'))
+        f'experiment.evaluation: {", ".join(tested)} test(s) the global model, whose BatchNorm '
+        f'statistics {untrained} never trains (its server updates the trainable weights only): '
+        'use a model without BatchNorm (e.g. GroupNormalization), a personalised method (fedbn)'
+        + (', or personal_local.' if personal_models else '.'))
   if 'trained_local' in protocols and not can_report_trained:
     raise ConfigError("experiment.evaluation: trained_local reads the participants' trained "
                       'models from the vectorised client work; this run does not vectorise its '
