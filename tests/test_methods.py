@@ -49,6 +49,16 @@ def test_each_entry_builds_with_the_traits_it_declares(name):
   assert algorithm.with_vectorized_clients().vectorized and not algorithm.vectorized
 
 
+@pytest.mark.parametrize('name', methods.names() + ['fedavg+fedlap_personalization'])
+def test_a_client_optimizer_of_another_kind_is_refused_when_the_method_is_built(name):
+  # A Keras optimizer, TFF's builder itself, a learning rate: each was accepted, to stop in
+  # the first round with a traceback from inside the local training.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  for wrong in (tf.keras.optimizers.SGD(0.1), tff.learning.optimizers.build_sgdm, 0.1):
+    with pytest.raises(ConfigError, match='client_optimizer must be a tff.learning.optimizers'):
+      methods.build(name, SPEC, N, wrong)
+
+
 @pytest.mark.parametrize('name', ['fedavg+fedlap_personalization', 'kapc', 'fedprox'])
 def test_an_entry_without_a_client_optimizer_gets_the_default(name):
   from fltff.learning import optimizers  # pylint: disable=g-import-not-at-top

@@ -4,7 +4,8 @@
 as arguments (none reads gin) and returns an `Algorithm`: a TFF learning process plus its
 per-client communication sizes. Shared arguments:
 
-- `client_optimizer`: None means `optimizers.default_client_optimizer()`.
+- `client_optimizer`: None means `optimizers.default_client_optimizer()`; it must be a
+  `tff.learning.optimizers.Optimizer`.
 - `server_learning_rate`: η_s of the server SGD on the mean delta (1: plain averaging);
   `server_optimizer` replaces that SGD (then leave η_s at 1).
 - `model_aggregator` (FedAvg family): any TFF weighted aggregation factory (default the

@@ -89,7 +89,7 @@ def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, m
   from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
     latent_model(model_spec.keras_fn())  # A clear error now, not inside the computation.
-  optimizer = client_optimizer or optimizers.default_client_optimizer()
+  optimizer = optimizers.default_client_optimizer(client_optimizer)
   # The client state and term: the previous local model; the new state: the trained one (no
   # server state or contribution).
   work = client_state.StatefulClientWork(

@@ -74,9 +74,17 @@ def build_optimizer(name: str, learning_rate: float, momentum: float = 0.9,
   return declared(optimizer, weight_decay=weight_decay) if weight_decay else optimizer
 
 
-def default_client_optimizer():
-  """The library's local optimizer when none is passed: SGD 0.01 with momentum 0.9."""
-  return build_optimizer('sgdm', 0.01, 0.9, role='client_optimizer')
+def default_client_optimizer(given=None):
+  """`given` (a `tff.learning.optimizers.Optimizer`, else `ConfigError`) or, for None, the
+  library's local optimizer: SGD 0.01 with momentum 0.9."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  if given is None:
+    return build_optimizer('sgdm', 0.01, 0.9, role='client_optimizer')
+  if not isinstance(given, tff.learning.optimizers.Optimizer):
+    raise ConfigError(f'client_optimizer must be a tff.learning.optimizers.Optimizer (e.g. '
+                      f'fltff.learning.optimizers.sgdm(0.01)), got a {type(given).__name__}.')
+  return given
 
 
 @gin.configurable('client_optimizer')

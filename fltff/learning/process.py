@@ -232,6 +232,6 @@ def build_averaging_method(name: str, model_spec: ModelSpec, client_optimizer, s
 
   return build_algorithm(
       f'{name}+ccn' if getattr(model_aggregator, 'temperature', None) else name, model_spec,
-      client_optimizer or optimizers.default_client_optimizer(),
+      optimizers.default_client_optimizer(client_optimizer),
       optimizers.server_sgd(server_optimizer, server_learning_rate, name),
       model_aggregator=model_aggregator, **kwargs)

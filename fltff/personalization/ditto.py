@@ -27,7 +27,7 @@ def build_ditto(model_spec: ModelSpec, client_optimizer=None, lambda_: float = 1
   The global model is `build_fedavg(model_spec, client_optimizer, server_learning_rate,
   server_optimizer, model_aggregator, client_weighting)` as it is."""
   check_number('ditto.lambda_', lambda_, low=0)
-  client_optimizer = client_optimizer or optimizers.default_client_optimizer()
+  client_optimizer = optimizers.default_client_optimizer(client_optimizer)
   global_method = build_fedavg(model_spec, client_optimizer, server_learning_rate,
                                server_optimizer, model_aggregator, client_weighting)
   return with_personal_models(global_method, PersonalTraining(

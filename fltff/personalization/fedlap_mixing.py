@@ -85,4 +85,4 @@ def build_fedlap_personalization(model_spec, degree: float = 0.5,
                                  client_optimizer=None) -> FedLapPersonalization:
   """Gin entry: `experiment.personalization = @fedlap_personalization`."""
   return FedLapPersonalization(
-      model_spec, client_optimizer or optimizers.default_client_optimizer(), degree, mixing)
+      model_spec, optimizers.default_client_optimizer(client_optimizer), degree, mixing)

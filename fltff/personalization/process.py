@@ -518,7 +518,7 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   from fltff.aggregators.gather import build_gather  # pylint: disable=g-import-not-at-top
   from fltff.models.layers import layer_groups  # pylint: disable=g-import-not-at-top
 
-  client_optimizer = client_optimizer or optimizers.default_client_optimizer()
+  client_optimizer = optimizers.default_client_optimizer(client_optimizer)
   selection = rule.layer_selection
   name = rule.name + (f'+{selection.name}' if selection.name else '')
   check_number(f'{name} num_clients', num_clients, integer=True, low=1)
