@@ -274,6 +274,15 @@ def test_a_mean_of_client_bests_needs_a_local_headline_protocol(data, spec, tmp_
                headline='mean_client_best').protocols[0] == 'global_local'
 
 
+def test_target_accuracies_need_the_central_protocol(data, spec, tmp_path):
+  """summary.json's `rounds_to_target` reads test_accuracy: a run without central read every
+  target as never reached (null), silently; refused in one line."""
+  local = personalization.build_local(spec, NUM_CLIENTS, client_optimizer=SGD())
+  config = RoundConfig(rounds=2, target_accuracies=[0.5])
+  with pytest.raises(ConfigError, match='target_accuracies .* central'):
+    RoundDriver(local, data, config, str(tmp_path), progress=lambda _: None)
+
+
 def test_the_summary_names_the_protocols_and_the_headline(data, spec, tmp_path):
   algorithm = learning.build_fedavg(spec, client_optimizer=SGD())
   driver = drive(algorithm, data, tmp_path, ['global_local', 'central'],

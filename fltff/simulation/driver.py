@@ -128,6 +128,10 @@ class RoundDriver:
                         "client's best round; the headline protocol is central (the first of "
                         "experiment.evaluation), which tests no clients: put a local protocol "
                         "first, or use 'best_round_mean'.")
+    if config.target_accuracies and 'central' not in self.protocols:
+      raise ConfigError('experiment.target_accuracies are read on the central test accuracy '
+                        '(summary.json rounds_to_target), which this run does not evaluate: '
+                        'add central to experiment.evaluation, or unset them.')
     # The runtime that runs the rounds ('auto': by the client work chosen); it fails over.
     self.runtime = (runtime.place(algorithm, 'trained_local' in self.protocols)
                     if runtime is not None else None)
