@@ -59,6 +59,20 @@ def test_a_client_optimizer_of_another_kind_is_refused_when_the_method_is_built(
       methods.build(name, SPEC, N, wrong)
 
 
+@pytest.mark.parametrize('name', [n for n in methods.names()
+                                  if 'server_optimizer' in inspect.signature(
+                                      methods.get(n).build_fn()).parameters])
+def test_a_server_optimizer_of_another_kind_is_refused_when_the_method_is_built(name):
+  # As the client optimizer: a Keras optimizer stopped the first round with a traceback.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  builder = methods.get(name).build_fn()
+  kwargs = {'num_clients': N} if 'num_clients' in inspect.signature(builder).parameters else {}
+  for wrong in (tf.keras.optimizers.SGD(1.0), tff.learning.optimizers.build_sgdm, 1.0):
+    with pytest.raises(ConfigError, match='server_optimizer must be a tff.learning.optimizers'):
+      builder(SPEC, server_optimizer=wrong, **kwargs)
+  builder(SPEC, server_optimizer=optimizers.build_optimizer('sgd', 1.0), **kwargs)
+
+
 @pytest.mark.parametrize('name', ['fedavg+fedlap_personalization', 'kapc', 'fedprox'])
 def test_an_entry_without_a_client_optimizer_gets_the_default(name):
   from fltff.learning import optimizers  # pylint: disable=g-import-not-at-top

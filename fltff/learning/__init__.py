@@ -7,7 +7,8 @@ per-client communication sizes. Shared arguments:
 - `client_optimizer`: None means `optimizers.default_client_optimizer()`; it must be a
   `tff.learning.optimizers.Optimizer`.
 - `server_learning_rate`: η_s of the server SGD on the mean delta (1: plain averaging);
-  `server_optimizer` replaces that SGD (then leave η_s at 1).
+  `server_optimizer` (a `tff.learning.optimizers.Optimizer` too) replaces that SGD (then
+  leave η_s at 1). An optimizer of another kind is refused when the method is built.
 - `model_aggregator` (FedAvg family): any TFF weighted aggregation factory (default the
   weighted mean), e.g. CCN's `aggregators.contribution_normalization_factory(T)`.
 - `client_weighting`: 'num_examples' (n_k/n, default) or 'uniform' (1/|S_t|).

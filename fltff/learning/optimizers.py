@@ -74,17 +74,23 @@ def build_optimizer(name: str, learning_rate: float, momentum: float = 0.9,
   return declared(optimizer, weight_decay=weight_decay) if weight_decay else optimizer
 
 
-def default_client_optimizer(given=None):
-  """`given` (a `tff.learning.optimizers.Optimizer`, else `ConfigError`) or, for None, the
-  library's local optimizer: SGD 0.01 with momentum 0.9."""
+def checked_optimizer(given, role: str):
+  """`given` if it is a `tff.learning.optimizers.Optimizer`, else `ConfigError` naming `role`:
+  refused when the method is built, not with a traceback from inside its first round."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  if given is None:
-    return build_optimizer('sgdm', 0.01, 0.9, role='client_optimizer')
   if not isinstance(given, tff.learning.optimizers.Optimizer):
-    raise ConfigError(f'client_optimizer must be a tff.learning.optimizers.Optimizer (e.g. '
+    raise ConfigError(f'{role} must be a tff.learning.optimizers.Optimizer (e.g. '
                       f'fltff.learning.optimizers.sgdm(0.01)), got a {type(given).__name__}.')
   return given
+
+
+def default_client_optimizer(given=None):
+  """`given` (`checked_optimizer`) or, for None, the library's local optimizer: SGD 0.01 with
+  momentum 0.9."""
+  if given is None:
+    return build_optimizer('sgdm', 0.01, 0.9, role='client_optimizer')
+  return checked_optimizer(given, 'client_optimizer')
 
 
 @gin.configurable('client_optimizer')
@@ -111,10 +117,11 @@ def server_optimizer(name: str = 'sgd', learning_rate: float = 1.0, momentum: fl
 
 
 def server_sgd(server_optimizer_arg, server_learning_rate: float, method: str):
-  """The server optimizer passed in (`ConfigError` unless η_s is 1), else SGD with η_s."""
+  """The server optimizer passed in (`checked_optimizer`; `ConfigError` unless η_s is 1), else
+  SGD with η_s."""
   if server_optimizer_arg is None:
     return build_optimizer('sgd', server_learning_rate, role=f'{method}.server_learning_rate')
   if server_learning_rate != 1.0:
     raise ConfigError(f'{method}: pass server_optimizer or server_learning_rate, not both '
                       f'(server_learning_rate={server_learning_rate} would be ignored).')
-  return server_optimizer_arg
+  return checked_optimizer(server_optimizer_arg, f'{method} server_optimizer')
