@@ -113,7 +113,8 @@ def test_clients_trained_models_come_back_when_the_driver_reads_them(data, spec,
     tff.framework.set_default_context(cpp)
   assert up > 3 * sum(w.nbytes for w in spec.initial_weights().trainable)
   assert_equal_runs(expected, trace, 'fedavg, trained models back', rtol=1e-5)
-  for want, got in zip(in_process.trained_weights(), algorithm.trained_weights()):
+  for want, got in zip(in_process.trained_weights().trainable,
+                       algorithm.trained_weights().trainable):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 

@@ -380,13 +380,28 @@ def client_result(initial_weights, data, out, statistics: Sequence[ClientStatist
 
   update = tf.nest.map_structure(
       tf.subtract, tuple(tf.nest.flatten(initial_weights.trainable)), out['trained'])
-  update = tf.nest.pack_sequence_as(initial_weights.trainable, update)
+  update = with_moving_statistics(tf.nest.pack_sequence_as(initial_weights.trainable, update),
+                                  initial_weights.non_trainable, out['non_trainable'])
   if client_weighting == 'uniform':
     weight = tf.constant(1.0, tf.float32)
   else:
     weight = tf.cast(out['examples_per_epoch'], tf.float32)
   weight = with_statistics(weight, statistics, lambda s: s.of_client(keras_model, data, out))
   return tff.learning.templates.ClientResult(update=update, update_weight=weight)
+
+
+def with_moving_statistics(update, initial, trained):
+  """A global method's update: the trainable delta, or for a model with BatchNorm moving
+  statistics (non-trainable weights) `ModelWeights(delta, initial − trained statistics)`, whose
+  statistics part `process.build_statistics_mean` averages beside the model aggregator;
+  `trained` may lead with a client axis."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  if not tf.nest.flatten(initial):
+    return update
+  change = [tf.subtract(i, t) for i, t in zip(tf.nest.flatten(initial), trained)]
+  return tff.learning.models.ModelWeights(
+      trainable=update, non_trainable=tf.nest.pack_sequence_as(initial, change))
 
 
 def with_statistics(weight, statistics: Sequence[ClientStatistic],
@@ -405,8 +420,10 @@ def client_result_type(model_spec: ModelSpec, statistics: Sequence[ClientStatist
 
   weight = tff.types.to_type(with_statistics(tff.TensorType(np.float32), statistics, lambda s:
                                              tff.TensorType(s.dtype, s.shape(model_spec))))
+  weights_type = model_spec.weights_type()
+  update = weights_type if len(weights_type.non_trainable) else weights_type.trainable
   return tff.StructWithPythonType(
-      [('update', model_spec.weights_type().trainable), ('update_weight', weight)],
+      [('update', update), ('update_weight', weight)],
       tff.learning.templates.ClientResult)
 
 

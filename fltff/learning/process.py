@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import numpy as np
+import tensorflow as tf
 
 from fltff.config_checks import check_choice
 from fltff.errors import ConfigError
@@ -108,11 +109,12 @@ class Algorithm(protocol.FederatedAlgorithm):
 
   @property
   def reports_trained_weights(self) -> bool:
-    """Whether `trained_weights` gives the models: vectorised rounds, all weights trainable."""
-    return self.vectorized and not self.model_spec.initial_weights().non_trainable
+    """Whether `trained_weights` gives the models: in vectorised rounds."""
+    return self.vectorized
 
-  def trained_weights(self) -> Optional[tuple]:
-    """The last round's trained models (`[K, ...]` per trainable tensor), None unless vectorised."""
+  def trained_weights(self):
+    """The last round's trained models (`ModelWeights` of `[K, ...]` tensors), None unless
+    vectorised."""
     return self.vectorized_work().last_trained if self.vectorized else None
 
   def _vectorized_next(self, state, client_inputs: Sequence, call: protocol.Call):
@@ -188,9 +190,12 @@ def build_algorithm(name: str,
     client_work_initialize = client_work.initialize
   if model_aggregator is None:
     model_aggregator = tff.aggregators.MeanFactory()
-  aggregator = model_aggregator.create(result_type.update, result_type.update_weight)
   finalizer = tff.learning.templates.build_apply_optimizer_finalizer(server_optimizer,
                                                                      weights_type)
+  if len(weights_type.non_trainable):
+    aggregator, finalizer = build_statistics_mean(model_aggregator, result_type, finalizer)
+  else:
+    aggregator = model_aggregator.create(result_type.update, result_type.update_weight)
 
   def build_process():
     @tff.tensorflow.computation
@@ -211,7 +216,7 @@ def build_algorithm(name: str,
                                 client_statistics=statistics, frozen=frozen,
                                 client_weighting=client_weighting, device=device,
                                 factor_dense=factor_dense, batch_norm=True,
-                                mean_aggregation=plain_mean)
+                                mean_aggregation=plain_mean and not len(weights_type.non_trainable))
   return Algorithm(
       name=name,
       build_process=build_process,
@@ -221,6 +226,52 @@ def build_algorithm(name: str,
       bytes_down_per_client=type_num_bytes(weights_type) + extra_bytes_per_client,
       bytes_up_per_client=type_num_bytes(result_type) + extra_bytes_per_client,
       **description)
+
+
+def build_statistics_mean(model_aggregator, result_type, finalizer) -> tuple:
+  """`(aggregator, finalizer)` for a model with BatchNorm moving statistics s, whose update is
+  `ModelWeights(trainable delta, s − s_k)` (`client_work.with_moving_statistics`):
+  `model_aggregator` aggregates the delta as without statistics, a plain `MeanFactory()`
+  averages the statistics' changes beside it with the update's weight ν, and `finalizer`
+  applies the delta, then subtracts the mean change: s ← Σ ν_k s_k / Σ ν_k (ν_k = n_k by
+  default; as the PyTorch reference code of MOON, PFLlib and FL-bench average the whole
+  state_dict, our choice where the papers are silent; no participant's weight: s unchanged)."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  update_type, weight_type = result_type.update, result_type.update_weight
+  inner = model_aggregator.create(update_type.trainable, weight_type)
+  statistics_mean = tff.aggregators.MeanFactory().create(update_type.non_trainable,
+                                                         tff.TensorType(np.float32))
+  weighted = isinstance(weight_type, tff.StructType)  # ν and the aggregator's statistics.
+
+  @tff.federated_computation(inner.next.type_signature.parameter[0],
+                             tff.FederatedType(update_type, tff.CLIENTS),
+                             tff.FederatedType(weight_type, tff.CLIENTS))
+  def aggregate(state, update, weight):
+    output = inner.next(state, update.trainable, weight)
+    change = statistics_mean.next(statistics_mean.initialize(), update.non_trainable,
+                                  weight.num_examples if weighted else weight).result
+    return tff.templates.MeasuredProcessOutput(output.state, tff.federated_zip(
+        tff.learning.models.ModelWeights(output.result, change)), output.measurements)
+
+  weights_type = finalizer.next.type_signature.parameter[1].member
+
+  @tff.tensorflow.computation(weights_type, update_type.non_trainable)
+  def set_statistics(weights, change):
+    return tff.learning.models.ModelWeights(weights.trainable, tf.nest.pack_sequence_as(
+        weights.non_trainable, [s - c for s, c in zip(tf.nest.flatten(weights.non_trainable),
+                                                      tf.nest.flatten(change))]))
+
+  @tff.federated_computation(finalizer.next.type_signature.parameter[0],
+                             tff.FederatedType(weights_type, tff.SERVER),
+                             tff.FederatedType(update_type, tff.SERVER))
+  def finalize(state, weights, update):
+    output = finalizer.next(state, weights, update.trainable)
+    return tff.templates.MeasuredProcessOutput(output.state, tff.federated_map(
+        set_statistics, (output.result, update.non_trainable)), output.measurements)
+
+  return (tff.templates.AggregationProcess(inner.initialize, aggregate),
+          tff.learning.templates.FinalizerProcess(finalizer.initialize, finalize))
 
 
 def build_averaging_method(name: str, model_spec: ModelSpec, client_optimizer, server_optimizer,

@@ -111,8 +111,9 @@ class FederatedAlgorithm:
   finetunes: bool = False  # Whether the method fine-tunes before testing (FedBABU).
   reports_trained_weights: bool = False  # Whether `trained_weights` gives the round's models.
 
-  def trained_weights(self) -> Optional[tuple]:
-    """The last round's trained models (`[K, ...]` per trainable tensor, client order), or None."""
+  def trained_weights(self):
+    """The last round's trained models (`ModelWeights` of `[K, ...]` tensors, client order), or
+    None."""
     return None
 
   def personal_weights(self, state, client_state):

@@ -672,7 +672,9 @@ class VectorizedClientWork:
     out, data = self.train(client_inputs, global_trainable, client_terms=client_terms,
                            statistics=tuple(np.asarray(w) for w in global_weights.non_trainable))
     k = len(client_inputs)
-    update = tf.nest.pack_sequence_as(list(global_weights.trainable), list(out['update']))
+    update = client_work_lib.with_moving_statistics(
+        tf.nest.pack_sequence_as(list(global_weights.trainable), list(out['update'])),
+        list(global_weights.non_trainable), out.get('non_trainable', ()))
     if 'update_weight' in out:  # Each group's mean update (`groups`): one result a group.
       weight = out['update_weight'].numpy()
     else:
@@ -681,7 +683,7 @@ class VectorizedClientWork:
           lambda s: (s.of_clients(client_inputs, out) if s.of_clients
                      else np.asarray(out[s.name])))
     results = StackedClientResults(update, weight, len(weight))
-    self.last_trained = out.get('trained')  # For the `trained_local` evaluation protocol.
+    self.last_trained = trained_models(out)  # For the `trained_local` evaluation protocol.
     train = call(self._aggregate_metrics,
                  clients_argument(StackedClients(self.model_outputs(out['sums']), k)))
     regularizer_stats = None
@@ -689,6 +691,17 @@ class VectorizedClientWork:
       regularizer_stats = tf.nest.map_structure(lambda t: np.float32(np.mean(t.numpy())),
                                                 out['regularizer'])
     return results, train, regularizer_stats, out
+
+
+def trained_models(out):
+  """The participants' trained models in `_train_fn`'s outputs `out`: `ModelWeights` of
+  `[K, ...]` tensors, with the trained statistics of a BatchNorm model (None for group means)."""
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+  if 'trained' not in out:
+    return None
+  return tff.learning.models.ModelWeights(list(out['trained']),
+                                          list(out.get('non_trainable', ())))
 
 
 class StackedClientResults(Sequence):

@@ -115,14 +115,13 @@ class RoundDriver:
     self.channel = channel
     has_local = data.local_test_indices is not None
     self.evaluator = Evaluator(algorithm.model_spec)
-    self.untrained_statistics = evaluation_lib.untrained_statistics(algorithm, self.evaluator.model)
     # Only an unset evaluation takes the default: an empty list is refused, not defaulted.
     self.protocols = evaluation_lib.check_protocols(
         config.evaluation if config.evaluation is not None else
         (('personal_local',) if algorithm.personalized else
          ('central', 'global_local') if has_local else ('central',)),
         algorithm.personalized, has_local, algorithm.reports_trained_weights,
-        algorithm.personal_models, algorithm.name if self.untrained_statistics else '')
+        algorithm.personal_models)
     if config.headline_statistic == 'mean_client_best' and self.protocols[0] == 'central':
       raise ConfigError("experiment.headline_statistic = 'mean_client_best' averages each "
                         "client's best round; the headline protocol is central (the first of "
@@ -282,15 +281,15 @@ class RoundDriver:
         stacked = self._trained if protocol_name == 'trained_local' else self.finetuner(
             global_weights, [(k, self.client_batches(round_num, k)) for k in clients])
         position = {k: i for i, k in enumerate(clients)}
-        weights_of = lambda k: {'trainable': [np.asarray(t[position[k]]) for t in stacked],
-                                'non_trainable': list(global_weights.non_trainable)}
+        weights_of = lambda k: {part: [np.asarray(t[position[k]]) for t in tensors]
+                                for part, tensors in (('trainable', stacked.trainable),
+                                                      ('non_trainable', stacked.non_trainable))}
       accuracies = self.local_accuracies(weights_of, clients)
       out[column] = float(np.mean(list(accuracies.values()))) if accuracies else float('nan')
       per_client[protocol_name] = [[int(k), float(a)] for k, a in accuracies.items()]
     if per_client:
       out['_clients'] = per_client
-    if (self.algorithm.personal_models and not self.algorithm.personalized
-        and not self.untrained_statistics):
+    if self.algorithm.personal_models and not self.algorithm.personalized:
       # Every client on its local test split, with its personal model (the global one for a
       # client that has never taken part) and with the global model (with trained statistics).
       everyone = range(self.num_clients)

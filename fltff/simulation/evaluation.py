@@ -70,20 +70,11 @@ PROTOCOL_COLUMNS = {
 HEADLINE_STATISTICS = ('best_round_mean', 'mean_client_best')
 
 
-def untrained_statistics(algorithm, keras_model) -> bool:
-  """Whether `algorithm`'s global model keeps `keras_model`'s initial BatchNorm moving
-  statistics: a global method's finalizer updates the trainable weights only (TFF's)."""
-  return not algorithm.personalized and any(
-      isinstance(layer, tf.keras.layers.BatchNormalization) and layer.trainable
-      for layer in keras_model.submodules)
-
-
 def check_protocols(protocols, personalized: bool, has_local_splits: bool,
-                    can_report_trained: bool, personal_models: bool = False,
-                    untrained: str = '') -> tuple[str, ...]:
+                    can_report_trained: bool, personal_models: bool = False
+                    ) -> tuple[str, ...]:
   """`protocols` as a tuple, or `ConfigError` naming what cannot be evaluated and why
-  (`personal_models`: a global method whose clients keep personal models, e.g. Ditto;
-  `untrained`: the name of a global method whose global model keeps untrained statistics)."""
+  (`personal_models`: a global method whose clients keep personal models, e.g. Ditto)."""
   if isinstance(protocols, str) or not protocols:
     raise ConfigError('experiment.evaluation must be a non-empty list of protocols '
                       f'({", ".join(PROTOCOL_COLUMNS)}), got {protocols!r}.')
@@ -106,18 +97,10 @@ def check_protocols(protocols, personalized: bool, has_local_splits: bool,
   if not has_local_splits and set(protocols) - {'central'}:
     raise ConfigError('experiment.evaluation: the local protocols need local test splits: set '
                       'federated_data.local_test_examples > 0.')
-  tested = [p for p in protocols if p in ('central', 'global_local', 'finetuned_local')]
-  if untrained and tested:
-    raise ConfigError(
-        f'experiment.evaluation: {", ".join(tested)} test(s) the global model, whose BatchNorm '
-        f'statistics {untrained} never trains (its server updates the trainable weights only): '
-        'use a model without BatchNorm (e.g. GroupNormalization), a personalised method (fedbn)'
-        + (', or personal_local.' if personal_models else '.'))
   if 'trained_local' in protocols and not can_report_trained:
     raise ConfigError("experiment.evaluation: trained_local reads the participants' trained "
                       'models from the vectorised client work; this run does not vectorise its '
-                      "clients (runtime.executor = 'in_process' or 'auto'), or its model has "
-                      'BatchNorm statistics, which it does not read.')
+                      "clients (runtime.executor = 'in_process' or 'auto').")
   return protocols
 
 
@@ -166,16 +149,18 @@ class Finetuner:
     self._model_spec, self._optimizer = model_spec, client_optimizer
     self._work = None
 
-  def __call__(self, global_weights, client_batches) -> tuple:
-    """Fine-tunes `global_weights` on each `(client index, batches)`; returns the models stacked
-    `[K, ...]` per trainable tensor, in the order given."""
+  def __call__(self, global_weights, client_batches):
+    """Fine-tunes `global_weights` on each `(client index, batches)`; returns the models
+    (`vectorized.trained_models`, BatchNorm statistics trained too), in the order given."""
     from fltff.learning import client_work as client_work_lib  # pylint: disable=g-import-not-at-top
-    from fltff.learning.vectorized import VectorizedClientWork  # pylint: disable=g-import-not-at-top
+    from fltff.learning import vectorized  # pylint: disable=g-import-not-at-top
 
     if self._work is None:
-      self._work = VectorizedClientWork(self._model_spec, self._optimizer, None)
+      self._work = vectorized.VectorizedClientWork(self._model_spec, self._optimizer,
+                                                   batch_norm=True)
     inputs = [client_work_lib.client_input(batches, k, self.epochs, state_in_dataset=False,
                                            info_in_dataset=False)
               for k, batches in client_batches]
-    out, _ = self._work.train(inputs, tuple(np.asarray(w) for w in global_weights.trainable))
-    return out['trained']
+    out, _ = self._work.train(inputs, tuple(np.asarray(w) for w in global_weights.trainable),
+                              statistics=[np.asarray(w) for w in global_weights.non_trainable])
+    return vectorized.trained_models(out)
