@@ -994,13 +994,14 @@ def test_weight_decay_trains_vectorised_as_on_the_cpp_runtime(method, data, spec
     assert_equal_runs(without, expected, 'no decay')
 
 
-@pytest.mark.parametrize('method', ['fedavg', 'scaffold'])
+@pytest.mark.parametrize('method', ['fedavg', 'scaffold', 'fedlayerwise'])
 def test_the_global_batchnorm_statistics_are_the_example_weighted_mean_on_both_executors(
     method, cpp):
   """A global method's server sets the global model's moving statistics to Σ n_k s_k / Σ n_k
-  over the participants' trained statistics s_k (`process.build_statistics_mean`): each s_k
-  read from a round of client k alone, on cnn2_bn, clients of 8, 20 and 4 examples; the
-  vectorised round agrees with TFF's C++ runtime."""
+  over the participants' trained statistics s_k (`process.build_statistics_mean`), whatever
+  its model aggregator (FedLayerWise's adaptive one, with client statistics): each s_k read
+  from a round of client k alone, on cnn2_bn, clients of 8, 20 and 4 examples; the vectorised
+  round agrees with TFF's C++ runtime."""
   from fltff import models  # pylint: disable=g-import-not-at-top
   from fltff.learning import protocol  # pylint: disable=g-import-not-at-top
   from fltff.learning.model_spec import ModelSpec  # pylint: disable=g-import-not-at-top

@@ -392,9 +392,8 @@ def client_result(initial_weights, data, out, statistics: Sequence[ClientStatist
 
 def with_moving_statistics(update, initial, trained):
   """A global method's update: the trainable delta, or for a model with BatchNorm moving
-  statistics (non-trainable weights) `ModelWeights(delta, initial − trained statistics)`, whose
-  statistics part `process.build_statistics_mean` averages beside the model aggregator;
-  `trained` may lead with a client axis."""
+  statistics `ModelWeights(delta, initial − trained statistics)` (`trained` may lead with a
+  client axis), for `process.build_statistics_mean`."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   if not tf.nest.flatten(initial):

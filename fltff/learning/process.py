@@ -192,7 +192,8 @@ def build_algorithm(name: str,
     model_aggregator = tff.aggregators.MeanFactory()
   finalizer = tff.learning.templates.build_apply_optimizer_finalizer(server_optimizer,
                                                                      weights_type)
-  if len(weights_type.non_trainable):
+  statistics_mean = bool(len(weights_type.non_trainable))  # BatchNorm's (`build_statistics_mean`).
+  if statistics_mean:
     aggregator, finalizer = build_statistics_mean(model_aggregator, result_type, finalizer)
   else:
     aggregator = model_aggregator.create(result_type.update, result_type.update_weight)
@@ -216,7 +217,7 @@ def build_algorithm(name: str,
                                 client_statistics=statistics, frozen=frozen,
                                 client_weighting=client_weighting, device=device,
                                 factor_dense=factor_dense, batch_norm=True,
-                                mean_aggregation=plain_mean and not len(weights_type.non_trainable))
+                                mean_aggregation=plain_mean and not statistics_mean)
   return Algorithm(
       name=name,
       build_process=build_process,
@@ -229,41 +230,35 @@ def build_algorithm(name: str,
 
 
 def build_statistics_mean(model_aggregator, result_type, finalizer) -> tuple:
-  """`(aggregator, finalizer)` for a model with BatchNorm moving statistics s, whose update is
-  `ModelWeights(trainable delta, s − s_k)` (`client_work.with_moving_statistics`):
-  `model_aggregator` aggregates the delta as without statistics, a plain `MeanFactory()`
-  averages the statistics' changes beside it with the update's weight ν, and `finalizer`
-  applies the delta, then subtracts the mean change: s ← Σ ν_k s_k / Σ ν_k (ν_k = n_k by
-  default; as the PyTorch reference code of MOON, PFLlib and FL-bench average the whole
-  state_dict, our choice where the papers are silent; no participant's weight: s unchanged)."""
+  """`(aggregator, finalizer)` for a model with BatchNorm moving statistics s: the update
+  `ModelWeights(delta, s − s_k)` (`client_work.with_moving_statistics`) has its delta aggregated
+  by `model_aggregator`, its statistics part averaged beside by a `MeanFactory()` with the
+  update's weight ν; `finalizer` applies the delta, then s ← Σ ν_k s_k / Σ ν_k (unchanged without
+  weight). ν_k = n_k by default, as the PyTorch reference code (MOON's, PFLlib, FL-bench)
+  averages the whole state_dict: our choice where the papers are silent."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
   update_type, weight_type = result_type.update, result_type.update_weight
+  state_type, weights_type, _ = finalizer.next.type_signature.parameter
   inner = model_aggregator.create(update_type.trainable, weight_type)
-  statistics_mean = tff.aggregators.MeanFactory().create(update_type.non_trainable,
-                                                         tff.TensorType(np.float32))
-  weighted = isinstance(weight_type, tff.StructType)  # ν and the aggregator's statistics.
+  mean = tff.aggregators.MeanFactory().create(update_type.non_trainable,
+                                              tff.TensorType(np.float32))
 
-  @tff.federated_computation(inner.next.type_signature.parameter[0],
-                             tff.FederatedType(update_type, tff.CLIENTS),
-                             tff.FederatedType(weight_type, tff.CLIENTS))
+  @tff.federated_computation(inner.next.type_signature.parameter[0], tff.FederatedType(
+      update_type, tff.CLIENTS), tff.FederatedType(weight_type, tff.CLIENTS))
   def aggregate(state, update, weight):
     output = inner.next(state, update.trainable, weight)
-    change = statistics_mean.next(statistics_mean.initialize(), update.non_trainable,
-                                  weight.num_examples if weighted else weight).result
+    nu = weight.num_examples if isinstance(weight_type, tff.StructType) else weight
+    change = mean.next(mean.initialize(), update.non_trainable, nu).result
     return tff.templates.MeasuredProcessOutput(output.state, tff.federated_zip(
         tff.learning.models.ModelWeights(output.result, change)), output.measurements)
 
-  weights_type = finalizer.next.type_signature.parameter[1].member
-
-  @tff.tensorflow.computation(weights_type, update_type.non_trainable)
+  @tff.tensorflow.computation(weights_type.member, update_type.non_trainable)
   def set_statistics(weights, change):
-    return tff.learning.models.ModelWeights(weights.trainable, tf.nest.pack_sequence_as(
-        weights.non_trainable, [s - c for s, c in zip(tf.nest.flatten(weights.non_trainable),
-                                                      tf.nest.flatten(change))]))
+    return tff.learning.models.ModelWeights(weights.trainable, tf.nest.map_structure(
+        tf.subtract, weights.non_trainable, change))
 
-  @tff.federated_computation(finalizer.next.type_signature.parameter[0],
-                             tff.FederatedType(weights_type, tff.SERVER),
+  @tff.federated_computation(state_type, weights_type,
                              tff.FederatedType(update_type, tff.SERVER))
   def finalize(state, weights, update):
     output = finalizer.next(state, weights, update.trainable)

@@ -682,7 +682,7 @@ class VectorizedClientWork:
           self.update_weights(out['sums'][1], data['epochs']).numpy(), self._client_statistics,
           lambda s: (s.of_clients(client_inputs, out) if s.of_clients
                      else np.asarray(out[s.name])))
-    results = StackedClientResults(update, weight, len(weight))
+    results = StackedClientResults(update, weight, len(tf.nest.flatten(weight)[0]))
     self.last_trained = trained_models(out)  # For the `trained_local` evaluation protocol.
     train = call(self._aggregate_metrics,
                  clients_argument(StackedClients(self.model_outputs(out['sums']), k)))
@@ -694,14 +694,12 @@ class VectorizedClientWork:
 
 
 def trained_models(out):
-  """The participants' trained models in `_train_fn`'s outputs `out`: `ModelWeights` of
-  `[K, ...]` tensors, with the trained statistics of a BatchNorm model (None for group means)."""
+  """The trained models in `_train_fn`'s outputs `out`, `ModelWeights` of `[K, ...]` tensors
+  (BatchNorm statistics included), or None (group means)."""
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  if 'trained' not in out:
-    return None
-  return tff.learning.models.ModelWeights(list(out['trained']),
-                                          list(out.get('non_trainable', ())))
+  return None if 'trained' not in out else tff.learning.models.ModelWeights(
+      list(out['trained']), list(out.get('non_trainable', ())))
 
 
 class StackedClientResults(Sequence):
