@@ -62,7 +62,7 @@ class FedLapPersonalization:
 
   def personalized_weights(self, local, global_):
     """ModelWeights-like OrderedDict(trainable, non_trainable) of the personalised model: the
-    trainable weights mixed, the local model's statistics (the global model's are untrained)."""
+    trainable weights mixed, the local model's statistics (of its client's own data)."""
     d = layer_dissimilarities(local['trainable'], global_.trainable, self.layers)
     betas = mixing_coefficients(d, self.degree, self.mixing)
     return collections.OrderedDict(
