@@ -205,7 +205,7 @@ def test_personal_and_global_models_on_batchnorm_are_tested(data, tmp_path):
 
 def test_fedlap_personalised_models_on_batchnorm_take_the_local_models_statistics(data):
   """FedLap personalisation mixes the local and global trainable weights; the statistics are
-  the local model's own trained ones (its client's data), not the global model's mean.
+  the local model's own trained ones (its client's data), not the global model's mean."""
   from fltff import methods  # pylint: disable=g-import-not-at-top
   fedlap = methods.build('fedavg+fedlap_personalization', BATCHNORM_SPEC,
                          client_optimizer=SGD()).with_vectorized_clients()
