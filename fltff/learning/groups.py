@@ -5,8 +5,9 @@ around `VectorizedClientWork`'s own training (`train_in_graph`): the group's rou
 (`round_data.stack_client_batches`, cut to its clients; images as the source stores them,
 uint8, preprocessed on the worker) in, its clients' trained weights, metric sums and the rest
 of the training's outputs `[K, ...]` out; for work whose updates go to a plain weighted mean
-(`VectorizedClientWork.mean_aggregation`), the group's weighted mean update and total weight
-instead of its clients' models, unless the driver needs those (`trained_local`). Each
+(`VectorizedClientWork.mean_aggregation`), the group's weighted mean update (BatchNorm
+statistics too) and total weight instead of its clients' models, unless the driver needs those
+(`trained_local`). Each
 worker's TFF remote executor runs its group, the workers at once, so no RPC of ours carries
 them; the driver puts the groups' results back in client order and runs the method's
 aggregator on them in process (`StackedClients`), as in-process vectorised rounds do. A
@@ -87,7 +88,7 @@ class WorkerGroups:
     # Group means: one row a group, in group order (per-client outputs go back to client order).
     means = {} if not summed else {
         name: tf.nest.map_structure(lambda *g: tf.concat(g, 0), *[p.pop(name) for p in parts])
-        for name in ('update', 'update_weight')}
+        for name in ('update', 'update_weight', 'non_trainable') if name in parts[0]}
     out = collections.OrderedDict(in_client_order(parts, groups), **means)
     if not own and not summed:  # As `_train_fn` forms it, from the global model.
       out['update'] = tuple(tf.constant(g)[tf.newaxis] - w
@@ -143,8 +144,9 @@ class WorkerGroups:
       if summed:  # MeanFactory's Σ ν_i Δ_i / Σ ν_i over the group; the driver's weighs by Σ ν_i.
         weight = work.update_weights(out['sums'][1], group_value['epochs'])
         total = tf.reduce_sum(weight)
-        out['update'] = tuple(tf.math.divide_no_nan(tf.tensordot(weight, u, 1), total)[tf.newaxis]
-                              for u in out['update'])
+        for name in {'update', 'non_trainable'} & set(out):  # BatchNorm statistics alike.
+          out[name] = tuple(tf.math.divide_no_nan(tf.tensordot(weight, u, 1), total)[tf.newaxis]
+                            for u in out[name])
         out['update_weight'] = total[tf.newaxis]
         del out['trained']
       else:  # Formed by the driver from `trained` (`WorkerGroups.train`).

@@ -192,8 +192,7 @@ def build_algorithm(name: str,
     model_aggregator = tff.aggregators.MeanFactory()
   finalizer = tff.learning.templates.build_apply_optimizer_finalizer(server_optimizer,
                                                                      weights_type)
-  statistics_mean = bool(len(weights_type.non_trainable))  # BatchNorm's (`build_statistics_mean`).
-  if statistics_mean:
+  if len(weights_type.non_trainable):  # BatchNorm's moving statistics.
     aggregator, finalizer = build_statistics_mean(model_aggregator, result_type, finalizer)
   else:
     aggregator = model_aggregator.create(result_type.update, result_type.update_weight)
@@ -217,7 +216,7 @@ def build_algorithm(name: str,
                                 client_statistics=statistics, frozen=frozen,
                                 client_weighting=client_weighting, device=device,
                                 factor_dense=factor_dense, batch_norm=True,
-                                mean_aggregation=plain_mean and not statistics_mean)
+                                mean_aggregation=plain_mean)
   return Algorithm(
       name=name,
       build_process=build_process,
