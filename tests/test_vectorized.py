@@ -995,13 +995,13 @@ def test_weight_decay_trains_vectorised_as_on_the_cpp_runtime(method, data, spec
 
 
 @pytest.mark.parametrize('method', ['fedavg', 'scaffold', 'fedlayerwise'])
-def test_the_global_batchnorm_statistics_are_the_example_weighted_mean_on_both_executors(
-    method, cpp):
+def test_the_global_batchnorm_statistics_are_the_example_weighted_mean_on_every_executor(
+    method, cpp, two_workers):
   """A global method's server sets the global model's moving statistics to Σ n_k s_k / Σ n_k
   over the participants' trained statistics s_k (`process.build_statistics_mean`), whatever
   its model aggregator (FedLayerWise's adaptive one, with client statistics): each s_k read
   from a round of client k alone, on cnn2_bn, clients of 8, 20 and 4 examples; the vectorised
-  round agrees with TFF's C++ runtime."""
+  round and TFF's client work on 2 workers (the mergeable form) agree with TFF's C++ runtime."""
   from fltff import models  # pylint: disable=g-import-not-at-top
   from fltff.learning import protocol  # pylint: disable=g-import-not-at-top
   from fltff.learning.model_spec import ModelSpec  # pylint: disable=g-import-not-at-top
@@ -1035,12 +1035,14 @@ def test_the_global_batchnorm_statistics_are_the_example_weighted_mean_on_both_e
     assert np.abs(w - initial[t]).max() > 1e-3
   runs = {}
   for name, algorithm, context in [
-      ('cpp', reference, cpp),
+      ('cpp', reference, cpp), ('2 workers', reference, two_workers),
       ('vectorised', methods.build(method, spec, 3, sgdm()).with_vectorized_clients(),
        InProcessContext())]:
     runs[name] = round_of(algorithm, algorithm.initialize(), [2, 0, 1], context)[1]
   tff.framework.set_default_context(cpp)
   for t, w in enumerate(want):
     np.testing.assert_allclose(runs['cpp'][t], w, rtol=1e-5, atol=1e-6, err_msg=str(t))
+    np.testing.assert_allclose(runs['2 workers'][t], runs['cpp'][t], rtol=1e-6, atol=1e-7,
+                               err_msg=str(t))
     np.testing.assert_allclose(runs['vectorised'][t], runs['cpp'][t], rtol=1e-4, atol=1e-5,
                                err_msg=str(t))
