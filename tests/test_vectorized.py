@@ -273,19 +273,6 @@ def test_client_start_on_the_broadcasts_rows_is_each_clients_own_start():
   np.testing.assert_array_equal(start[1][0].numpy(), msg['models'][1][0].numpy())
 
 
-def test_personal_work_refuses_inputs_out_of_the_broadcasts_client_order(data, spec):
-  """The broadcast's rows are per participant, in its `clients` order: inputs in another order
-  are refused before any training (they would pair each client with another's start)."""
-  from fltff.learning import client_work  # pylint: disable=g-import-not-at-top
-
-  work = _vectorized(personalization.build_kapc(spec, NUM_CLIENTS, client_optimizer=SGDM()))
-  work = work.vectorized_fn(None)
-  inputs = [client_work.client_input(client_batches(*data.client_arrays(k), 16), k, 1,
-                                     client_state=None, info_in_dataset=False) for k in (2, 0)]
-  with pytest.raises(ValueError, match=r'clients \[2, 0\] for a broadcast to clients \[0, 2\]'):
-    work({'clients': tf.constant([0, 2], tf.int32)}, inputs)
-
-
 def test_kapc_relationship_steps_after_training_equal_the_cpp_runtime(data, spec, cpp):
   # One round: the R step after training (in `finish`) from vectorised results. Not three: in
   # round 2 of this setting client 2's training sits on a knife edge — on TFF's own runtime a
