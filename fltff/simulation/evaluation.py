@@ -71,8 +71,7 @@ HEADLINE_STATISTICS = ('best_round_mean', 'mean_client_best')
 
 
 def check_protocols(protocols, personalized: bool, has_local_splits: bool,
-                    can_report_trained: bool, personal_models: bool = False
-                    ) -> tuple[str, ...]:
+                    can_report_trained: bool, personal_models: bool = False) -> tuple[str, ...]:
   """`protocols` as a tuple, or `ConfigError` naming what cannot be evaluated and why
   (`personal_models`: a global method whose clients keep personal models, e.g. Ditto)."""
   if isinstance(protocols, str) or not protocols:
