@@ -961,6 +961,33 @@ def test_vectorised_clients_refuse_batches_that_are_not_the_models_input(x, y, s
     algorithm.next(algorithm.initialize(), None, [algorithm.client_input(batches, 0, 1)])
 
 
+@pytest.mark.parametrize('method', ['fedavg', 'moon', 'fedamp'])
+def test_vectorised_clients_read_x_y_tuple_batches_as_tffs_runtime_does(method, spec, cpp):
+  # TFF's client work takes a dataset of `(x, y)` tuples for the model's {x, y} input (a
+  # researcher's own data often comes so); the vectorised work refused it.
+  from fltff.learning import protocol  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.RandomState(0)
+  x, y = rng.rand(6, 28, 28, 1).astype(np.float32), np.arange(6, dtype=np.int32) % 10
+  algorithm = METHODS[method](spec)
+  state = algorithm.initialize()
+
+  def round_on(algorithm, context):
+    tff.framework.set_default_context(context)
+    out, _ = protocol.run_round(
+        algorithm, state, [0], batches_of=lambda k: tf.data.Dataset.from_tensor_slices(
+            (x, y)).batch(4), epochs_of=lambda k: 2, num_examples_of=lambda k: 6,
+        client_state_of=lambda k: algorithm.initial_client_state(k))
+    return out
+
+  expected, got = round_on(algorithm, cpp), round_on(_vectorized(algorithm), InProcessContext())
+  assert got.train['num_examples'] == expected.train['num_examples'] == 12
+  np.testing.assert_allclose(got.train['loss'], expected.train['loss'], rtol=1e-5)
+  for a, b in zip(tf.nest.flatten((got.state, got.client_states)),
+                  tf.nest.flatten((expected.state, expected.client_states))):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize('method', ['fedprox', 'kapc'])
 def test_weight_decay_trains_vectorised_as_on_the_cpp_runtime(method, data, spec, cpp):
   """`client_optimizer.weight_decay` wraps TFF's SGD(M): TFF's client work and the vectorised

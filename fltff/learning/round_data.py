@@ -55,7 +55,8 @@ def stack_client_batches(client_inputs: Sequence[Any],
     for source in sources:
       dataset = source.dataset if isinstance(source, ClientBatches) else source
       # As TFF's runtime reads it: rebuilt if read here before.
-      datasets.append(fresh_dataset(dataset) if dataset in read_before else dataset)
+      datasets.append(named_batches(fresh_dataset(dataset) if dataset in read_before
+                                    else dataset))
       read_before.add(dataset)
     table_x, table_y, rows, sizes, counts = _read_datasets(datasets, passes)
   # Where each batch goes: client c's epochs one after another, each its steps in order.
@@ -85,6 +86,14 @@ def stack_client_batches(client_inputs: Sequence[Any],
     table_x, table_y = tf.cast(table_x, tf.float32), tf.cast(table_y, tf.int32)
   return collections.OrderedDict(examples=table_x, labels=table_y, index=index, mask=mask,
                                  valid=valid, epochs=np.asarray(epochs, np.int32))
+
+
+def named_batches(dataset: tf.data.Dataset) -> tf.data.Dataset:
+  """`dataset`'s `(x, y)` batches as `{'x': x, 'y': y}`, the model's input as TFF's client
+  work reads either form."""
+  if isinstance(dataset.element_spec, tuple):
+    return dataset.map(lambda x, y: collections.OrderedDict(x=x, y=y))
+  return dataset
 
 
 def _round_choice(counts: Sequence[int], passes: Sequence[int]) -> np.ndarray:

@@ -569,6 +569,8 @@ class VectorizedClientWork:
       self._keras_fn()
     for data in client_inputs:  # TFF's client work checks a dataset's type; read as it is here.
       spec = getattr(data['batches'], 'element_spec', self._input_spec)
+      if isinstance(spec, tuple) and len(spec) == 2:
+        spec = dict(x=spec[0], y=spec[1])
       if not (isinstance(spec, Mapping) and set(spec) == {'x', 'y'} and all(
           spec[key].is_compatible_with(self._input_spec[key]) for key in spec)):
         raise DataError(f"client {client_work_lib.client_index_of_input(data)}'s batches are "
