@@ -82,10 +82,6 @@ class RoundConfig:
     check_number('experiment.client_fraction', self.client_fraction, allow_none=True)
     sampling.straggler_plan(np.arange(1), self.local_epochs, self.straggler_fraction,
                             self.straggler_mode, self.seed, 1)  # Validates both settings.
-    if self.straggler_fraction and self.straggler_mode == 'partial' and self.local_epochs == 1:
-      raise ConfigError("experiment.straggler_mode = 'partial': a straggler trains a random "
-                        'number of epochs in [1, experiment.local_epochs], with local_epochs = '
-                        "1 as many as the others; use more epochs or straggler_mode = 'drop'.")
     check_number('experiment.round_deadline', self.round_deadline, allow_none=True, low=0,
                  open_low=True, hint='seconds')
     check_choice('experiment.client_state_store', self.client_state_store, STORE_KINDS)
@@ -149,13 +145,8 @@ class RoundDriver:
     self.num_clients = data.num_clients()
     self.participants = sampling.num_participants(self.num_clients, config.clients_per_round,
                                                   config.client_fraction)
-    fraction, m = config.straggler_fraction, self.participants
-    if fraction and not sampling.straggler_count(m, fraction, config.straggler_mode):
-      raise ConfigError(f'experiment.straggler_fraction = {fraction:g} of {m} participant(s) a '
-                        'round gives no straggler (' + (
-                            f'{fraction * m:g} rounds to 0); use at least {1 / m:.3g}, or '
-                            if not round(fraction * m) else "'drop' keeps one); use ") +
-                        'more participants.')
+    sampling.check_stragglers(self.participants, config.local_epochs, config.straggler_fraction,
+                              config.straggler_mode)
     self.record = record
     # All per-client state (SCAFFOLD's controls, MOON's previous models, personal models...).
     self.client_states = (ClientStateStore(algorithm.initial_client_state)

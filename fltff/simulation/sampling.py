@@ -79,3 +79,21 @@ def straggler_count(participants: int, fraction: float, mode: str) -> int:
   (0.5 × 5 is 2); with `mode='drop'` at most m − 1."""
   count = int(round(fraction * participants))
   return min(count, participants - 1) if mode == 'drop' else count
+
+
+def check_stragglers(participants: int, local_epochs: int, fraction: float, mode: str) -> None:
+  """`ConfigError` for stragglers asked for (`fraction` > 0) that never change a round: none
+  of `participants` straggles, or a partial straggler trains the `local_epochs` = 1 all do."""
+  if not fraction:
+    return
+  if mode == 'partial' and local_epochs == 1:
+    raise ConfigError("experiment.straggler_mode = 'partial': a straggler trains a random "
+                      'number of epochs in [1, experiment.local_epochs], with local_epochs = '
+                      "1 as many as the others; use more epochs or straggler_mode = 'drop'.")
+  if not straggler_count(participants, fraction, mode):
+    rounded = straggler_count(participants, fraction, 'partial')  # Not capped at m − 1.
+    raise ConfigError(
+        f'experiment.straggler_fraction = {fraction:g} of {participants} participant(s) a round '
+        'gives no straggler (' + ("'drop' keeps one); use " if rounded else (
+            f'{fraction * participants:g} rounds to 0); use at least {1 / participants:.3g}, '
+            'or ')) + 'more participants.')
