@@ -4,7 +4,8 @@ A plan file has one run a line, `run_name gin_file [binding; binding; ...]` (`#`
 comment). Each run is a `pipelines.run` process of its own in `<runs_dir>/<run_name>`, its log
 `<runs_dir>/<run_name>.log`: a run whose metrics.csv has all its rounds is skipped, one with
 checkpoints continued with `--resume`, one that stopped before its first checkpoint rerun from
-round 1 in place (also `--resume`), any other started.
+round 1 in place (also `--resume`), any other started. `check_configurations` first refuses a
+plan a run folder of which holds a run computed with other settings than its line gives now.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from typing import Optional, Sequence
 
 from . import reproduction
+from .run import configure
 
 # How often running runs are polled for their end (seconds).
 _POLL_SECONDS = 0.1
@@ -87,17 +89,43 @@ def finished(runs: Sequence[PlannedRun], runs_dir: str,
   return [r for r in runs if command(r, runs_dir, (), (rounds or {}).get(r.name))[1] == 'done']
 
 
-def check_gin_files(runs: list[PlannedRun]) -> None:
-  """`ConfigError` naming the first run whose gin file, or a file it includes, is missing: found
-  before the first run starts, not hours later when its turn comes."""
-  from fltff import resources  # pylint: disable=g-import-not-at-top
+def check_configurations(runs: Sequence[PlannedRun], runs_dir: str,
+                         extra_bindings: tuple[str, ...] = (),
+                         what: str = 'planned run') -> dict[str, int]:
+  """Reads every run's configuration as `fltff run` does (`extra_bindings` before the run's, as
+  `command` passes them), before any run starts; `ConfigError` naming the first run (as `what`)
+  whose configuration is refused (a missing gin file, an unknown name, a badly typed value,
+  ...), or whose folder holds a run computed with other settings (`outputs.config_changes`: the
+  gin file or the bindings changed since), which would otherwise be skipped as done or fail its
+  `--resume`. Returns the rounds each run's configuration binds (`experiment.rounds`), by run
+  name: a finished run continues to more."""
+  import gin  # pylint: disable=g-import-not-at-top
+  from fltff.config_checks import gin_binds  # pylint: disable=g-import-not-at-top
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from fltff.simulation.outputs import changes_text  # pylint: disable=g-import-not-at-top
+  from fltff.simulation.outputs import config_changes  # pylint: disable=g-import-not-at-top
 
+  rounds = {}
   for run in runs:
     try:
-      resources.find_gin_files([run.gin_file])
+      configure([run.gin_file], list(extra_bindings + run.bindings))
+      value = gin.query_parameter('experiment.rounds') if gin_binds('experiment.rounds') else 0
+      if isinstance(value, int):  # Not a macro's reference.
+        rounds[run.name] = value
+      recorded = os.path.join(runs_dir, run.name, 'config.gin')
+      if os.path.exists(recorded):
+        with open(recorded) as f:
+          changes = config_changes(f.read(), gin.config_str(), parsed=True)
+        if changes:
+          raise ConfigError(
+              f'its run in {os.path.dirname(recorded)} was computed with other settings than '
+              f'{run.gin_file} and the bindings give now ({changes_text(changes)}); move that '
+              'run folder away to run it again, or run into another folder.')
     except ConfigError as e:
-      raise ConfigError(f'planned run {run.name}: {e}') from None
+      raise ConfigError(f'{what} {run.name}: {e}') from None
+    finally:
+      gin.clear_config()
+  return rounds
 
 
 def error_line(log_path: str) -> str:

@@ -4,6 +4,10 @@ r"""Runs the reproduction plan one run after another, resuming what a stopped se
       [--only=fedlap_,kapc_] [--gin_bindings=...] [--dry_run]
 
 Each line of the plan is `run_name gin_file [binding; binding; ...]` (`#` starts a comment).
+Every line's configuration (the gin file, `--gin_bindings`, then the line's bindings) is read
+before anything runs: a missing gin file, a bad binding, or a run folder holding a run computed
+with other settings than the line gives now (an edited gin file or line) is one `error:` line,
+and nothing runs (move that run folder away to run it again); `--dry_run` checks the same.
 For every line, in order: a run whose metrics.csv already has all its rounds is skipped; one
 with checkpoints is continued with `--resume`, and one that stopped before its first checkpoint
 is rerun from round 1 in place (also `--resume`); otherwise it starts in `<runs_dir>/<run_name>`.
@@ -22,7 +26,7 @@ import sys
 
 from absl import flags
 
-from .plan import check_gin_files
+from .plan import check_configurations
 from .plan import outcome_message
 from .plan import read_plan
 from .plan import run_plan
@@ -45,16 +49,16 @@ def main(argv) -> int:
   try:
     plan = [run for run in read_plan(_PLAN.value)
             if not _ONLY.value or any(run.name.startswith(p) for p in _ONLY.value)]
-    check_gin_files(plan)
+    runs_dir = os.path.expanduser(_RUNS_DIR.value)
+    rounds = check_configurations(plan, runs_dir, tuple(_BINDINGS.value))
   except OSError as e:
     print(f'error: cannot read the plan {_PLAN.value}: {e.strerror or e}.', file=sys.stderr)
     return 2
   except (ConfigError, ValueError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  runs_dir = os.path.expanduser(_RUNS_DIR.value)
-  os.makedirs(runs_dir, exist_ok=True)
-  outcome = run_plan(plan, runs_dir, tuple(_BINDINGS.value), dry_run=_DRY_RUN.value)
+  outcome = run_plan(plan, runs_dir, tuple(_BINDINGS.value), dry_run=_DRY_RUN.value,
+                     rounds=rounds)
   message = outcome_message(outcome, runs_dir, 'rerunning this command')
   if message:
     print(message, file=sys.stderr)

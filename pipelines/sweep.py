@@ -36,12 +36,11 @@ from absl import flags
 
 from . import report
 from .plan import PlannedRun
-from .plan import check_gin_files
+from .plan import check_configurations
 from .plan import finished
 from .plan import outcome_message
 from .plan import read_plan
 from .plan import run_plan
-from .run import configure
 
 PLAN_FILE = 'plan.txt'
 
@@ -170,43 +169,6 @@ def write_plan(runs: list[PlannedRun], path: str) -> None:
   os.replace(path + '.tmp', path)
 
 
-def check_configurations(runs: list[PlannedRun], sweep_dir: str) -> dict[str, int]:
-  """Reads every run's configuration as `fltff run` does; `ConfigError` naming the first run
-  whose configuration is refused (an unknown name, a badly typed value, ...), or whose folder
-  holds a run computed with other settings (`outputs.config_changes`: the gin file changed
-  since), which would otherwise be skipped as done or fail its `--resume`. Returns the rounds
-  each run's configuration binds (`experiment.rounds`), by run name: a finished run continues
-  to more."""
-  import gin  # pylint: disable=g-import-not-at-top
-  from fltff.config_checks import gin_binds  # pylint: disable=g-import-not-at-top
-  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from fltff.simulation.outputs import changes_text  # pylint: disable=g-import-not-at-top
-  from fltff.simulation.outputs import config_changes  # pylint: disable=g-import-not-at-top
-
-  check_gin_files(runs)
-  rounds = {}
-  for run in runs:
-    try:
-      configure([run.gin_file], list(run.bindings))
-      value = gin.query_parameter('experiment.rounds') if gin_binds('experiment.rounds') else 0
-      if isinstance(value, int):  # Not a macro's reference.
-        rounds[run.name] = value
-      recorded = os.path.join(sweep_dir, run.name, 'config.gin')
-      if os.path.exists(recorded):
-        with open(recorded) as f:
-          changes = config_changes(f.read(), gin.config_str(), parsed=True)
-        if changes:
-          raise ConfigError(
-              f'its run in {os.path.dirname(recorded)} was computed with other settings than '
-              f'{run.gin_file} gives now ({changes_text(changes)}); sweep into another folder, '
-              'or move that run away to run the point again.')
-    except ConfigError as e:
-      raise ConfigError(f'sweep point {run.name}: {e}') from None
-    finally:
-      gin.clear_config()
-  return rounds
-
-
 def _gin_file(path: str) -> str:
   """The gin file as the plan names it: the absolute path of a file found here, so that the
   plan works from any folder; a shipped config by its shipped name."""
@@ -267,7 +229,7 @@ def main(argv) -> int:
   sweep_dir = os.path.expanduser(_SWEEP_DIR.value)
   try:
     runs = _plan(sweep_dir)
-    rounds = check_configurations(runs, sweep_dir)
+    rounds = check_configurations(runs, sweep_dir, what='sweep point')
   except OSError as e:
     print(f'error: {sweep_dir}: {e.strerror or e}.', file=sys.stderr)
     return 2

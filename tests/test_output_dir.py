@@ -148,6 +148,30 @@ def test_check_resume_without_any_record_of_the_config_refuses(tmp_path, capsys)
       'this one\n')
 
 
+def test_a_superseded_parameter_is_compared_with_the_binding_it_now_follows():
+  """pFedLA's hypernetwork seed `pfedla.seed`, which earlier runs recorded, is the run seed now:
+  a seed-0 run made with it computes what seed 0 gives now; another seed, or another bound
+  `pfedla.relationship_seed`, is a change named by the old binding."""
+  import fltff.simulation.experiment  # pylint: disable=g-import-not-at-top,unused-import
+  path = os.path.join(REPO, 'results', 'runs', 'kapc_fmnist_n10_dir0.3_pfedla_s0', 'config.gin')
+  with open(path) as f:
+    earlier = f.read()
+  assert 'pfedla.seed = 0\n' in earlier and 'experiment.seed = 0\n' in earlier
+  now = earlier.replace('pfedla.seed = 0\n', '')
+  assert outputs.config_changes(earlier, now) == []
+  assert outputs.config_changes(earlier, now.replace('experiment.seed = 0', 'experiment.seed = 1')
+                                ) == [('experiment.seed', '0', '1'), ('pfedla.seed', '0', '1')]
+  assert outputs.config_changes(earlier.replace('pfedla.seed = 0', 'pfedla.seed = 1'), now) == [
+      ('pfedla.seed', '1', '0')]
+  # As parsed (`fltff reproduce`, `fltff sweep`): the run seed unbound is its default, 0.
+  assert outputs.config_changes('pfedla.seed = 0\n', '', parsed=True) == []
+  assert outputs.config_changes('pfedla.seed = 0\n', 'experiment.seed = 1\n', parsed=True) == [
+      ('pfedla.seed', '0', '1')]
+  assert outputs.config_changes('pfedla.seed = 0\n', 'experiment.seed = 0\n'
+                                'pfedla.relationship_seed = 2\n', parsed=True) == [
+                                    ('pfedla.seed', '0', '2')]
+
+
 def test_config_changes_read_a_parsed_configuration_as_gin_does():
   """`fltff sweep` compares what its gin file gives now (`gin.config_str()`) with a run's
   operative config: a binding only the parsed one has is of a configurable the run never

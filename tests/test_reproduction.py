@@ -426,10 +426,29 @@ def test_a_plan_with_a_missing_gin_file_is_refused_before_any_run(tmp_path):
   assert result.returncode == 2 and 'fine: start' not in result.stdout, result.stdout
   assert result.stderr.strip().splitlines()[-1].startswith(
       'error: planned run typo: Gin file gin_configs/quikstart.gin does not exist')
-  plans.check_gin_files(plans.read_plan(os.path.join(REPO, 'results', 'plan.txt')))
+  plans.check_configurations(plans.read_plan(os.path.join(REPO, 'results', 'plan.txt')),
+                             str(tmp_path / 'r'))
   log = tmp_path / 'run.log'
   log.write_text('W1128 noise\nerror: experiment.rounds must be a positive integer, got 0.\n')
   assert plans.error_line(str(log)).endswith('got 0.')
+
+
+def test_a_recorded_run_is_checked_against_its_plan_line_by_what_it_computed(tmp_path):
+  """A shipped pFedLA run recorded `pfedla.seed = 0`, now the run seed: its plan line gives what
+  it computed; the same run planned with seed 1 is refused, naming the old binding."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from pipelines import plan as plans
+  name = 'kapc_fmnist_n10_dir0.3_pfedla_s0'
+  [run] = [r for r in plans.read_plan(os.path.join(REPO, 'results', 'plan.txt')) if r.name == name]
+  (tmp_path / name).mkdir()
+  shutil.copy(os.path.join(REPO, 'results', 'runs', name, 'config.gin'), tmp_path / name)
+  assert plans.check_configurations([run], str(tmp_path)) == {name: 50}
+  seed_1 = dataclasses.replace(run, bindings=run.bindings + ('experiment.seed = 1',))
+  with pytest.raises(ConfigError, match=f'planned run {name}: .*experiment.seed: 0 -> 1; '
+                     'pfedla.seed: 0 -> 1'):
+    plans.check_configurations([seed_1], str(tmp_path))
 
 
 def test_shipped_plan_names_every_manifest_run_and_existing_configs():
@@ -442,20 +461,32 @@ def test_shipped_plan_names_every_manifest_run_and_existing_configs():
     assert os.path.isfile(os.path.join(REPO, run.gin_file)), run.gin_file
 
 
-def test_reproduce_runs_then_skips_a_finished_run(tmp_path):
-  """End to end on the MNIST sample: one planned run, then the same command finds it done."""
-  from helpers import SMALL, pipeline_env
-  bindings = '; '.join(a.split('=', 1)[1] for a in SMALL[1:]) + '; experiment.rounds = 1'
+def test_reproduce_runs_then_skips_a_finished_run_and_refuses_one_computed_otherwise(tmp_path):
+  """End to end on the MNIST sample: one planned run, then the same command finds it done (its
+  settings those of the gin file with reproduce's bindings before the plan's), and refuses it,
+  nothing run, once the gin file is edited to give other settings."""
+  from helpers import SMALL, assert_one_line_error, pipeline_env
+  gin_file = tmp_path / 'tiny.gin'
+  gin_file.write_text(f"include '{SMALL[0].split('=', 1)[1]}'\nexperiment.local_epochs = 1\n")
   plan = tmp_path / 'plan.txt'
-  plan.write_text(f'tiny {SMALL[0].split("=", 1)[1]} {bindings}\n')
-  cmd = [f'--plan={plan}', f'--runs_dir={tmp_path / "runs"}']
+  plan.write_text(f'tiny {gin_file} experiment.rounds = 1; runtime.executor = "tff_cpp"\n')
+  cmd = [f'--plan={plan}', f'--runs_dir={tmp_path / "runs"}',
+         '--gin_bindings=experiment.clients_per_round = 3']
   first = run_program('pipelines.reproduce', *cmd, env=pipeline_env(), timeout=600)
   assert first.returncode == 0, first.stderr[-2000:] + first.stdout
   assert 'tiny: start' in first.stdout and 'tiny: exit 0' in first.stdout
-  rows = open(tmp_path / 'runs' / 'tiny' / 'metrics.csv').read().splitlines()
-  assert len(rows) == 2
+  metrics = tmp_path / 'runs' / 'tiny' / 'metrics.csv'
+  rows = metrics.read_text()
+  assert len(rows.splitlines()) == 2
   again = run_program('pipelines.reproduce', *cmd, env=pipeline_env(), timeout=600)
-  assert again.returncode == 0 and 'tiny: done' in again.stdout
+  assert again.returncode == 0 and 'tiny: done' in again.stdout, again.stderr[-2000:]
+  gin_file.write_text(gin_file.read_text().replace('local_epochs = 1', 'local_epochs = 2'))
+  for dry_run in ([], ['--dry_run']):
+    edited = run_program('pipelines.reproduce', *cmd, *dry_run, env=pipeline_env(), timeout=600)
+    assert_one_line_error(edited, 'planned run tiny: its run in ',
+                          'experiment.local_epochs: 1 -> 2', 'move that run folder away')
+    assert 'tiny:' not in edited.stdout
+  assert metrics.read_text() == rows
 
 
 def test_one_seed_has_no_spread_and_none_is_a_dash():

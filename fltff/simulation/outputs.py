@@ -201,24 +201,37 @@ def is_resumable_change(binding: str) -> bool:
   return binding.startswith(RESUMABLE_CHANGES) or binding.endswith(_DATA_LOCATIONS)
 
 
+# Parameters runs recorded that fltff replaced since, each by the bindings whose value it now
+# follows (the first bound, else the last one's default). pFedLA's hypernetwork seed: the run
+# seed unless `pfedla.relationship_seed` is bound (`fltff.simulation.experiment.build_method`).
+SUPERSEDED = {'pfedla.seed': ('pfedla.relationship_seed', 'experiment.seed')}
+
+
 def config_changes(earlier: str, now: str, parsed: bool = False) -> list[tuple[str, str, str]]:
   """`(binding, earlier value, value now)` for each binding whose value differs between the
-  operative configs, except `RESUMABLE_CHANGES` and data locations. A binding in only one of
-  them counts (its missing side reads `ABSENT`), e.g. a server optimizer bound only for the
-  resume, unless its value is the parameter's default (a parameter fltff added since).
-  `parsed`: `now` is a configuration as parsed (`gin.config_str()`), not yet run: a binding
-  only it has (e.g. of a configurable the run never calls) is no change."""
+  operative configs (a `SUPERSEDED` one of `earlier` against its successors'), except
+  `RESUMABLE_CHANGES` and data locations. A binding in only one of them counts (its missing side
+  reads `ABSENT`), e.g. a server optimizer bound only for the resume, unless its value is the
+  parameter's default (a parameter fltff added since). `parsed`: `now` is a configuration as
+  parsed (`gin.config_str()`), not yet run: a binding only it has (e.g. of a configurable the
+  run never calls) is no change."""
   a, b = config_bindings(earlier), config_bindings(now)
+
+  def value_now(key: str) -> Optional[str]:
+    *scopes, name = key.split('/')  # Parsed: `a/b/f.x` takes `a/b/f.x`, else `a/f.x`, `f.x`.
+    return next((b[k] for k in ('/'.join(scopes[:i] + [name]) for i in range(
+        len(scopes), -1, -1)) if k in b), None) if parsed else b.get(key)
+
   changes = []
   for key in sorted(set(a) | set(b)):
     if parsed and key not in a:
       continue
-    *scopes, name = key.split('/')  # Parsed: `a/b/f.x` takes `a/b/f.x`, else `a/f.x`, `f.x`.
-    value = next((b[k] for k in ('/'.join(scopes[:i] + [name]) for i in range(
-        len(scopes), -1, -1)) if k in b), None) if parsed else b.get(key)
+    successors = SUPERSEDED.get(key, (key,))
+    value = next(filter(None, map(value_now, successors)), None)
     if a.get(key) == value or is_resumable_change(key):
       continue
-    if (key not in a or value is None) and (a.get(key) or value) == _default_text(key):
+    if (key not in a or value is None) and (
+        a.get(key) or value) == _default_text(successors[-1]):
       continue
     changes.append((key, a.get(key, ABSENT), ABSENT if value is None else value))
   return changes
