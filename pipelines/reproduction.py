@@ -803,11 +803,20 @@ def _final_of(run: dict, bls_column: str) -> Optional[float]:
                if v is not None), None)
 
 
+def _layers_without_bls(run: dict) -> Optional[int]:
+  """For a run of KAPC without BLS (summary.json's method 'kapc'), which uploads every layer
+  (Ω = L) and skips none by the method and logs neither: L, as many as its
+  `kapc/self_relation_layer_<l>` columns (0 if it logs none). None for any other run."""
+  if run['summary'].get('method') != 'kapc':
+    return None
+  return len({k for row in run['rows'] for k in row if k.startswith('kapc/self_relation_layer_')})
+
+
 def ablation_point(group: dict, runs: dict, column: str, last_rounds: int = 1) -> dict:
   """Per seed of one ablation entry: best-round mean, the mean over the last `last_rounds`
   rounds, r_ii last and max (the mean over clients and layers), the largest r_ii of any client,
-  layer and round, Ω and the skipped-layer fraction at the last round ({seed: {...}}), and the
-  names missing."""
+  layer and round, Ω and the skipped-layer fraction at the last round as BLS logs them, L for
+  KAPC without BLS (`_layers_without_bls`) ({seed: {...}}), and the names missing."""
   present, missing = _group_runs(group, runs, next(iter(group['runs'])))
   per_seed = {}
   for run in present:
@@ -817,7 +826,8 @@ def ablation_point(group: dict, runs: dict, column: str, last_rounds: int = 1) -
         'best': best[1] if best else None, 'last': last_rounds_mean(run, column, last_rounds),
         'rii_last': rii[-1] if rii else None, 'rii_max': max(rii) if rii else None,
         'rii_peak': max((a for _, a in curve(run, 'kapc/self_relation_max')), default=None),
-        'omega': _final_of(run, 'omega_mean'), 'skipped': _final_of(run, 'skipped_layer_fraction')}
+        'omega': _final_of(run, 'omega_mean'), 'skipped': _final_of(run, 'skipped_layer_fraction'),
+        'all_layers': _layers_without_bls(run)}
   return {'seeds': per_seed, 'missing': missing, 'names': _as_list(group['runs'][next(iter(
       group['runs']))])}
 
@@ -856,9 +866,12 @@ def _paired(point: dict, base: dict, key: str) -> list[float]:
 def _ablation_cells(point: dict, base: Optional[dict]) -> list[str]:
   values = point['seeds'].values()
   got = lambda k: [v[k] for v in values if v[k] is not None]
-  omega, skipped = got('omega'), got('skipped')
-  bls = (f'{sum(omega) / len(omega):.2f}, {sum(skipped) / len(skipped):.2f}'
-         if omega and skipped else DASH)
+  omega, skipped, layers = got('omega'), got('skipped'), got('all_layers')
+  if values and len(layers) == len(values):  # KAPC without BLS: Ω = L, nothing skipped.
+    bls = f'all {max(layers) or "L"}, none (no BLS)'
+  else:
+    bls = (f'{sum(omega) / len(omega):.2f}, {sum(skipped) / len(skipped):.2f}'
+           if omega and skipped else DASH)
   return [_pm([100 * v for v in got('best')]),
           DASH if base is None else _pm(_paired(point, base, 'best'), signed=True),
           _pm([100 * v for v in got('last')]),

@@ -507,19 +507,22 @@ def test_one_seed_has_no_spread_and_none_is_a_dash():
 # -- Why KAPC trails: the ablation table, its verdict rule and its figures ----------------------
 
 def _kapc_run(root, name, best, column='personal_local_accuracy', rii=(0.1, 0.2), omega=5.0,
-              rii_max=None):
-  """Three rounds reaching `best` in round 2, r_ii (mean, two layers) rising to rii[1]; with
-  `rii_max`, the largest r_ii of any client per round."""
+              rii_max=None, method=None):
+  """Three rounds reaching `best` in round 2, r_ii (mean, two layers) rising to rii[1], Ω
+  `omega` (None: not logged); with `rii_max`, the largest r_ii of any client per round;
+  `method`: summary.json's (default: the run's name)."""
   columns = {column: [best - 0.05, best, best - 0.01]}
   if column == 'personal_local_accuracy':
     columns.update({'kapc/self_relation_mean': [rii[0], rii[1], rii[1] - 0.01],
                     'kapc/self_relation_layer_0': [rii[0], rii[0], rii[0]],
-                    'kapc/self_relation_layer_1': [rii[0], rii[1], rii[1]],
-                    'kapc/omega_mean': [omega] * 3,
-                    'kapc/skipped_layer_fraction': [0.0, 0.0, 0.2]})
+                    'kapc/self_relation_layer_1': [rii[0], rii[1], rii[1]]})
+    if omega is not None:
+      columns.update({'kapc/omega_mean': [omega] * 3,
+                      'kapc/skipped_layer_fraction': [0.0, 0.0, 0.2]})
     if rii_max is not None:
       columns['kapc/self_relation_max'] = list(rii_max)
-  _write_run(root, name, columns, _head('personal_local', column, 'best_round_mean', best))
+  _write_run(root, name, columns, dict(_head('personal_local', column, 'best_round_mean', best),
+                                       **({'method': method} if method else {})))
 
 
 def _base(gid, stem, column='personal_local_accuracy', row=None):
@@ -695,6 +698,24 @@ def test_docs_summary_block_is_generated_from_the_results(ablation_results, tmp_
           'over the seeds finished (not a verdict): C -10.00 (n=1, no std); F -5.00 (n=1, no std).') in text
   # A results folder without a docs page beside it writes none.
   assert reproduction.write_docs_summary(str(tmp_path / 'elsewhere' / 'results'), report) is None
+
+
+def test_kapc_without_bls_uploads_every_layer_by_the_method(tmp_path):
+  """KAPC without BLS logs no Ω (by the method it uploads all L layers and skips none; earlier
+  runs logged that as kapc/omega_mean): its rows state it for every seed, logged or not, with L
+  counted from its r_ii layers; KAPC+BLS rows keep the values BLS measured."""
+  root = str(tmp_path / 'results')
+  for k, best in enumerate((0.90, 0.92, 0.94)):
+    _kapc_run(root, f'bls_s{k}', best, omega=1.0, method='kapc+bls')
+    _kapc_run(root, f'kapc_s{k}', best, omega=5.0 if k == 0 else None, method='kapc')
+  with open(os.path.join(root, 'reproduction.json'), 'w') as f:
+    json.dump({'sections': [{'id': 'why', 'kind': 'ablation', 'title': 'Why', 'seeds': 3,
+                             'groups': [_base('bls', 'bls'), _point('K', 'bls', 'kapc')]}]}, f)
+  with open(os.path.join(root, 'paper_numbers.json'), 'w') as f:
+    json.dump({}, f)
+  md = _write(root)
+  assert _row(md, '| base | base bls |')[10] == '1.00, 0.20'
+  assert _row(md, '| suspect K |')[10] == 'all 2, none (no BLS)'
 
 
 def test_bls_and_self_relation_columns_are_read_under_old_and_new_names(tmp_path):
