@@ -11,7 +11,6 @@ import os
 from collections.abc import Sequence
 from typing import Optional
 
-
 from fltff.errors import ConfigError
 from fltff.errors import warn
 
@@ -226,12 +225,11 @@ def config_changes(earlier: str, now: str, parsed: bool = False) -> list[tuple[s
   for key in sorted(set(a) | set(b)):
     if parsed and key not in a:
       continue
-    successors = SUPERSEDED.get(key, (key,))
-    value = next(filter(None, map(value_now, successors)), None)
+    follows = SUPERSEDED.get(key, (key,))
+    value = next(filter(None, map(value_now, follows)), None)
     if a.get(key) == value or is_resumable_change(key):
       continue
-    if (key not in a or value is None) and (
-        a.get(key) or value) == _default_text(successors[-1]):
+    if (key not in a or value is None) and (a.get(key) or value) == _default_text(follows[-1]):
       continue
     changes.append((key, a.get(key, ABSENT), ABSENT if value is None else value))
   return changes
