@@ -4,8 +4,9 @@ A plan file has one run a line, `run_name gin_file [binding; binding; ...]` (`#`
 comment). Each run is a `pipelines.run` process of its own in `<runs_dir>/<run_name>`, its log
 `<runs_dir>/<run_name>.log`: a run whose metrics.csv has all its rounds is skipped, one with
 checkpoints continued with `--resume`, one that stopped before its first checkpoint rerun from
-round 1 in place (also `--resume`), any other started. `check_configurations` first refuses a
-plan a run folder of which holds a run computed with other settings than its line gives now.
+round 1 in place (also `--resume`), any other started. Before that, `check_configurations`
+reads every line's configuration as `fltff run` does and refuses a plan with a bad one, or with
+a run folder holding a run computed with other settings than its line gives now.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import time
 from typing import Optional, Sequence
 
 from . import reproduction
+# Imported here, not in `check_configurations`: TensorFlow before absl's app.run (`run`'s
+# import note), and `run`'s flags defined before the programs' own of the same names.
 from .run import configure
 
 # How often running runs are polled for their end (seconds).
