@@ -463,8 +463,8 @@ def test_shipped_plan_names_every_manifest_run_and_existing_configs():
 
 def test_reproduce_runs_then_skips_a_finished_run_and_refuses_one_computed_otherwise(tmp_path):
   """End to end on the MNIST sample: one planned run, then the same command finds it done (its
-  settings those of the gin file with reproduce's bindings before the plan's), and refuses it,
-  nothing run, once the gin file is edited to give other settings."""
+  settings those of the gin file with reproduce's bindings before the plan's; its data moved
+  too), and refuses it, nothing run, once the gin file is edited to give other settings."""
   from helpers import SMALL, assert_one_line_error, pipeline_env
   gin_file = tmp_path / 'tiny.gin'
   gin_file.write_text(f"include '{SMALL[0].split('=', 1)[1]}'\nexperiment.local_epochs = 1\n")
@@ -480,6 +480,11 @@ def test_reproduce_runs_then_skips_a_finished_run_and_refuses_one_computed_other
   assert len(rows.splitlines()) == 2
   again = run_program('pipelines.reproduce', *cmd, env=pipeline_env(), timeout=600)
   assert again.returncode == 0 and 'tiny: done' in again.stdout, again.stderr[-2000:]
+  # The data's location is not a setting: the data moved, the run is still the line's.
+  moved = run_program('pipelines.reproduce', *cmd, '--dry_run',
+                      "--gin_bindings=npz_source.path = '/moved/mnist_first1003.npz'",
+                      env=pipeline_env(), timeout=600)
+  assert moved.returncode == 0 and 'tiny: done' in moved.stdout, moved.stderr[-2000:]
   gin_file.write_text(gin_file.read_text().replace('local_epochs = 1', 'local_epochs = 2'))
   for dry_run in ([], ['--dry_run']):
     edited = run_program('pipelines.reproduce', *cmd, *dry_run, env=pipeline_env(), timeout=600)
