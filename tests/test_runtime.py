@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow_federated as tff
 
+from fltff.errors import RuntimeUnavailableError
 from fltff.runtime import LocalWorkerRuntime
 from fltff.runtime import RemoteWorkersRuntime
 from fltff.runtime.processes import wait_for_exit
@@ -30,6 +31,9 @@ def test_runtime_runs_computation_and_close_stops_worker(tff_runtime):
       return tff.federated_mean(x)
 
     assert mean([1.0, 2.0, 6.0]) == pytest.approx(3.0)
+    runtime.close()
+    with pytest.raises(RuntimeUnavailableError, match=r'No TFF runtime is open.*LocalWorker'):
+      mean([1.0])  # After its runtime closed: a clear error, not TFF's AttributeError.
   finally:
     runtime.close()
     tff.framework.set_default_context(tff_runtime.context)  # Back to the session runtime.
