@@ -310,3 +310,11 @@ def test_a_resume_that_reruns_rounds_leaves_each_round_once_in_tensorboard(data,
   rows = read_csv(tmp_path / 'metrics.csv')
   assert [float(e.tensor_proto.float_val[0]) if e.tensor_proto.float_val else None
           for e in events.Tensors('train_loss')][2] == pytest.approx(float(rows[2]['train_loss']))
+
+
+def test_vectorised_rounds_outside_the_in_process_executor_are_a_clear_error(data, spec):
+  # The session's context is TFF's C++ runtime, where a vectorised round cannot run unplaced.
+  fedavg = learning.build_fedavg(spec, client_optimizer=SGD()).with_vectorized_clients()
+  store = ClientStateStore(fedavg.initial_client_state)
+  with pytest.raises(ConfigError, match=r'InProcessRuntime\(\).*rt\.place\(algorithm\)'):
+    _round(fedavg, fedavg.initialize(), store, data, [3, 1])

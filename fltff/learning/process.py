@@ -120,7 +120,13 @@ class Algorithm(protocol.FederatedAlgorithm):
   def _vectorized_next(self, state, client_inputs: Sequence, call: protocol.Call):
     """`process.next` with `VectorizedClientWork` as client work (same state and measurements)."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+    from fltff.runtime.in_process import InProcessContext  # pylint: disable=g-import-not-at-top
 
+    if not isinstance(tff.framework.get_context_stack().current, InProcessContext):
+      raise ConfigError(  # Not TFF's "deserialize federated value with no data" from a worker.
+          f"{self.name}'s vectorised rounds run on the in-process executor: call them inside "
+          '`with runtime.InProcessRuntime():`, or on a C++ runtime after `rt.place(algorithm)` '
+          '(its workers then train the clients).')
     distributor, _, aggregator, finalizer = self.components
     distributed = call(distributor.next, state.distributor, state.global_model_weights)
     client_work_state, results, client_work_measurements = self._vectorized.next(
