@@ -401,3 +401,25 @@ def test_weight_decay_steps_on_the_decayed_gradient_as_numpy(name, momentum):
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5)
   with pytest.raises(ConfigError, match='client_optimizer.weight_decay must be >= 0'):
     build_optimizer('sgd', 0.1, weight_decay=-1.0, role='client_optimizer')
+
+
+@pytest.mark.parametrize('name, binding', [('sgd', 'momentum = 0.5'), ('sgdm', 'beta_1 = 0.8'),
+                                           ('adam', 'momentum = 0.99')])
+def test_an_optimizer_setting_the_named_optimizer_does_not_use_is_refused(name, binding):
+  import gin  # pylint: disable=g-import-not-at-top
+  from fltff.learning import optimizers  # pylint: disable=g-import-not-at-top
+
+  gin.clear_config()
+  try:  # Silently ignored before: SGD with `momentum = 0.5` stepped as plain SGD.
+    gin.parse_config(f"client_optimizer.name = '{name}'\nclient_optimizer.{binding}")
+    with pytest.raises(ConfigError, match=rf'client_optimizer\.{binding} has no effect with '
+                                          rf"client_optimizer\.name = '{name}'"):
+      optimizers.client_optimizer()
+    # A run's config.gin binds every parameter, unused ones at their defaults: accepted.
+    gin.parse_config('client_optimizer.momentum = 0.9\nclient_optimizer.beta_1 = 0.9\n'
+                     'client_optimizer.beta_2 = 0.999\nclient_optimizer.epsilon = 1e-07\n'
+                     f"server_optimizer.name = '{name}'")
+    assert optimizers.client_optimizer() is not None
+    assert optimizers.server_optimizer() is not None
+  finally:
+    gin.clear_config()
