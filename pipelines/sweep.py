@@ -11,7 +11,8 @@ brackets: `experiment.evaluation=[['central'], ['central', 'global_local']]`); `
 `experiment.seed`. The cartesian product of the grids × the seeds is one `fltff run` each, in
 `<sweep_dir>/<name>`, named by its point (`fedprox.mu=0.01,experiment.local_epochs=5,seed=1`).
 Every point's configuration is read, as `fltff run` reads it, before anything runs: a malformed
-grid, an unknown gin name or a badly typed value is one `error:` line and nothing runs.
+grid, an unknown gin name, a badly typed value or a grid no point reads (another method's,
+partitioner's or source's parameter) is one `error:` line and nothing runs.
 
 The plan goes to `<sweep_dir>/plan.txt` (the format of `fltff reproduce --plan`); running the
 command again continues it: finished runs are skipped, stopped ones resumed (`--resume`,
@@ -203,6 +204,57 @@ def _plan(sweep_dir: str) -> list[PlannedRun]:
   return merge_plans(planned, existing, sweep_dir)
 
 
+# The settings that choose one configurable among its siblings (the methods; the partitioners,
+# the sources: each a module's): a grid over a sibling's parameter changes nothing in the run.
+CHOOSERS = ('experiment.method', 'federated_data.partitioner', 'federated_data.source')
+
+
+def inert_points(runs: list[PlannedRun], axis: str) -> dict[str, str]:
+  """`{run name: the chooser binding}` of the runs whose configuration never reads the grid
+  `axis` (`moon.mu` where `experiment.method = @fedprox`), read as `fltff run` reads it."""
+  import gin  # pylint: disable=g-import-not-at-top
+  from fltff import methods  # pylint: disable=g-import-not-at-top
+  from fltff.config_checks import _configurables  # pylint: disable=g-import-not-at-top
+  from fltff.config_checks import gin_binds  # pylint: disable=g-import-not-at-top
+  from .run import configure  # pylint: disable=g-import-not-at-top
+
+  method_names = {m.gin_name for m in methods.METHODS.values()}
+  owner = axis.rsplit('/', 1)[-1].rsplit('.', 1)[0]
+  module = lambda name: getattr(getattr(_configurables().get(name), 'wrapped', None),
+                                '__module__', name)
+  inert = {}
+  for run in runs:
+    try:
+      configure([run.gin_file], list(run.bindings))
+      for chooser in CHOOSERS:
+        chosen = gin.query_parameter(chooser) if gin_binds(chooser) else None
+        name = getattr(getattr(chosen, 'configurable', None), 'name', owner)
+        siblings = ({owner, name} <= method_names if chooser == 'experiment.method'
+                    else module(owner) == module(name))
+        if name != owner and siblings:
+          inert[run.name] = f'{chooser} = @{name}'
+    finally:
+      gin.clear_config()
+  return inert
+
+
+def check_axes(runs: list[PlannedRun], axes: list[tuple[str, list[str]]]) -> None:
+  """`ConfigError` for a grid axis no point reads (every value would run the same experiment);
+  a warning naming the points that do not read it."""
+  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from fltff.errors import warn  # pylint: disable=g-import-not-at-top
+
+  for axis, _ in axes:
+    inert = inert_points(runs, axis)
+    if len(inert) == len(runs):
+      raise ConfigError(f'--grid {axis}: no point reads it ({sorted(set(inert.values()))[0]} '
+                        'does not use it), so every value would run the same experiment.')
+    if inert:
+      warn(f'--grid {axis}: {len(inert)} of the {len(runs)} points do not read it (e.g. '
+           f'{next(iter(inert))}: {next(iter(inert.values()))}); their values run the same '
+           'experiment.')
+
+
 def write_sweep_report(runs: list[PlannedRun], sweep_dir: str,
                        rounds: dict[str, int]) -> Optional[str]:
   """`fltff report` over the finished runs (`plan.finished`) into `<sweep_dir>/report/`; its
@@ -230,6 +282,7 @@ def main(argv) -> int:
   try:
     runs = _plan(sweep_dir)
     rounds = check_configurations(runs, sweep_dir, what='sweep point')
+    check_axes(runs, parse_grid(_GRID.value))
   except OSError as e:
     print(f'error: {sweep_dir}: {e.strerror or e}.', file=sys.stderr)
     return 2

@@ -165,3 +165,27 @@ def test_a_finished_point_the_edited_gin_file_would_compute_otherwise_is_refused
   assert [r['round'] for r in read_csv(run / 'metrics.csv')] == ['1', '2']
   assert 'Compared at round 2, the last round all 1 runs evaluated' in (
       tmp_path / 'sweep' / 'report' / 'report.md').read_text()
+
+
+@pytest.mark.parametrize('grid, fragment', [
+    ('moon.mu=[1.0, 5.0]', '--grid moon.mu: no point reads it (experiment.method = @fedprox '),
+    ('dirichlet_partition.alpha=[0.1, 0.5]',
+     '--grid dirichlet_partition.alpha: no point reads it (federated_data.partitioner = '
+     '@natural_partition '),
+])
+def test_a_grid_over_a_setting_no_point_reads_is_refused(tmp_path, grid, fragment):
+  # Before: both values ran, as the same experiment, and the report showed them as two groups.
+  (tmp_path / 'exp.gin').write_text(EXPERIMENT)
+  result = run_program('pipelines.sweep', '--gin_file=exp.gin', f'--grid={grid}',
+                       '--sweep_dir=out', cwd=str(tmp_path), timeout=300)
+  assert_one_line_error(result, fragment)
+  assert sorted(os.listdir(tmp_path)) == ['exp.gin']
+
+
+def test_a_grid_some_points_do_not_read_is_a_warning():
+  runs = sweep.plan_points(os.path.join(REPO, 'gin_configs/quickstart.gin'), sweep.parse_grid(
+      ['experiment.method=[@fedavg, @fedprox]', 'fedprox.mu=[0.0, 0.1]']), [])
+  assert sweep.inert_points(runs, 'fedprox.mu') == {
+      'experiment.method=@fedavg,fedprox.mu=0.0': 'experiment.method = @fedavg',
+      'experiment.method=@fedavg,fedprox.mu=0.1': 'experiment.method = @fedavg'}
+  assert sweep.inert_points(runs, 'experiment.method') == {}
