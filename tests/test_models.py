@@ -347,6 +347,10 @@ def test_a_registered_model_with_wrong_outputs_or_name_is_one_clear_error(regist
   registered('user_none', lambda s, n, seed: None)
   with pytest.raises(ConfigError, match='not a tf.keras.Model'):
     models.build_model('user_none', (6,), num_classes=3)
+  registered('user_probs', lambda s, n, seed: tf.keras.Sequential(
+      [_user_mlp(s, n, seed), tf.keras.layers.Softmax()]))
+  with pytest.raises(ConfigError, match="ending in a softmax .*drop the output activation"):
+    models.build_model('user_probs', (6,), num_classes=3)
   with pytest.raises(ConfigError, match='built-in model'):
     models.register('mlp2', _user_mlp)
   with pytest.raises(ConfigError, match='needs a function'):
@@ -558,3 +562,20 @@ def test_row_cosine_on_model_weights(built):
     assert np.all(np.abs(kernel_cos.numpy()) <= 1.0)
     # Biases start at zero: zero rows, cosine defined as 1.
     np.testing.assert_array_equal(models.row_cosine(ws[1], vs[1]).numpy(), [1.0])
+
+
+@pytest.mark.parametrize('outputs, activation, message', [
+    (3, 'softmax', "ModelSpec.keras_fn returned a model ending in a softmax"),
+    (4, None, r'outputs shape \(None, 4\); fltff needs logits of shape \(batch, 3\)')])
+def test_a_model_spec_of_probabilities_or_other_classes_is_refused_when_built(
+    outputs, activation, message):
+  # Before: both trained silently, on softmax outputs taken for logits or over 4 classes.
+  from fltff import learning  # pylint: disable=g-import-not-at-top
+
+  def keras_fn():
+    inputs = tf.keras.Input((6,))
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(outputs, activation=activation)(inputs))
+
+  spec = learning.ModelSpec(keras_fn=keras_fn, input_shape=(6,), num_classes=3)
+  with pytest.raises(ConfigError, match=message):
+    learning.build_fedavg(spec)

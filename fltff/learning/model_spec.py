@@ -37,13 +37,13 @@ class ModelSpec:
         y=tf.TensorSpec([None], tf.int32),
     )
 
-  def tff_model(self):
-    """A `tff.learning.models.VariableModel` wrapping a fresh Keras model, for TFF's types and
-    metric finalizers; training and evaluation use `batch_loss`."""
+  def tff_model(self, keras_model: Optional[tf.keras.Model] = None):
+    """A `tff.learning.models.VariableModel` wrapping `keras_model` (default: a fresh one),
+    for TFF's types and metric finalizers; training and evaluation use `batch_loss`."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
     return tff.learning.models.from_keras_model(
-        self.keras_fn(),
+        self.keras_fn() if keras_model is None else keras_model,
         loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         input_spec=self.input_spec,
         metrics=[tf.keras.metrics.SparseCategoricalAccuracy(name='accuracy')],
@@ -54,9 +54,12 @@ class ModelSpec:
     """What process builders read off a model (types, specs, finalizers), built once per spec in
     a throwaway graph: each graph-mode Keras build is costly, and the facts never change."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+    from fltff.models import check_logits  # pylint: disable=g-import-not-at-top
 
     with tf.Graph().as_default():
-      model = self.tff_model()
+      keras_model = self.keras_fn()
+      check_logits(keras_model, self.num_classes, 'ModelSpec.keras_fn')
+      model = self.tff_model(keras_model)
       unfinalized = model.report_local_unfinalized_metrics()
       return dict(
           weights_type=tff.learning.models.weights_type_from_model(model),

@@ -14,6 +14,7 @@ from fltff.models.layers import row_squared_distance
 from fltff.models.layers import to_rows
 from fltff.models.layers import update_index_groups
 from fltff.models.zoo import build_model
+from fltff.models.zoo import check_logits
 from fltff.models.zoo import LATENT_LAYER
 from fltff.models.zoo import latent_dim
 from fltff.models.zoo import latent_model
@@ -26,6 +27,7 @@ __all__ = [
     'LayerGroup',
     'MODEL_NAMES',
     'build_model',
+    'check_logits',
     'group_weights',
     'latent_dim',
     'latent_model',

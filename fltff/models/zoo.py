@@ -284,13 +284,25 @@ def build_model(name: str = gin.REQUIRED,
     raise ConfigError(f'num_classes must be at least 2; got {num_classes}.')
   model = _REGISTRY[name](name, shape, int(num_classes), _Init(seed))
   if name not in MODEL_NAMES:  # A user's model: checked once here, with a clear message.
-    if not isinstance(model, tf.keras.Model):
-      raise ConfigError(f'The function registered as model {name!r} returned {type(model)}, '
-                        'not a tf.keras.Model.')
-    if tuple(model.output_shape[1:]) != (int(num_classes),):
-      raise ConfigError(f'Model {name!r} outputs shape {model.output_shape}; fltff needs '
-                        f'logits of shape (batch, {int(num_classes)}).')
+    check_logits(model, num_classes, f'The function registered as model {name!r}')
   return model
+
+
+def check_logits(model, num_classes: int, what: str) -> None:
+  """`ConfigError` unless `model` (returned by `what`) is a Keras model whose outputs are
+  logits `[batch, num_classes]`: not probabilities, which the loss (`from_logits=True`) would
+  silently take for logits."""
+  if not isinstance(model, tf.keras.Model):
+    raise ConfigError(f'{what} returned {type(model)}, not a tf.keras.Model.')
+  if tuple(model.output_shape[1:]) != (int(num_classes),):
+    raise ConfigError(f'{what} returned a model that outputs shape {model.output_shape}; '
+                      f'fltff needs logits of shape (batch, {int(num_classes)}).')
+  last = model.layers[-1]
+  if (isinstance(last, tf.keras.layers.Softmax)
+      or getattr(last, 'activation', None) is tf.keras.activations.softmax):
+    raise ConfigError(f'{what} returned a model ending in a softmax (layer {last.name!r}); '
+                      'fltff needs logits (its loss applies the softmax): drop the output '
+                      'activation.')
 
 
 def _latent_layer(model: tf.keras.Model) -> tf.keras.layers.Layer:
