@@ -56,21 +56,20 @@ def build_optimizer(name: str, learning_rate: float, momentum: float = 0.9,
                     role: str = 'optimizer', weight_decay: float = 0.0):
   """`'sgd'`, `'sgdm'` (momentum) or `'adam'` as a `tff.learning.optimizers.Optimizer`; a
   positive `weight_decay` adds coupled L2 decay (`declared`)."""
-  for what, value in (('learning_rate', learning_rate), ('momentum', momentum),
-                      ('beta_1', beta_1), ('beta_2', beta_2), ('epsilon', epsilon)):
-    check_number(f'{role}.{what}', value)
   check_number(f'{role}.learning_rate', learning_rate, low=0, open_low=True)
+  given = dict(momentum=momentum, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
+  for what, value in given.items():
+    check_number(f'{role}.{what}', value)
   check_number(f'{role}.weight_decay', weight_decay, low=0)
   uses = {'sgd': (), 'sgdm': ('momentum',), 'adam': ('beta_1', 'beta_2', 'epsilon')}.get(name)
-  given = dict(momentum=momentum, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
-  defaults = inspect.signature(build_optimizer).parameters
+  defaults = inspect.signature(build_optimizer).parameters  # A run's config.gin binds them all.
   unused = [f'{role}.{what} = {value}' for what, value in given.items()
             if uses is not None and what not in uses and value != defaults[what].default]
-  if unused:  # A default cannot be told from a binding of it (a run's config.gin lists them).
+  if unused:
     raise ConfigError(f'{", ".join(unused)} has no effect with {role}.name = {name!r}, which '
-                      f'uses {", ".join(uses) or "only the learning rate"}: choose the '
-                      "optimizer that uses it ('sgdm': momentum; 'adam': beta_1, beta_2, "
-                      'epsilon) or drop the binding.')
+                      f'uses {", ".join(uses) or "only the learning rate"}: name the optimizer '
+                      "that uses it ('sgdm': momentum; 'adam': beta_1, beta_2, epsilon) or drop "
+                      'the binding.')
   if name == 'sgd':
     optimizer = sgdm(learning_rate)
   elif name == 'sgdm':
