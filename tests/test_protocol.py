@@ -318,3 +318,13 @@ def test_vectorised_rounds_outside_the_in_process_executor_are_a_clear_error(dat
   store = ClientStateStore(fedavg.initial_client_state)
   with pytest.raises(ConfigError, match=r'InProcessRuntime\(\).*rt\.place\(algorithm\)'):
     _round(fedavg, fedavg.initialize(), store, data, [3, 1])
+
+
+def test_a_personalised_round_without_its_server_input_is_a_clear_error(data, spec):
+  kapc = personalization.build_kapc(spec, NUM_CLIENTS, client_optimizer=SGD())
+  inputs = [kapc.client_input(client_batches(*data.client_arrays(k), 32), k, 1,
+                              kapc.initial_client_state(k)) for k in (0, 1)]
+  # Before: TypeError "'NoneType' object is not subscriptable".
+  with pytest.raises(ConfigError, match=r'server input of clients None: give '
+                                        r'algorithm\.server_input\(clients'):
+    kapc.next(kapc.initialize(), None, inputs)

@@ -237,10 +237,11 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     # An input trains from its client's row of the server input (TFF's runtime: the first row
     # for a client not listed; vectorised: by position); the result is read by those rows.
     order = [client_work_lib.client_index_of_input(data) for data in client_inputs]
-    if order != np.asarray(server_input['clients']).tolist():
+    listed = None if server_input is None else np.asarray(server_input['clients']).tolist()
+    if order != listed:
       raise ConfigError(f'{self.name}: client inputs of clients {order} for a server input of '
-                        f'clients {np.asarray(server_input["clients"]).tolist()}: give one '
-                        'input per client listed, in its order.')
+                        f'clients {listed}: give algorithm.server_input(clients, client_states, '
+                        'num_examples) and one input per client listed, in its order.')
     if self.vectorized:
       from fltff.runtime import in_process as runtime  # pylint: disable=g-import-not-at-top
 
