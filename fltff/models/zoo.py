@@ -289,9 +289,8 @@ def build_model(name: str = gin.REQUIRED,
 
 
 def check_logits(model, num_classes: int, what: str) -> None:
-  """`ConfigError` unless `model` (returned by `what`) is a Keras model whose outputs are
-  logits `[batch, num_classes]`: not probabilities, which the loss (`from_logits=True`) would
-  silently take for logits."""
+  """`ConfigError` unless `model` (returned by `what`) is a Keras model that outputs logits
+  `[batch, num_classes]`, not probabilities (which the loss would take for logits)."""
   if not isinstance(model, tf.keras.Model):
     raise ConfigError(f'{what} returned {type(model)}, not a tf.keras.Model.')
   if tuple(model.output_shape[1:]) != (int(num_classes),):

@@ -160,10 +160,9 @@ def context_for_stub(stub, asynchronous: bool = False):
 
   def stack_fn(cardinalities):
     if stub is None:  # `release_default_context`'s: a computation called with no runtime open.
-      raise RuntimeUnavailableError(
-          'No TFF runtime is open: its fltff runtime was closed (or the program released '
-          "TFF's default context); call TFF computations inside `with "
-          'runtime.LocalWorkerRuntime():` or `with runtime.InProcessRuntime():`.')
+      raise RuntimeUnavailableError('No TFF runtime is open (its runtime was closed): call TFF '
+                                    'computations inside `with runtime.LocalWorkerRuntime():` '
+                                    'or `with runtime.InProcessRuntime():`.')
     if cardinalities.get(tff.CLIENTS) is None:
       cardinalities[tff.CLIENTS] = 0
     ex = tff.framework.RemoteExecutor(stub)
