@@ -946,12 +946,17 @@ def test_a_vectorised_algorithms_client_inputs_carry_their_info_without_a_datase
           == client_work_lib.client_info_of_input(fast) == {'client_index': 7, 'epochs': 3})
 
 
-@pytest.mark.parametrize('x, y', [
+# Batches that are not the model's input (`ModelSpec.input_spec`: float32 images, int32 labels).
+NOT_THE_MODELS_INPUT = [
     (np.zeros((4, 28, 28, 1), np.float32), np.eye(10, dtype=np.float32)[[1, 2, 3, 4]]),  # One-hot.
     (np.zeros((4, 28, 28, 1), np.uint8), np.zeros(4, np.int32)),  # Not preprocessed.
     (np.zeros((4, 28, 28), np.float32), np.zeros(4, np.int32)),  # No channel axis.
     (np.zeros((4, 28, 28, 1), np.float32), np.zeros((4, 1), np.int32)),  # Labels as a column.
-])
+    (np.zeros((4, 28, 28, 1), np.float32), np.zeros(4, np.int64)),  # int64 labels.
+]
+
+
+@pytest.mark.parametrize('x, y', NOT_THE_MODELS_INPUT)
 def test_vectorised_clients_refuse_batches_that_are_not_the_models_input(x, y, spec, in_process):
   # TFF's client work refuses batches of another type; the vectorised one read them as they
   # were, silently: one-hot labels flattened into 10 labels an example, 0-255 pixels.
@@ -959,6 +964,44 @@ def test_vectorised_clients_refuse_batches_that_are_not_the_models_input(x, y, s
   batches = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y)).batch(2)
   with pytest.raises(DataError, match=r"client 0's batches .* the model's input_spec"):
     algorithm.next(algorithm.initialize(), None, [algorithm.client_input(batches, 0, 1)])
+
+
+@pytest.mark.parametrize('method', ['fedavg', 'fedamp'])
+@pytest.mark.parametrize('x, y', NOT_THE_MODELS_INPUT)
+def test_cpp_runtime_clients_refuse_batches_that_are_not_the_models_input(method, x, y, spec,
+                                                                          cpp):
+  # The vectorised clients' DataError, raised by `client_input` before any computation, where
+  # TFF's runtime failed with a long "TypeError: Cannot serialize dataset ...": a global method
+  # and a personalised one, (x, y) tuples refused alike.
+  tff.framework.set_default_context(cpp)
+  algorithm = METHODS[method](spec)
+  for batches in (tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y)),
+                  tf.data.Dataset.from_tensor_slices((x, y))):
+    with pytest.raises(DataError, match=r"client 3's batches .* the model's input_spec"):
+      algorithm.client_input(batches.batch(2), 3, 1, algorithm.initial_client_state(3))
+
+
+def test_batches_of_a_fixed_size_are_the_models_input_on_every_executor(spec, cpp):
+  # A dataset batched with drop_remainder has a fixed batch dimension, compatible with the
+  # model's None: both executors train on it alike.
+  from fltff.learning import protocol  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.RandomState(0)
+  x, y = rng.rand(7, 28, 28, 1).astype(np.float32), np.arange(7, dtype=np.int32) % 10
+  batches = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y)).batch(
+      3, drop_remainder=True)
+  assert batches.element_spec['x'].shape[0] == 3
+  algorithm = METHODS['fedavg'](spec)
+  state = algorithm.initialize()
+  outs = []
+  for algorithm, context in ((algorithm, cpp), (_vectorized(algorithm), InProcessContext())):
+    tff.framework.set_default_context(context)
+    outs.append(protocol.run_round(
+        algorithm, state, [0], batches_of=lambda k: batches, epochs_of=lambda k: 1,
+        num_examples_of=lambda k: 6, client_state_of=lambda k: None)[0])
+  tff.framework.set_default_context(cpp)
+  assert outs[0].train['num_examples'] == outs[1].train['num_examples'] == 6
+  np.testing.assert_allclose(outs[1].train['loss'], outs[0].train['loss'], rtol=1e-5)
 
 
 @pytest.mark.parametrize('method', ['fedavg', 'moon', 'fedamp'])

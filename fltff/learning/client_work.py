@@ -19,6 +19,7 @@ import tensorflow as tf
 from fltff.config_checks import check_choice
 from fltff.data.pipeline import ClientBatches
 from fltff.errors import ConfigError
+from fltff.errors import DataError
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.model_spec import batch_loss
 from fltff.learning.model_spec import unfinalized_metrics
@@ -112,7 +113,8 @@ class StepObserver(Protocol):
 
 def client_input(batches: Union[tf.data.Dataset, ClientBatches], client_index: int, epochs: int,
                  client_state: Optional[Sequence[np.ndarray]] = None,
-                 state_in_dataset: bool = True, info_in_dataset: bool = True):
+                 state_in_dataset: bool = True, info_in_dataset: bool = True,
+                 input_spec: Optional[collections.OrderedDict] = None):
   """One participant's batches (a dataset or `pipeline.ClientBatches`) and info in the layout
   `build_client_work` expects.
 
@@ -120,7 +122,15 @@ def client_input(batches: Union[tf.data.Dataset, ClientBatches], client_index: i
   dataset like `info` or, with `state_in_dataset=False`, plain tensors (cheaper: a model-sized
   constant in a dataset graph is parsed on every call). `info_in_dataset=False`: `info` as
   NumPy scalars and `ClientBatches` as they are, for inputs only Python reads (vectorised).
+  `input_spec` (the model's): batches neither `OrderedDict(x=, y=)` nor `(x, y)` of it are a
+  `DataError` here, before any executor reads them (`ClientBatches` are built to it).
   """
+  spec = getattr(batches, 'element_spec', input_spec)
+  named = dict(x=spec[0], y=spec[1]) if isinstance(spec, tuple) and len(spec) == 2 else spec
+  if input_spec is not None and not (isinstance(named, dict) and set(named) == {'x', 'y'} and all(
+      named[key].is_compatible_with(input_spec[key]) for key in named)):
+    raise DataError(f"client {client_index}'s batches are {spec}, not the model's input_spec "
+                    f'{dict(input_spec)}.')
   info = collections.OrderedDict(client_index=np.int32(client_index), epochs=np.int32(epochs))
   if info_in_dataset:
     info = tf.data.Dataset.from_tensors(info)

@@ -74,7 +74,8 @@ class Algorithm(protocol.FederatedAlgorithm):
     # Vectorised client work reads info and state in Python: no datasets.
     return client_work_lib.client_input(batches, client_index, epochs, client_state=client_state,
                                         state_in_dataset=not self.vectorized,
-                                        info_in_dataset=not self.vectorized)
+                                        info_in_dataset=not self.vectorized,
+                                        input_spec=self.model_spec.input_spec)
 
   def next(self, state, server_input, client_inputs: Sequence,
            call: protocol.Call = protocol.direct_call) -> protocol.RoundOutput:

@@ -17,14 +17,13 @@ import contextlib
 import copy
 import functools
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 import tensorflow as tf
 
 from fltff.errors import ConfigError
-from fltff.errors import DataError
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import factored_dense
 from fltff.learning.groups import worker_groups
@@ -272,7 +271,7 @@ class VectorizedClientWork:
 
     self._aggregate_metrics = aggregate_metrics
     # Built after the graph-mode model above: Keras invalidates eager models made before one.
-    self._keras_fn, self._input_spec = model_spec.keras_fn, model_spec.input_spec
+    self._keras_fn = model_spec.keras_fn
     self._keras_model = model_spec.keras_fn()
     self._layer_bases = [(cls, cls.__bases__) for cls in
                          {type(layer) for layer in (self._keras_model, *self._keras_model.layers)}]
@@ -567,14 +566,6 @@ class VectorizedClientWork:
     # `_train` retraces) until a model is built eagerly, which swaps them back.
     if any(cls.__bases__ != bases for cls, bases in self._layer_bases):
       self._keras_fn()
-    for data in client_inputs:  # TFF's client work checks a dataset's type; read as it is here.
-      spec = getattr(data['batches'], 'element_spec', self._input_spec)
-      if isinstance(spec, tuple) and len(spec) == 2:
-        spec = dict(x=spec[0], y=spec[1])
-      if not (isinstance(spec, Mapping) and set(spec) == {'x', 'y'} and all(
-          spec[key].is_compatible_with(self._input_spec[key]) for key in spec)):
-        raise DataError(f"client {client_work_lib.client_index_of_input(data)}'s batches are "
-                        f"{spec}, not the model's input_spec {dict(self._input_spec)}.")
     on_workers = worker_groups(self)  # Where the runtime placed this work (`WorkerRuntime`).
     read_before = self._read_before
     if read_before_elsewhere:

@@ -308,7 +308,8 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     return client_work_lib.client_input(batches, client_index, epochs,
                                         client_state=self.parts.personal(client_state),
                                         state_in_dataset=False,
-                                        info_in_dataset=not self.vectorized)
+                                        info_in_dataset=not self.vectorized,
+                                        input_spec=self.model_spec.input_spec)
 
   def server_input(self, clients: Sequence[int], client_states: Sequence,
                    num_examples: Sequence[float]) -> collections.OrderedDict:
