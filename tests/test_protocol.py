@@ -328,3 +328,24 @@ def test_a_personalised_round_without_its_server_input_is_a_clear_error(data, sp
   with pytest.raises(ConfigError, match=r'server input of clients None: give '
                                         r'algorithm\.server_input\(clients'):
     kapc.next(kapc.initialize(), None, inputs)
+
+
+def test_negative_or_fractional_local_epochs_are_refused_and_zero_is_a_client_input(data, spec):
+  # `client_input(..., epochs=-1)` trained nothing, silently; 0 is legitimate (a straggler past
+  # the deadline), as is a NumPy integer (`channel.deadline_epochs`).
+  from fltff.learning.client_work import client_info_of_input  # pylint: disable=g-import-not-at-top
+
+  fedavg = learning.build_fedavg(spec, client_optimizer=SGD())
+  kapc = personalization.build_kapc(spec, NUM_CLIENTS, client_optimizer=SGD())
+  batches = client_batches(*data.client_arrays(2), 32)
+  for algorithm in (fedavg, fedavg.with_vectorized_clients(), kapc):
+    state = algorithm.initial_client_state(2)
+    for epochs, problem in ((-1, 'be >= 0, got -1'), (1.5, 'be an integer, got 1.5'),
+                            (True, 'be an integer, got True')):
+      with pytest.raises(ConfigError, match=f"client 2's local epochs must {problem}"):
+        algorithm.client_input(batches, 2, epochs, state)
+    for epochs in (0, np.int64(3)):
+      assert client_info_of_input(algorithm.client_input(batches, 2, epochs, state)) == {
+          'client_index': 2, 'epochs': epochs}
+  with pytest.raises(ConfigError, match="client 4's local epochs must be >= 0, got -2"):
+    learning.client_input(batches, 4, -2)

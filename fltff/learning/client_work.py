@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from fltff.config_checks import check_choice
+from fltff.config_checks import check_number
 from fltff.data.pipeline import ClientBatches
 from fltff.errors import ConfigError
 from fltff.errors import DataError
@@ -123,8 +124,10 @@ def client_input(batches: Union[tf.data.Dataset, ClientBatches], client_index: i
   constant in a dataset graph is parsed on every call). `info_in_dataset=False`: `info` as
   NumPy scalars and `ClientBatches` as they are, for inputs only Python reads (vectorised).
   `input_spec` (the model's): batches neither `OrderedDict(x=, y=)` nor `(x, y)` of it are a
-  `DataError` here, before any executor reads them (`ClientBatches` are built to it).
+  `DataError` here, before any executor reads them (`ClientBatches` are built to it). `epochs`
+  may be 0 (a straggler: no local step), not negative or fractional (`ConfigError`).
   """
+  check_number(f"client {client_index}'s local epochs", epochs, integer=True, low=0)
   spec = getattr(batches, 'element_spec', input_spec)
   named = dict(x=spec[0], y=spec[1]) if isinstance(spec, tuple) and len(spec) == 2 else spec
   if input_spec is not None and not (isinstance(named, dict) and set(named) == {'x', 'y'} and all(
