@@ -48,6 +48,21 @@ def check_number(name: str, value: Any, integer: bool = False, allow_none: bool 
     raise ConfigError(f'{name} must be {bound}, got {value}{"; " + hint if hint else ""}.')
 
 
+def check_device(device: Optional[str], setting: str = 'device') -> None:
+  """Raises `ConfigError` unless TensorFlow sees `device` ('/GPU:0', 'gpu'; None: its choice),
+  naming the devices it sees: one it lacks would run on its CPU (soft placement), silently."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  wanted = tf.DeviceSpec.from_string(device or '')
+  kind, index = wanted.device_type, wanted.device_index
+  if kind is None or len(tf.config.list_logical_devices(kind)) > (index or 0):
+    return
+  hint = (' (`make setup-gpu` installs the CUDA libraries TensorFlow 2.14 needs, `python -m '
+          'pipelines.gpu_check` says what is missing)') if kind == 'GPU' else ''
+  raise ConfigError(f'{setting} = {device!r} but TensorFlow sees no {kind}'
+                    f'{"" if index is None else f":{index}"}, only '
+                    f'{", ".join(d.name for d in tf.config.list_logical_devices())}{hint}.')
+
+
 def check_choice(name: str, value: Any, choices) -> None:
   """Raises `ConfigError` unless `value` is one of `choices`, naming them."""
   if value not in choices:

@@ -10,6 +10,7 @@ floating-point rounding.
 
 import collections
 import os
+import re
 
 import numpy as np
 import pytest
@@ -148,6 +149,27 @@ def test_gpu_is_refused_without_one():
   else:
     with pytest.raises(ConfigError, match='sees no GPU'):
       check_executor('in_process', 'gpu')
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(GPUS), reason='TensorFlow sees a GPU here')
+def test_a_device_tensorflow_lacks_is_refused_when_built_naming_the_devices_it_sees(spec):
+  # TensorFlow's soft placement ran computations placed on a missing GPU on the CPU, silently:
+  # `with_vectorized_clients('gpu')` or `InProcessRuntime('/GPU:0')` "measured a GPU" on a CPU.
+  seen = ', '.join(d.name for d in tf.config.list_logical_devices())
+  context = tff.framework.get_context_stack().current
+  for device, missing in (('gpu', 'GPU'), ('/GPU:0', 'GPU:0'), ('/CPU:1', 'CPU:1')):
+    message = re.escape(f"device = {device!r} but TensorFlow sees no {missing}, only {seen}")
+    for method in ('fedavg', 'scaffold+ccn', 'fedamp', 'ditto'):
+      with pytest.raises(ConfigError, match=message):
+        METHODS[method](spec).with_vectorized_clients(device)
+    with pytest.raises(ConfigError, match=message):
+      runtime.InProcessRuntime(device)
+    assert tff.framework.get_context_stack().current is context  # No runtime was installed.
+  with pytest.raises(ConfigError, match=re.escape(
+      f"runtime.device = 'gpu' but TensorFlow sees no GPU, only {seen} (`make setup-gpu`")):
+    runtime.make_runtime(executor='auto', device='gpu')
+  assert METHODS['fedavg'](spec).with_vectorized_clients('/CPU:0').vectorized
 
 
 def test_clients_are_mapped_and_folded_in_one_call_with_tffs_numbers(contexts):

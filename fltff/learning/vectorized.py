@@ -23,6 +23,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import numpy as np
 import tensorflow as tf
 
+from fltff.config_checks import check_device
 from fltff.errors import ConfigError
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import factored_dense
@@ -257,6 +258,7 @@ class VectorizedClientWork:
     worker may send its weighted mean and total weight instead (`fltff.learning.groups`)."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
+    check_device(device)
     if regularizer is not None and client_regularizer is not None:
       raise ValueError('give a shared regularizer or a client_regularizer, not both.')
     if regularizer is not None and client_work_lib.traits_of(regularizer).batch_term:

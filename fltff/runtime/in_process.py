@@ -28,6 +28,7 @@ from tensorflow_federated.python.core.impl.types import type_serialization
 from tensorflow_federated.python.core.impl.utils import tensorflow_utils
 from tensorflow_federated.python.tensorflow_libs import serialization_utils
 
+from fltff.config_checks import check_device
 from fltff.errors import ConfigError
 
 
@@ -610,9 +611,10 @@ class _Interpreter:
 
 class InProcessContext(context_base.SyncContext):
   """A TFF synchronous context that runs computations in this process (module docstring), on
-  TensorFlow `device` (e.g. '/GPU:0'; None: TensorFlow's choice)."""
+  TensorFlow `device` (e.g. '/GPU:0'; None: TensorFlow's choice; one it lacks: `ConfigError`)."""
 
   def __init__(self, device: Optional[str] = None):
+    check_device(device)
     self.device = device
     self._compiled: dict[int, tuple[Any, Any]] = {}
     self._functions: dict[int, tuple[Any, _TensorFlowFunction]] = {}

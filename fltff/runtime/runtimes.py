@@ -15,6 +15,7 @@ import gin
 import grpc
 
 from fltff.config_checks import check_choice
+from fltff.config_checks import check_device
 from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 from fltff.errors import RuntimeUnavailableError
@@ -106,8 +107,9 @@ class InProcessRuntime(Runtime):
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
     from fltff.runtime.in_process import InProcessContext  # pylint: disable=g-import-not-at-top
 
+    context = InProcessContext(device=device)  # First: it checks the device.
     super().__init__(device, mmap_threshold_kib)
-    self.context = InProcessContext(device=device)
+    self.context = context
     tff.framework.set_default_context(self.context)
     logging.info('TFF runtime ready: in-process executor, device %s.', device or 'auto')
 
@@ -461,11 +463,6 @@ def check_executor(executor: str, device: str, workers: Sequence[str] = (),
     raise ConfigError("runtime.recycle_every recycles TFF's local worker_binary; the in-process "
                       'executor has none (set it to 0).')
   if device == 'gpu':
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    if not tf.config.list_physical_devices('GPU'):
-      raise ConfigError("runtime.device = 'gpu' but TensorFlow sees no GPU (TensorFlow 2.14 "
-                        'needs an NVIDIA driver and the CUDA 11.8 / cuDNN 8.7 libraries: '
-                        '`make setup-gpu` in a checkout installs them, `python -m '
-                        "pipelines.gpu_check` says what is missing; or use 'auto').")
+    check_device(device, 'runtime.device')
     return '/GPU:0'
   return '/CPU:0' if device == 'cpu' else None
