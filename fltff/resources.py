@@ -11,6 +11,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 from typing import Optional
 
 import gin
@@ -114,13 +115,15 @@ _PARSING = []
 
 @contextlib.contextmanager
 def _tracked(path: str):
-  """Opens a gin file for gin's parser and records its folder while gin reads it."""
+  """Opens a gin file for gin's parser and records its folder while gin reads it, for its
+  includes, and puts it last on `sys.path`, for its imports (where Python finds none first)."""
   with open(path) as f:
     _PARSING.append(os.path.dirname(os.path.abspath(path)))
+    sys.path.append(_PARSING[-1])
     try:
       yield f
     finally:
-      _PARSING.pop()
+      del sys.path[len(sys.path) - 1 - sys.path[::-1].index(_PARSING.pop())]
 
 
 def _beside_including_file(path: str) -> Optional[str]:
@@ -136,7 +139,8 @@ def _open_beside_including_file(path: str):
 
 def enable_gin_lookup() -> None:
   """Makes gin look up an `include` beside the including file first, then in the working
-  directory, then among fltff's shipped files (`gin_configs/...`). Idempotent."""
+  directory, then among fltff's shipped files (`gin_configs/...`), and an `import` where Python
+  looks (the working directory first), then beside the importing file. Idempotent."""
   for root in shipped_roots():
     if root not in gin.config._LOCATION_PREFIXES:  # pylint: disable=protected-access
       gin.add_config_file_search_path(root)

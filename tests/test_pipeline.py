@@ -134,6 +134,42 @@ def test_an_include_cycle_is_one_line_naming_its_files(tmp_path):
   assert not os.path.exists(tmp_path / 'out')
 
 
+def test_a_gin_files_imports_are_found_beside_it_after_pythons_path(tmp_path, monkeypatch):
+  # `fltff run --gin_file=/elsewhere/exp.gin` whose `import my_models` names a module beside
+  # exp.gin stopped with "No module named 'my_models'": only its includes were looked up there.
+  import sys  # pylint: disable=g-import-not-at-top
+
+  import gin  # pylint: disable=g-import-not-at-top
+  from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from pipelines import run  # pylint: disable=g-import-not-at-top
+
+  elsewhere, parts, cwd = tmp_path / 'elsewhere', tmp_path / 'elsewhere' / 'parts', tmp_path / 'cwd'
+  parts.mkdir(parents=True)
+  cwd.mkdir()
+  monkeypatch.chdir(cwd)
+  (elsewhere / 'exp.gin').write_text(
+      "import beside_exp_models\ninclude 'parts/part.gin'\nexperiment.rounds = 2\n")
+  (elsewhere / 'beside_exp_models.py').write_text('ROUNDS = 2\n')
+  (parts / 'part.gin').write_text('import beside_part_models\n')  # Beside the including file.
+  (parts / 'beside_part_models.py').write_text('ROUNDS = 3\n')
+  (elsewhere / 'missing.gin').write_text('import beside_no_such_models\n')
+  path = list(sys.path)
+  try:
+    run.configure([str(elsewhere / 'exp.gin')], [])
+    assert gin.query_parameter('experiment.rounds') == 2
+    assert sys.modules['beside_exp_models'].__file__ == str(elsewhere / 'beside_exp_models.py')
+    assert sys.modules['beside_part_models'].__file__ == str(parts / 'beside_part_models.py')
+    assert sys.path == path  # Only while gin parses the file.
+    gin.clear_config()
+    with pytest.raises(ConfigError, match="No module named 'beside_no_such_models'"):
+      run.configure([str(elsewhere / 'missing.gin')], [])
+    assert sys.path == path
+  finally:
+    gin.clear_config()
+    for name in ('beside_exp_models', 'beside_part_models'):
+      sys.modules.pop(name, None)
+
+
 @pytest.mark.parametrize('what', ['a device', 'a folder', 'over 1 MiB'])
 def test_a_gin_file_that_cannot_be_a_configuration_is_refused_unread(what, tmp_path):
   # --gin_file=/dev/zero was read without limit (8.9 GB in 26 s); /dev/null stands in for it.
