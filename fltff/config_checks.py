@@ -84,7 +84,7 @@ def _annotation(annotation: Any) -> tuple[str, bool]:
   return (text[:-len('|None')], True) if text.endswith('|None') else (text, False)
 
 
-def _parameters(selector: str) -> dict[str, inspect.Parameter]:
+def configurable_parameters(selector: str) -> dict[str, inspect.Parameter]:
   """The parameters gin may bind of configurable `selector` (a class: its `__init__`'s), by
   name; none where it is unknown."""
   try:
@@ -103,7 +103,7 @@ def check_builder(name: str, value: Any, allow_none: bool,
   if value is None and allow_none:
     return
   if isinstance(value, gin.config.ConfigurableReference):
-    params = _parameters(value.configurable.selector) if value.evaluate else {}
+    params = configurable_parameters(value.configurable.selector) if value.evaluate else {}
     bound = config.get(('/'.join(value.scopes), value.configurable.selector), {})
     needed = [p for name, p in params.items()
               if name not in bound and p.default in (p.empty, gin.REQUIRED)]
@@ -129,7 +129,7 @@ def check_gin_bindings(config: Mapping[tuple[str, str], Mapping[str, Any]]) -> N
       get them; macros (`%NAME`) are not checked.
   """
   for (scope, selector), params in config.items():
-    declared = _parameters(selector)
+    declared = configurable_parameters(selector)
     for param, value in params.items():
       if param not in declared:
         continue
@@ -201,7 +201,7 @@ def _unreadable_value(error: SyntaxError) -> Optional[str]:
   target = binding.group(1)
   configurable, param = target.rsplit('/', 1)[-1].rsplit('.', 1)
   configurable = _configurables().get(configurable.rsplit('.', 1)[-1])
-  parameter = _parameters(configurable.selector).get(param) if configurable else None
+  parameter = configurable_parameters(configurable.selector).get(param) if configurable else None
   expected = _expected(parameter.annotation) if parameter else None
   text = f'{target} = {binding.group(2)} (in {where}): gin cannot read {value} as a value; '
   if expected is None:
@@ -245,7 +245,7 @@ def explain_gin_error(error: BaseException, method_names: Sequence[str] = ()) ->
   if unknown_param:
     configurable, param = unknown_param.groups()
     known = _configurables().get(configurable.rsplit('.', 1)[-1])
-    params = [p for p in (_parameters(known.selector) if known else ())
+    params = [p for p in (configurable_parameters(known.selector) if known else ())
               if (known.allowlist is None or p in known.allowlist)
               and p not in (known.denylist or ())]
     return (f'{binding}: {configurable} has no parameter {param};'

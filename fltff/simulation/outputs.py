@@ -182,16 +182,11 @@ ABSENT = '(not bound)'
 def _default_text(key: str) -> Optional[str]:
   """The current code's default of binding `key` ('[scope/]configurable.parameter') as the
   operative config writes it, or None if it has none."""
-  import inspect  # pylint: disable=g-import-not-at-top
-
-  import gin  # pylint: disable=g-import-not-at-top
+  from fltff.config_checks import configurable_parameters  # pylint: disable=g-import-not-at-top
 
   name, _, parameter = key.rpartition('/')[2].rpartition('.')
-  try:
-    default = inspect.signature(gin.get_configurable(name)).parameters[parameter].default
-  except (ValueError, KeyError, TypeError):
-    return None
-  return None if default is inspect.Parameter.empty else repr(default)
+  found = configurable_parameters(name).get(parameter)
+  return None if found is None or found.default is found.empty else repr(found.default)
 
 
 def is_resumable_change(binding: str) -> bool:
