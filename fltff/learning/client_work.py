@@ -182,11 +182,6 @@ def client_info_of_input(data) -> dict:
   return {name: int(value) for name, value in info.items()}
 
 
-def client_index_of_input(data) -> int:
-  """The client index packed into one `client_input(...)`."""
-  return client_info_of_input(data)['client_index']
-
-
 def examples_per_epoch(examples, epochs):
   """FedAvg's update weight n_i: examples trained on over all epochs // max(epochs, 1); one
   client's scalars or `[K]` vectors."""
@@ -378,8 +373,8 @@ class ClientStatistic:
 # FedLayerWise) and labels per-client measurements (CCN).
 CLIENT_INDEX = ClientStatistic(
     'client_index', np.int32, lambda keras_model, data, out: client_index_of(data),
-    lambda client_inputs, out: np.asarray([client_index_of_input(c) for c in client_inputs],
-                                          np.int32))
+    lambda client_inputs, out: np.asarray(
+        [client_info_of_input(c)['client_index'] for c in client_inputs], np.int32))
 
 
 CLIENT_WEIGHTINGS = ('num_examples', 'uniform')

@@ -84,7 +84,7 @@ class Algorithm(protocol.FederatedAlgorithm):
 
     if server_input is not None:
       raise ValueError(f'{self.name} takes no server input.')
-    clients = [client_work_lib.client_index_of_input(c) for c in client_inputs]
+    clients = [client_work_lib.client_info_of_input(c)['client_index'] for c in client_inputs]
     self.check_client_indices(clients)
     if self.vectorized:
       output = self._vectorized_next(state, client_inputs, call)

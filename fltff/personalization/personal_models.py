@@ -130,7 +130,7 @@ class WithPersonalModels(protocol.FederatedAlgorithm):
           statistics=statistics, read_before_elsewhere=True)
       trained = [t.numpy() for t in result['trained']]
       moved = [t.numpy() for t in result.get('non_trainable', ())]
-      updated = [(client_work_lib.client_index_of_input(data),
+      updated = [(client_work_lib.client_info_of_input(data)['client_index'],
                   ([t[k] for t in trained],
                    [t[k] for t in moved] if moved else model['non_trainable']))
                  for k, (data, model) in enumerate(zip(inputs, locals_))]

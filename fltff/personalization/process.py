@@ -236,7 +236,7 @@ class PersonalizedAlgorithm(protocol.FederatedAlgorithm):
     same result); new client states rebuilt from the result and `server_input`'s copies."""
     # An input trains from its client's row of the server input (TFF's runtime: the first row
     # for a client not listed; vectorised: by position); the result is read by those rows.
-    order = [client_work_lib.client_index_of_input(data) for data in client_inputs]
+    order = [client_work_lib.client_info_of_input(data)['client_index'] for data in client_inputs]
     listed = None if server_input is None else np.asarray(server_input['clients']).tolist()
     if order != listed:
       raise ConfigError(f'{self.name}: client inputs of clients {order} for a server input of '
