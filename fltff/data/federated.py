@@ -123,11 +123,18 @@ class FederatedData:
 def digest(dataset: ArrayDataset, indices: list[np.ndarray]) -> str:
   """sha256 of the class count and the arrays (values, dtypes, shapes) of `dataset`, then of
   `indices`."""
-  sha = hashlib.sha256(f'{dataset.num_classes};'.encode())
-  for array in [dataset.x_train, dataset.y_train, dataset.x_test, dataset.y_test, *indices]:
+  return arrays_digest(f'{dataset.num_classes};', [dataset.x_train, dataset.y_train,
+                                                   dataset.x_test, dataset.y_test, *indices])
+
+
+def arrays_digest(head: str, arrays) -> str:
+  """sha256 of `head`, then of each array's dtype, shape and bytes (a data fingerprint, a client
+  state's digest)."""
+  sha = hashlib.sha256(head.encode())
+  for array in arrays:
     array = np.ascontiguousarray(array)
     sha.update(f'{array.dtype.str}{array.shape};'.encode())
-    sha.update(memoryview(array).cast('B'))
+    sha.update(memoryview(array).cast('B') if array.size else b'')
   return sha.hexdigest()
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import tensorflow as tf
 
+from fltff.data.federated import arrays_digest
 from fltff.errors import CheckpointError
 from fltff.errors import ConfigError
 
@@ -31,7 +32,7 @@ class ClientStateStore:
   def __init__(self, init_fn: Callable[[int], Any]):
     self._init_fn = init_fn
     self._states: dict[int, Any] = {}
-    # Client index → `_leaves_digest` of its state until replaced (never changed in place).
+    # Client index → its state's digest (`fingerprint`) until replaced (never changed in place).
     self._digests: dict[int, str] = {}
 
   def __len__(self) -> int:
@@ -103,8 +104,8 @@ class ClientStateStore:
     digest of their contents (a state moved to another client changes it)."""
     del round_num
     ordered = sorted(self._states)
-    self._digests.update({k: _leaves_digest(k, self._states[k]) for k in ordered
-                          if k not in self._digests})
+    self._digests.update({k: arrays_digest(f'{k}:', tf.nest.flatten(self._states[k]))
+                          for k in ordered if k not in self._digests})
     return fingerprint_of(
         ((k, [np.shape(leaf) for leaf in tf.nest.flatten(self._states[k])]) for k in ordered),
         contents=((k, self._digests[k]) for k in ordered))
@@ -116,16 +117,6 @@ class ClientStateStore:
 def state_digest(client_index: int, blob: bytes) -> str:
   """sha256 of one client's packed state, bound to the client's index."""
   return hashlib.sha256(f'{int(client_index)}:'.encode() + blob).hexdigest()
-
-
-def _leaves_digest(client_index: int, state) -> str:
-  """sha256 of one client's arrays (dtype, shape, bytes), bound to the client's index."""
-  digest = hashlib.sha256(f'{int(client_index)}:'.encode())
-  for leaf in tf.nest.flatten(state):
-    leaf = np.ascontiguousarray(leaf)
-    digest.update(f'{leaf.dtype.str}{leaf.shape};'.encode())
-    digest.update(memoryview(leaf).cast('B') if leaf.size else b'')
-  return digest.hexdigest()
 
 
 class SqliteClientStateStore:
