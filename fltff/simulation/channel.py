@@ -191,9 +191,8 @@ def round_time_breakdown(download_s: ArrayLike, compute_s: ArrayLike, upload_s: 
                       f'each, got lengths {len(download)}, {len(compute)} and {len(upload)}.')
   if not len(download):
     raise ConfigError('round_time_breakdown needs at least one client.')
+  check_number('server_s', server_s, low=0, high=math.inf, open_high=True)  # Finite.
   server = float(server_s)
-  if not math.isfinite(server) or server < 0:
-    raise ConfigError(f'server_s must be finite and non-negative, got {server_s!r}.')
   total = download + compute + upload
   slowest = int(np.argmax(total))
   return {
@@ -218,11 +217,10 @@ def deadline_epochs(download_s: ArrayLike, upload_s: ArrayLike, seconds_per_epoc
                       f'lengths {len(download)} and {len(upload)}.')
   per_epoch = _per_client('seconds_per_epoch', seconds_per_epoch, len(download), positive=True)
   check_number('epochs', epochs, integer=True, low=1)
+  check_number('deadline_s', deadline_s, allow_none=True, low=0, high=math.inf, open_low=True,
+               open_high=True)  # Finite.
   if deadline_s is None:
     return np.full(len(download), int(epochs), dtype=np.int64)
-  deadline = float(deadline_s)
-  if not math.isfinite(deadline) or deadline <= 0:
-    raise ConfigError(f'deadline_s must be a positive number or None, got {deadline_s!r}.')
-  fit = np.floor((deadline - download - upload) / per_epoch * (1.0 + _EPOCH_FIT_SLACK))
+  fit = np.floor((float(deadline_s) - download - upload) / per_epoch * (1.0 + _EPOCH_FIT_SLACK))
   # A negative room times (1 + slack) only gets more negative, so the clip handles it.
   return np.clip(fit, 0, epochs).astype(np.int64)
