@@ -135,12 +135,8 @@ def as_dataset_process(algorithm, epochs: int):
         f'{algorithm.name} needs each client\'s identity or driver-held client state, which a '
         f'plain TFF LearningProcess cannot carry; run it with pipelines.run (methods for TFF\'s '
         f'program API: {", ".join(without_identity)}).')
-  inner = algorithm.process
-  data_type = inner.next.type_signature.parameter[1].member
-  if [name for name, _ in tff.structure.iter_elements(data_type)] != ['batches', 'info']:
-    raise ConfigError(f'{algorithm.name} keeps per-client state in the round driver; run it '
-                      f'with pipelines.run, not as a plain LearningProcess.')
-  batches_type = data_type['batches']
+  inner = algorithm.process  # Without client state, its client data is `batches` and `info`.
+  batches_type = inner.next.type_signature.parameter[1].member['batches']
 
   @tff.tensorflow.computation(batches_type)
   def pack(batches):
