@@ -98,8 +98,8 @@ def test_config_changes_count_a_binding_on_one_side(earlier_extra, now_extra, ex
   assert outputs.config_changes(base + earlier_extra, base + now_extra) == expected
 
 
-def _record(config, data='d' * 64):
-  return {'config': config, 'data': data}
+def _record(config, data='d' * 64, model='m' * 64):
+  return {'config': config, 'data': data, 'model': model}
 
 
 def test_check_resume_refuses_or_records(tmp_path):
@@ -118,13 +118,22 @@ def test_check_resume_refuses_or_records(tmp_path):
       'resumed after round 7: experiment.seed: 0 -> 1\n')
 
 
-def test_check_resume_refuses_other_data(tmp_path):
+def test_check_resume_refuses_other_data_or_another_model(tmp_path, capsys):
   config = 'experiment.seed = 0\n'
   with pytest.raises(ConfigError, match=r'rounds 1-4 were computed with \(the data \(content '
                      r'fingerprint\): aaaaaaaaaaaaaaaa -> bbbbbbbbbbbbbbbb\)'):
     outputs.check_resume(str(tmp_path), _record(config, 'b' * 64), _record(config, 'a' * 64),
                          resumed_from=4)
+  with pytest.raises(ConfigError, match=r'\(the model \(architecture fingerprint\): '
+                     r'aaaaaaaaaaaaaaaa -> bbbbbbbbbbbbbbbb\)'):
+    outputs.check_resume(str(tmp_path), _record(config, model='b' * 64),
+                         _record(config, model='a' * 64), resumed_from=4)
   outputs.check_resume(str(tmp_path), _record(config), _record(config), resumed_from=4)
+  # A record from before the model was in it: resumed, with no line.
+  earlier = _record(config)
+  del earlier['model']
+  outputs.check_resume(str(tmp_path), _record(config), earlier, resumed_from=4)
+  assert capsys.readouterr().err == ''
 
 
 def test_check_resume_without_any_record_of_the_config_refuses(tmp_path, capsys):

@@ -291,3 +291,70 @@ def test_what_a_stopped_run_keeps_is_its_newest_readable_checkpoint(tmp_path):
   assert ckpt.latest_round() == 6 and ckpt.intact_round() == 4
   (tmp_path / 'checkpoints' / 'round_00004.json').write_text('{"rou')
   assert ckpt.intact_round() == 2
+
+
+# A model of the test's own, registered by name: its code may change between run and resume.
+USER_MODEL = ['--gin_bindings=experiment.model = "resume_user_mlp"']
+
+
+def _register_user_mlp(activation: str) -> None:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from fltff import models  # pylint: disable=g-import-not-at-top
+
+  def model_fn(input_shape, num_classes, seed):
+    init = lambda i: tf.keras.initializers.GlorotUniform(seed=seed * 10 + i)
+    inputs = tf.keras.Input(input_shape)
+    x = tf.keras.layers.Flatten()(inputs)
+    x = tf.keras.layers.Dense(16, activation, kernel_initializer=init(0), name='latent')(x)
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(num_classes,
+                                                        kernel_initializer=init(1))(x))
+  models.register('resume_user_mlp', model_fn)
+
+
+@pytest.fixture(scope='module')
+def user_model_run(tmp_path_factory):
+  from fltff.models import zoo  # pylint: disable=g-import-not-at-top
+
+  out = tmp_path_factory.mktemp('user_model') / 'run'
+  _register_user_mlp('relu')
+  result = run_pipeline_here(*BASE, *USER_MODEL, _rounds(2), f'--output_dir={out}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  yield out
+  zoo._REGISTRY.pop('resume_user_mlp')  # pylint: disable=protected-access
+
+
+def _resume(out, *args):
+  return run_pipeline_here(*BASE, *USER_MODEL, _rounds(3), f'--output_dir={out}', '--resume',
+                           *args)
+
+
+def test_a_changed_model_of_the_same_shapes_is_refused_or_recorded(user_model_run, tmp_path):
+  out = _copy(user_model_run, tmp_path)
+  _register_user_mlp('tanh')
+  before = _snapshot(out)
+  line = assert_one_line_error(_resume(out), '--resume refused',
+                               'the model (architecture fingerprint): ')
+  assert 'experiment.model' not in line  # The configuration is the same.
+  assert _snapshot(out) == before, 'a refused resume changed the run folder'
+  result = _resume(out, '--allow_config_change')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert [r['round'] for r in read_csv(out / 'metrics.csv')] == ['1', '2', '3']
+  assert re.fullmatch(r'resumed after round 2: the model \(architecture fingerprint\): '
+                      r'[0-9a-f]{16} -> [0-9a-f]{16}\n', (out / 'config_changes.txt').read_text())
+
+
+@pytest.mark.parametrize('recorded', ['recorded', 'not recorded'])
+def test_the_same_model_resumes_and_a_record_without_one_as_before(user_model_run, tmp_path,
+                                                                   recorded):
+  out = _copy(user_model_run, tmp_path)
+  _register_user_mlp('relu')
+  if recorded == 'not recorded':  # As checkpoints written before the model was recorded.
+    for path in (out / 'checkpoints').glob('round_*.json'):
+      meta = json.loads(path.read_text())
+      assert len(meta['run'].pop('model')) == 64
+      path.write_text(json.dumps(meta))
+  result = _resume(out)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'Resumed from the checkpoint of round 2' in result.stdout
+  assert 'warning' not in result.stderr and not (out / 'config_changes.txt').exists()
+  assert [r['round'] for r in read_csv(out / 'metrics.csv')] == ['1', '2', '3']

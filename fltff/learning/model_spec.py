@@ -55,6 +55,7 @@ class ModelSpec:
     a throwaway graph: each graph-mode Keras build is costly, and the facts never change."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
     from fltff.models import check_logits  # pylint: disable=g-import-not-at-top
+    from fltff.models.zoo import architecture_fingerprint  # pylint: disable=g-import-not-at-top
 
     with tf.Graph().as_default():
       keras_model = self.keras_fn()
@@ -62,12 +63,17 @@ class ModelSpec:
       model = self.tff_model(keras_model)
       unfinalized = model.report_local_unfinalized_metrics()
       return dict(
+          architecture=architecture_fingerprint(keras_model),
           weights_type=tff.learning.models.weights_type_from_model(model),
           element_type=tff.types.tensorflow_to_type(model.input_spec),
           trainable_specs=[tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables],
           unfinalized_metric_specs=tf.nest.map_structure(
               lambda t: tf.TensorSpec(t.shape, t.dtype), unfinalized),
           metric_finalizers=model.metric_finalizers())
+
+  def architecture(self) -> str:
+    """The model's `architecture_fingerprint`: a resume refuses another (`check_resume`)."""
+    return self._facts['architecture']
 
   def weights_type(self):
     """TFF type of `tff.learning.models.ModelWeights` for this model."""

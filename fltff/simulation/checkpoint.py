@@ -105,8 +105,8 @@ class Checkpointer:
     return None
 
   def recorded(self) -> Optional[dict]:
-    """The run record (`{'config': ..., 'data': ...}`) of the newest checkpoint whose metadata
-    reads; None if there is none or it predates the record."""
+    """The run record (`{'config': ..., 'data': ..., 'model': ...}`) of the newest checkpoint
+    whose metadata reads; None if there is none or it predates the record."""
     for round_num in reversed(self.rounds()):
       try:
         with open(self.path(round_num, '.json')) as f:

@@ -98,9 +98,9 @@ class RoundDriver:
                output_dir: str, progress: Callable[[str], None] = print, runtime=None,
                stop_event=None, channel=None, finetuner=None, record: Optional[dict] = None,
                client_work_reason: Optional[str] = None):
-    """`record`: what the rounds are computed from (`{'config': operative config text,
-    'data': data fingerprint}`); each checkpoint carries it, `config.gin` is written from it once
-    a resume is verified, and `outputs.check_resume` compares a resume's with it.
+    """`record`: what the rounds are computed from (config, data, model); each checkpoint
+    carries it, `config.gin` is written from it once a resume is verified, and
+    `outputs.check_resume` compares a resume's with it.
     `client_work_reason`: why 'auto' left the clients unvectorised (`choose_client_work`)."""
     if config.round_deadline is not None and channel is None:
       raise ConfigError('experiment.round_deadline needs a channel model: set '

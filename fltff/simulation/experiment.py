@@ -262,9 +262,10 @@ def run_experiment(output_dir: str,
   finetuner = None
   if evaluation is not None and 'finetuned_local' in evaluation and algorithm.finetunes:
     finetuner = Finetuner(model_spec, optimizers.client_optimizer(), finetune_epochs)
-  # A resume must compute what the checkpointed rounds did: its configuration and data are
-  # checked against the checkpoint's record before anything is written.
-  record = {'config': gin.operative_config_str(), 'data': data.fingerprint()}
+  # A resume must compute what the checkpointed rounds did: its configuration, data and model
+  # are checked against the checkpoint's record before anything is written.
+  record = {'config': gin.operative_config_str(), 'data': data.fingerprint(),
+            'model': model_spec.architecture()}
   checkpointer = Checkpointer(output_dir)
   resumed_from = checkpointer.latest_round() if resume else None
   check_resume(output_dir, record, checkpointer.recorded() if resumed_from else None,

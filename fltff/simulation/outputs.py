@@ -242,10 +242,13 @@ def check_resume(output_dir: str, record: dict, recorded: Optional[dict],
   checkpointed rounds were computed with, in one `ConfigError` naming what changed.
 
   Args:
-    record: This run's `{'config': operative config text, 'data': data fingerprint}`.
+    record: This run's `{'config': operative config text, 'data': data fingerprint, 'model':
+      `ModelSpec.architecture`}`.
     recorded: The record the checkpoint of `resumed_from` carries; None for a checkpoint
       written before checkpoints carried one, whose config is then read from `config.gin`
-      (its data cannot be verified: one warning line).
+      (its data cannot be verified: one warning line). A record without 'model' (written
+      before it) resumes without a line: its config names the model and seed, and a line on
+      every resume could not be acted on; the checkpoints after it carry the model's.
     allow_changes: Continue anyway, appending the differences to `config_changes.txt`.
   """
   if not resumed_from:
@@ -260,8 +263,9 @@ def check_resume(output_dir: str, record: dict, recorded: Optional[dict],
   if recorded.get('data') is None:
     warn(f'the checkpoint of round {resumed_from} records no data fingerprint (written by an '
          'earlier fltff): the data of the resumed rounds are not verified.')
-  elif recorded['data'] != record['data']:
-    changes.append(('the data (content fingerprint)', recorded['data'][:16], record['data'][:16]))
+  for key, what in (('data', 'content'), ('model', 'architecture')):
+    if recorded.get(key) not in (None, record[key]):
+      changes.append((f'the {key} ({what} fingerprint)', recorded[key][:16], record[key][:16]))
   if earlier is None:
     changes.append(('the configuration', 'not recorded (config.gin is missing)', 'this one'))
   else:
