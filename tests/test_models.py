@@ -1,5 +1,7 @@
 """Tests for fltff.models: zoo (shapes, parameter counts, determinism) and layer grouping."""
 
+import functools
+
 import gin
 import numpy as np
 import pytest
@@ -7,6 +9,8 @@ import tensorflow as tf
 
 from fltff.errors import ConfigError
 from fltff import models
+from fltff.learning.model_spec import architecture_fingerprint
+from fltff.learning.model_spec import ModelSpec
 from fltff.models import layers as layers_lib
 from fltff.models import zoo
 
@@ -369,22 +373,21 @@ SMALL_SHAPES = {'logistic': (6,), 'mlp2': (6,), 'cnn_cifar_tutorial': (18, 18, 3
 
 @pytest.mark.parametrize('name', list(SHAPES))
 def test_the_architecture_fingerprint_of_a_zoo_model_is_that_of_every_build(name):
-  import functools  # pylint: disable=g-import-not-at-top
-  from fltff.learning.model_spec import ModelSpec  # pylint: disable=g-import-not-at-top
-
   keras_fn = functools.partial(models.build_model, name, SMALL_SHAPES[name], 3, seed=0)
   # ModelSpec builds its model in a graph of its own; these two are eager.
-  fingerprints = {zoo.architecture_fingerprint(keras_fn()), zoo.architecture_fingerprint(
+  fingerprints = {architecture_fingerprint(keras_fn()), architecture_fingerprint(
       keras_fn()), ModelSpec(keras_fn, SMALL_SHAPES[name], 3).architecture()}
   assert len(fingerprints) == 1 and len(fingerprints.pop()) == 64
   other_seed = functools.partial(models.build_model, name, SMALL_SHAPES[name], 3, seed=1)
-  assert zoo.architecture_fingerprint(other_seed()) != zoo.architecture_fingerprint(keras_fn())
+  assert architecture_fingerprint(other_seed()) != architecture_fingerprint(keras_fn())
 
 
-def _unnamed_mlp(activation='relu', rate=0.5, seed=0, sequential=False):
+def _unnamed_mlp(activation='relu', rate=0.5, seed=0, sequential=False, dropout_first=False):
   layers = [tf.keras.layers.Dense(8, activation, kernel_initializer=tf.keras.initializers
                                   .GlorotUniform(seed)), tf.keras.layers.Dropout(rate),
             tf.keras.layers.Dense(3)]
+  if dropout_first:  # The same weight shapes.
+    layers[:2] = layers[1::-1]
   if sequential:
     return tf.keras.Sequential([tf.keras.Input((6,))] + layers)
   x = inputs = tf.keras.Input((6,))
@@ -395,13 +398,13 @@ def _unnamed_mlp(activation='relu', rate=0.5, seed=0, sequential=False):
 
 @pytest.mark.parametrize('sequential', [False, True])
 def test_the_architecture_fingerprint_ignores_names_not_activations_rates_or_seeds(sequential):
-  fingerprint = zoo.architecture_fingerprint
+  fingerprint = architecture_fingerprint
   a, b = _unnamed_mlp(sequential=sequential), _unnamed_mlp(sequential=sequential)
   assert a.name != b.name and a.layers[0].name != b.layers[0].name  # Keras numbers them.
   assert fingerprint(a) == fingerprint(b)
   others = {fingerprint(_unnamed_mlp(sequential=sequential, **change)) for change in (
-      dict(activation='tanh'), dict(rate=0.2), dict(seed=1))}
-  assert len(others) == 3 and fingerprint(a) not in others
+      dict(activation='tanh'), dict(rate=0.2), dict(seed=1), dict(dropout_first=True))}
+  assert len(others) == 4 and fingerprint(a) not in others
   assert fingerprint(_unnamed_mlp(sequential=not sequential)) != fingerprint(a)
 
 

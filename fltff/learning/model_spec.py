@@ -7,6 +7,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
+import json
+import re
 from collections.abc import Callable, Sequence
 from typing import Optional
 
@@ -55,7 +58,6 @@ class ModelSpec:
     a throwaway graph: each graph-mode Keras build is costly, and the facts never change."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
     from fltff.models import check_logits  # pylint: disable=g-import-not-at-top
-    from fltff.models.zoo import architecture_fingerprint  # pylint: disable=g-import-not-at-top
 
     with tf.Graph().as_default():
       keras_model = self.keras_fn()
@@ -113,6 +115,26 @@ class ModelSpec:
         trainable=[np.asarray(w) for w in model.trainable_weights],
         non_trainable=[np.asarray(w) for w in model.non_trainable_weights],
     )
+
+
+def architecture_fingerprint(model: tf.keras.Model) -> str:
+  """sha256 of `model.to_json()` less the Keras version, the input shapes a layer records once
+  called, and the layer and model names Keras numbers per process ('dense', 'dense_3'), which
+  become their order. Initializers stay: after a resume, clients without a state yet start
+  from the initial model (personal models, MOON)."""
+  names = {}
+
+  def read(node: dict) -> dict:  # Inner objects first.
+    node.pop('build_config', None)
+    names.setdefault(node.get('name'), f'#{len(names)}')
+    return node
+
+  config = json.loads(model.to_json(), object_hook=read)
+  del config['keras_version'], config['backend']
+  # Layers name the layers they read (inbound nodes, inputs, outputs): each name is replaced.
+  text = re.sub(r'"((?:[^"\\]|\\.)*)"', lambda m: f'"{names.get(m[1], m[1])}"',
+                json.dumps(config, sort_keys=True))
+  return hashlib.sha256(text.encode()).hexdigest()
 
 
 def batch_loss(logits: tf.Tensor, labels: tf.Tensor, mask: Optional[tf.Tensor] = None

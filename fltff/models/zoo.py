@@ -10,9 +10,7 @@ classifier is `LATENT_LAYER` (`'latent'`), exposed by `latent_model`.
 """
 
 from collections.abc import Callable, Sequence
-import hashlib
 import itertools
-import json
 import math
 
 import gin
@@ -304,32 +302,6 @@ def check_logits(model, num_classes: int, what: str) -> None:
     raise ConfigError(f'{what} returned a model ending in a softmax (layer {last.name!r}); '
                       'fltff needs logits (its loss applies the softmax): drop the output '
                       'activation.')
-
-
-def architecture_fingerprint(model: tf.keras.Model) -> str:
-  """sha256 of what `model` computes: its class and `get_config()` as Keras writes them to JSON
-  (`to_json`, without the Keras version), keys sorted, each layer's and model's name replaced
-  by its order of appearance, since Keras numbers unnamed layers per process ('dense',
-  'dense_3'). Initializers stay in: after a resume, clients without a state yet start from the
-  initial model (personal models, MOON), so they matter beyond round 0; a seeded one (as
-  `register` asks) reads the same in every build."""
-  config = json.loads(model.to_json())
-  del config['keras_version'], config['backend']
-  names = {}
-
-  def canonical(node, collect: bool):
-    if isinstance(node, dict):
-      if collect and isinstance(node.get('name'), str):
-        names.setdefault(node['name'], f'#{len(names)}')
-      return {k: canonical(v, collect) for k, v in node.items() if k != 'build_config'}
-    if isinstance(node, (list, tuple)):
-      return [canonical(v, collect) for v in node]
-    # Layers refer to each other by name (inbound nodes, inputs, outputs).
-    return names.get(node, node) if isinstance(node, str) and not collect else node
-
-  canonical(config, collect=True)
-  text = json.dumps(canonical(config, collect=False), sort_keys=True)
-  return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _latent_layer(model: tf.keras.Model) -> tf.keras.layers.Layer:

@@ -243,12 +243,11 @@ def check_resume(output_dir: str, record: dict, recorded: Optional[dict],
 
   Args:
     record: This run's `{'config': operative config text, 'data': data fingerprint, 'model':
-      `ModelSpec.architecture`}`.
+      `ModelSpec.architecture()`}`.
     recorded: The record the checkpoint of `resumed_from` carries; None for a checkpoint
       written before checkpoints carried one, whose config is then read from `config.gin`
-      (its data cannot be verified: one warning line). A record without 'model' (written
-      before it) resumes without a line: its config names the model and seed, and a line on
-      every resume could not be acted on; the checkpoints after it carry the model's.
+      (its data cannot be verified: one warning line). One without 'model' resumes without a
+      line: its config names the model, and the checkpoints after it record it.
     allow_changes: Continue anyway, appending the differences to `config_changes.txt`.
   """
   if not resumed_from:
