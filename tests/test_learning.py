@@ -353,10 +353,11 @@ def test_client_result_type_is_the_traced_client_works(spec, names):
 
 
 def test_a_specs_model_facts_come_from_one_built_model(spec):
-  """`ModelSpec`'s weights type, batch type, trainable specs, unfinalized-metric specs and
-  metric finalizers are those of a freshly built TFF model, read off one model built once
+  """`ModelSpec`'s weights type, batch type, trainable specs, unfinalized-metric specs, metric
+  finalizers and architecture fingerprint are those of a freshly built TFF model, read off one model built once
   per spec (each process builder asks for them)."""
   import dataclasses  # pylint: disable=g-import-not-at-top
+  from fltff.learning.model_spec import architecture_fingerprint  # pylint: disable=g-import-not-at-top
 
   built = []
   counted = dataclasses.replace(spec, keras_fn=lambda: built.append(1) or spec.keras_fn())
@@ -374,6 +375,7 @@ def test_a_specs_model_facts_come_from_one_built_model(spec):
   assert counted.trainable_specs() == expected['trainable_specs']
   assert counted.unfinalized_metric_specs() == expected['unfinalized']
   assert list(counted.metric_finalizers()) == expected['finalizers']
+  assert counted.architecture() == architecture_fingerprint(spec.keras_fn())
   assert built == [1]
   assert counted.weights_type() is counted.weights_type() and built == [1]
 
