@@ -408,6 +408,28 @@ def test_the_architecture_fingerprint_ignores_names_not_activations_rates_or_see
   assert fingerprint(_unnamed_mlp(sequential=not sequential)) != fingerprint(a)
 
 
+class _Doubling(tf.keras.layers.Layer):
+  """A user's layer without `get_config` (its argument is not serialisable)."""
+
+  def __init__(self, fn):
+    super().__init__()
+    self.fn = fn
+
+  def call(self, x):
+    return self.fn(x)
+
+
+def test_a_model_keras_cannot_serialise_is_fingerprinted_by_its_layer_classes():
+  def build(layer):
+    inputs = tf.keras.Input((6,))
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(3)(layer(inputs)))
+  with pytest.raises(NotImplementedError):
+    build(_Doubling(lambda x: 2 * x)).to_json()
+  fingerprints = [architecture_fingerprint(build(layer)) for layer in (
+      _Doubling(lambda x: 2 * x), _Doubling(lambda x: 3 * x), tf.keras.layers.Dense(6))]
+  assert fingerprints[0] == fingerprints[1] != fingerprints[2]
+
+
 # --- Layer grouping. ---
 
 

@@ -129,8 +129,11 @@ def architecture_fingerprint(model: tf.keras.Model) -> str:
     names.setdefault(node.get('name'), f'#{len(names)}')
     return node
 
-  config = json.loads(model.to_json(), object_hook=read)
-  del config['keras_version'], config['backend']
+  try:
+    config = json.loads(model.to_json(), object_hook=read)
+    del config['keras_version'], config['backend']
+  except NotImplementedError:  # A layer of the user's without `get_config`: the classes only.
+    config = [type(layer).__qualname__ for layer in model.submodules]
   # Layers name the layers they read (inbound nodes, inputs, outputs): each name is replaced.
   text = re.sub(r'"((?:[^"\\]|\\.)*)"', lambda m: f'"{names.get(m[1], m[1])}"',
                 json.dumps(config, sort_keys=True))
