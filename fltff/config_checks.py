@@ -165,7 +165,7 @@ def did_you_mean(name: str, choices, prefix: str = '') -> str:
   return f' did you mean {prefix}{close[0]}?' if close else ''
 
 
-def _configurables() -> dict:
+def configurables() -> dict:
   """Every registered gin configurable, by its name (`fedavg`, `experiment`, ...)."""
   return {c.name: c for _, c in gin.config._REGISTRY.items()}  # pylint: disable=protected-access
 
@@ -200,7 +200,7 @@ def _unreadable_value(error: SyntaxError) -> Optional[str]:
             "quotes ('...'), True, False, None, a list, a @configurable or a %MACRO.")
   target = binding.group(1)
   configurable, param = target.rsplit('/', 1)[-1].rsplit('.', 1)
-  configurable = _configurables().get(configurable.rsplit('.', 1)[-1])
+  configurable = configurables().get(configurable.rsplit('.', 1)[-1])
   parameter = configurable_parameters(configurable.selector).get(param) if configurable else None
   expected = _expected(parameter.annotation) if parameter else None
   text = f'{target} = {binding.group(2)} (in {where}): gin cannot read {value} as a value; '
@@ -209,7 +209,7 @@ def _unreadable_value(error: SyntaxError) -> Optional[str]:
                    f'a configurable (@{value}) or a macro (%{value}).')
   if expected.startswith('a string'):
     example = f" (e.g. {target} = '{value}')"
-  elif expected.startswith('a configurable') and value in _configurables():
+  elif expected.startswith('a configurable') and value in configurables():
     example, expected = f' (write {target} = @{value})', 'a configurable written with @'
   elif parameter.default is not inspect.Parameter.empty and isinstance(
       parameter.default, (bool, int, float, str)):
@@ -244,7 +244,7 @@ def explain_gin_error(error: BaseException, method_names: Sequence[str] = ()) ->
                            message)
   if unknown_param:
     configurable, param = unknown_param.groups()
-    known = _configurables().get(configurable.rsplit('.', 1)[-1])
+    known = configurables().get(configurable.rsplit('.', 1)[-1])
     params = [p for p in (configurable_parameters(known.selector) if known else ())
               if (known.allowlist is None or p in known.allowlist)
               and p not in (known.denylist or ())]
@@ -255,7 +255,7 @@ def explain_gin_error(error: BaseException, method_names: Sequence[str] = ()) ->
   if not unknown:
     return None
   reference, name = unknown.group(1), unknown.group(2).rsplit('/', 1)[-1].rsplit('.', 1)[-1]
-  suggestion = did_you_mean(name, _configurables(), '@' if reference else '')
+  suggestion = did_you_mean(name, configurables(), '@' if reference else '')
   methods = sorted(method_names)
   # A method's binding (`experiment.method = @...`), or a name close to a method's.
   is_method = methods and (re.match(r'^[\w./]*\bmethod\s*=', line) is not None

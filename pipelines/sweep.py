@@ -214,13 +214,13 @@ def inert_points(runs: list[PlannedRun], axis: str) -> dict[str, str]:
   `axis` (`moon.mu` where `experiment.method = @fedprox`), read as `fltff run` reads it."""
   import gin  # pylint: disable=g-import-not-at-top
   from fltff import methods  # pylint: disable=g-import-not-at-top
-  from fltff.config_checks import _configurables  # pylint: disable=g-import-not-at-top
+  from fltff.config_checks import configurables  # pylint: disable=g-import-not-at-top
   from fltff.config_checks import gin_binds  # pylint: disable=g-import-not-at-top
   from .run import configure  # pylint: disable=g-import-not-at-top
 
   method_names = {m.gin_name for m in methods.METHODS.values()}
   owner = axis.rsplit('/', 1)[-1].rsplit('.', 1)[0]
-  module = lambda name: getattr(getattr(_configurables().get(name), 'wrapped', None),
+  module = lambda name: getattr(getattr(configurables().get(name), 'wrapped', None),
                                 '__module__', name)
   inert = {}
   for run in runs:
