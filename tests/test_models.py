@@ -1,6 +1,8 @@
 """Tests for fltff.models: zoo (shapes, parameter counts, determinism) and layer grouping."""
 
 import functools
+import importlib.util
+import sys
 
 import gin
 import numpy as np
@@ -428,6 +430,62 @@ def test_a_model_keras_cannot_serialise_is_fingerprinted_by_its_layer_classes():
   fingerprints = [architecture_fingerprint(build(layer)) for layer in (
       _Doubling(lambda x: 2 * x), _Doubling(lambda x: 3 * x), tf.keras.layers.Dense(6))]
   assert fingerprints[0] == fingerprints[1] != fingerprints[2]
+
+
+# A user's subclassed model as its file holds it; `{call}` is what `call` returns.
+_USER_MODEL = """
+import tensorflow as tf
+
+
+class Scale(tf.keras.layers.Layer):
+
+  def call(self, x):
+    return {scale} * x
+
+
+class UserModel(tf.keras.Model):
+
+  def __init__(self, units=3):
+    super().__init__()
+    self.scale = Scale()
+    self.dense = tf.keras.layers.Dense(units)
+
+  def call(self, x):
+    return {call}
+"""
+
+
+def _user_model_fingerprint(folder, monkeypatch, call='self.dense(x)', scale=2, typed_in=False):
+  """The fingerprint of a built `UserModel` whose module `user_model` lies in `folder` (is
+  `exec`'d, without a file, if `typed_in`)."""
+  source = _USER_MODEL.format(call=call, scale=scale)
+  if typed_in:
+    module = {'__name__': 'user_model'}
+    exec(source, module)  # pylint: disable=exec-used
+    model = module['UserModel']()
+  else:
+    folder.mkdir()
+    (folder / 'user_model.py').write_text(source)
+    spec = importlib.util.spec_from_file_location('user_model', folder / 'user_model.py')
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, 'user_model', module)  # Where `inspect` finds its file.
+    spec.loader.exec_module(module)
+    model = module.UserModel()
+  model(tf.zeros([1, 6]))
+  return architecture_fingerprint(model)
+
+
+@pytest.mark.parametrize('typed_in', [False, True])
+def test_a_subclassed_model_is_fingerprinted_by_its_code_wherever_its_file_lies(
+    tmp_path, monkeypatch, typed_in):
+  fingerprint = functools.partial(_user_model_fingerprint, monkeypatch=monkeypatch,
+                                  typed_in=typed_in)
+  first = fingerprint(tmp_path / 'a')
+  assert fingerprint(tmp_path / 'moved') == first and len(first) == 64
+  others = {fingerprint(tmp_path / 'call', call='self.dense(2 * x)'),  # Only `call` differs.
+            fingerprint(tmp_path / 'layer', call='self.dense(self.scale(x))'),
+            fingerprint(tmp_path / 'layer_call', call='self.dense(self.scale(x))', scale=3)}
+  assert len(others) == 3 and first not in others
 
 
 # --- Layer grouping. ---
