@@ -1,6 +1,7 @@
 """FedAdp / FedLayerWise: equations vs NumPy, a 3-client round by hand, TFF special cases."""
 
 import collections
+import re
 
 import numpy as np
 import pytest
@@ -152,6 +153,28 @@ def test_fedadp_factory_is_model_wise():
   np.testing.assert_allclose(out.measurements['psi'], psi, atol=1e-5)
   for got, want in zip(out.result, ref):
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize('executor,cids', [('tff_cpp', [0, 1, 2]), ('in_process', [1, -1, 0])])
+def test_a_client_index_outside_num_clients_is_one_clear_error(tff_runtime, executor, cids):
+  # A GPU's gather would read zeros for it and its scatter drop it: a silent wrong result.
+  from fltff.runtime.in_process import InProcessContext  # pylint: disable=g-import-not-at-top
+
+  process = aggregators.fedadp_factory(len(SHAPES), num_clients=2).create(_value_type(),
+                                                                          WEIGHT_TYPE)
+  updates = [[RNG.normal(size=s).astype(np.float32) for s in SHAPES] for _ in cids]
+  weights = [collections.OrderedDict(num_examples=np.float32(1), client_index=np.int32(c))
+             for c in cids]
+  tff.framework.set_default_context(
+      tff_runtime.context if executor == 'tff_cpp' else InProcessContext())
+  try:
+    state = process.initialize()
+    with pytest.raises(Exception, match=re.escape(
+        'AdaptiveWeightingFactory(num_clients=2) got client indices outside [0, num_clients); '
+        f'num_clients must count every client of the data:] [{" ".join(map(str, cids))}]')):
+      process.next(state, updates, weights)
+  finally:
+    tff.framework.set_default_context(tff_runtime.context)
 
 
 # --- inside learning processes --------------------------------------------------------------

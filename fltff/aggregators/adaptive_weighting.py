@@ -86,8 +86,8 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
   float32 weight no client identity arrives: angles are unsmoothed (θ̃ = θ) and `num_clients` must
   be unset. With `OrderedDict(num_examples=float32, client_index=int32)` (fltff's client work,
   `client_statistics`) `num_clients` is required, and every client's smoothed angles
-  and participation counts live in the state (saved in fltff's checkpoints). A mismatch raises
-  `ConfigError` in `create`.
+  and participation counts live in the state (saved in fltff's checkpoints); an index outside
+  [0, num_clients) fails the round. A mismatch raises `ConfigError` in `create`.
 
   Measurements: `client_index` [K] (`position` with a plain float weight), `angle` θ [K, L],
   `smoothed_angle` θ̃ [K, L], `psi` ψ [K, L] (L = 1 for FedAdp).
@@ -164,6 +164,12 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
       angle = tf.stack(angles, axis=1)  # [K, L]
       if keyed:
         index = weight['client_index']
+        # Out of range, a GPU's gather reads zeros and its scatter drops the row, silently.
+        in_range = tf.reduce_all((index >= 0) & (index < num_state_clients))
+        with tf.control_dependencies([tf.debugging.Assert(in_range, [
+            f'AdaptiveWeightingFactory(num_clients={num_state_clients}) got client indices '
+            'outside [0, num_clients); num_clients must count every client of the data:', index])]):
+          index = tf.identity(index)
         t = tf.gather(state['participations'], index) + 1
         smoothed = smoothed_angles(tf.gather(state['smoothed_angle'], index), angle,
                                    t[:, tf.newaxis])
