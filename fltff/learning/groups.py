@@ -30,9 +30,9 @@ from fltff.learning.round_data import in_client_order
 from fltff.learning.round_data import round_specs
 from fltff.runtime.in_process import InProcessContext
 
-# `VectorizedClientWork._train_fn`'s arguments, in order.
+# `VectorizedClientWork._train_fn`'s arguments, in order (a group's `epochs` weigh its updates).
 _ARGS = ('global_trainable', 'start', 'client_terms', 'statistics', 'examples', 'labels', 'index',
-         'mask', 'valid', 'epochs')
+         'mask', 'valid')
 
 
 def split_clients(data, num_groups: int) -> list[np.ndarray]:
@@ -126,8 +126,8 @@ class WorkerGroups:
     `summed`, the group's mean update and weight replace its clients' models."""
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-    specs = dict(zip(_ARGS, round_specs([{**server, **group}.get(n) for n in _ARGS],
-                                        num_clients)))
+    specs = dict(zip(_ARGS, round_specs([{**server, **group}.get(n) for n in _ARGS], num_clients)),
+                 epochs=tf.TensorSpec([num_clients], tf.int32))
     server_type, group_type = (tff.types.tensorflow_to_type(collections.OrderedDict(
         (name, specs[name]) for name in value)) if value else None for value in (server, group))
     key = (str(server_type), str(group_type), factored, summed)

@@ -279,8 +279,7 @@ def round_specs(args: Sequence[Any], num_clients: Optional[int]) -> list:
   """`VectorizedClientWork._train_fn`'s arguments as `tf.TensorSpec`s for every round of
   `num_clients` participants (None: any): the global weights as they are, elsewhere only client
   axes known."""
-  (global_trainable, start, client_terms, statistics, examples, labels, index, mask, valid,
-   epochs) = args
+  global_trainable, start, client_terms, statistics, examples, labels, index, mask, valid = args
 
   def spec(t, unknown=(), client_axis=None):
     shape = list(np.shape(t))
@@ -299,4 +298,4 @@ def round_specs(args: Sequence[Any], num_clients: Optional[int]) -> list:
           spec(examples, unknown=[0]), spec(labels, unknown=[0]),
           spec(index, unknown=[0, 1, 3], client_axis=2),
           spec(mask, unknown=[0, 1, 3], client_axis=2),
-          spec(valid, unknown=[0, 1], client_axis=2), spec(epochs, client_axis=0)]
+          spec(valid, unknown=[0, 1], client_axis=2)]

@@ -389,7 +389,7 @@ class VectorizedClientWork:
     return client_step
 
   def _train_fn(self, global_trainable, start, client_terms, statistics, examples, labels, index,
-                mask, valid, epochs, num_clients=None, factored=frozenset()):
+                mask, valid, num_clients=None, factored=frozenset()):
     """Local training of every participant (`build_local_training` with a client axis).
 
     From `global_trainable` or each client's `start` `[K, ...]` (personalised methods), with the
@@ -397,7 +397,6 @@ class VectorizedClientWork:
     (KAPC: towards its s_i). BatchNorm `statistics` are the global model's or, with `start`,
     each client's `[K, ...]`; the trained ones are `out['non_trainable']`.
     """
-    del epochs  # Each client's epochs are in `valid`.
     reg = self._regularization(client_terms)
     plan = None
     if factored:
@@ -627,7 +626,7 @@ class VectorizedClientWork:
     k = self.traced_client_count(len(data['epochs']))
     factored = self.round_factoring(data, client_terms)
     args = (global_trainable, start, client_terms, statistics, data['examples'], data['labels'],
-            data['index'], data['mask'], data['valid'], data['epochs'])
+            data['index'], data['mask'], data['valid'])
     with (tf.device(self._device) if self._device else contextlib.nullcontext(),
           _quiet_looped_gradients()):
       if (k, factored) not in self._traced_for:
