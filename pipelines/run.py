@@ -223,10 +223,6 @@ def _unbound_parameters(error: RuntimeError) -> Optional[str]:
 def main(argv) -> int:
   del argv
   heap.pooled_tensors()  # Before the first TensorFlow op (fltff.runtime.heap).
-  # gRPC's C core logs a failed TLS handshake or connection on stderr (`E1129 ...` lines) before
-  # the runtime's own `error:` line says what failed (from the same gRPC status); read before
-  # gRPC's first channel. GRPC_VERBOSITY=ERROR shows them again.
-  os.environ.setdefault('GRPC_VERBOSITY', 'NONE')
   # Progress lines are ours (stdout); library INFO chatter (TFF, Keras) is not.
   absl_logging.set_verbosity(absl_logging.WARNING)
   output_dir = _OUTPUT_DIR.value or os.path.join(

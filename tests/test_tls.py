@@ -12,6 +12,8 @@ import datetime
 import ipaddress
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import grpc
@@ -22,8 +24,10 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from helpers import REPO
 from helpers import assert_one_line_error
 from helpers import read_csv
+from helpers import pipeline_env
 from helpers import run_pipeline
 from helpers import tagged_worker_pids
 from launcher import run_program
@@ -320,6 +324,37 @@ def test_a_driver_the_worker_refuses_is_told_why_at_once(client, message, pki, w
   result, seconds = _connect(pki, worker.address, tmp_path, *bindings)
   _alone(result, f'TFF worker at {worker.address}', message)
   assert seconds < 60, seconds
+
+
+# A library user's driver, not `fltff run`'s: the runtime's error alone, printed.
+_LIBRARY_DRIVER = """
+import os, sys
+from fltff import runtime
+print(os.environ.get('GRPC_VERBOSITY'))  # Importing sets nothing.
+try:
+  runtime.make_runtime(workers=[{address!r}], tls_ca_file={ca!r}, tls_cert_file={cert!r},
+                       tls_key_file={key!r})
+except Exception as e:  # pylint: disable=broad-except
+  print(str(e).splitlines()[0], file=sys.stderr)  # Without gin's 'In call to configurable'.
+"""
+
+
+@pytest.mark.parametrize('verbosity', [None, 'ERROR'])
+def test_a_library_driver_the_worker_refuses_sees_grpcs_log_only_if_it_asks(verbosity, pki,
+                                                                            worker):
+  script = _LIBRARY_DRIVER.format(address=worker.address, ca=pki('rogue-ca.pem'),
+                                  cert=pki('driver.pem'), key=pki('driver.key'))
+  env = {k: v for k, v in pipeline_env().items() if k != 'GRPC_VERBOSITY'}
+  result = subprocess.run([sys.executable, '-c', script], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=dict(env, **(
+                              {'GRPC_VERBOSITY': verbosity} if verbosity else {})))
+  assert result.stdout == f'{verbosity}\n', result.stderr[-3000:]
+  error = f"TFF worker at {worker.address} failed the TLS handshake: its certificate is not signed"
+  assert result.stderr.splitlines()[-1].startswith(error), result.stderr[-3000:]
+  # gRPC's own line on the failed handshake, `E1129 ... Handshake failed ...`, only if asked.
+  assert ('Handshake failed' in result.stderr) == bool(verbosity), result.stderr[-3000:]
+  if not verbosity:
+    assert len(result.stderr.splitlines()) == 1, result.stderr[-3000:]
 
 
 def test_a_tls_driver_on_a_plaintext_worker_is_told_so_at_once(pki, tmp_path):

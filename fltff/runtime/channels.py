@@ -3,6 +3,7 @@ explained, and TFF's execution context over them (`fltff.runtime.runtimes.Worker
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from typing import Optional
@@ -74,6 +75,9 @@ def connect_stub(address: str, timeout: float, rpc_timeout: float,
                   credentials: Optional[grpc.ChannelCredentials], server_name: Optional[str]):
   """A fail-fast executor stub for `address` once the worker answers; mutual TLS with
   `credentials` (`server_name`: the name to check in the worker's certificate)."""
+  # gRPC's C core would log a failed connection or TLS handshake on stderr (`E1129 ...` lines),
+  # which the errors below explain; read at gRPC's first channel. The user's setting wins.
+  os.environ.setdefault('GRPC_VERBOSITY', 'NONE')
   if credentials is None:
     channel = grpc.insecure_channel(address, MESSAGE_OPTIONS)
   else:
