@@ -163,12 +163,11 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
         angles.append(instantaneous_angles(grads, global_gradient(grads, n)))
       angle = tf.stack(angles, axis=1)  # [K, L]
       if keyed:
-        index = weight['client_index']
-        # Out of range, a GPU's gather reads zeros and its scatter drops the row, silently.
-        in_range = tf.reduce_all((index >= 0) & (index < num_state_clients))
-        with tf.control_dependencies([tf.debugging.Assert(in_range, [
-            f'AdaptiveWeightingFactory(num_clients={num_state_clients}) got client indices '
-            'outside [0, num_clients); num_clients must count every client of the data:', index])]):
+        index = weight['client_index']  # Out of range, a GPU's gather would read zeros silently.
+        with tf.control_dependencies([tf.debugging.Assert(tf.reduce_all(
+            (index >= 0) & (index < num_state_clients)), [f'AdaptiveWeightingFactory(num_clients='
+            f'{num_state_clients}) got client indices outside [0, num_clients); num_clients must '
+            'count every client of the data:', index])]):
           index = tf.identity(index)
         t = tf.gather(state['participations'], index) + 1
         smoothed = smoothed_angles(tf.gather(state['smoothed_angle'], index), angle,

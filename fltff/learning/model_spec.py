@@ -139,30 +139,24 @@ def architecture_fingerprint(model: tf.keras.Model) -> str:
   # Layers name the layers they read (inbound nodes, inputs, outputs): each name is replaced.
   text = re.sub(r'"((?:[^"\\]|\\.)*)"', lambda m: f'"{names.get(m[1], m[1])}"',
                 json.dumps(config, sort_keys=True))
-  if not _is_keras(type(model)):  # Subclassed (a Functional or Sequential model's config is all).
-    classes = {c for m in (model, *model.submodules) for c in type(m).__mro__ if not _is_keras(c)}
-    for cls in sorted(classes, key=lambda c: (c.__module__, c.__qualname__)):
-      text += '\n' + _class_code(cls)
+  classes = {c for m in (model, *model.submodules) for c in type(m).__mro__
+             if c.__module__.partition('.')[0] not in ('keras', 'tensorflow', 'builtins')}
+  if type(model) in classes:  # Subclassed (a Functional or Sequential model's config is all).
+    text += ''.join(sorted('\n' + _class_code(c) for c in classes))
   return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _is_keras(cls: type) -> bool:
-  return cls.__module__.partition('.')[0] in ('keras', 'tensorflow', 'builtins')
 
 
 def _class_code(cls: type) -> str:
   """`cls`'s source; without one (a class typed into an interpreter or notebook, or `exec`'d), the
   bytecode, names and constants of the functions it defines, which hold no file or line."""
-  try:
-    return inspect.getsource(cls)
-  except (OSError, TypeError):
-    pass
-
   def code(c) -> tuple:  # A frozenset's order would vary with the process's hash seed.
     return (c.co_code, c.co_names, tuple(code(k) if inspect.iscode(k) else sorted(k, key=repr)
                                          if isinstance(k, frozenset) else k for k in c.co_consts))
-  functions = (getattr(f, '__func__', getattr(f, 'fget', f)) for f in vars(cls).values())
-  return f'{cls.__qualname__} {[code(f.__code__) for f in functions if inspect.isfunction(f)]}'
+  try:
+    return inspect.getsource(cls)
+  except (OSError, TypeError):
+    functions = (getattr(f, '__func__', getattr(f, 'fget', f)) for f in vars(cls).values())
+    return f'{cls.__qualname__} {[code(f.__code__) for f in functions if inspect.isfunction(f)]}'
 
 
 def batch_loss(logits: tf.Tensor, labels: tf.Tensor, mask: Optional[tf.Tensor] = None
