@@ -59,14 +59,14 @@ def slope(samples: list[float]) -> float:
 
 
 def _probe_fltff(method: str, rounds: int, recycle_every: int, rt, sample) -> None:
-  from . import run as run_lib  # pylint: disable=g-import-not-at-top
+  from fltff.config_checks import configure  # pylint: disable=g-import-not-at-top
   from fltff.simulation import run_experiment  # pylint: disable=g-import-not-at-top
 
   # A run's last round also evaluates, checkpoints and skips the heap trim, once: it runs one
   # round more than it samples, so every sample is of a steady round.
-  run_lib.configure([resources.find_shipped(CONFIGS[method])],
-                    [f'experiment.rounds = {rounds + 1}', 'experiment.checkpoint_every = 1000000',
-                     f'experiment.eval_every = {rounds + 1}'])
+  configure([resources.find_shipped(CONFIGS[method])],
+            [f'experiment.rounds = {rounds + 1}', 'experiment.checkpoint_every = 1000000',
+             f'experiment.eval_every = {rounds + 1}'])
   rt.recycle_every = recycle_every
   sampled = itertools.count()
   with tempfile.TemporaryDirectory() as out:

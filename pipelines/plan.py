@@ -20,9 +20,6 @@ import time
 from typing import Optional, Sequence
 
 from . import reproduction
-# Imported here, not in `check_configurations`: TensorFlow before absl's app.run (`run`'s
-# import note), and `run`'s flags defined before the programs' own of the same names.
-from .run import configure
 
 # How often running runs are polled for their end (seconds).
 _POLL_SECONDS = 0.1
@@ -103,6 +100,7 @@ def check_configurations(runs: Sequence[PlannedRun], runs_dir: str,
   `--resume`. Returns the rounds each run's configuration binds (`experiment.rounds`), by run
   name: a finished run continues to more."""
   import gin  # pylint: disable=g-import-not-at-top
+  from fltff.config_checks import configure  # pylint: disable=g-import-not-at-top
   from fltff.config_checks import gin_binds  # pylint: disable=g-import-not-at-top
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from fltff.simulation.outputs import changes_text  # pylint: disable=g-import-not-at-top

@@ -26,6 +26,9 @@ import sys
 
 from absl import flags
 
+# TensorFlow, imported where the configurations are read, without its C++ start-up chatter.
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+
 from .plan import check_configurations
 from .plan import outcome_message
 from .plan import read_plan

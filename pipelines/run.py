@@ -22,7 +22,6 @@ import signal
 import sys
 import threading
 import time
-import tokenize
 from typing import Callable, Optional
 
 # Silences TensorFlow's C++ start-up chatter (CUDA plugin registration on CPU machines).
@@ -33,17 +32,12 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
 from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top,wrong-import-position
-import gin  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-import fltff  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
-from fltff import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
-from fltff import resources  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.cli import StopSignal  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.runtime import heap  # pylint: disable=g-import-not-at-top,wrong-import-position
-from fltff.config_checks import check_gin_bindings  # pylint: disable=g-import-not-at-top,wrong-import-position
-from fltff.config_checks import explain_gin_error  # pylint: disable=g-import-not-at-top,wrong-import-position
-from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff.config_checks import configure  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fltff.config_checks import short_gin_message  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import FltffError  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import StopNow  # pylint: disable=g-import-not-at-top,wrong-import-position
 from fltff.errors import StopRequested  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -70,43 +64,6 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
 
 EXIT_USER_ERROR = 2
 EXIT_STOPPED = 128 + 15  # As a process ended by SIGTERM reports it.
-
-
-def _short_gin_message(exc: BaseException) -> str:
-  """Gin appends 'In call to configurable ...' / 'In file ...' context lines: keep them short."""
-  lines = [l.strip() for l in str(exc).strip().splitlines()
-           if l.strip() and not l.strip().startswith('In call to configurable')]
-  return ' '.join(lines[:3])
-
-
-def configure(gin_files, gin_bindings) -> None:
-  """Registers every configurable, then parses the experiment's gin files and bindings."""
-  fltff.register_configurables()
-  if not gin_files:
-    raise ConfigError('Pass --gin_file=gin_configs/<experiment>.gin (see README).')
-  found = resources.find_gin_files(gin_files, gin_bindings)
-  resources.enable_gin_lookup()
-  try:
-    gin.parse_config_files_and_bindings(found, gin_bindings, finalize_config=False,
-                                        skip_unknown=False)
-  except Exception as e:  # pylint: disable=broad-except
-    # Gin reports a bad file with many exception types (a tokenizer error for an unclosed
-    # bracket, a TypeError for an include it cannot find, ...): each is the configuration's.
-    message = _short_gin_message(e)
-    if isinstance(e, tokenize.TokenError):
-      message = f'a gin file or --gin_bindings value leaves a bracket or string open ({e.args[0]})'
-    elif isinstance(e, (TypeError, OSError)) and 'include' in message:
-      # An include in a --gin_bindings value (those in files are checked by find_gin_files).
-      target = re.search(r"include '([^']+)'", message)
-      where = re.search(r'In file "([^"]+)", line (\d+)', message)
-      raise ConfigError(resources.include_not_found(
-          target.group(1) if target else '?',
-          f'{where.group(1)}, line {where.group(2)}' if where else '--gin_bindings')) from e
-    else:
-      message = explain_gin_error(
-          e, [m.gin_name for m in methods.METHODS.values()]) or message
-    raise ConfigError(f'Invalid gin configuration: {message}') from e
-  check_gin_bindings(gin.config._CONFIG)  # pylint: disable=protected-access
 
 
 def _kept(output_dir: str) -> str:
@@ -254,14 +211,14 @@ def main(argv) -> int:
                              stop_event=stop_event,
                              allow_config_change=_ALLOW_CONFIG_CHANGE.value)
   except StopRequested as e:
-    print(f'stopped: {_short_gin_message(e)}', file=sys.stderr, flush=True)
+    print(f'stopped: {short_gin_message(e)}', file=sys.stderr, flush=True)
     reported = True  # A second signal during the shutdown below then only hastens it.
     return EXIT_STOPPED
   except StopNow:
     print(f'stopped: at once by a second signal. {_kept(output_dir)}', file=sys.stderr)
     return EXIT_STOPPED
   except FltffError as e:
-    print(f'error: {_short_gin_message(e)}', file=sys.stderr)
+    print(f'error: {short_gin_message(e)}', file=sys.stderr)
     failed = True
     return EXIT_USER_ERROR
   except RuntimeError as e:
@@ -273,7 +230,7 @@ def main(argv) -> int:
     failed = True
     return EXIT_USER_ERROR
   except OSError as e:  # The machine's: a full disk, a folder made read-only, ...
-    reason = os.strerror(e.errno) if e.errno else _short_gin_message(e)
+    reason = os.strerror(e.errno) if e.errno else short_gin_message(e)
     where = f' ({e.filename})' if e.filename else ''
     print(f'error: {reason}{where}. {_kept(output_dir)}', file=sys.stderr)
     return EXIT_USER_ERROR

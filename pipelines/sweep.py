@@ -35,6 +35,9 @@ from typing import Optional, Sequence
 
 from absl import flags
 
+# TensorFlow, imported where the configurations are read, without its C++ start-up chatter.
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+
 from . import report
 from .plan import PlannedRun
 from .plan import check_configurations
@@ -215,8 +218,8 @@ def inert_points(runs: list[PlannedRun], axis: str) -> dict[str, str]:
   import gin  # pylint: disable=g-import-not-at-top
   from fltff import methods  # pylint: disable=g-import-not-at-top
   from fltff.config_checks import configurables  # pylint: disable=g-import-not-at-top
+  from fltff.config_checks import configure  # pylint: disable=g-import-not-at-top
   from fltff.config_checks import gin_binds  # pylint: disable=g-import-not-at-top
-  from .run import configure  # pylint: disable=g-import-not-at-top
 
   method_names = {m.gin_name for m in methods.METHODS.values()}
   owner = axis.rsplit('/', 1)[-1].rsplit('.', 1)[0]

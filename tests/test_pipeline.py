@@ -141,7 +141,7 @@ def test_a_gin_files_imports_are_found_beside_it_after_pythons_path(tmp_path, mo
 
   import gin  # pylint: disable=g-import-not-at-top
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from pipelines import run  # pylint: disable=g-import-not-at-top
+  from fltff.config_checks import configure  # pylint: disable=g-import-not-at-top
 
   elsewhere, parts, cwd = tmp_path / 'elsewhere', tmp_path / 'elsewhere' / 'parts', tmp_path / 'cwd'
   parts.mkdir(parents=True)
@@ -155,14 +155,14 @@ def test_a_gin_files_imports_are_found_beside_it_after_pythons_path(tmp_path, mo
   (elsewhere / 'missing.gin').write_text('import beside_no_such_models\n')
   path = list(sys.path)
   try:
-    run.configure([str(elsewhere / 'exp.gin')], [])
+    configure([str(elsewhere / 'exp.gin')], [])
     assert gin.query_parameter('experiment.rounds') == 2
     assert sys.modules['beside_exp_models'].__file__ == str(elsewhere / 'beside_exp_models.py')
     assert sys.modules['beside_part_models'].__file__ == str(parts / 'beside_part_models.py')
     assert sys.path == path  # Only while gin parses the file.
     gin.clear_config()
     with pytest.raises(ConfigError, match="No module named 'beside_no_such_models'"):
-      run.configure([str(elsewhere / 'missing.gin')], [])
+      configure([str(elsewhere / 'missing.gin')], [])
     assert sys.path == path
   finally:
     gin.clear_config()
