@@ -61,6 +61,28 @@ def test_outputs_are_complete(small_run):
   assert os.path.exists(os.path.join(out, 'checkpoints', 'latest.json'))
 
 
+def test_a_binding_the_run_never_reads_is_one_warning(small_run, tmp_path):
+  # gin ignores the bindings of a configurable the run never calls without a word: a
+  # `fedprox.mu` left in a file that runs `experiment.method = @fedavg` seemed to apply.
+  _, quiet, _ = small_run
+  assert 'does not read' not in quiet.stderr, quiet.stderr[-3000:]
+  result = run_pipeline(
+      SMALL[0], '--gin_bindings=experiment.rounds = 1',
+      '--gin_bindings=experiment.clients_per_round = 2', '--gin_bindings=fedprox.mu = 0.1',
+      '--gin_bindings=UNUSED = 1',  # A macro nothing refers to.
+      '--gin_bindings=other/fedavg.server_learning_rate = 2.0',  # No call in that scope.
+      # Read: the channel model's seed, which the experiment passes only when gin does not.
+      '--gin_bindings=experiment.channel = @channel_model',
+      '--gin_bindings=channel_model.seed = 3', f'--output_dir={tmp_path / "run"}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  warnings = [l for l in result.stderr.splitlines() if l.startswith('warning: ')]
+  assert len(warnings) == 1, result.stderr[-3000:]
+  assert warnings[0].startswith('warning: this run does not read UNUSED, fedprox.mu, '
+                                'other/fedavg.server_learning_rate: '), warnings[0]
+  summary = json.load(open(tmp_path / 'run' / 'summary.json'))
+  assert summary['seeds']['channel'] == 3
+
+
 def test_resume_after_kill_matches_uninterrupted_run(small_run, tmp_path):
   reference_dir, _, _ = small_run
   out = str(tmp_path / 'killed')

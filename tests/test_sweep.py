@@ -71,6 +71,31 @@ def test_bad_input_is_one_error_line_and_nothing_runs(tmp_path, args, fragment):
   assert sorted(os.listdir(tmp_path)) == ['exp.gin']
 
 
+@pytest.mark.parametrize('program', [
+    ['-m', 'pipelines.sweep', '--gin_file=gin_configs/quickstart.gin', '--sweep_dir=SWEEP'],
+    ['-m', 'pipelines.reproduce', '--only=no_such_run'],
+])
+def test_the_flags_of_fltff_run_are_refused_in_one_line(program, tmp_path):
+  # sweep and reproduce imported `pipelines.run` (through plan.py) and with it its flags: a
+  # `--resume` or `--output_dir` given to them was accepted and ignored.
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  args = [sys.executable, *[a.replace('SWEEP', str(tmp_path / 'sweep')) for a in program],
+          '--dry_run']
+  for flag in ('--resume', f'--output_dir={tmp_path / "out"}'):
+    result = subprocess.run(args + [flag], capture_output=True, text=True, cwd=REPO,
+                            env=pipeline_env(), timeout=300, check=False)
+    line = assert_one_line_error(result, 'Unknown command line flag')
+    assert flag.split('=')[0][2:] in line
+  assert os.listdir(tmp_path) == []
+  imported = subprocess.run(
+      [sys.executable, '-c', 'import sys, pipelines.plan, pipelines.sweep, pipelines.reproduce; '
+       "print(sorted(m for m in ('pipelines.run', 'tensorflow') if m in sys.modules))"],
+      capture_output=True, text=True, cwd=REPO, env=pipeline_env(), timeout=300, check=True)
+  assert imported.stdout.strip() == '[]'
+
+
 def _wait_for(predicate, what: str, timeout: float = 300):
   deadline = time.monotonic() + timeout
   while not predicate():

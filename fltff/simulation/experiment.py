@@ -20,6 +20,7 @@ from fltff.config_checks import check_seed
 from fltff.config_checks import gin_binds
 from fltff.config_checks import parameters
 from fltff.errors import ConfigError
+from fltff.errors import warn
 from fltff.learning import optimizers
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.round_data import cheapest_groups
@@ -36,6 +37,7 @@ from fltff.simulation.evaluation import Finetuner
 from fltff.simulation.checkpoint import Checkpointer
 from fltff.simulation.outputs import prepare_output_dir
 from fltff.simulation.outputs import check_resume
+from fltff.simulation.outputs import unread_bindings
 
 
 def build_model_spec(data, model: str, seed: int) -> ModelSpec:
@@ -274,11 +276,13 @@ def run_experiment(output_dir: str,
     raise ConfigError(f'--resume: the checkpoint holds rounds 1-{resumed_from}, more than '
                       f'experiment.rounds = {rounds}; resume with experiment.rounds >= '
                       f'{resumed_from} (the run is unchanged).')
-  channel_seed = (gin.query_parameter('channel_model.seed') if gin_binds('channel_model.seed')
-                  else seed)
+  # A bound channel_model.seed is gin's to pass: its call then reads (and records) it.
+  bound_channel_seed = gin_binds('channel_model.seed')
+  channel_seed = gin.query_parameter('channel_model.seed') if bound_channel_seed else seed
   driver = RoundDriver(algorithm, data, config, output_dir, progress=progress, runtime=runtime,
                        stop_event=stop_event,
-                       channel=channel(num_clients=data.num_clients(), seed=channel_seed)
+                       channel=channel(num_clients=data.num_clients(),
+                                       **({} if bound_channel_seed else {'seed': seed}))
                        if channel else None,
                        finetuner=finetuner, record=record,
                        client_work_reason=client_work_reason)
@@ -290,6 +294,11 @@ def run_experiment(output_dir: str,
   if channel:
     driver.run_info['seeds']['channel'] = channel_seed
   driver.run_info.update(resources.source_version())
+  # Every configurable the run calls is called by now (the method, data, runtime, channel).
+  unread = unread_bindings(gin.config_str(), gin.operative_config_str())
+  if unread:
+    warn(f'this run does not read {", ".join(unread)}: gin ignores a binding of a configurable '
+         'the run never calls (e.g. another method\'s parameter).')
   logging.info('%s: %d clients, %d per round, %d rounds.', algorithm.name, data.num_clients(),
                driver.participants, rounds)
   return driver.run(resume=resume)

@@ -212,9 +212,7 @@ def config_changes(earlier: str, now: str, parsed: bool = False) -> list[tuple[s
   a, b = config_bindings(earlier), config_bindings(now)
 
   def value_now(key: str) -> Optional[str]:
-    *scopes, name = key.split('/')  # Parsed: `a/b/f.x` takes `a/b/f.x`, else `a/f.x`, `f.x`.
-    return next((b[k] for k in ('/'.join(scopes[:i] + [name]) for i in range(
-        len(scopes), -1, -1)) if k in b), None) if parsed else b.get(key)
+    return b.get(_parsed_binding(key, b) if parsed else key)
 
   changes = []
   for key in sorted(set(a) | set(b)):
@@ -228,6 +226,23 @@ def config_changes(earlier: str, now: str, parsed: bool = False) -> list[tuple[s
       continue
     changes.append((key, a.get(key, ABSENT), ABSENT if value is None else value))
   return changes
+
+
+def _parsed_binding(key: str, parsed: dict[str, str]) -> Optional[str]:
+  """The binding of `parsed` (`config_bindings` of a configuration as parsed) that a call
+  recorded as operative `key` reads: `a/b/f.x` reads `a/b/f.x`, else `a/f.x`, else `f.x`."""
+  *scopes, name = key.split('/')
+  return next((k for k in ('/'.join(scopes[:i] + [name]) for i in range(len(scopes), -1, -1))
+               if k in parsed), None)
+
+
+def unread_bindings(parsed: str, operative: str) -> list[str]:
+  """The bindings (and macros) of configuration `parsed` (`gin.config_str()`) that no call
+  recorded in `operative` (`gin.operative_config_str()`) read: gin ignores them without a word
+  (a parameter of a method, partitioner or source the run does not use)."""
+  bindings = config_bindings(parsed)
+  read = {_parsed_binding(key, bindings) for key in config_bindings(operative)}
+  return sorted(set(bindings) - read)
 
 
 def changes_text(changes: list[tuple[str, str, str]]) -> str:
