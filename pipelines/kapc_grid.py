@@ -63,7 +63,7 @@ class Method:
   # Models it replaces (model → replacement), with the comment saying why (under the title).
   models: dict[str, str] = dataclasses.field(default_factory=dict)
   model_comment: str = ''
-  # Includes kapc_dir<α>_common.gin (λ, β); offline_common.gin includes it for the offline twins.
+  # Includes kapc_dir<α>_common.gin (R's settings, λ, β; α = 0.1 for the offline twins).
   kapc_common: bool = False
   title: Optional[str] = None  # The offline twin's title; None: the method's file name.
 
@@ -131,14 +131,15 @@ METHODS = {
 }
 
 # The offline twins: every method on offline_common.gin's setting (mlp2, which no method
-# replaces; α = 0.1, whose λ and β offline_common.gin includes).
+# replaces; α = 0.1, whose λ and β the KAPC twins include).
 OFFLINE_PREFIX = 'offline_mnist1003'
 OFFLINE_COMMON = 'gin_configs/kapc/offline_common.gin'
 
 # Files of gin_configs/kapc that are not generated: the shared includes, and the FedBN offline
 # twin on cnn2_bn (a one-off beside offline_mnist1003_fedbn.gin, with its own comment).
-HAND_WRITTEN = ('common.gin', 'offline_common.gin', 'kapc_dir0.1_common.gin',
-                'kapc_dir0.3_common.gin', 'offline_mnist1003_fedbn_cnn2_bn.gin')
+HAND_WRITTEN = ('common.gin', 'offline_common.gin', 'kapc_common.gin',
+                'kapc_dir0.1_common.gin', 'kapc_dir0.3_common.gin',
+                'offline_mnist1003_fedbn_cnn2_bn.gin')
 
 # Names of the kind render() produces: a file of this form that it does not produce is stale.
 _GRID_NAME = re.compile(r'([a-z0-9_]+_n\d+_dir[\d.]+|' + OFFLINE_PREFIX + r')_[a-z0-9_.]+\.gin')
@@ -149,8 +150,9 @@ def _method_lines(method: Method, dataset_lines: str = '') -> str:
           method.evaluation)
 
 
-def cell(dataset: str, clients: int, alpha: float, method: str) -> str:
-  """The text of one cell's config."""
+def cell(dataset: str, clients: int, alpha: float, method: str,
+         base: Optional[str] = None) -> str:
+  """The text of one cell's config; `base`: the data config it reads (default: the dataset's)."""
   data, setting, spec = DATASETS[dataset], CLIENTS[clients], METHODS[method]
   model = spec.models.get(data.model, data.model)
   text = (f'# KAPC paper: {dataset}, {setting.num_clients} clients ({setting.client_fraction} '
@@ -158,7 +160,7 @@ def cell(dataset: str, clients: int, alpha: float, method: str) -> str:
   if model != data.model:
     text += spec.model_comment
   text += ("include 'gin_configs/kapc/common.gin'\n"
-           f"include 'gin_configs/base/{data.base}.gin'\n"
+           f"include 'gin_configs/base/{base or data.base}.gin'\n"
            f'federated_data.num_clients = {setting.num_clients}\n')
   if setting.data_fraction is not None:
     text += f'federated_data.data_fraction = {setting.data_fraction}\n'
@@ -172,18 +174,12 @@ def cell(dataset: str, clients: int, alpha: float, method: str) -> str:
   return text
 
 
-def idx_twin(name: str, idx_name: str, idx_base: str, title: str) -> str:
-  """A cell `name` read from the local IDX files instead of TFDS, nothing else changed."""
-  return (f'# {idx_name}: kapc/{name} on the {title} IDX files (no other change).\n'
-          f"include 'gin_configs/kapc/{name}'\n"
-          f"include 'gin_configs/base/{idx_base}.gin'\n")
-
-
 def offline_twin(method: str) -> str:
   """A method on offline_common.gin's small setting."""
   spec = METHODS[method]
   return (f'# Offline KAPC twin: {spec.title or method}.\n'
-          f"include '{OFFLINE_COMMON}'\n" + _method_lines(spec))
+          f"include '{OFFLINE_COMMON}'\n" + _method_lines(spec) +
+          ("include 'gin_configs/kapc/kapc_dir0.1_common.gin'\n" if spec.kapc_common else ''))
 
 
 def render() -> dict[str, str]:
@@ -196,9 +192,11 @@ def render() -> dict[str, str]:
           suffix = f'n{clients}_dir{alpha}_{method}.gin'
           name = f'{dataset}_{suffix}'
           files[name] = cell(dataset, clients, alpha, method)
-          if data.idx_base:
-            idx_name = f'{dataset}_idx_{suffix}'
-            files[idx_name] = idx_twin(name, idx_name, data.idx_base, data.title)
+          if data.idx_base:  # The cell on the local IDX files, nothing else changed (and no
+            # binding of the TFDS source it does not read).
+            files[f'{dataset}_idx_{suffix}'] = (
+                f'# kapc/{name} on the {data.title} IDX files (no other change).\n' +
+                cell(dataset, clients, alpha, method, data.idx_base))
   for method in METHODS:
     files[f'{OFFLINE_PREFIX}_{method}.gin'] = offline_twin(method)
   return files
