@@ -1,6 +1,5 @@
-"""Checks of settings, shared by the gin configuration and the library's builders; reading a
-configuration as `fltff run` does (`configure`), and what gin's own errors mean
-(`explain_gin_error`)."""
+"""Checks of settings, shared by the gin configuration and the library's builders, and what
+gin's own errors mean (`explain_gin_error`)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import difflib
 import inspect
 import numbers
 import re
-import tokenize
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
@@ -273,38 +271,3 @@ def short_gin_message(exc: BaseException) -> str:
            if l.strip() and not l.strip().startswith('In call to configurable')]
   return ' '.join(lines[:3])
 
-
-def configure(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
-  """Registers every configurable, then parses the experiment's gin files and bindings and
-  checks them (`check_gin_bindings`), as `fltff run`, `sweep` and `reproduce` read them;
-  `ConfigError` in one line for a bad configuration."""
-  import fltff  # pylint: disable=g-import-not-at-top
-  from fltff import methods  # pylint: disable=g-import-not-at-top
-  from fltff import resources  # pylint: disable=g-import-not-at-top
-
-  fltff.register_configurables()
-  if not gin_files:
-    raise ConfigError('Pass --gin_file=gin_configs/<experiment>.gin (see README).')
-  found = resources.find_gin_files(gin_files, gin_bindings)
-  resources.enable_gin_lookup()
-  try:
-    gin.parse_config_files_and_bindings(found, gin_bindings, finalize_config=False,
-                                        skip_unknown=False)
-  except Exception as e:  # pylint: disable=broad-except
-    # Gin reports a bad file with many exception types (a tokenizer error for an unclosed
-    # bracket, a TypeError for an include it cannot find, ...): each is the configuration's.
-    message = short_gin_message(e)
-    if isinstance(e, tokenize.TokenError):
-      message = f'a gin file or --gin_bindings value leaves a bracket or string open ({e.args[0]})'
-    elif isinstance(e, (TypeError, OSError)) and 'include' in message:
-      # An include in a --gin_bindings value (those in files are checked by find_gin_files).
-      target = re.search(r"include '([^']+)'", message)
-      where = re.search(r'In file "([^"]+)", line (\d+)', message)
-      raise ConfigError(resources.include_not_found(
-          target.group(1) if target else '?',
-          f'{where.group(1)}, line {where.group(2)}' if where else '--gin_bindings')) from e
-    else:
-      message = explain_gin_error(
-          e, [m.gin_name for m in methods.METHODS.values()]) or message
-    raise ConfigError(f'Invalid gin configuration: {message}') from e
-  check_gin_bindings(gin.config._CONFIG)  # pylint: disable=protected-access

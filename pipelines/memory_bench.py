@@ -59,7 +59,7 @@ def slope(samples: list[float]) -> float:
 
 
 def _probe_fltff(method: str, rounds: int, recycle_every: int, rt, sample) -> None:
-  from fltff.config_checks import configure  # pylint: disable=g-import-not-at-top
+  from fltff.simulation.experiment import configure  # pylint: disable=g-import-not-at-top
   from fltff.simulation import run_experiment  # pylint: disable=g-import-not-at-top
 
   # A run's last round also evaluates, checkpoints and skips the heap trim, once: it runs one

@@ -100,9 +100,9 @@ def check_configurations(runs: Sequence[PlannedRun], runs_dir: str,
   `--resume`. Returns the rounds each run's configuration binds (`experiment.rounds`), by run
   name: a finished run continues to more."""
   import gin  # pylint: disable=g-import-not-at-top
-  from fltff.config_checks import configure  # pylint: disable=g-import-not-at-top
   from fltff.config_checks import gin_binds  # pylint: disable=g-import-not-at-top
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from fltff.simulation.experiment import configure  # pylint: disable=g-import-not-at-top
   from fltff.simulation.outputs import changes_text  # pylint: disable=g-import-not-at-top
   from fltff.simulation.outputs import config_changes  # pylint: disable=g-import-not-at-top
 

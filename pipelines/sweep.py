@@ -218,8 +218,8 @@ def inert_points(runs: list[PlannedRun], axis: str) -> dict[str, str]:
   import gin  # pylint: disable=g-import-not-at-top
   from fltff import methods  # pylint: disable=g-import-not-at-top
   from fltff.config_checks import configurables  # pylint: disable=g-import-not-at-top
-  from fltff.config_checks import configure  # pylint: disable=g-import-not-at-top
   from fltff.config_checks import gin_binds  # pylint: disable=g-import-not-at-top
+  from fltff.simulation.experiment import configure  # pylint: disable=g-import-not-at-top
 
   method_names = {m.gin_name for m in methods.METHODS.values()}
   owner = axis.rsplit('/', 1)[-1].rsplit('.', 1)[0]

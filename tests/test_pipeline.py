@@ -163,7 +163,7 @@ def test_a_gin_files_imports_are_found_beside_it_after_pythons_path(tmp_path, mo
 
   import gin  # pylint: disable=g-import-not-at-top
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from fltff.config_checks import configure  # pylint: disable=g-import-not-at-top
+  from fltff.simulation.experiment import configure  # pylint: disable=g-import-not-at-top
 
   elsewhere, parts, cwd = tmp_path / 'elsewhere', tmp_path / 'elsewhere' / 'parts', tmp_path / 'cwd'
   parts.mkdir(parents=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
+import tokenize
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -12,13 +14,17 @@ from absl import logging
 import gin
 import numpy as np
 
+import fltff
 from fltff import methods
 from fltff import resources
 from fltff.data import build_federated_data
 from fltff.config_checks import check_choice
+from fltff.config_checks import check_gin_bindings
 from fltff.config_checks import check_seed
+from fltff.config_checks import explain_gin_error
 from fltff.config_checks import gin_binds
 from fltff.config_checks import parameters
+from fltff.config_checks import short_gin_message
 from fltff.errors import ConfigError
 from fltff.errors import warn
 from fltff.learning import optimizers
@@ -131,6 +137,38 @@ def choose_client_work(algorithm, client_work: str = 'auto', factor_dense: bool 
     if client_work == 'vectorised':
       raise
     return algorithm, str(e)
+
+
+def configure(gin_files: Sequence[str], gin_bindings: Sequence[str]) -> None:
+  """Registers every configurable, then parses the experiment's gin files and bindings and
+  checks them (`check_gin_bindings`), as `fltff run`, `sweep` and `reproduce` read them;
+  `ConfigError` in one line for a bad configuration."""
+  fltff.register_configurables()
+  if not gin_files:
+    raise ConfigError('Pass --gin_file=gin_configs/<experiment>.gin (see README).')
+  found = resources.find_gin_files(gin_files, gin_bindings)
+  resources.enable_gin_lookup()
+  try:
+    gin.parse_config_files_and_bindings(found, gin_bindings, finalize_config=False,
+                                        skip_unknown=False)
+  except Exception as e:  # pylint: disable=broad-except
+    # Gin reports a bad file with many exception types (a tokenizer error for an unclosed
+    # bracket, a TypeError for an include it cannot find, ...): each is the configuration's.
+    message = short_gin_message(e)
+    if isinstance(e, tokenize.TokenError):
+      message = f'a gin file or --gin_bindings value leaves a bracket or string open ({e.args[0]})'
+    elif isinstance(e, (TypeError, OSError)) and 'include' in message:
+      # An include in a --gin_bindings value (those in files are checked by find_gin_files).
+      target = re.search(r"include '([^']+)'", message)
+      where = re.search(r'In file "([^"]+)", line (\d+)', message)
+      raise ConfigError(resources.include_not_found(
+          target.group(1) if target else '?',
+          f'{where.group(1)}, line {where.group(2)}' if where else '--gin_bindings')) from e
+    else:
+      message = explain_gin_error(
+          e, [m.gin_name for m in methods.METHODS.values()]) or message
+    raise ConfigError(f'Invalid gin configuration: {message}') from e
+  check_gin_bindings(gin.config._CONFIG)  # pylint: disable=protected-access
 
 
 def build_method(method: Callable[..., Any], model_spec: ModelSpec, num_clients: int,
