@@ -270,4 +270,3 @@ def short_gin_message(exc: BaseException) -> str:
   lines = [l.strip() for l in str(exc).strip().splitlines()
            if l.strip() and not l.strip().startswith('In call to configurable')]
   return ' '.join(lines[:3])
-

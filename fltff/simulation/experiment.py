@@ -332,7 +332,7 @@ def run_experiment(output_dir: str,
   if channel:
     driver.run_info['seeds']['channel'] = channel_seed
   driver.run_info.update(resources.source_version())
-  # Every configurable the run calls is called by now (the method, data, runtime, channel).
+  # The configurables the experiment calls (data, model, method, runtime, channel) are by now.
   unread = unread_bindings(gin.config_str(), gin.operative_config_str())
   if unread:
     warn(f'this run does not read {", ".join(unread)}: gin ignores a binding of a configurable '
