@@ -719,12 +719,15 @@ def main(argv) -> int:
                                                 _COLLECT_FROM.value).items():
           print(f'{name}: {state}')
       md = reproduction.write(_REPRODUCTION.value, sys.modules[__name__])
+      unshown = reproduction.unshown_runs(_REPRODUCTION.value)
     except (OSError, KeyError, ValueError) as e:
       print(f'error: cannot write the reproduction report from {_REPRODUCTION.value}: '
             f'{type(e).__name__}: {e}', file=sys.stderr)
       return 2
     print(md)
     print(f'\nwrote {_REPRODUCTION.value}/reproduction.md and {_REPRODUCTION.value}/figures/')
+    for line in unshown:  # Last, where the eye lands after the report.
+      print(f'warning: not in the report: {line}', file=sys.stderr)
     return 0
   if not _RUNS.value:
     print('error: pass --runs=dir1,dir2,...', file=sys.stderr)

@@ -1358,6 +1358,33 @@ def manifest_runs(results_dir: str) -> list[str]:
   return sorted(names)
 
 
+def unshown_runs(results_dir: str) -> list[str]:
+  """The runs the report leaves out, a line each: a run of `plan.txt` or `runs/` that
+  `reproduction.json` names nowhere, and a seed (`<stem>_s<k>`) planned or present whose stem a
+  row lists without it (a row written before that seed was planned)."""
+  from .plan import read_plan  # pylint: disable=g-import-not-at-top (plan imports this module)
+  plan_file = os.path.join(results_dir, 'plan.txt')
+  runs_dir = os.path.join(results_dir, 'runs')
+  known = dict.fromkeys([r.name for r in read_plan(plan_file)] if os.path.exists(plan_file)
+                        else [])
+  known.update(dict.fromkeys(sorted(n for n in os.listdir(runs_dir) if os.path.isdir(
+      os.path.join(runs_dir, n)))) if os.path.isdir(runs_dir) else {})
+  listed = set(manifest_runs(results_dir))
+  lines = [f'{name} (planned or in runs/) is in no comparison of reproduction.json'
+           for name in known if name not in listed]
+  stem = lambda name: re.sub(r'_s\d+$', '', name)
+  for section in _sections(results_dir):
+    for group in section.get('groups', []):
+      for row, value in group['runs'].items():
+        names = _as_list(value)
+        stems = {stem(n) for n in names}
+        left = [n for n in known if seed_key(n) and stem(n) in stems and n not in names]
+        if left:
+          lines.append(f'{section["id"]}, {group.get("label", "")} row "{row}" lists '
+                       f'{names[0] if len(names) == 1 else _runs_cell(names)} but not {", ".join(left)}')
+  return lines
+
+
 def extra_files(results_dir: str) -> dict[str, tuple[str, ...]]:
   """{run name: files beyond RUN_FILES its section asks `collect` to copy when present}."""
   out = {}

@@ -339,6 +339,7 @@ def test_shipped_results_report_builds(tmp_path):
   result = run_program('pipelines.report', f'--reproduction={tmp_path / "results"}',
                        env=dict(os.environ), timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
+  assert 'not in the report' not in result.stderr, result.stderr[-2000:]  # Every run is shown.
   manifest = json.load(open(os.path.join(REPO, 'results', 'reproduction.json')))
   md = (tmp_path / 'results' / 'reproduction.md').read_text()
   for section in manifest['sections']:
@@ -383,6 +384,25 @@ def test_collect_copies_only_finished_runs(results, tmp_path):
       'config.gin', 'measurements.jsonl', 'metrics.csv', 'summary.json']
   assert open(os.path.join(results, 'runs', 'avg_s0', 'metrics.csv')).read().count('\n') == 5
   assert open(os.path.join(results, 'runs', 'prox_s0', 'metrics.csv')).read().count('0.6') == 2  # kept
+
+
+def test_runs_the_report_leaves_out_are_named(results):
+  """A seed finished after its row was written, or a run no comparison names, is not silently
+  missing from the report: `unshown_runs` names it, and the report prints it as a warning."""
+  assert reproduction.unshown_runs(results) == []
+  _write_run(results, 'avg_s2', {'test_accuracy': [0.3, 0.4, 0.5, 0.5]})  # The row has s0, s1.
+  _write_run(results, 'stray', {'test_accuracy': [0.5]})
+  with open(os.path.join(results, 'plan.txt'), 'w') as f:
+    f.write('kapc_s3 gin_configs/x/mnist_a.gin experiment.seed = 3\n')
+  assert reproduction.unshown_runs(results) == [
+      'kapc_s3 (planned or in runs/) is in no comparison of reproduction.json',
+      'avg_s2 (planned or in runs/) is in no comparison of reproduction.json',
+      'stray (planned or in runs/) is in no comparison of reproduction.json',
+      'kapc, T1 a0.1 row "KAPC" lists kapc_s{0,1,2} but not kapc_s3',
+      'gain, g row "avg" lists avg_s{0,1} but not avg_s2']
+  result = run_program('pipelines.report', f'--reproduction={results}', timeout=600)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stderr.count('warning: not in the report: ') == 5, result.stderr[-2000:]
 
 
 def test_read_plan_and_commands(tmp_path):
