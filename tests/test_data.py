@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 
 import gin
 import numpy as np
@@ -241,8 +242,8 @@ def test_npz_features_are_scaled_only_when_uint8(dtype, stored, seen, tmp_path):
   from fltff.data.pipeline import preprocess_batch  # pylint: disable=g-import-not-at-top
 
   x = np.array([stored] * 2, dtype)  # Two examples of three features.
-  np.savez(tmp_path / 'f.npz', x_train=x, y_train=np.array([0, 1]), x_test=x,
-           y_test=np.array([1, 0]))
+  np.savez(tmp_path / 'f.npz', x_train=x, y_train=np.array([0, 1]), x_test=x[:1],
+           y_test=np.array([1]))
   source = data.npz_source(str(tmp_path / 'f.npz'))
   assert source.x_train.dtype == (np.uint8 if dtype == np.uint8 else np.float32)
   batch = preprocess_batch({'x': source.x_train, 'y': source.y_train})
@@ -280,6 +281,23 @@ def test_npz_source_errors_and_label_shapes(tmp_path):
   for path in (truncated, overwritten):
     with pytest.raises(DataError, match='cannot read .* as an .npz file'):
       data.npz_source(str(path))
+
+
+
+def test_npz_labels_that_skip_a_class_need_a_declared_class_count(tmp_path):
+  """1-based labels (MATLAB's; SVHN's .mat files hold 1..10) or labels with a gap: the class
+  count inferred from the largest label would hold a class no example has, silently."""
+  x = np.zeros((4, 2), np.float32)
+  path = tmp_path / 'one_based.npz'
+  np.savez(path, x_train=x, y_train=np.array([1, 2, 3, 1]), x_test=x[:2],
+           y_test=np.array([3, 2]))
+  with pytest.raises(DataError, match=re.escape(
+      f'{path}: no example has label 0, but the class count inferred from the largest label '
+      'is 4: labels are class indices 0..C-1 (1-based labels: subtract 1)')):
+    data.npz_source(str(path))
+  with pytest.raises(ConfigError, match=r'has label 3 \(1-based labels: subtract 1\)'):
+    data.npz_source(str(path), num_classes=3)
+  assert data.npz_source(str(path), num_classes=4).num_classes == 4  # Declared: kept.
 
 
 @pytest.mark.parametrize('name,shape,classes', [

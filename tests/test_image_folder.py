@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from fltff.data import image_folder_source
+from fltff.errors import ConfigError
 from fltff.errors import DataError
 
 CLASSES = ('airplane', 'cat', 'truck')
@@ -51,3 +52,27 @@ def test_mixed_image_sizes_are_rejected(tmp_path):
   (tmp_path / 'train' / 'cat' / 'zzz.png').write_bytes(tf.io.encode_png(odd).numpy())
   with pytest.raises(DataError, match='same size'):
     image_folder_source(str(tmp_path), classes=CLASSES)
+
+
+def test_an_empty_class_folder_or_an_unreadable_image_is_a_data_error(tmp_path):
+  """Before, an empty class folder left the class without examples, silently, and an unreadable
+  image stopped the run with TensorFlow's traceback."""
+  _write_folder(tmp_path, {'train': 2, 'test': 1})
+  (tmp_path / 'test' / 'cat' / '000.png').rename(tmp_path / 'test' / 'cat' / '000.gif.part')
+  with pytest.raises(DataError, match=f"^{tmp_path / 'test' / 'cat'} holds no images"):
+    image_folder_source(str(tmp_path), classes=CLASSES)
+  (tmp_path / 'test' / 'cat' / '000.gif.part').rename(tmp_path / 'test' / 'cat' / '000.png')
+  broken = tmp_path / 'train' / 'truck' / '001.png'
+  broken.write_bytes(broken.read_bytes()[:60])  # A download cut short.
+  with pytest.raises(DataError, match=f'^{broken} cannot be decoded as an image '
+                                      r'\(Invalid PNG data, size 60\)'):
+    image_folder_source(str(tmp_path), classes=CLASSES)
+
+
+def test_the_training_folder_as_test_split_or_a_class_twice_is_refused(tmp_path):
+  _write_folder(tmp_path, {'train': 2, 'test': 1})
+  with pytest.raises(DataError, match='the test examples are the training examples'):
+    image_folder_source(str(tmp_path), classes=CLASSES, test_split='train')
+  with pytest.raises(ConfigError, match="must name each class folder once, got "
+                                        r"\('airplane', 'cat', 'cat'\)"):
+    image_folder_source(str(tmp_path), classes=('airplane', 'cat', 'cat'))

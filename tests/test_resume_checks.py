@@ -160,13 +160,19 @@ def test_unusable_data_are_refused_before_the_first_round(tmp_path, change, frag
                       'they must match.'),
     ('test', 'empty', 'src: the test split has no examples, and every evaluation reads it (the '
                       'central test set, and the local test splits drawn from it).'),
+    # Pixels 0..255 as int64 (pandas' dtype for a CSV of pixels): not scaled, so refused.
+    ('train', 'int', 'src: x_train holds int64 images with values in [0, 255]'),
+    ('test', 'same', 'src: the test examples are the training examples (all 2, in the same '
+                     'order): every evaluation would measure accuracy on training data'),
+    ('train', 'list', 'src: x_train is a list, not a NumPy array'),
+    ('train', 'channel-first', 'src: examples of shape (3, 8, 8) are channel-first'),
 ])
 def test_check_dataset_names_the_split_and_the_count(split, change, message):
   from fltff.data.sources import ArrayDataset  # pylint: disable=g-import-not-at-top
   from fltff.data.sources import check_dataset  # pylint: disable=g-import-not-at-top
   from fltff.errors import DataError  # pylint: disable=g-import-not-at-top
 
-  arrays = dict(x_train=np.full((2, 2, 2, 1), 0.5, np.float32), y_train=np.array([0, 2]),
+  arrays = dict(x_train=np.full((2, 2, 2, 1), 0.25, np.float32), y_train=np.array([0, 2]),
                 x_test=np.full((2, 2, 2, 1), 0.5, np.float32), y_test=np.array([1, 1]))
   check_dataset(ArrayDataset('d', num_classes=3, **arrays), 'src')
   if change == 'label':
@@ -177,6 +183,15 @@ def test_check_dataset_names_the_split_and_the_count(split, change, message):
     arrays[f'x_{split}'] = np.full((2, 3, 2, 1), 0.5, np.float32)
   elif change == 'empty':
     arrays.update(x_test=arrays['x_test'][:0], y_test=arrays['y_test'][:0])
+  elif change == 'int':
+    arrays['x_train'] = np.array([0, 255]).reshape(2, 1, 1, 1) * np.ones((2, 2, 2, 1), np.int64)
+  elif change == 'same':
+    arrays.update(x_test=arrays['x_train'], y_test=arrays['y_train'])
+  elif change == 'list':
+    arrays['x_train'] = list(arrays['x_train'])
+  elif change == 'channel-first':  # As PyTorch stores images: (N, C, H, W).
+    arrays.update(x_train=np.full((2, 3, 8, 8), 0.5, np.float32),
+                  x_test=np.full((2, 3, 8, 8), 0.25, np.float32))
   else:
     x = arrays[f'x_{split}'].copy()
     x[0, 0, 0, 0] = np.inf if change == 'inf' else 2.0

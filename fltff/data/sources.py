@@ -48,17 +48,31 @@ class ArrayDataset:
 
 def check_dataset(dataset: ArrayDataset, origin: str) -> ArrayDataset:
   """`dataset`, unless it is data a run would train on without a word and get wrong
-  (`DataError`, one line naming `origin`, the split and the count): examples and labels of
-  different counts, training and test examples of different shapes, non-finite features, float
-  images outside [0, 1] (uint8 images are scaled to [0, 1] by the input pipeline, float ones are
-  used as they are), labels outside [0, num_classes), no test examples. Float feature vectors
-  (`[n, d]`) may take any finite value."""
-  if dataset.x_train.shape[1:] != dataset.x_test.shape[1:]:
-    raise DataError(f'{origin}: training examples have shape {dataset.x_train.shape[1:]}, test '
-                    f'examples {dataset.x_test.shape[1:]}; they must match.')
+  (`DataError`, one line naming `origin`, the split and the count): splits that are not NumPy
+  arrays, examples and labels of different counts, training and test examples of different
+  shapes, channel-first images (`[n, C, H, W]`), a test split that is the training split,
+  non-finite features, images outside [0, 1] that are not uint8 (uint8 images are scaled to
+  [0, 1] by the input pipeline, others are used as they are), labels outside
+  [0, num_classes), no test examples. Feature vectors (`[n, d]`) may take any finite value."""
+  for key in ('x_train', 'y_train', 'x_test', 'y_test'):
+    if not isinstance(getattr(dataset, key), np.ndarray):
+      raise DataError(f'{origin}: {key} is a {type(getattr(dataset, key)).__name__}, not a '
+                      'NumPy array; build the ArrayDataset from np.asarray(...).')
+  x_train, x_test = dataset.x_train, dataset.x_test
+  if x_train.shape[1:] != x_test.shape[1:]:
+    raise DataError(f'{origin}: training examples have shape {x_train.shape[1:]}, test '
+                    f'examples {x_test.shape[1:]}; they must match.')
+  if x_train.ndim == 4 and x_train.shape[1] in (1, 3, 4) and x_train.shape[3] > 4:
+    raise DataError(f'{origin}: examples of shape {x_train.shape[1:]} are channel-first (C, H, '
+                    "W), as PyTorch stores images, but fltff's models read (H, W, C): "
+                    'np.moveaxis(x, 1, -1).')
   if not len(dataset.y_test):
     raise DataError(f'{origin}: the test split has no examples, and every evaluation reads it '
                     '(the central test set, and the local test splits drawn from it).')
+  if x_train.shape == x_test.shape and np.array_equal(x_train, x_test):
+    raise DataError(f'{origin}: the test examples are the training examples (all '
+                    f'{len(x_test)}, in the same order): every evaluation would measure '
+                    'accuracy on training data; give held-out examples as the test split.')
   for split in ('train', 'test'):
     x, y = getattr(dataset, f'x_{split}'), getattr(dataset, f'y_{split}')
     if len(x) != len(y):
@@ -69,11 +83,12 @@ def check_dataset(dataset: ArrayDataset, origin: str) -> ArrayDataset:
       if bad:
         raise DataError(f'{origin}: x_{split} holds {bad} NaN or infinite values (of {x.size}); '
                         'fix or drop those examples.')
-      if x.ndim >= 3 and x.size and (x.min() < 0 or x.max() > 1):
-        raise DataError(
-            f'{origin}: x_{split} holds float images with values in [{x.min():g}, {x.max():g}], '
-            'but float images are used as they are and must lie in [0, 1]: store them as uint8 '
-            '(scaled by the input pipeline) or divide by 255.')
+    if x.dtype != np.uint8 and x.ndim >= 3 and x.size and (x.min() < 0 or x.max() > 1):
+      kind = 'float' if np.issubdtype(x.dtype, np.floating) else x.dtype
+      raise DataError(
+          f'{origin}: x_{split} holds {kind} images with values in [{x.min():g}, {x.max():g}], '
+          'but only uint8 images are scaled (by the input pipeline); others are used as they '
+          'are and must lie in [0, 1]: store them as uint8 or divide by 255.')
     outside = int(np.count_nonzero((y < 0) | (y >= dataset.num_classes)))
     if outside:
       raise DataError(f'{origin}: y_{split} holds {outside} labels outside [0, '
@@ -295,12 +310,18 @@ def npz_source(path: str,
   y_test = _labels(raw['y_test'], 'y_test', resolved)
   all_labels = np.concatenate([y_train, y_test])
   inferred = int(all_labels.max()) + 1 if all_labels.size else 0
+  absent = np.setdiff1d(np.arange(inferred), all_labels)
+  if num_classes is None and absent.size:
+    raise DataError(f'{resolved}: no example has label {absent[0]}, but the class count '
+                    f'inferred from the largest label is {inferred}: labels are class indices '
+                    '0..C-1 (1-based labels: subtract 1); if classes without examples are '
+                    f'meant, declare them with npz_source.num_classes = {inferred}.')
   if num_classes is None:
     num_classes = inferred
   elif inferred > num_classes:
     raise ConfigError(f'npz_source.num_classes is {num_classes} but {resolved} has label '
-                      f'{inferred - 1}; set num_classes to at least {inferred} or leave it '
-                      'unset.')
+                      f'{inferred - 1} (1-based labels: subtract 1); set num_classes to at '
+                      f'least {inferred} or leave it unset.')
   return check_dataset(ArrayDataset(name=name or resolved.stem, x_train=x_train,
                                     y_train=y_train, x_test=x_test, y_test=y_test,
                                     num_classes=int(num_classes)), str(resolved))
@@ -324,11 +345,17 @@ def _read_image_split(root: pathlib.Path, split: str, classes) -> tuple[np.ndarr
     if not class_dir.is_dir():
       raise DataError(f'{class_dir} does not exist; expected one folder per class '
                       f'({", ".join(classes)}) under {split_dir}.')
+    count = len(images)
     for path in sorted(class_dir.iterdir()):
       if path.suffix.lower() not in _IMAGE_SUFFIXES:
         continue
-      img = tf.io.decode_image(tf.io.read_file(str(path)), channels=3,
-                               expand_animations=False).numpy()
+      try:
+        img = tf.io.decode_image(tf.io.read_file(str(path)), channels=3,
+                                 expand_animations=False).numpy()
+      except tf.errors.InvalidArgumentError as e:  # Truncated, or not an image at all.
+        why = e.message.split('}} ')[-1].split(' [Op:')[0]
+        raise DataError(f'{path} cannot be decoded as an image ({why}); replace or delete '
+                        'it.') from None
       if shape is None:
         shape = img.shape
       elif img.shape != shape:
@@ -336,8 +363,10 @@ def _read_image_split(root: pathlib.Path, split: str, classes) -> tuple[np.ndarr
                         f'{shape[1]}x{shape[0]}; all images must have the same size.')
       images.append(img)
       labels.append(label)
-  if not images:
-    raise DataError(f'no images (*.png, *.jpg) under {split_dir}.')
+    if len(images) == count:
+      raise DataError(f'{class_dir} holds no images (*.png, *.jpg): class {name!r} would have '
+                      f'no {split} examples; add them, or leave the class out of '
+                      'image_folder_source.classes.')
   return np.stack(images).astype(np.uint8), np.asarray(labels, np.int32)
 
 
@@ -360,6 +389,9 @@ def image_folder_source(path: str,
   root = _find(path, True, 'image folder', 'download CINIC-10 (or any folder with '
                '<split>/<class>/*.png) and set image_folder_source.path.')
   classes = tuple(classes)
+  if not classes or len(set(classes)) < len(classes):
+    raise ConfigError(f'image_folder_source.classes must name each class folder once, got '
+                      f'{classes}.')
   x_train, y_train = _read_image_split(root, train_split, classes)
   x_test, y_test = _read_image_split(root, test_split, classes)
   return check_dataset(ArrayDataset(name=name, x_train=x_train, y_train=y_train, x_test=x_test,
@@ -459,9 +491,6 @@ def femnist_source(num_clients: int = 10,
     if part.size == 0:
       raise DataError(f'writer {writer!r} has no training examples in {path} although its '
                       'metadata lists some; the database is inconsistent, download it again.')
-  if not len(y_test):
-    raise DataError(f'the {num_clients} chosen writers have no test examples in {path}; '
-                    'the database is inconsistent, download it again.')
   return check_dataset(ArrayDataset(
       name='femnist_digits' if only_digits else 'femnist', x_train=x_train, y_train=y_train,
       x_test=x_test, y_test=y_test, num_classes=num_classes, natural_partition=train_parts,
