@@ -446,6 +446,24 @@ def test_a_client_without_local_test_examples_is_refused():
                                    num_clients=2).local_test_indices is None
 
 
+@pytest.mark.parametrize('test_parts, message', [
+    ([np.arange(2), np.array([1, 9])], "2 index arrays, 1 indices outside x_test's [0, 2)"),
+    ([np.arange(2)], "1 index arrays, 0 indices outside x_test's [0, 2)"),
+])
+def test_natural_test_indices_that_miss_the_test_split_are_refused(test_parts, message):
+  """A source of your own with natural clients: local test indices of another length or outside
+  the test split (before, an IndexError traceback at the first local evaluation)."""
+  own = data.ArrayDataset('own', x_train=np.zeros((4, 3), np.float32),
+                          y_train=np.array([0, 1, 0, 1]), x_test=np.ones((2, 3), np.float32),
+                          y_test=np.array([0, 1]), num_classes=2,
+                          natural_partition=[np.arange(2), np.arange(2, 4)],
+                          natural_test_partition=test_parts)
+  with pytest.raises(DataError, match=re.escape(
+      f'<lambda>: natural_test_partition has {message}; it needs one array of x_test indices '
+      'per client of natural_partition (2).')):
+    data.build_federated_data(source=lambda: own, partitioner=data.natural_partition,
+                              num_clients=2, local_test_examples=2)
+
 def test_client_data_elements(mnist):
   tf = pytest.importorskip('tensorflow')
   pytest.importorskip('tensorflow_federated')

@@ -164,7 +164,7 @@ def test_unusable_data_are_refused_before_the_first_round(tmp_path, change, frag
     ('train', 'int', 'src: x_train holds int64 images with values in [0, 255]'),
     ('test', 'same', 'src: the test examples are the training examples (all 2, in the same '
                      'order): every evaluation would measure accuracy on training data'),
-    ('train', 'list', 'src: x_train is a list, not a NumPy array'),
+    ('train', 'list', 'src: x_train is of type list, not a NumPy array'),
     ('train', 'channel-first', 'src: examples of shape (3, 8, 8) are channel-first'),
 ])
 def test_check_dataset_names_the_split_and_the_count(split, change, message):
