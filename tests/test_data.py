@@ -295,7 +295,8 @@ def test_npz_labels_that_skip_a_class_need_a_declared_class_count(tmp_path):
       f'{path}: no example has label 0, but the class count inferred from the largest label '
       'is 4: labels are class indices 0..C-1 (1-based labels: subtract 1)')):
     data.npz_source(str(path))
-  with pytest.raises(ConfigError, match=r'has label 3 \(1-based labels: subtract 1\)'):
+  with pytest.raises(DataError, match=r'y_train holds 1 labels outside \[0, 3\) .*1-based '
+                                      'labels, subtract 1'):
     data.npz_source(str(path), num_classes=3)
   assert data.npz_source(str(path), num_classes=4).num_classes == 4  # Declared: kept.
 

@@ -127,8 +127,8 @@ def test_a_deleted_config_gin_does_not_disable_the_check(two_rounds, tmp_path):
 
 @pytest.mark.parametrize('change, fragments', [
     ('nan', ('mnist_first1003', 'x_test holds', 'NaN or infinite values')),
-    ('unscaled', ('x_train holds float images with values in [0, 255]', 'divide by 255')),
-    ('labels', ('npz_source.num_classes is 10', 'has label 10')),
+    ('unscaled', ('x_train holds float32 images with values in [0, 255]', 'divide by 255')),
+    ('labels', ('y_test holds 1 labels outside [0, 10)', '1-based labels, subtract 1')),
 ])
 def test_unusable_data_are_refused_before_the_first_round(tmp_path, change, fragments):
   with np.load(SAMPLE) as f:
@@ -154,7 +154,7 @@ def test_unusable_data_are_refused_before_the_first_round(tmp_path, change, frag
 @pytest.mark.parametrize('split, change, message', [
     ('train', 'label', 'src: y_train holds 1 labels outside [0, 3) (the declared classes)'),
     ('test', 'inf', 'src: x_test holds 1 NaN or infinite values (of 8)'),
-    ('test', 'image', 'src: x_test holds float images with values in [0.5, 2]'),
+    ('test', 'image', 'src: x_test holds float32 images with values in [0.5, 2]'),
     ('train', 'count', 'src: x_train has 2 examples but y_train has 1; both must have the same'),
     ('test', 'shape', 'src: training examples have shape (2, 2, 1), test examples (3, 2, 1); '
                       'they must match.'),

@@ -95,16 +95,15 @@ def check_dataset(dataset: ArrayDataset, origin: str) -> ArrayDataset:
         raise DataError(f'{origin}: x_{split} holds {bad} NaN or infinite values (of {x.size}); '
                         'fix or drop those examples.')
     if x.dtype != np.uint8 and x.ndim >= 3 and x.size and (x.min() < 0 or x.max() > 1):
-      kind = 'float' if np.issubdtype(x.dtype, np.floating) else x.dtype
       raise DataError(
-          f'{origin}: x_{split} holds {kind} images with values in [{x.min():g}, {x.max():g}], '
+          f'{origin}: x_{split} holds {x.dtype} images with values in [{x.min():g}, {x.max():g}], '
           'but only uint8 images are scaled (by the input pipeline); others are used as they '
           'are and must lie in [0, 1]: store them as uint8 or divide by 255.')
     outside = int(np.count_nonzero((y < 0) | (y >= dataset.num_classes)))
     if outside:
       raise DataError(f'{origin}: y_{split} holds {outside} labels outside [0, '
-                      f'{dataset.num_classes}) (the declared classes); fix the labels or the '
-                      'class count.')
+                      f'{dataset.num_classes}) (the declared classes); fix the labels (class '
+                      'indices from 0: 1-based labels, subtract 1) or the class count.')
   return dataset
 
 
@@ -298,8 +297,8 @@ def npz_source(path: str,
   """Loads a Keras-layout `.npz` file (`x_train, y_train, x_test, y_test`).
 
   uint8 `[n, H, W]` images get a channel axis; non-uint8 inputs become float32. `DataError` if
-  the file or one of its arrays is missing or inconsistent; `ConfigError` for a label >=
-  `num_classes`.
+  the file or one of its arrays is missing or inconsistent (`check_dataset`), or if labels skip
+  a class of an inferred class count.
 
   Args:
     name: Defaults to the file name without extension.
@@ -327,15 +326,10 @@ def npz_source(path: str,
                     f'inferred from the largest label is {inferred}: labels are class indices '
                     '0..C-1 (1-based labels: subtract 1); if classes without examples are '
                     f'meant, declare them with npz_source.num_classes = {inferred}.')
-  if num_classes is None:
-    num_classes = inferred
-  elif inferred > num_classes:
-    raise ConfigError(f'npz_source.num_classes is {num_classes} but {resolved} has label '
-                      f'{inferred - 1} (1-based labels: subtract 1); set num_classes to at '
-                      f'least {inferred} or leave it unset.')
-  return check_dataset(ArrayDataset(name=name or resolved.stem, x_train=x_train,
-                                    y_train=y_train, x_test=x_test, y_test=y_test,
-                                    num_classes=int(num_classes)), str(resolved))
+  return check_dataset(ArrayDataset(
+      name=name or resolved.stem, x_train=x_train, y_train=y_train, x_test=x_test,
+      y_test=y_test, num_classes=int(inferred if num_classes is None else num_classes)),
+      str(resolved))
 
 
 CINIC10_CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse',
