@@ -58,6 +58,9 @@ def test_an_empty_class_folder_or_an_unreadable_image_is_a_data_error(tmp_path):
   """Before, an empty class folder left the class without examples, silently, and an unreadable
   image stopped the run with TensorFlow's traceback."""
   _write_folder(tmp_path, {'train': 2, 'test': 1})
+  # A folder copied from macOS: a hidden `._<name>` metadata file beside each image, not read.
+  (tmp_path / 'train' / 'cat' / '._000.png').write_bytes(b'\0\5\26\7 Mac OS X')
+  assert image_folder_source(str(tmp_path), classes=CLASSES).x_train.shape == (6, 8, 8, 3)
   (tmp_path / 'test' / 'cat' / '000.png').rename(tmp_path / 'test' / 'cat' / '000.gif.part')
   with pytest.raises(DataError, match=f"^{tmp_path / 'test' / 'cat'} holds no images"):
     image_folder_source(str(tmp_path), classes=CLASSES)

@@ -352,8 +352,8 @@ def _read_image_split(root: pathlib.Path, split: str, classes) -> tuple[np.ndarr
                       f'({", ".join(classes)}) under {split_dir}.')
     count = len(images)
     for path in sorted(class_dir.iterdir()):
-      if path.suffix.lower() not in _IMAGE_SUFFIXES:
-        continue
+      if path.name.startswith('.') or path.suffix.lower() not in _IMAGE_SUFFIXES:
+        continue  # Hidden files too: macOS's `._x.png` beside each image of a copied folder.
       try:
         img = tf.io.decode_image(tf.io.read_file(str(path)), channels=3,
                                  expand_animations=False).numpy()
