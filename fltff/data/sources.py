@@ -98,7 +98,8 @@ def check_dataset(dataset: ArrayDataset, origin: str) -> ArrayDataset:
       raise DataError(
           f'{origin}: x_{split} holds {x.dtype} images with values in [{x.min():g}, {x.max():g}], '
           'but only uint8 images are scaled (by the input pipeline); others are used as they '
-          'are and must lie in [0, 1]: store them as uint8 or divide by 255.')
+          'are and must lie in [0, 1]: store them as uint8 or divide by 255 (features that '
+          'are not images: reshape them to [n, d]).')
     outside = int(np.count_nonzero((y < 0) | (y >= dataset.num_classes)))
     if outside:
       raise DataError(f'{origin}: y_{split} holds {outside} labels outside [0, '
