@@ -89,3 +89,17 @@ def test_methods_that_need_client_identity_are_refused():
   from fltff.errors import ConfigError  # pylint: disable=g-import-not-at-top
   with pytest.raises(ConfigError, match='fedlayerwise needs each client'):
     program.as_dataset_process(learning.build_fedlayerwise(SPEC, num_clients=3), epochs=1)
+
+
+def test_the_arrays_of_federated_data_are_read_as_the_model_reads_them():
+  """`FederatedData.client_arrays` holds uint8 images; before, their batches were uint8 and
+  `train_model` stopped in TFF's traceback ('Cannot serialize dataset with elements of type
+  <x=uint8...')."""
+  x = np.arange(2 * 4, dtype=np.uint8).reshape(2, 4) * 30
+  source = program.ClientInputDataSource([(x, np.array([1, 0], np.int64))], batch_size=2,
+                                         epochs=1, batches_only=True)
+  assert str(source.federated_type) == '{<x=float32[?,4],y=int32[?]>*}@CLIENTS'
+  batch = next(iter(source.iterator().select(1)[0]))
+  order = np.argsort(batch['y'].numpy())[::-1]  # Shuffled: back to the arrays' order.
+  np.testing.assert_allclose(batch['x'].numpy()[order], x / 255, rtol=1e-6)
+

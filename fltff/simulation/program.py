@@ -21,6 +21,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from fltff import methods
+from fltff.data.pipeline import preprocess_batch
 from fltff.errors import ConfigError
 from fltff.learning.client_work import client_input
 
@@ -37,11 +38,13 @@ def _client_inputs(arrays, clients, batch_size, epochs, seed):
 
 class ClientInputIterator(tff.program.FederatedDataSourceIterator):
   """Selects `k` clients per call, without replacement within a call, seeded by
-  `(seed, number of calls so far)`; serialisable, so `train_model` resumes it exactly."""
+  `(seed, number of calls so far)`; serialisable, so `train_model` resumes it exactly. The
+  arrays are taken as the model reads them (`preprocess_batch`: uint8 images to [0, 1])."""
 
   def __init__(self, arrays: Sequence[tuple[np.ndarray, np.ndarray]], batch_size: int,
                epochs: int, seed: int = 0, calls: int = 0):
-    self._arrays = [(np.asarray(x), np.asarray(y)) for x, y in arrays]
+    self._arrays = [tuple(v.numpy() for v in preprocess_batch(dict(
+        x=tf.constant(x), y=tf.constant(y))).values()) for x, y in arrays]
     self._batch_size, self._epochs, self._seed, self._calls = batch_size, epochs, seed, calls
     sample = _client_inputs(self._arrays, [0], batch_size, epochs, seed)[0]
     self._type = tff.FederatedType(tff.StructWithPythonType(
@@ -98,7 +101,9 @@ class ClientInputDataSource(tff.program.FederatedDataSource):
   """A `tff.program.FederatedDataSource` of fltff client inputs over per-client arrays.
 
   Args:
-    arrays: Per client `(x, y)` NumPy arrays (e.g. from `FederatedData.client_arrays`).
+    arrays: Per client `(x, y)` NumPy arrays (e.g. from `FederatedData.client_arrays`), as
+      fltff's sources give them: uint8 images are scaled to [0, 1], other features and the
+      labels are cast to float32 and int32.
     batch_size, epochs: B and E of every participant.
     seed: Seed of client selection and of the per-round shuffles.
     batches_only: Select each client's batches only (for `as_dataset_process`).
