@@ -55,11 +55,10 @@ def check_dataset(dataset: ArrayDataset, origin: str) -> ArrayDataset:
   non-finite features, images outside [0, 1] that are not uint8 (uint8 images are scaled to
   [0, 1] by the input pipeline, others are used as they are), labels outside
   [0, num_classes), no test examples. Feature vectors (`[n, d]`) may take any finite value."""
-  for key, array in (('x_train', dataset.x_train), ('y_train', dataset.y_train),
-                     ('x_test', dataset.x_test), ('y_test', dataset.y_test)):
-    if not isinstance(array, np.ndarray):
-      raise DataError(f'{origin}: {key} is of type {type(array).__name__}, not a NumPy array; '
-                      'build the ArrayDataset from np.asarray(...).')
+  for key in ('x_train', 'y_train', 'x_test', 'y_test'):
+    if not isinstance(getattr(dataset, key), np.ndarray):
+      raise DataError(f'{origin}: {key} is of type {type(getattr(dataset, key)).__name__}, '
+                      'not a NumPy array; build the ArrayDataset from np.asarray(...).')
   x_train, x_test = dataset.x_train, dataset.x_test
   if x_train.shape[1:] != x_test.shape[1:]:
     raise DataError(f'{origin}: training examples have shape {x_train.shape[1:]}, test '
@@ -68,15 +67,13 @@ def check_dataset(dataset: ArrayDataset, origin: str) -> ArrayDataset:
     raise DataError(f'{origin}: examples of shape {x_train.shape[1:]} are channel-first (C, H, '
                     "W), as PyTorch stores images, but fltff's models read (H, W, C): "
                     'np.moveaxis(x, 1, -1).')
-  test_parts = dataset.natural_test_partition
-  if test_parts is not None:
-    clients = len(dataset.natural_partition or ())
-    outside = sum(int(np.count_nonzero((np.asarray(t) < 0) | (np.asarray(t) >= len(x_test))))
-                  for t in test_parts)
-    if len(test_parts) != clients or outside:
-      raise DataError(f'{origin}: natural_test_partition has {len(test_parts)} index arrays, '
-                      f"{outside} indices outside x_test's [0, {len(x_test)}); it needs one "
-                      f'array of x_test indices per client of natural_partition ({clients}).')
+  clients, test_parts = len(dataset.natural_partition or ()), dataset.natural_test_partition
+  outside = sum(int(np.count_nonzero((t < 0) | (t >= len(x_test))))
+                for t in map(np.asarray, test_parts or ()))
+  if test_parts is not None and (len(test_parts) != clients or outside):
+    raise DataError(f'{origin}: natural_test_partition has {len(test_parts)} index arrays, '
+                    f"{outside} indices outside x_test's [0, {len(x_test)}); it needs one "
+                    f'array of x_test indices per client of natural_partition ({clients}).')
   if not len(dataset.y_test):
     raise DataError(f'{origin}: the test split has no examples, and every evaluation reads it '
                     '(the central test set, and the local test splits drawn from it).')
@@ -287,10 +284,6 @@ def _labels(y: np.ndarray, key: str, path: pathlib.Path) -> np.ndarray:
   return y.astype(np.int32)
 
 
-def _features(x: np.ndarray) -> np.ndarray:
-  return _images(x) if x.dtype == np.uint8 else _images(x).astype(np.float32)
-
-
 @gin.configurable('npz_source')
 def npz_source(path: str,
                name: Optional[str] = None,
@@ -316,7 +309,8 @@ def npz_source(path: str,
   except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # Truncated or not a zip.
     raise DataError(f'cannot read {resolved} as an .npz file ({e}); write it with '
                     'np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...).') from e
-  x_train, x_test = _features(raw['x_train']), _features(raw['x_test'])
+  x_train, x_test = (_images(x) if x.dtype == np.uint8 else _images(x).astype(np.float32)
+                     for x in (raw['x_train'], raw['x_test']))
   y_train = _labels(raw['y_train'], 'y_train', resolved)
   y_test = _labels(raw['y_test'], 'y_test', resolved)
   all_labels = np.concatenate([y_train, y_test])
