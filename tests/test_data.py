@@ -242,8 +242,8 @@ def test_npz_features_are_scaled_only_when_uint8(dtype, stored, seen, tmp_path):
   from fltff.data.pipeline import preprocess_batch  # pylint: disable=g-import-not-at-top
 
   x = np.array([stored] * 2, dtype)  # Two examples of three features.
-  np.savez(tmp_path / 'f.npz', x_train=x, y_train=np.array([0, 1]), x_test=x[:1],
-           y_test=np.array([1]))
+  np.savez(tmp_path / 'f.npz', x_train=x, y_train=np.array([0, 1]),
+           x_test=np.array([stored[::-1]], dtype), y_test=np.array([1]))
   source = data.npz_source(str(tmp_path / 'f.npz'))
   assert source.x_train.dtype == (np.uint8 if dtype == np.uint8 else np.float32)
   batch = preprocess_batch({'x': source.x_train, 'y': source.y_train})
@@ -260,14 +260,14 @@ def test_npz_source_errors_and_label_shapes(tmp_path):
     data.npz_source(str(partial))
   cifar_like = tmp_path / 'c.npz'
   np.savez(cifar_like, x_train=np.zeros((4, 8, 8, 3), np.uint8),
-           y_train=np.array([[0], [1], [2], [1]]), x_test=np.zeros((2, 8, 8, 3), np.uint8),
+           y_train=np.array([[0], [1], [2], [1]]), x_test=np.ones((2, 8, 8, 3), np.uint8),
            y_test=np.array([[2], [0]]))
   # Negative labels, and labels and examples of different counts.
   for y_train, message in (([0, -1, 2, 1], r'y_train holds 1 labels outside \[0, 3\)'),
                            ([0, 1, 2], 'x_train has 4 examples but y_train has 3')):
     bad = tmp_path / 'bad.npz'
     np.savez(bad, x_train=np.zeros((4, 8, 8, 3), np.uint8), y_train=np.array(y_train),
-             x_test=np.zeros((2, 8, 8, 3), np.uint8), y_test=np.array([2, 0]))
+             x_test=np.ones((2, 8, 8, 3), np.uint8), y_test=np.array([2, 0]))
     with pytest.raises(DataError, match=f'{bad}: {message}'):
       data.npz_source(str(bad))
   ds = data.npz_source(str(cifar_like), num_classes=5)
@@ -289,7 +289,7 @@ def test_npz_labels_that_skip_a_class_need_a_declared_class_count(tmp_path):
   count inferred from the largest label would hold a class no example has, silently."""
   x = np.zeros((4, 2), np.float32)
   path = tmp_path / 'one_based.npz'
-  np.savez(path, x_train=x, y_train=np.array([1, 2, 3, 1]), x_test=x[:2],
+  np.savez(path, x_train=x, y_train=np.array([1, 2, 3, 1]), x_test=x[:2] + 1,
            y_test=np.array([3, 2]))
   with pytest.raises(DataError, match=re.escape(
       f'{path}: no example has label 0, but the class count inferred from the largest label '
@@ -433,7 +433,7 @@ def test_a_client_without_local_test_examples_is_refused():
   """A natural partition whose client has no held-out examples: its local accuracy would read 0
   (before this check, a run stopped with a traceback where the data fingerprint hashed it)."""
   two = data.ArrayDataset('two', x_train=np.zeros((4, 3), np.float32),
-                          y_train=np.array([0, 1, 0, 1]), x_test=np.zeros((2, 3), np.float32),
+                          y_train=np.array([0, 1, 0, 1]), x_test=np.ones((2, 3), np.float32),
                           y_test=np.array([0, 1]), num_classes=2,
                           natural_partition=[np.arange(2), np.arange(2, 4)],
                           natural_test_partition=[np.arange(2), np.arange(0)])

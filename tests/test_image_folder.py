@@ -74,7 +74,7 @@ def test_an_empty_class_folder_or_an_unreadable_image_is_a_data_error(tmp_path):
 
 def test_the_training_folder_as_test_split_or_a_class_twice_is_refused(tmp_path):
   _write_folder(tmp_path, {'train': 2, 'test': 1})
-  with pytest.raises(DataError, match='the test examples are the training examples'):
+  with pytest.raises(DataError, match='is also a training example'):
     image_folder_source(str(tmp_path), classes=CLASSES, test_split='train')
   with pytest.raises(ConfigError, match="must name each class folder once, got "
                                         r"\('airplane', 'cat', 'cat'\)"):

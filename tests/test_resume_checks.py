@@ -162,8 +162,10 @@ def test_unusable_data_are_refused_before_the_first_round(tmp_path, change, frag
                       'central test set, and the local test splits drawn from it).'),
     # Pixels 0..255 as int64 (pandas' dtype for a CSV of pixels): not scaled, so refused.
     ('train', 'int', 'src: x_train holds int64 images with values in [0, 255]'),
-    ('test', 'same', 'src: the test examples are the training examples (all 2, in the same '
-                     'order): every evaluation would measure accuracy on training data'),
+    ('test', 'same', 'src: every test example (all 2) is also a training example, as when '
+                     'one file or folder is read as both splits: every evaluation would '
+                     'measure accuracy on training data'),
+    ('test', 'subset', 'src: every test example (all 1) is also a training example'),
     ('train', 'list', 'src: x_train is of type list, not a NumPy array'),
     ('train', 'channel-first', 'src: examples of shape (3, 8, 8) are channel-first'),
 ])
@@ -185,8 +187,10 @@ def test_check_dataset_names_the_split_and_the_count(split, change, message):
     arrays.update(x_test=arrays['x_test'][:0], y_test=arrays['y_test'][:0])
   elif change == 'int':
     arrays['x_train'] = np.array([0, 255]).reshape(2, 1, 1, 1) * np.ones((2, 2, 2, 1), np.int64)
-  elif change == 'same':
-    arrays.update(x_test=arrays['x_train'], y_test=arrays['y_train'])
+  elif change in ('same', 'subset'):  # The training split again, or a part of it.
+    arrays.update(x_train=np.stack([arrays['x_train'][0], arrays['x_test'][0]]))
+    chosen = [1, 0] if change == 'same' else [1]
+    arrays.update(x_test=arrays['x_train'][chosen], y_test=arrays['y_train'][chosen])
   elif change == 'list':
     arrays['x_train'] = list(arrays['x_train'])
   elif change == 'channel-first':  # As PyTorch stores images: (N, C, H, W).
