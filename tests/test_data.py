@@ -278,7 +278,9 @@ def test_npz_source_errors_and_label_shapes(tmp_path):
   truncated.write_bytes(cifar_like.read_bytes()[:300])
   overwritten = tmp_path / 'overwritten.npz'
   overwritten.write_bytes(b'PK\x03\x04' + b'\0' * 100)
-  for path in (truncated, overwritten):
+  one_array = tmp_path / 'x.npy'  # np.save'd: a traceback before.
+  np.save(one_array, np.zeros((4, 8, 8, 3), np.uint8))
+  for path in (truncated, overwritten, one_array):
     with pytest.raises(DataError, match='cannot read .* as an .npz file'):
       data.npz_source(str(path))
 

@@ -315,7 +315,8 @@ def npz_source(path: str,
         raise DataError(f'npz file {resolved} lacks arrays {missing} (it has {f.files}); '
                         f'a Keras-layout file needs {list(_NPZ_KEYS)}.')
       raw = {k: f[k] for k in _NPZ_KEYS}
-  except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # Truncated or not a zip.
+  # Truncated, not a zip, or an .npy file (TypeError: one array, not a context manager).
+  except (OSError, ValueError, EOFError, TypeError, zipfile.BadZipFile) as e:
     raise DataError(f'cannot read {resolved} as an .npz file ({e}); write it with '
                     'np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...).') from e
   x_train, x_test = (_images(x) if x.dtype == np.uint8 else _images(x).astype(np.float32)
