@@ -259,15 +259,15 @@ def test_npz_source_errors_and_label_shapes(tmp_path):
   with pytest.raises(DataError, match=r"lacks arrays \['x_test', 'y_test'\]"):
     data.npz_source(str(partial))
   cifar_like = tmp_path / 'c.npz'
-  np.savez(cifar_like, x_train=np.zeros((4, 8, 8, 3), np.uint8),
-           y_train=np.array([[0], [1], [2], [1]]), x_test=np.ones((2, 8, 8, 3), np.uint8),
+  np.savez(cifar_like, x_train=np.full((4, 8, 8, 3), 9, np.uint8),
+           y_train=np.array([[0], [1], [2], [1]]), x_test=np.full((2, 8, 8, 3), 200, np.uint8),
            y_test=np.array([[2], [0]]))
   # Negative labels, and labels and examples of different counts.
   for y_train, message in (([0, -1, 2, 1], r'y_train holds 1 labels outside \[0, 3\)'),
                            ([0, 1, 2], 'x_train has 4 examples but y_train has 3')):
     bad = tmp_path / 'bad.npz'
-    np.savez(bad, x_train=np.zeros((4, 8, 8, 3), np.uint8), y_train=np.array(y_train),
-             x_test=np.ones((2, 8, 8, 3), np.uint8), y_test=np.array([2, 0]))
+    np.savez(bad, x_train=np.full((4, 8, 8, 3), 9, np.uint8), y_train=np.array(y_train),
+             x_test=np.full((2, 8, 8, 3), 200, np.uint8), y_test=np.array([2, 0]))
     with pytest.raises(DataError, match=f'{bad}: {message}'):
       data.npz_source(str(bad))
   ds = data.npz_source(str(cifar_like), num_classes=5)

@@ -168,6 +168,8 @@ def test_unusable_data_are_refused_before_the_first_round(tmp_path, change, frag
     ('test', 'subset', 'src: every test example (all 1) is also a training example'),
     ('train', 'list', 'src: x_train is of type list, not a NumPy array'),
     ('train', 'channel-first', 'src: examples of shape (3, 8, 8) are channel-first'),
+    # Binarised images as uint8 would be divided by 255 to 0 and 0.004.
+    ('test', 'binary', 'src: x_test holds uint8 images of only 0s and 1s'),
 ])
 def test_check_dataset_names_the_split_and_the_count(split, change, message):
   from fltff.data.sources import ArrayDataset  # pylint: disable=g-import-not-at-top
@@ -193,6 +195,9 @@ def test_check_dataset_names_the_split_and_the_count(split, change, message):
     arrays.update(x_test=arrays['x_train'][chosen], y_test=arrays['y_train'][chosen])
   elif change == 'list':
     arrays['x_train'] = list(arrays['x_train'])
+  elif change == 'binary':
+    arrays.update(x_train=np.full((2, 2, 2, 1), 200, np.uint8),
+                  x_test=np.repeat(np.array([0, 1], np.uint8), 4).reshape(2, 2, 2, 1))
   elif change == 'channel-first':  # As PyTorch stores images: (N, C, H, W).
     arrays.update(x_train=np.full((2, 3, 8, 8), 0.5, np.float32),
                   x_test=np.full((2, 3, 8, 8), 0.25, np.float32))

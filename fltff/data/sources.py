@@ -53,7 +53,8 @@ def check_dataset(dataset: ArrayDataset, origin: str) -> ArrayDataset:
   shapes, channel-first images (`[n, C, H, W]`), test examples that are all training examples,
   a `natural_test_partition` that is not one array of test indices per natural client,
   non-finite features, images outside [0, 1] that are not uint8 (uint8 images are scaled to
-  [0, 1] by the input pipeline, others are used as they are), labels outside
+  [0, 1] by the input pipeline, others are used as they are), uint8 images of 0s and 1s only,
+  labels outside
   [0, num_classes), no test examples. Feature vectors (`[n, d]`) may take any finite value."""
   for key in ('x_train', 'y_train', 'x_test', 'y_test'):
     if not isinstance(getattr(dataset, key), np.ndarray):
@@ -100,6 +101,9 @@ def check_dataset(dataset: ArrayDataset, origin: str) -> ArrayDataset:
           'but only uint8 images are scaled (by the input pipeline); others are used as they '
           'are and must lie in [0, 1]: store them as uint8 or divide by 255 (features that '
           'are not images: reshape them to [n, d]).')
+    if x.dtype == np.uint8 and x.size and x.max() <= 1:  # E.g. binarised: (x > 127) as uint8.
+      raise DataError(f'{origin}: x_{split} holds uint8 images of only 0s and 1s, which the '
+                      'input pipeline would divide by 255 like pixels: store them as float32.')
     outside = int(np.count_nonzero((y < 0) | (y >= dataset.num_classes)))
     if outside:
       raise DataError(f'{origin}: y_{split} holds {outside} labels outside [0, '
