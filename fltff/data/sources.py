@@ -47,15 +47,10 @@ class ArrayDataset:
 
 
 def check_dataset(dataset: ArrayDataset, origin: str) -> ArrayDataset:
-  """`dataset`, unless it is data a run would train on without a word and get wrong
-  (`DataError`, one line naming `origin`, the split and the count): splits that are not NumPy
-  arrays, examples and labels of different counts, training and test examples of different
-  shapes, channel-first images (`[n, C, H, W]`), test examples that are all training examples,
-  a `natural_test_partition` that is not one array of test indices per natural client,
-  non-finite features, images outside [0, 1] that are not uint8 (uint8 images are scaled to
-  [0, 1] by the input pipeline, others are used as they are), uint8 images of 0s and 1s only,
-  labels outside
-  [0, num_classes), no test examples. Feature vectors (`[n, d]`) may take any finite value."""
+  """`dataset`, unless it is data a run would train on without a word and get wrong, or stop on
+  with a traceback: one `DataError` line naming `origin`, the split and the count (each check:
+  docs/configuration.md, "Your own data"). uint8 images are scaled to [0, 1] by the input
+  pipeline, other images must lie there; feature vectors (`[n, d]`) may take any finite value."""
   for key in ('x_train', 'y_train', 'x_test', 'y_test'):
     if not isinstance(getattr(dataset, key), np.ndarray):
       raise DataError(f'{origin}: {key} is of type {type(getattr(dataset, key)).__name__}, '
