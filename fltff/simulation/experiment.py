@@ -336,7 +336,8 @@ def run_experiment(output_dir: str,
   unread = unread_bindings(gin.config_str(), gin.operative_config_str())
   if unread:
     warn(f'this run does not read {", ".join(unread)}: gin ignores a binding of a configurable '
-         'the run never calls (e.g. another method\'s parameter).')
+         'the run never calls (another method\'s parameter) or of a parameter its caller passes '
+         '(a partitioner\'s num_clients or seed: bind federated_data\'s).')
   logging.info('%s: %d clients, %d per round, %d rounds.', algorithm.name, data.num_clients(),
                driver.participants, rounds)
   return driver.run(resume=resume)
