@@ -382,3 +382,52 @@ def test_the_same_model_resumes_and_a_record_without_one_as_before(user_model_ru
   assert 'Resumed from the checkpoint of round 2' in result.stdout
   assert 'warning' not in result.stderr and not (out / 'config_changes.txt').exists()
   assert [r['round'] for r in read_csv(out / 'metrics.csv')] == ['1', '2', '3']
+
+
+CHANNEL = '--gin_bindings=experiment.channel = @channel_model'
+
+
+@pytest.fixture(scope='module')
+def channel_run(two_rounds, tmp_path_factory):
+  """`two_rounds` with the channel model (sim_* columns), to be continued to 3 rounds."""
+  _, data = two_rounds
+  out = tmp_path_factory.mktemp('channel') / 'run'
+  result = run_pipeline_here(*BASE, CHANNEL, _rounds(2), _path_binding(data),
+                             f'--output_dir={out}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  return out, data
+
+
+def test_a_changed_channel_setting_is_refused(channel_run, tmp_path):
+  run, data = channel_run
+  out = _copy(run, tmp_path)
+  assert 'channel_model.bandwidth_mhz = (10.0, 30.0)' in (out / 'config.gin').read_text()
+  _refused(out, CHANNEL, _path_binding(data), '--gin_bindings=channel_model.bandwidth_mhz = '
+           '(1.0, 2.0)', fragments=('channel_model.bandwidth_mhz: (10.0, 30.0) -> (1.0, 2.0)',))
+
+
+@pytest.mark.parametrize('recorded', ['recorded', 'not recorded'])
+def test_the_same_channel_resumes_and_a_record_without_its_settings_as_before(
+    channel_run, tmp_path, recorded):
+  run, data = channel_run
+  out = _copy(run, tmp_path)
+  if recorded == 'not recorded':  # As runs written before the record held the channel's.
+    def strip(config):
+      return ''.join(line for line in config.splitlines(keepends=True)
+                     if not line.startswith(('channel_model.', '# Parameters for channel')))
+    (out / 'config.gin').write_text(strip((out / 'config.gin').read_text()))
+    for path in (out / 'checkpoints').glob('round_*.json'):
+      meta = json.loads(path.read_text())
+      meta['run']['config'] = strip(meta['run']['config'])
+      path.write_text(json.dumps(meta))
+    # Its channel settings are not known: other than the defaults, they are refused.
+    _refused(out, CHANNEL, _path_binding(data), '--gin_bindings=channel_model.power_dbm = '
+             '(1.0, 2.0)', fragments=('channel_model.power_dbm: (not bound) -> (1.0, 2.0)',))
+  result = run_pipeline_here(*BASE, CHANNEL, _rounds(3), _path_binding(data),
+                             f'--output_dir={out}', '--resume')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'Resumed from the checkpoint of round 2' in result.stdout
+  assert not (out / 'config_changes.txt').exists()
+  rows = read_csv(out / 'metrics.csv')
+  assert [r['round'] for r in rows] == ['1', '2', '3'] and float(rows[2]['sim_round_seconds']) > 0
+  assert 'channel_model.bandwidth_mhz = (10.0, 30.0)' in (out / 'config.gin').read_text()

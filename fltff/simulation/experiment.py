@@ -302,8 +302,14 @@ def run_experiment(output_dir: str,
   finetuner = None
   if evaluation is not None and 'finetuned_local' in evaluation and algorithm.finetunes:
     finetuner = Finetuner(model_spec, optimizers.client_optimizer(), finetune_epochs)
-  # A resume must compute what the checkpointed rounds did: its configuration, data and model
-  # are checked against the checkpoint's record before anything is written.
+  # A bound channel_model.seed is gin's to pass: its call then reads (and records) it.
+  bound_channel_seed = gin_binds('channel_model.seed')
+  if channel:
+    channel = channel(num_clients=data.num_clients(),
+                      **({} if bound_channel_seed else {'seed': seed}))
+  # A resume must compute what the checkpointed rounds did: its configuration (taken once every
+  # configurable that decides the numbers has read its settings), data and model are checked
+  # against the checkpoint's record before anything is written.
   record = {'config': gin.operative_config_str(), 'data': data.fingerprint(),
             'model': model_spec.architecture()}
   checkpointer = Checkpointer(output_dir)
@@ -314,15 +320,8 @@ def run_experiment(output_dir: str,
     raise ConfigError(f'--resume: the checkpoint holds rounds 1-{resumed_from}, more than '
                       f'experiment.rounds = {rounds}; resume with experiment.rounds >= '
                       f'{resumed_from} (the run is unchanged).')
-  # A bound channel_model.seed is gin's to pass: its call then reads (and records) it.
-  bound_channel_seed = gin_binds('channel_model.seed')
-  channel_seed = gin.query_parameter('channel_model.seed') if bound_channel_seed else seed
   driver = RoundDriver(algorithm, data, config, output_dir, progress=progress, runtime=runtime,
-                       stop_event=stop_event,
-                       channel=channel(num_clients=data.num_clients(),
-                                       **({} if bound_channel_seed else {'seed': seed}))
-                       if channel else None,
-                       finetuner=finetuner, record=record,
+                       stop_event=stop_event, channel=channel, finetuner=finetuner, record=record,
                        client_work_reason=client_work_reason)
   driver.run_info['seeds'] = {'run': seed, 'model': model_seed,
                               'data': gin.query_parameter('federated_data.seed')
@@ -330,10 +329,12 @@ def run_experiment(output_dir: str,
   if data.source_seed is not None:
     driver.run_info['seeds']['source'] = data.source_seed
   if channel:
-    driver.run_info['seeds']['channel'] = channel_seed
+    driver.run_info['seeds']['channel'] = (gin.query_parameter('channel_model.seed')
+                                           if bound_channel_seed else seed)
   driver.run_info.update(resources.source_version())
-  # The configurables the experiment calls (data, model, method, runtime, channel) are by now.
-  unread = unread_bindings(gin.config_str(), gin.operative_config_str())
+  # The record holds every configurable the experiment calls (data, model, method, runtime,
+  # channel): a binding it lacks is one the run never reads, or one a resume would not check.
+  unread = unread_bindings(gin.config_str(), record['config'])
   if unread:
     warn(f'this run does not read {", ".join(unread)}: gin ignores a binding of a configurable '
          'the run never calls (another method\'s parameter) or of a parameter its caller passes '
