@@ -181,6 +181,21 @@ def test_a_superseded_parameter_is_compared_with_the_binding_it_now_follows():
                                     ('pfedla.seed', '0', '2')]
 
 
+def test_a_seed_the_run_passes_unless_bound_is_compared_with_the_run_seed():
+  """The channel's seed and KAPC's and pFedLA's relationship seeds are the run seed unless gin
+  binds them: bound on one side only, the run seed's value is no change, another value (their
+  default 0 included) is one."""
+  import fltff.simulation.experiment  # pylint: disable=g-import-not-at-top,unused-import
+  run = 'experiment.seed = 3\n'
+  for key in ('channel_model.seed', 'kapc.relationship_seed', 'pfedla.relationship_seed'):
+    assert outputs.config_changes(run, run + f'{key} = 3\n') == []
+    assert outputs.config_changes(run + f'{key} = 3\n', run) == []
+    assert outputs.config_changes(run, run + f'{key} = 0\n') == [(key, '3', '0')]
+    assert outputs.config_changes(run + f'{key} = 0\n', run) == [(key, '0', '3')]
+    assert outputs.config_changes(run + f'{key} = 0\n', run, parsed=True) == [(key, '0', '3')]
+    assert outputs.config_changes(f'{key} = 0\n', '', parsed=True) == []
+
+
 def test_config_changes_read_a_parsed_configuration_as_gin_does():
   """`fltff sweep` compares what its gin file gives now (`gin.config_str()`) with a run's
   operative config: a binding only the parsed one has is of a configurable the run never

@@ -384,7 +384,9 @@ def test_the_same_model_resumes_and_a_record_without_one_as_before(user_model_ru
   assert [r['round'] for r in read_csv(out / 'metrics.csv')] == ['1', '2', '3']
 
 
-CHANNEL = '--gin_bindings=experiment.channel = @channel_model'
+# Seed 1: the channel's seed, unless bound, is the run seed, not channel_model.seed's default 0.
+CHANNEL = ('--gin_bindings=experiment.channel = @channel_model',
+           '--gin_bindings=experiment.seed = 1')
 
 
 @pytest.fixture(scope='module')
@@ -392,7 +394,7 @@ def channel_run(two_rounds, tmp_path_factory):
   """`two_rounds` with the channel model (sim_* columns), to be continued to 3 rounds."""
   _, data = two_rounds
   out = tmp_path_factory.mktemp('channel') / 'run'
-  result = run_pipeline_here(*BASE, CHANNEL, _rounds(2), _path_binding(data),
+  result = run_pipeline_here(*BASE, *CHANNEL, _rounds(2), _path_binding(data),
                              f'--output_dir={out}')
   assert result.returncode == 0, result.stderr[-3000:]
   return out, data
@@ -402,8 +404,11 @@ def test_a_changed_channel_setting_is_refused(channel_run, tmp_path):
   run, data = channel_run
   out = _copy(run, tmp_path)
   assert 'channel_model.bandwidth_mhz = (10.0, 30.0)' in (out / 'config.gin').read_text()
-  _refused(out, CHANNEL, _path_binding(data), '--gin_bindings=channel_model.bandwidth_mhz = '
+  _refused(out, *CHANNEL, _path_binding(data), '--gin_bindings=channel_model.bandwidth_mhz = '
            '(1.0, 2.0)', fragments=('channel_model.bandwidth_mhz: (10.0, 30.0) -> (1.0, 2.0)',))
+  # Bound for the resume only, to its default (0): not the run seed the channel was drawn with.
+  _refused(out, *CHANNEL, _path_binding(data), '--gin_bindings=channel_model.seed = 0',
+           fragments=('channel_model.seed: 1 -> 0',))
 
 
 @pytest.mark.parametrize('recorded', ['recorded', 'not recorded'])
@@ -421,10 +426,12 @@ def test_the_same_channel_resumes_and_a_record_without_its_settings_as_before(
       meta['run']['config'] = strip(meta['run']['config'])
       path.write_text(json.dumps(meta))
     # Its channel settings are not known: other than the defaults, they are refused.
-    _refused(out, CHANNEL, _path_binding(data), '--gin_bindings=channel_model.power_dbm = '
+    _refused(out, *CHANNEL, _path_binding(data), '--gin_bindings=channel_model.power_dbm = '
              '(1.0, 2.0)', fragments=('channel_model.power_dbm: (not bound) -> (1.0, 2.0)',))
-  result = run_pipeline_here(*BASE, CHANNEL, _rounds(3), _path_binding(data),
-                             f'--output_dir={out}', '--resume')
+  # The seed the channel was drawn with, now bound: the same channel.
+  result = run_pipeline_here(*BASE, *CHANNEL, _rounds(3), _path_binding(data),
+                             f'--output_dir={out}', '--resume',
+                             '--gin_bindings=channel_model.seed = 1')
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'Resumed from the checkpoint of round 2' in result.stdout
   assert not (out / 'config_changes.txt').exists()

@@ -195,20 +195,24 @@ def is_resumable_change(binding: str) -> bool:
   return binding.startswith(RESUMABLE_CHANGES) or binding.endswith(_DATA_LOCATIONS)
 
 
-# Parameters runs recorded that fltff replaced since, each by the bindings whose value it now
-# follows (the first bound, else the last one's default). pFedLA's hypernetwork seed: the run
-# seed unless `pfedla.relationship_seed` is bound (`fltff.simulation.experiment.build_method`).
-SUPERSEDED = {'pfedla.seed': ('pfedla.relationship_seed', 'experiment.seed')}
+# Parameters whose value, where a side does not bind them, is that of other bindings (the first
+# bound, else the last one's default): the seeds the run passes unless gin binds them, the run
+# seed (`fltff.simulation.experiment`: the channel's, KAPC's R, pFedLA's hypernetworks), and
+# `pfedla.seed`, which runs recorded before `pfedla.relationship_seed` replaced it.
+FOLLOWS = {'channel_model.seed': ('experiment.seed',),
+           'kapc.relationship_seed': ('experiment.seed',),
+           'pfedla.relationship_seed': ('pfedla.seed', 'experiment.seed'),
+           'pfedla.seed': ('pfedla.relationship_seed', 'experiment.seed')}
 
 
 def config_changes(earlier: str, now: str, parsed: bool = False) -> list[tuple[str, str, str]]:
   """`(binding, earlier value, value now)` for each binding whose value differs between the
-  operative configs (a `SUPERSEDED` one of `earlier` against its successors'), except
-  `RESUMABLE_CHANGES` and data locations. A binding in only one of them counts (its missing side
-  reads `ABSENT`), e.g. a server optimizer bound only for the resume, unless its value is the
-  parameter's default (a parameter fltff added since). `parsed`: `now` is a configuration as
-  parsed (`gin.config_str()`), not yet run: a binding only it has (e.g. of a configurable the
-  run never calls) is no change."""
+  operative configs (a `FOLLOWS` one a side does not bind read as the bindings it follows),
+  except `RESUMABLE_CHANGES` and data locations. A binding in only one of them counts (its
+  missing side reads `ABSENT`), e.g. a server optimizer bound only for the resume, unless its
+  value is the parameter's default (a parameter fltff added since). `parsed`: `now` is a
+  configuration as parsed (`gin.config_str()`), not yet run: a binding only it has (e.g. of a
+  configurable the run never calls) is no change."""
   a, b = config_bindings(earlier), config_bindings(now)
 
   def value_now(key: str) -> Optional[str]:
@@ -218,13 +222,13 @@ def config_changes(earlier: str, now: str, parsed: bool = False) -> list[tuple[s
   for key in sorted(set(a) | set(b)):
     if parsed and key not in a:
       continue
-    follows = SUPERSEDED.get(key, (key,))
-    value = next(filter(None, map(value_now, follows)), None)
-    if a.get(key) == value or is_resumable_change(key):
+    follows = (key, *FOLLOWS.get(key, ()))
+    old, value = (next(filter(None, map(get, follows)), None) for get in (a.get, value_now))
+    if old == value or is_resumable_change(key):
       continue
-    if (key not in a or value is None) and (a.get(key) or value) == _default_text(follows[-1]):
+    if (old is None or value is None) and (old or value) == _default_text(follows[-1]):
       continue
-    changes.append((key, a.get(key, ABSENT), ABSENT if value is None else value))
+    changes.append((key, ABSENT if old is None else old, ABSENT if value is None else value))
   return changes
 
 
