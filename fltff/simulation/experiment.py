@@ -304,12 +304,12 @@ def run_experiment(output_dir: str,
     finetuner = Finetuner(model_spec, optimizers.client_optimizer(), finetune_epochs)
   # A bound channel_model.seed is gin's to pass: its call then reads (and records) it.
   bound_channel_seed = gin_binds('channel_model.seed')
+  channel_seed = gin.query_parameter('channel_model.seed') if bound_channel_seed else seed
   if channel:
     channel = channel(num_clients=data.num_clients(),
                       **({} if bound_channel_seed else {'seed': seed}))
-  # A resume must compute what the checkpointed rounds did: its configuration (taken once every
-  # configurable that decides the numbers has read its settings), data and model are checked
-  # against the checkpoint's record before anything is written.
+  # A resume must compute what the checkpointed rounds did: its configuration (once every
+  # configurable has been called), data and model are checked against the checkpoint's record.
   record = {'config': gin.operative_config_str(), 'data': data.fingerprint(),
             'model': model_spec.architecture()}
   checkpointer = Checkpointer(output_dir)
@@ -329,11 +329,9 @@ def run_experiment(output_dir: str,
   if data.source_seed is not None:
     driver.run_info['seeds']['source'] = data.source_seed
   if channel:
-    driver.run_info['seeds']['channel'] = (gin.query_parameter('channel_model.seed')
-                                           if bound_channel_seed else seed)
+    driver.run_info['seeds']['channel'] = channel_seed
   driver.run_info.update(resources.source_version())
-  # The record holds every configurable the experiment calls (data, model, method, runtime,
-  # channel): a binding it lacks is one the run never reads, or one a resume would not check.
+  # The record's configurables are all the experiment calls (data, model, method, channel...).
   unread = unread_bindings(gin.config_str(), record['config'])
   if unread:
     warn(f'this run does not read {", ".join(unread)}: gin ignores a binding of a configurable '
