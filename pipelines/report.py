@@ -6,7 +6,8 @@ r"""Compares finished runs: tables (Markdown, CSV, LaTeX) and accuracy-by-round 
 (`python -m pipelines.report` in a checkout). Reads each run's metrics.csv, summary.json and
 config.gin (written by `fltff run`); a folder `fltff sweep` wrote stands for its finished runs.
 Runs whose config.gin differ only in seeds (and in what a resume may change: rounds,
-checkpointing, runtime, data paths) and whose data are the same (summary.json's
+checkpointing, runtime, data paths; a parameter one records at its default and another does
+not is the same) and whose data are the same (summary.json's
 `source_fingerprint`) form a group, named by its method and the settings that tell it from the
 other groups of that method (`fedprox (mu=0.01)`, `fedavg (data=<its first 8 hex digits>)`).
 Every table is one evaluation protocol (`central`, `personal_local`, ...; a run without that
@@ -180,6 +181,24 @@ def _settings(run: dict) -> Optional[dict]:
   return settings
 
 
+def _differences(a: dict, b: dict) -> set[str]:
+  """The settings in which two runs' `_settings` differ as a resume compares configurations
+  (`outputs.config_changes`): one recorded at its default by one run only (a parameter fltff
+  added since, the channel model's settings some versions left out) is no difference."""
+  import fltff  # pylint: disable=g-import-not-at-top
+  from fltff.simulation.outputs import config_changes  # pylint: disable=g-import-not-at-top
+
+  fltff.register_configurables()  # Their defaults.
+  text = lambda settings: ''.join(f'{k} = {v}\n' for k, v in settings.items())
+  return {key for key, _, _ in config_changes(text(a), text(b))}
+
+
+def _same(a: dict, b: dict) -> bool:
+  """Whether two runs' `_settings` are the same (`_differences`; quick where a binding both
+  record differs)."""
+  return a == b or (all(a[k] == b[k] for k in a.keys() & b.keys()) and not _differences(a, b))
+
+
 def _seeds(run: dict) -> tuple:
   config = run.get('config') or {}
   return tuple(sorted((k, v) for k, v in config.items() if _is_seed(k)))
@@ -188,21 +207,20 @@ def _seeds(run: dict) -> tuple:
 def seed_groups(runs: list[dict]) -> list[list[int]]:
   """Indices of runs whose `config.gin` differ only in seeds (`experiment.seed`,
   `experiment.model_seed`, `federated_data.seed`, any `<source>.seed`) and in what a resume may
-  change (a run continued to more rounds stays in its group), on the same data (`_settings`),
+  change (a run continued to more rounds stays in its group), on the same data (`_settings`;
+  compared by `_same`),
   in order of first appearance. A run with the seeds of a run already in its group (the same
   run twice, or a copy) starts another group; a run without `config.gin` is a group of its
   own."""
-  groups, of_key = [], {}
+  groups, settings = [], [_settings(run) for run in runs]
   for i, run in enumerate(runs):
-    settings = _settings(run)
-    key = None if settings is None else tuple(sorted(settings.items()))
-    candidates = of_key.setdefault(key, []) if key is not None else []
-    for g in candidates:
-      if _seeds(run) not in {_seeds(runs[j]) for j in groups[g]}:
-        groups[g].append(i)
+    for group in groups:
+      if (settings[i] is not None and settings[group[0]] is not None
+          and _same(settings[group[0]], settings[i])
+          and _seeds(run) not in {_seeds(runs[j]) for j in group}):
+        group.append(i)
         break
     else:
-      candidates.append(len(groups))
       groups.append([i])
   return groups
 
@@ -227,8 +245,7 @@ def group_names(runs: list[dict], groups: list[list[int]]) -> list[str]:
             if m == methods[i]]
     differing = []
     if config is not None and len(same) > 1:
-      keys = sorted({k for c in same for k in c})
-      differing = [k for k in keys if k in config and len({c.get(k) for c in same}) > 1]
+      differing = sorted({k for c in same for k in _differences(config, c)} & set(config))
     short = [k.rsplit('.', 1)[-1] for k in differing]
     settings = [f'{s if short.count(s) == 1 else k}={_value_text(config[k])}'
                 for k, s in zip(differing, short)]

@@ -197,6 +197,23 @@ def test_groups_are_named_by_method_and_the_settings_that_differ(tmp_path):
       'fedprox (mu=0.01)', 'fedprox (mu=0.1)', 'fedavg [avg]', 'fedavg [avg_copy]']
 
 
+def test_a_setting_one_run_records_at_its_default_does_not_split_seeds(tmp_path):
+  """As a resume compares them: a parameter one run records at its default and another does
+  not (fltff added it since, or recorded the channel model's settings only in some versions)
+  is the same setting; at another value it is not."""
+  root, curve = str(tmp_path), {'test_accuracy': [0.5, 0.6]}
+  paths = [write_run(root, f'kapc_s{seed}', curve, method='kapc', seed=seed, parameter=name,
+                     value=value)
+           for seed, name, value in ((0, 'relationship_projection', "'renormalize'"),
+                                     (1, 'beta', '0.005'), (2, 'beta', '0.005'),
+                                     (3, 'relationship_projection', "'clip'"))]
+  runs = [report.load_run(p) for p in paths]
+  groups = report.seed_groups(runs)
+  assert groups == [[0, 1, 2], [3]]
+  assert report.group_names(runs, groups) == ['kapc (relationship_projection=renormalize)',
+                                              'kapc (relationship_projection=clip)']
+
+
 def test_runs_on_other_data_are_not_seeds_of_one_group(tmp_path):
   """Where the data lie is no setting (the same data moved, or on another machine, stay one
   group); what they are is: runs on other data are not averaged as seeds of one group."""
