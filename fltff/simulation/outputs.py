@@ -164,9 +164,8 @@ def config_bindings(config_text: str) -> dict[str, str]:
     if line[0].isspace() and key is not None:
       bindings[key] += ' ' + line.strip()
       continue
-    key, _, value = line.partition(' = ')
-    key = key.strip()
-    bindings[key] = value.strip()
+    key, _, value = (part.strip() for part in line.partition(' = '))
+    bindings[key] = value
   return {k: ' '.join(v.split()).replace('[ ', '[').replace(' ]', ']')
           for k, v in bindings.items()}
 
@@ -195,10 +194,9 @@ def is_resumable_change(binding: str) -> bool:
   return binding.startswith(RESUMABLE_CHANGES) or binding.endswith(_DATA_LOCATIONS)
 
 
-# Parameters whose value, where a side does not bind them, is that of other bindings (the first
-# bound, else the last one's default): the seeds the run passes unless gin binds them, the run
-# seed (`fltff.simulation.experiment`: the channel's, KAPC's R, pFedLA's hypernetworks), and
-# `pfedla.seed`, which runs recorded before `pfedla.relationship_seed` replaced it.
+# Parameters that read as other bindings where a side leaves them unbound (the first bound, else
+# the last one's default): the seeds the run passes unless gin binds them (the run seed,
+# `fltff.simulation.experiment`), and `pfedla.seed`, which runs recorded before its successor.
 FOLLOWS = {'channel_model.seed': ('experiment.seed',),
            'kapc.relationship_seed': ('experiment.seed',),
            'pfedla.relationship_seed': ('pfedla.seed', 'experiment.seed'),
