@@ -438,3 +438,22 @@ def test_the_same_channel_resumes_and_a_record_without_its_settings_as_before(
   rows = read_csv(out / 'metrics.csv')
   assert [r['round'] for r in rows] == ['1', '2', '3'] and float(rows[2]['sim_round_seconds']) > 0
   assert 'channel_model.bandwidth_mhz = (10.0, 30.0)' in (out / 'config.gin').read_text()
+
+
+def test_a_run_continued_past_a_last_round_off_the_evaluation_grid_ends_as_one_run(
+    two_rounds, tmp_path):
+  """With experiment.eval_every = 2, a 3-round run evaluates round 3 as its last; continued to
+  4 rounds, it ends with the rows (and headline) of a 4-round run, which does not evaluate 3."""
+  _, data = two_rounds
+  every = ['--gin_bindings=experiment.eval_every = 2', _path_binding(data)]
+  continued, whole = tmp_path / 'continued', tmp_path / 'whole'
+  for args in ([_rounds(3), f'--output_dir={continued}'],
+               [_rounds(4), f'--output_dir={continued}', '--resume'],
+               [_rounds(4), f'--output_dir={whole}']):
+    result = run_pipeline_here(*BASE, *every, *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+  rows = [read_csv(out / 'metrics.csv') for out in (continued, whole)]
+  assert [r['test_accuracy'] for r in rows[0]] == [r['test_accuracy'] for r in rows[1]]
+  assert rows[1][2]['test_accuracy'] == '' and rows[1][3]['test_accuracy'] != ''
+  summaries = [json.loads((out / 'summary.json').read_text()) for out in (continued, whole)]
+  assert summaries[0]['headline'] == summaries[1]['headline']
