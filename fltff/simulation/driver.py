@@ -333,8 +333,7 @@ class RoundDriver:
             'Nothing was resumed or changed: restore the store from a copy, or start the run '
             'again in a new --output_dir.')
     self.rows = [r for r in meta['rows'] if r['round'] <= round_num]
-    # Continued past its last round, evaluated off the eval_every grid: that evaluation goes, so
-    # the rows (and headline) are those of an uninterrupted run of the rounds asked for now.
+    # Continued past a last round evaluated off the eval_every grid: rows as if uninterrupted.
     if round_num % self.config.eval_every and round_num < self.config.rounds:
       for key in ('_clients', 'test_loss', 'personalized_accuracy', 'global_model_local_accuracy',
                   *evaluation_lib.PROTOCOL_COLUMNS.values()):
