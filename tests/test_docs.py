@@ -89,6 +89,20 @@ def test_the_documentation_builds_strictly_without_a_warning(tmp_path):
   assert 'layerwise_adaptive_factory(layers=None, num_clients=None' in api
 
 
+def test_the_pages_say_what_fltff_does_not_what_it_did():
+  # For users: no "(a traceback before)" beside a fault, no session's story, no commit of a past
+  # measurement (a run's data fingerprint in an example, `fedavg (data=3fa2c1d0)`, is not one).
+  history = re.compile(r'\btracebacks? before\b|\bthis session\b|\bearlier we\b|\bwas fixed\b'
+                       r'|\bcommit `?[0-9a-f]{7,40}\b|`[0-9a-f]{7,40}`', re.I)
+  pages = [os.path.join(d, n) for d, _, names in os.walk(os.path.join(REPO, 'docs'))
+           for n in names if n.endswith('.md')] + [os.path.join(REPO, 'README.md')]
+  found = []
+  for page in pages:
+    with open(page) as f:
+      found += [f'{os.path.relpath(page, REPO)}: {m[0]}' for m in history.finditer(f.read())]
+  assert found == []
+
+
 def test_the_readme_library_program_runs_as_written(tmp_path):
   [readme] = [b for b in _blocks('README.md', 'python') if 'algorithm.next' in b]
   [page] = [b for b in _blocks('docs/running.md', 'python') if 'algorithm.next' in b]
