@@ -1,6 +1,6 @@
 """The documentation works as written: the MkDocs site builds in strict mode (a broken link or
-API reference fails), the quickstart page's commands run, and the README's library program
-(the same as the running page's) runs."""
+API reference fails), the quickstart page's commands run, the README's library program
+(the same as the running page's) runs, and the pages tell no history."""
 
 import ast
 import csv
