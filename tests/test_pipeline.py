@@ -108,6 +108,10 @@ def test_resume_after_kill_matches_uninterrupted_run(small_run, tmp_path):
   result = run_pipeline(*SMALL, f'--output_dir={out}', '--resume')
   assert result.returncode == 0, result.stderr[-3000:]
   assert f'Resumed from the checkpoint of round {killed_at}' in result.stdout
+  # The killed process made the rounds its checkpoint kept; later ones it ran were redone.
+  segments = json.load(open(os.path.join(out, 'summary.json')))['segments']
+  assert [(s['first_round'], s['last_round']) for s in segments] == [(1, killed_at),
+                                                                      (killed_at + 1, 3)]
   resumed = read_csv(os.path.join(out, 'metrics.csv'))
   reference = read_csv(os.path.join(reference_dir, 'metrics.csv'))
   assert [r['round'] for r in resumed] == [r['round'] for r in reference]

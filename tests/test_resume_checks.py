@@ -243,6 +243,33 @@ def test_a_stray_file_among_the_checkpoints_is_not_one(two_rounds, tmp_path):
   assert 'Resumed from the checkpoint of round 2' in result.stdout
 
 
+@pytest.mark.parametrize('old_checkpoint', [False, True])
+def test_summary_names_the_code_and_executor_of_each_segment_of_rounds(two_rounds, tmp_path,
+                                                                       old_checkpoint):
+  """`segments`: one per process that ran rounds; a checkpoint written before them (no
+  `segments` key) gives a first segment whose code is unknown, not the resuming code's."""
+  run, data = two_rounds
+  fresh = json.loads((run / 'summary.json').read_text())
+  made = {key: fresh[key] for key in ('fltff_version', 'fltff_commit', 'executor')}
+  assert made['fltff_version'] and made['executor'].startswith('the in-process executor')
+  assert fresh['segments'] == [{'first_round': 1, 'last_round': 2, **made}]
+  out = _copy(run, tmp_path)
+  if old_checkpoint:
+    for meta in (out / 'checkpoints').glob('round_*.json'):
+      meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items()
+                                  if k != 'segments'}))
+  result = run_pipeline_here(*BASE, _rounds(3), _path_binding(data), f'--output_dir={out}',
+                             '--resume')
+  assert result.returncode == 0, result.stderr[-3000:]
+  first = (dict.fromkeys(made) if old_checkpoint else made)
+  segments = [{'first_round': 1, 'last_round': 2, **first},
+              {'first_round': 3, 'last_round': 3, **made}]
+  assert json.loads((out / 'summary.json').read_text())['segments'] == segments
+  # The checkpoint keeps them for the next resume.
+  meta = json.loads((out / 'checkpoints' / 'round_00003.json').read_text())
+  assert meta['segments'] == segments
+
+
 # SCAFFOLD keeps a state per client (its control variate); the SQLite store holds them.
 SCAFFOLD = ['--gin_file=gin_configs/ccn/offline_mnist1003_scaffold.gin',
             '--gin_bindings=experiment.clients_per_round = 3',

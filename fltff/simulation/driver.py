@@ -139,6 +139,7 @@ class RoundDriver:
                         f'procedure, and {algorithm.name} has none (FedBABU has).')
     self.finetuner = finetuner
     self.run_info: dict = {}  # Written into the summary as it is (e.g. the run's seeds).
+    self.segments: list[dict] = []  # Which rounds each process ran, on what code (`run`).
     self.config = config
     self.output_dir = output_dir
     self.progress = progress
@@ -307,7 +308,7 @@ class RoundDriver:
   def save(self, round_num: int, state) -> None:
     t0 = time.perf_counter()
     stem = self.checkpointer.save(
-        round_num, state, {'rows': self.rows, 'run': self.record,
+        round_num, state, {'rows': self.rows, 'run': self.record, 'segments': self.segments,
                            'client_states': self.client_states.fingerprint(round_num)},
         self.client_states.checkpoint(round_num))
     self.client_states.prune(self.checkpointer.rounds())
@@ -333,6 +334,9 @@ class RoundDriver:
             'Nothing was resumed or changed: restore the store from a copy, or start the run '
             'again in a new --output_dir.')
     self.rows = [r for r in meta['rows'] if r['round'] <= round_num]
+    # Absent in checkpoints written before them: what made their rounds is unknown.
+    self.segments = meta.get('segments') or [dict(
+        first_round=1, last_round=round_num, fltff_version=None, fltff_commit=None, executor=None)]
     # Continued past a last round evaluated off the eval_every grid: rows as if uninterrupted.
     if round_num % self.config.eval_every and round_num < self.config.rounds:
       for key in ('_clients', 'test_loss', 'personalized_accuracy', 'global_model_local_accuracy',
@@ -368,6 +372,9 @@ class RoundDriver:
         start_round = last + 1
         self.progress(f'Resumed from the checkpoint of round {last}.')
       self.outputs.restart_at(start_round)
+    # This process's segment; `last_round` and `executor` follow its completed rounds.
+    self.segments.append(dict(first_round=start_round, last_round=None, **{
+        k: self.run_info.get(k) for k in ('fltff_version', 'fltff_commit')}, executor=None))
     # Written once the inputs are verified and the state restored: a refused resume leaves the
     # run's record as it was.
     if self.record is not None:
@@ -410,6 +417,7 @@ class RoundDriver:
           row['sim_time_cumulative'] = (previous.get('sim_time_cumulative', 0.0) +
                                         row['sim_round_seconds'])
         self.rows.append(row)
+        self.segments[-1].update(last_round=r, executor=self.runtime and self.runtime.description)
         self._last_good = (r, state)
         self._consistent = True
         self.outputs.log_scalars(row)
@@ -491,7 +499,7 @@ class RoundDriver:
   def summary(self) -> dict:
     evals = [r for r in self.rows if 'test_accuracy' in r]
     best = max(evals, key=lambda r: r['test_accuracy']) if evals else None
-    extra = {**self.run_info, 'evaluation': list(self.protocols),
+    extra = {**self.run_info, 'segments': self.segments, 'evaluation': list(self.protocols),
              'headline': evaluation_lib.headline(self.rows, self.protocols[0],
                                                  self.config.headline_statistic)}
     for protocol_name in [p for p in self.protocols if p != 'central']:
