@@ -302,12 +302,12 @@ def run_experiment(output_dir: str,
   finetuner = None
   if evaluation is not None and 'finetuned_local' in evaluation and algorithm.finetunes:
     finetuner = Finetuner(model_spec, optimizers.client_optimizer(), finetune_epochs)
-  # A bound channel_model.seed is gin's to pass: its call then reads (and records) it.
-  bound_channel_seed = gin_binds('channel_model.seed')
-  channel_seed = gin.query_parameter('channel_model.seed') if bound_channel_seed else seed
+  def seed_of(binding: str) -> int:  # A bound seed is gin's to pass (and record); else `seed`.
+    return gin.query_parameter(binding) if gin_binds(binding) else seed
+
   if channel:
     channel = channel(num_clients=data.num_clients(),
-                      **({} if bound_channel_seed else {'seed': seed}))
+                      **({} if gin_binds('channel_model.seed') else {'seed': seed}))
   # A resume must compute what the checkpointed rounds did: its configuration (once every
   # configurable has been called), data and model are checked against the checkpoint's record.
   record = {'config': gin.operative_config_str(), 'data': data.fingerprint(),
@@ -324,12 +324,9 @@ def run_experiment(output_dir: str,
                        stop_event=stop_event, channel=channel, finetuner=finetuner, record=record,
                        client_work_reason=client_work_reason)
   driver.run_info['seeds'] = {'run': seed, 'model': model_seed,
-                              'data': gin.query_parameter('federated_data.seed')
-                              if gin_binds('federated_data.seed') else seed}
-  if data.source_seed is not None:
-    driver.run_info['seeds']['source'] = data.source_seed
-  if channel:
-    driver.run_info['seeds']['channel'] = channel_seed
+                              'data': seed_of('federated_data.seed'),
+                              **({'channel': seed_of('channel_model.seed')} if channel else {}),
+                              **({} if data.source_seed is None else {'source': data.source_seed})}
   driver.run_info.update(resources.source_version())
   # The record's configurables are all the experiment calls (data, model, method, channel...).
   unread = unread_bindings(gin.config_str(), record['config'])
