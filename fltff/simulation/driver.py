@@ -351,9 +351,9 @@ class RoundDriver:
   # -- the loop ----------------------------------------------------------------------------
   def run(self, resume: bool = False) -> dict:
     cfg = self.config
+    latest = self.checkpointer.latest_round() if resume else None
     if cfg.round_deadline is not None:  # A round the deadline leaves empty: refused up front.
-      first = (self.checkpointer.latest_round() or 0) + 1 if resume else 1
-      for r in range(first, cfg.rounds + 1):
+      for r in range((latest or 0) + 1, cfg.rounds + 1):
         self.plan_round(r)
     if self.runtime is not None:
       reason = self.client_work_reason
@@ -361,10 +361,10 @@ class RoundDriver:
                     + (f" (experiment.client_work = 'auto': {reason})" if reason else '.'))
     state = self.algorithm.initialize(self.call)
     start_round = 1
-    if not resume or self.checkpointer.latest_round() is None:
+    if latest is None:
       self.client_states.reset()
     if resume:
-      if self.checkpointer.latest_round() is None:
+      if latest is None:
         self.progress(f'No checkpoint in {self.checkpointer.directory}; starting from round 1.')
         self.outputs.truncate_measurements(0)  # Rounds a stopped run logged are redone.
       else:
