@@ -40,7 +40,7 @@ class ProximalRegularizer(LocalRegularizer):
 
   def penalty(self, local, global_, context):
     del context
-    anchor = global_ if self.anchor is None else self.anchor
+    anchor = self.offset_anchor(global_)
     if self._coefficients is None:
       return proximal_penalty(local, anchor, self.mu)
     return 0.5 * tf.add_n([c * tf.reduce_sum(tf.square(w - a)) for w, a, c in
@@ -49,7 +49,7 @@ class ProximalRegularizer(LocalRegularizer):
   def gradient(self, local, global_, context):
     """∂/∂w of the penalty: `μ m_t (w_t − a_t)`."""
     del context
-    anchor = global_ if self.anchor is None else self.anchor
+    anchor = self.offset_anchor(global_)
     coefficients = self._coefficients or (self.mu,) * len(anchor)
     return [c * (w - a) for w, a, c in zip(local, anchor, coefficients)]
 
@@ -68,6 +68,6 @@ class ProximalRegularizer(LocalRegularizer):
   def affine_gradient(self, global_, context):
     """The gradient as `c_t w_t + (−c_t a_t)`, c_t = μ m_t (see `LocalRegularizer`)."""
     del context
-    anchor = global_ if self.anchor is None else self.anchor
+    anchor = self.offset_anchor(global_)
     coefficients = self._coefficients or (self.mu,) * len(anchor)
     return list(coefficients), [-c * a for c, a in zip(coefficients, anchor)]
