@@ -13,11 +13,6 @@ from fltff.learning.process import Algorithm
 from fltff.learning.process import build_averaging_method
 
 
-def head_indices(model_spec: ModelSpec) -> list[int]:
-  """Trainable-tensor indices of the head: the last layer of the layer grouping."""
-  return model_spec.trainable_layers()[0][-1]
-
-
 @gin.configurable('fedbabu')
 def build_fedbabu(model_spec: ModelSpec, client_optimizer=None,
                   server_learning_rate: float = 1.0, server_optimizer=None,
@@ -26,4 +21,4 @@ def build_fedbabu(model_spec: ModelSpec, client_optimizer=None,
   model on each client's data (`fltff.simulation.evaluation.Finetuner`, 'finetuned_local')."""
   return build_averaging_method(
       'fedbabu', model_spec, client_optimizer, server_optimizer, server_learning_rate,
-      model_aggregator, frozen=head_indices(model_spec), finetunes=True)
+      model_aggregator, frozen=model_spec.trainable_layers()[0][-1], finetunes=True)
