@@ -80,8 +80,8 @@ class RoundConfig:
     self.target_accuracies = tuple(targets)
     check_seed('experiment.seed', self.seed)
     check_number('experiment.client_fraction', self.client_fraction, allow_none=True)
-    sampling.straggler_plan(np.arange(1), self.local_epochs, self.straggler_fraction,
-                            self.straggler_mode, self.seed, 1)  # Validates both settings.
+    check_number('experiment.straggler_fraction', self.straggler_fraction, low=0, high=1)
+    check_choice('experiment.straggler_mode', self.straggler_mode, ('partial', 'drop'))
     check_number('experiment.round_deadline', self.round_deadline, allow_none=True, low=0,
                  open_low=True, hint='seconds')
     check_choice('experiment.client_state_store', self.client_state_store, STORE_KINDS)

@@ -6,7 +6,6 @@ from typing import Optional
 
 import numpy as np
 
-from fltff.config_checks import check_choice
 from fltff.config_checks import check_number
 from fltff.errors import ConfigError
 
@@ -59,8 +58,6 @@ def straggler_plan(clients: np.ndarray, local_epochs: int, fraction: float, mode
   in [1, E] and sends what it has; with `mode='drop'` they are dropped from the round (FedAvg's
   behaviour), always keeping at least one participant.
   """
-  check_number('experiment.straggler_fraction', fraction, low=0, high=1)
-  check_choice('experiment.straggler_mode', mode, ('partial', 'drop'))
   epochs = {int(k): int(local_epochs) for k in clients}
   count = straggler_count(len(clients), fraction, mode)
   if count == 0:
