@@ -167,3 +167,20 @@ def test_the_methods_page_cites_each_method_as_the_registry_does():
   # Authors, title, venue and year, but for the one method without a paper.
   assert [m.name for m in methods.METHODS.values()
           if not re.search(r'^[A-Z].*\. .+\. .*(19|20)\d\d', m.citation)] == ['local']
+
+
+@pytest.mark.parametrize('name,message', [
+    ('fedbabu', 'fedbabu freezes the head .* logistic has one layer: nothing would train'),
+    ('fedbabu+ccn', 'logistic has one layer'),
+    ('moon', "logistic's is its input .* the contrastive term would be a constant"),
+])
+def test_a_one_layer_model_is_refused_where_the_method_would_do_nothing_or_fedavg(name, message):
+  """FedBABU would freeze the one layer (the global model never moves); MOON's latent layer
+  would be the input (ℓ_con constant: FedAvg's numbers)."""
+  import functools
+  from fltff.models import build_model
+  logistic = ModelSpec(functools.partial(build_model, 'logistic', (DIM,), CLASSES, seed=0),
+                       (DIM,), CLASSES, name='logistic')
+  with pytest.raises(ConfigError, match=message):
+    methods.build(name, logistic, N, _sgdm())
+  methods.build(name, dataclasses.replace(SPEC, name='mlp'), N, _sgdm())  # A hidden layer.

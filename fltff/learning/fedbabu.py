@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gin
 
+from fltff.errors import ConfigError
 from fltff.learning.model_spec import ModelSpec
 from fltff.learning.process import Algorithm
 from fltff.learning.process import build_averaging_method
@@ -19,6 +20,10 @@ def build_fedbabu(model_spec: ModelSpec, client_optimizer=None,
                   model_aggregator=None) -> Algorithm:
   """FedBABU: FedAvg on the body, head frozen. Evaluation first fine-tunes the whole global
   model on each client's data (`fltff.simulation.evaluation.Finetuner`, 'finetuned_local')."""
+  if len(model_spec.trainable_layers()[0]) < 2:
+    raise ConfigError(f'fedbabu freezes the head (the last layer) and trains the body, and '
+                      f'{model_spec.name} has one layer: nothing would train. Use a model with '
+                      'a hidden layer.')
   return build_averaging_method(
       'fedbabu', model_spec, client_optimizer, server_optimizer, server_learning_rate,
       model_aggregator, frozen=model_spec.trainable_layers()[0][-1], finetunes=True)

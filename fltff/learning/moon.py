@@ -17,6 +17,7 @@ import gin
 import tensorflow as tf
 
 from fltff.config_checks import check_number
+from fltff.errors import ConfigError
 from fltff.learning import client_state
 from fltff.learning import client_work as client_work_lib
 from fltff.learning import optimizers
@@ -87,8 +88,11 @@ def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, m
   check_number('moon.mu', mu, low=0)
   check_number('moon.temperature', temperature, low=0, open_low=True)
   from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
-  with tf.Graph().as_default():
-    latent_model(model_spec.keras_fn())  # A clear error now, not inside the computation.
+  with tf.Graph().as_default():  # A clear error now, not inside the computation.
+    if not latent_model(model_spec.keras_fn()).trainable_weights:
+      raise ConfigError(f"moon contrasts the latent layer's outputs, and {model_spec.name}'s "
+                        'is its input (no hidden layer): the contrastive term would be a '
+                        'constant, MOON FedAvg. Use a model with a hidden layer.')
   optimizer = optimizers.default_client_optimizer(client_optimizer)
   # The client state and term: the previous local model; the new state: the trained one (no
   # server state or contribution).
