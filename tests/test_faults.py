@@ -452,17 +452,21 @@ def test_factories_type_check_their_arguments():
     optimizers.build_optimizer('sgd', 'x', role='server')
 
 
-@pytest.mark.parametrize('kwargs,message', [
-    ({'num_clients': 0}, 'kapc num_clients must be >= 1, got 0'),
-    ({'num_clients': 2.0}, 'kapc num_clients must be an integer, got 2.0'),
-    ({'num_clients': 3, 'bls_mu': 'high'}, "kapc+bls.bls_mu must be a number, got 'high'"),
-    ({'num_clients': 3, 'bls_mu': 1.5}, 'kapc+bls.bls_mu must be in [0, 1]'),
-    ({'num_clients': 3, 'bls_mu': -0.1}, 'kapc+bls.bls_mu must be in [0, 1]'),
+@pytest.mark.parametrize('name,kwargs,message', [
+    ('kapc', {'num_clients': 0}, 'kapc num_clients must be >= 1, got 0'),
+    ('kapc', {'num_clients': 2.0}, 'kapc num_clients must be an integer, got 2.0'),
+    ('kapc', {'num_clients': 3, 'bls_mu': 'high'}, "kapc+bls.bls_mu must be a number, got 'high'"),
+    ('kapc', {'num_clients': 3, 'bls_mu': 1.5}, 'kapc+bls.bls_mu must be in [0, 1]'),
+    ('kapc', {'num_clients': 3, 'bls_mu': -0.1}, 'kapc+bls.bls_mu must be in [0, 1]'),
+    # FedAMP's α_k is a positive step (α = 0: no message passing, local training).
+    ('fedamp', {'num_clients': 3, 'alpha': -0.1}, 'fedamp.alpha must be > 0, got -0.1'),
+    ('fedamp', {'num_clients': 3, 'alpha': 0.0}, 'fedamp.alpha must be > 0, got 0.0'),
+    ('pfedla', {'num_clients': 3, 'hidden_dim': 0}, 'pfedla.hidden_dim must be >= 1, got 0'),
 ])
-def test_a_personalised_method_checks_its_arguments(kwargs, message, spec):
-  from fltff.personalization import build_kapc
+def test_a_personalised_method_checks_its_arguments(name, kwargs, message, spec):
+  from fltff import methods
   with pytest.raises(ConfigError, match=re.escape(message)):
-    build_kapc(spec, **kwargs)
+    methods.build(name, spec, **kwargs)
 
 
 # -- num_clients smaller than the real clients: one Python error, not a raw gRPC INTERNAL ---

@@ -50,7 +50,8 @@ class AttentiveRelation(process_lib.RelationRule):
   alpha: float = 0.1
 
   def check(self, name) -> None:
-    check_number(f'{name}.sigma', self.sigma, low=0, open_low=True)
+    for label in ('sigma', 'alpha'):  # α_k, σ > 0 (eq. (8); α = 0 would be local training).
+      check_number(f'{name}.{label}', getattr(self, label), low=0, open_low=True)
 
   def initial_state(self, context):
     return collections.OrderedDict(relation=tf.zeros([0, context.num_layers, 0]))

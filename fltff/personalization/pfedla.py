@@ -115,8 +115,8 @@ class HypernetworkRelation(process_lib.RelationRule):
       raise ConfigError(f'{name}: pFedLA has no proximal term (lambda_ must be 0, got '
                         f'{self.lambda_}).')
     check_number(f'{name}.learning_rate', self.learning_rate, low=0)
-    check_number(f'{name} embedding_dim', self.embedding_dim, integer=True, low=1)
-    check_number(f'{name} hidden_dim', self.hidden_dim, integer=True, low=1)
+    check_number(f'{name}.embedding_dim', self.embedding_dim, integer=True, low=1)
+    check_number(f'{name}.hidden_dim', self.hidden_dim, integer=True, low=1)
 
   def initial_state(self, context):
     state = super().initial_state(context)
