@@ -450,6 +450,9 @@ def test_factories_type_check_their_arguments():
   from fltff.learning import optimizers
   with pytest.raises(ConfigError, match="server.learning_rate must be a number, got 'x'"):
     optimizers.build_optimizer('sgd', 'x', role='server')
+  with pytest.raises(ConfigError, match=re.escape('fedprox.server_learning_rate must be > 0, '
+                                                  'got 0.0.')):
+    optimizers.server_sgd(None, 0.0, 'fedprox')
 
 
 @pytest.mark.parametrize('name,kwargs,message', [

@@ -129,8 +129,9 @@ def server_optimizer(name: str = 'sgd', learning_rate: float = 1.0, momentum: fl
 def server_sgd(server_optimizer_arg, server_learning_rate: float, method: str):
   """The server optimizer passed in (`checked_optimizer`; `ConfigError` unless η_s is 1), else
   SGD with η_s."""
-  if server_optimizer_arg is None:
-    return build_optimizer('sgd', server_learning_rate, role=f'{method}.server_learning_rate')
+  if server_optimizer_arg is None:  # Checked under its own name, not build_optimizer's role's.
+    check_number(f'{method}.server_learning_rate', server_learning_rate, low=0, open_low=True)
+    return build_optimizer('sgd', server_learning_rate, role=f'{method} server optimizer')
   if server_learning_rate != 1.0:
     raise ConfigError(f'{method}: pass server_optimizer or server_learning_rate, not both '
                       f'(server_learning_rate={server_learning_rate} would be ignored).')
