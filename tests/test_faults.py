@@ -439,6 +439,8 @@ def test_factories_type_check_their_arguments():
     adaptive_weighting.AdaptiveWeightingFactory(None, 0)
   with pytest.raises(ConfigError, match="alpha must be a number, got 'five'"):
     adaptive_weighting.AdaptiveWeightingFactory(None, 3, 'five')
+  with pytest.raises(ConfigError, match=re.escape('alpha must be >= 0, got -1.0; 0: FedAvg.')):
+    adaptive_weighting.AdaptiveWeightingFactory(None, 3, -1.0)
   with pytest.raises(ConfigError, match='layers must be groups of tensor indices'):
     adaptive_weighting.AdaptiveWeightingFactory([0, 1], 3)
   adaptive_weighting.AdaptiveWeightingFactory([[0, 1], range(2, 4)], 3, 5)

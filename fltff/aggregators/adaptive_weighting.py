@@ -101,12 +101,12 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
       layers: Per layer, indices into the flattened update (`tf.nest.flatten`), or
         `fltff.models.layer_groups(model)` as is. None: one layer per tensor; one group: FedAdp.
       num_clients: Total number of clients (size of the smoothing state).
-      alpha: Gompertz α (the papers: 5).
+      alpha: Gompertz α ≥ 0 (the papers: 5; 0: FedAvg).
     """
     # Checked now: a factory passed positionally here would fail as a raw gRPC error in round 1.
     check_number('AdaptiveWeightingFactory num_clients', num_clients, integer=True,
                  allow_none=True, low=1)
-    check_number('AdaptiveWeightingFactory alpha', alpha)
+    check_number('AdaptiveWeightingFactory alpha', alpha, low=0, hint='0: FedAvg')
     if layers is not None and any(hasattr(g, 'trainable_indices') for g in layers):
       layers = update_index_groups(layers)  # `fltff.models.layer_groups(model)`'s output.
     if layers is not None and not all(
