@@ -115,6 +115,10 @@ def test_fedlap_personalization_wraps_a_global_method_and_refuses_a_personalised
   kapc = personalization.build_kapc(spec, NUM_CLIENTS, client_optimizer=SGD())
   with pytest.raises(ConfigError, match='personalised already'):
     with_fedlap_personalization(kapc, FedLapPersonalization(spec, SGD()))
+  # Nor around personal models (Ditto's: its round would get their inputs, not the method's).
+  with pytest.raises(ConfigError, match='ditto is personalised already'):
+    with_fedlap_personalization(personalization.build_ditto(spec, client_optimizer=SGD()),
+                                FedLapPersonalization(spec, SGD()))
 
 
 def _drive(algorithm, data, out, rounds, resume=False):

@@ -164,7 +164,7 @@ def with_personal_models(algorithm: protocol.FederatedAlgorithm, personal: Perso
                          name: Optional[str] = None) -> WithPersonalModels:
   """`algorithm` (a global method) plus personal models trained as `personal` declares; named
   `name` (None: the method's name)."""
-  if algorithm.personalized:
+  if algorithm.personalized or algorithm.personal_models:  # Ditto's v_k, or these.
     raise ConfigError(f'{algorithm.name} is personalised already; remove '
                       'experiment.personalization.')
   # Built here, not in a round: tracing Keras models in a graph invalidates the eager models
