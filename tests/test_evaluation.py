@@ -249,11 +249,15 @@ def test_headline_statistics_against_numpy():
     (['personal_local'], False, True, True, 'use trained_local'),
     (['global_local'], False, False, True, 'local_test_examples'),
     (['trained_local'], False, True, False, 'vectorised client work'),
+    # Ditto or experiment.personalization: the personal models are what a client has.
+    (['personal_local', 'trained_local'], 'personal models', True, True,
+     'with personal models .* personal_local'),
 ])
 def test_protocols_that_cannot_run_are_refused_in_one_line(protocols, personalized, local,
                                                            trained, fragment):
   with pytest.raises(ConfigError, match=fragment):
-    evaluation.check_protocols(protocols, personalized, local, trained)
+    evaluation.check_protocols(protocols, personalized is True, local, trained,
+                               personal_models=personalized == 'personal models')
 
 
 def test_an_empty_evaluation_list_is_refused_not_defaulted(data, spec, tmp_path):
