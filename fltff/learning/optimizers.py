@@ -40,11 +40,14 @@ def declared(inner, hyperparameters=None, weight_decay: float = 0.0):
   return optimizer
 
 
-def sgdm(learning_rate: float, momentum: Optional[float] = None):
-  """TFF's `build_sgdm` (a ← μ·a + g, w ← w − η·a; without momentum w ← w − η·g), `declared`."""
+def sgdm(learning_rate: float, momentum: Optional[float] = None, role: str = 'sgdm'):
+  """TFF's `build_sgdm` (a ← μ·a + g, w ← w − η·a; without momentum w ← w − η·g), `declared`;
+  `ConfigError` (naming `role`) unless η > 0 and μ in [0, 1) (TFF takes η = 0 or NaN)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
+  check_number(f'{role}.learning_rate', learning_rate, low=0, open_low=True)
+  check_number(f'{role}.momentum', momentum, allow_none=True, low=0, high=1, open_high=True)
   return declared(tff.learning.optimizers.build_sgdm(learning_rate=learning_rate,
                                                      momentum=momentum),
                   (float(np.float32(learning_rate)),
@@ -56,7 +59,6 @@ def build_optimizer(name: str, learning_rate: float, momentum: float = 0.9,
                     role: str = 'optimizer', weight_decay: float = 0.0):
   """`'sgd'`, `'sgdm'` (momentum) or `'adam'` as a `tff.learning.optimizers.Optimizer`; a
   positive `weight_decay` adds coupled L2 decay (`declared`)."""
-  check_number(f'{role}.learning_rate', learning_rate, low=0, open_low=True)
   given = dict(momentum=momentum, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
   for what, value in given.items():
     check_number(f'{role}.{what}', value)
@@ -70,12 +72,10 @@ def build_optimizer(name: str, learning_rate: float, momentum: float = 0.9,
                       f'uses {", ".join(uses) or "only the learning rate"}: name the optimizer '
                       "that uses it ('sgdm': momentum; 'adam': beta_1, beta_2, epsilon) or drop "
                       'the binding.')
-  if name == 'sgd':
-    optimizer = sgdm(learning_rate)
-  elif name == 'sgdm':
-    check_number(f'{role}.momentum', momentum, low=0, high=1, open_high=True)
-    optimizer = sgdm(learning_rate, momentum)
+  if name in ('sgd', 'sgdm'):
+    optimizer = sgdm(learning_rate, momentum if name == 'sgdm' else None, role)
   elif name == 'adam':
+    check_number(f'{role}.learning_rate', learning_rate, low=0, open_low=True)
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
     optimizer = tff.learning.optimizers.build_adam(
         learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
