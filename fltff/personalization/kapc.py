@@ -129,7 +129,8 @@ class KapcRule(process_lib.RelationRule):
     check_choice(f'{name}.relationship_projection', self.relationship_projection,
                  tuple(RELATIONSHIP_PROJECTIONS))
     for label in ('beta', 'relationship_learning_rate', 'relationship_steps'):
-      check_number(f'{name}.{label}', getattr(self, label), low=0)
+      check_number(f'{name}.{label}', getattr(self, label), low=0,
+                   integer=label == 'relationship_steps')
 
   def _step(self, relation, models, context):
     return update_relationship(relation, models, context.layer_of, self.lambda_, self.beta,
