@@ -455,9 +455,9 @@ def test_factories_type_check_their_arguments():
   with pytest.raises(ConfigError, match=re.escape('fedprox.server_learning_rate must be > 0, '
                                                   'got 0.0.')):
     optimizers.server_sgd(None, 0.0, 'fedprox')
-  # The library's own optimizer, as gin's: η = 0 would train nothing, NaN diverge in round 1.
-  for rate in (0.0, float('nan')):
-    with pytest.raises(ConfigError, match=f'sgdm.learning_rate must be > 0, got {rate}'):
+  # The library's own optimizer: a NaN or negative η diverged in round 1 (0: no step, a test's).
+  for rate in (-0.1, float('nan')):
+    with pytest.raises(ConfigError, match=f'sgdm.learning_rate must be >= 0, got {rate}'):
       optimizers.sgdm(rate)
   with pytest.raises(ConfigError, match=re.escape('sgdm.momentum must be in [0, 1), got 1.0')):
     optimizers.sgdm(0.1, 1.0)

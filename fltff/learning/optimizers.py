@@ -42,11 +42,11 @@ def declared(inner, hyperparameters=None, weight_decay: float = 0.0):
 
 def sgdm(learning_rate: float, momentum: Optional[float] = None, role: str = 'sgdm'):
   """TFF's `build_sgdm` (a ← μ·a + g, w ← w − η·a; without momentum w ← w − η·g), `declared`;
-  `ConfigError` (naming `role`) unless η > 0 and μ in [0, 1) (TFF takes η = 0 or NaN)."""
+  `ConfigError` (naming `role`) unless η >= 0 (0: no step) and μ in [0, 1) (TFF takes NaN)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-  check_number(f'{role}.learning_rate', learning_rate, low=0, open_low=True)
+  check_number(f'{role}.learning_rate', learning_rate, low=0)
   check_number(f'{role}.momentum', momentum, allow_none=True, low=0, high=1, open_high=True)
   return declared(tff.learning.optimizers.build_sgdm(learning_rate=learning_rate,
                                                      momentum=momentum),
@@ -59,6 +59,7 @@ def build_optimizer(name: str, learning_rate: float, momentum: float = 0.9,
                     role: str = 'optimizer', weight_decay: float = 0.0):
   """`'sgd'`, `'sgdm'` (momentum) or `'adam'` as a `tff.learning.optimizers.Optimizer`; a
   positive `weight_decay` adds coupled L2 decay (`declared`)."""
+  check_number(f'{role}.learning_rate', learning_rate, low=0, open_low=True)
   given = dict(momentum=momentum, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
   for what, value in given.items():
     check_number(f'{role}.{what}', value)
@@ -75,7 +76,6 @@ def build_optimizer(name: str, learning_rate: float, momentum: float = 0.9,
   if name in ('sgd', 'sgdm'):
     optimizer = sgdm(learning_rate, momentum if name == 'sgdm' else None, role)
   elif name == 'adam':
-    check_number(f'{role}.learning_rate', learning_rate, low=0, open_low=True)
     import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
     optimizer = tff.learning.optimizers.build_adam(
         learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
