@@ -251,7 +251,7 @@ def test_headline_statistics_against_numpy():
     (['trained_local'], False, True, False, 'vectorised client work'),
     # Ditto or experiment.personalization: the personal models are what a client has.
     (['personal_local', 'trained_local'], 'personal models', True, True,
-     'with personal models .* personal_local'),
+     'has personal models .* use personal_local'),
 ])
 def test_protocols_that_cannot_run_are_refused_in_one_line(protocols, personalized, local,
                                                            trained, fragment):

@@ -170,9 +170,9 @@ def test_the_methods_page_cites_each_method_as_the_registry_does():
 
 
 @pytest.mark.parametrize('name,message', [
-    ('fedbabu', 'fedbabu freezes the head .* logistic has one layer: nothing would train'),
-    ('fedbabu+ccn', 'logistic has one layer'),
-    ('moon', "logistic's is its input .* the contrastive term would be a constant"),
+    ('fedbabu', 'fedbabu freezes the head .* logistic has no other: nothing would train'),
+    ('fedbabu+ccn', 'logistic has no other'),
+    ('moon', r"logistic's latent layer is its input, .* would be constant \(MOON = FedAvg\)"),
 ])
 def test_a_one_layer_model_is_refused_where_the_method_would_do_nothing_or_fedavg(name, message):
   """FedBABU would freeze the one layer (the global model never moves); MOON's latent layer

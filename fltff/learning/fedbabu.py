@@ -22,9 +22,8 @@ def build_fedbabu(model_spec: ModelSpec, client_optimizer=None,
   model on each client's data (`fltff.simulation.evaluation.Finetuner`, 'finetuned_local')."""
   layers = model_spec.trainable_layers()[0]
   if len(layers) < 2:
-    raise ConfigError(f'fedbabu freezes the head (the last layer) and trains the body, and '
-                      f'{model_spec.name} has one layer: nothing would train. Use a model with '
-                      'a hidden layer.')
+    raise ConfigError(f'fedbabu freezes the head (the last layer) and {model_spec.name} has no '
+                      'other: nothing would train. Use a model with a hidden layer.')
   return build_averaging_method(
       'fedbabu', model_spec, client_optimizer, server_optimizer, server_learning_rate,
       model_aggregator, frozen=layers[-1], finetunes=True)

@@ -90,9 +90,8 @@ def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, m
   from fltff.models import latent_model  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():  # A clear error now, not inside the computation.
     if not latent_model(model_spec.keras_fn()).trainable_weights:
-      raise ConfigError(f"moon contrasts the latent layer's outputs, and {model_spec.name}'s "
-                        'is its input (no hidden layer): the contrastive term would be a '
-                        'constant, MOON FedAvg. Use a model with a hidden layer.')
+      raise ConfigError(f"moon: {model_spec.name}'s latent layer is its input, so the contrastive "
+                        'term would be constant (MOON = FedAvg): use a model with a hidden layer.')
   optimizer = optimizers.default_client_optimizer(client_optimizer)
   # The client state and term: the previous local model; the new state: the trained one (no
   # server state or contribution).

@@ -97,9 +97,8 @@ def check_protocols(protocols, personalized: bool, has_local_splits: bool,
     raise ConfigError('experiment.evaluation: the local protocols need local test splits: set '
                       'federated_data.local_test_examples > 0.')
   if 'trained_local' in protocols and personal_models:
-    raise ConfigError("experiment.evaluation: trained_local tests a global method's participants "
-                      'after their local training; with personal models (Ditto, '
-                      'experiment.personalization) test those: personal_local.')
+    raise ConfigError("experiment.evaluation: trained_local tests a global method's participants; "
+                      'this run has personal models (Ditto, personalisation): use personal_local.')
   if 'trained_local' in protocols and not can_report_trained:
     raise ConfigError("experiment.evaluation: trained_local reads the participants' trained "
                       'models from the vectorised client work; this run does not vectorise its '
