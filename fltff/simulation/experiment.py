@@ -302,6 +302,7 @@ def run_experiment(output_dir: str,
   finetuner = None
   if evaluation is not None and 'finetuned_local' in evaluation and algorithm.finetunes:
     finetuner = Finetuner(model_spec, optimizers.client_optimizer(), finetune_epochs)
+
   def seed_of(binding: str) -> int:  # A bound seed is gin's to pass (and record); else `seed`.
     return gin.query_parameter(binding) if gin_binds(binding) else seed
 
