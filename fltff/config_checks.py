@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 import numbers
 import re
 from collections.abc import Mapping, Sequence
@@ -26,16 +27,19 @@ def check_seed(name: str, value: Any) -> None:
 
 def check_number(name: str, value: Any, integer: bool = False, allow_none: bool = False,
                  low: Optional[float] = None, high: Optional[float] = None,
-                 open_low: bool = False, open_high: bool = False, hint: str = '') -> None:
+                 open_low: bool = False, open_high: bool = False, hint: str = '',
+                 allow_inf: bool = False) -> None:
   """Raises `ConfigError` unless `value` is a real number (an `int` with `integer`; booleans,
-  though `int`s to Python, never count) within `low`..`high` (each included unless open; NaN
-  never within), naming `name` and the bounds, then `hint` (e.g. '0: off')."""
+  though `int`s to Python, never count), finite unless `allow_inf` (inf: 'wait forever'), within
+  `low`..`high` (each included unless open; NaN never), naming `name`, the bounds and `hint`."""
   if value is None and allow_none:
     return
   kind = numbers.Integral if integer else numbers.Real  # NumPy scalars included.
   if isinstance(value, bool) or not isinstance(value, kind):
     wanted = 'an integer' if integer else 'a number'
     raise ConfigError(f'{name} must be {wanted}, got {value!r}.')
+  if not (allow_inf or isinstance(value, numbers.Integral) or math.isfinite(value)):
+    raise ConfigError(f'{name} must be finite, got {value}{"; " + hint if hint else ""}.')
   above = low is None or (value > low if open_low else value >= low)
   below = high is None or (value < high if open_high else value <= high)
   if not (above and below):
@@ -121,8 +125,8 @@ def check_builder(name: str, value: Any, allow_none: bool,
 
 
 def check_gin_bindings(config: Mapping[tuple[str, str], Mapping[str, Any]]) -> None:
-  """`check_number` for every parameter bound in `config` and annotated as a number,
-  `check_builder` for every one annotated `Callable`.
+  """`check_number` for every parameter bound in `config` and annotated as a number (inf, gin's
+  `1e999`, left to its own), `check_builder` for every one annotated `Callable`.
 
   Args:
     config: Gin's bindings, `{(scope, selector): {parameter: value}}`, as its finalize hooks
@@ -138,7 +142,7 @@ def check_gin_bindings(config: Mapping[tuple[str, str], Mapping[str, Any]]) -> N
       if kind.startswith('Callable'):
         check_builder(name, value, optional, config)
       elif kind in ('int', 'float') and isinstance(value, _PLAIN_VALUES):
-        check_number(name, value, integer=kind == 'int', allow_none=optional)
+        check_number(name, value, integer=kind == 'int', allow_none=optional, allow_inf=True)
 
 
 def parameters(fn: Any) -> Mapping[str, inspect.Parameter]:

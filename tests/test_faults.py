@@ -5,6 +5,7 @@ User errors: one `error:` line on stderr, exit status 2, no traceback; faults a 
 one `warning:` line.
 """
 
+import importlib
 import json
 import os
 import re
@@ -161,7 +162,9 @@ def test_badly_typed_numbers_are_one_line(bindings, fragments, tmp_path):
 @pytest.mark.parametrize('kwargs,message', [
     (dict(value=0, integer=True, low=1), 'n must be >= 1, got 0.'),
     (dict(value=0.0, low=0, open_low=True), 'n must be > 0, got 0.0.'),
-    (dict(value=float('nan'), low=0), 'n must be >= 0, got nan.'),
+    (dict(value=float('nan'), low=0), 'n must be finite, got nan.'),
+    (dict(value=float('inf'), low=0), 'n must be finite, got inf.'),
+    (dict(value=-np.inf, hint='dBm'), 'n must be finite, got -inf; dBm.'),
     (dict(value=1.5, low=0, high=1), 'n must be in [0, 1], got 1.5.'),
     (dict(value=0, low=0, high=1, open_low=True), 'n must be in (0, 1], got 0.'),
     (dict(value=1, low=0, high=1, open_high=True), 'n must be in [0, 1), got 1.'),
@@ -181,6 +184,7 @@ def test_check_number_refuses_what_is_out_of_range_in_one_sentence(kwargs, messa
     dict(value=1, integer=True, low=1), dict(value=1.0, low=0, high=1),
     dict(value=None, allow_none=True, low=0, open_low=True), dict(value=np.int64(3), low=3),
     dict(value=np.float32(0.5), low=0, high=1, open_low=True, open_high=True),
+    dict(value=float('inf'), low=0, open_low=True, allow_inf=True), dict(value=10**400),
 ])
 def test_check_number_takes_the_bounds_themselves_and_numpy_scalars(kwargs):
   from fltff.config_checks import check_number
@@ -444,11 +448,11 @@ def test_factories_type_check_their_arguments():
   with pytest.raises(ConfigError, match='layers must be groups of tensor indices'):
     adaptive_weighting.AdaptiveWeightingFactory([0, 1], 3)
   adaptive_weighting.AdaptiveWeightingFactory([[0, 1], range(2, 4)], 3, 5)
-  with pytest.raises(ConfigError, match="scaffold num_clients must be an integer, got '3'"):
+  with pytest.raises(ConfigError, match="scaffold.num_clients must be an integer, got '3'"):
     scaffold_lib.build_scaffold(None, '3')
-  from fltff.learning import regularizers
-  with pytest.raises(ConfigError, match="Proximal mu must be a number, got 'a'"):
-    regularizers.ProximalRegularizer('a')
+  from fltff.learning import fedprox
+  with pytest.raises(ConfigError, match="fedprox.mu must be a number, got 'a'"):
+    fedprox.build_fedprox(None, mu='a')  # The setting a user writes, not the regularizer's.
   from fltff.learning import optimizers
   with pytest.raises(ConfigError, match="server.learning_rate must be a number, got 'x'"):
     optimizers.build_optimizer('sgd', 'x', role='server')
@@ -456,16 +460,16 @@ def test_factories_type_check_their_arguments():
                                                   'got 0.0.')):
     optimizers.server_sgd(None, 0.0, 'fedprox')
   # The library's own optimizer: a NaN or negative η diverged in round 1 (0: no step, a test's).
-  for rate in (-0.1, float('nan')):
-    with pytest.raises(ConfigError, match=f'sgdm.learning_rate must be >= 0, got {rate}'):
+  for rate, wanted in ((-0.1, '>= 0, got -0.1'), (float('nan'), 'finite, got nan')):
+    with pytest.raises(ConfigError, match=f'sgdm.learning_rate must be {wanted}'):
       optimizers.sgdm(rate)
   with pytest.raises(ConfigError, match=re.escape('sgdm.momentum must be in [0, 1), got 1.0')):
     optimizers.sgdm(0.1, 1.0)
 
 
 @pytest.mark.parametrize('name,kwargs,message', [
-    ('kapc', {'num_clients': 0}, 'kapc num_clients must be >= 1, got 0'),
-    ('kapc', {'num_clients': 2.0}, 'kapc num_clients must be an integer, got 2.0'),
+    ('kapc', {'num_clients': 0}, 'kapc.num_clients must be >= 1, got 0'),
+    ('kapc', {'num_clients': 2.0}, 'kapc.num_clients must be an integer, got 2.0'),
     ('kapc', {'num_clients': 3, 'bls_mu': 'high'}, "kapc+bls.bls_mu must be a number, got 'high'"),
     ('kapc', {'num_clients': 3, 'bls_mu': 1.5}, 'kapc+bls.bls_mu must be in [0, 1]'),
     ('kapc', {'num_clients': 3, 'bls_mu': -0.1}, 'kapc+bls.bls_mu must be in [0, 1]'),
@@ -480,6 +484,54 @@ def test_a_personalised_method_checks_its_arguments(name, kwargs, message, spec)
   from fltff import methods
   with pytest.raises(ConfigError, match=re.escape(message)):
     methods.build(name, spec, **kwargs)
+
+
+def _build(name, spec, *args, **kwargs):
+  from fltff import methods
+  return methods.build(name, spec, *args, **kwargs)
+
+
+_module = importlib.import_module  # Imported when the test runs, not when it is collected.
+# Library entry points, by the setting they check: a call with that setting = v.
+_REFUSING_INFINITY = {
+    'kapc.lambda_': lambda spec, v: _build('kapc', spec, 3, lambda_=v),
+    'kapc.beta': lambda spec, v: _build('kapc', spec, 3, beta=v),
+    'moon.temperature': lambda spec, v: _build('moon', spec, 3, temperature=v),
+    'fedamp.sigma': lambda spec, v: _build('fedamp', spec, 3, sigma=v),
+    'fedadp.alpha': lambda spec, v: _build('fedadp', spec, 3, alpha=v),
+    'fedlayerwise.alpha': lambda spec, v: _build('fedlayerwise', spec, 3, alpha=v),
+    'fedprox.mu': lambda spec, v: _build('fedprox', spec, mu=v),
+    'ditto.lambda_': lambda spec, v: _build('ditto', spec, lambda_=v),
+    'sgdm.learning_rate': lambda spec, v: _module('fltff.learning.optimizers').sgdm(v),
+    'AdaptiveWeightingFactory.alpha': lambda spec, v: _module(
+        'fltff.aggregators.adaptive_weighting').AdaptiveWeightingFactory(None, 3, v),
+    'channel_model.server_power_dbm': lambda spec, v: _module(
+        'fltff.simulation.channel').ChannelModel(4, server_power_dbm=v),
+    'channel_model.power_dbm': lambda spec, v: _module(
+        'fltff.simulation.channel').ChannelModel(4, power_dbm=(23.0, v)),
+    'experiment.round_deadline': lambda spec, v: _module(
+        'fltff.simulation.driver').RoundConfig(round_deadline=v),
+    'runtime.rpc_timeout': lambda spec, v: _module('fltff.runtime.runtimes').make_runtime(
+        rpc_timeout=v, executor='in_process'),
+}
+
+
+@pytest.mark.parametrize('setting', sorted(_REFUSING_INFINITY))
+@pytest.mark.parametrize('value', [float('inf'), -np.inf])
+def test_settings_refuse_infinity_naming_the_parameter(setting, value, spec):
+  with pytest.raises(ConfigError, match=rf'^{re.escape(setting)} must be finite, got -?inf\b'):
+    _REFUSING_INFINITY[setting](spec, value)
+
+
+def test_infinity_where_it_means_something():
+  """runtime.connect_timeout = inf waits for the workers as long as it takes; gin writes it
+  1e999, and its type check leaves it to the configurable's own."""
+  from fltff.config_checks import check_gin_bindings
+  from fltff.runtime.runtimes import make_runtime
+  assert make_runtime(connect_timeout=float('inf'), executor='in_process') is not None
+  check_gin_bindings({('', 'runtime'): {'connect_timeout': 1e999}})
+  with pytest.raises(ConfigError, match=r'^runtime.max_retries must be an integer, got inf'):
+    check_gin_bindings({('', 'runtime'): {'max_retries': 1e999}})
 
 
 # -- num_clients smaller than the real clients: one Python error, not a raw gRPC INTERNAL ---

@@ -96,17 +96,18 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
   def __init__(self,
                layers: Optional[Sequence[Sequence[int]]] = None,
                num_clients: Optional[int] = None,
-               alpha: float = GOMPERTZ_ALPHA):
+               alpha: float = GOMPERTZ_ALPHA,
+               name: str = 'AdaptiveWeightingFactory'):
     """Args:
       layers: Per layer, indices into the flattened update (`tf.nest.flatten`), or
         `fltff.models.layer_groups(model)` as is. None: one layer per tensor; one group: FedAdp.
       num_clients: Total number of clients (size of the smoothing state).
       alpha: Gompertz α ≥ 0 (the papers: 5; 0: FedAvg).
+      name: What a `ConfigError` names the settings after (the method: `fedadp.alpha`).
     """
     # Checked now: a factory passed positionally here would fail as a raw gRPC error in round 1.
-    check_number('AdaptiveWeightingFactory num_clients', num_clients, integer=True,
-                 allow_none=True, low=1)
-    check_number('AdaptiveWeightingFactory alpha', alpha, low=0, hint='0: FedAvg')
+    check_number(f'{name}.num_clients', num_clients, integer=True, allow_none=True, low=1)
+    check_number(f'{name}.alpha', alpha, low=0, hint='0: FedAvg')
     if layers is not None and any(hasattr(g, 'trainable_indices') for g in layers):
       layers = update_index_groups(layers)  # `fltff.models.layer_groups(model)`'s output.
     if layers is not None and not all(
@@ -197,11 +198,11 @@ def layerwise_adaptive_factory(layers: Optional[Sequence[Sequence[int]]] = None,
                                num_clients: Optional[int] = None,
                                alpha: float = GOMPERTZ_ALPHA) -> AdaptiveWeightingFactory:
   """FedLayerWise: ψ per client *and layer* (`layers` from `fltff.models.layer_groups`)."""
-  return AdaptiveWeightingFactory(layers, num_clients, alpha)
+  return AdaptiveWeightingFactory(layers, num_clients, alpha, 'fedlayerwise')
 
 
 def fedadp_factory(num_tensors: int,
                    num_clients: Optional[int] = None,
                    alpha: float = GOMPERTZ_ALPHA) -> AdaptiveWeightingFactory:
   """FedAdp: one ψ per client, from the angle of the whole flattened model update."""
-  return AdaptiveWeightingFactory([list(range(num_tensors))], num_clients, alpha)
+  return AdaptiveWeightingFactory([list(range(num_tensors))], num_clients, alpha, 'fedadp')

@@ -35,7 +35,7 @@ from fltff.models.layers import row_squared_distance
 
 def importance_coefficients(q: float) -> tuple[float, float]:
   """`(a(q), b(q))`: the weights of λ and of μ in each row's coefficient (module docstring)."""
-  check_number('FedLap importance q', q, low=0, high=1)
+  check_number('fedlap.q', q, low=0, high=1)
   return 1.0 - abs(2.0 * q - 1.0), max(0.0, 2.0 * q - 1.0)
 
 
@@ -85,7 +85,7 @@ class FedLapRegularizer:
                layers: Optional[Sequence[Sequence[int]]] = None,
                layer_names: Optional[Sequence[str]] = None):
     importance_coefficients(q)  # Validates q.
-    check_number('FedLap mu', mu, low=0)
+    check_number('fedlap.mu', mu, low=0)
     check_choice('fedlap.refresh', refresh, ('epoch', 'step'))
     self.q, self.mu, self.refresh = float(q), float(mu), refresh
     self.layers = None if layers is None else [list(g) for g in layers]

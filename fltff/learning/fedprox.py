@@ -22,4 +22,5 @@ def build_fedprox(model_spec: ModelSpec, mu: float = 0.01, client_optimizer=None
   """
   return build_averaging_method(
       'fedprox', model_spec, client_optimizer, server_optimizer, server_learning_rate,
-      model_aggregator, regularizer=ProximalRegularizer(mu), client_weighting=client_weighting)
+      model_aggregator, regularizer=ProximalRegularizer(mu, setting='fedprox.mu'),
+      client_weighting=client_weighting)

@@ -84,7 +84,7 @@ def build_moon(model_spec: ModelSpec, num_clients: int, client_optimizer=None, m
     mu: μ ≥ 0, the weight of ℓ_con (paper: 5 on CIFAR-10, 1 on CIFAR-100).
     temperature: τ > 0 (paper: 0.5).
   """
-  check_number('moon num_clients', num_clients, integer=True, low=1)
+  check_number('moon.num_clients', num_clients, integer=True, low=1)
   check_number('moon.mu', mu, low=0)
   check_number('moon.temperature', temperature, low=0, open_low=True)
   from fltff.models import latent_model  # pylint: disable=g-import-not-at-top

@@ -30,9 +30,9 @@ class ProximalRegularizer(LocalRegularizer):
   """
 
   def __init__(self, mu: float, anchor: Optional[Sequence[tf.Tensor]] = None,
-               tensor_mask: Optional[Sequence[tf.Tensor]] = None):
+               tensor_mask: Optional[Sequence[tf.Tensor]] = None, setting: str = 'mu'):
     from fltff.config_checks import check_number  # pylint: disable=g-import-not-at-top
-    check_number('Proximal mu', mu, low=0)
+    check_number(setting, mu, low=0)
     self.mu = float(mu)
     self.anchor = None if anchor is None else tuple(anchor)
     # Per-tensor coefficients μ m_t, formed once (not at every local step).

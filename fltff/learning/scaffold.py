@@ -100,7 +100,7 @@ def build_scaffold(model_spec: ModelSpec, num_clients: int, client_optimizer=Non
                    model_aggregator=None) -> Algorithm:
   """SCAFFOLD with η_g = `server_learning_rate`; the server control averages over N =
   `num_clients`. Only the model update, not Δc_i, goes through `model_aggregator` (CCN: Λ)."""
-  check_number('scaffold num_clients', num_clients, integer=True, low=1)
+  check_number('scaffold.num_clients', num_clients, integer=True, low=1)
   optimizer = optimizers.default_client_optimizer(client_optimizer)
   specs = model_spec.trainable_specs()
   work = client_state.StatefulClientWork(  # c the server state, c_i the client state.

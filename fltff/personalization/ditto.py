@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gin
 
-from fltff.config_checks import check_number
 from fltff.learning import optimizers
 from fltff.learning.fedavg import build_fedavg
 from fltff.learning.model_spec import ModelSpec
@@ -26,9 +25,9 @@ def build_ditto(model_spec: ModelSpec, client_optimizer=None, lambda_: float = 1
 
   The global model is `build_fedavg(model_spec, client_optimizer, server_learning_rate,
   server_optimizer, model_aggregator, client_weighting)` as it is."""
-  check_number('ditto.lambda_', lambda_, low=0)
+  regularizer = ProximalRegularizer(lambda_, setting='ditto.lambda_')  # Checks λ first.
   client_optimizer = optimizers.default_client_optimizer(client_optimizer)
   global_method = build_fedavg(model_spec, client_optimizer, server_learning_rate,
                                server_optimizer, model_aggregator, client_weighting)
   return with_personal_models(global_method, PersonalTraining(
-      model_spec, client_optimizer, regularizer=ProximalRegularizer(lambda_)), 'ditto')
+      model_spec, client_optimizer, regularizer=regularizer), 'ditto')

@@ -523,10 +523,10 @@ def build_personalized_process(model_spec: ModelSpec, num_clients: int, client_o
   client_optimizer = optimizers.default_client_optimizer(client_optimizer)
   selection = rule.layer_selection
   name = rule.name + (f'+{selection.name}' if selection.name else '')
-  check_number(f'{name} num_clients', num_clients, integer=True, low=1)
+  check_number(f'{name}.num_clients', num_clients, integer=True, low=1)
   check_number(f'{name}.lambda_', rule.lambda_, low=0)
-  check_choice('start_from', rule.start_from, START_FROM)
-  initial_relationship(num_clients, 1, rule.relationship_init)  # Validates the init.
+  check_choice(f'{name}.start_from', rule.start_from, START_FROM)
+  check_choice(f'{name}.relationship_init', rule.relationship_init, RELATIONSHIP_INITS)
   rule.check(name)
 
   weights = model_spec.initial_weights()

@@ -388,7 +388,7 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
 
   Args:
     workers: `host:port` of running workers (`python -m fltff.runtime.worker`); empty: this host.
-    connect_timeout: Seconds to wait for each worker to answer at start.
+    connect_timeout: Seconds to wait for each worker to answer at start (inf: as long as it takes).
     rpc_timeout: Seconds before a worker silent in an RPC counts as lost; None: adaptive.
     max_retries: How often a round is repeated after losing a worker.
     log_dir: Folder of the local worker's log (`tff_worker.log`); None: a temporary file.
@@ -408,7 +408,8 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                       ('insecure_plaintext', insecure_plaintext)):
     if not isinstance(value, bool):
       raise ConfigError(f'runtime.{name} must be True or False, got {value!r}.')
-  check_number('runtime.connect_timeout', connect_timeout, low=0, open_low=True, hint='seconds')
+  check_number('runtime.connect_timeout', connect_timeout, low=0, open_low=True, allow_inf=True,
+               hint='seconds; inf: wait forever')
   check_number('runtime.max_retries', max_retries, integer=True, low=0)
   check_number('runtime.rpc_timeout', rpc_timeout, allow_none=True, low=0, open_low=True,
                hint='seconds; None: adaptive')

@@ -9,7 +9,6 @@ defaults: "System model" in docs/methods/personalised.md.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional, Sequence, Union
 
 import gin
@@ -46,8 +45,8 @@ def _check_range(name: str, value: Sequence[float], positive: bool) -> tuple[flo
   except (TypeError, ValueError):
     raise ConfigError(f'channel_model.{name} must be a (low, high) pair of numbers, '
                       f'got {value!r}.') from None
-  if not (math.isfinite(low) and math.isfinite(high)):
-    raise ConfigError(f'channel_model.{name} must be finite, got {value!r}.')
+  for bound in (low, high):
+    check_number(f'channel_model.{name}', bound)
   if low > high:
     raise ConfigError(f'channel_model.{name} must have low <= high, got {value!r}.')
   if positive and low <= 0:
@@ -99,13 +98,13 @@ class ChannelModel:
     power = _check_range('power_dbm', power_dbm, positive=False)
     distance = _check_range('distance_m', distance_m, positive=True)
     for name, value, low in (('server_bandwidth_mhz', server_bandwidth_mhz, 0),
-                             ('server_power_dbm', server_power_dbm, -math.inf),
-                             ('path_loss_db_at_1m', path_loss_db_at_1m, -math.inf),
+                             ('server_power_dbm', server_power_dbm, None),
+                             ('path_loss_db_at_1m', path_loss_db_at_1m, None),
                              ('path_loss_exponent', path_loss_exponent, 0),
-                             ('noise_dbm_per_hz', noise_dbm_per_hz, -math.inf),
-                             ('interference_dbm', interference_dbm, -math.inf)):
+                             ('noise_dbm_per_hz', noise_dbm_per_hz, None),
+                             ('interference_dbm', interference_dbm, None)):
       check_number(f'channel_model.{name}', value, allow_none=name == 'interference_dbm',
-                   low=low, high=math.inf, open_low=True, open_high=True)  # Finite.
+                   low=low, open_low=True)
     self._server_bandwidth_hz = 1e6 * float(server_bandwidth_mhz)
     self._server_power_w = float(dbm_to_watts(server_power_dbm))
     self._noise_w_per_hz = float(dbm_to_watts(noise_dbm_per_hz))
@@ -191,7 +190,7 @@ def round_time_breakdown(download_s: ArrayLike, compute_s: ArrayLike, upload_s: 
                       f'each, got lengths {len(download)}, {len(compute)} and {len(upload)}.')
   if not len(download):
     raise ConfigError('round_time_breakdown needs at least one client.')
-  check_number('server_s', server_s, low=0, high=math.inf, open_high=True)  # Finite.
+  check_number('server_s', server_s, low=0)
   server = float(server_s)
   total = download + compute + upload
   slowest = int(np.argmax(total))
@@ -217,8 +216,7 @@ def deadline_epochs(download_s: ArrayLike, upload_s: ArrayLike, seconds_per_epoc
                       f'lengths {len(download)} and {len(upload)}.')
   per_epoch = _per_client('seconds_per_epoch', seconds_per_epoch, len(download), positive=True)
   check_number('epochs', epochs, integer=True, low=1)
-  check_number('deadline_s', deadline_s, allow_none=True, low=0, high=math.inf, open_low=True,
-               open_high=True)  # Finite.
+  check_number('deadline_s', deadline_s, allow_none=True, low=0, open_low=True)
   if deadline_s is None:
     return np.full(len(download), int(epochs), dtype=np.int64)
   fit = np.floor((float(deadline_s) - download - upload) / per_epoch * (1.0 + _EPOCH_FIT_SLACK))
