@@ -473,6 +473,8 @@ def test_factories_type_check_their_arguments():
     ('kapc', {'num_clients': 3, 'bls_mu': 'high'}, "kapc+bls.bls_mu must be a number, got 'high'"),
     ('kapc', {'num_clients': 3, 'bls_mu': 1.5}, 'kapc+bls.bls_mu must be in [0, 1]'),
     ('kapc', {'num_clients': 3, 'bls_mu': -0.1}, 'kapc+bls.bls_mu must be in [0, 1]'),
+    ('kapc', {'num_clients': 3, 'relationship_init': 'ones'},
+     "kapc.relationship_init must be one of 'uniform', 'identity', 'random', got 'ones'."),
     ('kapc', {'num_clients': 3, 'relationship_steps': 1.5},
      'kapc.relationship_steps must be an integer, got 1.5'),
     # FedAMP's α_k is a positive step (α = 0: no message passing, local training).
