@@ -26,9 +26,8 @@ def check_seed(name: str, value: Any) -> None:
 
 
 def check_number(name: str, value: Any, integer: bool = False, allow_none: bool = False,
-                 low: Optional[float] = None, high: Optional[float] = None,
-                 open_low: bool = False, open_high: bool = False, hint: str = '',
-                 allow_inf: bool = False) -> None:
+                 low: Optional[float] = None, high: Optional[float] = None, allow_inf: bool = False,
+                 open_low: bool = False, open_high: bool = False, hint: str = '') -> None:
   """Raises `ConfigError` unless `value` is a real number (an `int` with `integer`; booleans,
   though `int`s to Python, never count), finite unless `allow_inf` (inf: 'wait forever'), within
   `low`..`high` (each included unless open; NaN never), naming `name`, the bounds and `hint`."""

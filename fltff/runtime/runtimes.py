@@ -408,8 +408,8 @@ def make_runtime(workers: Sequence[str] = (), connect_timeout: float = 60.0,
                       ('insecure_plaintext', insecure_plaintext)):
     if not isinstance(value, bool):
       raise ConfigError(f'runtime.{name} must be True or False, got {value!r}.')
-  check_number('runtime.connect_timeout', connect_timeout, low=0, open_low=True, allow_inf=True,
-               hint='seconds; inf: wait forever')
+  check_number('runtime.connect_timeout', connect_timeout, low=0, open_low=True, hint='seconds',
+               allow_inf=True)  # inf: wait for the workers as long as it takes.
   check_number('runtime.max_retries', max_retries, integer=True, low=0)
   check_number('runtime.rpc_timeout', rpc_timeout, allow_none=True, low=0, open_low=True,
                hint='seconds; None: adaptive')

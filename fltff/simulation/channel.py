@@ -46,11 +46,9 @@ def _check_range(name: str, value: Sequence[float], positive: bool) -> tuple[flo
     raise ConfigError(f'channel_model.{name} must be a (low, high) pair of numbers, '
                       f'got {value!r}.') from None
   for bound in (low, high):
-    check_number(f'channel_model.{name}', bound)
+    check_number(f'channel_model.{name}', bound, low=0 if positive else None, open_low=True)
   if low > high:
     raise ConfigError(f'channel_model.{name} must have low <= high, got {value!r}.')
-  if positive and low <= 0:
-    raise ConfigError(f'channel_model.{name} must be positive, got {value!r}.')
   return low, high
 
 
