@@ -125,7 +125,7 @@ def check_builder(name: str, value: Any, allow_none: bool,
 
 def check_gin_bindings(config: Mapping[tuple[str, str], Mapping[str, Any]]) -> None:
   """`check_number` for every parameter bound in `config` and annotated as a number (inf, gin's
-  `1e999`, left to its own), `check_builder` for every one annotated `Callable`.
+  `1e999`, is the configurable's to refuse), `check_builder` for every one annotated `Callable`.
 
   Args:
     config: Gin's bindings, `{(scope, selector): {parameter: value}}`, as its finalize hooks

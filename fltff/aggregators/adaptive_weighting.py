@@ -101,7 +101,7 @@ class AdaptiveWeightingFactory(tff.aggregators.WeightedAggregationFactory):
       layers: Per layer, indices into the flattened update (`tf.nest.flatten`), or
         `fltff.models.layer_groups(model)` as is. None: one layer per tensor; one group: FedAdp.
       num_clients: Total number of clients (size of the smoothing state).
-      alpha: Gompertz α ≥ 0 (the papers: 5; 0: FedAvg). name: what errors name (`fedadp`.alpha).
+      alpha: Gompertz α ≥ 0 (the papers: 5; 0: FedAvg); errors name it `<name>.alpha`.
     """
     # Checked now: a factory passed positionally here would fail as a raw gRPC error in round 1.
     check_number(f'{name}.num_clients', num_clients, integer=True, allow_none=True, low=1)

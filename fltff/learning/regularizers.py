@@ -22,7 +22,8 @@ def proximal_penalty(local: Sequence[tf.Tensor], global_: Sequence[tf.Tensor],
 
 
 class ProximalRegularizer(LocalRegularizer):
-  """`LocalRegularizer` `μ/2 Σ_t m_t ||w_t − a_t||²` with no per-epoch context.
+  """`LocalRegularizer` `μ/2 Σ_t m_t ||w_t − a_t||²` with no per-epoch context; errors name μ
+  `setting`, the parameter a user sets (`fedprox.mu`).
 
   FedProx: the anchor `a` is the round's global model, every `m_t = 1`. KAPC (client
   objective `λ Σ_l ||w^l − s_i^l||²`): μ = 2λ, the anchor is the client's personalised server

@@ -43,8 +43,7 @@ def _check_range(name: str, value: Sequence[float], positive: bool) -> tuple[flo
   try:
     low, high = (float(v) for v in value)
   except (TypeError, ValueError):
-    raise ConfigError(f'channel_model.{name} must be a (low, high) pair of numbers, '
-                      f'got {value!r}.') from None
+    raise ConfigError(f'channel_model.{name} must be (low, high) numbers, got {value!r}.') from None
   for bound in (low, high):
     check_number(f'channel_model.{name}', bound, low=0 if positive else None, open_low=True)
   if low > high:
