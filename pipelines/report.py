@@ -52,6 +52,9 @@ from typing import Optional, Sequence
 
 from absl import flags
 
+# TensorFlow, imported where a run's config.gin is read (fltff), without its C++ start-up chatter.
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+
 _RUNS = flags.DEFINE_list('runs', [], 'Run directories to compare; a folder `fltff sweep` wrote '
                           'stands for its finished runs.')
 _OUT = flags.DEFINE_string('out', 'runs/report', 'Where report.md, report.tex, the CSV tables '
